@@ -1,0 +1,1 @@
+"""Relay operator console in the Django admin."""

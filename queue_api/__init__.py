@@ -1,0 +1,1 @@
+"""Relay HTTP API (django-ninja). Filled in by the HTTP API issue."""

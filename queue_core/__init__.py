@@ -1,0 +1,1 @@
+"""Relay core: store, service layer, protocol, server, worker and CLI."""

@@ -1,0 +1,15 @@
+"""Django app config for queue_core."""
+
+from django.apps import AppConfig
+
+
+class QueueCoreConfig(AppConfig):
+    """Relay's core app: models, service layer, protocol, server, worker and commands."""
+
+    name = "queue_core"
+    verbose_name = "Relay queue"
+    default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        """Register system checks."""
+        from queue_core import checks  # noqa: F401

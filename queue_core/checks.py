@@ -1,0 +1,59 @@
+"""System checks for Relay settings (ids ``relay.E001``...), after Django's tasks ``checks.py``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core import checks
+
+from queue_core.conf import RelaySettings
+
+
+@checks.register()
+def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """Validate the RELAY_* settings: positive limits, consistent lease bounds, known backoff."""
+    errors: list[checks.CheckMessage] = []
+    try:
+        s = RelaySettings.from_django()
+    except TypeError as exc:  # pragma: no cover - a setting of the wrong kind
+        return [checks.Error(f"RELAY settings are malformed: {exc}", id="relay.E001")]
+    positive = [
+        "max_frame_bytes",
+        "max_payload_bytes",
+        "max_error_bytes",
+        "max_queue_name_length",
+        "min_lease_ms",
+        "max_queues_per_lease",
+        "max_jobs_per_lease",
+        "max_batch_submit",
+        "max_connections",
+        "max_inflight_per_connection",
+        "idle_timeout_ms",
+        "reaper_interval_ms",
+    ]
+    for name in positive:
+        if getattr(s, name) <= 0:
+            errors.append(checks.Error(f"RELAY_{name.upper()} must be > 0", id="relay.E002"))
+    if not s.min_lease_ms <= s.visibility_timeout_ms <= s.max_lease_ms:
+        errors.append(
+            checks.Error(
+                "RELAY_VISIBILITY_TIMEOUT_MS must lie within "
+                "[RELAY_MIN_LEASE_MS, RELAY_MAX_LEASE_MS]",
+                id="relay.E003",
+            )
+        )
+    if s.default_backoff not in ("fixed", "exponential"):
+        errors.append(
+            checks.Error("RELAY_DEFAULT_BACKOFF must be 'fixed' or 'exponential'", id="relay.E004")
+        )
+    if s.max_payload_bytes >= s.max_frame_bytes:
+        errors.append(
+            checks.Error("RELAY_MAX_PAYLOAD_BYTES must be below RELAY_MAX_FRAME_BYTES", id="relay.E005")
+        )
+    if s.sqlite_synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+        errors.append(
+            checks.Error(
+                "RELAY_SQLITE_SYNCHRONOUS must be OFF, NORMAL, FULL or EXTRA", id="relay.E006"
+            )
+        )
+    return errors

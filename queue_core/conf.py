@@ -1,0 +1,104 @@
+"""Typed, frozen view of the flat ``RELAY_*`` Django settings.
+
+After procrastinate's ``PROCRASTINATE_*`` settings class and django-ninja's ``NINJA_*`` model:
+one dataclass, rebuilt when a test overrides a setting, validated by system checks
+(``queue_core.checks``, ids ``relay.E001``...). Values are read in ``relayproject/settings.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from typing import Any
+
+from django.conf import settings
+from django.core.signals import setting_changed
+from django.dispatch import receiver
+
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RelaySettings:
+    """Every Relay setting, its default and its unit.
+
+    Attributes:
+        address: TCP listen/connect address ``HOST:PORT`` (default ``127.0.0.1:7400``).
+        metrics_address: ``HOST:PORT`` for the server's /metrics, empty for none.
+        max_frame_bytes: largest NDJSON frame in bytes, newline excluded (1 MiB).
+        max_payload_bytes: largest job payload, as compact JSON bytes (256 KiB, as SQS).
+        max_error_bytes: longest failure text in UTF-8 bytes (4096).
+        max_queue_name_length: longest queue name in characters (128).
+        visibility_timeout_ms: default lease length in ms (30 000).
+        min_lease_ms / max_lease_ms: bounds for a requested lease in ms (1 000 / 12 h, as SQS).
+        max_wait_ms: longest long-poll wait of a lease request in ms (20 000, as SQS).
+        max_queues_per_lease: queues one lease request may subscribe to (16).
+        max_jobs_per_lease: jobs one lease request may take (100).
+        max_batch_submit: jobs in one batch submit (1 000).
+        max_connections: concurrent TCP connections (1 024).
+        max_inflight_per_connection: requests one connection may have in progress (64).
+        idle_timeout_ms: a connection that sends no complete frame for this long is closed (120 000).
+        shutdown_grace_ms: after SIGTERM, how long renew/ack/fail are still served (5 000).
+        reaper_interval_ms: how often the server expires leases and promotes due jobs (1 000).
+        max_delay_ms: the furthest a job may be scheduled into the future, in ms (30 days).
+        max_retries: the largest per-job retry budget a producer may ask for (100).
+        default_max_retries: retry budget when the producer gives none (3).
+        default_backoff: ``"exponential"`` or ``"fixed"``.
+        default_backoff_base_ms / default_backoff_cap_ms: backoff base and cap in ms (1 s / 300 s).
+        default_jitter: whether retry delays are jittered to 50-100% by default (True).
+        idempotency_window_ms: how long an idempotency key stays bound to its job (24 h).
+        busy_retry_budget_ms: how long the store retries "database is locked" before BUSY (10 s).
+        sqlite_synchronous: SQLite ``synchronous`` pragma (``FULL``).
+    """
+
+    address: str = "127.0.0.1:7400"
+    metrics_address: str = ""
+    max_frame_bytes: int = 1024 * 1024
+    max_payload_bytes: int = 256 * 1024
+    max_error_bytes: int = 4096
+    max_queue_name_length: int = 128
+    visibility_timeout_ms: int = 30_000
+    min_lease_ms: int = 1_000
+    max_lease_ms: int = 43_200_000
+    max_wait_ms: int = 20_000
+    max_queues_per_lease: int = 16
+    max_jobs_per_lease: int = 100
+    max_batch_submit: int = 1000
+    max_connections: int = 1024
+    max_inflight_per_connection: int = 64
+    idle_timeout_ms: int = 120_000
+    shutdown_grace_ms: int = 5_000
+    reaper_interval_ms: int = 1_000
+    max_delay_ms: int = 30 * 24 * 3600 * 1000
+    max_retries: int = 100
+    default_max_retries: int = 3
+    default_backoff: str = "exponential"
+    default_backoff_base_ms: int = 1_000
+    default_backoff_cap_ms: int = 300_000
+    default_jitter: bool = True
+    idempotency_window_ms: int = 24 * 3600 * 1000
+    busy_retry_budget_ms: int = 10_000
+    sqlite_synchronous: str = "FULL"
+
+    @classmethod
+    def from_django(cls) -> RelaySettings:
+        """Build from ``settings.RELAY_<FIELD>``; a missing setting keeps its default."""
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            name = f"RELAY_{field.name.upper()}"
+            if hasattr(settings, name):
+                values[field.name] = getattr(settings, name)
+        return cls(**values)
+
+
+@functools.cache
+def relay_settings() -> RelaySettings:
+    """Return the current Relay settings (cached; rebuilt when a setting changes)."""
+    return RelaySettings.from_django()
+
+
+@receiver(setting_changed)
+def _reset(*, setting: str, **kwargs: object) -> None:
+    if setting.startswith("RELAY_"):
+        relay_settings.cache_clear()

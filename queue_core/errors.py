@@ -1,0 +1,191 @@
+"""Relay's error tree: one stable code per failure, shared by TCP and HTTP.
+
+Each ``RelayError`` subclass carries ``code`` (the wire code), ``http_status`` and
+``retryable``; its docstring is the default message (procrastinate does the same). Unknown
+exceptions become ``INTERNAL``, as Faktory's wire falls back to a generic error.
+``docs/protocol.md`` lists every code; a unit test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class RelayError(Exception):
+    """Relay could not complete the request."""
+
+    code: ClassVar[str] = "INTERNAL"
+    http_status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = True
+
+    def __init__(self, message: str | None = None, **details: Any) -> None:
+        self.message = message or (self.__doc__ or self.code).strip()
+        self.details = details
+        super().__init__(self.message)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the wire body ``{"code", "message", "retryable", "details"?}``."""
+        body: dict[str, Any] = {
+            "code": self.code,
+            "message": self.message,
+            "retryable": self.retryable,
+        }
+        if self.details:
+            body["details"] = self.details
+        return body
+
+
+class InvalidArgument(RelayError):
+    """An argument is missing, of the wrong type or out of range."""
+
+    code = "INVALID_ARGUMENT"
+    http_status = 422
+    retryable = False
+
+
+class BadFrame(RelayError):
+    """The frame is not one UTF-8 JSON object with an "op" string."""
+
+    code = "BAD_FRAME"
+    http_status = 400
+    retryable = False
+
+
+class FrameTooLarge(RelayError):
+    """The frame or payload is over its size limit."""
+
+    code = "FRAME_TOO_LARGE"
+    http_status = 413
+    retryable = False
+
+
+class UnknownOp(RelayError):
+    """The op is not one Relay knows."""
+
+    code = "UNKNOWN_OP"
+    http_status = 400
+    retryable = False
+
+
+class Unauthenticated(RelayError):
+    """Credentials are missing or invalid."""
+
+    code = "UNAUTHENTICATED"
+    http_status = 401
+    retryable = False
+
+
+class PermissionDenied(RelayError):
+    """The credentials do not allow this operation."""
+
+    code = "PERMISSION_DENIED"
+    http_status = 403
+    retryable = False
+
+
+class JobNotFound(RelayError):
+    """No job has this id."""
+
+    code = "NOT_FOUND"
+    http_status = 404
+    retryable = False
+
+
+class IdempotencyConflict(RelayError):
+    """The idempotency key is bound to a job with a different payload."""
+
+    code = "IDEMPOTENCY_CONFLICT"
+    http_status = 409
+    retryable = False
+
+
+class InvalidState(RelayError):
+    """The job is not in a state that allows this transition."""
+
+    code = "INVALID_STATE"
+    http_status = 409
+    retryable = False
+
+
+class LeaseExpired(RelayError):
+    """The lease expired before this request; the job may be delivered again."""
+
+    code = "LEASE_EXPIRED"
+    http_status = 409
+    retryable = False
+
+
+class StaleToken(RelayError):
+    """The lease token is not the job's current one (the lease was lost or taken over)."""
+
+    code = "STALE_TOKEN"
+    http_status = 409
+    retryable = False
+
+
+class StoreBusy(RelayError):
+    """The database stayed locked past the retry budget; try again."""
+
+    code = "BUSY"
+    http_status = 503
+    retryable = True
+
+
+class Unavailable(RelayError):
+    """The server is shutting down and takes no new submits or leases; try another moment."""
+
+    code = "UNAVAILABLE"
+    http_status = 503
+    retryable = True
+
+
+class TooManyConnections(RelayError):
+    """The server is at its connection limit."""
+
+    code = "TOO_MANY_CONNECTIONS"
+    http_status = 503
+    retryable = True
+
+
+class Timeout(RelayError):
+    """The connection sent no complete frame within the idle timeout."""
+
+    code = "TIMEOUT"
+    http_status = 408
+    retryable = True
+
+
+class Internal(RelayError):
+    """Internal error; see the server log."""
+
+    code = "INTERNAL"
+    http_status = 500
+    retryable = True
+
+
+def all_error_classes() -> list[type[RelayError]]:
+    """Return every concrete error class, one per code."""
+    out: list[type[RelayError]] = []
+    stack: list[type[RelayError]] = list(RelayError.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        out.append(cls)
+        stack.extend(cls.__subclasses__())
+    return out
+
+
+ERRORS_BY_CODE: dict[str, type[RelayError]] = {cls.code: cls for cls in all_error_classes()}
+
+
+def error_body(exc: BaseException) -> dict[str, Any]:
+    """Map any exception to the wire body; non-Relay errors become a generic ``INTERNAL``."""
+    if isinstance(exc, RelayError):
+        return exc.to_dict()
+    return Internal().to_dict()
+
+
+def error_from_body(body: dict[str, Any]) -> RelayError:
+    """Rebuild the ``RelayError`` subclass for a wire error body (used by clients)."""
+    cls = ERRORS_BY_CODE.get(str(body.get("code")), RelayError)
+    err = cls(str(body.get("message") or ""), **(body.get("details") or {}))
+    return err

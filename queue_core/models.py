@@ -1,0 +1,178 @@
+"""Relay's tables: jobs, the per-attempt history, and an append-only event log.
+
+No transition methods live here: ``queue_core.service`` changes job state, through raw SQL in
+``queue_core.store``. The ORM is for migrations, the admin and read-only listings. Instants are
+integer epoch milliseconds (``*_at_ms``), exact to compare and free of time zones.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+from queue_core.states import JobState, Priority
+
+STATE_CHOICES = [(s.value, s.name) for s in JobState]
+PRIORITY_CHOICES = [(p.value, p.name.lower()) for p in Priority]
+
+
+class Job(models.Model):
+    """One unit of work and its current lease, retry policy and outcome.
+
+    ``attempt`` counts deliveries (claims) and never decreases: it is the fencing epoch a
+    handler may hand to its own storage. ``failures`` counts failed attempts (fail and lease
+    expiry) against ``max_retries``; replay resets it.
+    """
+
+    id = models.CharField(primary_key=True, max_length=40)
+    queue = models.CharField(max_length=128)
+    state = models.CharField(max_length=16, choices=STATE_CHOICES)
+    priority = models.SmallIntegerField(choices=PRIORITY_CHOICES, default=Priority.NORMAL)
+    payload = models.TextField(help_text="Canonical JSON (sorted keys, compact).")
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True)
+    idempotency_expires_at_ms = models.BigIntegerField(null=True, blank=True)
+    attempt = models.IntegerField(default=0)
+    failures = models.IntegerField(default=0)
+    max_retries = models.IntegerField()
+    backoff = models.CharField(max_length=16)
+    backoff_base_ms = models.BigIntegerField()
+    backoff_cap_ms = models.BigIntegerField()
+    jitter = models.BooleanField()
+    created_at_ms = models.BigIntegerField()
+    available_at_ms = models.BigIntegerField(null=True, blank=True)
+    ready_since_ms = models.BigIntegerField(null=True, blank=True)
+    lease_token = models.CharField(max_length=64, null=True, blank=True)
+    leased_by = models.CharField(max_length=128, null=True, blank=True)
+    leased_at_ms = models.BigIntegerField(null=True, blank=True)
+    lease_expires_at_ms = models.BigIntegerField(null=True, blank=True)
+    finished_at_ms = models.BigIntegerField(null=True, blank=True)
+    updated_at_ms = models.BigIntegerField()
+    last_error = models.TextField(null=True, blank=True)
+    dead_reason = models.TextField(null=True, blank=True)
+
+    class Meta:
+        db_table = "relay_job"
+        indexes = [
+            # The claim: one seek per (queue, base class) to the oldest ready job.
+            models.Index(
+                fields=["queue", "priority", "ready_since_ms", "id"],
+                name="relay_job_ready",
+                condition=Q(state="ready"),
+            ),
+            models.Index(
+                fields=["available_at_ms"],
+                name="relay_job_scheduled",
+                condition=Q(state__in=["pending", "retrying"]),
+            ),
+            models.Index(
+                fields=["lease_expires_at_ms"],
+                name="relay_job_leased",
+                condition=Q(state="leased"),
+            ),
+            models.Index(fields=["id"], name="relay_job_dead", condition=Q(state="dead")),
+            models.Index(fields=["queue", "state", "id"], name="relay_job_queue_state"),
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["queue", "idempotency_key"],
+                name="relay_job_idempotency_key",
+                condition=Q(idempotency_key__isnull=False),
+            ),
+            models.CheckConstraint(
+                condition=Q(state__in=[s.value for s in JobState]), name="relay_job_state_known"
+            ),
+            models.CheckConstraint(
+                condition=Q(priority__gte=0, priority__lte=3), name="relay_job_priority_range"
+            ),
+            # A live lease has all three fields; no other state has any of them.
+            models.CheckConstraint(
+                condition=(
+                    Q(
+                        state="leased",
+                        lease_token__isnull=False,
+                        leased_by__isnull=False,
+                        lease_expires_at_ms__isnull=False,
+                    )
+                    | (
+                        ~Q(state="leased")
+                        & Q(
+                            lease_token__isnull=True,
+                            leased_by__isnull=True,
+                            lease_expires_at_ms__isnull=True,
+                        )
+                    )
+                ),
+                name="relay_job_lease_iff_leased",
+            ),
+            models.CheckConstraint(
+                condition=(
+                    Q(state__in=["pending", "retrying"], available_at_ms__isnull=False)
+                    | (~Q(state__in=["pending", "retrying"]) & Q(available_at_ms__isnull=True))
+                ),
+                name="relay_job_scheduled_iff_due_time",
+            ),
+            models.CheckConstraint(
+                condition=Q(attempt__gte=0, failures__gte=0, max_retries__gte=0),
+                name="relay_job_counters_nonnegative",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.queue}, {self.state})"
+
+
+class JobAttempt(models.Model):
+    """One delivery of a job: who held it, from when to when, and how it ended."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    attempt = models.IntegerField()
+    worker_id = models.CharField(max_length=128)
+    lease_token = models.CharField(max_length=64)
+    started_at_ms = models.BigIntegerField()
+    ended_at_ms = models.BigIntegerField(null=True, blank=True)
+    # succeeded | failed | lease_expired | released | recovered; NULL while running.
+    outcome = models.CharField(max_length=16, null=True, blank=True)
+    error = models.TextField(null=True, blank=True)
+
+    class Meta:
+        db_table = "relay_attempt"
+        constraints = [
+            models.UniqueConstraint(fields=["job", "attempt"], name="relay_attempt_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.job_id}#{self.attempt}"
+
+
+class JobEvent(models.Model):
+    """Append-only record of transitions outside a delivery (replay, purge, recovery).
+
+    ``job_id`` is plain text, not a foreign key, so a purge record outlives the job.
+    """
+
+    job_id = models.CharField(max_length=40)
+    event = models.CharField(max_length=32)
+    from_state = models.CharField(max_length=16, null=True, blank=True)
+    to_state = models.CharField(max_length=16, null=True, blank=True)
+    at_ms = models.BigIntegerField()
+    actor = models.CharField(max_length=150, null=True, blank=True)
+    detail = models.TextField(null=True, blank=True)
+
+    class Meta:
+        db_table = "relay_event"
+        indexes = [models.Index(fields=["job_id", "id"], name="relay_event_job")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} {self.event}"
+
+
+class DeadLetter(Job):
+    """DEAD jobs only, for their own admin list."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "dead letter"
+        permissions = [
+            ("replay_job", "Can replay dead-lettered jobs"),
+            ("purge_job", "Can purge terminal jobs"),
+        ]

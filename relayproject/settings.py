@@ -1,0 +1,153 @@
+"""Django settings for Relay: the only module that reads os.environ.
+
+Every ``RELAY_*`` name below may be set as an environment variable of the same name; the
+typed, validated view of them is ``queue_core.conf.relay_settings()``.
+"""
+
+import os
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:
+        from django.core.exceptions import ImproperlyConfigured
+
+        raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from exc
+
+
+SECRET_KEY = _env("RELAY_SECRET_KEY", "relay-insecure-dev-key-change-me-in-production-0123456789")
+DEBUG = _env("RELAY_DEBUG", "0") == "1"
+ALLOWED_HOSTS = [h for h in _env("RELAY_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "queue_core.apps.QueueCoreConfig",
+    "queue_api",
+    "queue_admin",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "relayproject.urls"
+WSGI_APPLICATION = "relayproject.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# SQLite in WAL mode. synchronous=FULL makes every commit durable (one fsync per commit; the
+# server shares one commit between many concurrent requests). busy_timeout makes a writer wait
+# for another process's write lock instead of failing at once.
+RELAY_DB = _env("RELAY_DB", str(BASE_DIR / "relay.db"))
+RELAY_SQLITE_SYNCHRONOUS = _env("RELAY_SQLITE_SYNCHRONOUS", "FULL").upper()
+RELAY_BUSY_TIMEOUT_MS = _env_int("RELAY_BUSY_TIMEOUT_MS", 5000)
+
+DATABASES = {
+    "default": {
+        "ENGINE": "django.db.backends.sqlite3",
+        "NAME": RELAY_DB,
+        "OPTIONS": {
+            "timeout": RELAY_BUSY_TIMEOUT_MS / 1000,
+            "init_command": (
+                "PRAGMA journal_mode=WAL;"
+                f"PRAGMA synchronous={RELAY_SQLITE_SYNCHRONOUS};"
+                f"PRAGMA busy_timeout={RELAY_BUSY_TIMEOUT_MS};"
+                "PRAGMA foreign_keys=ON"
+            ),
+        },
+        # Tests share one file-backed database between the test process and the real server,
+        # worker and CLI processes they spawn.
+        "TEST": {"NAME": _env("RELAY_TEST_DB", str(BASE_DIR / ".test-relay.db"))},
+    }
+}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# Relay settings (defaults and units are documented in queue_core/conf.py).
+RELAY_ADDRESS = _env("RELAY_ADDRESS", "127.0.0.1:7400")
+RELAY_METRICS_ADDRESS = _env("RELAY_METRICS_ADDRESS", "")
+RELAY_MAX_FRAME_BYTES = _env_int("RELAY_MAX_FRAME_BYTES", 1024 * 1024)
+RELAY_MAX_PAYLOAD_BYTES = _env_int("RELAY_MAX_PAYLOAD_BYTES", 256 * 1024)
+RELAY_MAX_ERROR_BYTES = _env_int("RELAY_MAX_ERROR_BYTES", 4096)
+RELAY_MAX_QUEUE_NAME_LENGTH = _env_int("RELAY_MAX_QUEUE_NAME_LENGTH", 128)
+RELAY_VISIBILITY_TIMEOUT_MS = _env_int("RELAY_VISIBILITY_TIMEOUT_MS", 30_000)
+RELAY_MIN_LEASE_MS = _env_int("RELAY_MIN_LEASE_MS", 1_000)
+RELAY_MAX_LEASE_MS = _env_int("RELAY_MAX_LEASE_MS", 43_200_000)
+RELAY_MAX_WAIT_MS = _env_int("RELAY_MAX_WAIT_MS", 20_000)
+RELAY_MAX_QUEUES_PER_LEASE = _env_int("RELAY_MAX_QUEUES_PER_LEASE", 16)
+RELAY_MAX_JOBS_PER_LEASE = _env_int("RELAY_MAX_JOBS_PER_LEASE", 100)
+RELAY_MAX_BATCH_SUBMIT = _env_int("RELAY_MAX_BATCH_SUBMIT", 1000)
+RELAY_MAX_CONNECTIONS = _env_int("RELAY_MAX_CONNECTIONS", 1024)
+RELAY_MAX_INFLIGHT_PER_CONNECTION = _env_int("RELAY_MAX_INFLIGHT_PER_CONNECTION", 64)
+RELAY_IDLE_TIMEOUT_MS = _env_int("RELAY_IDLE_TIMEOUT_MS", 120_000)
+RELAY_SHUTDOWN_GRACE_MS = _env_int("RELAY_SHUTDOWN_GRACE_MS", 5_000)
+RELAY_REAPER_INTERVAL_MS = _env_int("RELAY_REAPER_INTERVAL_MS", 1_000)
+RELAY_MAX_DELAY_MS = _env_int("RELAY_MAX_DELAY_MS", 30 * 24 * 3600 * 1000)
+RELAY_MAX_RETRIES = _env_int("RELAY_MAX_RETRIES", 100)
+RELAY_DEFAULT_MAX_RETRIES = _env_int("RELAY_DEFAULT_MAX_RETRIES", 3)
+RELAY_DEFAULT_BACKOFF = _env("RELAY_DEFAULT_BACKOFF", "exponential")
+RELAY_DEFAULT_BACKOFF_BASE_MS = _env_int("RELAY_DEFAULT_BACKOFF_BASE_MS", 1_000)
+RELAY_DEFAULT_BACKOFF_CAP_MS = _env_int("RELAY_DEFAULT_BACKOFF_CAP_MS", 300_000)
+RELAY_DEFAULT_JITTER = _env("RELAY_DEFAULT_JITTER", "1") == "1"
+RELAY_IDEMPOTENCY_WINDOW_MS = _env_int("RELAY_IDEMPOTENCY_WINDOW_MS", 24 * 3600 * 1000)
+RELAY_BUSY_RETRY_BUDGET_MS = _env_int("RELAY_BUSY_RETRY_BUDGET_MS", 10_000)
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+
+# Structured JSON logs on stderr; RELAY_LOG=debug turns on debug output.
+RELAY_LOG = _env("RELAY_LOG", "info").upper()
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "json": {
+            "()": "pythonjsonlogger.json.JsonFormatter",
+            "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
+            "rename_fields": {"asctime": "ts", "levelname": "level", "name": "logger"},
+        },
+    },
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "loggers": {
+        "relay": {"handlers": ["stderr"], "level": RELAY_LOG, "propagate": False},
+        "django": {"handlers": ["stderr"], "level": "WARNING"},
+    },
+}
