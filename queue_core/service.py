@@ -1,0 +1,825 @@
+"""QueueService: the one place where job state changes.
+
+The TCP server, the HTTP API, the admin actions, the CLI and the django.tasks backend all call
+this class; none of them writes job state itself. Every method runs in one
+``Store.immediate()`` transaction (a SAVEPOINT when the caller already holds one, which is how
+the server commits many requests at once), guards each UPDATE with the state it expects
+(compare-and-set, as River's queries do), and on a guard miss re-reads the job to explain the
+rejection with a stable error code.
+
+Results are plain JSON-ready dicts in the shapes ``docs/protocol.md`` documents.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import orjson
+from ulid import ULID
+
+from queue_core import validation as v
+from queue_core.clock import Clock, SystemClock
+from queue_core.conf import RelaySettings, relay_settings
+from queue_core.errors import (
+    IdempotencyConflict,
+    InvalidArgument,
+    InvalidState,
+    JobNotFound,
+    LeaseExpired,
+    StaleToken,
+)
+from queue_core.retry import RetryPolicy, decide
+from queue_core.states import TERMINAL_STATES, JobState, Priority, effective_priority
+from queue_core.store import Store, Tx
+
+log = logging.getLogger("relay.service")
+
+SUBMIT_OPTIONS = frozenset(
+    {
+        "priority",
+        "max_retries",
+        "backoff",
+        "backoff_base_ms",
+        "backoff_cap_ms",
+        "jitter",
+        "delay_ms",
+        "run_at_ms",
+        "idempotency_key",
+    }
+)
+SWEEP_LIMIT = 500
+# 192 random bits: a stale worker cannot guess the next token.
+TOKEN_BYTES = 24
+
+
+class _MonotonicUlid:
+    """ULIDs that sort in creation order within one process, even inside one millisecond."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last_ms = -1
+        self._last_rand = 0
+
+    def new(self, now_ms: int) -> str:
+        with self._lock:
+            if now_ms <= self._last_ms:
+                now_ms = self._last_ms
+                self._last_rand += 1
+            else:
+                self._last_rand = secrets.randbits(79)  # headroom to increment
+            self._last_ms = now_ms
+            raw = now_ms.to_bytes(6, "big") + self._last_rand.to_bytes(10, "big")
+        return str(ULID(raw))
+
+
+_ULIDS = _MonotonicUlid()
+
+
+def _priority_name(value: int) -> str:
+    return Priority(value).name.lower()
+
+
+def job_view(row: Mapping[str, Any]) -> dict[str, Any]:
+    """Shape a ``get_job`` row as the wire's Job object (never includes the lease token)."""
+    return {
+        "id": row["id"],
+        "queue": row["queue"],
+        "state": row["state"],
+        "priority": _priority_name(row["priority"]),
+        "payload": orjson.loads(row["payload"]),
+        "attempt": row["attempt"],
+        "failures": row["failures"],
+        "max_retries": row["max_retries"],
+        "retry_policy": {
+            "backoff": row["backoff"],
+            "base_ms": row["backoff_base_ms"],
+            "cap_ms": row["backoff_cap_ms"],
+            "jitter": bool(row["jitter"]),
+        },
+        "idempotency_key": row["idempotency_key"],
+        "created_at_ms": row["created_at_ms"],
+        "available_at_ms": row["available_at_ms"],
+        "ready_since_ms": row["ready_since_ms"],
+        "leased_by": row["leased_by"],
+        "lease_expires_at_ms": row["lease_expires_at_ms"],
+        "finished_at_ms": row["finished_at_ms"],
+        "last_error": row["last_error"],
+        "dead_reason": row["dead_reason"],
+    }
+
+
+class QueueService:
+    """Submit, lease, renew, ack, fail, release, replay, purge, expire and recover jobs.
+
+    Args:
+        store: the storage seam (default ``Store()`` on the ``default`` database).
+        clock: source of ``now_ms`` (default ``SystemClock()``); inject ``FakeClock`` in tests.
+        rng: source of retry jitter (default an unseeded ``random.Random``). Lease tokens
+            always come from ``secrets``, never from ``rng``.
+    """
+
+    def __init__(
+        self,
+        store: Store | None = None,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store or Store()
+        self.clock: Clock = clock or SystemClock()
+        self.rng = rng or random.Random()
+
+    @property
+    def settings(self) -> RelaySettings:
+        """The current Relay settings."""
+        return relay_settings()
+
+    # ----------------------------------------------------------------- submit
+
+    def submit(self, queue: str, payload: Any, **options: Any) -> dict[str, Any]:
+        """Create a job (∅ -> READY, or ∅ -> PENDING when delayed).
+
+        Args:
+            queue: queue name (``[A-Za-z0-9][A-Za-z0-9_.:-]*``, at most 128 characters).
+            payload: any JSON value, at most ``RELAY_MAX_PAYLOAD_BYTES`` encoded.
+            **options: ``priority`` (``low|normal|high|critical`` or 0-3), ``max_retries``
+                (0..RELAY_MAX_RETRIES), ``backoff`` (``fixed|exponential``), ``backoff_base_ms``,
+                ``backoff_cap_ms`` (ms), ``jitter`` (bool), ``delay_ms`` (ms from now, >= 0)
+                or ``run_at_ms`` (epoch ms; a past instant is due at once), and
+                ``idempotency_key`` (1..255 characters).
+        Returns:
+            ``{"job": Job, "deduplicated": bool}``; a key already bound in this queue within
+            ``RELAY_IDEMPOTENCY_WINDOW_MS`` returns its job with ``deduplicated: true``.
+        Raises:
+            InvalidArgument, FrameTooLarge, IdempotencyConflict (same key, other payload),
+            StoreBusy.
+        """
+        row = self._prepare(queue, payload, options)
+        with self.store.immediate() as tx:
+            return self._insert(tx, row)
+
+    def submit_batch(self, specs: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Create several jobs in one transaction: all are created or none.
+
+        Args:
+            specs: up to ``RELAY_MAX_BATCH_SUBMIT`` mappings with ``queue``, ``payload`` and the
+                options ``submit`` takes.
+        Returns:
+            One ``{"job", "deduplicated"}`` per spec, in order.
+        Raises:
+            InvalidArgument (``details["index"]`` names the bad spec), FrameTooLarge,
+            IdempotencyConflict, StoreBusy.
+        """
+        limit = self.settings.max_batch_submit
+        if not isinstance(specs, list) or not 1 <= len(specs) <= limit:
+            raise InvalidArgument(f"jobs: must be a list of 1 to {limit} jobs", field="jobs")
+        rows = []
+        for index, spec in enumerate(specs):
+            if not isinstance(spec, Mapping):
+                raise InvalidArgument(f"jobs[{index}]: must be an object", index=index)
+            options = {k: val for k, val in spec.items() if k not in ("queue", "payload")}
+            try:
+                rows.append(self._prepare(spec.get("queue"), spec.get("payload"), options))
+            except InvalidArgument as exc:
+                exc.details["index"] = index
+                raise
+        with self.store.immediate() as tx:
+            return [self._insert(tx, row) for row in rows]
+
+    def _prepare(self, queue: Any, payload: Any, options: Mapping[str, Any]) -> dict[str, Any]:
+        s = self.settings
+        unknown = set(options) - SUBMIT_OPTIONS
+        if unknown:
+            name = sorted(unknown)[0]
+            raise InvalidArgument(f"{name}: unknown submit option", field=name)
+        opt = {k: val for k, val in options.items() if val is not None}
+        backoff = opt.get("backoff", s.default_backoff)
+        if backoff not in ("fixed", "exponential"):
+            raise InvalidArgument("backoff: must be 'fixed' or 'exponential'", field="backoff")
+        base_ms = v.integer(
+            "backoff_base_ms", opt.get("backoff_base_ms", s.default_backoff_base_ms), lo=0,
+            hi=s.max_delay_ms,
+        )
+        cap_ms = v.integer(
+            "backoff_cap_ms", opt.get("backoff_cap_ms", max(s.default_backoff_cap_ms, base_ms)),
+            lo=base_ms, hi=s.max_delay_ms,
+        )
+        if "delay_ms" in opt and "run_at_ms" in opt:
+            raise InvalidArgument("give delay_ms or run_at_ms, not both", field="delay_ms")
+        delay_ms = v.integer("delay_ms", opt.get("delay_ms", 0), lo=0, hi=s.max_delay_ms)
+        run_at_ms = opt.get("run_at_ms")
+        if run_at_ms is not None:
+            v.integer("run_at_ms", run_at_ms, lo=0)
+        return {
+            "queue": v.queue_name(queue, s),
+            "payload": v.payload(payload, s),
+            "priority": v.priority(opt.get("priority", "normal")),
+            "max_retries": v.integer(
+                "max_retries", opt.get("max_retries", s.default_max_retries), lo=0,
+                hi=s.max_retries,
+            ),
+            "backoff": backoff,
+            "backoff_base_ms": base_ms,
+            "backoff_cap_ms": cap_ms,
+            "jitter": v.boolean("jitter", opt.get("jitter", s.default_jitter)),
+            "idempotency_key": v.idempotency_key(opt.get("idempotency_key")),
+            "_delay_ms": delay_ms,
+            "_run_at_ms": run_at_ms,
+        }
+
+    def _insert(self, tx: Tx, prepared: Mapping[str, Any]) -> dict[str, Any]:
+        now = self.clock.now_ms()
+        row = dict(prepared)
+        delay_ms, run_at_ms = row.pop("_delay_ms"), row.pop("_run_at_ms")
+        due = run_at_ms if run_at_ms is not None else now + delay_ms
+        if due - now > self.settings.max_delay_ms:
+            raise InvalidArgument(
+                f"run_at_ms: more than RELAY_MAX_DELAY_MS ({self.settings.max_delay_ms} ms) ahead",
+                field="run_at_ms",
+            )
+        key = row["idempotency_key"]
+        if key is not None:
+            bound = tx.one("find_idempotent", {"queue": row["queue"], "key": key})
+            if bound is not None:
+                if bound["idempotency_expires_at_ms"] > now:
+                    if bound["payload"] != row["payload"]:
+                        raise IdempotencyConflict(
+                            f"idempotency key {key!r} is bound to {bound['id']} with a "
+                            "different payload",
+                            job_id=bound["id"],
+                        )
+                    return {"job": self._job(tx, bound["id"]), "deduplicated": True}
+                tx.run("unbind_idempotency_key", {"job_id": bound["id"]})
+        delayed = due > now
+        row.update(
+            id=f"job_{_ULIDS.new(now)}",
+            state=JobState.PENDING if delayed else JobState.READY,
+            idempotency_expires_at_ms=now + self.settings.idempotency_window_ms if key else None,
+            available_at_ms=due if delayed else None,
+            ready_since_ms=None if delayed else now,
+            now_ms=now,
+        )
+        tx.run("insert_job", row)
+        view = {
+            "id": row["id"],
+            "queue": row["queue"],
+            "state": str(row["state"]),
+            "priority": _priority_name(row["priority"]),
+            "payload": orjson.loads(row["payload"]),
+            "attempt": 0,
+            "failures": 0,
+            "max_retries": row["max_retries"],
+            "retry_policy": {
+                "backoff": row["backoff"],
+                "base_ms": row["backoff_base_ms"],
+                "cap_ms": row["backoff_cap_ms"],
+                "jitter": row["jitter"],
+            },
+            "idempotency_key": key,
+            "created_at_ms": now,
+            "available_at_ms": row["available_at_ms"],
+            "ready_since_ms": row["ready_since_ms"],
+            "leased_by": None,
+            "lease_expires_at_ms": None,
+            "finished_at_ms": None,
+            "last_error": None,
+            "dead_reason": None,
+        }
+        return {"job": view, "deduplicated": False}
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, job_id: str, *, history: bool = True) -> dict[str, Any]:
+        """Return one job, with its delivery ``history`` and ``events`` when asked.
+
+        Raises:
+            JobNotFound.
+        """
+        job_id = v.job_id(job_id)
+        with self.store.reading() as tx:
+            view = self._job(tx, job_id)
+            if history:
+                view["history"] = tx.all("attempts_of", {"job_id": job_id})
+                view["events"] = tx.all("events_of", {"job_id": job_id})
+        return view
+
+    def _job(self, tx: Tx, job_id: str) -> dict[str, Any]:
+        row = tx.one("get_job", {"job_id": job_id})
+        if row is None:
+            raise JobNotFound(f"no job {job_id}", job_id=job_id)
+        return job_view(row)
+
+    def stats(self, queue: str | None = None) -> dict[str, Any]:
+        """Count jobs by queue and state, with each queue's oldest READY age.
+
+        Args:
+            queue: only this queue (None for all).
+        Returns:
+            ``{"queues": {name: {state: n, ..., "oldest_ready_age_ms": int | None}},
+            "totals": {state: n}, "server_time_ms": int}``.
+        """
+        if queue is not None:
+            queue = v.queue_name(queue, self.settings)
+        now = self.clock.now_ms()
+        with self.store.reading() as tx:
+            counts = tx.all("counts")
+            oldest = {r["queue"]: r["oldest"] for r in tx.all("oldest_ready")}
+        blank = {s.value: 0 for s in JobState}
+        queues: dict[str, dict[str, Any]] = {}
+        totals = dict(blank)
+        for r in counts:
+            if queue is not None and r["queue"] != queue:
+                continue
+            q = queues.setdefault(r["queue"], dict(blank))
+            q[r["state"]] = r["n"]
+            totals[r["state"]] += r["n"]
+        for name, q in queues.items():
+            since = oldest.get(name)
+            q["oldest_ready_age_ms"] = max(0, now - since) if since is not None else None
+        return {"queues": queues, "totals": totals, "server_time_ms": now}
+
+    def dead_list(
+        self, queue: str | None = None, *, limit: int = 100, after: str | None = None
+    ) -> dict[str, Any]:
+        """Page through DEAD jobs in id order (keyset pagination).
+
+        Args:
+            queue: only this queue (None for all).
+            limit: page size, 1..1000.
+            after: the ``next_after`` of the previous page.
+        Returns:
+            ``{"jobs": [Job, ...], "next_after": str | None}``.
+        """
+        limit = v.integer("limit", limit, lo=1, hi=1000)
+        params: dict[str, Any] = {"after": "" if after is None else v.job_id(after), "limit": limit}
+        with self.store.reading() as tx:
+            if queue is None:
+                rows = tx.all("dead_page", params)
+            else:
+                params["queue"] = v.queue_name(queue, self.settings)
+                rows = tx.all("dead_page_queue", params)
+        jobs = [job_view(r) for r in rows]
+        return {"jobs": jobs, "next_after": jobs[-1]["id"] if len(jobs) == limit else None}
+
+    def next_due_ms(self) -> int | None:
+        """Return the earliest future instant (epoch ms) a job becomes due or a lease expires."""
+        with self.store.reading() as tx:
+            due = [tx.one("next_scheduled"), tx.one("next_expiry")]
+        times = [r["at_ms"] for r in due if r and r["at_ms"] is not None]
+        return min(times) if times else None
+
+    # ------------------------------------------------------------------ lease
+
+    def claim(
+        self,
+        queues: list[str],
+        *,
+        worker_id: str,
+        max_jobs: int = 1,
+        lease_ms: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Lease up to ``max_jobs`` READY jobs (READY -> LEASED, attempt + 1).
+
+        Chooses by effective priority (base class + one class per whole minute since the job
+        became READY, capped at CRITICAL), then FIFO by ready time and id. Due PENDING/RETRYING
+        jobs are promoted and expired leases reclaimed first, in the same transaction.
+
+        Args:
+            queues: 1..``RELAY_MAX_QUEUES_PER_LEASE`` queue names.
+            worker_id: the claiming worker's id (1..128 characters).
+            max_jobs: 1..``RELAY_MAX_JOBS_PER_LEASE``.
+            lease_ms: visibility timeout in ms (default ``RELAY_VISIBILITY_TIMEOUT_MS``).
+        Returns:
+            Lease dicts (``job_id``, ``lease_token``, ``lease_expires_at_ms``, ``payload``, ...);
+            an empty list when nothing is ready.
+        Raises:
+            InvalidArgument, StoreBusy.
+        """
+        s = self.settings
+        names = v.queue_list(queues, s)
+        worker_id = v.worker_id(worker_id)
+        max_jobs = v.integer("max_jobs", max_jobs, lo=1, hi=s.max_jobs_per_lease)
+        length = v.lease_ms(lease_ms, s)
+        with self.store.immediate() as tx:
+            now = self.clock.now_ms()
+            self._promote(tx, now)
+            self._expire(tx, now)
+            heads: list[tuple[int, int, str]] = []
+            for name in names:
+                for r in tx.all("ready_heads", {"queue": name, "limit": max_jobs}):
+                    eff = effective_priority(r["priority"], r["ready_since_ms"], now)
+                    heads.append((-eff, r["ready_since_ms"], r["id"]))
+            heads.sort()
+            leases = []
+            expires = now + length
+            for _, _, job_id in heads[:max_jobs]:
+                token = secrets.token_urlsafe(TOKEN_BYTES)
+                row = tx.one(
+                    "claim_by_id",
+                    {
+                        "job_id": job_id,
+                        "token": token,
+                        "worker_id": worker_id,
+                        "now_ms": now,
+                        "expires_ms": expires,
+                    },
+                )
+                if row is None:  # pragma: no cover - the write lock makes this impossible
+                    continue
+                tx.run(
+                    "insert_attempt",
+                    {
+                        "job_id": job_id,
+                        "attempt": row["attempt"],
+                        "worker_id": worker_id,
+                        "token": token,
+                        "now_ms": now,
+                    },
+                )
+                leases.append(
+                    {
+                        "job_id": job_id,
+                        "queue": row["queue"],
+                        "payload": orjson.loads(row["payload"]),
+                        "attempt": row["attempt"],
+                        "priority": _priority_name(row["priority"]),
+                        "lease_token": token,
+                        "lease_expires_at_ms": expires,
+                        "failures": row["failures"],
+                        "max_retries": row["max_retries"],
+                        "created_at_ms": row["created_at_ms"],
+                    }
+                )
+        return leases
+
+    def renew(
+        self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
+    ) -> dict[str, Any]:
+        """Extend a live lease to now + ``lease_ms`` (LEASED -> LEASED).
+
+        The new expiry is never more than ``RELAY_MAX_LEASE_MS`` ahead (``lease_ms`` is
+        bounded by it).
+
+        Returns:
+            ``{"job_id", "lease_expires_at_ms"}``.
+        Raises:
+            InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
+        """
+        job_id, worker_id, lease_token = self._lease_args(job_id, worker_id, lease_token)
+        length = v.lease_ms(lease_ms, self.settings)
+        with self.store.immediate() as tx:
+            now = self.clock.now_ms()
+            params = {
+                "job_id": job_id,
+                "lease_token": lease_token,
+                "worker_id": worker_id,
+                "now_ms": now,
+                "expires_ms": now + length,
+            }
+            row = tx.one("renew", params)
+            if row is None:
+                raise self._rejection(tx, params, "renew")
+        return {"job_id": job_id, "lease_expires_at_ms": row["lease_expires_at_ms"]}
+
+    def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        """Mark a leased job done (LEASED -> SUCCEEDED).
+
+        Repeating an ack with the token of an attempt that already succeeded answers success
+        again with ``duplicate: true`` (a worker whose reply was lost may retry).
+
+        Returns:
+            ``{"job_id", "state": "succeeded", "duplicate": bool}``.
+        Raises:
+            InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
+        """
+        job_id, worker_id, lease_token = self._lease_args(job_id, worker_id, lease_token)
+        with self.store.immediate() as tx:
+            now = self.clock.now_ms()
+            params = {
+                "job_id": job_id,
+                "lease_token": lease_token,
+                "worker_id": worker_id,
+                "now_ms": now,
+            }
+            row = tx.one("ack", params)
+            if row is None:
+                if self._already_ended(tx, params, ("succeeded",)):
+                    return {"job_id": job_id, "state": "succeeded", "duplicate": True}
+                raise self._rejection(tx, params, "ack")
+            self._end_attempt(tx, job_id, row["attempt"], now, "succeeded", None)
+        return {"job_id": job_id, "state": JobState.SUCCEEDED.value, "duplicate": False}
+
+    def fail(
+        self,
+        job_id: str,
+        *,
+        worker_id: str,
+        lease_token: str,
+        error: str,
+        retryable: bool = True,
+    ) -> dict[str, Any]:
+        """Record a failed attempt (LEASED -> RETRYING, or LEASED -> DEAD).
+
+        Decide, then apply: ``retry.decide`` picks retry-at or dead-letter from the job's
+        policy and failure count (Oban's executor outcomes), then one guarded UPDATE applies it.
+
+        Args:
+            error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes.
+            retryable: False dead-letters the job at once.
+        Returns:
+            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``.
+        Raises:
+            InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
+        """
+        job_id, worker_id, lease_token = self._lease_args(job_id, worker_id, lease_token)
+        error = v.error_text(error, self.settings)
+        retryable = v.boolean("retryable", retryable)
+        with self.store.immediate() as tx:
+            now = self.clock.now_ms()
+            params: dict[str, Any] = {
+                "job_id": job_id,
+                "lease_token": lease_token,
+                "worker_id": worker_id,
+                "now_ms": now,
+            }
+            lease = tx.one("live_lease", params)
+            if lease is None:
+                if self._already_ended(tx, params, ("failed",)):
+                    row = tx.one("get_job", {"job_id": job_id})
+                    assert row is not None
+                    return self._fail_result(job_id, row["state"], row, duplicate=True)
+                raise self._rejection(tx, params, "fail")
+            policy = RetryPolicy(
+                max_retries=lease["max_retries"],
+                backoff=lease["backoff"],
+                base_ms=lease["backoff_base_ms"],
+                cap_ms=lease["backoff_cap_ms"],
+                jitter=bool(lease["jitter"]),
+            )
+            decision = decide(
+                policy,
+                failures=lease["failures"] + 1,
+                retryable=retryable,
+                now_ms=now,
+                rng=self.rng,
+                error=error,
+            )
+            params["error"] = error
+            if decision.retry_at_ms is not None:
+                params["retry_at_ms"] = decision.retry_at_ms
+                tx.run("fail_retry", params)
+                state = JobState.RETRYING
+            else:
+                params["reason"] = decision.dead_reason
+                tx.run("fail_dead", params)
+                state = JobState.DEAD
+            self._end_attempt(tx, job_id, lease["attempt"], now, "failed", error)
+        return {
+            "job_id": job_id,
+            "state": state.value,
+            "retry_at_ms": decision.retry_at_ms,
+            "dead_reason": decision.dead_reason,
+            "duplicate": False,
+        }
+
+    @staticmethod
+    def _fail_result(
+        job_id: str, state: str, row: Mapping[str, Any], *, duplicate: bool
+    ) -> dict[str, Any]:
+        return {
+            "job_id": job_id,
+            "state": state,
+            "retry_at_ms": row["available_at_ms"] if state == JobState.RETRYING else None,
+            "dead_reason": row["dead_reason"],
+            "duplicate": duplicate,
+        }
+
+    def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        """Give a leased job back without counting a failure (LEASED -> READY).
+
+        For a worker that shuts down before finishing (beanstalkd's ``release``; an SQS
+        visibility timeout of 0).
+
+        Returns:
+            ``{"job_id", "state": "ready", "queue"}``.
+        Raises:
+            InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
+        """
+        job_id, worker_id, lease_token = self._lease_args(job_id, worker_id, lease_token)
+        with self.store.immediate() as tx:
+            now = self.clock.now_ms()
+            params = {
+                "job_id": job_id,
+                "lease_token": lease_token,
+                "worker_id": worker_id,
+                "now_ms": now,
+            }
+            row = tx.one("release", params)
+            if row is None:
+                raise self._rejection(tx, params, "release")
+            self._end_attempt(tx, job_id, row["attempt"], now, "released", None)
+        return {"job_id": job_id, "state": JobState.READY.value, "queue": row["queue"]}
+
+    def _lease_args(self, job_id: Any, worker_id: Any, lease_token: Any) -> tuple[str, str, str]:
+        return v.job_id(job_id), v.worker_id(worker_id), v.lease_token(lease_token)
+
+    @staticmethod
+    def _already_ended(tx: Tx, params: Mapping[str, Any], outcomes: Iterable[str]) -> bool:
+        attempt = tx.one("attempt_by_token", params)
+        return (
+            attempt is not None
+            and attempt["worker_id"] == params["worker_id"]
+            and attempt["outcome"] in outcomes
+        )
+
+    @staticmethod
+    def _rejection(tx: Tx, params: Mapping[str, Any], verb: str) -> Exception:
+        """Explain a guard miss, in a fixed order: missing, stale token, expired."""
+        job_id = params["job_id"]
+        row = tx.one("lease_state", params)
+        if row is None:
+            return JobNotFound(f"no job {job_id}", job_id=job_id)
+        current = row["state"] == JobState.LEASED and row["lease_token"] == params["lease_token"]
+        if current and row["leased_by"] == params["worker_id"]:
+            # The token and worker match, so the guard failed on time.
+            return LeaseExpired(
+                f"cannot {verb} {job_id}: its lease expired at {row['lease_expires_at_ms']}",
+                job_id=job_id,
+            )
+        if not current:
+            attempt = tx.one("attempt_by_token", params)
+            if (
+                attempt is not None
+                and attempt["worker_id"] == params["worker_id"]
+                and attempt["outcome"] == "lease_expired"
+                and row["state"] != JobState.LEASED
+            ):
+                return LeaseExpired(
+                    f"cannot {verb} {job_id}: its lease expired and nobody holds it now",
+                    job_id=job_id,
+                )
+        return StaleToken(
+            f"cannot {verb} {job_id}: the lease token or worker is not the current lease's",
+            job_id=job_id,
+        )
+
+    def _end_attempt(
+        self, tx: Tx, job_id: str, attempt: int, now: int, outcome: str, error: str | None
+    ) -> None:
+        tx.run(
+            "end_attempt",
+            {
+                "job_id": job_id,
+                "attempt": attempt,
+                "now_ms": now,
+                "outcome": outcome,
+                "error": error,
+            },
+        )
+
+    # ------------------------------------------------------------ maintenance
+
+    def promote_due(self) -> list[str]:
+        """Move due PENDING/RETRYING jobs to READY (bounded sweep).
+
+        Returns:
+            The queues that got READY jobs (with repeats removed).
+        """
+        with self.store.immediate() as tx:
+            return self._promote(tx, self.clock.now_ms())
+
+    def _promote(self, tx: Tx, now: int) -> list[str]:
+        rows = tx.all("promote_due", {"now_ms": now, "limit": SWEEP_LIMIT})
+        return list(dict.fromkeys(r["queue"] for r in rows))
+
+    def expire_leases(self) -> list[str]:
+        """Reclaim expired leases (LEASED -> READY, or DEAD once the retry budget is spent).
+
+        An expiry counts as a failed attempt, so a job that crashes its workers ends in DEAD
+        with the reason "lease expired" instead of looping forever.
+
+        Returns:
+            The queues that got jobs back as READY.
+        """
+        with self.store.immediate() as tx:
+            return self._expire(tx, self.clock.now_ms())
+
+    def _expire(self, tx: Tx, now: int) -> list[str]:
+        queues: dict[str, None] = {}
+        for r in tx.all("expired_leases", {"now_ms": now, "limit": SWEEP_LIMIT}):
+            params = {"job_id": r["id"], "attempt": r["attempt"], "now_ms": now}
+            if r["failures"] + 1 > r["max_retries"]:
+                tx.run("expire_to_dead", params)
+            else:
+                tx.run("expire_to_ready", params)
+                queues[r["queue"]] = None
+            self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", "lease expired")
+            log.info(
+                "event=lease_expired job_id=%s attempt=%s",
+                r["id"],
+                r["attempt"],
+                extra={"event": "lease_expired", "job_id": r["id"], "attempt": r["attempt"]},
+            )
+        return list(queues)
+
+    def recover(self) -> int:
+        """Release every lease at server start (LEASED -> READY), without counting a failure.
+
+        Old tokens are cleared, so a worker still running from before the restart can no
+        longer ack, fail or renew. Terminal jobs are untouched.
+
+        Returns:
+            How many leases were released.
+        """
+        with self.store.immediate() as tx:
+            now = self.clock.now_ms()
+            tx.run("recover_attempts", {"now_ms": now})
+            tx.run("recover_events", {"now_ms": now})
+            return tx.run("recover_jobs", {"now_ms": now})
+
+    # -------------------------------------------------------------- operators
+
+    def replay(self, job_id: str, *, actor: str | None = None) -> dict[str, Any]:
+        """Redrive a dead letter (DEAD -> READY) with a fresh retry budget.
+
+        Keeps the job id, the delivery counter ``attempt`` (a fencing epoch never goes back)
+        and the history; clears the lease fields and the dead reason; records who did it.
+
+        Args:
+            actor: who asked (a username, or None for the CLI).
+        Returns:
+            The job after the transition.
+        Raises:
+            JobNotFound, InvalidState (not DEAD, e.g. replayed by someone else already),
+            StoreBusy.
+        """
+        job_id = v.job_id(job_id)
+        with self.store.immediate() as tx:
+            now = self.clock.now_ms()
+            row = tx.one("replay", {"job_id": job_id, "now_ms": now})
+            if row is None:
+                current = self._job(tx, job_id)
+                raise InvalidState(
+                    f"cannot replay {job_id}: it is {current['state']}, not dead",
+                    job_id=job_id,
+                    state=current["state"],
+                )
+            self._event(tx, job_id, "replayed", JobState.DEAD, JobState.READY, now, actor)
+            return self._job(tx, job_id)
+
+    def purge(
+        self, job_id: str, *, actor: str | None = None, dead_only: bool = False
+    ) -> dict[str, Any]:
+        """Delete a terminal job and its history, keeping a ``purged`` event (who, when).
+
+        Args:
+            actor: who asked.
+            dead_only: refuse SUCCEEDED jobs too (the ``dead_purge`` op).
+        Returns:
+            ``{"job_id", "purged": true}``.
+        Raises:
+            JobNotFound, InvalidState (not terminal, or not DEAD with ``dead_only``), StoreBusy.
+        """
+        job_id = v.job_id(job_id)
+        allowed = {JobState.DEAD} if dead_only else TERMINAL_STATES
+        with self.store.immediate() as tx:
+            now = self.clock.now_ms()
+            state = self._job(tx, job_id)["state"]
+            if state not in allowed:
+                raise InvalidState(
+                    f"cannot purge {job_id}: it is {state}",
+                    job_id=job_id,
+                    state=state,
+                )
+            tx.run("delete_attempts", {"job_id": job_id})
+            tx.run("delete_terminal_job", {"job_id": job_id})
+            self._event(tx, job_id, "purged", state, None, now, actor)
+        return {"job_id": job_id, "purged": True}
+
+    @staticmethod
+    def _event(
+        tx: Tx,
+        job_id: str,
+        event: str,
+        from_state: str | None,
+        to_state: str | None,
+        now: int,
+        actor: str | None,
+        detail: str | None = None,
+    ) -> None:
+        tx.run(
+            "insert_event",
+            {
+                "job_id": job_id,
+                "event": event,
+                "from_state": from_state,
+                "to_state": to_state,
+                "now_ms": now,
+                "actor": actor,
+                "detail": detail,
+            },
+        )

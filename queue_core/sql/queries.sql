@@ -1,0 +1,273 @@
+-- Every hand-written statement Relay runs, one named block each (after procrastinate's
+-- queries.sql). Parameters use Django's %(name)s style. Instants are epoch ms passed in as
+-- parameters: SQL never reads the database clock.
+
+-- name: insert_job
+-- Create a job. Params: every column below.
+INSERT INTO relay_job (
+    id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+    attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+VALUES (
+    %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
+    %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
+    %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
+    %(now_ms)s);
+
+-- name: find_idempotent
+-- The job an idempotency key is bound to in a queue. Params: queue, key.
+SELECT id, payload, idempotency_expires_at_ms
+  FROM relay_job
+ WHERE queue = %(queue)s AND idempotency_key = %(key)s;
+
+-- name: unbind_idempotency_key
+-- Free a key whose window has passed, so a new job may take it. Params: job_id.
+UPDATE relay_job
+   SET idempotency_key = NULL, idempotency_expires_at_ms = NULL
+ WHERE id = %(job_id)s;
+
+-- name: get_job
+-- One job with every column the views show. Params: job_id.
+SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
+       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+  FROM relay_job
+ WHERE id = %(job_id)s;
+
+-- name: attempts_of
+-- The delivery history of a job, oldest first. Params: job_id.
+SELECT attempt, worker_id, started_at_ms, ended_at_ms, outcome, error
+  FROM relay_attempt
+ WHERE job_id = %(job_id)s
+ ORDER BY attempt;
+
+-- name: events_of
+-- Operator and recovery events of a job, oldest first. Params: job_id.
+SELECT event, from_state, to_state, at_ms, actor, detail
+  FROM relay_event
+ WHERE job_id = %(job_id)s
+ ORDER BY id;
+
+-- name: promote_due
+-- PENDING/RETRYING jobs whose time has come become READY; aging counts from the due time.
+-- Bounded so one sweep never holds the write lock for long. Params: now_ms, limit.
+UPDATE relay_job
+   SET state = 'ready', ready_since_ms = available_at_ms, available_at_ms = NULL,
+       updated_at_ms = %(now_ms)s
+ WHERE id IN (SELECT id FROM relay_job
+               WHERE state IN ('pending', 'retrying') AND available_at_ms <= %(now_ms)s
+               ORDER BY available_at_ms
+               LIMIT %(limit)s)
+RETURNING queue;
+
+-- name: expired_leases
+-- Leases whose expiry has passed, oldest first. Params: now_ms, limit.
+SELECT id, queue, attempt, failures, max_retries
+  FROM relay_job
+ WHERE state = 'leased' AND lease_expires_at_ms <= %(now_ms)s
+ ORDER BY lease_expires_at_ms
+ LIMIT %(limit)s;
+
+-- name: expire_to_ready
+-- A lost lease returns the job to READY and counts a failure; aging counts from the expiry.
+-- Params: job_id, attempt, now_ms.
+UPDATE relay_job
+   SET state = 'ready', failures = failures + 1, ready_since_ms = lease_expires_at_ms,
+       last_error = 'lease expired', lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
+
+-- name: expire_to_dead
+-- A lost lease with no retry budget left dead-letters the job. Params: job_id, attempt, now_ms.
+UPDATE relay_job
+   SET state = 'dead', failures = failures + 1, last_error = 'lease expired',
+       dead_reason = 'lease expired', finished_at_ms = %(now_ms)s, lease_token = NULL,
+       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
+
+-- name: ready_heads
+-- The oldest READY jobs of each base class in one queue: within a class the oldest job has
+-- the highest aged priority, so the best job overall is among these heads. One index seek per
+-- class on relay_job_ready, whatever the backlog. Params: queue, limit.
+SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                WHERE state = 'ready' AND queue = %(queue)s AND priority = 3
+                ORDER BY ready_since_ms, id LIMIT %(limit)s)
+UNION ALL
+SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                WHERE state = 'ready' AND queue = %(queue)s AND priority = 2
+                ORDER BY ready_since_ms, id LIMIT %(limit)s)
+UNION ALL
+SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                WHERE state = 'ready' AND queue = %(queue)s AND priority = 1
+                ORDER BY ready_since_ms, id LIMIT %(limit)s)
+UNION ALL
+SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                WHERE state = 'ready' AND queue = %(queue)s AND priority = 0
+                ORDER BY ready_since_ms, id LIMIT %(limit)s);
+
+-- name: claim_by_id
+-- Lease one chosen READY job. Params: job_id, token, worker_id, now_ms, expires_ms.
+UPDATE relay_job
+   SET state = 'leased', attempt = attempt + 1, lease_token = %(token)s,
+       leased_by = %(worker_id)s, leased_at_ms = %(now_ms)s,
+       lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'ready'
+RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms;
+
+-- name: insert_attempt
+-- Open the history row of a delivery. Params: job_id, attempt, worker_id, token, now_ms.
+INSERT INTO relay_attempt (job_id, attempt, worker_id, lease_token, started_at_ms)
+VALUES (%(job_id)s, %(attempt)s, %(worker_id)s, %(token)s, %(now_ms)s);
+
+-- name: end_attempt
+-- Close the history row of a delivery. Params: job_id, attempt, now_ms, outcome, error.
+UPDATE relay_attempt
+   SET ended_at_ms = %(now_ms)s, outcome = %(outcome)s, error = %(error)s
+ WHERE job_id = %(job_id)s AND attempt = %(attempt)s AND ended_at_ms IS NULL;
+
+-- name: live_lease
+-- The lease a renew/ack/fail/release names, if it is the current, unexpired one (the
+-- compare-and-set guard, as River guards in the WHERE clause).
+-- Params: job_id, lease_token, worker_id, now_ms.
+SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter
+  FROM relay_job
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s;
+
+-- name: renew
+-- Move a live lease's expiry. Params: job_id, lease_token, worker_id, now_ms, expires_ms.
+UPDATE relay_job
+   SET lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+RETURNING lease_expires_at_ms, attempt;
+
+-- name: ack
+-- Leased -> succeeded, guarded like renew. Params: job_id, lease_token, worker_id, now_ms.
+UPDATE relay_job
+   SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+RETURNING attempt;
+
+-- name: fail_retry
+-- Leased -> retrying; READY again at retry_at_ms. Params: job_id, lease_token, now_ms,
+-- retry_at_ms, error.
+UPDATE relay_job
+   SET state = 'retrying', failures = failures + 1, available_at_ms = %(retry_at_ms)s,
+       last_error = %(error)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s;
+
+-- name: fail_dead
+-- Leased -> dead. Params: job_id, lease_token, now_ms, error, reason.
+UPDATE relay_job
+   SET state = 'dead', failures = failures + 1, last_error = %(error)s,
+       dead_reason = %(reason)s, finished_at_ms = %(now_ms)s, lease_token = NULL,
+       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s;
+
+-- name: release
+-- Leased -> ready without counting a failure (a worker giving a job back).
+-- Params: job_id, lease_token, worker_id, now_ms.
+UPDATE relay_job
+   SET state = 'ready', ready_since_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+RETURNING attempt, queue;
+
+-- name: lease_state
+-- What a rejected renew/ack/fail/release is explained from. Params: job_id.
+SELECT state, lease_token, leased_by, lease_expires_at_ms
+  FROM relay_job
+ WHERE id = %(job_id)s;
+
+-- name: attempt_by_token
+-- The delivery a lease token belonged to. Params: job_id, lease_token.
+SELECT attempt, worker_id, outcome
+  FROM relay_attempt
+ WHERE job_id = %(job_id)s AND lease_token = %(lease_token)s;
+
+-- name: recover_attempts
+-- Server start: close the history rows of every lease. Params: now_ms.
+UPDATE relay_attempt
+   SET ended_at_ms = %(now_ms)s, outcome = 'recovered'
+ WHERE (job_id, attempt) IN (SELECT id, attempt FROM relay_job WHERE state = 'leased')
+   AND ended_at_ms IS NULL;
+
+-- name: recover_events
+-- Server start: record the release of every lease. Params: now_ms.
+INSERT INTO relay_event (job_id, event, from_state, to_state, at_ms, actor, detail)
+SELECT id, 'recovered', 'leased', 'ready', %(now_ms)s, NULL, 'lease released at server start'
+  FROM relay_job
+ WHERE state = 'leased';
+
+-- name: recover_jobs
+-- Server start: every leased job becomes READY at once; its token is cleared, so the old
+-- holder is fenced out. No failure is counted. Params: now_ms.
+UPDATE relay_job
+   SET state = 'ready', ready_since_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE state = 'leased';
+
+-- name: replay
+-- Dead -> ready: a fresh retry budget; the delivery counter and history are kept.
+-- Params: job_id, now_ms.
+UPDATE relay_job
+   SET state = 'ready', failures = 0, ready_since_ms = %(now_ms)s, dead_reason = NULL,
+       finished_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'dead'
+RETURNING queue;
+
+-- name: insert_event
+-- Append to the event log. Params: job_id, event, from_state, to_state, now_ms, actor, detail.
+INSERT INTO relay_event (job_id, event, from_state, to_state, at_ms, actor, detail)
+VALUES (%(job_id)s, %(event)s, %(from_state)s, %(to_state)s, %(now_ms)s, %(actor)s,
+        %(detail)s);
+
+-- name: delete_attempts
+-- Purge, part one. Params: job_id.
+DELETE FROM relay_attempt WHERE job_id = %(job_id)s;
+
+-- name: delete_terminal_job
+-- Purge, part two: only a terminal job is ever deleted. Params: job_id.
+DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead');
+
+-- name: counts
+-- Jobs by queue and state (a scan of relay_job_queue_state, not of the table).
+SELECT queue, state, COUNT(*) AS n FROM relay_job GROUP BY queue, state;
+
+-- name: oldest_ready
+-- When the longest-waiting READY job of each queue became ready. Params: none.
+SELECT queue, MIN(ready_since_ms) AS oldest FROM relay_job WHERE state = 'ready' GROUP BY queue;
+
+-- name: dead_page
+-- One page of dead letters in id order. Params: after, limit.
+SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
+       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+  FROM relay_job
+ WHERE state = 'dead' AND id > %(after)s
+ ORDER BY id LIMIT %(limit)s;
+
+-- name: dead_page_queue
+-- One page of one queue's dead letters in id order. Params: queue, after, limit.
+SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
+       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+  FROM relay_job
+ WHERE queue = %(queue)s AND state = 'dead' AND id > %(after)s
+ ORDER BY id LIMIT %(limit)s;
+
+-- name: next_scheduled
+-- The earliest due time of a PENDING/RETRYING job. Params: none.
+SELECT MIN(available_at_ms) AS at_ms FROM relay_job WHERE state IN ('pending', 'retrying');
+
+-- name: next_expiry
+-- The earliest lease expiry. Params: none.
+SELECT MIN(lease_expires_at_ms) AS at_ms FROM relay_job WHERE state = 'leased';

@@ -1,0 +1,211 @@
+"""The storage seam: the only module that runs raw SQL.
+
+``Store.immediate()`` opens ``BEGIN IMMEDIATE`` (SQLite takes the write lock up front, so two
+claimers can never both read a job as READY and both lease it), or a SAVEPOINT when already
+inside one, which lets the server run many requests in one transaction (group commit) while
+each request still rolls back alone. Statements are named blocks of ``sql/queries.sql``.
+
+A PostgreSQL backend would implement the same small surface (``immediate``, ``reading``,
+``Tx.one/all/run``, ``quick_check``) with ``BEGIN`` + ``FOR UPDATE SKIP LOCKED`` in its own
+query file; callers would not change.
+
+Django keeps SQLite in autocommit and issues ``BEGIN`` itself inside ``transaction.atomic()``,
+so ``immediate()`` must not be called inside ``atomic()`` (tests use
+``django_db(transaction=True)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from importlib import resources
+from typing import Any
+
+from django.db import OperationalError, connections
+
+from queue_core.conf import relay_settings
+from queue_core.errors import StoreBusy
+
+log = logging.getLogger("relay.store")
+
+_BLOCK_RE = re.compile(r"^-- name: (\w+)\n((?:--[^\n]*\n)*)(.*?)(?=^-- name: |\Z)", re.M | re.S)
+
+
+def load_queries() -> dict[str, str]:
+    """Parse ``sql/queries.sql`` into ``{name: statement}`` (comment lines dropped)."""
+    text = resources.files("queue_core").joinpath("sql/queries.sql").read_text("utf-8")
+    queries: dict[str, str] = {}
+    for match in _BLOCK_RE.finditer(text):
+        body = match.group(3).strip().rstrip(";").strip()
+        queries[match.group(1)] = body
+    return queries
+
+
+QUERIES = load_queries()
+
+
+def _is_busy(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
+class Tx:
+    """Statements inside one transaction (or savepoint), by query name.
+
+    Args:
+        cursor: a Django cursor on the transaction's connection.
+    """
+
+    def __init__(self, cursor: Any) -> None:
+        self._cursor = cursor
+
+    def _execute(self, name: str, params: Mapping[str, Any]) -> Any:
+        self._cursor.execute(QUERIES[name], params)
+        return self._cursor
+
+    def one(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """Run query ``name``; return its first row as a dict, or None."""
+        cur = self._execute(name, params or {})
+        row = cur.fetchone()
+        if row is None:
+            return None
+        cols = [d[0] for d in cur.description]
+        # Drain the rest so RETURNING statements complete.
+        cur.fetchall()
+        return dict(zip(cols, row, strict=True))
+
+    def all(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run query ``name``; return every row as a dict."""
+        cur = self._execute(name, params or {})
+        rows = cur.fetchall()
+        if not rows:
+            return []
+        cols = [d[0] for d in cur.description]
+        return [dict(zip(cols, row, strict=True)) for row in rows]
+
+    def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
+        """Run statement ``name``; return the number of rows it changed."""
+        return int(self._execute(name, params or {}).rowcount)
+
+
+class Store:
+    """SQLite access for the service layer.
+
+    Args:
+        alias: Django database alias (default ``"default"``).
+    """
+
+    def __init__(self, alias: str = "default") -> None:
+        self.alias = alias
+        self._local = threading.local()
+        self._rng = random.Random()
+
+    def _depth(self) -> int:
+        return getattr(self._local, "depth", 0)
+
+    @contextlib.contextmanager
+    def immediate(self) -> Iterator[Tx]:
+        """Open a write transaction: ``BEGIN IMMEDIATE`` ... ``COMMIT`` (ROLLBACK on error).
+
+        Nested calls on the same thread become ``SAVEPOINT``s, released on success and rolled
+        back alone on error. "database is locked" at BEGIN is retried with jittered backoff
+        for ``RELAY_BUSY_RETRY_BUDGET_MS``.
+
+        Raises:
+            StoreBusy: the write lock could not be had within the retry budget.
+        """
+        conn = connections[self.alias]
+        depth = self._depth()
+        with conn.cursor() as cursor:
+            if depth:
+                name = f"relay_sp{depth}"
+                cursor.execute(f"SAVEPOINT {name}")
+                self._local.depth = depth + 1
+                try:
+                    yield Tx(cursor)
+                except BaseException:
+                    cursor.execute(f"ROLLBACK TO {name}")
+                    cursor.execute(f"RELEASE {name}")
+                    raise
+                else:
+                    cursor.execute(f"RELEASE {name}")
+                finally:
+                    self._local.depth = depth
+                return
+            self._begin_immediate(cursor)
+            self._local.depth = 1
+            try:
+                yield Tx(cursor)
+            except BaseException:
+                self._local.depth = 0
+                with contextlib.suppress(Exception):
+                    cursor.execute("ROLLBACK")
+                raise
+            try:
+                cursor.execute("COMMIT")
+            except OperationalError as exc:
+                with contextlib.suppress(Exception):
+                    cursor.execute("ROLLBACK")
+                if _is_busy(exc):
+                    raise StoreBusy() from exc
+                raise
+            finally:
+                self._local.depth = 0
+
+    def _begin_immediate(self, cursor: Any) -> None:
+        budget_s = relay_settings().busy_retry_budget_ms / 1000
+        deadline = time.monotonic() + budget_s
+        delay = 0.005
+        while True:
+            try:
+                cursor.execute("BEGIN IMMEDIATE")
+                return
+            except OperationalError as exc:
+                if not _is_busy(exc) or time.monotonic() >= deadline:
+                    if _is_busy(exc):
+                        raise StoreBusy() from exc
+                    raise
+                log.debug("event=busy_retry delay_s=%.3f", delay)
+                time.sleep(delay * self._rng.uniform(0.5, 1.0))
+                delay = min(delay * 2, 0.2)
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Tx]:
+        """Run reads in autocommit (each statement sees the latest committed state).
+
+        Inside ``immediate()`` on the same thread, reads join that transaction.
+        """
+        with connections[self.alias].cursor() as cursor:
+            yield Tx(cursor)
+
+    def in_transaction(self) -> bool:
+        """Return whether this thread is inside ``immediate()``."""
+        return self._depth() > 0
+
+    def quick_check(self) -> list[str]:
+        """Run ``PRAGMA quick_check``; return the problems found (``[]`` when healthy).
+
+        A file that is not a database at all is reported as a problem, not raised.
+        """
+        try:
+            with connections[self.alias].cursor() as cursor:
+                cursor.execute("PRAGMA quick_check")
+                rows = [str(r[0]) for r in cursor.fetchall()]
+        except Exception as exc:  # the driver raises DatabaseError for a non-database file
+            return [f"{type(exc).__name__}: {exc}"]
+        return [] if rows == ["ok"] else rows
+
+    def data_version(self) -> int:
+        """Return ``PRAGMA data_version``: it changes when another connection commits."""
+        with connections[self.alias].cursor() as cursor:
+            cursor.execute("PRAGMA data_version")
+            return int(cursor.fetchone()[0])
+
+    def close(self) -> None:
+        """Close this thread's connection (threads that used the store call this on exit)."""
+        connections[self.alias].close()
