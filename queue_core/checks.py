@@ -48,7 +48,9 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         )
     if s.max_payload_bytes >= s.max_frame_bytes:
         errors.append(
-            checks.Error("RELAY_MAX_PAYLOAD_BYTES must be below RELAY_MAX_FRAME_BYTES", id="relay.E005")
+            checks.Error(
+                "RELAY_MAX_PAYLOAD_BYTES must be below RELAY_MAX_FRAME_BYTES", id="relay.E005"
+            )
         )
     if s.sqlite_synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
         errors.append(

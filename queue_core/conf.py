@@ -38,7 +38,7 @@ class RelaySettings:
         max_batch_submit: jobs in one batch submit (1 000).
         max_connections: concurrent TCP connections (1 024).
         max_inflight_per_connection: requests one connection may have in progress (64).
-        idle_timeout_ms: a connection that sends no complete frame for this long is closed (120 000).
+        idle_timeout_ms: a connection silent for this long (no complete frame) is closed (120 000).
         shutdown_grace_ms: after SIGTERM, how long renew/ack/fail are still served (5 000).
         reaper_interval_ms: how often the server expires leases and promotes due jobs (1 000).
         max_delay_ms: the furthest a job may be scheduled into the future, in ms (30 days).

@@ -201,12 +201,16 @@ class QueueService:
         if backoff not in ("fixed", "exponential"):
             raise InvalidArgument("backoff: must be 'fixed' or 'exponential'", field="backoff")
         base_ms = v.integer(
-            "backoff_base_ms", opt.get("backoff_base_ms", s.default_backoff_base_ms), lo=0,
+            "backoff_base_ms",
+            opt.get("backoff_base_ms", s.default_backoff_base_ms),
+            lo=0,
             hi=s.max_delay_ms,
         )
         cap_ms = v.integer(
-            "backoff_cap_ms", opt.get("backoff_cap_ms", max(s.default_backoff_cap_ms, base_ms)),
-            lo=base_ms, hi=s.max_delay_ms,
+            "backoff_cap_ms",
+            opt.get("backoff_cap_ms", max(s.default_backoff_cap_ms, base_ms)),
+            lo=base_ms,
+            hi=s.max_delay_ms,
         )
         if "delay_ms" in opt and "run_at_ms" in opt:
             raise InvalidArgument("give delay_ms or run_at_ms, not both", field="delay_ms")
@@ -219,7 +223,9 @@ class QueueService:
             "payload": v.payload(payload, s),
             "priority": v.priority(opt.get("priority", "normal")),
             "max_retries": v.integer(
-                "max_retries", opt.get("max_retries", s.default_max_retries), lo=0,
+                "max_retries",
+                opt.get("max_retries", s.default_max_retries),
+                lo=0,
                 hi=s.max_retries,
             ),
             "backoff": backoff,

@@ -2,11 +2,11 @@
 
 ::
 
-    submit ──delayed──> PENDING ──due──> READY ──claim──> LEASED ──ack──> SUCCEEDED
-           ──now──────> READY            ^  ^              │  │
-                                         │  └─lease lost───┘  ├─retryable fail─> RETRYING ─due─> READY
-                                         │                    └─exhausted/non-retryable─> DEAD
-                                         └───────────────replay────────────────────────── DEAD
+    submit -> PENDING (delayed) -> READY (due) -> LEASED (claim, attempt + 1)
+    LEASED -> SUCCEEDED (ack) | READY (lease lost or released)
+           | RETRYING (retryable failure) -> READY (retry due)
+           | DEAD (retries exhausted, non-retryable, or lease lost with no budget left)
+    DEAD -> READY (replay); SUCCEEDED and DEAD may be purged.
 """
 
 from __future__ import annotations

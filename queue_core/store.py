@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping
 from importlib import resources
 from typing import Any
 
-from django.db import OperationalError, connections
+from django.db import DatabaseError, OperationalError, connections
 
 from queue_core.conf import relay_settings
 from queue_core.errors import StoreBusy
@@ -196,7 +196,7 @@ class Store:
             with connections[self.alias].cursor() as cursor:
                 cursor.execute("PRAGMA quick_check")
                 rows = [str(r[0]) for r in cursor.fetchall()]
-        except Exception as exc:  # the driver raises DatabaseError for a non-database file
+        except DatabaseError as exc:  # e.g. "file is not a database"
             return [f"{type(exc).__name__}: {exc}"]
         return [] if rows == ["ok"] else rows
 

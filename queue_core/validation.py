@@ -50,7 +50,9 @@ def queue_name(value: Any, settings: RelaySettings) -> str:
     """Return a valid queue name: ``[A-Za-z0-9][A-Za-z0-9_.:-]*``, at most the configured length."""
     name = text("queue", value, max_len=settings.max_queue_name_length)
     if not QUEUE_NAME_RE.match(name):
-        raise _bad("queue", "may contain only letters, digits and _ . : - and must not start with a symbol")
+        raise _bad(
+            "queue", "may contain only letters, digits and _ . : - and must not start with a symbol"
+        )
     return name
 
 

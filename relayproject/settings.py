@@ -28,7 +28,9 @@ def _env_int(name: str, default: int) -> int:
 
 SECRET_KEY = _env("RELAY_SECRET_KEY", "relay-insecure-dev-key-change-me-in-production-0123456789")
 DEBUG = _env("RELAY_DEBUG", "0") == "1"
-ALLOWED_HOSTS = [h for h in _env("RELAY_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h]
+ALLOWED_HOSTS = [
+    h for h in _env("RELAY_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h
+]
 
 INSTALLED_APPS = [
     "django.contrib.admin",
