@@ -1,0 +1,94 @@
+"""Shared fixtures: an injected clock and rng, the service, and job factories.
+
+Factories go through the service (submit, then claim, then fail), never INSERT, so a fixture
+can't build a state the service could not reach (procrastinate's deferred-job factory).
+Tests that touch the database use ``django_db(transaction=True)``: the store issues raw
+``BEGIN IMMEDIATE``, which cannot run inside the test-case transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from queue_core.clock import FakeClock
+from queue_core.service import QueueService
+
+
+@pytest.fixture(scope="session")
+def django_db_modify_db_settings() -> None:
+    """Give each pytest process its own file-backed test DB (children processes share it)."""
+    from django.conf import settings
+
+    name = os.path.join(tempfile.gettempdir(), f"relay-test-{os.getpid()}.db")
+    settings.DATABASES["default"]["TEST"]["NAME"] = name
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A fake clock at 2026-01-01T00:00:00Z."""
+    return FakeClock()
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    """A seeded random source for jitter."""
+    return random.Random(1234)
+
+
+@pytest.fixture
+def service(transactional_db: None, clock: FakeClock, rng: random.Random) -> QueueService:
+    """A QueueService on the test database with the fake clock."""
+    return QueueService(clock=clock, rng=rng)
+
+
+@pytest.fixture
+def job_factory(service: QueueService) -> Callable[..., dict[str, Any]]:
+    """Submit a job: ``job_factory(queue="default", payload={...}, **options) -> Job``."""
+
+    def make(queue: str = "default", payload: Any = None, **options: Any) -> dict[str, Any]:
+        body = {"n": 1} if payload is None else payload
+        return service.submit(queue, body, **options)["job"]
+
+    return make
+
+
+@pytest.fixture
+def leased_job(
+    service: QueueService, job_factory: Callable[..., dict[str, Any]]
+) -> Callable[..., dict[str, Any]]:
+    """Submit and lease a job: ``leased_job(worker_id="w1", lease_ms=30000, **submit_options)``."""
+
+    def make(worker_id: str = "w1", lease_ms: int = 30_000, **options: Any) -> dict[str, Any]:
+        queue = options.pop("queue", "default")
+        job = job_factory(queue=queue, **options)
+        leases = service.claim([queue], worker_id=worker_id, lease_ms=lease_ms)
+        assert [lease["job_id"] for lease in leases] == [job["id"]]
+        return leases[0]
+
+    return make
+
+
+@pytest.fixture
+def dead_job(
+    service: QueueService, leased_job: Callable[..., dict[str, Any]]
+) -> Callable[..., dict[str, Any]]:
+    """A job failed non-retryably: ``dead_job(error="boom", **submit_options) -> Job``."""
+
+    def make(error: str = "boom", **options: Any) -> dict[str, Any]:
+        lease = leased_job(**options)
+        service.fail(
+            lease["job_id"],
+            worker_id="w1",
+            lease_token=lease["lease_token"],
+            error=error,
+            retryable=False,
+        )
+        return service.get(lease["job_id"])
+
+    return make

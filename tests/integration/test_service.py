@@ -1,0 +1,621 @@
+"""Every transition and every rejection of QueueService, on a real SQLite file, fake clock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test.utils import override_settings
+
+from queue_core import errors
+from queue_core.clock import FakeClock
+from queue_core.models import Job, JobAttempt, JobEvent
+from queue_core.service import QueueService
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+Factory = Callable[..., dict[str, Any]]
+
+
+def lease_args(lease: dict[str, Any], worker_id: str = "w1") -> dict[str, Any]:
+    return {"worker_id": worker_id, "lease_token": lease["lease_token"]}
+
+
+def row(job_id: str) -> Job:
+    return Job.objects.get(id=job_id)
+
+
+# ------------------------------------------------------------------ submit
+
+
+def test_submit_creates_ready_job(service: QueueService, clock: FakeClock) -> None:
+    result = service.submit("email", {"user_id": 42}, priority="high", max_retries=5)
+    job = result["job"]
+    assert result["deduplicated"] is False
+    assert job["id"].startswith("job_") and len(job["id"]) == 30
+    assert job["state"] == "ready" and job["priority"] == "high" and job["max_retries"] == 5
+    assert job["created_at_ms"] == job["ready_since_ms"] == clock.now_ms()
+    assert row(job["id"]).payload == '{"user_id":42}'
+
+
+def test_job_ids_sort_in_submission_order(service: QueueService) -> None:
+    ids = [service.submit("q", i)["job"]["id"] for i in range(50)]
+    assert ids == sorted(ids)
+
+
+def test_delayed_job_is_pending_and_never_leased_before_due(
+    service: QueueService, clock: FakeClock
+) -> None:
+    job = service.submit("q", {}, delay_ms=5_000)["job"]
+    assert job["state"] == "pending" and job["available_at_ms"] == clock.now_ms() + 5_000
+    clock.advance(ms=4_999)
+    assert service.claim(["q"], worker_id="w") == []
+    clock.advance(ms=1)
+    leases = service.claim(["q"], worker_id="w")
+    assert [lease["job_id"] for lease in leases] == [job["id"]]
+    # Aging counts from the due time, not from submission.
+    assert row(job["id"]).ready_since_ms == job["available_at_ms"]
+
+
+def test_run_at_in_the_past_is_due_at_once(service: QueueService, clock: FakeClock) -> None:
+    job = service.submit("q", {}, run_at_ms=clock.now_ms() - 60_000)["job"]
+    assert job["state"] == "ready"
+
+
+def test_run_at_in_the_future_is_pending(service: QueueService, clock: FakeClock) -> None:
+    job = service.submit("q", {}, run_at_ms=clock.now_ms() + 10)["job"]
+    assert job["state"] == "pending"
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"delay_ms": -1}, "delay_ms"),
+        ({"delay_ms": 31 * 24 * 3600 * 1000}, "delay_ms"),
+        ({"delay_ms": 1, "run_at_ms": 1}, "delay_ms"),
+        ({"priority": "urgent"}, "priority"),
+        ({"priority": True}, "priority"),
+        ({"max_retries": -1}, "max_retries"),
+        ({"max_retries": 101}, "max_retries"),
+        ({"max_retries": "3"}, "max_retries"),
+        ({"backoff": "linear"}, "backoff"),
+        ({"backoff_base_ms": 10, "backoff_cap_ms": 5}, "backoff_cap_ms"),
+        ({"jitter": "yes"}, "jitter"),
+        ({"idempotency_key": ""}, "idempotency_key"),
+        ({"idempotency_key": "k" * 256}, "idempotency_key"),
+        ({"colour": "red"}, "colour"),
+    ],
+)
+def test_submit_rejects_bad_options(
+    service: QueueService, options: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit("q", {}, **options)
+    assert exc.value.details["field"] == field
+    assert Job.objects.count() == 0
+
+
+def test_run_at_beyond_max_delay_is_rejected(service: QueueService, clock: FakeClock) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        service.submit("q", {}, run_at_ms=clock.now_ms() + 31 * 24 * 3600 * 1000)
+
+
+@pytest.mark.parametrize("name", ["", "-x", "a b", "é", "x" * 129, 7, None])
+def test_submit_rejects_bad_queue_names(service: QueueService, name: Any) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        service.submit(name, {})
+
+
+@override_settings(RELAY_MAX_PAYLOAD_BYTES=100)
+def test_payload_over_limit_is_rejected(service: QueueService) -> None:
+    service.submit("q", {"x": "a" * 80})
+    with pytest.raises(errors.FrameTooLarge):
+        service.submit("q", {"x": "a" * 100})
+    assert Job.objects.count() == 1
+
+
+def test_unencodable_payload_is_rejected(service: QueueService) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        service.submit("q", {"n": 2**70})
+
+
+def test_submit_batch_is_all_or_nothing(service: QueueService) -> None:
+    results = service.submit_batch([{"queue": "q", "payload": i} for i in range(3)])
+    assert [r["job"]["payload"] for r in results] == [0, 1, 2]
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit_batch([{"queue": "q", "payload": 1}, {"queue": "bad name", "payload": 2}])
+    assert exc.value.details["index"] == 1
+    service.submit("q", {"a": 1}, idempotency_key="k")
+    with pytest.raises(errors.IdempotencyConflict):
+        service.submit_batch(
+            [{"queue": "q", "payload": 9}, {"queue": "q", "payload": {"a": 2}, "idempotency_key": "k"}]
+        )
+    assert Job.objects.count() == 4
+
+
+@override_settings(RELAY_MAX_BATCH_SUBMIT=2)
+def test_submit_batch_is_bounded(service: QueueService) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        service.submit_batch([{"queue": "q", "payload": i} for i in range(3)])
+    with pytest.raises(errors.InvalidArgument):
+        service.submit_batch([])
+
+
+# ------------------------------------------------------------ idempotency
+
+
+def test_idempotency_key_dedupes_within_window(service: QueueService, clock: FakeClock) -> None:
+    first = service.submit("q", {"a": 1, "b": 2}, idempotency_key="k")
+    again = service.submit("q", {"b": 2, "a": 1}, idempotency_key="k")  # same payload, key order aside
+    assert again["deduplicated"] is True and again["job"]["id"] == first["job"]["id"]
+    other_queue = service.submit("other", {"a": 1, "b": 2}, idempotency_key="k")
+    assert other_queue["deduplicated"] is False
+    assert Job.objects.count() == 2
+
+
+def test_idempotency_key_with_other_payload_conflicts(service: QueueService) -> None:
+    service.submit("q", {"a": 1}, idempotency_key="k")
+    with pytest.raises(errors.IdempotencyConflict):
+        service.submit("q", {"a": 2}, idempotency_key="k")
+
+
+def test_idempotency_key_stays_bound_whatever_the_state(
+    service: QueueService, leased_job: Factory
+) -> None:
+    lease = leased_job(idempotency_key="k")
+    service.ack(lease["job_id"], **lease_args(lease))
+    again = service.submit("default", {"n": 1}, idempotency_key="k")
+    assert again["deduplicated"] is True and again["job"]["state"] == "succeeded"
+
+
+def test_idempotency_key_is_free_after_window(service: QueueService, clock: FakeClock) -> None:
+    first = service.submit("q", {"a": 1}, idempotency_key="k")["job"]
+    clock.advance(ms=24 * 3600 * 1000 - 1)
+    assert service.submit("q", {"a": 1}, idempotency_key="k")["deduplicated"] is True
+    clock.advance(ms=1)
+    fresh = service.submit("q", {"a": 2}, idempotency_key="k")
+    assert fresh["deduplicated"] is False and fresh["job"]["id"] != first["id"]
+    assert row(first["id"]).idempotency_key is None
+
+
+def test_purge_releases_the_idempotency_key(service: QueueService, dead_job: Factory) -> None:
+    job = dead_job(idempotency_key="k")
+    service.purge(job["id"])
+    assert service.submit("default", {"other": 1}, idempotency_key="k")["deduplicated"] is False
+
+
+# ---------------------------------------------------------- claim ordering
+
+
+def test_claim_prefers_higher_priority_then_fifo(service: QueueService, clock: FakeClock) -> None:
+    low = service.submit("q", "low", priority="low")["job"]["id"]
+    n1 = service.submit("q", "n1")["job"]["id"]
+    n2 = service.submit("q", "n2")["job"]["id"]
+    high = service.submit("q", "high", priority="high")["job"]["id"]
+    crit = service.submit("q", "crit", priority="critical")["job"]["id"]
+    order = [service.claim(["q"], worker_id="w")[0]["job_id"] for _ in range(5)]
+    assert order == [crit, high, n1, n2, low]
+    assert service.claim(["q"], worker_id="w") == []
+
+
+def test_aging_lets_an_old_low_job_beat_a_newer_high_job(
+    service: QueueService, clock: FakeClock
+) -> None:
+    low = service.submit("q", "low", priority="low")["job"]["id"]
+    clock.advance(ms=2 * 60_000 - 1)  # one whole minute waited: LOW counts as NORMAL
+    high = service.submit("q", "high", priority="high")["job"]["id"]
+    assert service.claim(["q"], worker_id="w", max_jobs=1)[0]["job_id"] == high
+    service.submit("q", "high2", priority="high")
+    clock.advance(ms=1)  # two whole minutes: LOW counts as HIGH, and it is older: FIFO wins
+    assert service.claim(["q"], worker_id="w")[0]["job_id"] == low
+
+
+def test_aging_is_capped_at_critical_and_fifo_breaks_ties(
+    service: QueueService, clock: FakeClock
+) -> None:
+    old_low = service.submit("q", "old", priority="low")["job"]["id"]
+    clock.advance(seconds=3600)
+    crit = service.submit("q", "crit", priority="critical")["job"]["id"]
+    # Both are CRITICAL now; the older one goes first.
+    assert [service.claim(["q"], worker_id="w")[0]["job_id"] for _ in range(2)] == [old_low, crit]
+
+
+def test_claim_several_jobs_across_queues(service: QueueService) -> None:
+    a = [service.submit("a", i)["job"]["id"] for i in range(3)]
+    b = [service.submit("b", i, priority="high")["job"]["id"] for i in range(2)]
+    leases = service.claim(["a", "b"], worker_id="w", max_jobs=4)
+    assert [lease["job_id"] for lease in leases] == [*b, *a[:2]]
+    assert len({lease["lease_token"] for lease in leases}) == 4
+
+
+def test_claim_sets_lease_fields_and_history(service: QueueService, clock: FakeClock) -> None:
+    job = service.submit("q", {"x": 1})["job"]
+    lease = service.claim(["q"], worker_id="w1", lease_ms=10_000)[0]
+    assert lease["attempt"] == 1 and lease["payload"] == {"x": 1}
+    assert lease["lease_expires_at_ms"] == clock.now_ms() + 10_000
+    assert len(lease["lease_token"]) >= 32  # 192 random bits, url-safe
+    got = service.get(job["id"])
+    assert got["state"] == "leased" and got["leased_by"] == "w1"
+    assert "lease_token" not in got
+    assert got["history"] == [
+        {
+            "attempt": 1,
+            "worker_id": "w1",
+            "started_at_ms": clock.now_ms(),
+            "ended_at_ms": None,
+            "outcome": None,
+            "error": None,
+        }
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"lease_ms": 999}, "lease_ms"),
+        ({"lease_ms": 43_200_001}, "lease_ms"),
+        ({"max_jobs": 0}, "max_jobs"),
+        ({"max_jobs": 101}, "max_jobs"),
+        ({"queues": []}, "queues"),
+        ({"queues": [f"q{i}" for i in range(17)]}, "queues"),
+        ({"worker_id": ""}, "worker_id"),
+    ],
+)
+def test_claim_rejects_bad_arguments(
+    service: QueueService, kwargs: dict[str, Any], field: str
+) -> None:
+    args: dict[str, Any] = {"queues": ["q"], "worker_id": "w"} | kwargs
+    queues = args.pop("queues")
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.claim(queues, **args)
+    assert exc.value.details["field"] == field
+
+
+def test_claim_cost_does_not_depend_on_backlog(
+    service: QueueService, django_assert_num_queries: Any
+) -> None:
+    service.submit_batch([{"queue": "q", "payload": i} for i in range(200)])
+    # BEGIN, promote, expired, heads, claim, attempt, COMMIT
+    with django_assert_num_queries(7):
+        service.claim(["q"], worker_id="w")
+
+
+# ------------------------------------------------------- renew/ack/fail
+
+
+def test_ack_succeeds_once_and_repeats_safely(
+    service: QueueService, leased_job: Factory, clock: FakeClock, django_assert_num_queries: Any
+) -> None:
+    lease = leased_job()
+    clock.advance(seconds=1)
+    with django_assert_num_queries(4):  # BEGIN, guarded UPDATE, attempt UPDATE, COMMIT
+        result = service.ack(lease["job_id"], **lease_args(lease))
+    assert result == {"job_id": lease["job_id"], "state": "succeeded", "duplicate": False}
+    # The reply was lost; the worker repeats the ack with the same token.
+    again = service.ack(lease["job_id"], **lease_args(lease))
+    assert again["duplicate"] is True
+    job = service.get(lease["job_id"])
+    assert job["state"] == "succeeded" and job["finished_at_ms"] == clock.now_ms()
+    assert job["history"][0]["outcome"] == "succeeded"
+
+
+def test_renew_extends_lease_up_to_max(
+    service: QueueService, leased_job: Factory, clock: FakeClock
+) -> None:
+    lease = leased_job(lease_ms=5_000)
+    clock.advance(ms=4_999)  # just before expiry
+    renewed = service.renew(lease["job_id"], **lease_args(lease), lease_ms=20_000)
+    assert renewed["lease_expires_at_ms"] == clock.now_ms() + 20_000
+    renewed = service.renew(lease["job_id"], **lease_args(lease), lease_ms=43_200_000)
+    assert renewed["lease_expires_at_ms"] == clock.now_ms() + 43_200_000
+    with pytest.raises(errors.InvalidArgument):
+        service.renew(lease["job_id"], **lease_args(lease), lease_ms=43_200_001)
+    assert row(lease["job_id"]).lease_expires_at_ms == clock.now_ms() + 43_200_000
+
+
+@pytest.mark.parametrize("verb", ["renew", "ack", "fail", "release"])
+def test_at_or_after_expiry_is_rejected_as_lease_expired(
+    service: QueueService, leased_job: Factory, clock: FakeClock, verb: str
+) -> None:
+    lease = leased_job(lease_ms=5_000)
+    clock.advance(ms=5_000)  # exactly at expiry: the lease is over
+    extra = {"error": "x"} if verb == "fail" else {}
+    with pytest.raises(errors.LeaseExpired):
+        getattr(service, verb)(lease["job_id"], **lease_args(lease), **extra)
+    assert row(lease["job_id"]).state == "leased"  # nothing changed; the reaper will expire it
+    # After the reaper ran, and nobody leased the job again: still LEASE_EXPIRED.
+    service.expire_leases()
+    with pytest.raises(errors.LeaseExpired):
+        getattr(service, verb)(lease["job_id"], **lease_args(lease), **extra)
+
+
+@pytest.mark.parametrize("verb", ["renew", "ack", "fail", "release"])
+def test_stale_token_after_reassignment_changes_nothing(
+    service: QueueService, leased_job: Factory, clock: FakeClock, verb: str
+) -> None:
+    old = leased_job(lease_ms=5_000)
+    clock.advance(ms=5_000)
+    new = service.claim(["default"], worker_id="w2")[0]
+    assert new["job_id"] == old["job_id"] and new["attempt"] == 2
+    before = (row(old["job_id"]).__dict__.copy(), list(JobAttempt.objects.values()))
+    extra = {"error": "x"} if verb == "fail" else {}
+    with pytest.raises(errors.StaleToken):
+        getattr(service, verb)(old["job_id"], **lease_args(old), **extra)
+    after = (row(old["job_id"]).__dict__.copy(), list(JobAttempt.objects.values()))
+    before[0].pop("_state"), after[0].pop("_state")
+    assert before == after
+    service.ack(new["job_id"], **lease_args(new, "w2"))
+
+
+@pytest.mark.parametrize("verb", ["renew", "ack", "fail", "release"])
+def test_wrong_worker_or_token_or_job(service: QueueService, leased_job: Factory, verb: str) -> None:
+    lease = leased_job()
+    extra = {"error": "x"} if verb == "fail" else {}
+    call = getattr(service, verb)
+    with pytest.raises(errors.StaleToken):
+        call(lease["job_id"], worker_id="intruder", lease_token=lease["lease_token"], **extra)
+    with pytest.raises(errors.StaleToken):
+        call(lease["job_id"], worker_id="w1", lease_token="guess", **extra)
+    with pytest.raises(errors.JobNotFound):
+        call("job_missing", **lease_args(lease), **extra)
+    assert row(lease["job_id"]).state == "leased"
+
+
+def test_ack_after_restart_recovery_is_stale(service: QueueService, leased_job: Factory) -> None:
+    lease = leased_job()
+    assert service.recover() == 1
+    job = service.get(lease["job_id"])
+    assert job["state"] == "ready" and job["failures"] == 0
+    assert job["history"][0]["outcome"] == "recovered"
+    assert job["events"][0]["event"] == "recovered"
+    with pytest.raises(errors.StaleToken):
+        service.ack(lease["job_id"], **lease_args(lease))
+
+
+def test_recover_leaves_terminal_and_waiting_jobs(
+    service: QueueService, leased_job: Factory, dead_job: Factory, job_factory: Factory
+) -> None:
+    done = leased_job()
+    service.ack(done["job_id"], **lease_args(done))
+    dead = dead_job()
+    waiting = job_factory(delay_ms=1000)
+    assert service.recover() == 0
+    assert [row(j).state for j in (done["job_id"], dead["id"], waiting["id"])] == [
+        "succeeded",
+        "dead",
+        "pending",
+    ]
+
+
+# ---------------------------------------------------------- retry to DEAD
+
+
+def test_fail_retries_with_backoff_then_dead_letters(
+    service: QueueService, job_factory: Factory, clock: FakeClock
+) -> None:
+    job = job_factory(max_retries=2, backoff="exponential", backoff_base_ms=1000, jitter=False)
+    delays = []
+    for failure in (1, 2):
+        lease = service.claim(["default"], worker_id="w")[0]
+        assert lease["attempt"] == failure
+        result = service.fail(job["id"], **lease_args(lease, "w"), error=f"boom {failure}")
+        assert result["state"] == "retrying"
+        delays.append(result["retry_at_ms"] - clock.now_ms())
+        assert service.claim(["default"], worker_id="w") == []  # not before the retry is due
+        clock.advance(ms=delays[-1])
+    assert delays == [1000, 2000]
+    lease = service.claim(["default"], worker_id="w")[0]
+    result = service.fail(job["id"], **lease_args(lease, "w"), error="boom 3")
+    assert result["state"] == "dead" and result["dead_reason"] == "attempts exhausted: boom 3"
+    got = service.get(job["id"])
+    assert (got["attempt"], got["failures"], got["last_error"]) == (3, 3, "boom 3")
+    assert [h["error"] for h in got["history"]] == ["boom 1", "boom 2", "boom 3"]
+
+
+def test_fixed_backoff_with_jitter_stays_in_bounds(
+    service: QueueService, job_factory: Factory, clock: FakeClock
+) -> None:
+    job_factory(max_retries=50, backoff="fixed", backoff_base_ms=1000, jitter=True)
+    seen = set()
+    for _ in range(20):
+        lease = service.claim(["default"], worker_id="w")[0]
+        retry_at = service.fail(lease["job_id"], **lease_args(lease, "w"), error="e")["retry_at_ms"]
+        delay = retry_at - clock.now_ms()
+        assert 500 <= delay <= 1000
+        seen.add(delay)
+        clock.advance(ms=delay)
+    assert len(seen) > 1
+
+
+def test_non_retryable_failure_goes_straight_to_dead(
+    service: QueueService, leased_job: Factory
+) -> None:
+    lease = leased_job(max_retries=10)
+    result = service.fail(lease["job_id"], **lease_args(lease), error="bad input", retryable=False)
+    assert result["state"] == "dead" and result["dead_reason"] == "non-retryable: bad input"
+
+
+def test_fail_repeated_with_same_token_is_duplicate(
+    service: QueueService, leased_job: Factory
+) -> None:
+    lease = leased_job()
+    first = service.fail(lease["job_id"], **lease_args(lease), error="x")
+    again = service.fail(lease["job_id"], **lease_args(lease), error="x")
+    assert again["duplicate"] is True and again["state"] == first["state"] == "retrying"
+    assert again["retry_at_ms"] == first["retry_at_ms"]
+    assert row(lease["job_id"]).failures == 1
+
+
+@override_settings(RELAY_MAX_ERROR_BYTES=10)
+def test_error_text_is_bounded(service: QueueService, leased_job: Factory) -> None:
+    lease = leased_job()
+    with pytest.raises(errors.InvalidArgument):
+        service.fail(lease["job_id"], **lease_args(lease), error="é" * 6)  # 12 bytes
+    service.fail(lease["job_id"], **lease_args(lease), error="é" * 5)
+
+
+# --------------------------------------------------------------- expiry
+
+
+def test_expired_lease_returns_to_ready_and_counts_a_failure(
+    service: QueueService, leased_job: Factory, clock: FakeClock
+) -> None:
+    lease = leased_job(lease_ms=5_000, max_retries=1)
+    clock.advance(ms=4_999)
+    assert service.expire_leases() == []
+    clock.advance(ms=1)
+    assert service.expire_leases() == ["default"]
+    job = service.get(lease["job_id"])
+    assert (job["state"], job["failures"], job["ready_since_ms"]) == (
+        "ready",
+        1,
+        lease["lease_expires_at_ms"],
+    )
+    assert job["history"][0]["outcome"] == "lease_expired"
+    # The second expiry spends the budget: DEAD with the reason.
+    second = service.claim(["default"], worker_id="w2", lease_ms=5_000)[0]
+    clock.advance(ms=5_000)
+    assert service.expire_leases() == []
+    job = service.get(second["job_id"])
+    assert (job["state"], job["dead_reason"], job["attempt"]) == ("dead", "lease expired", 2)
+
+
+def test_claim_reclaims_expired_leases_itself(
+    service: QueueService, leased_job: Factory, clock: FakeClock
+) -> None:
+    lease = leased_job(lease_ms=5_000)
+    assert service.claim(["default"], worker_id="w2") == []  # still validly leased
+    clock.advance(ms=5_000)
+    again = service.claim(["default"], worker_id="w2")
+    assert again[0]["job_id"] == lease["job_id"] and again[0]["attempt"] == 2
+
+
+def test_release_gives_job_back_without_a_failure(
+    service: QueueService, leased_job: Factory, clock: FakeClock
+) -> None:
+    lease = leased_job()
+    clock.advance(seconds=2)
+    assert service.release(lease["job_id"], **lease_args(lease))["state"] == "ready"
+    job = service.get(lease["job_id"])
+    assert (job["failures"], job["ready_since_ms"]) == (0, clock.now_ms())
+    assert job["history"][0]["outcome"] == "released"
+
+
+def test_next_due_ms_reports_schedule_and_expiry(
+    service: QueueService, leased_job: Factory, job_factory: Factory, clock: FakeClock
+) -> None:
+    assert service.next_due_ms() is None
+    leased_job(lease_ms=10_000)
+    assert service.next_due_ms() == clock.now_ms() + 10_000
+    job_factory(delay_ms=3_000)
+    assert service.next_due_ms() == clock.now_ms() + 3_000
+
+
+# ------------------------------------------------------- replay and purge
+
+
+def test_replay_resets_budget_keeps_id_attempts_history(
+    service: QueueService, dead_job: Factory, clock: FakeClock
+) -> None:
+    job = dead_job(max_retries=0)
+    clock.advance(seconds=5)
+    replayed = service.replay(job["id"], actor="alice")
+    assert (replayed["id"], replayed["state"], replayed["failures"], replayed["attempt"]) == (
+        job["id"],
+        "ready",
+        0,
+        1,
+    )
+    assert replayed["dead_reason"] is None and replayed["created_at_ms"] == job["created_at_ms"]
+    assert replayed["ready_since_ms"] == clock.now_ms()
+    lease = service.claim(["default"], worker_id="w")[0]
+    assert lease["attempt"] == 2  # the fencing epoch never goes back
+    got = service.get(job["id"])
+    assert [h["attempt"] for h in got["history"]] == [1, 2]
+    assert got["events"][0] | {"at_ms": 0} == {
+        "event": "replayed",
+        "from_state": "dead",
+        "to_state": "ready",
+        "at_ms": 0,
+        "actor": "alice",
+        "detail": None,
+    }
+
+
+def test_replay_twice_changes_once(service: QueueService, dead_job: Factory) -> None:
+    job = dead_job()
+    service.replay(job["id"], actor="alice")
+    with pytest.raises(errors.InvalidState) as exc:
+        service.replay(job["id"], actor="bob")
+    assert exc.value.details["state"] == "ready"
+    assert JobEvent.objects.filter(job_id=job["id"], event="replayed").count() == 1
+
+
+def test_replay_and_purge_unknown_job(service: QueueService) -> None:
+    with pytest.raises(errors.JobNotFound):
+        service.replay("job_nope")
+    with pytest.raises(errors.JobNotFound):
+        service.purge("job_nope")
+
+
+def test_purge_only_terminal_jobs(
+    service: QueueService, dead_job: Factory, leased_job: Factory, job_factory: Factory
+) -> None:
+    live = leased_job()
+    with pytest.raises(errors.InvalidState):
+        service.purge(live["job_id"])
+    service.ack(live["job_id"], **lease_args(live))
+    with pytest.raises(errors.InvalidState):
+        service.purge(live["job_id"], dead_only=True)
+    assert service.purge(live["job_id"]) == {"job_id": live["job_id"], "purged": True}
+    dead = dead_job()
+    service.purge(dead["id"], actor="ops", dead_only=True)
+    assert not Job.objects.filter(id=dead["id"]).exists()
+    assert not JobAttempt.objects.filter(job_id=dead["id"]).exists()
+    event = JobEvent.objects.get(job_id=dead["id"], event="purged")
+    assert (event.actor, event.from_state) == ("ops", "dead")
+
+
+# ------------------------------------------------------- stats and listing
+
+
+def test_stats_counts_by_state_and_oldest_ready_age(
+    service: QueueService, job_factory: Factory, leased_job: Factory, clock: FakeClock
+) -> None:
+    job_factory(queue="a")
+    clock.advance(seconds=3)
+    job_factory(queue="a")
+    job_factory(queue="b", delay_ms=1000)
+    leased_job(queue="c")
+    stats = service.stats()
+    assert stats["queues"]["a"]["ready"] == 2 and stats["queues"]["a"]["oldest_ready_age_ms"] == 3000
+    assert stats["queues"]["b"]["pending"] == 1 and stats["queues"]["b"]["oldest_ready_age_ms"] is None
+    assert stats["queues"]["c"]["leased"] == 1
+    assert stats["totals"] == {
+        "pending": 1,
+        "ready": 2,
+        "leased": 1,
+        "retrying": 0,
+        "succeeded": 0,
+        "dead": 0,
+    }
+    assert list(service.stats("a")["queues"]) == ["a"]
+
+
+def test_dead_list_pages_by_keyset(service: QueueService, dead_job: Factory) -> None:
+    ids = [dead_job(queue="a" if i % 2 else "b")["id"] for i in range(5)]
+    page = service.dead_list(limit=2)
+    assert [j["id"] for j in page["jobs"]] == ids[:2] and page["next_after"] == ids[1]
+    rest = service.dead_list(limit=10, after=page["next_after"])
+    assert [j["id"] for j in rest["jobs"]] == ids[2:] and rest["next_after"] is None
+    only_a = service.dead_list("a")
+    assert [j["id"] for j in only_a["jobs"]] == ids[1::2]
+    assert only_a["jobs"][0]["dead_reason"] == "non-retryable: boom"
+
+
+def test_schema_rejects_impossible_states(service: QueueService, job_factory: Factory) -> None:
+    job = job_factory()
+    with connection.cursor() as cursor, pytest.raises(Exception, match="CHECK"):
+        cursor.execute("UPDATE relay_job SET state = 'leased' WHERE id = %s", [job["id"]])
