@@ -130,7 +130,10 @@ def test_submit_batch_is_all_or_nothing(service: QueueService) -> None:
     service.submit("q", {"a": 1}, idempotency_key="k")
     with pytest.raises(errors.IdempotencyConflict):
         service.submit_batch(
-            [{"queue": "q", "payload": 9}, {"queue": "q", "payload": {"a": 2}, "idempotency_key": "k"}]
+            [
+                {"queue": "q", "payload": 9},
+                {"queue": "q", "payload": {"a": 2}, "idempotency_key": "k"},
+            ]
         )
     assert Job.objects.count() == 4
 
@@ -148,7 +151,9 @@ def test_submit_batch_is_bounded(service: QueueService) -> None:
 
 def test_idempotency_key_dedupes_within_window(service: QueueService, clock: FakeClock) -> None:
     first = service.submit("q", {"a": 1, "b": 2}, idempotency_key="k")
-    again = service.submit("q", {"b": 2, "a": 1}, idempotency_key="k")  # same payload, key order aside
+    again = service.submit(
+        "q", {"b": 2, "a": 1}, idempotency_key="k"
+    )  # same payload, key order aside
     assert again["deduplicated"] is True and again["job"]["id"] == first["job"]["id"]
     other_queue = service.submit("other", {"a": 1, "b": 2}, idempotency_key="k")
     assert other_queue["deduplicated"] is False
@@ -350,7 +355,9 @@ def test_stale_token_after_reassignment_changes_nothing(
 
 
 @pytest.mark.parametrize("verb", ["renew", "ack", "fail", "release"])
-def test_wrong_worker_or_token_or_job(service: QueueService, leased_job: Factory, verb: str) -> None:
+def test_wrong_worker_or_token_or_job(
+    service: QueueService, leased_job: Factory, verb: str
+) -> None:
     lease = leased_job()
     extra = {"error": "x"} if verb == "fail" else {}
     call = getattr(service, verb)
@@ -590,8 +597,12 @@ def test_stats_counts_by_state_and_oldest_ready_age(
     job_factory(queue="b", delay_ms=1000)
     leased_job(queue="c")
     stats = service.stats()
-    assert stats["queues"]["a"]["ready"] == 2 and stats["queues"]["a"]["oldest_ready_age_ms"] == 3000
-    assert stats["queues"]["b"]["pending"] == 1 and stats["queues"]["b"]["oldest_ready_age_ms"] is None
+    assert (
+        stats["queues"]["a"]["ready"] == 2 and stats["queues"]["a"]["oldest_ready_age_ms"] == 3000
+    )
+    assert (
+        stats["queues"]["b"]["pending"] == 1 and stats["queues"]["b"]["oldest_ready_age_ms"] is None
+    )
     assert stats["queues"]["c"]["leased"] == 1
     assert stats["totals"] == {
         "pending": 1,

@@ -1,0 +1,44 @@
+"""Error codes: one class per code, and docs/protocol.md lists every one of them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from queue_core import errors
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+
+
+def documented_codes() -> dict[str, tuple[str, str]]:
+    rows = re.findall(r"^\| `([A-Z_]+)` \| (\d+|–) \| (yes|no) \|", DOC.read_text(), re.M)
+    return {code: (status, retry) for code, status, retry in rows}
+
+
+def test_docs_list_every_code_with_its_status_and_retryability() -> None:
+    documented = documented_codes()
+    classes = {cls.code: cls for cls in errors.all_error_classes()}
+    assert set(documented) == set(classes)
+    for code, cls in classes.items():
+        assert documented[code] == (str(cls.http_status), "yes" if cls.retryable else "no"), code
+
+
+def test_codes_are_unique() -> None:
+    codes = [cls.code for cls in errors.all_error_classes()]
+    assert len(codes) == len(set(codes))
+
+
+def test_error_body_hides_internal_details() -> None:
+    body = errors.error_body(KeyError("secret path /etc/x"))
+    assert body == {
+        "code": "INTERNAL",
+        "message": "Internal error; see the server log.",
+        "retryable": True,
+    }
+
+
+def test_error_round_trip_through_body() -> None:
+    exc = errors.StaleToken("nope", job_id="job_1")
+    back = errors.error_from_body(exc.to_dict())
+    assert type(back) is errors.StaleToken
+    assert (back.message, back.details) == ("nope", {"job_id": "job_1"})
