@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 import random
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from queue_core.clock import FakeClock
 from queue_core.service import QueueService
+from tests.procs import Spawner, spawner
 
 
 @pytest.fixture(scope="session")
@@ -92,3 +93,12 @@ def dead_job(
         return service.get(lease["job_id"])
 
     return make
+
+
+@pytest.fixture
+def spawn(transactional_db: None) -> Iterator[Spawner]:
+    """Start real ``manage.py`` processes on the test database; all are killed at teardown."""
+    from django.db import connection
+
+    with spawner(str(connection.settings_dict["NAME"])) as s:
+        yield s

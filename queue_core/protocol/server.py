@@ -1,0 +1,639 @@
+"""The NDJSON-over-TCP server: socket I/O and scheduling, nothing else.
+
+Threads and tasks:
+
+* The event loop reads bounded lines, decodes them, and writes one reply line per request.
+  It never touches the database.
+* One **writer thread** runs every state-changing call (submit, lease claims, renew, ack, fail,
+  release, replay, purge, the reaper's sweeps). It takes the first queued call, drains up to
+  ``GROUP_COMMIT_MAX - 1`` more, and runs them all inside ONE ``store.immediate()``
+  transaction: each call gets its own SAVEPOINT (the service's own ``immediate()`` nests too),
+  so one call's error rolls back only that call. The batch then COMMITs once, one fsync for
+  all of them at ``synchronous=FULL``, and only then are the callers' futures resolved. If the
+  commit fails, every call in the batch gets that error. Between batches (or every
+  ``WATCH_INTERVAL_S`` when idle) it reads ``PRAGMA data_version`` on its own connection: the
+  value changes only when *another* connection commits (the HTTP API, a CLI), so our own
+  commits never trigger it.
+* A small **reader pool** runs read-only calls (ping, inspect, stats, dead_list); each thread
+  has its own connection and WAL lets them read while the writer writes.
+* The **reaper** task runs ``expire_leases`` + ``promote_due`` on the writer every
+  ``RELAY_REAPER_INTERVAL_MS``, or sooner at ``next_due_ms()`` or at a due instant a request
+  reported, and after another process commits.
+
+Long-poll leases subscribe to per-queue ``asyncio.Event``s *before* each claim (so a commit
+between the claim and the wait is not missed) and are woken when a commit in this process
+makes a job READY in one of their queues, when the reaper promotes or expires jobs there, or
+when another process commits (wake all). There is no fixed-sleep polling on the lease path.
+
+SIGTERM/SIGINT (``request_shutdown``): stop accepting, refuse submit/lease with
+``UNAVAILABLE``, answer waiting long-polls with ``{"jobs": []}``, keep serving renew, ack,
+fail, release and reads until no job is leased or ``shutdown_grace_ms`` has passed, then close
+connections and stop the threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import signal
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from queue_core import errors
+from queue_core.conf import relay_settings
+from queue_core.protocol import codec, dispatch
+from queue_core.service import QueueService
+from queue_core.store import Store
+
+log = logging.getLogger("relay.server")
+
+GROUP_COMMIT_MAX = 256  # calls per writer transaction
+WATCH_INTERVAL_S = 0.05  # how often the writer checks PRAGMA data_version
+READER_THREADS = 4
+DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs
+CLOSE_WAIT_S = 2.0  # how long a closing connection waits for its in-flight requests
+LINGER_S = 1.0  # how long input is discarded after FRAME_TOO_LARGE before closing
+
+
+@dataclasses.dataclass(slots=True)
+class _Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    claims: bool = False  # a lease claim: its batch sweeps due jobs first
+
+
+def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():  # the caller went away (cancelled)
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _resolve(call: _Call, ok: bool, value: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is already closed
+        call.loop.call_soon_threadsafe(_settle, call.future, ok, value)
+
+
+_STOP = object()
+
+
+class _DbThread(threading.Thread):
+    """A thread that runs calls from a queue and closes its DB connection on exit."""
+
+    def __init__(self, name: str, calls: queue.SimpleQueue[Any], store: Store) -> None:
+        super().__init__(name=name, daemon=True)
+        self.calls = calls
+        self.store = store
+
+    def run(self) -> None:
+        try:
+            self.serve()
+        finally:
+            with contextlib.suppress(Exception):
+                self.store.close()
+
+    def serve(self) -> None:
+        while (call := self.calls.get()) is not _STOP:
+            try:
+                _resolve(call, True, call.fn())
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller's coroutine
+                _resolve(call, False, exc)
+
+
+class _Writer(_DbThread):
+    """The one thread that writes: group commit plus the ``data_version`` watch.
+
+    Args:
+        calls: the queue ``_Call``s arrive on (``_STOP`` ends the thread after earlier calls).
+        store: the service's store (its ``immediate()`` gives the transaction and savepoints).
+        sweep: expires leases and promotes due jobs, returning the queues that got READY
+            jobs. Run first in a batch that holds a claim: ``claim`` sweeps too, but does not
+            say which queues it made ready, and their waiters must be woken.
+        on_ready: called (on this thread) with the queues ``sweep`` made ready, after commit.
+        on_foreign_commit: called (on this thread) when another connection committed.
+    """
+
+    def __init__(
+        self,
+        calls: queue.SimpleQueue[Any],
+        store: Store,
+        *,
+        sweep: Callable[[], set[str]],
+        on_ready: Callable[[set[str]], None],
+        on_foreign_commit: Callable[[], None],
+    ) -> None:
+        super().__init__("relay-writer", calls, store)
+        self.commits = 0  # transactions committed (each holds one or more calls)
+        self.sweep = sweep
+        self.on_ready = on_ready
+        self.on_foreign_commit = on_foreign_commit
+
+    def serve(self) -> None:
+        version = self._data_version(None)
+        next_watch = time.monotonic() + WATCH_INTERVAL_S
+        while True:
+            try:
+                first = self.calls.get(timeout=max(0.0, next_watch - time.monotonic()))
+            except queue.Empty:
+                first = None
+            if first is _STOP:
+                return
+            if first is not None:
+                batch = [first]
+                while len(batch) < GROUP_COMMIT_MAX:
+                    try:
+                        nxt = self.calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is _STOP:
+                        self.calls.put(_STOP)  # finish this batch, then stop
+                        break
+                    batch.append(nxt)
+                self._commit(batch)
+            if time.monotonic() >= next_watch:
+                new = self._data_version(version)
+                if version is not None and new != version:
+                    self.on_foreign_commit()
+                version = new
+                next_watch = time.monotonic() + WATCH_INTERVAL_S
+
+    def _data_version(self, old: int | None) -> int | None:
+        try:
+            return self.store.data_version()
+        except Exception:
+            log.exception("event=data_version_failed")
+            return old
+
+    def _commit(self, batch: list[_Call]) -> None:
+        outcomes: list[tuple[bool, Any]] = []
+        ready: set[str] = set()
+        try:
+            with self.store.immediate():
+                if any(call.claims for call in batch):
+                    try:
+                        with self.store.immediate():
+                            ready = self.sweep()
+                    except Exception:
+                        log.exception("event=sweep_failed")
+                for call in batch:
+                    try:
+                        with self.store.immediate():  # a SAVEPOINT: this call rolls back alone
+                            outcomes.append((True, call.fn()))
+                    except Exception as exc:  # noqa: BLE001 - re-raised in the caller
+                        outcomes.append((False, exc))
+            self.commits += 1
+        except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
+            log.error("event=group_commit_failed calls=%d error=%r", len(batch), exc)
+            outcomes, ready = [(False, exc)] * len(batch), set()
+        if ready:
+            self.on_ready(ready)
+        for call, (ok, value) in zip(batch, outcomes, strict=True):
+            _resolve(call, ok, value)
+
+
+class _Notifier:
+    """Per-queue wake-up events for waiting long-poll leases (event-loop thread only)."""
+
+    def __init__(self) -> None:
+        self._waiters: defaultdict[str, set[asyncio.Event]] = defaultdict(set)
+
+    def subscribe(self, queues: Iterable[str]) -> asyncio.Event:
+        """Return an event set when any of ``queues`` may have a READY job."""
+        event = asyncio.Event()
+        for name in queues:
+            self._waiters[name].add(event)
+        return event
+
+    def unsubscribe(self, event: asyncio.Event, queues: Iterable[str]) -> None:
+        """Forget ``event``."""
+        for name in queues:
+            waiters = self._waiters.get(name)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._waiters[name]
+
+    def wake(self, queues: Iterable[str]) -> None:
+        """Wake every waiter of ``queues``."""
+        for name in queues:
+            for event in self._waiters.get(name, ()):
+                event.set()
+
+    def wake_all(self) -> None:
+        """Wake every waiter."""
+        self.wake(list(self._waiters))
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Conn:
+    """One client connection (event-loop thread only)."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    peer: str
+    slots: asyncio.Semaphore  # in-flight requests left
+    tasks: set[asyncio.Task[None]] = dataclasses.field(default_factory=set)
+    waiting: set[asyncio.Event] = dataclasses.field(default_factory=set)  # its long-polls
+    read_task: asyncio.Task[None] | None = None
+    gone: bool = False  # the client closed its side: long-polls stop waiting
+
+    async def send(self, line: bytes) -> None:
+        """Write one reply line (a single ``write``, so replies never interleave) and drain."""
+        if self.writer.is_closing():
+            return
+        self.writer.write(line)
+        try:
+            await self.writer.drain()
+        except ConnectionError as exc:
+            log.debug("event=send_failed peer=%s error=%r", self.peer, exc)
+
+    def done(self, task: asyncio.Task[None]) -> None:
+        """Forget a finished request task and free its in-flight slot."""
+        self.tasks.discard(task)
+        self.slots.release()
+
+
+class RelayServer:
+    """Serve the NDJSON protocol for one ``QueueService``.
+
+    Args:
+        service: the queue service (default ``QueueService()``).
+        host: address to bind (default from ``RELAY_ADDRESS``).
+        port: port to bind; 0 picks a free one (``port`` holds the bound one once ``ready``
+            is set).
+        shutdown_grace_ms: after a shutdown request, how long renew/ack/fail/release are still
+            served while jobs are leased (default ``RELAY_SHUTDOWN_GRACE_MS``).
+
+    ``serve()`` runs until ``request_shutdown()`` (thread-safe) or SIGTERM/SIGINT asks it to
+    stop, then drains and returns. ``ready`` (a ``threading.Event``) is set once listening.
+    """
+
+    def __init__(
+        self,
+        service: QueueService | None = None,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        shutdown_grace_ms: int | None = None,
+    ) -> None:
+        s = relay_settings()
+        default_host, _, default_port = s.address.rpartition(":")
+        self.service = service or QueueService()
+        self.host = host if host is not None else default_host.strip("[]")
+        self.port = port if port is not None else int(default_port)
+        self.shutdown_grace_ms = (
+            s.shutdown_grace_ms if shutdown_grace_ms is None else shutdown_grace_ms
+        )
+        self.ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop = asyncio.Event()
+        self._reap_kick = asyncio.Event()
+        self._reap_at = 0.0  # loop time of the next reaper pass
+        self._draining = False
+        self._conns: set[_Conn] = set()
+        self._notifier = _Notifier()
+        self._write_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._writer: _Writer | None = None
+
+    @property
+    def commits(self) -> int:
+        """Write transactions committed so far (group commit: usually fewer than requests)."""
+        return self._writer.commits if self._writer is not None else 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def request_shutdown(self) -> None:
+        """Begin the graceful shutdown (safe from any thread and from signal handlers)."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                self._loop.call_soon_threadsafe(self._stop.set)
+
+    async def serve(self, *, handle_signals: bool = False) -> None:
+        """Listen, serve until asked to stop, drain, and return.
+
+        Args:
+            handle_signals: make SIGTERM and SIGINT call ``request_shutdown`` (main thread
+                only).
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        self._loop = asyncio.get_running_loop()
+        store = self.service.store
+        self._writer = _Writer(
+            self._write_calls,
+            store,
+            sweep=self._sweep,
+            on_ready=lambda queues: self._from_thread(self._notifier.wake, queues),
+            on_foreign_commit=lambda: self._from_thread(self._foreign_commit),
+        )
+        threads: list[_DbThread] = [
+            self._writer,
+            *(
+                _DbThread(f"relay-reader-{n}", self._read_calls, store)
+                for n in range(READER_THREADS)
+            ),
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            limit = relay_settings().max_frame_bytes + 2
+            server = await asyncio.start_server(self._on_connect, self.host, self.port, limit=limit)
+        except BaseException:
+            await asyncio.to_thread(self._stop_threads, threads)
+            raise
+        self.port = server.sockets[0].getsockname()[1]
+        if handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self.request_shutdown)
+        reaper = asyncio.create_task(self._reaper(), name="relay-reaper")
+        log.info(
+            "event=ready host=%s port=%s",
+            self.host,
+            self.port,
+            extra={"event": "ready", "host": self.host, "port": self.port},
+        )
+        self.ready.set()
+        try:
+            await self._stop.wait()
+            log.info(
+                "event=draining grace_ms=%s",
+                self.shutdown_grace_ms,
+                extra={"event": "draining", "grace_ms": self.shutdown_grace_ms},
+            )
+            self._draining = True
+            server.close()  # stop accepting; open connections stay
+            self._notifier.wake_all()  # waiting long-polls answer {"jobs": []}
+            await self._grace()
+            await self._close_connections()
+            await server.wait_closed()
+        finally:
+            if handle_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    self._loop.remove_signal_handler(sig)
+            reaper.cancel()
+            await asyncio.gather(reaper, return_exceptions=True)
+            await asyncio.to_thread(self._stop_threads, threads)
+            log.info("event=stopped", extra={"event": "stopped"})
+
+    def _stop_threads(self, threads: list[_DbThread]) -> None:
+        self._write_calls.put(_STOP)
+        for _ in range(READER_THREADS):
+            self._read_calls.put(_STOP)
+        for thread in threads:
+            thread.join()
+        for calls in (self._write_calls, self._read_calls):  # normally empty by now
+            while not calls.empty():
+                call = calls.get()
+                if call is not _STOP:
+                    _resolve(call, False, errors.Unavailable())
+
+    async def _grace(self) -> None:
+        """Serve renew/ack/fail/release until no job is leased, at most the grace period."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_grace_ms / 1000
+        while loop.time() < deadline:
+            try:
+                stats = await self._read(self.service.stats)
+                if stats["totals"].get("leased", 0) == 0:
+                    return
+            except Exception:
+                log.exception("event=drain_stats_failed")
+            await asyncio.sleep(min(DRAIN_CHECK_S, max(0.0, deadline - loop.time())))
+
+    async def _close_connections(self) -> None:
+        conns = list(self._conns)
+        for conn in conns:
+            if conn.read_task is not None:
+                conn.read_task.cancel()
+        inflight = [task for conn in conns for task in conn.tasks]
+        if inflight:
+            await asyncio.wait(inflight, timeout=CLOSE_WAIT_S)
+
+    # ------------------------------------------------------------------ DB calls
+
+    async def _call(
+        self, calls: queue.SimpleQueue[Any], fn: Callable[[], Any], *, claims: bool = False
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        calls.put(_Call(fn, future, loop, claims))
+        return await future
+
+    async def _write(self, fn: Callable[[], Any], *, claims: bool = False) -> Any:
+        """Run ``fn`` on the writer thread, in the next group commit; return after COMMIT."""
+        return await self._call(self._write_calls, fn, claims=claims)
+
+    async def _read(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the reader pool."""
+        return await self._call(self._read_calls, fn)
+
+    # ------------------------------------------------------------------ wake-ups
+
+    def _from_thread(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(fn, *args)
+
+    def _foreign_commit(self) -> None:
+        """Another process committed: wake every waiter and let the reaper look now."""
+        self._notifier.wake_all()
+        self._schedule_reap(0.0)
+
+    def _schedule_reap(self, delay_s: float) -> None:
+        assert self._loop is not None
+        at = self._loop.time() + max(0.0, delay_s)
+        if at < self._reap_at:
+            self._reap_at = at
+            self._reap_kick.set()
+
+    def _schedule_due(self, due_at_ms: int) -> None:
+        # +1 ms: wake at or just after the instant, never a hair before it.
+        self._schedule_reap((due_at_ms - self.service.clock.now_ms() + 1) / 1000)
+
+    def _apply(self, outcome: dispatch.Outcome) -> None:
+        self._notifier.wake(outcome.ready_queues)
+        if outcome.due_at_ms is not None:
+            self._schedule_due(outcome.due_at_ms)
+
+    def _sweep(self) -> set[str]:
+        """Writer thread: expire leases, promote due jobs; return the queues made ready."""
+        return set(self.service.expire_leases()) | set(self.service.promote_due())
+
+    def _reap_once(self) -> tuple[set[str], int | None]:
+        return self._sweep(), self.service.next_due_ms()
+
+    async def _reaper(self) -> None:
+        """Sweep every ``RELAY_REAPER_INTERVAL_MS``, and at the next due instant if sooner."""
+        loop = asyncio.get_running_loop()
+        interval_s = relay_settings().reaper_interval_ms / 1000
+        while True:
+            delay = self._reap_at - loop.time()
+            if delay > 0:
+                self._reap_kick.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._reap_kick.wait(), delay)
+                continue  # re-read _reap_at: a kick may have moved it earlier
+            self._reap_at = loop.time() + interval_s
+            try:
+                queues, due_ms = await self._write(self._reap_once)
+            except Exception:
+                log.exception("event=reaper_failed")
+                continue
+            if queues:
+                log.debug("event=reaped queues=%s", ",".join(sorted(queues)))
+                self._notifier.wake(queues)
+            # A due instant still in the past means a sweep hit its row limit: go again now.
+            if due_ms is not None and (queues or due_ms > self.service.clock.now_ms()):
+                self._schedule_due(due_ms)
+
+    # ------------------------------------------------------------------ connections
+
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        s = relay_settings()
+        peername = writer.get_extra_info("peername")
+        peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
+        conn = _Conn(reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection))
+        try:
+            if self._draining or len(self._conns) >= s.max_connections:
+                refusal: errors.RelayError = (
+                    errors.Unavailable() if self._draining else errors.TooManyConnections()
+                )
+                log.debug("event=connection_refused peer=%s code=%s", peer, refusal.code)
+                await conn.send(codec.encode_error(None, refusal))
+                return
+            self._conns.add(conn)
+            log.debug("event=connected peer=%s", peer)
+            conn.read_task = asyncio.create_task(self._read_loop(conn))
+            await asyncio.wait([conn.read_task])
+            if conn.tasks:  # let pipelined requests answer before closing
+                await asyncio.wait(conn.tasks, timeout=CLOSE_WAIT_S if self._draining else None)
+        except Exception:
+            log.exception("event=connection_failed peer=%s", peer)
+        finally:
+            for task in conn.tasks:
+                task.cancel()
+            self._conns.discard(conn)
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+            log.debug("event=disconnected peer=%s", peer)
+
+    async def _read_loop(self, conn: _Conn) -> None:
+        """Read frames until EOF, an idle timeout or an oversize frame; spawn one task each."""
+        s = relay_settings()
+        idle_s = s.idle_timeout_ms / 1000
+        while True:
+            try:
+                line = await asyncio.wait_for(conn.reader.readuntil(b"\n"), idle_s)
+            except TimeoutError:
+                if conn.tasks:  # a request in progress (a long-poll) is not idleness
+                    continue
+                log.debug("event=idle_timeout peer=%s", conn.peer)
+                await conn.send(codec.encode_error(None, errors.Timeout()))
+                return
+            except asyncio.LimitOverrunError:
+                # The reader holds at most the limit: reply and close without reading on.
+                limit = s.max_frame_bytes
+                exc = errors.FrameTooLarge(
+                    f"frame is over the {limit}-byte limit", limit_bytes=limit
+                )
+                await self._refuse_frame(conn, exc)
+                return
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                log.debug("event=eof peer=%s error=%r", conn.peer, exc)
+                conn.gone = True
+                for event in conn.waiting:
+                    event.set()
+                return
+            try:
+                request = codec.decode_request(line, s.max_frame_bytes)
+            except errors.FrameTooLarge as exc:
+                await self._refuse_frame(conn, exc)
+                return
+            except errors.BadFrame as exc:
+                log.debug("event=bad_frame peer=%s error=%s", conn.peer, exc.message)
+                await conn.send(codec.encode_error(codec.request_id_of(line), exc))
+                continue
+            await conn.slots.acquire()  # at most max_inflight per connection: else stop reading
+            task = asyncio.create_task(self._serve_request(conn, request))
+            conn.tasks.add(task)
+            task.add_done_callback(conn.done)
+
+    async def _refuse_frame(self, conn: _Conn, exc: errors.FrameTooLarge) -> None:
+        """Reply FRAME_TOO_LARGE, then read and discard input briefly before closing.
+
+        Closing a socket with unread input makes the kernel send a reset, and a client still
+        sending its oversize frame would see "connection reset" instead of the error. So the
+        rest of the frame is thrown away (never buffered) for up to ``LINGER_S``.
+        """
+        log.debug("event=frame_too_large peer=%s", conn.peer)
+        await conn.send(codec.encode_error(None, exc))
+        with contextlib.suppress(Exception):
+            if conn.writer.can_write_eof():
+                conn.writer.write_eof()
+            async with asyncio.timeout(LINGER_S):
+                while await conn.reader.read(65536):
+                    pass
+
+    async def _serve_request(self, conn: _Conn, request: codec.Request) -> None:
+        try:
+            line = codec.encode_ok(request.id, await self._execute(conn, request))
+        except errors.RelayError as exc:
+            line = codec.encode_error(request.id, exc)
+        except Exception:
+            log.exception("event=internal_error op=%s", request.op)
+            line = codec.encode_error(request.id, errors.Internal())
+        await conn.send(line)
+
+    async def _execute(self, conn: _Conn, request: codec.Request) -> dict[str, Any]:
+        verb = dispatch.lookup(request.op)
+        args = dispatch.validate(verb, request.args)
+        if self._draining and verb.op in dispatch.REFUSED_WHILE_DRAINING:
+            raise errors.Unavailable()
+        ctx = dispatch.Context(peer=conn.peer, actor=f"tcp:{conn.peer}")
+        if verb.kind is dispatch.Kind.READ:
+            outcome: dispatch.Outcome = await self._read(
+                lambda: verb.handler(self.service, args, ctx)
+            )
+        elif verb.kind is dispatch.Kind.LEASE:
+            outcome = await self._lease(conn, verb, args, ctx)
+        else:
+            outcome = await self._write(lambda: verb.handler(self.service, args, ctx))
+            self._apply(outcome)
+        return outcome.result
+
+    async def _lease(
+        self, conn: _Conn, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context
+    ) -> dispatch.Outcome:
+        """Claim; when nothing is ready, wait for a wake-up or ``wait_ms``, and claim again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + args.get("wait_ms", 0) / 1000
+        queues: list[str] = args["queues"]
+        while True:
+            # Subscribe before claiming, so a commit between the claim and the wait wakes us.
+            event = self._notifier.subscribe(queues)
+            conn.waiting.add(event)
+            try:
+                outcome: dispatch.Outcome = await self._write(
+                    lambda: verb.handler(self.service, args, ctx), claims=True
+                )
+                remaining = deadline - loop.time()
+                if outcome.result["jobs"] or remaining <= 0 or self._draining or conn.gone:
+                    return outcome
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
+                if self._draining or conn.gone:
+                    return dispatch.Outcome({"jobs": []})
+            finally:
+                conn.waiting.discard(event)
+                self._notifier.unsubscribe(event, queues)

@@ -1,0 +1,610 @@
+"""The TCP server over real sockets, with RelayServer running in a thread of the test process.
+
+Synchronisation never sleeps: a test waits for replies, for the server's ``ready`` event, or
+uses a write-path barrier (a request that goes through the writer after a long-poll's first
+claim, so once its reply arrives the long-poll is subscribed and waiting).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from django.test import override_settings
+
+from queue_core.protocol.server import RelayServer
+from queue_core.service import QueueService
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Client:
+    """A raw NDJSON socket client: send frames, read reply lines."""
+
+    def __init__(self, port: int, timeout: float = 15.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.file = self.sock.makefile("rb")
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, op: str, req_id: Any = None, **args: Any) -> None:
+        frame: dict[str, Any] = {"op": op, "args": args}
+        if req_id is not None:
+            frame["id"] = req_id
+        self.send_raw(orjson.dumps(frame) + b"\n")
+
+    def recv(self) -> dict[str, Any]:
+        line = self.file.readline()
+        assert line, "the server closed the connection"
+        assert line.endswith(b"\n")
+        reply: dict[str, Any] = orjson.loads(line)
+        return reply
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.recv()
+
+    def ok(self, op: str, **args: Any) -> dict[str, Any]:
+        reply = self.call(op, **args)
+        assert reply["ok"], reply
+        result: dict[str, Any] = reply["result"]
+        return result
+
+    def at_eof(self) -> bool:
+        try:
+            return self.file.read(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+class Running:
+    """A RelayServer serving on its own event loop in a background thread."""
+
+    def __init__(self, server: RelayServer) -> None:
+        self.server = server
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        server.ready.wait(15)
+        assert server.ready.is_set(), f"server did not start: {self.error!r}"
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve())
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.request_shutdown()
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the server did not stop"
+        assert self.error is None, self.error
+
+
+@pytest.fixture
+def start(transactional_db: None) -> Iterator[Callable[..., Running]]:
+    """Start servers on 127.0.0.1:0 (``start(shutdown_grace_ms=...)``); stopped at teardown."""
+    running: list[Running] = []
+
+    def make(**kwargs: Any) -> Running:
+        kwargs.setdefault("shutdown_grace_ms", 0)
+        r = Running(RelayServer(QueueService(), host="127.0.0.1", port=0, **kwargs))
+        running.append(r)
+        return r
+
+    yield make
+    for r in running:
+        if r.thread.is_alive():
+            r.stop()
+
+
+@pytest.fixture
+def server(start: Callable[..., Running]) -> Running:
+    return start()
+
+
+@pytest.fixture
+def connect(server: Running) -> Iterator[Callable[[], Client]]:
+    clients: list[Client] = []
+
+    def make() -> Client:
+        c = Client(server.port)
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+def barrier(client: Client, req_id: str = "barrier") -> None:
+    """Send a request that goes through the writer (an ack of an unknown job) and await it.
+
+    Requests on one connection start in order and the writer runs calls in order, so once
+    this reply arrives every earlier lease on ``client`` has made its first claim and is
+    subscribed to wake-ups.
+    """
+    client.send("ack", req_id, job_id="job_none", worker_id="w", lease_token="t")
+    reply = client.recv()
+    assert reply["id"] == req_id and reply["error"]["code"] == "NOT_FOUND", reply
+
+
+# ----------------------------------------------------------------------------- basics
+
+
+def test_ping(connect: Callable[[], Client]) -> None:
+    reply = connect().call("ping", req_id=1)
+    assert reply["id"] == 1 and reply["ok"] is True
+    assert reply["result"]["pong"] is True
+    assert abs(reply["result"]["server_time_ms"] - time.time() * 1000) < 60_000
+
+
+def test_submit_lease_ack_inspect(connect: Callable[[], Client]) -> None:
+    c = connect()
+    sub = c.ok("submit", queue="email", payload={"user_id": 42}, priority="high")
+    assert sub["deduplicated"] is False
+    job = sub["job"]
+    assert job["state"] == "ready" and job["priority"] == "high"
+    lease = c.ok("lease", queues=["email"], worker_id="w1:1:0", lease_ms=30_000)["jobs"]
+    assert [x["job_id"] for x in lease] == [job["id"]]
+    assert lease[0]["payload"] == {"user_id": 42} and lease[0]["attempt"] == 1
+    ack = c.ok("ack", job_id=job["id"], worker_id="w1:1:0", lease_token=lease[0]["lease_token"])
+    assert ack == {"job_id": job["id"], "state": "succeeded", "duplicate": False}
+    again = c.ok("ack", job_id=job["id"], worker_id="w1:1:0", lease_token=lease[0]["lease_token"])
+    assert again["duplicate"] is True
+    seen = c.ok("inspect", job_id=job["id"])["job"]
+    assert seen["state"] == "succeeded"
+    assert "history" in seen and "lease_token" not in seen
+    stats = c.ok("stats", queue="email")
+    assert stats["queues"]["email"]["succeeded"] == 1
+
+
+def test_replies_follow_the_protocol_shapes(connect: Callable[[], Client]) -> None:
+    c = connect()
+    ids = [c.ok("submit", queue="q", payload=n)["job"]["id"] for n in range(3)]
+    leases = c.ok("lease", queues=["q"], worker_id="w", max_jobs=3)["jobs"]
+    assert sorted(x["job_id"] for x in leases) == sorted(ids)
+    tok = {x["job_id"]: x["lease_token"] for x in leases}
+    renewed = c.ok("renew", job_id=ids[0], worker_id="w", lease_token=tok[ids[0]], lease_ms=5000)
+    assert set(renewed) == {"job_id", "lease_expires_at_ms"}
+    released = c.ok("release", job_id=ids[1], worker_id="w", lease_token=tok[ids[1]])
+    assert released == {"job_id": ids[1], "state": "ready"}
+    failed = c.ok(
+        "fail", job_id=ids[2], worker_id="w", lease_token=tok[ids[2]], error="x", retryable=False
+    )
+    assert set(failed) == {"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}
+    assert failed["state"] == "dead"
+    page = c.ok("dead_list", queue="q", limit=10)
+    assert [j["id"] for j in page["jobs"]] == [ids[2]] and page["next_after"] is None
+    replayed = c.ok("dead_retry", job_id=ids[2])["job"]
+    assert replayed["state"] == "ready"
+    batch = c.ok("submit_batch", jobs=[{"queue": "q", "payload": 1}, {"queue": "r", "payload": 2}])
+    assert [r["job"]["queue"] for r in batch["results"]] == ["q", "r"]
+
+
+def test_stale_token_is_an_error_and_the_connection_stays(connect: Callable[[], Client]) -> None:
+    c = connect()
+    job = c.ok("submit", queue="q", payload=1)["job"]
+    c.ok("lease", queues=["q"], worker_id="w")
+    reply = c.call("ack", req_id="a", job_id=job["id"], worker_id="w", lease_token="old")
+    assert reply["id"] == "a" and reply["ok"] is False
+    assert reply["error"]["code"] == "STALE_TOKEN" and reply["error"]["retryable"] is False
+    assert c.ok("ping")["pong"] is True
+
+
+def test_lease_worker_id_defaults_to_the_peer_address(connect: Callable[[], Client]) -> None:
+    c = connect()
+    c.ok("submit", queue="q", payload=1)
+    lease = c.ok("lease", queues=["q"])["jobs"][0]
+    host, port = c.sock.getsockname()
+    reply = c.call(
+        "ack", job_id=lease["job_id"], worker_id="other", lease_token=lease["lease_token"]
+    )
+    assert reply["error"]["code"] == "STALE_TOKEN"  # another worker id is not the lease's
+    c.ok(
+        "ack", job_id=lease["job_id"], worker_id=f"{host}:{port}", lease_token=lease["lease_token"]
+    )
+
+
+# ----------------------------------------------------------------------------- pipelining
+
+
+def test_pipelined_requests_answer_out_of_order_with_their_ids(
+    connect: Callable[[], Client],
+) -> None:
+    c = connect()
+    frames = [
+        {"id": "slow", "op": "lease", "args": {"queues": ["pipe"], "wait_ms": 10_000}},
+        {"id": 2, "op": "ping"},
+        {"id": "sub", "op": "submit", "args": {"queue": "pipe", "payload": {"n": 1}}},
+    ]
+    c.send_raw(b"".join(orjson.dumps(f) + b"\n" for f in frames))  # all in one write
+    replies = [c.recv() for _ in frames]
+    order = [r["id"] for r in replies]
+    # The long-poll was sent first but can only answer after the submit that wakes it.
+    assert order.index(2) < order.index("slow")
+    assert order.index("sub") < order.index("slow")
+    by_id = {r["id"]: r for r in replies}
+    job_id = by_id["sub"]["result"]["job"]["id"]
+    assert [j["job_id"] for j in by_id["slow"]["result"]["jobs"]] == [job_id]
+
+
+def test_group_commit_isolates_a_failing_request(
+    connect: Callable[[], Client], server: Running
+) -> None:
+    c = connect()
+    c.ok("submit", queue="g", payload=0, idempotency_key="k")
+    frames = []
+    for n in range(60):
+        frames.append({"id": f"ok{n}", "op": "submit", "args": {"queue": "g", "payload": n}})
+        # Same key, other payload: IDEMPOTENCY_CONFLICT inside the transaction.
+        frames.append(
+            {
+                "id": f"bad{n}",
+                "op": "submit",
+                "args": {"queue": "g", "payload": -1, "idempotency_key": "k"},
+            }
+        )
+    c.send_raw(b"".join(orjson.dumps(f) + b"\n" for f in frames))
+    replies = {r["id"]: r for r in (c.recv() for _ in frames)}
+    assert all(replies[f"ok{n}"]["ok"] for n in range(60))
+    assert {replies[f"bad{n}"]["error"]["code"] for n in range(60)} == {"IDEMPOTENCY_CONFLICT"}
+    assert c.ok("stats", queue="g")["queues"]["g"]["ready"] == 61
+
+
+def test_group_commit_shares_commits_between_requests(server: Running) -> None:
+    clients = [Client(server.port) for _ in range(8)]
+    try:
+        commits_before = server.server.commits
+        for c in clients:
+            c.send_raw(
+                b"".join(
+                    orjson.dumps({"id": n, "op": "submit", "args": {"queue": "gc", "payload": n}})
+                    + b"\n"
+                    for n in range(25)
+                )
+            )
+        for c in clients:
+            assert all(c.recv()["ok"] for _ in range(25))
+        commits = server.server.commits - commits_before
+        assert commits < 200 / 2, f"{commits} commits for 200 pipelined submits"
+    finally:
+        for c in clients:
+            c.close()
+
+
+# ----------------------------------------------------------------------------- framing errors
+
+
+def test_malformed_json_gets_bad_frame_and_the_connection_stays(
+    connect: Callable[[], Client],
+) -> None:
+    c = connect()
+    c.send_raw(b"{not json\n")
+    reply = c.recv()
+    assert reply == {
+        "id": None,
+        "ok": False,
+        "error": {"code": "BAD_FRAME", "message": reply["error"]["message"], "retryable": False},
+    }
+    c.send_raw(b'{"id":"k","op":5}\n')
+    reply = c.recv()
+    assert reply["id"] == "k" and reply["error"]["code"] == "BAD_FRAME"
+    c.send_raw(b"\xff\xfe\n")
+    assert c.recv()["error"]["code"] == "BAD_FRAME"
+    assert c.ok("ping")["pong"] is True
+
+
+def test_unknown_op(connect: Callable[[], Client]) -> None:
+    reply = connect().call("frobnicate", req_id=9)
+    assert reply["id"] == 9
+    assert reply["error"]["code"] == "UNKNOWN_OP" and reply["error"]["retryable"] is False
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "field"),
+    [
+        ("lease", {"queues": ["q"], "max_jobs": True}, "max_jobs"),
+        ("lease", {"queues": "q"}, "queues"),
+        ("lease", {"queues": []}, "queues"),
+        ("lease", {"queues": [f"q{n}" for n in range(17)]}, "queues"),
+        ("lease", {"queues": ["q"], "wait_ms": 20_001}, "wait_ms"),
+        ("lease", {"queues": ["q"], "wait_ms": -1}, "wait_ms"),
+        ("lease", {"queues": ["q"], "wait": 5}, "wait"),
+        ("submit", {"queue": 5, "payload": 1}, "queue"),
+        ("submit", {"payload": 1}, "queue"),
+        ("submit", {"queue": "q", "payload": 1, "delay_ms": "10"}, "delay_ms"),
+        ("submit", {"queue": "q", "payload": 1, "jitter": 1}, "jitter"),
+        ("submit", {"queue": "q", "payload": 1, "priority": True}, "priority"),
+        ("submit", {"queue": "q", "payload": 1, "max_retry": 1}, "max_retry"),
+        ("submit_batch", {"jobs": [{"queue": "q", "payload": 1}, {"queue": 1}]}, "jobs[1].queue"),
+        ("ack", {"job_id": "j", "worker_id": "w"}, "lease_token"),
+        ("fail", {"job_id": "j", "worker_id": "w", "lease_token": "t", "error": 1}, "error"),
+        (
+            "fail",
+            {"job_id": "j", "worker_id": "w", "lease_token": "t", "error": "e", "retryable": 0},
+            "retryable",
+        ),
+        (
+            "renew",
+            {"job_id": "j", "worker_id": "w", "lease_token": "t", "lease_ms": 1.5},
+            "lease_ms",
+        ),
+        ("dead_list", {"limit": "10"}, "limit"),
+        ("stats", {"queue": ["q"]}, "queue"),
+        ("ping", {"x": 1}, "x"),
+    ],
+)
+def test_wrong_argument_types_and_names_are_invalid_argument(
+    connect: Callable[[], Client], op: str, args: dict[str, Any], field: str
+) -> None:
+    c = connect()
+    reply = c.call(op, req_id="x", **args)
+    assert reply["id"] == "x"
+    assert reply["error"]["code"] == "INVALID_ARGUMENT", reply
+    assert reply["error"]["details"]["field"] == field
+    assert c.ok("ping")["pong"] is True  # a domain error keeps the connection
+
+
+def test_range_checks_come_from_the_service(connect: Callable[[], Client]) -> None:
+    c = connect()
+    reply = c.call("lease", queues=["q"], lease_ms=1)
+    assert reply["error"]["code"] == "INVALID_ARGUMENT"
+    assert reply["error"]["details"]["field"] == "lease_ms"
+    reply = c.call("submit", queue="bad name!", payload=1)
+    assert reply["error"]["details"]["field"] == "queue"
+
+
+def test_oversize_frame_closes_only_that_connection(start: Callable[..., Running]) -> None:
+    limit = 4096
+    with override_settings(RELAY_MAX_FRAME_BYTES=limit, RELAY_MAX_PAYLOAD_BYTES=1024):
+        running = start()
+        other = Client(running.port)
+        big = Client(running.port)
+        exact = Client(running.port)
+        try:
+            assert other.ok("ping")["pong"] is True
+            big.send_raw(b'{"op":"ping","args":{"pad":"' + b"x" * (4 * limit) + b'"}}\n')
+            reply = big.recv()
+            assert reply["id"] is None and reply["error"]["code"] == "FRAME_TOO_LARGE"
+            assert big.at_eof()
+            # One byte over (newline excluded) is too large too; exactly the limit is fine.
+            head = b'{"op":"ping","id":"'
+            frame = head + b"x" * (limit - len(head) - 2) + b'"}'
+            assert len(frame) == limit
+            exact.send_raw(frame + b"\n")
+            assert exact.recv()["error"]["code"] == "BAD_FRAME"  # id over 128 characters
+            frame = head[:-1] + b'1,"args":{"p":"' + b"x" * (limit - len(head) - 16) + b'"}}'
+            assert len(frame) == limit + 1
+            exact.send_raw(frame + b"\n")
+            assert exact.recv()["error"]["code"] == "FRAME_TOO_LARGE"
+            assert exact.at_eof()
+            assert other.ok("ping")["pong"] is True
+        finally:
+            for c in (other, big, exact):
+                c.close()
+
+
+def test_payload_over_its_limit_keeps_the_connection(connect: Callable[[], Client]) -> None:
+    c = connect()
+    with override_settings(RELAY_MAX_PAYLOAD_BYTES=100):
+        reply = c.call("submit", queue="q", payload="x" * 200)
+    assert reply["error"]["code"] == "FRAME_TOO_LARGE"
+    assert c.ok("ping")["pong"] is True
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_too_many_connections(start: Callable[..., Running]) -> None:
+    with override_settings(RELAY_MAX_CONNECTIONS=2):
+        running = start()
+        first, second = Client(running.port), Client(running.port)
+        try:
+            assert first.ok("ping") and second.ok("ping")  # both registered
+            third = Client(running.port)
+            reply = third.recv()
+            assert reply["id"] is None and reply["error"]["code"] == "TOO_MANY_CONNECTIONS"
+            assert reply["error"]["retryable"] is True
+            assert third.at_eof()
+            third.close()
+            first.close()
+            # Once the server has seen the first one go, a new connection is served again.
+            deadline = time.monotonic() + 10
+            while True:
+                fourth = Client(running.port)
+                reply = fourth.call("ping")
+                fourth.close()
+                if reply["ok"] or time.monotonic() > deadline:
+                    break
+            assert reply["ok"], reply
+            assert second.ok("ping")["pong"] is True
+        finally:
+            first.close()
+            second.close()
+
+
+def test_idle_timeout(start: Callable[..., Running]) -> None:
+    with override_settings(RELAY_IDLE_TIMEOUT_MS=200):
+        running = start()
+        idle = Client(running.port)
+        busy: Client | None = None
+        try:
+            began = time.monotonic()
+            reply = idle.recv()
+            assert time.monotonic() - began >= 0.15
+            assert reply["id"] is None and reply["error"]["code"] == "TIMEOUT"
+            assert idle.at_eof()
+            # A connection waiting on its own long-poll is not idle.
+            busy = Client(running.port)
+            reply = busy.call("lease", req_id="lp", queues=["none"], wait_ms=600)
+            assert reply["id"] == "lp" and reply["result"] == {"jobs": []}
+        finally:
+            idle.close()
+            if busy is not None:
+                busy.close()
+
+
+def test_half_written_frame_times_out(start: Callable[..., Running]) -> None:
+    with override_settings(RELAY_IDLE_TIMEOUT_MS=200):
+        running = start()
+        c = Client(running.port)
+        try:
+            c.send_raw(b'{"op":"pi')  # never finished
+            assert c.recv()["error"]["code"] == "TIMEOUT"
+            assert c.at_eof()
+        finally:
+            c.close()
+
+
+# ----------------------------------------------------------------------------- long-poll
+
+
+def test_long_poll_returns_empty_at_the_deadline(connect: Callable[[], Client]) -> None:
+    c = connect()
+    began = time.monotonic()
+    assert c.ok("lease", queues=["empty"], wait_ms=300) == {"jobs": []}
+    assert 0.28 <= time.monotonic() - began < 5
+
+
+def test_long_poll_is_woken_by_a_submit_on_another_connection(
+    connect: Callable[[], Client],
+) -> None:
+    waiter, producer = connect(), connect()
+    waiter.send("lease", "lp", queues=["other", "wake"], wait_ms=15_000, worker_id="w")
+    barrier(waiter)
+    began = time.monotonic()
+    job = producer.ok("submit", queue="wake", payload={"x": 1})["job"]
+    reply = waiter.recv()
+    elapsed = time.monotonic() - began
+    assert reply["id"] == "lp"
+    assert [j["job_id"] for j in reply["result"]["jobs"]] == [job["id"]]
+    assert elapsed < 3, f"woken after {elapsed:.2f}s"
+
+
+def test_long_poll_ignores_submits_to_other_queues(connect: Callable[[], Client]) -> None:
+    waiter, producer = connect(), connect()
+    waiter.send("lease", "lp", queues=["mine"], wait_ms=500)
+    barrier(waiter)
+    producer.ok("submit", queue="theirs", payload=1)
+    assert waiter.recv()["result"] == {"jobs": []}
+
+
+def test_long_poll_is_woken_by_another_process_commit(connect: Callable[[], Client]) -> None:
+    """A job inserted through another DB connection (as the HTTP API or a CLI would) wakes
+    the waiter through PRAGMA data_version, not through the server's own submit path."""
+    waiter = connect()
+    waiter.send("lease", "lp", queues=["foreign"], wait_ms=15_000, worker_id="w")
+    barrier(waiter)
+    began = time.monotonic()
+    job = QueueService().submit("foreign", {"from": "elsewhere"})["job"]  # this thread's conn
+    reply = waiter.recv()
+    elapsed = time.monotonic() - began
+    assert [j["job_id"] for j in reply["result"]["jobs"]] == [job["id"]]
+    assert elapsed < 3, f"woken after {elapsed:.2f}s"
+
+
+def test_long_poll_is_woken_when_a_delayed_job_becomes_due(start: Callable[..., Running]) -> None:
+    with override_settings(RELAY_REAPER_INTERVAL_MS=60_000):  # only next-due scheduling helps
+        running = start()
+        c = Client(running.port)
+        try:
+            job = c.ok("submit", queue="later", payload=1, delay_ms=300)["job"]
+            assert job["state"] == "pending"
+            began = time.monotonic()
+            jobs = c.ok("lease", queues=["later"], wait_ms=15_000)["jobs"]
+            elapsed = time.monotonic() - began
+            assert [j["job_id"] for j in jobs] == [job["id"]]
+            assert elapsed < 3, f"woken after {elapsed:.2f}s"
+        finally:
+            c.close()
+
+
+def test_long_poll_is_woken_by_a_release(connect: Callable[[], Client]) -> None:
+    holder, waiter = connect(), connect()
+    holder.ok("submit", queue="rel", payload=1)
+    lease = holder.ok("lease", queues=["rel"], worker_id="h")["jobs"][0]
+    waiter.send("lease", "lp", queues=["rel"], wait_ms=15_000, worker_id="w")
+    barrier(waiter)
+    holder.ok("release", job_id=lease["job_id"], worker_id="h", lease_token=lease["lease_token"])
+    reply = waiter.recv()
+    assert [j["job_id"] for j in reply["result"]["jobs"]] == [lease["job_id"]]
+    assert reply["result"]["jobs"][0]["attempt"] == 2
+
+
+# ----------------------------------------------------------------------------- shutdown
+
+
+def test_shutdown_drains_then_stops(start: Callable[..., Running]) -> None:
+    running = start(shutdown_grace_ms=30_000)
+    worker, producer, waiter = (Client(running.port) for _ in range(3))
+    try:
+        producer.ok("submit", queue="s", payload=1)
+        lease = worker.ok("lease", queues=["s"], worker_id="w")["jobs"][0]
+        waiter.send("lease", "lp", queues=["s"], wait_ms=15_000)
+        barrier(waiter)
+        running.server.request_shutdown()
+        # Waiting long-polls are answered with no jobs once the drain begins.
+        assert waiter.recv() == {"id": "lp", "ok": True, "result": {"jobs": []}}
+        for op, args in [
+            ("submit", {"queue": "s", "payload": 2}),
+            ("submit_batch", {"jobs": [{"queue": "s", "payload": 2}]}),
+            ("lease", {"queues": ["s"]}),
+        ]:
+            reply = producer.call(op, **args)
+            assert reply["error"]["code"] == "UNAVAILABLE" and reply["error"]["retryable"], reply
+        assert producer.ok("stats")["totals"]["leased"] == 1
+        began = time.monotonic()
+        worker.ok("ack", job_id=lease["job_id"], worker_id="w", lease_token=lease["lease_token"])
+        # No job is leased any more: the grace ends early, far before its 30 s.
+        running.thread.join(10)
+        assert not running.thread.is_alive()
+        assert time.monotonic() - began < 5
+        assert producer.at_eof() and worker.at_eof()
+    finally:
+        for c in (worker, producer, waiter):
+            c.close()
+
+
+def test_shutdown_after_the_grace_period_even_with_leases(start: Callable[..., Running]) -> None:
+    running = start(shutdown_grace_ms=300)
+    c = Client(running.port)
+    try:
+        c.ok("submit", queue="s", payload=1)
+        c.ok("lease", queues=["s"], worker_id="w")
+        began = time.monotonic()
+        running.stop()
+        assert 0.25 <= time.monotonic() - began < 10
+        assert c.at_eof()
+    finally:
+        c.close()
+
+
+def test_oversize_frame_still_being_sent_gets_its_error(start: Callable[..., Running]) -> None:
+    """The server stops buffering at the limit but drains (discards) what the client is still
+    sending for a moment, so the client reads FRAME_TOO_LARGE instead of a connection reset."""
+    with override_settings(RELAY_MAX_FRAME_BYTES=4096, RELAY_MAX_PAYLOAD_BYTES=1024):
+        running = start()
+        c = Client(running.port)
+        try:
+            c.send_raw(b'{"op":"ping","args":{"pad":"' + b"x" * (8 * 1024 * 1024) + b'"}}\n')
+            assert c.recv()["error"]["code"] == "FRAME_TOO_LARGE"
+            assert c.at_eof()
+        finally:
+            c.close()

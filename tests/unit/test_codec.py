@@ -1,0 +1,168 @@
+"""The NDJSON codec: round trips and every framing error, without sockets or a database."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from queue_core import errors
+from queue_core.protocol import codec
+
+
+def test_request_round_trip() -> None:
+    line = codec.encode_request("c-17", "lease", {"queues": ["emails"], "max_jobs": 2})
+    assert line.endswith(b"\n")
+    assert line.count(b"\n") == 1
+    req = codec.decode_request(line)
+    assert req == codec.Request(id="c-17", op="lease", args={"queues": ["emails"], "max_jobs": 2})
+
+
+@pytest.mark.parametrize(
+    ("frame", "expected"),
+    [
+        (b'{"op":"ping"}', codec.Request(None, "ping", {})),
+        (b'{"id":null,"op":"ping","args":null}', codec.Request(None, "ping", {})),
+        (
+            b'{"id":7,"op":"stats","args":{"queue":"q"}}\n',
+            codec.Request(7, "stats", {"queue": "q"}),
+        ),
+        (b'  {"id":"x","op":"ping"}  \n', codec.Request("x", "ping", {})),
+        ('{"id":"é","op":"ping"}'.encode(), codec.Request("é", "ping", {})),
+    ],
+)
+def test_decode_request_accepts(frame: bytes, expected: codec.Request) -> None:
+    assert codec.decode_request(frame) == expected
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"\xff\xfe{}",  # not UTF-8
+        b'{"op":"ping"',  # truncated JSON
+        b"",  # empty line
+        b"[1,2]",  # not an object
+        b'"ping"',
+        b"{}",  # no op
+        b'{"op":5}',  # op not a string
+        b'{"op":""}',
+        b'{"op":"ping","args":[1]}',  # args not an object
+        b'{"op":"ping","args":"x"}',
+        b'{"id":true,"op":"ping"}',  # bool is not an id
+        b'{"id":1.5,"op":"ping"}',
+        b'{"id":{"a":1},"op":"ping"}',
+        b'{"op":"ping","arg":{}}',  # unknown envelope key (typo of args)
+        ('{"id":"' + "x" * 129 + '","op":"ping"}').encode(),  # id too long
+        b'{"op":"ping","args":{"v":NaN}}',
+    ],
+)
+def test_decode_request_rejects_bad_frames(frame: bytes) -> None:
+    with pytest.raises(errors.BadFrame) as info:
+        codec.decode_request(frame)
+    assert info.value.code == "BAD_FRAME"
+
+
+def test_deep_nesting_is_a_bad_frame_not_a_crash() -> None:
+    deep = b'{"op":"submit","args":{"payload":' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    with pytest.raises(errors.BadFrame):
+        codec.decode_request(deep, max_frame_bytes=len(deep))
+
+
+def test_id_of_128_characters_is_accepted() -> None:
+    frame = ('{"id":"' + "x" * 128 + '","op":"ping"}').encode()
+    assert codec.decode_request(frame).id == "x" * 128
+
+
+def test_frame_limit_counts_bytes_without_the_newline() -> None:
+    frame = b'{"op":"ping","args":{"pad":"' + b"a" * 50 + b'"}}'
+    limit = len(frame)
+    assert codec.decode_request(frame + b"\n", max_frame_bytes=limit).op == "ping"
+    with pytest.raises(errors.FrameTooLarge) as info:
+        codec.decode_request(frame + b"\n", max_frame_bytes=limit - 1)
+    assert info.value.code == "FRAME_TOO_LARGE"
+
+
+def test_frame_limit_counts_bytes_not_characters() -> None:
+    frame = '{"op":"ping","args":{"s":"ééé"}}'.encode()
+    assert len(frame) == len('{"op":"ping","args":{"s":"ééé"}}') + 3
+    with pytest.raises(errors.FrameTooLarge):
+        codec.decode_request(frame, max_frame_bytes=len(frame) - 1)
+
+
+def test_frame_limit_defaults_to_the_setting() -> None:
+    from django.test import override_settings
+
+    with override_settings(RELAY_MAX_FRAME_BYTES=20):
+        with pytest.raises(errors.FrameTooLarge):
+            codec.decode_request(b'{"op":"ping","id":"0123456789"}')
+        assert codec.decode_request(b'{"op":"ping"}').op == "ping"
+
+
+def test_oversize_is_checked_before_parsing() -> None:
+    with pytest.raises(errors.FrameTooLarge):
+        codec.decode_request(b"\xff" * 11, max_frame_bytes=10)
+
+
+@pytest.mark.parametrize(
+    ("frame", "expected"),
+    [
+        (b'{"id":"a","op":5}', "a"),
+        (b'{"id":3,"args":1}', 3),
+        (b"[1]", None),
+        (b"\xff", None),
+        (b'{"id":true,"op":"x"}', None),
+        (b"{", None),
+    ],
+)
+def test_request_id_of_salvages_the_id(frame: bytes, expected: object) -> None:
+    assert codec.request_id_of(frame) == expected
+
+
+def test_ok_reply_round_trip() -> None:
+    line = codec.encode_ok(5, {"jobs": [], "n": 1})
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert codec.decode_response(line) == {"id": 5, "ok": True, "result": {"jobs": [], "n": 1}}
+
+
+def test_error_reply_shape() -> None:
+    line = codec.encode_error("c-18", errors.StaleToken())
+    reply = codec.decode_response(line)
+    assert reply["id"] == "c-18"
+    assert reply["ok"] is False
+    assert reply["error"]["code"] == "STALE_TOKEN"
+    assert reply["error"]["retryable"] is False
+    assert "details" not in reply["error"]
+    err = errors.error_from_body(reply["error"])
+    assert isinstance(err, errors.StaleToken)
+
+
+def test_error_reply_carries_details() -> None:
+    reply = codec.decode_response(codec.encode_error(1, errors.InvalidArgument("bad", field="q")))
+    assert reply["error"]["details"] == {"field": "q"}
+
+
+def test_unknown_exception_becomes_generic_internal() -> None:
+    reply = codec.decode_response(codec.encode_error(None, KeyError("secret detail")))
+    assert reply["id"] is None
+    assert reply["error"]["code"] == "INTERNAL"
+    assert "secret" not in reply["error"]["message"]
+
+
+def test_unserialisable_details_are_dropped_not_raised() -> None:
+    reply = codec.decode_response(codec.encode_error(1, errors.InvalidArgument("x", v=object())))
+    assert reply["error"]["code"] == "INVALID_ARGUMENT"
+    assert "details" not in reply["error"]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b"\xff", b"nope", b"[]", b'{"id":1}', b'{"ok":"yes"}', b'{"ok":false}', b'{"ok":true}'],
+)
+def test_decode_response_rejects_malformed_replies(line: bytes) -> None:
+    with pytest.raises(errors.BadFrame):
+        codec.decode_response(line)
+
+
+def test_replies_are_compact_single_lines() -> None:
+    line = codec.encode_ok("x", {"text": "a\nb"})
+    assert line.count(b"\n") == 1
+    assert orjson.loads(line)["result"]["text"] == "a\nb"
