@@ -1,0 +1,134 @@
+"""The ``relay`` console script: the seed's CLI on top of the ``relay_*`` management commands.
+
+``relay [GLOBAL OPTIONS] COMMAND [ARGS...]`` runs ``manage.py relay_COMMAND ARGS...``. Global
+options may come before the command and are handed on to it:
+
+* ``--address HOST:PORT`` becomes the command's ``--address`` (unless ARGS give one);
+* ``--json`` becomes the command's ``--json`` (unless ARGS give it; not for ``server``);
+* ``--db PATH`` sets ``RELAY_DB`` before Django reads its settings (``relay server`` also
+  takes ``--db`` itself).
+
+Examples::
+
+    relay server --db relay.db
+    relay worker --queue email --queue notifications --concurrency 16
+    relay --address 10.0.0.5:7400 submit email --payload '{"user_id":42}' --priority high
+    relay --json stats
+    relay dead retry job_01J...
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Sequence
+
+from django.core.management import execute_from_command_line
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Subcommand:
+    """One ``relay`` subcommand.
+
+    Attributes:
+        command: the Django management command it runs.
+        summary: one line for ``relay --help``.
+        takes_json: whether a global ``--json`` is handed on.
+    """
+
+    command: str
+    summary: str
+    takes_json: bool = True
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "server": Subcommand(
+        "relay_server", "run the Relay server (NDJSON over TCP) on the SQLite file", False
+    ),
+    "worker": Subcommand("relay_worker", "run the demo pull worker (--queue, --concurrency)"),
+    "submit": Subcommand("relay_submit", "submit a job: QUEUE --payload JSON [options]"),
+    "inspect": Subcommand("relay_inspect", "show a job with its attempt history: JOB_ID"),
+    "stats": Subcommand("relay_stats", "show job counts by state per queue"),
+    "dead": Subcommand("relay_dead", "dead letters: list | retry JOB_ID... | purge JOB_ID..."),
+    "bench": Subcommand("relay_bench", "measure submit and lease+ack throughput and latency"),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Invocation:
+    """What ``main`` runs: environment to set, then Django's argv.
+
+    Attributes:
+        env: variables to set before Django starts (``RELAY_DB``).
+        argv: ``["relay", "relay_<command>", args...]`` for ``execute_from_command_line``.
+    """
+
+    env: dict[str, str]
+    argv: list[str]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser for the global options and the subcommand name."""
+    lines = [f"  {name:<8} {sub.summary}" for name, sub in SUBCOMMANDS.items()]
+    parser = argparse.ArgumentParser(
+        prog="relay",
+        usage="relay [--address HOST:PORT] [--db PATH] [--json] COMMAND [ARGS...]",
+        description="Relay: a durable job queue with leases, retries and dead letters.",
+        epilog="commands:\n"
+        + "\n".join(lines)
+        + "\n\n'relay COMMAND --help' shows a command's options. Exit codes: 0 ok, 1 Relay "
+        "error (CODE: message on stderr), 2 server unreachable or bad usage.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        help="server to talk to, or listen on for 'server' (default RELAY_ADDRESS)",
+    )
+    parser.add_argument("--db", metavar="PATH", help="SQLite database file (sets RELAY_DB)")
+    parser.add_argument("--json", action="store_true", help="JSON output instead of text")
+    parser.add_argument("command", choices=sorted(SUBCOMMANDS), metavar="COMMAND")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return parser
+
+
+def _has_option(args: Sequence[str], option: str) -> bool:
+    return any(arg == option or arg.startswith(option + "=") for arg in args)
+
+
+def translate(argv: Sequence[str]) -> Invocation:
+    """Map ``relay`` arguments (without the program name) to an ``Invocation``.
+
+    Raises:
+        SystemExit: for ``--help`` or a usage error (argparse prints the message).
+    """
+    parser = build_parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        raise SystemExit(2)
+    ns = parser.parse_args(list(argv))
+    sub = SUBCOMMANDS[ns.command]
+    args: list[str] = list(ns.args)
+    env: dict[str, str] = {}
+    if ns.db:
+        env["RELAY_DB"] = ns.db
+    # Explicit options after the command win over global ones.
+    if ns.address and not _has_option(args, "--address"):
+        args += ["--address", ns.address]
+    if ns.json and sub.takes_json and not _has_option(args, "--json"):
+        args.append("--json")
+    return Invocation(env=env, argv=["relay", sub.command, *args])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Run ``relay``: parse global options, set up Django, run the management command."""
+    invocation = translate(sys.argv[1:] if argv is None else argv)
+    os.environ.update(invocation.env)  # before django.setup() reads the settings
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relayproject.settings")
+    execute_from_command_line(invocation.argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,613 @@
+"""Synchronous Python client for Relay's NDJSON-over-TCP protocol (``docs/protocol.md``).
+
+``RelayClient`` sends one request at a time per connection and waits for its reply, so it needs
+no pipelining; a lock makes one client safe to share between threads (requests queue up behind
+each other). Give a long-polling ``lease`` its own client so it does not hold up acks.
+
+Failure semantics, which callers must get right:
+
+* An error reply raises the ``RelayError`` subclass for its code (``errors.error_from_body``):
+  the server answered, so the outcome is known (nothing changed).
+* A connection that cannot be opened raises ``RelayUnreachable``: nothing was sent.
+* A broken or timed-out connection raises ``RelayConnectionError`` (a ``ConnectionError``,
+  and the base of ``RelayUnreachable``). The request may or may not have been applied: the
+  caller cannot know whether a ``submit`` committed (resubmit with an ``idempotency_key`` to be
+  safe) or whether a ``lease`` handed out jobs (they come back when their lease expires).
+  ``ack`` and ``fail`` are safe to repeat with the same token: a repeat answers success with
+  ``"duplicate": true``. The next call reconnects.
+
+Transports: ``TcpTransport`` (the socket). A ``LoopbackTransport`` that feeds frames straight
+into the server's dispatch table is planned for the contract tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+from queue_core import errors
+from queue_core.protocol import codec
+
+DEFAULT_ADDRESS = "127.0.0.1:7400"
+DEFAULT_MAX_FRAME_BYTES = 1024 * 1024
+_RECV_CHUNK = 64 * 1024
+
+
+class RelayConnectionError(ConnectionError):
+    """The connection to the server failed before a complete reply arrived; outcome unknown.
+
+    Attributes:
+        address: the ``HOST:PORT`` the client was talking to.
+        reason: what went wrong, without the address.
+    """
+
+    def __init__(self, reason: str, *, address: str) -> None:
+        super().__init__(f"{reason} ({address})")
+        self.address = address
+        self.reason = reason
+
+
+class RelayUnreachable(RelayConnectionError):
+    """The TCP connection could not be opened, so nothing was sent (the outcome is known)."""
+
+
+def parse_address(address: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
+    """Split ``"HOST:PORT"`` (or ``"[IPv6]:PORT"``) into ``(host, port)``.
+
+    Args:
+        address: ``"127.0.0.1:7400"``, ``"relay.internal:7400"`` or ``"[::1]:7400"``.
+        allow_port_zero: accept port 0 (a server asking the OS for a free port).
+    Returns:
+        ``(host, port)`` with the brackets of an IPv6 host removed.
+    Raises:
+        ValueError: with a message naming the problem (no port, bad port, missing host,
+            IPv6 without brackets).
+    """
+    text = address.strip()
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError(f"address {address!r}: missing ']' after the IPv6 host")
+        host, rest = text[1:end], text[end + 1 :]
+        if not rest.startswith(":"):
+            raise ValueError(f"address {address!r}: expected ':PORT' after ']'")
+        port_text = rest[1:]
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:7400")
+        if ":" in host:
+            raise ValueError(
+                f"address {address!r}: write an IPv6 host in brackets, e.g. [::1]:7400"
+            )
+    if not host:
+        raise ValueError(f"address {address!r}: missing host")
+    if not port_text.isdigit() or not port_text.isascii():
+        raise ValueError(f"address {address!r}: port must be a number, got {port_text!r}")
+    port = int(port_text)
+    low = 0 if allow_port_zero else 1
+    if not low <= port <= 65535:
+        raise ValueError(f"address {address!r}: port must be in {low}..65535")
+    return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    """Return ``HOST:PORT``, bracketing an IPv6 host (the inverse of ``parse_address``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Transport(Protocol):
+    """Carries one encoded request frame to the server and returns its reply line.
+
+    Implementations need not be thread-safe: ``RelayClient`` serialises calls.
+    """
+
+    def roundtrip(self, frame: bytes, *, timeout_s: float) -> bytes:
+        """Send ``frame`` (ending in ``\\n``) and return the reply line without its newline.
+
+        Raises:
+            RelayConnectionError: the exchange failed; the transport reconnects next time.
+        """
+        ...
+
+    def close(self) -> None:
+        """Drop the connection; safe from another thread, where it aborts a blocked call."""
+        ...
+
+
+class TcpTransport:
+    """One lazily opened TCP connection, reopened after any failure.
+
+    Args:
+        host, port: the server.
+        connect_timeout_s: how long to wait for the TCP handshake, in seconds.
+        max_frame_bytes: the longest reply accepted, newline excluded; the read buffer never
+            holds more than this plus one byte.
+    """
+
+    def __init__(
+        self, host: str, port: int, *, connect_timeout_s: float, max_frame_bytes: int
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.address = format_address(host, port)
+        self.connect_timeout_s = connect_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._sock: socket.socket | None = None
+        self._buf = bytearray()
+
+    def _fail(self, reason: str, cause: BaseException | None = None) -> RelayConnectionError:
+        self.close()
+        err = RelayConnectionError(reason, address=self.address)
+        err.__cause__ = cause
+        return err
+
+    def _connected(self) -> socket.socket:
+        sock = self._sock
+        if sock is not None and (self._buf or _readable(sock)):
+            # Between requests the server has nothing to say: unread bytes or EOF mean it
+            # closed the connection (idle TIMEOUT, restart). Reconnect before sending rather
+            # than after, so the request is not lost in a dead socket.
+            self.close()
+            sock = None
+        if sock is None:
+            try:
+                sock = socket.create_connection(
+                    (self.host, self.port), timeout=self.connect_timeout_s
+                )
+            except OSError as exc:
+                raise RelayUnreachable(f"cannot connect: {exc}", address=self.address) from exc
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+            self._buf.clear()
+        return sock
+
+    def roundtrip(self, frame: bytes, *, timeout_s: float) -> bytes:
+        """Send one frame and read one reply line, each step bounded by ``timeout_s``.
+
+        Raises:
+            RelayConnectionError: connect failure, send/receive error, no reply in time, the
+                server closed the connection, or a reply longer than ``max_frame_bytes``.
+        """
+        sock = self._connected()
+        deadline = time.monotonic() + timeout_s
+        try:
+            sock.settimeout(timeout_s)
+            sock.sendall(frame)
+            return self._read_line(sock, deadline)
+        except RelayConnectionError:
+            raise  # already explained (and the socket closed) by _fail
+        except TimeoutError as exc:
+            raise self._fail(f"no reply within {timeout_s:g} s", exc) from exc
+        except OSError as exc:
+            raise self._fail(f"connection failed: {exc}", exc) from exc
+
+    def _read_line(self, sock: socket.socket, deadline: float) -> bytes:
+        limit = self.max_frame_bytes + 1  # the frame plus its newline
+        scanned = 0
+        while True:
+            newline = self._buf.find(b"\n", scanned)
+            if newline >= 0:
+                line = bytes(self._buf[:newline])
+                del self._buf[: newline + 1]
+                return line
+            if len(self._buf) >= limit:
+                raise self._fail(f"reply is over the {self.max_frame_bytes}-byte frame limit")
+            scanned = len(self._buf)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError
+            sock.settimeout(remaining)
+            chunk = sock.recv(min(_RECV_CHUNK, limit - len(self._buf)))
+            if not chunk:
+                raise self._fail("connection closed by the server")
+            self._buf += chunk
+
+    def close(self) -> None:
+        """Shut the socket down (waking a thread blocked in ``recv``) and forget it."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):  # already disconnected
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):  # closed or invalid descriptor
+        return True
+    return bool(readable)
+
+
+class RelayClient:
+    """Blocking client for one Relay server; thread-safe, one request in flight at a time.
+
+    Connects on the first call and again on the call after a broken connection. Every method
+    returns the op's ``result`` object as described in ``docs/protocol.md`` (``lease`` returns
+    just its list of jobs).
+
+    Args:
+        address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``).
+        timeout_s: how long to wait for a reply, in seconds; a ``lease`` waits this much longer
+            than its ``wait_ms``.
+        connect_timeout_s: how long to wait for the TCP connection, in seconds.
+        max_frame_bytes: the frame size limit in bytes, newline excluded (the server's
+            ``RELAY_MAX_FRAME_BYTES``; 1 MiB); larger requests are refused before sending and
+            larger replies drop the connection.
+        transport: carry frames some other way (tests); default a ``TcpTransport``.
+    Raises:
+        ValueError: ``address`` is malformed.
+    """
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        transport: Transport | None = None,
+    ) -> None:
+        host, port = parse_address(address)
+        self.address = format_address(host, port)
+        self.timeout_s = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._transport: Transport = transport or TcpTransport(
+            host, port, connect_timeout_s=connect_timeout_s, max_frame_bytes=max_frame_bytes
+        )
+        self._lock = threading.Lock()
+        self._next_id = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection. Safe from any thread: a call blocked on it fails with
+        ``RelayConnectionError``. The client stays usable and reconnects on the next call."""
+        self._transport.close()
+
+    def call(self, op: str, args: dict[str, Any] | None = None, *, wait_ms: int = 0) -> Any:
+        """Send one request and return its ``result``.
+
+        Args:
+            op: operation name (``"ping"``, ``"submit"``, ...).
+            args: its arguments; ``None`` values must already be left out.
+            wait_ms: how long the server may hold the request (long-poll) before replying, in
+                ms; added to the reply timeout.
+        Returns:
+            The reply's ``result`` (a dict for every op in the protocol).
+        Raises:
+            RelayError: the server answered with an error (the subclass for its code); or,
+                with nothing sent, the request is over ``max_frame_bytes`` (``FrameTooLarge``)
+                or not JSON-serialisable (``InvalidArgument``).
+            RelayConnectionError: no complete reply (outcome unknown).
+        """
+        with self._lock:
+            self._next_id += 1
+            req_id = self._next_id
+            try:
+                frame = codec.encode_request(req_id, op, args)
+            except TypeError as exc:  # orjson.JSONEncodeError: a payload JSON cannot hold
+                raise errors.InvalidArgument(f"{op} args are not JSON-serialisable: {exc}") from exc
+            if len(frame) - 1 > self.max_frame_bytes:
+                raise errors.FrameTooLarge(
+                    f"request is {len(frame) - 1} bytes, over the {self.max_frame_bytes}-byte "
+                    "frame limit",
+                    limit_bytes=self.max_frame_bytes,
+                )
+            line = self._transport.roundtrip(frame, timeout_s=self.timeout_s + wait_ms / 1000)
+            try:
+                reply = codec.decode_response(line)
+            except errors.BadFrame as exc:
+                self._transport.close()
+                raise RelayConnectionError(
+                    f"malformed reply from the server: {exc.message}", address=self.address
+                ) from exc
+            if reply.get("id") != req_id:
+                # Only connection-level errors (TIMEOUT, TOO_MANY_CONNECTIONS, FRAME_TOO_LARGE)
+                # come without our id, and the server closes the connection after them.
+                self._transport.close()
+                if not reply["ok"]:
+                    raise errors.error_from_body(reply["error"])
+                raise RelayConnectionError(
+                    f"reply id {reply.get('id')!r} does not match request id {req_id}",
+                    address=self.address,
+                )
+        if not reply["ok"]:
+            raise errors.error_from_body(reply["error"])
+        return reply["result"]
+
+    def _call_dict(
+        self, op: str, args: dict[str, Any] | None = None, *, wait_ms: int = 0
+    ) -> dict[str, Any]:
+        result = self.call(op, args or None, wait_ms=wait_ms)
+        if not isinstance(result, dict):
+            raise RelayConnectionError(f"{op} reply has no result object", address=self.address)
+        return result
+
+    def ping(self) -> dict[str, Any]:
+        """Check the server is up.
+
+        Returns:
+            ``{"pong": true, "server_time_ms": int}``.
+        Raises:
+            RelayConnectionError.
+        """
+        return self._call_dict("ping")
+
+    def submit(
+        self,
+        queue: str,
+        payload: Any,
+        *,
+        priority: str | int | None = None,
+        max_retries: int | None = None,
+        backoff: str | None = None,
+        backoff_base_ms: int | None = None,
+        backoff_cap_ms: int | None = None,
+        jitter: bool | None = None,
+        delay_ms: int | None = None,
+        run_at_ms: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Enqueue one job (none -> ready, or -> pending when delayed).
+
+        Options left as ``None`` take the server's defaults.
+
+        Args:
+            queue: queue name.
+            payload: any JSON value, at most ``RELAY_MAX_PAYLOAD_BYTES`` as compact JSON.
+            priority: ``"low"``, ``"normal"``, ``"high"`` or ``"critical"``.
+            max_retries: failures that are retried before the job goes dead.
+            backoff: ``"fixed"`` or ``"exponential"``.
+            backoff_base_ms, backoff_cap_ms: retry delay base and cap, in ms.
+            jitter: scale retry delays into 50-100%.
+            delay_ms: run no sooner than this many ms from now (exclusive with ``run_at_ms``).
+            run_at_ms: run no sooner than this epoch-ms instant.
+            idempotency_key: deduplicate resubmits with the same key and payload.
+        Returns:
+            ``{"job": Job, "deduplicated": bool}``.
+        Raises:
+            InvalidArgument, FrameTooLarge, IdempotencyConflict, StoreBusy, Unavailable,
+            RelayConnectionError (resubmit with an idempotency key to be safe).
+        """
+        return self._call_dict(
+            "submit",
+            {
+                "queue": queue,
+                "payload": payload,
+                **_compact(
+                    {
+                        "priority": priority,
+                        "max_retries": max_retries,
+                        "backoff": backoff,
+                        "backoff_base_ms": backoff_base_ms,
+                        "backoff_cap_ms": backoff_cap_ms,
+                        "jitter": jitter,
+                        "delay_ms": delay_ms,
+                        "run_at_ms": run_at_ms,
+                        "idempotency_key": idempotency_key,
+                    }
+                ),
+            },
+        )
+
+    def submit_batch(self, jobs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """Enqueue several jobs in one transaction (all or none).
+
+        Args:
+            jobs: submit args dicts (``{"queue", "payload", ...}`` with the wire names used
+                by ``submit``), sent as given; at most ``RELAY_MAX_BATCH_SUBMIT``.
+        Returns:
+            ``{"results": [{"job": Job, "deduplicated": bool}, ...]}`` in input order.
+        Raises:
+            as ``submit``.
+        """
+        return self._call_dict("submit_batch", {"jobs": [dict(job) for job in jobs]})
+
+    def lease(
+        self,
+        queues: Sequence[str],
+        *,
+        worker_id: str,
+        max_jobs: int = 1,
+        lease_ms: int | None = None,
+        wait_ms: int = 0,
+    ) -> list[dict[str, Any]]:
+        """Lease up to ``max_jobs`` ready jobs (ready -> leased), waiting up to ``wait_ms``.
+
+        Args:
+            queues: queue names to take from (1..16).
+            worker_id: a stable id for this worker (``host:pid``); renew/ack/fail must repeat it.
+            max_jobs: the most jobs to take (1..100).
+            lease_ms: lease length in ms (server default 30 000).
+            wait_ms: long-poll: how long the server may wait for a job, in ms (0..20 000).
+        Returns:
+            Lease dicts (``job_id``, ``lease_token``, ``attempt``, ``payload``, ...); empty when
+            nothing was ready in time.
+        Raises:
+            InvalidArgument, StoreBusy, Unavailable, RelayConnectionError (jobs leased by a lost
+            reply come back when their lease expires).
+        """
+        result = self._call_dict(
+            "lease",
+            _compact(
+                {
+                    "queues": list(queues),
+                    "worker_id": worker_id,
+                    "max_jobs": max_jobs,
+                    "lease_ms": lease_ms,
+                    "wait_ms": wait_ms,
+                }
+            ),
+            wait_ms=wait_ms,
+        )
+        jobs = result.get("jobs")
+        if not isinstance(jobs, list):
+            raise RelayConnectionError("lease reply has no jobs list", address=self.address)
+        return jobs
+
+    def renew(
+        self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
+    ) -> dict[str, Any]:
+        """Extend a live lease (leased -> leased).
+
+        Args:
+            job_id: the leased job.
+            worker_id: the id sent with the lease.
+            lease_token: the token from the lease.
+            lease_ms: new lease length from now, in ms (server default: the visibility timeout).
+        Returns:
+            ``{"job_id", "lease_expires_at_ms"}``.
+        Raises:
+            JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
+        """
+        return self._call_dict(
+            "renew",
+            _compact(
+                {
+                    "job_id": job_id,
+                    "worker_id": worker_id,
+                    "lease_token": lease_token,
+                    "lease_ms": lease_ms,
+                }
+            ),
+        )
+
+    def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        """Mark a leased job as done (leased -> succeeded). Safe to repeat.
+
+        Returns:
+            ``{"job_id", "state": "succeeded", "duplicate": bool}``.
+        Raises:
+            JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
+        """
+        return self._call_dict(
+            "ack", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
+        )
+
+    def fail(
+        self,
+        job_id: str,
+        *,
+        worker_id: str,
+        lease_token: str,
+        error: str,
+        retryable: bool = True,
+    ) -> dict[str, Any]:
+        """Record a failed attempt (leased -> retrying, or -> dead). Safe to repeat.
+
+        Args:
+            job_id, worker_id, lease_token: as for ``ack``.
+            error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes.
+            retryable: False dead-letters the job at once.
+        Returns:
+            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``.
+        Raises:
+            JobNotFound, StaleToken, LeaseExpired, InvalidArgument, StoreBusy,
+            RelayConnectionError.
+        """
+        return self._call_dict(
+            "fail",
+            {
+                "job_id": job_id,
+                "worker_id": worker_id,
+                "lease_token": lease_token,
+                "error": error,
+                "retryable": retryable,
+            },
+        )
+
+    def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        """Give a leased job back without counting a failure (leased -> ready).
+
+        Returns:
+            ``{"job_id", "state": "ready"}``.
+        Raises:
+            JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
+        """
+        return self._call_dict(
+            "release", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
+        )
+
+    def inspect(self, job_id: str) -> dict[str, Any]:
+        """Read one job with its attempt history and events.
+
+        Returns:
+            ``{"job": Job}`` with ``history`` and ``events``.
+        Raises:
+            JobNotFound, RelayConnectionError.
+        """
+        return self._call_dict("inspect", {"job_id": job_id})
+
+    def stats(self, queue: str | None = None) -> dict[str, Any]:
+        """Count jobs by state, per queue.
+
+        Args:
+            queue: only this queue (default: every queue).
+        Returns:
+            ``{"queues": {name: {state counts..., "oldest_ready_age_ms"}}, "totals",
+            "server_time_ms"}``.
+        Raises:
+            InvalidArgument, RelayConnectionError.
+        """
+        return self._call_dict("stats", _compact({"queue": queue}))
+
+    def dead_list(
+        self, queue: str | None = None, limit: int = 100, after: str | None = None
+    ) -> dict[str, Any]:
+        """List dead-lettered jobs, oldest id first, a page at a time.
+
+        Args:
+            queue: only this queue.
+            limit: page size (1..1000).
+            after: the ``next_after`` cursor of the previous page.
+        Returns:
+            ``{"jobs": [Job, ...], "next_after": str | None}``.
+        Raises:
+            InvalidArgument, RelayConnectionError.
+        """
+        return self._call_dict(
+            "dead_list", _compact({"queue": queue, "limit": limit, "after": after})
+        )
+
+    def dead_retry(self, job_id: str) -> dict[str, Any]:
+        """Replay a dead job (dead -> ready); its history is kept.
+
+        Returns:
+            ``{"job": Job}``.
+        Raises:
+            JobNotFound, InvalidState (not dead), StoreBusy, RelayConnectionError.
+        """
+        return self._call_dict("dead_retry", {"job_id": job_id})
+
+    def dead_purge(self, job_id: str) -> dict[str, Any]:
+        """Delete a dead job for good.
+
+        Returns:
+            ``{"job_id", "purged": true}``.
+        Raises:
+            JobNotFound, InvalidState (not terminal), StoreBusy, RelayConnectionError.
+        """
+        return self._call_dict("dead_purge", {"job_id": job_id})
+
+
+def _compact(args: dict[str, Any]) -> dict[str, Any]:
+    """Drop ``None`` options so the server applies its defaults."""
+    return {key: value for key, value in args.items() if value is not None}

@@ -1,0 +1,66 @@
+"""``relay stats [--queue Q]``: job counts by state per queue, and the oldest ready job's age."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import CommandParser
+from rich.table import Table
+
+from queue_core.client import RelayClient
+from queue_core.management.relay_command import RelayClientCommand, fmt_duration, fmt_ms
+
+STATES = ("pending", "ready", "leased", "retrying", "succeeded", "dead")
+
+
+class Command(RelayClientCommand):
+    """Print per-queue counts by state as a table (or the raw result with --json)."""
+
+    help = "Show job counts by state for each queue and how long the oldest ready job has waited."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        """Define --queue."""
+        parser.add_argument("--queue", metavar="QUEUE", help="Only this queue.")
+        super().add_arguments(parser)
+
+    def run(self, client: RelayClient, **options: Any) -> None:
+        """Fetch stats and print them."""
+        result = client.stats(options["queue"])
+        if options["json"]:
+            self.print_json(result)
+            return
+        queues: dict[str, dict[str, Any]] = result.get("queues") or {}
+        if not queues:
+            self.stdout.write(
+                "no jobs" + (f" in queue {options['queue']}" if options["queue"] else "")
+            )
+            return
+        table = Table(
+            title=f"Relay queues at {fmt_ms(result.get('server_time_ms'))}",
+            title_justify="left",
+        )
+        table.add_column("queue")
+        for state in STATES:
+            table.add_column(state, justify="right")
+        table.add_column("oldest ready", justify="right")
+        for name in sorted(queues):
+            counts = queues[name]
+            table.add_row(
+                name,
+                *(str(counts.get(state, 0)) for state in STATES),
+                fmt_duration(counts.get("oldest_ready_age_ms")),
+            )
+        totals = result.get("totals")
+        if len(queues) > 1 and isinstance(totals, dict):
+            ages = [
+                c["oldest_ready_age_ms"] for c in queues.values() if c.get("oldest_ready_age_ms")
+            ]
+            oldest = totals.get("oldest_ready_age_ms", max(ages, default=None))
+            table.add_section()
+            table.add_row(
+                "total",
+                *(str(totals.get(state, 0)) for state in STATES),
+                fmt_duration(oldest),
+                style="bold",
+            )
+        self.print_rich(table)

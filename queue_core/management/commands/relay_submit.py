@@ -1,0 +1,125 @@
+"""``relay submit QUEUE --payload JSON [options]``: enqueue one job and print its id."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from typing import Any
+
+import orjson
+from django.core.management.base import CommandParser
+
+from queue_core.client import RelayClient
+from queue_core.management.relay_command import RelayClientCommand, invalid_argument
+
+
+def parse_run_at(text: str) -> int:
+    """Parse an ISO 8601 instant (UTC when it has no offset) to epoch ms.
+
+    Raises:
+        CommandError: not ISO 8601 (``INVALID_ARGUMENT``).
+    """
+    try:
+        instant = dt.datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise invalid_argument(
+            f"--run-at {text!r} is not an ISO 8601 instant (e.g. 2026-01-01T09:30:00Z)"
+        ) from exc
+    if instant.tzinfo is None:
+        instant = instant.replace(tzinfo=dt.UTC)
+    return round(instant.timestamp() * 1000)
+
+
+class Command(RelayClientCommand):
+    """Submit one job; print its id, with ``(duplicate)`` when an idempotency key matched."""
+
+    help = (
+        "Submit a job to QUEUE. Prints the job id, followed by '(duplicate)' when the "
+        "idempotency key matched an existing job. Options left out take the server's "
+        "RELAY_DEFAULT_* settings."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        """Define QUEUE, --payload and the job options."""
+        parser.add_argument("queue", metavar="QUEUE", help="Queue name.")
+        parser.add_argument(
+            "--payload",
+            required=True,
+            metavar="JSON",
+            help="Job payload as JSON, e.g. '{\"a\":1}'.",
+        )
+        parser.add_argument(
+            "--priority",
+            choices=["low", "normal", "high", "critical"],
+            help="Priority class (default normal).",
+        )
+        parser.add_argument(
+            "--retries",
+            type=int,
+            metavar="N",
+            help="Failures retried before the job goes dead (default RELAY_DEFAULT_MAX_RETRIES).",
+        )
+        parser.add_argument(
+            "--backoff",
+            choices=["fixed", "exponential"],
+            help="Retry delay shape (default RELAY_DEFAULT_BACKOFF).",
+        )
+        parser.add_argument(
+            "--backoff-base-ms",
+            type=int,
+            metavar="MS",
+            help="Fixed delay or first exponential delay (default RELAY_DEFAULT_BACKOFF_BASE_MS).",
+        )
+        parser.add_argument(
+            "--backoff-cap-ms",
+            type=int,
+            metavar="MS",
+            help="Largest retry delay (default RELAY_DEFAULT_BACKOFF_CAP_MS).",
+        )
+        parser.add_argument(
+            "--jitter",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="Scale retry delays into 50-100%% (default RELAY_DEFAULT_JITTER).",
+        )
+        when = parser.add_mutually_exclusive_group()
+        when.add_argument(
+            "--delay-ms", type=int, metavar="MS", help="Run no sooner than MS from now."
+        )
+        when.add_argument(
+            "--run-at",
+            metavar="ISO8601",
+            help="Run no sooner than this instant (UTC unless it has an offset).",
+        )
+        parser.add_argument(
+            "--idempotency-key",
+            metavar="KEY",
+            help="Deduplicate resubmits of the same payload with this key.",
+        )
+        super().add_arguments(parser)
+
+    def run(self, client: RelayClient, **options: Any) -> None:
+        """Submit and print the id (or the whole result with --json)."""
+        try:
+            payload = orjson.loads(options["payload"])
+        except orjson.JSONDecodeError as exc:
+            raise invalid_argument(f"--payload is not valid JSON: {exc}") from exc
+        run_at_ms = parse_run_at(options["run_at"]) if options["run_at"] else None
+        result = client.submit(
+            options["queue"],
+            payload,
+            priority=options["priority"],
+            max_retries=options["retries"],
+            backoff=options["backoff"],
+            backoff_base_ms=options["backoff_base_ms"],
+            backoff_cap_ms=options["backoff_cap_ms"],
+            jitter=options["jitter"],
+            delay_ms=options["delay_ms"],
+            run_at_ms=run_at_ms,
+            idempotency_key=options["idempotency_key"],
+        )
+        if options["json"]:
+            self.print_json(result)
+            return
+        job_id = result["job"]["id"]
+        self.stdout.write(f"{job_id} (duplicate)" if result.get("deduplicated") else job_id)

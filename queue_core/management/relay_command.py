@@ -1,0 +1,188 @@
+"""Shared plumbing for the ``relay_*`` management commands that talk to a Relay server.
+
+Exit codes, the same for every command:
+
+* 0: done;
+* 1: Relay answered with an error, or an argument is invalid (stderr: ``CODE: message``, e.g.
+  ``NOT_FOUND: no job has this id``);
+* 2: the server cannot be reached or the connection failed (stderr: ``cannot reach relay server
+  at HOST:PORT ...``), or argparse rejected the command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import io
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from rich.console import Console, RenderableType
+
+from queue_core import errors
+from queue_core.client import RelayClient, RelayConnectionError, RelayUnreachable, parse_address
+from queue_core.conf import relay_settings
+
+EXIT_ERROR = 1
+EXIT_UNREACHABLE = 2
+
+
+def add_connection_arguments(parser: CommandParser | Any, *, json_help: str | None = None) -> None:
+    """Add ``--address HOST:PORT`` (default ``RELAY_ADDRESS``) and ``--json`` to ``parser``."""
+    parser.add_argument(
+        "--address",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"Relay server address (default: RELAY_ADDRESS, now {relay_settings().address}).",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=json_help or "Print the server's result as JSON instead of text.",
+    )
+
+
+def command_error(exc: errors.RelayError) -> CommandError:
+    """Return ``CommandError("CODE: message", returncode=1)`` for a Relay error."""
+    return CommandError(f"{exc.code}: {exc.message}", returncode=EXIT_ERROR)
+
+
+def invalid_argument(message: str) -> CommandError:
+    """Return ``CommandError("INVALID_ARGUMENT: message", returncode=1)``."""
+    return command_error(errors.InvalidArgument(message))
+
+
+def resolve_address(address: str | None) -> str:
+    """Return ``address`` or ``RELAY_ADDRESS``, checked.
+
+    Raises:
+        CommandError: malformed address (exit 1, ``INVALID_ARGUMENT``).
+    """
+    address = address or relay_settings().address
+    try:
+        parse_address(address)
+    except ValueError as exc:
+        raise invalid_argument(f"--address: {exc}") from exc
+    return address
+
+
+def make_client(address: str, *, timeout_s: float = 30.0) -> RelayClient:
+    """Build a ``RelayClient`` for ``address`` using ``RELAY_MAX_FRAME_BYTES``."""
+    return RelayClient(
+        address, timeout_s=timeout_s, max_frame_bytes=relay_settings().max_frame_bytes
+    )
+
+
+@contextlib.contextmanager
+def relay_errors(address: str) -> Iterator[None]:
+    """Turn Relay and connection errors raised inside the block into ``CommandError``.
+
+    Raises:
+        CommandError: ``CODE: message`` (exit 1) for a ``RelayError``; ``cannot reach relay
+            server at HOST:PORT`` (exit 2) for a connection failure.
+    """
+    try:
+        yield
+    except errors.RelayError as exc:
+        raise command_error(exc) from exc
+    except RelayUnreachable as exc:
+        raise CommandError(
+            f"cannot reach relay server at {exc.address} ({exc.reason}); is `relay server` "
+            "running there? (set --address or RELAY_ADDRESS)",
+            returncode=EXIT_UNREACHABLE,
+        ) from exc
+    except RelayConnectionError as exc:
+        raise CommandError(
+            f"lost the connection to relay server at {exc.address} ({exc.reason}); the request "
+            "may or may not have been applied",
+            returncode=EXIT_UNREACHABLE,
+        ) from exc
+    except ConnectionError as exc:
+        raise CommandError(
+            f"cannot reach relay server at {address} ({exc})", returncode=EXIT_UNREACHABLE
+        ) from exc
+
+
+class RelayClientCommand(BaseCommand):
+    """A command that opens one ``RelayClient`` and maps its errors to exit codes.
+
+    Subclasses implement ``run(client, **options)`` and call ``super().add_arguments``.
+    """
+
+    # A network client: no database, and the server checks its own settings.
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        """Add ``--address`` and ``--json``."""
+        add_connection_arguments(parser)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        """Connect, call ``run`` and map errors (see the module docstring for exit codes)."""
+        address = resolve_address(options.get("address"))
+        with relay_errors(address), make_client(address) as client:
+            self.run(client, **options)
+
+    def run(self, client: RelayClient, **options: Any) -> None:
+        """Do the command's work with ``client``."""
+        raise NotImplementedError
+
+    def print_json(self, value: Any) -> None:
+        """Write ``value`` to stdout as indented JSON."""
+        self.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode())
+
+    def print_rich(self, *renderables: RenderableType) -> None:
+        """Render rich tables/text to stdout (colour only on a terminal)."""
+        stream: Any = self.stdout
+        tty = bool(getattr(stream, "isatty", lambda: False)())
+        buffer = io.StringIO()
+        console = Console(
+            file=buffer,
+            force_terminal=tty,
+            color_system="auto" if tty else None,
+            width=console_width(),
+            highlight=False,
+        )
+        for renderable in renderables:
+            console.print(renderable)
+        self.stdout.write(buffer.getvalue(), ending="")
+
+
+def console_width() -> int:
+    """Return the terminal width, or 120 columns when not on a terminal."""
+    import shutil
+
+    return shutil.get_terminal_size((120, 24)).columns
+
+
+def fmt_ms(at_ms: int | None) -> str:
+    """Format an epoch-ms instant as ISO 8601 UTC (``2026-01-01T00:00:00.000Z``), or ``-``."""
+    if at_ms is None:
+        return "-"
+    instant = dt.datetime.fromtimestamp(at_ms / 1000, tz=dt.UTC)
+    return instant.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def fmt_duration(ms: int | None) -> str:
+    """Format a duration in ms for people: ``850ms``, ``12.3s``, ``4m05s``, ``2h03m``, or ``-``."""
+    if ms is None:
+        return "-"
+    if ms < 1000:
+        return f"{ms}ms"
+    if ms < 60_000:
+        return f"{ms / 1000:.1f}s"
+    seconds = ms // 1000
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86_400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86_400}d{seconds % 86_400 // 3600:02d}h"
+
+
+def compact_json(value: Any, *, limit: int = 0) -> str:
+    """Return ``value`` as compact JSON, cut to ``limit`` characters (with ``…``) when > 0."""
+    text = orjson.dumps(value).decode()
+    if limit and len(text) > limit:
+        return text[: limit - 1] + "…"
+    return text

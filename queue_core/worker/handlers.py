@@ -1,0 +1,97 @@
+"""Job handlers for the pull worker, and the safe demonstration executor.
+
+A handler is ``handler(payload, ctx) -> object``: it returns normally when the job is done
+(the worker acks it) and raises when it failed (the worker records a failure). Delivery is
+at-least-once, so a handler may run twice for one job and must make its effects idempotent;
+``ctx.attempt`` never decreases and can serve as a fencing epoch in the handler's own storage.
+
+Raise ``NonRetryableError`` for failures a retry cannot fix (the job goes straight to dead), and
+``JobInterrupted`` to give the job back untouched when ``ctx.shutdown`` is set.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = [
+    "DemoFailure",
+    "Handler",
+    "JobContext",
+    "JobInterrupted",
+    "NonRetryableError",
+    "demo_handler",
+]
+
+
+class NonRetryableError(Exception):
+    """A failure that retrying cannot fix: the job is dead-lettered at once."""
+
+
+class JobInterrupted(Exception):
+    """The handler stopped early because the worker is shutting down.
+
+    The worker releases the job (back to ready, no failure counted) instead of failing it.
+    """
+
+
+class DemoFailure(RuntimeError):
+    """The failure ``demo_handler`` raises for ``{"fail": true}`` payloads."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class JobContext:
+    """What a handler knows about the job it runs.
+
+    Attributes:
+        job_id: the job's id.
+        queue: the queue it was leased from.
+        attempt: delivery number, from 1; never decreases (a fencing epoch).
+        worker_id: the id this worker leases with.
+        shutdown: set when the worker is stopping; long handlers should watch it and raise
+            ``JobInterrupted`` (or finish quickly).
+        lease: the raw lease dict from the server (``docs/protocol.md``, "Lease").
+    """
+
+    job_id: str
+    queue: str
+    attempt: int
+    worker_id: str
+    shutdown: threading.Event
+    lease: dict[str, Any]
+
+
+Handler = Callable[[Any, JobContext], object]
+"""``handler(payload, ctx)``: return to ack, raise to fail (see the module docstring)."""
+
+
+def demo_handler(payload: Any, ctx: JobContext) -> None:
+    """Run the seed's demonstration job; safe to point at any queue.
+
+    * ``{"sleep_ms": N}`` waits N ms, or raises ``JobInterrupted`` as soon as the worker
+      starts shutting down (so a stop never waits on a demo sleep).
+    * ``{"fail": true, "error": "demo", "retryable": false}`` raises ``DemoFailure("demo")``,
+      or ``NonRetryableError("demo")`` when ``retryable`` is false; ``error`` defaults to
+      ``"demo failure"``.
+    * Anything else, including a payload that is not an object, succeeds at once.
+
+    Args:
+        payload: the job's payload.
+        ctx: the job context; only ``ctx.shutdown`` is used.
+    Raises:
+        JobInterrupted, DemoFailure, NonRetryableError.
+    """
+    if not isinstance(payload, dict):
+        return
+    if payload.get("fail") is True:
+        message = str(payload.get("error") or "demo failure")
+        if payload.get("retryable", True) is False:
+            raise NonRetryableError(message)
+        raise DemoFailure(message)
+    sleep_ms = payload.get("sleep_ms")
+    if not isinstance(sleep_ms, int | float) or isinstance(sleep_ms, bool) or sleep_ms <= 0:
+        return
+    if ctx.shutdown.wait(sleep_ms / 1000):
+        raise JobInterrupted(f"stopped after less than {sleep_ms} ms of sleep")

@@ -1,0 +1,654 @@
+"""The pull worker: lease -> run the handler -> ack or fail, with lease renewal and a bounded stop.
+
+Threads, and why:
+
+* the **lease thread** long-polls ``lease`` on its own connection, and only while a concurrency
+  slot is free; it asks for as many jobs as there are free slots, so the worker never holds more
+  than ``concurrency`` jobs (the seed's semaphore rule);
+* **N handler threads** run the handlers. They are plain daemon threads rather than a
+  ``ThreadPoolExecutor``, whose threads the interpreter joins at exit: a handler that hangs
+  would then keep the process alive past the shutdown timeout;
+* the **renewer** renews every held lease about every third of its length, on the shared
+  connection that also carries ack/fail/release (a long poll never delays an ack);
+* the thread that called ``run()`` waits for ``stop()`` and then runs the shutdown.
+
+Delivery is at-least-once: when a renew or an ack is rejected (the lease expired or was taken
+over), the worker logs it and moves on; another worker may run the job again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue as queue_mod
+import random
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol
+
+from queue_core import errors
+from queue_core.clock import Clock, SystemClock
+from queue_core.retry import RetryPolicy, jittered_ms
+from queue_core.worker.handlers import (
+    Handler,
+    JobContext,
+    JobInterrupted,
+    NonRetryableError,
+    demo_handler,
+)
+
+logger = logging.getLogger("relay.worker")
+
+MAX_JOBS_PER_LEASE = 100
+"""The protocol's cap on ``max_jobs`` in one lease request."""
+
+# Reconnect backoff for the lease loop: 100 ms doubling to 5 s, jittered to 50-100%.
+_RECONNECT_BACKOFF = RetryPolicy(max_retries=0, base_ms=100, cap_ms=5_000, jitter=True)
+# How soon to retry a renew that failed for a transient reason (connection, BUSY), at most.
+_RENEW_RETRY_S = 1.0
+# Tries for an ack/fail/release that fails for a transient reason, and the pause between them.
+_SETTLE_TRIES = 3
+_SETTLE_PAUSE_S = 0.2
+# After the shutdown deadline: how long to wait for an aborted lease call, and how long to spend
+# releasing the jobs still held.
+_MARGIN_S = 2.0
+_RELEASE_BUDGET_S = 5.0
+
+# A lease, renew, ack, fail or release rejected because the lease is no longer ours.
+_LEASE_GONE = (errors.LeaseExpired, errors.StaleToken, errors.JobNotFound, errors.InvalidState)
+
+
+class WorkerClient(Protocol):
+    """The client calls the worker makes; ``queue_core.client.RelayClient`` satisfies it.
+
+    Methods raise ``RelayError`` subclasses for error replies and ``ConnectionError`` when the
+    outcome is unknown; see ``RelayClient`` for each method's arguments and result.
+    """
+
+    def lease(
+        self,
+        queues: Sequence[str],
+        *,
+        worker_id: str,
+        max_jobs: int = 1,
+        lease_ms: int | None = None,
+        wait_ms: int = 0,
+    ) -> list[dict[str, Any]]:
+        """Lease up to ``max_jobs`` jobs, waiting up to ``wait_ms``."""
+        ...
+
+    def renew(
+        self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
+    ) -> dict[str, Any]:
+        """Extend a lease by ``lease_ms`` from now."""
+        ...
+
+    def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        """Mark a leased job as done."""
+        ...
+
+    def fail(
+        self,
+        job_id: str,
+        *,
+        worker_id: str,
+        lease_token: str,
+        error: str,
+        retryable: bool = True,
+    ) -> dict[str, Any]:
+        """Record a failed attempt."""
+        ...
+
+    def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        """Give a leased job back without counting a failure."""
+        ...
+
+    def close(self) -> None:
+        """Close the connection, aborting a blocked call from another thread."""
+        ...
+
+
+def default_worker_id() -> str:
+    """Return ``"{hostname}:{pid}"``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    """Cut ``text`` to at most ``max_bytes`` UTF-8 bytes without splitting a character."""
+    data = text.encode("utf-8")
+    if len(data) <= max_bytes:
+        return text
+    return data[:max_bytes].decode("utf-8", errors="ignore")
+
+
+_Status = Literal["running", "settling", "released"]
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _HeldJob:
+    """A job this worker holds a lease on. Mutable fields change under ``Worker._cond``."""
+
+    job_id: str
+    lease_token: str
+    queue: str
+    attempt: int
+    payload: Any
+    lease: dict[str, Any]
+    renew_at: float  # clock.monotonic() seconds
+    # running: handler busy; settling: ack/fail/release in progress; released: given back at
+    # shutdown while the handler still ran (its result is discarded).
+    status: _Status = "running"
+    lost: bool = False  # a renew was rejected: the lease is gone
+
+
+def _log(level: int, event: str, *, exc_info: bool = False, **fields: Any) -> None:
+    """Log ``event=<event> key=value ...`` with the same fields as ``extra`` (JSON logs)."""
+    if not logger.isEnabledFor(level):
+        return
+    fmt = "event=" + event + "".join(f" {key}=%s" for key in fields)
+    logger.log(level, fmt, *fields.values(), exc_info=exc_info, extra={"event": event, **fields})
+
+
+class Worker:
+    """Pull jobs from Relay and run them, holding at most ``concurrency`` leases at once.
+
+    Call ``run()`` (blocks) and, from another thread or a signal handler, ``stop()``.
+
+    On ``stop()`` the worker stops leasing at once, sets ``shutdown_event`` (handlers may watch
+    it), lets the running handlers finish for up to ``shutdown_timeout_ms``, then releases the
+    jobs still held (back to ready, no failure counted) and returns. A lease request already in
+    flight is allowed to finish within the timeout (the jobs it brings are released at once), as
+    cutting it off would strand those jobs until their leases expire. ``run()`` returns within
+    about the timeout plus a few seconds for the releases, even if a handler hangs (its thread
+    is abandoned; it is a daemon thread).
+
+    Args:
+        client_factory: builds a connected-on-demand client (``RelayClient``); called twice, for
+            the lease connection and for the renew/ack/fail/release connection.
+        queues: queue names to lease from (1..16).
+        concurrency: most jobs held at once and number of handler threads (>= 1).
+        handler: ``handler(payload, ctx)``; return to ack, raise to fail (see
+            ``queue_core.worker.handlers``).
+        lease_ms: lease length in ms, renewed about every third of it (default
+            ``RELAY_VISIBILITY_TIMEOUT_MS``, 30 000).
+        wait_ms: long-poll wait of each lease request in ms (0..20 000; default 5 000).
+        shutdown_timeout_ms: how long ``stop()`` waits for running handlers, in ms (30 000).
+        clock: time source; ``monotonic()`` drives renewals, backoff and the shutdown deadline.
+        worker_id: id sent with every lease (default ``"{hostname}:{pid}"``).
+        max_error_bytes: failure text is cut to this many UTF-8 bytes (default
+            ``RELAY_MAX_ERROR_BYTES``, 4 096).
+        rng: randomness for reconnect jitter (default a fresh ``random.Random``).
+        tick_s: the longest real-time wait before re-reading ``clock`` (a ``FakeClock`` cannot
+            wake a sleeping thread, so waits are sliced), in seconds.
+    Raises:
+        ValueError: an argument is out of range.
+
+    Attributes:
+        leased, acked, failed, released, renewed, lost: counters (``lost``: leases found gone
+            by a rejected renew).
+        ready: set once ``run()`` has started its threads.
+        shutdown_event: set by ``stop()``; handed to handlers as ``ctx.shutdown``.
+    """
+
+    def __init__(
+        self,
+        client_factory: Callable[[], WorkerClient],
+        queues: Sequence[str],
+        *,
+        concurrency: int = 8,
+        handler: Handler = demo_handler,
+        lease_ms: int | None = None,
+        wait_ms: int = 5_000,
+        shutdown_timeout_ms: int = 30_000,
+        clock: Clock | None = None,
+        worker_id: str | None = None,
+        max_error_bytes: int | None = None,
+        rng: random.Random | None = None,
+        tick_s: float = 0.1,
+    ) -> None:
+        if not queues:
+            raise ValueError("a worker needs at least one queue")
+        if concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if wait_ms < 0 or shutdown_timeout_ms < 0:
+            raise ValueError("wait_ms and shutdown_timeout_ms must be >= 0")
+        if lease_ms is None or max_error_bytes is None:
+            from queue_core.conf import relay_settings  # Django settings, only when needed
+
+            settings = relay_settings()
+            lease_ms = settings.visibility_timeout_ms if lease_ms is None else lease_ms
+            if max_error_bytes is None:
+                max_error_bytes = settings.max_error_bytes
+        if lease_ms <= 0:
+            raise ValueError("lease_ms must be > 0")
+        self._client_factory = client_factory
+        self.queues = list(queues)
+        self.concurrency = concurrency
+        self._handler = handler
+        self.lease_ms = lease_ms
+        self.wait_ms = wait_ms
+        self.shutdown_timeout_ms = shutdown_timeout_ms
+        self._clock: Clock = clock or SystemClock()
+        self.worker_id = worker_id or default_worker_id()
+        self.max_error_bytes = max_error_bytes
+        self._rng = rng or random.Random()
+        self._tick_s = tick_s
+        self._renew_interval_s = lease_ms / 3000
+
+        self._cond = threading.Condition()  # guards _held, the job statuses and the counters
+        self._held: dict[str, _HeldJob] = {}
+        self._jobs: queue_mod.SimpleQueue[_HeldJob | None] = queue_mod.SimpleQueue()
+        self._stop = threading.Event()
+        self._renew_stop = threading.Event()
+        self._lease_done = threading.Event()
+        self._started = False
+        self._stop_deadline: float | None = None
+        self._fatal: errors.RelayError | None = None
+        self._lease_thread: threading.Thread | None = None
+        self.ready = threading.Event()
+        self.shutdown_event = threading.Event()
+        self.leased = 0
+        self.acked = 0
+        self.failed = 0
+        self.released = 0
+        self.renewed = 0
+        self.lost = 0
+
+    # -- public ---------------------------------------------------------------------------
+
+    @property
+    def held(self) -> int:
+        """Number of jobs whose lease this worker holds right now."""
+        with self._cond:
+            return len(self._held)
+
+    def counters(self) -> dict[str, int]:
+        """Return a snapshot ``{"leased", "acked", "failed", "released", "renewed", "lost"}``."""
+        with self._cond:
+            return {
+                "leased": self.leased,
+                "acked": self.acked,
+                "failed": self.failed,
+                "released": self.released,
+                "renewed": self.renewed,
+                "lost": self.lost,
+            }
+
+    def stop(self) -> None:
+        """Ask ``run()`` to shut down gracefully; returns at once. Safe from a signal handler.
+
+        The shutdown timeout counts from the first call.
+        """
+        if self._stop_deadline is None:
+            self._stop_deadline = self._clock.monotonic() + self.shutdown_timeout_ms / 1000
+        self._stop.set()
+        self.shutdown_event.set()
+        with self._cond:  # an RLock: re-entrant if the signal lands inside the worker's code
+            self._cond.notify_all()
+
+    def run(self) -> None:
+        """Lease and run jobs until ``stop()``, then shut down (see the class docstring).
+
+        Raises:
+            RelayError: the server rejected a lease request for good (for example
+                ``INVALID_ARGUMENT`` for a bad queue name); raised after the shutdown.
+            RuntimeError: ``run()`` was called before on this worker.
+        """
+        with self._cond:
+            if self._started:
+                raise RuntimeError("a Worker runs once")
+            self._started = True
+        self._lease_client = self._client_factory()
+        self._client = self._client_factory()
+        for n in range(self.concurrency):
+            threading.Thread(
+                target=self._handler_loop, name=f"relay-handler-{n}", daemon=True
+            ).start()
+        renewer = threading.Thread(target=self._renew_loop, name="relay-renewer", daemon=True)
+        renewer.start()
+        self._lease_thread = threading.Thread(
+            target=self._lease_loop, name="relay-lease", daemon=True
+        )
+        self._lease_thread.start()
+        _log(
+            logging.INFO,
+            "worker_ready",
+            worker_id=self.worker_id,
+            queues=",".join(self.queues),
+            concurrency=self.concurrency,
+            lease_ms=self.lease_ms,
+            pid=os.getpid(),
+        )
+        self.ready.set()
+        while not self._stop.wait(1.0):  # a timed wait keeps signal handlers prompt
+            pass
+        self._shutdown(renewer)
+        if self._fatal is not None:
+            raise self._fatal
+
+    # -- leasing --------------------------------------------------------------------------
+
+    def _lease_loop(self) -> None:
+        try:
+            self._lease_until_stopped()
+        except Exception as exc:  # a bug must stop the worker, not leave it idle forever
+            logger.exception(
+                "event=worker_crashed error=%r", exc, extra={"event": "worker_crashed"}
+            )
+            self._fatal = errors.Internal(f"lease loop crashed: {exc!r}")
+            self.stop()
+        finally:
+            self._lease_done.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    def _lease_until_stopped(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            with self._cond:
+                while len(self._held) >= self.concurrency and not self._stop.is_set():
+                    self._cond.wait()
+                free = self.concurrency - len(self._held)
+            if self._stop.is_set():
+                return
+            try:
+                leases = self._lease_client.lease(
+                    self.queues,
+                    worker_id=self.worker_id,
+                    max_jobs=min(free, MAX_JOBS_PER_LEASE),
+                    lease_ms=self.lease_ms,
+                    wait_ms=self.wait_ms,
+                )
+            except (ConnectionError, errors.RelayError) as exc:
+                if self._stop.is_set():  # cut off by the shutdown deadline
+                    _log(logging.INFO, "lease_aborted", error=_describe(exc))
+                    return
+                if isinstance(exc, errors.RelayError) and not exc.retryable:
+                    _log(logging.ERROR, "lease_rejected", code=exc.code, error=str(exc))
+                    self._fatal = exc
+                    self.stop()
+                    return
+                failures += 1
+                delay_s = jittered_ms(_RECONNECT_BACKOFF, failures, self._rng) / 1000
+                _log(
+                    logging.WARNING,
+                    "lease_error",
+                    error=_describe(exc),
+                    failures=failures,
+                    retry_in_ms=round(delay_s * 1000),
+                )
+                self._wait(self._stop, delay_s)
+                continue
+            failures = 0
+            for lease in leases:
+                self._accept(lease)
+
+    def _accept(self, lease: dict[str, Any]) -> None:
+        job = _HeldJob(
+            job_id=str(lease["job_id"]),
+            lease_token=str(lease["lease_token"]),
+            queue=str(lease.get("queue", "")),
+            attempt=int(lease.get("attempt", 0)),
+            payload=lease.get("payload"),
+            lease=lease,
+            renew_at=self._clock.monotonic() + self._renew_interval_s,
+        )
+        with self._cond:
+            self.leased += 1
+            keep = not self._stop.is_set() and len(self._held) < self.concurrency
+            if keep:
+                self._held[job.job_id] = job
+        _log(
+            logging.INFO,
+            "leased",
+            job_id=job.job_id,
+            queue=job.queue,
+            attempt=job.attempt,
+            worker_id=self.worker_id,
+        )
+        if keep:
+            self._jobs.put(job)
+        else:  # leased while stopping (or more than asked for): hand it straight back
+            self._release(job, reason="not_started")
+
+    # -- running --------------------------------------------------------------------------
+
+    def _handler_loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._execute(job)
+            except Exception:  # never lose a handler thread (and its slot) to a bug here
+                logger.exception(
+                    "event=worker_error job_id=%s",
+                    job.job_id,
+                    extra={"event": "worker_error", "job_id": job.job_id},
+                )
+                with self._cond:
+                    self._held.pop(job.job_id, None)
+                    self._cond.notify_all()
+
+    def _execute(self, job: _HeldJob) -> None:
+        ctx = JobContext(
+            job_id=job.job_id,
+            queue=job.queue,
+            attempt=job.attempt,
+            worker_id=self.worker_id,
+            shutdown=self.shutdown_event,
+            lease=job.lease,
+        )
+        action: Literal["ack", "fail", "release"] = "ack"
+        error = ""
+        retryable = True
+        try:
+            self._handler(job.payload, ctx)
+        except JobInterrupted:
+            action = "release"
+        except BaseException as exc:  # noqa: BLE001 - any handler failure, even SystemExit, fails the job
+            action = "fail"
+            error = truncate_utf8(str(exc) or type(exc).__name__, self.max_error_bytes)
+            retryable = not isinstance(exc, NonRetryableError)
+            _log(
+                logging.WARNING,
+                "handler_failed",
+                job_id=job.job_id,
+                attempt=job.attempt,
+                retryable=retryable,
+                error_type=type(exc).__name__,
+                error=error,
+                exc_info=logger.isEnabledFor(logging.DEBUG),  # tracebacks with RELAY_LOG=debug
+            )
+        with self._cond:
+            if job.status != "running":  # released at the shutdown deadline
+                _log(logging.INFO, "result_discarded", job_id=job.job_id, action=action)
+                return
+            job.status = "settling"
+        try:
+            self._settle(job, action, error, retryable)
+        finally:
+            with self._cond:
+                self._held.pop(job.job_id, None)
+                self._cond.notify_all()
+
+    def _settle(
+        self, job: _HeldJob, action: Literal["ack", "fail", "release"], error: str, retryable: bool
+    ) -> None:
+        if action == "release":
+            # Hold the job until our own lease call in flight returns: released now, it could
+            # be handed straight back to that call (one more delivery for nothing).
+            # At the deadline the shutdown cuts that call off, so this wait ends soon after.
+            deadline = self._stop_deadline
+            if deadline is not None:
+                self._wait(self._lease_done, deadline + _MARGIN_S - self._clock.monotonic())
+            self._release(job, reason="interrupted")
+            return
+        for attempt in range(1, _SETTLE_TRIES + 1):
+            try:
+                if action == "ack":
+                    result = self._client.ack(
+                        job.job_id, worker_id=self.worker_id, lease_token=job.lease_token
+                    )
+                else:
+                    result = self._client.fail(
+                        job.job_id,
+                        worker_id=self.worker_id,
+                        lease_token=job.lease_token,
+                        error=error,
+                        retryable=retryable,
+                    )
+            except _LEASE_GONE as exc:
+                # At-least-once: the lease expired or moved on, so another worker may run the
+                # job again. Nothing to undo here.
+                _log(logging.WARNING, f"{action}_rejected", job_id=job.job_id, code=exc.code)
+                return
+            except (ConnectionError, errors.RelayError) as exc:
+                _log(
+                    logging.WARNING,
+                    f"{action}_error",
+                    job_id=job.job_id,
+                    error=_describe(exc),
+                    tries=attempt,
+                )
+                if attempt < _SETTLE_TRIES:
+                    # Repeating ack/fail with the same token is safe (protocol: "duplicate").
+                    self._clock.sleep(_SETTLE_PAUSE_S * attempt)
+                continue
+            with self._cond:
+                if action == "ack":
+                    self.acked += 1
+                else:
+                    self.failed += 1
+            _log(
+                logging.INFO,
+                "acked" if action == "ack" else "failed",
+                job_id=job.job_id,
+                attempt=job.attempt,
+                state=result.get("state"),
+                duplicate=result.get("duplicate", False),
+            )
+            return
+
+    def _release(self, job: _HeldJob, *, reason: str) -> None:
+        try:
+            self._client.release(job.job_id, worker_id=self.worker_id, lease_token=job.lease_token)
+        except _LEASE_GONE as exc:
+            _log(logging.INFO, "release_skipped", job_id=job.job_id, code=exc.code)
+        except (ConnectionError, errors.RelayError) as exc:
+            # The lease will expire and the job will be delivered again.
+            _log(logging.WARNING, "release_error", job_id=job.job_id, error=_describe(exc))
+        else:
+            with self._cond:
+                self.released += 1
+            _log(logging.INFO, "released", job_id=job.job_id, attempt=job.attempt, reason=reason)
+
+    # -- renewing -------------------------------------------------------------------------
+
+    def _renew_loop(self) -> None:
+        while not self._renew_stop.is_set():
+            now = self._clock.monotonic()
+            with self._cond:
+                live = [j for j in self._held.values() if not j.lost and j.status != "released"]
+            due = [job for job in live if job.renew_at <= now]
+            for job in due:
+                self._renew(job)
+            if due:
+                continue
+            next_at = min((job.renew_at for job in live), default=now + self._tick_s)
+            self._renew_stop.wait(min(max(next_at - now, 0.0), self._tick_s))
+
+    def _renew(self, job: _HeldJob) -> None:
+        try:
+            self._client.renew(
+                job.job_id,
+                worker_id=self.worker_id,
+                lease_token=job.lease_token,
+                lease_ms=self.lease_ms,
+            )
+        except _LEASE_GONE as exc:
+            with self._cond:
+                if self._held.get(job.job_id) is not job or job.status != "running":
+                    return  # acked or released meanwhile: nothing was lost
+                job.lost = True
+                self.lost += 1
+            # Keep running the handler: its ack will be rejected too, and the job may run again
+            # elsewhere (at-least-once).
+            _log(logging.WARNING, "lease_lost", job_id=job.job_id, code=exc.code)
+        except (ConnectionError, errors.RelayError) as exc:
+            job.renew_at = self._clock.monotonic() + min(self._renew_interval_s, _RENEW_RETRY_S)
+            _log(logging.WARNING, "renew_error", job_id=job.job_id, error=_describe(exc))
+        else:
+            job.renew_at = self._clock.monotonic() + self._renew_interval_s
+            with self._cond:
+                self.renewed += 1
+            _log(logging.DEBUG, "renewed", job_id=job.job_id, lease_ms=self.lease_ms)
+
+    # -- stopping -------------------------------------------------------------------------
+
+    def _shutdown(self, renewer: threading.Thread) -> None:
+        deadline = self._stop_deadline
+        assert deadline is not None  # set by stop(), the only way out of run()'s wait
+        _log(
+            logging.INFO,
+            "worker_stopping",
+            held=self.held,
+            shutdown_timeout_ms=self.shutdown_timeout_ms,
+        )
+        lease_thread = self._lease_thread
+        assert lease_thread is not None
+        # 1. Running handlers finish and the lease call in flight returns, until the deadline.
+        with self._cond:
+            while self._held or lease_thread.is_alive():
+                remaining = deadline - self._clock.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, self._tick_s))
+        # 2. Past the deadline, cut off a lease call still waiting.
+        if lease_thread.is_alive():
+            self._lease_client.close()
+            lease_thread.join(_MARGIN_S)
+        # 3. Release the jobs whose handlers are still running; their results are discarded.
+        with self._cond:
+            stuck = [job for job in self._held.values() if job.status == "running"]
+            for job in stuck:
+                job.status = "released"
+        budget_end = self._clock.monotonic() + _RELEASE_BUDGET_S
+        for job in stuck:
+            if self._clock.monotonic() > budget_end:
+                _log(logging.WARNING, "release_skipped", job_id=job.job_id, code="NO_TIME")
+                continue
+            self._release(job, reason="shutdown_timeout")
+        with self._cond:
+            for job in stuck:
+                self._held.pop(job.job_id, None)
+            # Acks, fails and releases already under way get a moment to finish.
+            margin_end = self._clock.monotonic() + _MARGIN_S
+            while self._held:
+                remaining = margin_end - self._clock.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, self._tick_s))
+        # 4. Stop the renewer and the handler threads (a hung handler's thread is abandoned).
+        self._renew_stop.set()
+        renewer.join(_MARGIN_S)
+        for _ in range(self.concurrency):
+            self._jobs.put(None)
+        self._lease_client.close()
+        self._client.close()
+        summary: dict[str, Any] = {"abandoned": len(stuck), **self.counters()}
+        _log(logging.INFO, "worker_stopped", **summary)
+
+    def _wait(self, event: threading.Event, seconds: float) -> bool:
+        """Wait until ``event`` is set or ``seconds`` pass on ``clock``; True if it was set."""
+        deadline = self._clock.monotonic() + seconds
+        while not event.is_set():
+            remaining = deadline - self._clock.monotonic()
+            if remaining <= 0:
+                return False
+            event.wait(min(remaining, self._tick_s))
+        return True
+
+
+def _describe(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    return f"{code}: {exc}" if code else f"{type(exc).__name__}: {exc}"

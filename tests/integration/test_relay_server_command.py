@@ -1,0 +1,102 @@
+"""``manage.py relay_server`` as a real process: integrity check, --db, recovery, SIGTERM."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.procs import Spawner, spawner
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Spawner]:
+    """Processes on a database of their own (given with --db, so RELAY_DB is a decoy)."""
+    with spawner(str(tmp_path / "decoy.db")) as s:
+        yield s
+    for proc in s.procs:  # the spawner kills them; close their stderr pipes too
+        proc.wait_exit()
+        if proc.popen.stderr is not None:
+            proc.popen.stderr.close()
+
+
+class Conn:
+    """One persistent NDJSON connection."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+        self.file = self.sock.makefile("rb")
+
+    def __call__(self, op: str, **args: Any) -> dict[str, Any]:
+        self.sock.sendall(orjson.dumps({"op": op, "args": args}) + b"\n")
+        reply: dict[str, Any] = orjson.loads(self.file.readline())
+        return reply
+
+    def close(self) -> None:
+        self.file.close()
+        self.sock.close()
+
+
+def call(port: int, op: str, **args: Any) -> dict[str, Any]:
+    conn = Conn(port)
+    try:
+        return conn(op, **args)
+    finally:
+        conn.close()
+
+
+def test_corrupt_database_exits_3_without_serving(procs: Spawner, tmp_path: Path) -> None:
+    db = tmp_path / "garbage.db"
+    db.write_bytes(b"this is not a database file at all" * 200)
+    out = procs.run("relay_server", "--db", str(db), "--address", "127.0.0.1:0")
+    assert out.returncode == 3, out.stderr
+    assert f"CORRUPT: database {db} failed integrity check" in out.stderr
+    assert '"event": "ready"' not in out.stderr
+    assert db.read_bytes().startswith(b"this is not")  # untouched, not migrated over
+
+
+def test_db_option_migrates_serves_and_stops_on_sigterm(procs: Spawner, tmp_path: Path) -> None:
+    db = tmp_path / "fresh.db"
+    proc, port = procs.server("--db", str(db), "--shutdown-grace-ms", "30000")
+    assert proc.wait_event("recovered")["leases"] == 0
+    conn = Conn(port)
+    try:
+        job = conn("submit", queue="q", payload={"n": 1})["result"]["job"]
+        lease = conn("lease", queues=["q"], worker_id="w")["result"]["jobs"][0]
+        proc.signal(signal.SIGTERM)
+        proc.wait_event("draining")
+        with pytest.raises(ConnectionRefusedError):
+            Conn(port)  # no new connections
+        assert conn("submit", queue="q", payload=2)["error"]["code"] == "UNAVAILABLE"
+        acked = conn("ack", job_id=job["id"], worker_id="w", lease_token=lease["lease_token"])
+        assert acked["ok"], acked
+        assert proc.wait_exit(timeout=15) == 0  # the grace ended early: nothing leased
+    finally:
+        conn.close()
+    with contextlib.closing(sqlite3.connect(db)) as sql:
+        assert sql.execute("SELECT state FROM relay_job").fetchall() == [("succeeded",)]
+    assert not (tmp_path / "decoy.db").exists()
+
+
+@pytest.mark.crash
+def test_restart_recovers_leases_and_fences_old_tokens(procs: Spawner, tmp_path: Path) -> None:
+    db = str(tmp_path / "relay.db")
+    first, port = procs.server("--db", db)
+    job = call(port, "submit", queue="q", payload=1)["result"]["job"]
+    old = call(port, "lease", queues=["q"], worker_id="w")["result"]["jobs"][0]
+    first.kill()  # SIGKILL: no graceful anything
+    second, port = procs.server("--db", db)
+    assert second.wait_event("recovered")["leases"] == 1
+    stale = call(port, "ack", job_id=job["id"], worker_id="w", lease_token=old["lease_token"])
+    assert stale["error"]["code"] == "STALE_TOKEN"
+    again = call(port, "lease", queues=["q"], worker_id="w")["result"]["jobs"]
+    assert [j["job_id"] for j in again] == [job["id"]] and again[0]["attempt"] == 2
+    second.signal(signal.SIGTERM)
+    assert second.wait_exit(timeout=15) == 0

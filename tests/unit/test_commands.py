@@ -1,0 +1,334 @@
+"""The relay_* client commands against a canned NDJSON server: output, arguments, exit codes."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from queue_core.client import format_address
+from tests.unit.canned_server import CannedServer, Script, error, ok
+
+JOB = {
+    "id": "job_1",
+    "queue": "email",
+    "state": "dead",
+    "priority": "high",
+    "payload": {"user_id": 42},
+    "attempt": 2,
+    "failures": 2,
+    "max_retries": 1,
+    "retry_policy": {"backoff": "exponential", "base_ms": 1000, "cap_ms": 300000, "jitter": True},
+    "idempotency_key": None,
+    "created_at_ms": 1767225600000,
+    "available_at_ms": None,
+    "ready_since_ms": 1767225600000,
+    "leased_by": None,
+    "lease_expires_at_ms": None,
+    "finished_at_ms": 1767225660000,
+    "last_error": "smtp timeout",
+    "dead_reason": "attempts exhausted: smtp timeout",
+    "history": [
+        {
+            "attempt": 1,
+            "worker_id": "host:1",
+            "started_at_ms": 1767225600000,
+            "ended_at_ms": 1767225601500,
+            "outcome": "failed",
+            "error": "smtp timeout",
+        }
+    ],
+    "events": [
+        {
+            "event": "dead_lettered",
+            "from_state": "leased",
+            "to_state": "dead",
+            "at_ms": 1767225660000,
+            "actor": None,
+        }
+    ],
+}
+
+
+@pytest.fixture
+def server() -> Iterator[Callable[[Script], CannedServer]]:
+    servers: list[CannedServer] = []
+
+    def start(script: Script) -> CannedServer:
+        servers.append(CannedServer(script))
+        return servers[-1]
+
+    yield start
+    for canned in servers:
+        canned.close()
+
+
+def run(*args: str) -> tuple[str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    call_command(*args, stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
+def fails(*args: str) -> CommandError:
+    with pytest.raises(CommandError) as caught:
+        run(*args)
+    return caught.value
+
+
+def test_submit_prints_the_job_id_and_sends_the_options(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": False}))
+    out, _ = run(
+        "relay_submit",
+        "email",
+        "--payload",
+        '{"user_id":42}',
+        "--priority",
+        "high",
+        "--retries",
+        "5",
+        "--backoff",
+        "fixed",
+        "--backoff-base-ms",
+        "250",
+        "--no-jitter",
+        "--run-at",
+        "2026-01-01T00:00:01Z",
+        "--idempotency-key",
+        "k1",
+        "--address",
+        canned.address,
+    )
+    assert out == "job_1\n"
+    assert canned.requests[0]["op"] == "submit"
+    assert canned.requests[0]["args"] == {
+        "queue": "email",
+        "payload": {"user_id": 42},
+        "priority": "high",
+        "max_retries": 5,
+        "backoff": "fixed",
+        "backoff_base_ms": 250,
+        "jitter": False,
+        "run_at_ms": 1767225601000,
+        "idempotency_key": "k1",
+    }
+
+
+def test_submit_marks_a_duplicate(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": True}))
+    out, _ = run("relay_submit", "q", "--payload", "1", "--address", canned.address)
+    assert out == "job_1 (duplicate)\n"
+
+
+def test_submit_json_prints_the_result(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": False}))
+    out, _ = run(
+        "relay_submit",
+        "q",
+        "--payload",
+        "{}",
+        "--delay-ms",
+        "5",
+        "--json",
+        "--address",
+        canned.address,
+    )
+    assert orjson.loads(out) == {"job": JOB, "deduplicated": False}
+    assert canned.requests[0]["args"]["delay_ms"] == 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--payload", "{bad"], "INVALID_ARGUMENT: --payload is not valid JSON"),
+        (["--payload", "{}", "--run-at", "tomorrow"], "INVALID_ARGUMENT: --run-at 'tomorrow'"),
+        (["--payload", "{}", "--address", "nohost"], "INVALID_ARGUMENT: --address"),
+    ],
+)
+def test_submit_rejects_bad_input_before_sending(
+    server: Any, args: list[str], message: str
+) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": False}))
+    err = fails("relay_submit", "q", "--address", canned.address, *args)
+    assert str(err).startswith(message)
+    assert err.returncode == 1
+    assert canned.requests == []
+
+
+def test_an_error_reply_exits_1_with_its_code(server: Any) -> None:
+    canned = server(lambda req, conn: error(req, "NOT_FOUND", "no job job_x"))
+    err = fails("relay_inspect", "job_x", "--address", canned.address)
+    assert str(err) == "NOT_FOUND: no job job_x"
+    assert err.returncode == 1
+
+
+def test_an_unreachable_server_exits_2() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        address = format_address("127.0.0.1", probe.getsockname()[1])
+    err = fails("relay_stats", "--address", address)
+    assert str(err).startswith(f"cannot reach relay server at {address}")
+    assert err.returncode == 2
+
+
+def test_a_lost_connection_exits_2(server: Any) -> None:
+    canned = server(lambda req, conn: None)
+    err = fails("relay_stats", "--address", canned.address)
+    assert "may or may not have been applied" in str(err)
+    assert err.returncode == 2
+
+
+def test_inspect_shows_the_job_and_its_attempts(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": JOB}))
+    out, _ = run("relay_inspect", "job_1", "--address", canned.address)
+    for text in (
+        "job_1",
+        "dead",
+        "attempts exhausted: smtp timeout",
+        "host:1",
+        "1.5s",
+        "dead_lettered",
+    ):
+        assert text in out
+    assert "2026-01-01T00:00:00.000Z" in out
+    json_out, _ = run("relay_inspect", "job_1", "--json", "--address", canned.address)
+    assert orjson.loads(json_out) == JOB
+
+
+def test_stats_prints_a_table_per_queue(server: Any) -> None:
+    counts = {"pending": 1, "ready": 7, "leased": 2, "retrying": 0, "succeeded": 40, "dead": 3}
+    result = {
+        "queues": {
+            "email": {**counts, "oldest_ready_age_ms": 65_000},
+            "sms": {**counts, "oldest_ready_age_ms": None},
+        },
+        "totals": {k: 2 * v for k, v in counts.items()},
+        "server_time_ms": 1767225600000,
+    }
+    canned = server(lambda req, conn: ok(req, result))
+    out, _ = run("relay_stats", "--address", canned.address)
+    assert "email" in out and "sms" in out and "total" in out
+    assert "1m05s" in out and "80" in out
+    json_out, _ = run("relay_stats", "--queue", "email", "--json", "--address", canned.address)
+    assert orjson.loads(json_out) == result
+    assert canned.requests[-1]["args"] == {"queue": "email"}
+
+
+def test_stats_with_no_queues(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"queues": {}, "totals": {}, "server_time_ms": 0}))
+    out, _ = run("relay_stats", "--address", canned.address)
+    assert out == "no jobs\n"
+
+
+def test_dead_list_prints_jobs_and_the_next_cursor(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"jobs": [JOB], "next_after": "job_1"}))
+    out, _ = run(
+        "relay_dead", "list", "--queue", "email", "--limit", "1", "--address", canned.address
+    )
+    assert "job_1" in out and "attempts exhausted" in out
+    assert "relay dead list --after job_1" in out
+    assert canned.requests[0]["args"] == {"queue": "email", "limit": 1}
+
+
+def test_dead_retry_reports_each_job_and_fails_if_any_failed(server: Any) -> None:
+    def script(req: dict[str, Any], conn: int) -> bytes:
+        if req["args"]["job_id"] == "job_1":
+            return ok(req, {"job": {**JOB, "state": "ready"}})
+        return error(req, "INVALID_STATE", "job_2 is ready, not dead")
+
+    canned = server(script)
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.raises(CommandError) as caught:
+        call_command(
+            "relay_dead",
+            "retry",
+            "job_1",
+            "job_2",
+            "--address",
+            canned.address,
+            stdout=out,
+            stderr=err,
+        )
+    assert out.getvalue() == "job_1: replayed, now ready\n"
+    assert err.getvalue() == "job_2: INVALID_STATE: job_2 is ready, not dead\n"
+    assert str(caught.value) == "INVALID_STATE: 1 of 2 jobs failed"
+    assert caught.value.returncode == 1
+
+
+def test_dead_purge_without_a_terminal_asks_nothing(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job_id": req["args"]["job_id"], "purged": True}))
+    out, _ = run("relay_dead", "purge", "job_1", "job_1", "--address", canned.address)
+    assert out == "job_1: purged\n"  # each id once
+    assert [r["op"] for r in canned.requests] == ["dead_purge"]
+
+
+def test_dead_purge_dry_run_only_inspects(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": JOB}))
+    out, _ = run("relay_dead", "purge", "job_1", "--dry-run", "--address", canned.address)
+    assert out == "job_1: would purge\n"
+    assert [r["op"] for r in canned.requests] == ["inspect"]
+
+
+def test_dead_retry_dry_run_refuses_a_live_job(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": {**JOB, "state": "leased"}}))
+    err = fails("relay_dead", "retry", "job_1", "--dry-run", "--address", canned.address)
+    assert str(err).startswith("INVALID_STATE: cannot retry job_1: it is leased")
+
+
+def test_dead_json_output(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job_id": "job_1", "purged": True}))
+    out, _ = run("relay_dead", "purge", "job_1", "--yes", "--json", "--address", canned.address)
+    assert orjson.loads(out) == {"results": [{"job_id": "job_1", "ok": True, "purged": True}]}
+
+
+def test_worker_runs_jobs_and_stops_gracefully_on_sigterm(server: Any) -> None:
+    lease = {"job_id": "job_1", "queue": "email", "payload": {}, "attempt": 1, "lease_token": "t"}
+    handed_out: list[str] = []
+    acked = threading.Event()
+
+    def script(req: dict[str, Any], conn: int) -> bytes:
+        if req["op"] == "lease":
+            if not handed_out:
+                handed_out.append("job_1")
+                return ok(req, {"jobs": [lease]})
+            acked.wait(0.05)  # a short long-poll
+            return ok(req, {"jobs": []})
+        assert req["op"] == "ack"
+        acked.set()
+        return ok(req, {"job_id": "job_1", "state": "succeeded", "duplicate": False})
+
+    canned = server(script)
+
+    def stop_after_the_ack() -> None:
+        if acked.wait(10):  # the command's handler is installed by then
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_after_the_ack, daemon=True).start()
+    previous = signal.getsignal(signal.SIGTERM)
+    out, _ = run(
+        "relay_worker", "--queue", "email", "--wait-ms", "50", "--json", "--address", canned.address
+    )
+    assert orjson.loads(out) == {
+        "leased": 1,
+        "acked": 1,
+        "failed": 0,
+        "released": 0,
+        "renewed": 0,
+        "lost": 0,
+    }
+    ack = next(r for r in canned.requests if r["op"] == "ack")
+    assert ack["args"]["lease_token"] == "t"
+    assert signal.getsignal(signal.SIGTERM) == previous  # restored
+
+
+def test_worker_rejects_bad_options() -> None:
+    err = fails("relay_worker", "--concurrency", "0", "--address", "127.0.0.1:9")
+    assert str(err) == "INVALID_ARGUMENT: concurrency must be >= 1"
+    assert err.returncode == 1

@@ -1,0 +1,499 @@
+"""The pull worker against an in-memory fake client: slots, ack/fail, renewals, shutdown.
+
+No sockets and no database. Time is a FakeClock; threads are synchronised with events and the
+fake's condition variable, never with sleeps.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from queue_core import errors
+from queue_core.clock import FakeClock
+from queue_core.worker import JobContext, JobInterrupted, NonRetryableError, Worker, demo_handler
+from queue_core.worker.handlers import DemoFailure
+from queue_core.worker.runner import truncate_utf8
+
+WAIT_S = 10.0  # upper bound for anything the test waits on; reached only when a test fails
+
+
+class FakeRelay:
+    """A thread-safe in-memory server: every ``connect()`` returns a client onto it."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.ready: collections.deque[dict[str, Any]] = collections.deque()
+        self.held: dict[str, str] = {}  # job_id -> token
+        self.max_held = 0
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.lease_errors: list[BaseException] = []
+        self.renew_errors: dict[str, BaseException] = {}
+        self.lease_gate: threading.Event | None = None
+        self.clients = 0
+        self._seq = 0
+
+    def add(self, *payloads: Any, queue: str = "q") -> list[str]:
+        ids = []
+        with self.cond:
+            for payload in payloads:
+                self._seq += 1
+                job_id = f"job_{self._seq}"
+                ids.append(job_id)
+                self.ready.append({"job_id": job_id, "queue": queue, "payload": payload})
+            self.cond.notify_all()
+        return ids
+
+    def connect(self) -> FakeClient:
+        with self.cond:
+            self.clients += 1
+        return FakeClient(self)
+
+    def calls_of(self, op: str) -> list[dict[str, Any]]:
+        with self.cond:
+            return [args for name, args in self.calls if name == op]
+
+    def wait_for(self, predicate: Callable[[], bool], what: str) -> None:
+        with self.cond:
+            assert self.cond.wait_for(predicate, WAIT_S), f"timed out waiting for {what}"
+
+    def record(self, op: str, args: dict[str, Any]) -> None:
+        self.calls.append((op, args))
+        self.cond.notify_all()
+
+    def settle(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        with self.cond:
+            self.record(op, args)
+            if self.held.get(args["job_id"]) != args["lease_token"]:
+                raise errors.StaleToken()
+            del self.held[args["job_id"]]
+            self.cond.notify_all()
+            return {"job_id": args["job_id"], "state": op, "duplicate": False}
+
+
+class FakeClient:
+    """Implements ``WorkerClient`` on a ``FakeRelay``."""
+
+    def __init__(self, relay: FakeRelay) -> None:
+        self.relay = relay
+
+    def lease(
+        self,
+        queues: Any,
+        *,
+        worker_id: str,
+        max_jobs: int = 1,
+        lease_ms: int | None = None,
+        wait_ms: int = 0,
+    ) -> list[dict[str, Any]]:
+        relay = self.relay
+        with relay.cond:
+            relay.record("lease", {"queues": list(queues), "max_jobs": max_jobs})
+            if relay.lease_errors:
+                raise relay.lease_errors.pop(0)
+        if relay.lease_gate is not None:
+            assert relay.lease_gate.wait(WAIT_S)
+        with relay.cond:
+            if not relay.ready:
+                # The long poll: a short real wait for a job, then an empty answer.
+                relay.cond.wait(0.02)
+            out = []
+            while relay.ready and len(out) < max_jobs:
+                job = relay.ready.popleft()
+                token = f"tok-{job['job_id']}"
+                relay.held[job["job_id"]] = token
+                out.append({**job, "lease_token": token, "attempt": 1})
+            relay.max_held = max(relay.max_held, len(relay.held))
+            relay.cond.notify_all()
+            return out
+
+    def renew(
+        self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
+    ) -> dict[str, Any]:
+        relay = self.relay
+        with relay.cond:
+            relay.record(
+                "renew", {"job_id": job_id, "lease_token": lease_token, "lease_ms": lease_ms}
+            )
+            if job_id in relay.renew_errors:
+                raise relay.renew_errors[job_id]
+            return {"job_id": job_id, "lease_expires_at_ms": 0}
+
+    def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        return self.relay.settle(
+            "ack", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
+        )
+
+    def fail(
+        self,
+        job_id: str,
+        *,
+        worker_id: str,
+        lease_token: str,
+        error: str,
+        retryable: bool = True,
+    ) -> dict[str, Any]:
+        return self.relay.settle(
+            "fail",
+            {
+                "job_id": job_id,
+                "worker_id": worker_id,
+                "lease_token": lease_token,
+                "error": error,
+                "retryable": retryable,
+            },
+        )
+
+    def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        return self.relay.settle(
+            "release", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
+        )
+
+    def close(self) -> None:
+        with self.relay.cond:
+            self.relay.record("close", {})
+
+
+class Running:
+    """A worker running ``run()`` in a thread; ``stop()`` joins it and keeps its exception."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert worker.ready.wait(WAIT_S)
+
+    def _run(self) -> None:
+        try:
+            self.worker.run()
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self) -> None:
+        self.thread.join(WAIT_S)
+        assert not self.thread.is_alive(), "worker.run() did not return"
+
+    def stop(self) -> None:
+        self.worker.stop()
+        self.join()
+
+
+@pytest.fixture
+def relay() -> FakeRelay:
+    return FakeRelay()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def make_worker(relay: FakeRelay, clock: FakeClock) -> Iterator[Callable[..., Running]]:
+    started: list[Running] = []
+
+    def make(handler: Any = demo_handler, **kwargs: Any) -> Running:
+        options: dict[str, Any] = {
+            "concurrency": 2,
+            "lease_ms": 3_000,
+            "wait_ms": 100,
+            "shutdown_timeout_ms": 5_000,
+            "clock": clock,
+            "worker_id": "w1:1",
+            "max_error_bytes": 4096,
+            "rng": random.Random(7),
+            "tick_s": 0.005,
+        }
+        options.update(kwargs)
+        running = Running(Worker(relay.connect, ["q"], handler=handler, **options))
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:  # a failed test must not leave a worker polling
+        running.worker.stop()
+        clock.advance(seconds=3600)
+        running.thread.join(WAIT_S)
+
+
+def test_holds_at_most_concurrency_jobs(relay: FakeRelay, make_worker: Any) -> None:
+    gate = threading.Event()
+    relay.add(*({"n": n} for n in range(7)))
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=2)
+    relay.wait_for(lambda: len(relay.held) == 2, "two jobs leased")
+    assert relay.max_held == 2
+    gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 7, "seven acks")
+    running.stop()
+    assert relay.max_held == 2
+    assert all(call["max_jobs"] <= 2 for call in relay.calls_of("lease"))
+    assert running.worker.counters()["acked"] == 7
+    assert running.worker.leased == 7
+    assert relay.clients == 2  # one connection for leasing, one for the rest
+
+
+def test_acks_a_job_whose_handler_returns(relay: FakeRelay, make_worker: Any) -> None:
+    seen: list[tuple[Any, JobContext]] = []
+    relay.add({"hello": "world"})
+    running = make_worker(lambda payload, ctx: seen.append((payload, ctx)))
+    relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
+    running.stop()
+    assert relay.calls_of("ack") == [
+        {"job_id": "job_1", "worker_id": "w1:1", "lease_token": "tok-job_1"}
+    ]
+    payload, ctx = seen[0]
+    assert payload == {"hello": "world"}
+    assert (ctx.job_id, ctx.queue, ctx.attempt, ctx.worker_id) == ("job_1", "q", 1, "w1:1")
+    assert relay.calls_of("fail") == []
+    assert running.worker.acked == 1
+    assert running.error is None
+
+
+def test_fails_with_the_error_cut_to_max_error_bytes(relay: FakeRelay, make_worker: Any) -> None:
+    def handler(payload: Any, ctx: JobContext) -> None:
+        raise ValueError("é" * 100)  # 200 UTF-8 bytes
+
+    relay.add({})
+    running = make_worker(handler, max_error_bytes=51)
+    relay.wait_for(lambda: bool(relay.calls_of("fail")), "the fail")
+    running.stop()
+    (call,) = relay.calls_of("fail")
+    assert call["error"] == "é" * 25  # 50 bytes: the 51st would split a character
+    assert call["retryable"] is True
+    assert call["lease_token"] == "tok-job_1"
+    assert running.worker.failed == 1
+    assert relay.calls_of("ack") == []
+
+
+def test_non_retryable_error_fails_without_retry(relay: FakeRelay, make_worker: Any) -> None:
+    relay.add({"fail": True, "error": "bad input", "retryable": False}, {"fail": True})
+    running = make_worker()
+    relay.wait_for(lambda: len(relay.calls_of("fail")) == 2, "two fails")
+    running.stop()
+    by_job = {call["job_id"]: call for call in relay.calls_of("fail")}
+    assert (by_job["job_1"]["error"], by_job["job_1"]["retryable"]) == ("bad input", False)
+    assert (by_job["job_2"]["error"], by_job["job_2"]["retryable"]) == ("demo failure", True)
+
+
+def test_empty_exception_text_falls_back_to_the_type_name(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    def handler(payload: Any, ctx: JobContext) -> None:
+        raise KeyError
+
+    relay.add({})
+    running = make_worker(handler)
+    relay.wait_for(lambda: bool(relay.calls_of("fail")), "the fail")
+    running.stop()
+    assert relay.calls_of("fail")[0]["error"] == "KeyError"
+
+
+def test_renews_every_third_of_the_lease(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any
+) -> None:
+    gate = threading.Event()
+    relay.add({})
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), lease_ms=3_000)
+    relay.wait_for(lambda: bool(relay.held), "the lease")
+    assert relay.calls_of("renew") == []
+    clock.advance(ms=999)  # not due yet: the first renew is due 1 000 ms after the lease
+    clock.advance(ms=1)
+    relay.wait_for(lambda: len(relay.calls_of("renew")) == 1, "the first renew")
+    clock.advance(ms=1_000)
+    relay.wait_for(lambda: len(relay.calls_of("renew")) == 2, "the second renew")
+    assert relay.calls_of("renew")[0] == {
+        "job_id": "job_1",
+        "lease_token": "tok-job_1",
+        "lease_ms": 3_000,
+    }
+    gate.set()
+    relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
+    running.stop()
+    assert running.worker.renewed == 2
+
+
+def test_stops_renewing_a_lease_the_server_rejects(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any
+) -> None:
+    gate = threading.Event()
+    relay.add({}, {})
+    relay.renew_errors["job_1"] = errors.LeaseExpired()
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), lease_ms=3_000)
+    relay.wait_for(lambda: len(relay.held) == 2, "both leases")
+    for n in (1, 2, 3):
+        clock.advance(ms=1_000)
+        relay.wait_for(
+            lambda n=n: sum(c["job_id"] == "job_2" for c in relay.calls_of("renew")) == n,
+            f"renew {n} of job_2",
+        )
+    assert [c["job_id"] for c in relay.calls_of("renew")].count("job_1") == 1
+    assert running.worker.lost == 1
+    gate.set()  # the handler finishes; its ack is attempted (and would be rejected for real)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "both acks")
+    running.stop()
+
+
+def test_stop_waits_for_running_handlers_then_acks(relay: FakeRelay, make_worker: Any) -> None:
+    started = threading.Event()
+
+    def handler(payload: Any, ctx: JobContext) -> None:
+        started.set()
+        assert ctx.shutdown.wait(WAIT_S)  # finishes promptly once asked to stop
+
+    relay.add({})
+    running = make_worker(handler)
+    assert started.wait(WAIT_S)
+    running.stop()
+    assert [c["job_id"] for c in relay.calls_of("ack")] == ["job_1"]
+    assert relay.calls_of("release") == []
+
+
+def test_stop_releases_jobs_still_running_at_the_deadline(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any
+) -> None:
+    gate = threading.Event()
+    relay.add({}, {}, {})
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), shutdown_timeout_ms=5_000)
+    relay.wait_for(lambda: len(relay.held) == 2, "two leases")
+    running.worker.stop()
+    clock.advance(ms=4_000)  # within the timeout: still waiting for the handlers
+    assert running.thread.is_alive()
+    assert relay.calls_of("release") == []
+    clock.advance(ms=1_001)
+    running.join()
+    released = sorted(c["job_id"] for c in relay.calls_of("release"))
+    assert released == ["job_1", "job_2"]
+    assert relay.held == {}
+    assert running.worker.released == 2
+    assert len(relay.ready) == 1  # the third job was never leased
+    gate.set()  # the abandoned handlers return; their results are discarded
+    assert relay.calls_of("ack") == []
+
+
+def test_interrupted_demo_sleep_releases_the_job(relay: FakeRelay, make_worker: Any) -> None:
+    relay.add({"sleep_ms": 60_000})
+    running = make_worker()
+    relay.wait_for(lambda: bool(relay.held), "the lease")
+    running.stop()  # the demo sleep wakes on ctx.shutdown and raises JobInterrupted
+    assert [c["job_id"] for c in relay.calls_of("release")] == ["job_1"]
+    assert relay.calls_of("fail") == []
+    assert running.worker.released == 1
+
+
+def test_jobs_leased_while_stopping_are_released_unrun(relay: FakeRelay, make_worker: Any) -> None:
+    ran: list[Any] = []
+    relay.lease_gate = threading.Event()
+    relay.add({"x": 1})
+    running = make_worker(lambda payload, ctx: ran.append(payload))
+    relay.wait_for(lambda: bool(relay.calls_of("lease")), "the lease call")
+    running.worker.stop()
+    relay.lease_gate.set()  # the long poll returns a job after stop()
+    running.join()
+    assert ran == []
+    assert [c["job_id"] for c in relay.calls_of("release")] == ["job_1"]
+
+
+def test_connection_errors_while_leasing_back_off_and_recover(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any
+) -> None:
+    relay.lease_errors = [ConnectionRefusedError("refused"), errors.StoreBusy()]
+    relay.add({})
+    running = make_worker()
+    relay.wait_for(lambda: len(relay.calls_of("lease")) == 1, "the first lease call")
+    start_s = clock.monotonic()
+    # Each backoff waits on the fake clock: move it until the job is acked.
+    with relay.cond:
+        while not any(op == "ack" for op, _ in relay.calls):
+            clock.advance(ms=50)
+            relay.cond.wait(0.005)
+    assert 0.05 <= clock.monotonic() - start_s <= 1.0  # 100 ms then 200 ms, jittered 50-100%
+    running.stop()
+    assert running.error is None
+    assert len(relay.calls_of("lease")) >= 3
+
+
+def test_a_non_retryable_lease_error_stops_the_worker(relay: FakeRelay, make_worker: Any) -> None:
+    relay.lease_errors = [errors.InvalidArgument("bad queue name")]
+    running = make_worker()
+    running.join()
+    assert isinstance(running.error, errors.InvalidArgument)
+
+
+def test_rejected_ack_is_logged_not_retried(
+    relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    def handler(payload: Any, ctx: JobContext) -> None:
+        with relay.cond:  # the lease moved on while the handler ran
+            relay.held[ctx.job_id] = "someone-else"
+
+    relay.add({})
+    log = logging.getLogger("relay.worker")  # "relay" does not propagate to caplog's root
+    log.addHandler(caplog.handler)
+    try:
+        running = make_worker(handler)
+        relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
+        running.stop()
+    finally:
+        log.removeHandler(caplog.handler)
+    assert len(relay.calls_of("ack")) == 1
+    assert running.worker.acked == 0
+    assert any(getattr(r, "event", None) == "ack_rejected" for r in caplog.records)
+
+
+def test_worker_id_defaults_to_host_and_pid(relay: FakeRelay) -> None:
+    import os
+
+    worker = Worker(relay.connect, ["q"], lease_ms=1000, max_error_bytes=10)
+    assert worker.worker_id.endswith(f":{os.getpid()}")
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"concurrency": 0}, {"wait_ms": -1}, {"shutdown_timeout_ms": -1}, {"lease_ms": 0}]
+)
+def test_rejects_bad_arguments(relay: FakeRelay, kwargs: dict[str, Any]) -> None:
+    options: dict[str, Any] = {"lease_ms": 1000, "max_error_bytes": 10, **kwargs}
+    with pytest.raises(ValueError, match="must be"):
+        Worker(relay.connect, ["q"], **options)
+
+
+def test_rejects_no_queues(relay: FakeRelay) -> None:
+    with pytest.raises(ValueError, match="queue"):
+        Worker(relay.connect, [], lease_ms=1000, max_error_bytes=10)
+
+
+@pytest.mark.parametrize(
+    ("text", "limit", "expected"),
+    [("abc", 3, "abc"), ("abcd", 3, "abc"), ("aé", 2, "a"), ("aé", 3, "aé"), ("", 0, "")],
+)
+def test_truncate_utf8(text: str, limit: int, expected: str) -> None:
+    assert truncate_utf8(text, limit) == expected
+
+
+def _ctx(shutdown: threading.Event | None = None) -> JobContext:
+    return JobContext("job_1", "q", 1, "w", shutdown or threading.Event(), {})
+
+
+@pytest.mark.parametrize("payload", [None, 3, "text", [1], {}, {"sleep_ms": 0}, {"fail": "yes"}])
+def test_demo_handler_succeeds_on_other_payloads(payload: Any) -> None:
+    assert demo_handler(payload, _ctx()) is None
+
+
+def test_demo_handler_failures() -> None:
+    with pytest.raises(DemoFailure, match=r"^demo$"):
+        demo_handler({"fail": True, "error": "demo"}, _ctx())
+    with pytest.raises(NonRetryableError, match=r"^demo$"):
+        demo_handler({"fail": True, "error": "demo", "retryable": False}, _ctx())
+
+
+def test_demo_handler_sleep_is_cut_short_by_shutdown() -> None:
+    shutdown = threading.Event()
+    shutdown.set()
+    with pytest.raises(JobInterrupted):
+        demo_handler({"sleep_ms": 60_000}, _ctx(shutdown))
