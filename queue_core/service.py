@@ -55,6 +55,8 @@ SUBMIT_OPTIONS = frozenset(
 SWEEP_LIMIT = 500
 # 192 random bits: a stale worker cannot guess the next token.
 TOKEN_BYTES = 24
+# Bytes a lease reply spends per job beyond its payload (ids, token, times), generously rounded.
+REPLY_OVERHEAD_BYTES = 1024
 
 
 class _MonotonicUlid:
@@ -78,6 +80,10 @@ class _MonotonicUlid:
 
 
 _ULIDS = _MonotonicUlid()
+
+
+class _Overflow(Exception):
+    """Rolls back the savepoint of a claim whose payload would overflow the lease reply."""
 
 
 def _priority_name(value: int) -> str:
@@ -397,7 +403,8 @@ class QueueService:
         Args:
             queues: 1..``RELAY_MAX_QUEUES_PER_LEASE`` queue names.
             worker_id: the claiming worker's id (1..128 characters).
-            max_jobs: 1..``RELAY_MAX_JOBS_PER_LEASE``.
+            max_jobs: 1..``RELAY_MAX_JOBS_PER_LEASE``; fewer are leased when their payloads
+                would not fit in one ``RELAY_MAX_FRAME_BYTES`` reply (at least one always is).
             lease_ms: visibility timeout in ms (default ``RELAY_VISIBILITY_TIMEOUT_MS``).
         Returns:
             Lease dicts (``job_id``, ``lease_token``, ``lease_expires_at_ms``, ``payload``, ...);
@@ -420,22 +427,29 @@ class QueueService:
                     eff = effective_priority(r["priority"], r["ready_since_ms"], now)
                     heads.append((-eff, r["ready_since_ms"], r["id"]))
             heads.sort()
-            leases = []
+            leases: list[dict[str, Any]] = []
             expires = now + length
+            reply_bytes = REPLY_OVERHEAD_BYTES
             for _, _, job_id in heads[:max_jobs]:
                 token = secrets.token_urlsafe(TOKEN_BYTES)
-                row = tx.one(
-                    "claim_by_id",
-                    {
-                        "job_id": job_id,
-                        "token": token,
-                        "worker_id": worker_id,
-                        "now_ms": now,
-                        "expires_ms": expires,
-                    },
-                )
+                params = {
+                    "job_id": job_id,
+                    "token": token,
+                    "worker_id": worker_id,
+                    "now_ms": now,
+                    "expires_ms": expires,
+                }
+                # The reply must fit one frame: once the next job could overflow it, claim
+                # inside a savepoint and undo the claim that does.
+                if leases and reply_bytes + s.max_payload_bytes > s.max_frame_bytes:
+                    row = self._claim_if_fits(params, s.max_frame_bytes - reply_bytes)
+                    if row is None:
+                        break
+                else:
+                    row = tx.one("claim_by_id", params)
                 if row is None:  # pragma: no cover - the write lock makes this impossible
                     continue
+                reply_bytes += len(row["payload"].encode()) + REPLY_OVERHEAD_BYTES
                 tx.run(
                     "insert_attempt",
                     {
@@ -461,6 +475,16 @@ class QueueService:
                     }
                 )
         return leases
+
+    def _claim_if_fits(self, params: dict[str, Any], room: int) -> dict[str, Any] | None:
+        try:
+            with self.store.immediate() as sp:  # nested: a savepoint
+                row = sp.one("claim_by_id", params)
+                if row is not None and len(row["payload"].encode()) + REPLY_OVERHEAD_BYTES > room:
+                    raise _Overflow
+                return row
+        except _Overflow:
+            return None
 
     def renew(
         self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None

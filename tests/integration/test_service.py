@@ -630,3 +630,17 @@ def test_schema_rejects_impossible_states(service: QueueService, job_factory: Fa
     job = job_factory()
     with connection.cursor() as cursor, pytest.raises(Exception, match="CHECK"):
         cursor.execute("UPDATE relay_job SET state = 'leased' WHERE id = %s", [job["id"]])
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=20_000, RELAY_MAX_PAYLOAD_BYTES=8_000)
+def test_lease_reply_never_outgrows_a_frame(service: QueueService) -> None:
+    ids = [service.submit("q", {"blob": "x" * 7_000, "i": i})["job"]["id"] for i in range(5)]
+    leases = service.claim(["q"], worker_id="w", max_jobs=5)
+    # 2 payloads of ~7 KB plus overhead fit in 20 KB; a third would not.
+    assert [lease["job_id"] for lease in leases] == ids[:2]
+    untouched = Job.objects.get(id=ids[2])
+    assert (untouched.state, untouched.attempt, untouched.lease_token) == ("ready", 0, None)
+    assert not JobAttempt.objects.filter(job_id=ids[2]).exists()
+    # One oversized-for-the-batch job is always leased on its own.
+    assert len(service.claim(["q"], worker_id="w", max_jobs=5)) == 2
+    assert len(service.claim(["q"], worker_id="w", max_jobs=5)) == 1

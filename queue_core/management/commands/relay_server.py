@@ -30,7 +30,7 @@ class Command(BaseCommand):
     help = "Serve Relay's NDJSON protocol over TCP (see docs/protocol.md)."
 
     def add_arguments(self, parser: CommandParser) -> None:
-        """Declare --address, --db, --shutdown-grace-ms and --metrics-address."""
+        """Declare --address, --db and --shutdown-grace-ms."""
         s = relay_settings()
         parser.add_argument(
             "--address",
@@ -47,11 +47,6 @@ class Command(BaseCommand):
             help="After SIGTERM, how long ack/fail/renew/release are still served "
             f"(RELAY_SHUTDOWN_GRACE_MS, default {s.shutdown_grace_ms}).",
         )
-        parser.add_argument(
-            "--metrics-address",
-            default=s.metrics_address,
-            help="HOST:PORT for /metrics (RELAY_METRICS_ADDRESS; empty for none).",
-        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Check, migrate, recover, then serve until signalled.
@@ -66,7 +61,6 @@ class Command(BaseCommand):
             raise CommandError(f"INVALID_ARGUMENT: {exc}") from exc
         if options["shutdown_grace_ms"] < 0:
             raise CommandError("INVALID_ARGUMENT: --shutdown-grace-ms must be >= 0")
-        self.metrics_address: str = options["metrics_address"]  # served in a later release
         if options["db"]:
             use_database(options["db"])
         path = settings.DATABASES["default"]["NAME"]
