@@ -113,8 +113,11 @@ class Store:
         """Open a write transaction: ``BEGIN IMMEDIATE`` ... ``COMMIT`` (ROLLBACK on error).
 
         Nested calls on the same thread become ``SAVEPOINT``s, released on success and rolled
-        back alone on error. "database is locked" at BEGIN is retried with jittered backoff
-        for ``RELAY_BUSY_RETRY_BUDGET_MS``.
+        back alone on error. Inside a caller's ``transaction.atomic()`` it is a SAVEPOINT too,
+        so the change commits or rolls back with the caller's transaction (transactional
+        enqueue; the project sets ``transaction_mode: IMMEDIATE`` so that transaction holds
+        the write lock from its start). "database is locked" at BEGIN is retried with jittered
+        backoff for ``RELAY_BUSY_RETRY_BUDGET_MS``.
 
         Raises:
             StoreBusy: the write lock could not be had within the retry budget.
@@ -122,7 +125,7 @@ class Store:
         conn = connections[self.alias]
         depth = self._depth()
         with conn.cursor() as cursor:
-            if depth:
+            if depth or conn.in_atomic_block:
                 name = f"relay_sp{depth}"
                 cursor.execute(f"SAVEPOINT {name}")
                 self._local.depth = depth + 1

@@ -85,6 +85,9 @@ DATABASES = {
         "NAME": RELAY_DB,
         "OPTIONS": {
             "timeout": RELAY_BUSY_TIMEOUT_MS / 1000,
+            # atomic() takes the write lock at BEGIN: a deferred transaction that reads, then
+            # writes, can fail at once with SQLITE_BUSY when another connection wrote between.
+            "transaction_mode": "IMMEDIATE",
             "init_command": (
                 "PRAGMA journal_mode=WAL;"
                 f"PRAGMA synchronous={RELAY_SQLITE_SYNCHRONOUS};"

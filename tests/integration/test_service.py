@@ -644,3 +644,23 @@ def test_lease_reply_never_outgrows_a_frame(service: QueueService) -> None:
     # One oversized-for-the-batch job is always leased on its own.
     assert len(service.claim(["q"], worker_id="w", max_jobs=5)) == 2
     assert len(service.claim(["q"], worker_id="w", max_jobs=5)) == 1
+
+
+def test_submit_inside_atomic_commits_or_rolls_back_with_the_caller(
+    service: QueueService,
+) -> None:
+    from django.db import transaction
+
+    with transaction.atomic():
+        kept = service.submit("q", {"kept": True})["job"]["id"]
+    with pytest.raises(RuntimeError), transaction.atomic():
+        service.submit("q", {"kept": False})
+        raise RuntimeError("caller rolls back")
+    assert list(Job.objects.values_list("id", flat=True)) == [kept]
+    # A failed call inside the caller's transaction rolls back alone.
+    with transaction.atomic():
+        service.submit("q", {"a": 1}, idempotency_key="k")
+        with pytest.raises(errors.IdempotencyConflict):
+            service.submit("q", {"a": 2}, idempotency_key="k")
+        service.submit("q", {"b": 1})
+    assert Job.objects.count() == 3
