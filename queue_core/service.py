@@ -499,17 +499,12 @@ class QueueService:
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
-        job_id, worker_id, lease_token = self._lease_args(job_id, worker_id, lease_token)
+        guard = self._lease_guard(job_id, worker_id, lease_token)
+        job_id = guard["job_id"]
         length = v.lease_ms(lease_ms, self.settings)
         with self.store.immediate() as tx:
             now = self.clock.now_ms()
-            params = {
-                "job_id": job_id,
-                "lease_token": lease_token,
-                "worker_id": worker_id,
-                "now_ms": now,
-                "expires_ms": now + length,
-            }
+            params = guard | {"now_ms": now, "expires_ms": now + length}
             row = tx.one("renew", params)
             if row is None:
                 raise self._rejection(tx, params, "renew")
@@ -526,15 +521,11 @@ class QueueService:
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
-        job_id, worker_id, lease_token = self._lease_args(job_id, worker_id, lease_token)
+        guard = self._lease_guard(job_id, worker_id, lease_token)
+        job_id = guard["job_id"]
         with self.store.immediate() as tx:
             now = self.clock.now_ms()
-            params = {
-                "job_id": job_id,
-                "lease_token": lease_token,
-                "worker_id": worker_id,
-                "now_ms": now,
-            }
+            params = guard | {"now_ms": now}
             row = tx.one("ack", params)
             if row is None:
                 if self._already_ended(tx, params, ("succeeded",)):
@@ -565,17 +556,13 @@ class QueueService:
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
-        job_id, worker_id, lease_token = self._lease_args(job_id, worker_id, lease_token)
+        guard = self._lease_guard(job_id, worker_id, lease_token)
+        job_id = guard["job_id"]
         error = v.error_text(error, self.settings)
         retryable = v.boolean("retryable", retryable)
         with self.store.immediate() as tx:
             now = self.clock.now_ms()
-            params: dict[str, Any] = {
-                "job_id": job_id,
-                "lease_token": lease_token,
-                "worker_id": worker_id,
-                "now_ms": now,
-            }
+            params: dict[str, Any] = guard | {"now_ms": now}
             lease = tx.one("live_lease", params)
             if lease is None:
                 if self._already_ended(tx, params, ("failed",)):
@@ -639,23 +626,25 @@ class QueueService:
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
-        job_id, worker_id, lease_token = self._lease_args(job_id, worker_id, lease_token)
+        guard = self._lease_guard(job_id, worker_id, lease_token)
+        job_id = guard["job_id"]
         with self.store.immediate() as tx:
             now = self.clock.now_ms()
-            params = {
-                "job_id": job_id,
-                "lease_token": lease_token,
-                "worker_id": worker_id,
-                "now_ms": now,
-            }
+            params = guard | {"now_ms": now}
             row = tx.one("release", params)
             if row is None:
                 raise self._rejection(tx, params, "release")
             self._end_attempt(tx, job_id, row["attempt"], now, "released", None)
         return {"job_id": job_id, "state": JobState.READY.value, "queue": row["queue"]}
 
-    def _lease_args(self, job_id: Any, worker_id: Any, lease_token: Any) -> tuple[str, str, str]:
-        return v.job_id(job_id), v.worker_id(worker_id), v.lease_token(lease_token)
+    @staticmethod
+    def _lease_guard(job_id: Any, worker_id: Any, lease_token: Any) -> dict[str, Any]:
+        """Validate the three values every lease-guarded UPDATE compares."""
+        return {
+            "job_id": v.job_id(job_id),
+            "worker_id": v.worker_id(worker_id),
+            "lease_token": v.lease_token(lease_token),
+        }
 
     @staticmethod
     def _already_ended(tx: Tx, params: Mapping[str, Any], outcomes: Iterable[str]) -> bool:
