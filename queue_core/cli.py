@@ -5,6 +5,8 @@ options may come before the command and are handed on to it:
 
 * ``--address HOST:PORT`` becomes the command's ``--address`` (unless ARGS give one);
 * ``--json`` becomes the command's ``--json`` (unless ARGS give it; not for ``server``);
+* ``--api-key KEY`` becomes the command's ``--api-key`` (client commands only; prefer
+  ``RELAY_API_KEY``, since a command line is visible to other users);
 * ``--db PATH`` sets ``RELAY_DB`` before Django reads its settings (``relay server`` also
   takes ``--db`` itself).
 
@@ -36,23 +38,37 @@ class Subcommand:
         command: the Django management command it runs.
         summary: one line for ``relay --help``.
         takes_json: whether a global ``--json`` is handed on.
+        takes_api_key: whether a global ``--api-key`` is handed on (commands that connect).
     """
 
     command: str
     summary: str
     takes_json: bool = True
+    takes_api_key: bool = True
 
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "server": Subcommand(
-        "relay_server", "run the Relay server (NDJSON over TCP) on the SQLite file", False
+        "relay_server",
+        "run the Relay server (NDJSON over TCP) on the SQLite file",
+        takes_json=False,
+        takes_api_key=False,
     ),
-    "worker": Subcommand("relay_worker", "run the demo pull worker (--queue, --concurrency)"),
+    "worker": Subcommand(
+        "relay_worker", "run a pull worker (--queue, --concurrency; --app PATH or --tasks)"
+    ),
     "submit": Subcommand("relay_submit", "submit a job: QUEUE --payload JSON [options]"),
     "inspect": Subcommand("relay_inspect", "show a job with its attempt history: JOB_ID"),
     "stats": Subcommand("relay_stats", "show job counts by state per queue"),
     "dead": Subcommand("relay_dead", "dead letters: list | retry JOB_ID... | purge JOB_ID..."),
-    "bench": Subcommand("relay_bench", "measure submit and lease+ack throughput and latency"),
+    "bench": Subcommand(
+        "relay_bench", "measure submit and lease+ack throughput and latency", takes_api_key=False
+    ),
+    "keys": Subcommand(
+        "relay_keys",
+        "API keys: create --name N --scope S... | list | revoke PREFIX",
+        takes_api_key=False,
+    ),
 }
 
 
@@ -74,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     lines = [f"  {name:<8} {sub.summary}" for name, sub in SUBCOMMANDS.items()]
     parser = argparse.ArgumentParser(
         prog="relay",
-        usage="relay [--address HOST:PORT] [--db PATH] [--json] COMMAND [ARGS...]",
+        usage="relay [--address HOST:PORT] [--api-key KEY] [--db PATH] [--json] COMMAND [ARGS...]",
         description="Relay: a durable job queue with leases, retries and dead letters.",
         epilog="commands:\n"
         + "\n".join(lines)
@@ -88,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="server to talk to, or listen on for 'server' (default RELAY_ADDRESS)",
     )
     parser.add_argument("--db", metavar="PATH", help="SQLite database file (sets RELAY_DB)")
+    parser.add_argument(
+        "--api-key", metavar="KEY", help="API key for the server (default RELAY_API_KEY)"
+    )
     parser.add_argument("--json", action="store_true", help="JSON output instead of text")
     parser.add_argument("command", choices=sorted(SUBCOMMANDS), metavar="COMMAND")
     parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -119,6 +138,8 @@ def translate(argv: Sequence[str]) -> Invocation:
         args += ["--address", ns.address]
     if ns.json and sub.takes_json and not _has_option(args, "--json"):
         args.append("--json")
+    if ns.api_key and sub.takes_api_key and not _has_option(args, "--api-key"):
+        args += ["--api-key", ns.api_key]
     return Invocation(env=env, argv=["relay", sub.command, *args])
 
 

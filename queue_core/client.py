@@ -23,6 +23,7 @@ into the server's dispatch table is planned for the contract tests.
 from __future__ import annotations
 
 import contextlib
+import random
 import select
 import socket
 import threading
@@ -33,10 +34,14 @@ from typing import Any, Protocol, Self
 
 from queue_core import errors
 from queue_core.protocol import codec
+from queue_core.retry import RetryPolicy, jittered_ms
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
 DEFAULT_MAX_FRAME_BYTES = 1024 * 1024
 _RECV_CHUNK = 64 * 1024
+RECONNECT_BACKOFF = RetryPolicy(max_retries=0, base_ms=100, cap_ms=2_000, jitter=True)
+"""Pauses between connection attempts: 100 ms doubling to 2 s, each jittered to 50-100%."""
+_RNG = random.Random()
 
 
 class RelayConnectionError(ConnectionError):
@@ -129,16 +134,29 @@ class TcpTransport:
         connect_timeout_s: how long to wait for the TCP handshake, in seconds.
         max_frame_bytes: the longest reply accepted, newline excluded; the read buffer never
             holds more than this plus one byte.
+        handshake: a request frame (the ``hello`` op with an API key) sent first on every new
+            connection; an error reply to it closes the connection and is raised.
+        connect_retries: how many more times to try a connection that cannot be opened, with
+            jittered backoff from 100 ms doubling to 2 s (default 0: fail at once).
     """
 
     def __init__(
-        self, host: str, port: int, *, connect_timeout_s: float, max_frame_bytes: int
+        self,
+        host: str,
+        port: int,
+        *,
+        connect_timeout_s: float,
+        max_frame_bytes: int,
+        handshake: bytes | None = None,
+        connect_retries: int = 0,
     ) -> None:
         self.host = host
+        self.connect_retries = connect_retries
         self.port = port
         self.address = format_address(host, port)
         self.connect_timeout_s = connect_timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.handshake = handshake
         self._sock: socket.socket | None = None
         self._buf = bytearray()
 
@@ -157,16 +175,58 @@ class TcpTransport:
             self.close()
             sock = None
         if sock is None:
-            try:
-                sock = socket.create_connection(
-                    (self.host, self.port), timeout=self.connect_timeout_s
-                )
-            except OSError as exc:
-                raise RelayUnreachable(f"cannot connect: {exc}", address=self.address) from exc
+            sock = self._open()
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
             self._buf.clear()
+            if self.handshake is not None:
+                self._shake(sock, self.handshake)
         return sock
+
+    def _open(self) -> socket.socket:
+        """Open the TCP connection, retrying ``connect_retries`` times with jittered backoff
+        (safe: nothing was sent).
+
+        Raises:
+            RelayUnreachable: every try failed.
+        """
+        failures = 0
+        while True:
+            try:
+                return socket.create_connection(
+                    (self.host, self.port), timeout=self.connect_timeout_s
+                )
+            except OSError as exc:
+                failures += 1
+                if failures > self.connect_retries:
+                    raise RelayUnreachable(f"cannot connect: {exc}", address=self.address) from exc
+                time.sleep(jittered_ms(RECONNECT_BACKOFF, failures, _RNG) / 1000)
+
+    def _shake(self, sock: socket.socket, frame: bytes) -> None:
+        """Send the handshake on a new connection; raise its error reply (nothing else sent).
+
+        Raises:
+            RelayError: the server refused it (``UNAUTHENTICATED``); the connection is closed.
+            RelayConnectionError: the exchange failed.
+        """
+        timeout_s = self.connect_timeout_s
+        try:
+            sock.settimeout(timeout_s)
+            sock.sendall(frame)
+            line = self._read_line(sock, time.monotonic() + timeout_s)
+        except RelayConnectionError:
+            raise
+        except TimeoutError as exc:
+            raise self._fail(f"no hello reply within {timeout_s:g} s", exc) from exc
+        except OSError as exc:
+            raise self._fail(f"connection failed during hello: {exc}", exc) from exc
+        try:
+            reply = codec.decode_response(line)
+        except errors.BadFrame as exc:
+            raise self._fail(f"malformed hello reply: {exc.message}", exc) from exc
+        if not reply["ok"]:
+            self.close()
+            raise errors.error_from_body(reply["error"])
 
     def roundtrip(self, frame: bytes, *, timeout_s: float) -> bytes:
         """Send one frame and read one reply line, each step bounded by ``timeout_s``.
@@ -242,7 +302,11 @@ class RelayClient:
         max_frame_bytes: the frame size limit in bytes, newline excluded (the server's
             ``RELAY_MAX_FRAME_BYTES``; 1 MiB); larger requests are refused before sending and
             larger replies drop the connection.
+        api_key: an API key (``rk_...``) sent in a ``hello`` on every new connection of the
+            default transport; needed once the server has keys. None sends no hello.
         transport: carry frames some other way (tests); default a ``TcpTransport``.
+        connect_retries: how many more times the default transport tries a connection that
+            cannot be opened, with jittered backoff (100 ms doubling to 2 s); default 0.
     Raises:
         ValueError: ``address`` is malformed.
     """
@@ -254,14 +318,24 @@ class RelayClient:
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        api_key: str | None = None,
         transport: Transport | None = None,
+        connect_retries: int = 0,
     ) -> None:
         host, port = parse_address(address)
         self.address = format_address(host, port)
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
+        handshake = (
+            codec.encode_request("hello", "hello", {"api_key": api_key}) if api_key else None
+        )
         self._transport: Transport = transport or TcpTransport(
-            host, port, connect_timeout_s=connect_timeout_s, max_frame_bytes=max_frame_bytes
+            host,
+            port,
+            connect_timeout_s=connect_timeout_s,
+            max_frame_bytes=max_frame_bytes,
+            handshake=handshake,
+            connect_retries=connect_retries,
         )
         self._lock = threading.Lock()
         self._next_id = 0

@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core.signals import setting_changed
 from django.dispatch import receiver
 
-QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+QUEUE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]*")  # use with fullmatch
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -176,3 +176,40 @@ class DeadLetter(Job):
             ("replay_job", "Can replay dead-lettered jobs"),
             ("purge_job", "Can purge terminal jobs"),
         ]
+
+
+class ApiKey(models.Model):
+    """An API key for the HTTP API and the TCP protocol; only a hash of its secret is kept.
+
+    A key reads ``rk_<prefix>_<secret>``. ``prefix`` (12 hex characters) finds the row and is
+    safe to show and log; ``secret_sha256`` is the SHA-256 of the whole key (the secret has 256
+    random bits, so a fast hash is enough: there is nothing to brute-force). ``scopes`` is a
+    comma-separated, sorted subset of ``producer``, ``worker``, ``operator``. Keys are made,
+    checked and revoked by ``queue_core.auth``; the admin and ``relay_keys`` call it.
+    """
+
+    name = models.CharField(max_length=100)
+    prefix = models.CharField(max_length=16, unique=True)
+    secret_sha256 = models.CharField(max_length=64)
+    scopes = models.CharField(max_length=64)
+    created_at_ms = models.BigIntegerField()
+    revoked_at_ms = models.BigIntegerField(null=True, blank=True)
+    last_used_at_ms = models.BigIntegerField(null=True, blank=True)
+
+    class Meta:
+        db_table = "relay_api_key"
+        verbose_name = "API key"
+        ordering = ["-created_at_ms"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix})"
+
+    @property
+    def scope_list(self) -> list[str]:
+        """The scopes as a list."""
+        return [s for s in self.scopes.split(",") if s]
+
+    @property
+    def is_active(self) -> bool:
+        """Whether the key is not revoked."""
+        return self.revoked_at_ms is None

@@ -82,6 +82,22 @@ class _MonotonicUlid:
 _ULIDS = _MonotonicUlid()
 
 
+def _encoded_len(value: Any) -> int:
+    return len(orjson.dumps(value))
+
+
+def _newest_that_fit(rows: list[dict[str, Any]], budget: int) -> tuple[list[dict[str, Any]], int]:
+    """Return the newest rows (kept oldest first) whose JSON fits ``budget`` bytes, and how
+    many older rows were left out."""
+    kept = 0
+    for row in reversed(rows):
+        budget -= _encoded_len(row)
+        if budget < 0:
+            break
+        kept += 1
+    return rows[len(rows) - kept :], len(rows) - kept
+
+
 class _Overflow(Exception):
     """Rolls back the savepoint of a claim whose payload would overflow the lease reply."""
 
@@ -315,8 +331,14 @@ class QueueService:
         with self.store.reading() as tx:
             view = self._job(tx, job_id)
             if history:
-                view["history"] = tx.all("attempts_of", {"job_id": job_id})
-                view["events"] = tx.all("events_of", {"job_id": job_id})
+                attempts = tx.all("attempts_of", {"job_id": job_id})
+                events = tx.all("events_of", {"job_id": job_id})
+        if history:
+            # The reply must fit one frame: keep the newest history that fits in half of it.
+            budget = self.settings.max_frame_bytes // 2 - _encoded_len(view)
+            view["history"], omitted = _newest_that_fit(attempts, budget // 2)
+            view["events"], omitted_events = _newest_that_fit(events, budget // 2)
+            view["history_omitted"] = omitted + omitted_events
         return view
 
     def _job(self, tx: Tx, job_id: str) -> dict[str, Any]:
@@ -374,7 +396,14 @@ class QueueService:
             else:
                 params["queue"] = v.queue_name(queue, self.settings)
                 rows = tx.all("dead_page_queue", params)
-        jobs = [job_view(r) for r in rows]
+        jobs: list[dict[str, Any]] = []
+        room = self.settings.max_frame_bytes - REPLY_OVERHEAD_BYTES
+        for row in rows:
+            view = job_view(row)
+            room -= _encoded_len(view)
+            if room < 0 and jobs:  # the page must fit one frame; the cursor resumes here
+                return {"jobs": jobs, "next_after": jobs[-1]["id"]}
+            jobs.append(view)
         return {"jobs": jobs, "next_after": jobs[-1]["id"] if len(jobs) == limit else None}
 
     def next_due_ms(self) -> int | None:
@@ -517,7 +546,8 @@ class QueueService:
         again with ``duplicate: true`` (a worker whose reply was lost may retry).
 
         Returns:
-            ``{"job_id", "state": "succeeded", "duplicate": bool}``.
+            ``{"job_id", "state": "succeeded", "queue", "duplicate": false}``, or
+            ``{"job_id", "state": "succeeded", "duplicate": true}`` for a repeat.
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
@@ -528,11 +558,16 @@ class QueueService:
             params = guard | {"now_ms": now}
             row = tx.one("ack", params)
             if row is None:
-                if self._already_ended(tx, params, ("succeeded",)):
+                if self._ended_attempt(tx, params, ("succeeded",)) is not None:
                     return {"job_id": job_id, "state": "succeeded", "duplicate": True}
                 raise self._rejection(tx, params, "ack")
             self._end_attempt(tx, job_id, row["attempt"], now, "succeeded", None)
-        return {"job_id": job_id, "state": JobState.SUCCEEDED.value, "duplicate": False}
+        return {
+            "job_id": job_id,
+            "state": JobState.SUCCEEDED.value,
+            "queue": row["queue"],
+            "duplicate": False,
+        }
 
     def fail(
         self,
@@ -552,7 +587,8 @@ class QueueService:
             error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes.
             retryable: False dead-letters the job at once.
         Returns:
-            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``.
+            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``, plus ``queue``
+            when not a duplicate.
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
@@ -565,10 +601,9 @@ class QueueService:
             params: dict[str, Any] = guard | {"now_ms": now}
             lease = tx.one("live_lease", params)
             if lease is None:
-                if self._already_ended(tx, params, ("failed",)):
-                    row = tx.one("get_job", {"job_id": job_id})
-                    assert row is not None
-                    return self._fail_result(job_id, row["state"], row, duplicate=True)
+                ended = self._ended_attempt(tx, params, ("failed",))
+                if ended is not None:
+                    return self._repeated_fail(tx, job_id, ended)
                 raise self._rejection(tx, params, "fail")
             policy = RetryPolicy(
                 max_retries=lease["max_retries"],
@@ -600,19 +635,38 @@ class QueueService:
             "state": state.value,
             "retry_at_ms": decision.retry_at_ms,
             "dead_reason": decision.dead_reason,
+            "queue": lease["queue"],
             "duplicate": False,
         }
 
-    @staticmethod
-    def _fail_result(
-        job_id: str, state: str, row: Mapping[str, Any], *, duplicate: bool
-    ) -> dict[str, Any]:
+    def _repeated_fail(self, tx: Tx, job_id: str, attempt: Mapping[str, Any]) -> dict[str, Any]:
+        """Answer a fail repeated with the token of an attempt that already failed: say what
+        that failure did (retry or dead letter), whatever happened to the job since."""
+        row = self._job(tx, job_id)
+        latest = row["attempt"] == attempt["attempt"]
+        # It dead-lettered the job if the job is still dead from it, or a replay came after it
+        # and before the next delivery.
+        next_start = min(
+            (
+                a["started_at_ms"]
+                for a in tx.all("attempts_of", {"job_id": job_id})
+                if a["attempt"] > attempt["attempt"]
+            ),
+            default=None,
+        )
+        dead = (latest and row["state"] == JobState.DEAD) or any(
+            e["event"] == "replayed"
+            and e["at_ms"] >= attempt["ended_at_ms"]
+            and (next_start is None or e["at_ms"] <= next_start)
+            for e in tx.all("events_of", {"job_id": job_id})
+        )
+        still = latest and row["state"] in (JobState.RETRYING, JobState.DEAD)
         return {
             "job_id": job_id,
-            "state": state,
-            "retry_at_ms": row["available_at_ms"] if state == JobState.RETRYING else None,
-            "dead_reason": row["dead_reason"],
-            "duplicate": duplicate,
+            "state": (JobState.DEAD if dead else JobState.RETRYING).value,
+            "retry_at_ms": row["available_at_ms"] if still and not dead else None,
+            "dead_reason": row["dead_reason"] if still and dead else None,
+            "duplicate": True,
         }
 
     def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
@@ -647,13 +701,18 @@ class QueueService:
         }
 
     @staticmethod
-    def _already_ended(tx: Tx, params: Mapping[str, Any], outcomes: Iterable[str]) -> bool:
+    def _ended_attempt(
+        tx: Tx, params: Mapping[str, Any], outcomes: Iterable[str]
+    ) -> dict[str, Any] | None:
+        """The attempt this token and worker held, if it already ended with one of ``outcomes``."""
         attempt = tx.one("attempt_by_token", params)
-        return (
+        if (
             attempt is not None
             and attempt["worker_id"] == params["worker_id"]
             and attempt["outcome"] in outcomes
-        )
+        ):
+            return attempt
+        return None
 
     @staticmethod
     def _rejection(tx: Tx, params: Mapping[str, Any], verb: str) -> Exception:

@@ -49,7 +49,7 @@ def boolean(field: str, value: Any) -> bool:
 def queue_name(value: Any, settings: RelaySettings) -> str:
     """Return a valid queue name: ``[A-Za-z0-9][A-Za-z0-9_.:-]*``, at most the configured length."""
     name = text("queue", value, max_len=settings.max_queue_name_length)
-    if not QUEUE_NAME_RE.match(name):
+    if not QUEUE_NAME_RE.fullmatch(name):
         raise _bad(
             "queue", "may contain only letters, digits and _ . : - and must not start with a symbol"
         )
@@ -65,13 +65,40 @@ def queue_list(value: Any, settings: RelaySettings) -> list[str]:
     return list(dict.fromkeys(queue_name(q, settings) for q in value))
 
 
+MAX_PAYLOAD_DEPTH = 64
+"""Deepest nesting of arrays/objects in a payload. Replies wrap a payload in a few more levels,
+and the JSON codec stops at 254, so a bound well below that keeps every reply encodable."""
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children)
+    return True
+
+
 def payload(value: Any, settings: RelaySettings) -> str:
     """Return the payload as canonical JSON text (sorted keys, compact).
 
+    JSON numbers follow the codec (orjson): integers within 64 bits stay exact; a larger
+    integer arriving in a frame has already been read as a double, as JavaScript reads it.
+
     Raises:
-        InvalidArgument: not JSON-serialisable (e.g. an integer beyond 64 bits).
+        InvalidArgument: not JSON-serialisable (e.g. a Python int beyond 64 bits), or nested
+            deeper than ``MAX_PAYLOAD_DEPTH``.
         FrameTooLarge: over ``max_payload_bytes`` once encoded.
     """
+    if not _depth_ok(value, MAX_PAYLOAD_DEPTH):
+        raise _bad("payload", f"is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
     try:
         encoded = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except (TypeError, orjson.JSONEncodeError) as exc:

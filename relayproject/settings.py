@@ -42,9 +42,15 @@ INSTALLED_APPS = [
     "queue_core.apps.QueueCoreConfig",
     "queue_api",
     "queue_admin",
+    "ninja",  # serves the API docs page's scripts from its static files (no CDN)
+    "django_prometheus",
+    "relay_tasks.apps.RelayTasksConfig",
 ]
 
 MIDDLEWARE = [
+    "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    # 413 for bodies over RELAY_MAX_FRAME_BYTES before anything reads them.
+    "queue_api.middleware.BodyLimitMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -52,6 +58,7 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_prometheus.middleware.PrometheusAfterMiddleware",
 ]
 
 ROOT_URLCONF = "relayproject.urls"
@@ -105,6 +112,8 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # Relay settings (defaults and units are documented in queue_core/conf.py).
 RELAY_ADDRESS = _env("RELAY_ADDRESS", "127.0.0.1:7400")
 RELAY_METRICS_ADDRESS = _env("RELAY_METRICS_ADDRESS", "")
+# The API key the CLI and relay_worker send in their TCP hello (queue_core.auth); empty: none.
+RELAY_API_KEY = _env("RELAY_API_KEY", "")
 RELAY_MAX_FRAME_BYTES = _env_int("RELAY_MAX_FRAME_BYTES", 1024 * 1024)
 RELAY_MAX_PAYLOAD_BYTES = _env_int("RELAY_MAX_PAYLOAD_BYTES", 256 * 1024)
 RELAY_MAX_ERROR_BYTES = _env_int("RELAY_MAX_ERROR_BYTES", 4096)
@@ -130,6 +139,14 @@ RELAY_DEFAULT_BACKOFF_CAP_MS = _env_int("RELAY_DEFAULT_BACKOFF_CAP_MS", 300_000)
 RELAY_DEFAULT_JITTER = _env("RELAY_DEFAULT_JITTER", "1") == "1"
 RELAY_IDEMPOTENCY_WINDOW_MS = _env_int("RELAY_IDEMPOTENCY_WINDOW_MS", 24 * 3600 * 1000)
 RELAY_BUSY_RETRY_BUDGET_MS = _env_int("RELAY_BUSY_RETRY_BUDGET_MS", 10_000)
+
+# The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
+# second fence at the same size.
+DATA_UPLOAD_MAX_MEMORY_SIZE = RELAY_MAX_FRAME_BYTES
+
+# Django tasks (django.tasks) run on Relay: docs/django.md. QUEUES = [] allows any valid
+# Relay queue name as a task's queue_name.
+TASKS = {"default": {"BACKEND": "queue_core.tasks_backend.RelayBackend", "QUEUES": []}}
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"

@@ -22,6 +22,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from rich.console import Console, RenderableType
 
 from queue_core import errors
+from queue_core.auth import client_api_key
 from queue_core.client import RelayClient, RelayConnectionError, RelayUnreachable, parse_address
 from queue_core.conf import relay_settings
 
@@ -30,12 +31,19 @@ EXIT_UNREACHABLE = 2
 
 
 def add_connection_arguments(parser: CommandParser | Any, *, json_help: str | None = None) -> None:
-    """Add ``--address HOST:PORT`` (default ``RELAY_ADDRESS``) and ``--json`` to ``parser``."""
+    """Add ``--address HOST:PORT`` (default ``RELAY_ADDRESS``), ``--api-key`` and ``--json``."""
     parser.add_argument(
         "--address",
         default=None,
         metavar="HOST:PORT",
         help=f"Relay server address (default: RELAY_ADDRESS, now {relay_settings().address}).",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="API key sent in a hello on connect, needed once the server has keys (default: "
+        "RELAY_API_KEY; prefer the variable, a command line is visible to other users).",
     )
     parser.add_argument(
         "--json",
@@ -68,10 +76,19 @@ def resolve_address(address: str | None) -> str:
     return address
 
 
-def make_client(address: str, *, timeout_s: float = 30.0) -> RelayClient:
-    """Build a ``RelayClient`` for ``address`` using ``RELAY_MAX_FRAME_BYTES``."""
+def make_client(
+    address: str, *, timeout_s: float = 30.0, api_key: str | None = None
+) -> RelayClient:
+    """Build a ``RelayClient`` for ``address`` using ``RELAY_MAX_FRAME_BYTES``.
+
+    Args:
+        api_key: the key to send in ``hello`` (default ``RELAY_API_KEY``; none when unset).
+    """
     return RelayClient(
-        address, timeout_s=timeout_s, max_frame_bytes=relay_settings().max_frame_bytes
+        address,
+        timeout_s=timeout_s,
+        max_frame_bytes=relay_settings().max_frame_bytes,
+        api_key=api_key or client_api_key(),
     )
 
 
@@ -121,7 +138,7 @@ class RelayClientCommand(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         """Connect, call ``run`` and map errors (see the module docstring for exit codes)."""
         address = resolve_address(options.get("address"))
-        with relay_errors(address), make_client(address) as client:
+        with relay_errors(address), make_client(address, api_key=options.get("api_key")) as client:
             self.run(client, **options)
 
     def run(self, client: RelayClient, **options: Any) -> None:
@@ -143,6 +160,7 @@ class RelayClientCommand(BaseCommand):
             color_system="auto" if tty else None,
             width=console_width(),
             highlight=False,
+            markup=False,  # job data ("cannot read [/tmp/x]") is text, never rich markup
         )
         for renderable in renderables:
             console.print(renderable)

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from queue_core import errors, validation
+from queue_core import auth, errors, metrics, validation
 from queue_core.conf import relay_settings
 from queue_core.protocol.codec import Request
 from queue_core.service import QueueService
@@ -57,11 +57,14 @@ class Outcome:
         ready_queues: queues that got READY jobs in this request (their waiters are woken).
         due_at_ms: the earliest epoch ms at which a job this request scheduled becomes due
             (the server's reaper promotes it then), or None.
+        events: what to count in the metrics once the request has committed
+            (``metrics.record``).
     """
 
     result: dict[str, Any]
     ready_queues: frozenset[str] = frozenset()
     due_at_ms: int | None = None
+    events: tuple[metrics.Event, ...] = ()
 
 
 Check = Callable[[str, Any], Any]
@@ -195,12 +198,22 @@ def _job_effects(job: Mapping[str, Any]) -> tuple[set[str], int | None]:
 def _submitted(results: Iterable[Mapping[str, Any]], result: dict[str, Any]) -> Outcome:
     ready: set[str] = set()
     due: list[int] = []
+    events: list[metrics.Event] = []
     for item in results:
         queues, at_ms = _job_effects(item["job"])
         ready |= queues
         if at_ms is not None:
             due.append(at_ms)
-    return Outcome(result, frozenset(ready), min(due, default=None))
+        kind = "deduplicated" if item["deduplicated"] else "submitted"
+        events.append(metrics.Event(kind, item["job"]["queue"]))
+    return Outcome(result, frozenset(ready), min(due, default=None), tuple(events))
+
+
+def _hello(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    # The server checks the key itself and remembers it on the connection; this handler
+    # serves the loopback transport and direct callers, which have no connection state.
+    principal = auth.authenticate(args["api_key"], surface="tcp", peer=ctx.peer)
+    return Outcome({**principal.describe(), "server_time_ms": svc.clock.now_ms()})
 
 
 def _ping(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -214,7 +227,15 @@ def _submit(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 
 def _submit_batch(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     results = svc.submit_batch(args["jobs"])
-    return _submitted(results, {"results": results})
+    # The producer has the payloads; echoing 1,000 of them back could outgrow a frame.
+    slim = [
+        {
+            "job": {k: v for k, v in r["job"].items() if k != "payload"},
+            "deduplicated": r["deduplicated"],
+        }
+        for r in results
+    ]
+    return _submitted(results, {"results": slim})
 
 
 def _lease(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -224,7 +245,15 @@ def _lease(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
         max_jobs=args.get("max_jobs", 1),
         lease_ms=args.get("lease_ms"),
     )
-    return Outcome({"jobs": leases})
+    events: list[metrics.Event] = []
+    if leases:
+        now = svc.clock.now_ms()
+        for lease in leases:
+            events.append(metrics.Event("leased", lease["queue"]))
+            if lease["attempt"] == 1:
+                delay_s = (now - lease["created_at_ms"]) / 1000
+                events.append(metrics.Event("start_delay", lease["queue"], delay_s))
+    return Outcome({"jobs": leases}, events=tuple(events))
 
 
 def _lease_ids(args: Mapping[str, Any]) -> dict[str, Any]:
@@ -238,7 +267,14 @@ def _renew(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 
 def _ack(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.ack(args["job_id"], **_lease_ids(args))
-    return Outcome({k: out[k] for k in ("job_id", "state", "duplicate")})
+    events = () if out["duplicate"] else (metrics.Event("acked", _queue(out)),)
+    return Outcome({k: out[k] for k in ("job_id", "state", "duplicate")}, events=events)
+
+
+def _queue(out: Mapping[str, Any]) -> str:
+    # ack and fail name the queue of a first (non-duplicate) outcome; read it otherwise.
+    queue = out.get("queue")
+    return str(queue) if queue is not None else metrics.queue_of(out["job_id"])
 
 
 def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -250,12 +286,22 @@ def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     )
     result = {k: out[k] for k in ("job_id", "state", "retry_at_ms", "dead_reason", "duplicate")}
     due = out["retry_at_ms"] if out["state"] == JobState.RETRYING else None
-    return Outcome(result, due_at_ms=due)
+    events: tuple[metrics.Event, ...] = ()
+    if not out["duplicate"]:
+        queue = _queue(out)
+        events = (metrics.Event("failed", queue),)
+        if out["state"] == JobState.DEAD:
+            events += (metrics.Event("dead", queue),)
+    return Outcome(result, due_at_ms=due, events=events)
 
 
 def _release(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.release(args["job_id"], **_lease_ids(args))
-    return Outcome({"job_id": out["job_id"], "state": out["state"]}, frozenset({out["queue"]}))
+    return Outcome(
+        {"job_id": out["job_id"], "state": out["state"]},
+        frozenset({out["queue"]}),
+        events=(metrics.Event("released", out["queue"]),),
+    )
 
 
 def _inspect(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -275,7 +321,9 @@ def _dead_list(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome
 def _dead_retry(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     job = svc.replay(args["job_id"], actor=ctx.actor)
     queues, _ = _job_effects(job)
-    return Outcome({"job": job}, frozenset(queues))
+    return Outcome(
+        {"job": job}, frozenset(queues), events=(metrics.Event("replayed", job["queue"]),)
+    )
 
 
 def _dead_purge(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -307,6 +355,7 @@ VERBS: dict[str, Verb] = {
     v.op: v
     for v in (
         Verb("ping", {}, _ping, Kind.READ),
+        Verb("hello", {"api_key": Arg(_str, required=True)}, _hello, Kind.READ),
         Verb("submit", _SUBMIT_ARGS, _submit, Kind.WRITE),
         Verb("submit_batch", {"jobs": Arg(_jobs, required=True)}, _submit_batch, Kind.WRITE),
         Verb(

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import queue
 import signal
@@ -45,7 +46,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from queue_core import errors
+from queue_core import auth, errors, metrics
 from queue_core.conf import relay_settings
 from queue_core.protocol import codec, dispatch
 from queue_core.service import QueueService
@@ -59,6 +60,9 @@ READER_THREADS = 4
 DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs
 CLOSE_WAIT_S = 2.0  # how long a closing connection waits for its in-flight requests
 LINGER_S = 1.0  # how long input is discarded after FRAME_TOO_LARGE before closing
+# A client that reads no reply for this long is cut off: its unread replies are the only
+# memory a connection can pin (at most max_inflight_per_connection of them, each <= 1 frame).
+SEND_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,6 +85,26 @@ def _settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
 def _resolve(call: _Call, ok: bool, value: Any) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is already closed
         call.loop.call_soon_threadsafe(_settle, call.future, ok, value)
+
+
+def _settle_all(settled: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
+    for future, ok, value in settled:
+        _settle(future, ok, value)
+
+
+def _resolve_all(calls: list[_Call], outcomes: list[tuple[bool, Any]]) -> None:
+    """Resolve a batch's futures with one wake-up per event loop, not one per call.
+
+    Each ``call_soon_threadsafe`` writes to the loop's self-pipe and makes the writer wait
+    for the GIL the woken loop now holds; per call, that was 15% of the writer's time with
+    16 workers (py-spy, docs/benchmarking.md).
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
+    for call, (ok, value) in zip(calls, outcomes, strict=True):
+        by_loop.setdefault(call.loop, []).append((call.future, ok, value))
+    for loop, settled in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            loop.call_soon_threadsafe(_settle_all, settled)
 
 
 _STOP = object()
@@ -196,8 +220,7 @@ class _Writer(_DbThread):
             outcomes, ready = [(False, exc)] * len(batch), set()
         if ready:
             self.on_ready(ready)
-        for call, (ok, value) in zip(batch, outcomes, strict=True):
-            _resolve(call, ok, value)
+        _resolve_all(batch, outcomes)
 
 
 class _Notifier:
@@ -245,16 +268,42 @@ class _Conn:
     waiting: set[asyncio.Event] = dataclasses.field(default_factory=set)  # its long-polls
     read_task: asyncio.Task[None] | None = None
     gone: bool = False  # the client closed its side: long-polls stop waiting
+    principal: auth.Principal | None = None  # set by a successful hello
+    send_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
-    async def send(self, line: bytes) -> None:
-        """Write one reply line (a single ``write``, so replies never interleave) and drain."""
-        if self.writer.is_closing():
-            return
-        self.writer.write(line)
-        try:
-            await self.writer.drain()
-        except ConnectionError as exc:
-            log.debug("event=send_failed peer=%s error=%r", self.peer, exc)
+    async def send(self, line: bytes) -> bool:
+        """Write one reply line and wait until the socket buffer drains; return whether sent.
+
+        Replies go out one at a time, each after the previous one drained, so at most one
+        frame sits in the socket buffer. A client that reads nothing for ``SEND_TIMEOUT_S`` is
+        disconnected (``abort``), which frees what its replies hold.
+        """
+        async with self.send_lock:
+            if self.writer.is_closing():
+                return False
+            self.writer.write(line)
+            try:
+                await asyncio.wait_for(self.writer.drain(), SEND_TIMEOUT_S)
+            except TimeoutError:
+                log.info(
+                    "event=slow_reader_cut peer=%s",
+                    self.peer,
+                    extra={"event": "slow_reader_cut", "peer": self.peer},
+                )
+                self.abort()
+                return False
+            except ConnectionError as exc:
+                log.debug("event=send_failed peer=%s error=%r", self.peer, exc)
+                self.gone = True
+                return False
+            return True
+
+    def abort(self) -> None:
+        """Drop the connection at once, unsent replies included."""
+        self.gone = True
+        for event in self.waiting:
+            event.set()
+        self.writer.transport.abort()
 
     def done(self, task: asyncio.Task[None]) -> None:
         """Forget a finished request task and free its in-flight slot."""
@@ -365,16 +414,16 @@ class RelayServer:
         self.ready.set()
         try:
             await self._stop.wait()
+            self._draining = True
+            server.close()  # stop accepting; open connections stay
             log.info(
                 "event=draining grace_ms=%s",
                 self.shutdown_grace_ms,
                 extra={"event": "draining", "grace_ms": self.shutdown_grace_ms},
             )
-            self._draining = True
-            server.close()  # stop accepting; open connections stay
             self._notifier.wake_all()  # waiting long-polls answer {"jobs": []}
             await self._grace()
-            await self._close_connections()
+            await self._close_connections(server)
             await server.wait_closed()
         finally:
             if handle_signals:
@@ -410,7 +459,7 @@ class RelayServer:
                 log.exception("event=drain_stats_failed")
             await asyncio.sleep(min(DRAIN_CHECK_S, max(0.0, deadline - loop.time())))
 
-    async def _close_connections(self) -> None:
+    async def _close_connections(self, server: asyncio.Server) -> None:
         conns = list(self._conns)
         for conn in conns:
             if conn.read_task is not None:
@@ -418,6 +467,17 @@ class RelayServer:
         inflight = [task for conn in conns for task in conn.tasks]
         if inflight:
             await asyncio.wait(inflight, timeout=CLOSE_WAIT_S)
+        # Abort what is left (a client that reads nothing must not hold the shutdown), until
+        # every transport is gone: one accepted just before close() may only now reach
+        # _on_connect. (Server._active_count counts them; wait_closed() can miss a late one.)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLOSE_WAIT_S
+        while loop.time() < deadline:
+            for conn in list(self._conns):
+                conn.abort()
+            if not self._conns and not getattr(server, "_active_count", 0):
+                break
+            await asyncio.sleep(0.01)
 
     # ------------------------------------------------------------------ DB calls
 
@@ -503,15 +563,16 @@ class RelayServer:
         peername = writer.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
         conn = _Conn(reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection))
+        over_limit = len(self._conns) >= s.max_connections
+        self._conns.add(conn)  # tracked from the start, so a shutdown can always close it
         try:
-            if self._draining or len(self._conns) >= s.max_connections:
+            if self._draining or over_limit:
                 refusal: errors.RelayError = (
                     errors.Unavailable() if self._draining else errors.TooManyConnections()
                 )
                 log.debug("event=connection_refused peer=%s code=%s", peer, refusal.code)
                 await conn.send(codec.encode_error(None, refusal))
                 return
-            self._conns.add(conn)
             log.debug("event=connected peer=%s", peer)
             conn.read_task = asyncio.create_task(self._read_loop(conn))
             await asyncio.wait([conn.read_task])
@@ -522,10 +583,13 @@ class RelayServer:
         finally:
             for task in conn.tasks:
                 task.cancel()
-            self._conns.discard(conn)
-            writer.close()
+            if writer.transport.get_write_buffer_size():
+                conn.abort()  # nobody reads what is left: don't wait for it to flush
+            else:
+                writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
+            self._conns.discard(conn)  # only now: until closed, a shutdown must see it
             log.debug("event=disconnected peer=%s", peer)
 
     async def _read_loop(self, conn: _Conn) -> None:
@@ -586,21 +650,58 @@ class RelayServer:
                     pass
 
     async def _serve_request(self, conn: _Conn, request: codec.Request) -> None:
+        result: dict[str, Any] | None = None
         try:
-            line = codec.encode_ok(request.id, await self._execute(conn, request))
+            result = await self._execute(conn, request)
+            line = codec.encode_ok(request.id, result)
+            limit = relay_settings().max_frame_bytes
+            if len(line) - 1 > limit:
+                # Writes keep their replies small by construction (a lease is capped to a
+                # frame); a read that grew too large is refused: nothing changed.
+                log.error("event=reply_too_large op=%s bytes=%d", request.op, len(line))
+                raise errors.FrameTooLarge(
+                    f"the reply would be {len(line) - 1} bytes, over the {limit}-byte frame "
+                    "limit; narrow the request (a queue, a smaller limit)",
+                    limit_bytes=limit,
+                )
         except errors.RelayError as exc:
+            metrics.rejected(request.op, exc)
             line = codec.encode_error(request.id, exc)
         except Exception:
             log.exception("event=internal_error op=%s", request.op)
             line = codec.encode_error(request.id, errors.Internal())
-        await conn.send(line)
+        sent = await conn.send(line)
+        if not sent and request.op == "lease" and result and result.get("jobs"):
+            # Never leave jobs leased to a socket that is gone: give them back at once.
+            await self._release_unsent(result["jobs"], request.args.get("worker_id") or conn.peer)
+
+    async def _release_unsent(self, leases: list[dict[str, Any]], worker_id: str) -> None:
+        for lease in leases:
+            release = functools.partial(
+                self.service.release,
+                lease["job_id"],
+                worker_id=worker_id,
+                lease_token=lease["lease_token"],
+            )
+            try:
+                await self._write(release)
+            except errors.RelayError as exc:
+                log.info("event=release_unsent_failed job_id=%s code=%s", lease["job_id"], exc.code)
+            else:
+                self._notifier.wake([lease["queue"]])
 
     async def _execute(self, conn: _Conn, request: codec.Request) -> dict[str, Any]:
         verb = dispatch.lookup(request.op)
+        if verb.op == "hello":
+            return await self._hello(conn, dispatch.validate(verb, request.args))
+        principal = await self._authorize(conn, verb)
         args = dispatch.validate(verb, request.args)
         if self._draining and verb.op in dispatch.REFUSED_WHILE_DRAINING:
             raise errors.Unavailable()
-        ctx = dispatch.Context(peer=conn.peer, actor=f"tcp:{conn.peer}")
+        actor = f"tcp:{conn.peer}"
+        if principal.authenticated:
+            actor = f"{actor} {principal.actor}"[:150]
+        ctx = dispatch.Context(peer=conn.peer, actor=actor)
         if verb.kind is dispatch.Kind.READ:
             outcome: dispatch.Outcome = await self._read(
                 lambda: verb.handler(self.service, args, ctx)
@@ -610,7 +711,39 @@ class RelayServer:
         else:
             outcome = await self._write(lambda: verb.handler(self.service, args, ctx))
             self._apply(outcome)
+        metrics.record(outcome.events)  # committed by now
         return outcome.result
+
+    async def _key_ring(self) -> auth.KeyRing:
+        """The key table snapshot; a stale one is re-read in the reader pool, never here."""
+        ring = auth.cached_ring()
+        if ring is None:
+            ring = await self._read(auth.load_ring)
+        return ring
+
+    async def _authorize(self, conn: _Conn, verb: dispatch.Verb) -> auth.Principal:
+        """Check the connection's key (from its hello) allows ``verb``; ping needs none.
+
+        Raises:
+            Unauthenticated, PermissionDenied.
+        """
+        if verb.op in auth.OPEN_OPS:
+            return conn.principal or auth.ANONYMOUS
+        ring = await self._key_ring()
+        principal = auth.check_session(conn.principal, ring, surface="tcp", peer=conn.peer)
+        auth.authorize(principal, verb.op, surface="tcp", peer=conn.peer)
+        return principal
+
+    async def _hello(self, conn: _Conn, args: dict[str, Any]) -> dict[str, Any]:
+        """Check an API key and tie it to this connection (a refused key unties the old one)."""
+        ring = await self._key_ring()
+        conn.principal = None
+        principal: auth.Principal = await self._read(
+            lambda: auth.authenticate(args["api_key"], surface="tcp", peer=conn.peer, ring=ring)
+        )
+        conn.principal = principal
+        log.debug("event=hello peer=%s prefix=%s", conn.peer, principal.prefix)
+        return {**principal.describe(), "server_time_ms": self.service.clock.now_ms()}
 
     async def _lease(
         self, conn: _Conn, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context
@@ -621,12 +754,16 @@ class RelayServer:
         queues: list[str] = args["queues"]
         while True:
             # Subscribe before claiming, so a commit between the claim and the wait wakes us.
+            if conn.gone:  # never lease to a closed socket
+                return dispatch.Outcome({"jobs": []})
             event = self._notifier.subscribe(queues)
             conn.waiting.add(event)
             try:
+                started = loop.time()
                 outcome: dispatch.Outcome = await self._write(
                     lambda: verb.handler(self.service, args, ctx), claims=True
                 )
+                metrics.CLAIM_SECONDS.observe(loop.time() - started)
                 remaining = deadline - loop.time()
                 if outcome.result["jobs"] or remaining <= 0 or self._draining or conn.gone:
                     return outcome

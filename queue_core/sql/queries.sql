@@ -145,12 +145,13 @@ RETURNING lease_expires_at_ms, attempt;
 
 -- name: ack
 -- Leased -> succeeded, guarded like renew. Params: job_id, lease_token, worker_id, now_ms.
+-- Returns the queue too, so counting the ack needs no second read.
 UPDATE relay_job
    SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
        lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
    AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
-RETURNING attempt;
+RETURNING attempt, queue;
 
 -- name: fail_retry
 -- Leased -> retrying; READY again at retry_at_ms. Params: job_id, lease_token, now_ms,
@@ -187,7 +188,7 @@ SELECT state, lease_token, leased_by, lease_expires_at_ms
 
 -- name: attempt_by_token
 -- The delivery a lease token belonged to. Params: job_id, lease_token.
-SELECT attempt, worker_id, outcome
+SELECT attempt, worker_id, outcome, ended_at_ms
   FROM relay_attempt
  WHERE job_id = %(job_id)s AND lease_token = %(lease_token)s;
 

@@ -55,6 +55,8 @@ _SETTLE_PAUSE_S = 0.2
 # releasing the jobs still held.
 _MARGIN_S = 2.0
 _RELEASE_BUDGET_S = 5.0
+# With wait_ms=0 (no long-poll), how long to pause after an empty lease before asking again.
+_EMPTY_POLL_PAUSE_S = 0.2
 
 # A lease, renew, ack, fail or release rejected because the lease is no longer ours.
 _LEASE_GONE = (errors.LeaseExpired, errors.StaleToken, errors.JobNotFound, errors.InvalidState)
@@ -382,6 +384,9 @@ class Worker:
                 self._wait(self._stop, delay_s)
                 continue
             failures = 0
+            if not leases and self.wait_ms == 0:
+                # Without a long-poll an empty queue would be asked again at once, in a loop.
+                self._wait(self._stop, _EMPTY_POLL_PAUSE_S)
             for lease in leases:
                 self._accept(lease)
 

@@ -100,3 +100,26 @@ def test_restart_recovers_leases_and_fences_old_tokens(procs: Spawner, tmp_path:
     assert [j["job_id"] for j in again] == [job["id"]] and again[0]["attempt"] == 2
     second.signal(signal.SIGTERM)
     assert second.wait_exit(timeout=15) == 0
+
+
+def test_second_server_on_the_same_database_is_refused_and_steals_nothing(
+    procs: Spawner, tmp_path: Path
+) -> None:
+    db = str(tmp_path / "relay.db")
+    first, port = procs.server("--db", db)
+    job = call(port, "submit", queue="q", payload=1)["result"]["job"]
+    lease = call(port, "lease", queues=["q"], worker_id="w", lease_ms=60_000)["result"]["jobs"][0]
+    out = procs.run("relay_server", "--db", db, "--address", "127.0.0.1:0")
+    assert out.returncode == 4, out.stderr
+    assert "ALREADY_SERVED" in out.stderr
+    # The first server's lease is untouched: its holder can still ack.
+    acked = call(port, "ack", job_id=job["id"], worker_id="w", lease_token=lease["lease_token"])
+    assert acked["ok"], acked
+    first.signal(signal.SIGTERM)
+    assert first.wait_exit(timeout=15) == 0
+
+
+def test_database_in_a_missing_folder_is_a_usage_error(procs: Spawner, tmp_path: Path) -> None:
+    out = procs.run("relay_server", "--db", str(tmp_path / "nope" / "relay.db"))
+    assert out.returncode == 1, out.stderr
+    assert "INVALID_ARGUMENT" in out.stderr and "CORRUPT" not in out.stderr

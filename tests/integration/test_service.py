@@ -297,7 +297,12 @@ def test_ack_succeeds_once_and_repeats_safely(
     clock.advance(seconds=1)
     with django_assert_num_queries(4):  # BEGIN, guarded UPDATE, attempt UPDATE, COMMIT
         result = service.ack(lease["job_id"], **lease_args(lease))
-    assert result == {"job_id": lease["job_id"], "state": "succeeded", "duplicate": False}
+    assert result == {
+        "job_id": lease["job_id"],
+        "state": "succeeded",
+        "queue": "default",
+        "duplicate": False,
+    }
     # The reply was lost; the worker repeats the ack with the same token.
     again = service.ack(lease["job_id"], **lease_args(lease))
     assert again["duplicate"] is True
@@ -653,9 +658,13 @@ def test_submit_inside_atomic_commits_or_rolls_back_with_the_caller(
 
     with transaction.atomic():
         kept = service.submit("q", {"kept": True})["job"]["id"]
-    with pytest.raises(RuntimeError), transaction.atomic():
-        service.submit("q", {"kept": False})
-        raise RuntimeError("caller rolls back")
+    def rolled_back() -> None:
+        with transaction.atomic():
+            service.submit("q", {"kept": False})
+            raise RuntimeError("caller rolls back")
+
+    with pytest.raises(RuntimeError):
+        rolled_back()
     assert list(Job.objects.values_list("id", flat=True)) == [kept]
     # A failed call inside the caller's transaction rolls back alone.
     with transaction.atomic():
@@ -664,3 +673,70 @@ def test_submit_inside_atomic_commits_or_rolls_back_with_the_caller(
             service.submit("q", {"a": 2}, idempotency_key="k")
         service.submit("q", {"b": 1})
     assert Job.objects.count() == 3
+
+
+def test_repeated_fail_reports_what_that_failure_did(
+    service: QueueService, job_factory: Factory, clock: FakeClock
+) -> None:
+    job = job_factory(max_retries=1, backoff="fixed", backoff_base_ms=10, jitter=False)
+    first = service.claim(["default"], worker_id="w1")[0]
+    service.fail(job["id"], **lease_args(first), error="e1")
+    clock.advance(ms=10)
+    second = service.claim(["default"], worker_id="w2")[0]
+    service.ack(job["id"], **lease_args(second, "w2"))
+    # w1's reply was lost and it repeats its fail after the job succeeded elsewhere.
+    again = service.fail(job["id"], **lease_args(first), error="e1")
+    assert (again["state"], again["duplicate"], again["retry_at_ms"]) == ("retrying", True, None)
+
+    doomed = job_factory(max_retries=0)
+    lease = service.claim(["default"], worker_id="w1")[0]
+    service.fail(doomed["id"], **lease_args(lease), error="boom")
+    service.replay(doomed["id"])
+    service.claim(["default"], worker_id="w2")
+    repeat = service.fail(doomed["id"], **lease_args(lease), error="boom")
+    assert (repeat["state"], repeat["duplicate"]) == ("dead", True)
+
+
+def test_queue_names_must_match_whole_pattern(service: QueueService) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        service.submit("email\n", {})
+    with pytest.raises(errors.InvalidArgument):
+        service.claim(["email\n"], worker_id="w")
+
+
+def test_payload_nesting_is_bounded(service: QueueService) -> None:
+    deep: Any = []
+    for _ in range(64):
+        deep = [deep]
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit("q", deep)
+    assert exc.value.details["field"] == "payload"
+    ok: Any = []
+    for _ in range(63):
+        ok = [ok]
+    service.submit("q", ok)
+    lease = service.claim(["q"], worker_id="w")[0]
+    assert lease["payload"] == ok
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=40_000, RELAY_MAX_PAYLOAD_BYTES=9_000)
+def test_read_replies_fit_one_frame(
+    service: QueueService, dead_job: Factory, leased_job: Factory, clock: FakeClock
+) -> None:
+    import orjson
+
+    ids = [dead_job(payload={"blob": "x" * 8_000, "i": i})["id"] for i in range(8)]
+    page = service.dead_list(limit=100)
+    assert len(orjson.dumps(page)) <= 40_000
+    assert page["next_after"] == page["jobs"][-1]["id"]
+    rest = service.dead_list(limit=100, after=page["next_after"])
+    assert [j["id"] for j in page["jobs"] + rest["jobs"]] == ids
+
+    job = service.submit("h", {}, max_retries=50, backoff="fixed", backoff_base_ms=0)["job"]
+    for _ in range(30):
+        lease = service.claim(["h"], worker_id="w")[0]
+        service.fail(job["id"], **lease_args(lease, "w"), error="\x01" * 600)
+    got = service.get(job["id"])
+    assert len(orjson.dumps(got)) <= 40_000
+    assert got["history_omitted"] > 0
+    assert got["history"][-1]["attempt"] == 30  # the newest attempts are the ones kept

@@ -8,6 +8,7 @@ claim, so once its reply arrives the long-poll is subscribed and waiting).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -18,6 +19,8 @@ import orjson
 import pytest
 from django.test import override_settings
 
+from queue_core.models import Job
+from queue_core.protocol import server as server_mod
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 
@@ -608,3 +611,106 @@ def test_oversize_frame_still_being_sent_gets_its_error(start: Callable[..., Run
             assert c.at_eof()
         finally:
             c.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Defences found by hostile testing: closed sockets, clients that never read, big replies.
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    """Poll a condition until it holds (bounded); fail at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_lease_sent_by_a_client_that_hung_up_leaves_no_job_leased(server: Running) -> None:
+    producer = Client(server.port)
+    for i in range(5):
+        producer.ok("submit", queue="cl", payload={"i": i}, max_retries=0)
+    ghost = Client(server.port)
+    ghost.send("lease", queues=["cl"], max_jobs=5, wait_ms=5000)
+    ghost.close()
+    # Either the server saw the hang-up before claiming, or it gave the jobs back at once.
+    wait_for(lambda: not Job.objects.filter(state="leased").exists())
+    assert sorted(Job.objects.values_list("state", flat=True)) == ["ready"] * 5
+    assert producer.ok("stats")["totals"]["dead"] == 0
+    producer.close()
+
+
+def test_client_that_never_reads_is_cut_off_and_others_are_served(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 0.5)
+    running = start()
+    producer = Client(running.port)
+    job_id = producer.ok("submit", queue="big", payload={"blob": "x" * 200_000})["job"]["id"]
+    hog = Client(running.port)
+    assert hog.ok("ping")["pong"] is True
+    frame = orjson.dumps({"op": "inspect", "args": {"job_id": job_id}}) + b"\n"
+    hog.sock.setblocking(False)
+    sent = 0
+    try:
+        for _ in range(64):
+            sent += hog.sock.send(frame)
+    except BlockingIOError:
+        pass
+    assert sent > 0
+    # Someone else is served meanwhile; the hog, reading nothing, is disconnected.
+    assert producer.ok("ping")["pong"] is True
+    wait_for(lambda: len(running.server._conns) == 1)
+    hog.sock.setblocking(True)
+    hog.sock.settimeout(15)
+    received = 0
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := hog.sock.recv(1 << 20):
+            received += len(chunk)
+    # Far fewer than the 64 replies (about 13 MB) it asked for left the server (the rest sat
+    # in kernel buffers when the cut came).
+    assert received < 64 * 200_000 // 2
+    hog.close()
+    assert producer.ok("ping")["pong"] is True
+    producer.close()
+
+
+def test_shutdown_is_not_held_by_a_client_that_never_reads(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 60.0)
+    running = start(shutdown_grace_ms=200)
+    producer = Client(running.port)
+    job_id = producer.ok("submit", queue="big", payload={"blob": "y" * 200_000})["job"]["id"]
+    hog = Client(running.port)
+    # A round trip first: Python 3.13.0 leaks a socket accepted in the same tick as close().
+    assert hog.ok("ping")["pong"] is True
+    frame = orjson.dumps({"op": "inspect", "args": {"job_id": job_id}}) + b"\n"
+    for _ in range(20):
+        hog.send_raw(frame)
+    started = time.monotonic()
+    running.stop(timeout=15)
+    assert time.monotonic() - started < 10
+    hog.close()
+    producer.close()
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=50_000, RELAY_MAX_PAYLOAD_BYTES=10_000)
+def test_read_reply_over_the_frame_limit_is_refused_not_truncated(server: Running) -> None:
+    client = Client(server.port)
+    for n in range(400):
+        client.ok("submit", queue=f"queue-with-a-long-name-{n:04d}-" + "q" * 80, payload={})
+    reply = client.call("stats")
+    assert reply["ok"] is False
+    assert reply["error"]["code"] == "FRAME_TOO_LARGE"
+    narrowed = client.ok("stats", queue="queue-with-a-long-name-0001-" + "q" * 80)
+    assert len(narrowed["queues"]) == 1
+    client.close()
+
+
+def test_batch_submit_reply_does_not_echo_payloads(server: Running) -> None:
+    client = Client(server.port)
+    jobs = [{"queue": "b", "payload": {"blob": "z" * 900}} for _ in range(1000)]
+    result = client.ok("submit_batch", jobs=jobs)
+    assert len(result["results"]) == 1000
+    assert "payload" not in result["results"][0]["job"]
+    client.close()

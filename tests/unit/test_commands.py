@@ -332,3 +332,13 @@ def test_worker_rejects_bad_options() -> None:
     err = fails("relay_worker", "--concurrency", "0", "--address", "127.0.0.1:9")
     assert str(err) == "INVALID_ARGUMENT: concurrency must be >= 1"
     assert err.returncode == 1
+
+
+def test_tables_show_bracketed_job_data_as_text(server: Any) -> None:
+    dead = JOB | {
+        "last_error": "cannot read [/var/data/in.csv]",
+        "dead_reason": "failed [bad input]",
+    }
+    canned = server(lambda req, conn: ok(req, {"jobs": [dead], "next_after": None}))
+    out, _ = run("relay_dead", "list", "--address", canned.address)
+    assert "failed [bad input]" in out

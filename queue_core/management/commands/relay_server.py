@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
-from django.db import connections
+from django.db import DatabaseError, connections
 
+from queue_core import metrics
 from queue_core.client import parse_address
 from queue_core.conf import relay_settings
 from queue_core.protocol.server import RelayServer
@@ -47,13 +50,22 @@ class Command(BaseCommand):
             help="After SIGTERM, how long ack/fail/renew/release are still served "
             f"(RELAY_SHUTDOWN_GRACE_MS, default {s.shutdown_grace_ms}).",
         )
+        parser.add_argument(
+            "--metrics-address",
+            default=s.metrics_address,
+            metavar="HOST:PORT",
+            help="Serve Prometheus /metrics for this process on HOST:PORT, e.g. 127.0.0.1:7401 "
+            f"(RELAY_METRICS_ADDRESS, default {s.metrics_address or 'off'}).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Check, migrate, recover, then serve until signalled.
 
         Raises:
             CommandError: ``CORRUPT`` (exit code 3) when ``PRAGMA quick_check`` fails or the
-                file is not a database; ``INVALID_ARGUMENT`` for a bad address or grace.
+                file is not a database; ``ALREADY_SERVED`` (exit code 4) when another relay
+                server holds this database; ``INVALID_ARGUMENT`` for a bad address, grace or
+                database path; ``UNAVAILABLE`` when the database cannot be written.
         """
         try:
             host, port = parse_address(options["address"], allow_port_zero=True)
@@ -61,18 +73,36 @@ class Command(BaseCommand):
             raise CommandError(f"INVALID_ARGUMENT: {exc}") from exc
         if options["shutdown_grace_ms"] < 0:
             raise CommandError("INVALID_ARGUMENT: --shutdown-grace-ms must be >= 0")
+        metrics_at: tuple[str, int] | None = None
+        if options["metrics_address"]:
+            try:
+                metrics_at = parse_address(options["metrics_address"], allow_port_zero=True)
+            except ValueError as exc:
+                raise CommandError(f"INVALID_ARGUMENT: --metrics-address: {exc}") from exc
         if options["db"]:
             use_database(options["db"])
-        path = settings.DATABASES["default"]["NAME"]
-        service = QueueService()
+        path = str(settings.DATABASES["default"]["NAME"])
+        folder = Path(path).resolve().parent
+        if Path(path).is_dir() or not folder.is_dir():
+            raise CommandError(
+                f"INVALID_ARGUMENT: --db {path}: no such file or folder to create it"
+            )
+        # One server per database file: a second one (say, bin/setup run twice) must not
+        # release the first one's live leases at its start. The lock lives as long as we do.
+        self.lock = _lock_database(path)
+        # MeteredStore counts the lease expiries the service's sweeps commit.
+        service = QueueService(store=metrics.MeteredStore())
         problems = service.store.quick_check()
         if problems:
             raise CommandError(
                 f"CORRUPT: database {path} failed integrity check: {'; '.join(problems[:5])}",
                 returncode=EXIT_CORRUPT,
             )
-        call_command("migrate", interactive=False, verbosity=0)
-        recovered = service.recover()
+        try:
+            call_command("migrate", interactive=False, verbosity=0)
+            recovered = service.recover()
+        except DatabaseError as exc:
+            raise CommandError(f"UNAVAILABLE: cannot write database {path}: {exc}") from exc
         log.info(
             "event=recovered leases=%d db=%s",
             recovered,
@@ -83,10 +113,55 @@ class Command(BaseCommand):
         server = RelayServer(
             service, host=host, port=port, shutdown_grace_ms=options["shutdown_grace_ms"]
         )
+        exporter = start_metrics(metrics_at) if metrics_at else None
         try:
             asyncio.run(server.serve(handle_signals=True))
         except OSError as exc:
             raise CommandError(f"UNAVAILABLE: cannot listen on {host}:{port}: {exc}") from exc
+        finally:
+            if exporter is not None:
+                exporter.stop()
+
+
+def start_metrics(address: tuple[str, int]) -> metrics.MetricsServer:
+    """Serve this process's /metrics on ``address`` in a thread; log ``event=metrics_ready``.
+
+    Raises:
+        CommandError: ``UNAVAILABLE`` when the address cannot be bound.
+    """
+    host, port = address
+    try:
+        exporter = metrics.MetricsServer(host, port).start()
+    except OSError as exc:
+        raise CommandError(f"UNAVAILABLE: cannot serve metrics on {host}:{port}: {exc}") from exc
+    log.info(
+        "event=metrics_ready host=%s port=%s",
+        host,
+        exporter.port,
+        extra={"event": "metrics_ready", "host": host, "port": exporter.port},
+    )
+    return exporter
+
+
+EXIT_ALREADY_SERVED = 4
+
+
+def _lock_database(path: str) -> IO[bytes]:
+    """Hold an exclusive ``flock`` on ``<path>.server-lock`` for the life of the process.
+
+    Raises:
+        CommandError: ``ALREADY_SERVED`` (exit code 4) when another process holds it.
+    """
+    handle = open(f"{path}.server-lock", "ab")  # noqa: SIM115 - held until exit
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise CommandError(
+            f"ALREADY_SERVED: another relay server is serving {path}; stop it first",
+            returncode=EXIT_ALREADY_SERVED,
+        ) from None
+    return handle
 
 
 def use_database(path: str) -> None:

@@ -1,4 +1,8 @@
-"""``relay worker --queue Q [--queue Q2] [--concurrency N]``: run the demo pull worker.
+"""``relay worker --queue Q [--queue Q2] [--concurrency N]``: run a pull worker (the demo one).
+
+``--app package.module.HANDLERS`` runs an application's handlers instead, routed by the
+payload's ``task`` field (``queue_core.worker.app``); ``--tasks`` runs Django tasks enqueued
+through ``queue_core.tasks_backend.RelayBackend``.
 
 SIGTERM or SIGINT stops it gracefully (``Worker.stop``): no new leases, running jobs get
 ``--shutdown-timeout-ms`` to finish, the rest are released back to ready. A second signal exits
@@ -24,7 +28,7 @@ from queue_core.management.relay_command import (
     relay_errors,
     resolve_address,
 )
-from queue_core.worker import Worker, WorkerClient
+from queue_core.worker import Handler, Worker, WorkerClient, demo_handler
 from queue_core.worker.runner import logger
 
 
@@ -32,7 +36,8 @@ class Command(BaseCommand):
     """Build a ``Worker`` from the options, wire the signals, run it."""
 
     help = (
-        "Run a pull worker with the safe demonstration handler: {'sleep_ms': N} sleeps, "
+        "Run a pull worker; by default with the safe demonstration handler: {'sleep_ms': N} "
+        "sleeps, "
         "{'fail': true, 'error': '...', 'retryable': false} fails, anything else succeeds. "
         "Logs JSON lines on stderr, starting with event=worker_ready."
     )
@@ -78,6 +83,20 @@ class Command(BaseCommand):
         parser.add_argument(
             "--worker-id", metavar="ID", help="Id to lease with (default HOSTNAME:PID)."
         )
+        executor = parser.add_mutually_exclusive_group()
+        executor.add_argument(
+            "--app",
+            metavar="PATH",
+            help="Run application handlers: PATH is package.module.attribute naming a mapping of "
+            "task name to handler(payload, ctx); each job goes to the handler its payload's "
+            "'task' field names (default: the demonstration handler).",
+        )
+        executor.add_argument(
+            "--tasks",
+            action="store_true",
+            help="Run Django tasks enqueued with queue_core.tasks_backend.RelayBackend "
+            "(this project must share Relay's database).",
+        )
         add_connection_arguments(
             parser, json_help="On exit, print the worker's counters as JSON on stdout."
         )
@@ -87,12 +106,18 @@ class Command(BaseCommand):
         address = resolve_address(options["address"])
 
         def client_factory() -> WorkerClient:
-            return make_client(address)
+            return make_client(address, api_key=options.get("api_key"))
 
+        try:
+            handler = _handler(options)
+        except (ImportError, TypeError, ValueError) as exc:
+            option = "--app" if options.get("app") else "--tasks"
+            raise invalid_argument(f"{option}: {exc}") from exc
         try:
             worker = Worker(
                 client_factory,
                 options["queue"] or ["default"],
+                handler=handler,
                 concurrency=options["concurrency"],
                 lease_ms=options["lease_ms"],
                 wait_ms=options["wait_ms"],
@@ -113,6 +138,23 @@ class Command(BaseCommand):
             self.stdout.write(orjson.dumps(counters).decode())
         elif options["verbosity"] >= 2:
             self.stdout.write(" ".join(f"{key}={value}" for key, value in counters.items()))
+
+
+def _handler(options: dict[str, Any]) -> Handler:
+    """Return the handler that ``--app`` / ``--tasks`` select (the demo handler by default)."""
+    if options.get("app"):
+        from queue_core.worker.app import load_handlers
+
+        return load_handlers(options["app"])
+    if options.get("tasks"):
+        from django.tasks import task_backends
+
+        from queue_core.tasks_backend import RelayBackend, execute_task
+
+        if not any(isinstance(backend, RelayBackend) for backend in task_backends.all()):
+            raise ValueError("TASKS has no queue_core.tasks_backend.RelayBackend")
+        return execute_task
+    return demo_handler
 
 
 def _install_signal_handlers(worker: Worker) -> dict[int, Any]:

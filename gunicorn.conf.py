@@ -1,0 +1,56 @@
+"""gunicorn settings for Relay's HTTP API and admin: ``gunicorn -c gunicorn.conf.py``.
+
+gunicorn itself loads this file, so it reads its few settings from the environment here (the
+one place besides ``relayproject/settings.py`` that does); Django's settings still come from
+``relayproject/settings.py``. Command-line flags override these (``--bind`` for a test port).
+
+* ``RELAY_HTTP_BIND``: where to listen, default ``127.0.0.1:8000`` (loopback only).
+* ``RELAY_HTTP_WORKERS``: worker processes, default 1. Relay's counters are per process, so
+  with several workers each scrape of /metrics sees one worker's counts (gauges come from the
+  database and agree); SQLite takes one writer at a time anyway.
+* ``RELAY_HTTP_THREADS``: threads per worker (gthread), default 8. Each long-poll ``lease``
+  holds one thread for up to its ``wait_ms``, so size this above the number of HTTP workers
+  that long-poll at once.
+* ``RELAY_HTTP_TIMEOUT_S``: a worker silent for this long is restarted, default 60 (above
+  ``RELAY_MAX_WAIT_MS`` so a long-poll never trips it).
+* ``RELAY_HTTP_GRACEFUL_TIMEOUT_S``: how long in-flight requests get on SIGTERM, default 30.
+* ``RELAY_HTTP_KEEPALIVE_S``: idle keep-alive connections are closed after this, default 5.
+* ``RELAY_HTTP_ACCESS_LOG``: ``1`` (default) writes an access log line per request to stderr.
+"""
+
+import json
+import os
+import sys
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        sys.exit(f"gunicorn.conf.py: {name} must be an integer, got {raw!r}")
+
+
+wsgi_app = "relayproject.wsgi:application"
+bind = [os.environ.get("RELAY_HTTP_BIND", "127.0.0.1:8000")]
+worker_class = "gthread"
+workers = _int("RELAY_HTTP_WORKERS", 1)
+threads = _int("RELAY_HTTP_THREADS", 8)
+timeout = _int("RELAY_HTTP_TIMEOUT_S", 60)
+graceful_timeout = _int("RELAY_HTTP_GRACEFUL_TIMEOUT_S", 30)
+keepalive = _int("RELAY_HTTP_KEEPALIVE_S", 5)
+accesslog = "-" if os.environ.get("RELAY_HTTP_ACCESS_LOG", "1") == "1" else None
+errorlog = "-"
+# Request line and header limits; bodies are bounded by RELAY_MAX_FRAME_BYTES in Django.
+limit_request_line = 8190
+limit_request_fields = 100
+# Load Django once in the arbiter, before forking: a settings or import error stops the start.
+preload_app = True
+
+
+def when_ready(server) -> None:  # type: ignore[no-untyped-def]
+    """Log one JSON line per listening socket (``event=http_ready``) with the bound port."""
+    for listener in server.LISTENERS:
+        host, port = listener.sock.getsockname()[:2]
+        line = {"event": "http_ready", "host": host, "port": port, "message": "event=http_ready"}
+        print(json.dumps(line), file=sys.stderr, flush=True)

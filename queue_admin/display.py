@@ -1,0 +1,94 @@
+"""How the console shows instants, durations, errors and lease tokens (pure functions).
+
+Relay stores instants as epoch milliseconds; the console shows them as ISO 8601 UTC and
+durations as short spans ("3m 12s"). A lease token is a fencing secret: only its last four
+characters are ever rendered.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import orjson
+
+DASH = "—"
+TOKEN_TAIL_CHARS = 4
+
+
+def iso_ms(ms: int | None) -> str:
+    """Render epoch ms as ``2026-01-01 00:00:00Z`` (UTC), or a dash for None."""
+    if ms is None:
+        return DASH
+    moment = dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def span_ms(ms: int | None) -> str:
+    """Render a duration in ms in its two largest units: ``850ms``, ``42s``, ``3m 12s``."""
+    if ms is None:
+        return DASH
+    ms = max(0, int(ms))
+    if ms < 1000:
+        return f"{ms}ms"
+    seconds = ms // 1000
+    parts: list[str] = []
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)):
+        value, seconds = divmod(seconds, size)
+        if value or parts:
+            parts.append(f"{value}{unit}")
+        if len(parts) == 2:
+            break
+    # Drop a trailing zero unit ("3m 0s" -> "3m").
+    if len(parts) == 2 and parts[1].startswith("0"):
+        parts.pop()
+    return " ".join(parts)
+
+
+def relative_ms(at_ms: int | None, now_ms: int) -> str:
+    """Render an instant relative to now: ``3m 12s ago`` or ``in 20s``."""
+    if at_ms is None:
+        return DASH
+    delta = now_ms - at_ms
+    return f"{span_ms(delta)} ago" if delta >= 0 else f"in {span_ms(-delta)}"
+
+
+def shorten(text: str | None, limit: int = 80) -> str:
+    """One line of at most ``limit`` characters, with an ellipsis when cut."""
+    if not text:
+        return DASH
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1].rstrip() + "…"
+
+
+def token_tail(token: str | None) -> str:
+    """The last characters of a lease token, never the whole token: ``…xY3Q``."""
+    if not token:
+        return DASH
+    return "…" + token[-TOKEN_TAIL_CHARS:]
+
+
+def token_status(state: str, token: str | None, expires_at_ms: int | None, now_ms: int) -> str:
+    """Describe a job's lease token without revealing it.
+
+    Returns e.g. ``live, ends …xY3Q, expires in 12s`` or ``expired 3s ago, ends …xY3Q (the
+    reaper reclaims it)`` or ``none``.
+    """
+    if state != "leased" or not token:
+        return "none (no live lease)"
+    if expires_at_ms is not None and expires_at_ms > now_ms:
+        return f"live, ends {token_tail(token)}, expires {relative_ms(expires_at_ms, now_ms)}"
+    return (
+        f"expired {relative_ms(expires_at_ms, now_ms)}, ends {token_tail(token)} "
+        "(the reaper will reclaim it)"
+    )
+
+
+def pretty_json(raw: str | None) -> str:
+    """Indent a stored canonical-JSON payload for reading (the raw text if it is not JSON)."""
+    if raw is None:
+        return ""
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()

@@ -1,0 +1,274 @@
+"""Replay and purge many jobs from the console, through ``QueueService`` one job at a time.
+
+Every change goes through ``QueueService.replay`` / ``QueueService.purge``, which guard the
+state (compare-and-set) and record who did it in the job's events. For speed, ``BulkRunner``
+groups ``CHUNK`` calls into one ``Store.immediate()`` transaction: each call becomes a
+SAVEPOINT that rolls back alone when the service refuses it, the group commit the TCP server
+uses. The write lock is held for one chunk at a time (about 10 ms for 200 jobs), so workers
+keep claiming while an operator replays 100,000 dead letters.
+
+A run stops after ``time_budget_s`` and reports what is left, so one HTTP request never
+outlives the server's timeout; running the action again continues where it stopped, since
+handled jobs no longer match.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from queue_admin.display import iso_ms
+from queue_core.errors import InvalidArgument, InvalidState, JobNotFound, StoreBusy
+from queue_core.models import JobEvent
+from queue_core.service import QueueService
+from queue_core.states import JobState
+
+log = logging.getLogger("relay.admin")
+
+CHUNK = 200
+TIME_BUDGET_S = 20.0
+# How many job ids a message names per kind of outcome; the rest are counted.
+EXAMPLES = 5
+
+
+class Op(enum.StrEnum):
+    """The two operator transitions."""
+
+    REPLAY = "replay"
+    PURGE = "purge"
+
+    @property
+    def past(self) -> str:
+        """``replayed`` / ``purged``."""
+        return "replayed" if self is Op.REPLAY else "purged"
+
+
+@dataclass
+class Skipped:
+    """A job the service refused, and why in words an operator can act on."""
+
+    job_id: str
+    reason: str
+
+
+@dataclass
+class Outcome:
+    """What one run did: done ids, refusals by kind, and what it did not get to."""
+
+    op: Op
+    done: list[str] = field(default_factory=list)
+    # Another operator (or another tab) got there first.
+    raced: list[Skipped] = field(default_factory=list)
+    # Not in a state this operation applies to (e.g. replay of a READY job).
+    refused: list[Skipped] = field(default_factory=list)
+    missing: list[Skipped] = field(default_factory=list)
+    # Stopped by the time budget or a busy database before reaching these.
+    remaining: int = 0
+    busy: bool = False
+
+    @property
+    def attempted(self) -> int:
+        """Jobs the run asked the service about."""
+        return len(self.done) + len(self.raced) + len(self.refused) + len(self.missing)
+
+
+def chunked(ids: Iterable[str], size: int = CHUNK) -> Iterator[list[str]]:
+    """Split ids into lists of at most ``size``."""
+    chunk: list[str] = []
+    for job_id in ids:
+        chunk.append(job_id)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class BulkRunner:
+    """Apply replay or purge to chunks of job ids through the service.
+
+    Args:
+        service: the QueueService to call (its store provides the chunk transaction).
+        actor: recorded in each job's events as who did it (the operator's username).
+        time_budget_s: stop starting new chunks after this many seconds.
+        monotonic: clock for the budget (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        service: QueueService,
+        *,
+        actor: str,
+        time_budget_s: float = TIME_BUDGET_S,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.service = service
+        self.actor = actor
+        self.time_budget_s = time_budget_s
+        self.monotonic = monotonic
+
+    def run(
+        self, op: Op, chunks: Iterable[list[str]], *, dead_only: bool = False, total: int = 0
+    ) -> Outcome:
+        """Apply ``op`` to every id of ``chunks``, one transaction per chunk.
+
+        Args:
+            op: replay or purge.
+            chunks: lists of job ids; read lazily, so a caller may page through a query.
+            dead_only: for purge, refuse SUCCEEDED jobs too (the dead-letter list).
+            total: how many ids the caller expects, to report ``remaining`` when stopped.
+        Returns:
+            The Outcome; ``remaining`` > 0 when the budget ran out or the database stayed busy.
+        """
+        outcome = Outcome(op)
+        deadline = self.monotonic() + self.time_budget_s
+        for chunk in chunks:
+            if self.monotonic() > deadline:
+                outcome.remaining = max(total - outcome.attempted, 1)
+                break
+            part = Outcome(op)
+            try:
+                with self.service.store.immediate():
+                    for job_id in chunk:
+                        self._one(op, job_id, part, dead_only=dead_only)
+            except StoreBusy:
+                # BEGIN or COMMIT found the database locked past the retry budget: the whole
+                # chunk rolled back, so none of its jobs changed.
+                outcome.busy = True
+                outcome.remaining = max(total - outcome.attempted, len(chunk))
+                break
+            outcome.done += part.done
+            outcome.raced += part.raced
+            outcome.refused += part.refused
+            outcome.missing += part.missing
+        self._explain_races(outcome)
+        log.info(
+            "event=admin_%s actor=%s done=%d raced=%d refused=%d missing=%d remaining=%d",
+            op.value,
+            self.actor,
+            len(outcome.done),
+            len(outcome.raced),
+            len(outcome.refused),
+            len(outcome.missing),
+            outcome.remaining,
+        )
+        return outcome
+
+    def _one(self, op: Op, job_id: str, outcome: Outcome, *, dead_only: bool) -> None:
+        try:
+            if op is Op.REPLAY:
+                self.service.replay(job_id, actor=self.actor)
+            else:
+                self.service.purge(job_id, actor=self.actor, dead_only=dead_only)
+        except InvalidState as exc:
+            state = str(exc.details.get("state", "?"))
+            if op is Op.REPLAY and state != JobState.DEAD:
+                outcome.raced.append(Skipped(job_id, f"it is {state}"))
+            else:
+                outcome.refused.append(Skipped(job_id, f"it is {state}"))
+            return
+        except JobNotFound:
+            outcome.missing.append(Skipped(job_id, "no such job"))
+            return
+        except InvalidArgument as exc:
+            outcome.missing.append(Skipped(job_id, exc.message))
+            return
+        outcome.done.append(job_id)
+
+    def _explain_races(self, outcome: Outcome) -> None:
+        """Name who got there first, from the job's latest operator event.
+
+        A replay refused because the job is no longer DEAD is a race only when someone
+        replayed it; otherwise it is a plain refusal (it was never dead). A purge of a job
+        that no longer exists is a race when a ``purged`` event names who did it.
+        """
+        event = "replayed" if outcome.op is Op.REPLAY else "purged"
+        pool = outcome.raced if outcome.op is Op.REPLAY else outcome.missing
+        latest: dict[str, dict[str, Any]] = {}
+        for ids in chunked((item.job_id for item in pool), 500):
+            rows = (
+                JobEvent.objects.filter(job_id__in=ids, event=event)
+                .order_by("job_id", "id")
+                .values("job_id", "actor", "at_ms")
+            )
+            latest.update((row["job_id"], dict(row)) for row in rows)  # the last one wins
+        raced: list[Skipped] = []
+        others: list[Skipped] = []
+        for item in pool:
+            last = latest.get(item.job_id)
+            if last is None:
+                others.append(item)
+                continue
+            who = last["actor"] or "the CLI or API"
+            at = iso_ms(last["at_ms"])
+            note = f"{event} by {who} at {at}"
+            if outcome.op is Op.REPLAY:
+                note += f"; {item.reason} now"
+            raced.append(Skipped(item.job_id, note))
+        outcome.raced = raced
+        if outcome.op is Op.REPLAY:
+            outcome.refused = others + outcome.refused
+        else:
+            outcome.missing = others
+
+
+def describe(outcome: Outcome, noun: str = "job") -> list[tuple[str, str]]:
+    """Messages for the operator: ``[(level, text)]`` with level success, warning or error."""
+    op = outcome.op
+    messages: list[tuple[str, str]] = []
+
+    def plural(n: int) -> str:
+        return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+    def names(items: list[Skipped]) -> str:
+        shown = "; ".join(f"{s.job_id} ({s.reason})" for s in items[:EXAMPLES])
+        more = len(items) - EXAMPLES
+        return shown + (f"; and {more:,} more" if more > 0 else "")
+
+    if outcome.done:
+        messages.append(("success", f"{op.past.capitalize()} {plural(len(outcome.done))}."))
+    elif not outcome.remaining:
+        messages.append(("warning", f"Nothing was {op.past}."))
+    if outcome.raced:
+        n = len(outcome.raced)
+        verb = "was" if n == 1 else "were"
+        messages.append(
+            (
+                "warning",
+                f"{plural(n)} {verb} already {op.past}: {names(outcome.raced)}.",
+            )
+        )
+    if outcome.refused:
+        n = len(outcome.refused)
+        what = "not dead" if op is Op.REPLAY else "not finished (or not dead)"
+        verb = "is" if n == 1 else "are"
+        messages.append(
+            (
+                "warning",
+                f"{plural(n)} {verb} {what} and {verb} left alone: {names(outcome.refused)}.",
+            )
+        )
+    if outcome.missing:
+        n = len(outcome.missing)
+        messages.append(("warning", f"{plural(n)} not found: {names(outcome.missing)}."))
+    if outcome.busy:
+        messages.append(
+            (
+                "error",
+                "The database stayed busy, so the last batch was not applied "
+                f"({outcome.remaining:,} left). Run the action again.",
+            )
+        )
+    elif outcome.remaining:
+        messages.append(
+            (
+                "warning",
+                f"Stopped after the time limit with about {outcome.remaining:,} left; "
+                "run the action again to continue.",
+            )
+        )
+    return messages

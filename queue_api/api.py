@@ -1,0 +1,144 @@
+"""The HTTP API: django-ninja, versioned under ``/api/v1``, on the service layer TCP uses.
+
+Every error is an RFC 9457 problem (``queue_api.problems``) with the TCP error code:
+``RelayError`` keeps its code and status; ninja's schema errors become ``INVALID_ARGUMENT``
+(422); a body that is not JSON becomes ``BAD_FRAME`` (400); anything unexpected becomes a
+generic ``INTERNAL`` (500) with the traceback only in the log. The OpenAPI schema is at
+``/api/v1/openapi.json`` and its interactive page at ``/api/v1/docs``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from django.core.exceptions import RequestDataTooBig
+from django.http import Http404, HttpRequest, HttpResponse
+from ninja import NinjaAPI, Router
+from ninja.errors import AuthenticationError, HttpError, ValidationError
+from ninja.parser import Parser
+from ninja.renderers import BaseRenderer
+
+from queue_api.problems import problem_response
+from queue_api.routers import dead, jobs, workers
+from queue_api.schemas import HealthOut
+from queue_core import errors
+from queue_core.conf import relay_settings
+
+log = logging.getLogger("relay.http")
+
+
+class OrjsonParser(Parser):
+    """Parse bodies with orjson, as the TCP codec does (no NaN, no integers past 64 bits)."""
+
+    def parse_body(self, request: HttpRequest) -> Any:
+        """Return the decoded JSON body."""
+        return orjson.loads(request.body)
+
+
+class OrjsonRenderer(BaseRenderer):
+    """Render responses with orjson."""
+
+    media_type = "application/json"
+
+    def render(self, request: HttpRequest, data: Any, *, response_status: int) -> bytes:
+        """Return ``data`` as compact JSON."""
+        return orjson.dumps(data)
+
+
+api = NinjaAPI(
+    title="Relay HTTP API",
+    version="1.0.0",
+    description=(
+        "Submit, inspect, lease and settle Relay jobs over HTTP, with the semantics of the TCP "
+        "protocol (docs/protocol.md). Errors are RFC 9457 problem details carrying Relay's "
+        "stable error codes. Authenticate with `Authorization: Bearer <key>` once API keys exist."
+    ),
+    urls_namespace="relay-api-v1",
+    parser=OrjsonParser(),
+    renderer=OrjsonRenderer(),
+)
+
+health = Router(tags=["health"])
+
+
+@health.get("/health", response={200: HealthOut}, summary="Liveness and database check")
+def health_check(request: HttpRequest) -> dict[str, Any]:
+    """Answer when the API runs and can read its database (no key needed)."""
+    from queue_api.calls import service
+
+    return {"ok": True, "server_time_ms": service().stats()["server_time_ms"]}
+
+
+api.add_router("", health)
+api.add_router("", jobs.router)
+api.add_router("", workers.router)
+api.add_router("", dead.router)
+
+
+# ---------------------------------------------------------------------- errors -> problems
+
+
+@api.exception_handler(errors.RelayError)
+def _relay_error(request: HttpRequest, exc: errors.RelayError) -> HttpResponse:
+    return problem_response(request, exc)
+
+
+@api.exception_handler(ValidationError)
+def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    problems = [_describe(item) for item in exc.errors]
+    first = problems[0] if problems else {"field": "", "message": "invalid request"}
+    message = f"{first['field']}: {first['message']}" if first["field"] else first["message"]
+    return problem_response(
+        request, errors.InvalidArgument(message, field=first["field"], errors=problems)
+    )
+
+
+def _describe(item: Any) -> dict[str, str]:
+    # Keep the location and the message; never echo the input (it may be a large payload).
+    loc = [str(part) for part in item.get("loc", ()) if part not in ("body", "query", "path")]
+    return {"field": ".".join(loc), "message": str(item.get("msg", "invalid"))}
+
+
+@api.exception_handler(AuthenticationError)
+def _authentication_error(request: HttpRequest, exc: AuthenticationError) -> HttpResponse:
+    return problem_response(request, errors.Unauthenticated())
+
+
+@api.exception_handler(HttpError)
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    mapped: errors.RelayError
+    if exc.status_code == 400:
+        mapped = errors.BadFrame("request body is not valid JSON")
+    elif exc.status_code == 401:
+        mapped = errors.Unauthenticated()
+    elif exc.status_code == 403:
+        mapped = errors.PermissionDenied()
+    elif exc.status_code == 404:
+        mapped = errors.JobNotFound(str(exc))
+    elif exc.status_code == 413:
+        mapped = errors.FrameTooLarge()
+    else:
+        log.warning("event=http_error status=%s message=%s", exc.status_code, exc)
+        mapped = errors.Internal()
+    return problem_response(request, mapped)
+
+
+@api.exception_handler(RequestDataTooBig)
+def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
+    limit = relay_settings().max_frame_bytes
+    return problem_response(
+        request, errors.FrameTooLarge(f"request body is over the {limit}-byte limit")
+    )
+
+
+@api.exception_handler(Http404)
+def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
+    return problem_response(request, errors.JobNotFound("not found"))
+
+
+@api.exception_handler(Exception)
+def _internal(request: HttpRequest, exc: Exception) -> HttpResponse:
+    log.exception("event=internal_error path=%s", request.path)
+    return problem_response(request, errors.Internal())

@@ -1,0 +1,68 @@
+"""How HTTP views reach the service: through the op table, exactly as the TCP server does.
+
+``run(request, op, args)`` looks the op up in ``queue_core.protocol.dispatch``, checks the
+arguments with the same schema, calls the same handler (which calls ``QueueService``) and
+records the same metrics. Views add only HTTP shape (status codes, headers, long-poll waits);
+no transition logic lives in queue_api.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from django.http import HttpRequest
+
+from queue_api.security import peer_of
+from queue_core import auth, errors, metrics
+from queue_core.protocol import dispatch
+from queue_core.service import QueueService
+
+
+@functools.cache
+def service() -> QueueService:
+    """The process's ``QueueService`` (thread-safe: each thread gets its own connection)."""
+    return QueueService(store=metrics.MeteredStore())
+
+
+def context(request: HttpRequest) -> dispatch.Context:
+    """Who is asking: the peer (default worker id ``http:host:port``) and the actor."""
+    principal = getattr(request, "auth", None)
+    actor = principal.actor if isinstance(principal, auth.Principal) else "anonymous"
+    peer = peer_of(request)
+    return dispatch.Context(peer=f"http:{peer}", actor=f"http:{peer} {actor}"[:150])
+
+
+def check(op: str, args: dict[str, Any]) -> tuple[dispatch.Verb, dict[str, Any]]:
+    """Return the verb and its checked arguments (``None`` values dropped).
+
+    Raises:
+        InvalidArgument.
+    """
+    verb = dispatch.lookup(op)
+    return verb, dispatch.validate(verb, {k: v for k, v in args.items() if v is not None})
+
+
+def call(request: HttpRequest, verb: dispatch.Verb, args: dict[str, Any]) -> dispatch.Outcome:
+    """Run checked ``args`` through ``verb``'s handler and count what it did.
+
+    Raises:
+        RelayError: whatever the service raises (counted when it is a stale token).
+    """
+    try:
+        outcome = verb.handler(service(), dict(args), context(request))
+    except errors.RelayError as exc:
+        metrics.rejected(verb.op, exc)
+        raise
+    metrics.record(outcome.events)  # the service committed before returning
+    return outcome
+
+
+def run(request: HttpRequest, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """Check and run one op; return its wire result.
+
+    Raises:
+        RelayError.
+    """
+    verb, checked = check(op, args)
+    return call(request, verb, checked).result

@@ -1,0 +1,1 @@
+"""The HTTP API's routers: producers (jobs), workers (leases) and operators (dead letters)."""

@@ -1,0 +1,109 @@
+"""Operator endpoints for dead letters: list, replay one or many, purge one or many.
+
+Bulk replay and purge run each job in its own transaction (as the admin actions do) and
+answer per job, so one job that is no longer dead does not undo the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpRequest
+from ninja import Router
+from ninja.params import P, QueryEx
+
+from queue_api import calls
+from queue_api.routers._common import ERRORS
+from queue_api.schemas import (
+    JobIdsIn,
+    JobOut,
+    JobPageOut,
+    PurgeManyOut,
+    PurgeOut,
+    ReplayManyOut,
+)
+from queue_api.security import ApiKey
+from queue_core import errors
+
+router = Router(tags=["dead letters"])
+
+
+@router.get(
+    "/dead",
+    response={200: JobPageOut, **ERRORS},
+    auth=ApiKey("dead_list"),
+    summary="List dead letters",
+)
+def dead_list(
+    request: HttpRequest,
+    queue: str | None = None,
+    limit: QueryEx[int, P(ge=1, le=1000)] = 100,
+    after: str | None = None,
+) -> dict[str, Any]:
+    """Dead jobs (of ``queue`` when given) in id order; ``next_after`` pages on."""
+    return calls.run(request, "dead_list", {"queue": queue, "limit": limit, "after": after})
+
+
+@router.post(
+    "/dead/{job_id}/replay",
+    response={200: JobOut, **ERRORS},
+    auth=ApiKey("dead_retry"),
+    summary="Replay a dead letter",
+)
+def replay(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    """Redrive a dead job to ready with a fresh retry budget (history kept)."""
+    job: dict[str, Any] = calls.run(request, "dead_retry", {"job_id": job_id})["job"]
+    return job
+
+
+@router.post(
+    "/dead/replay",
+    response={200: ReplayManyOut, **ERRORS},
+    auth=ApiKey("dead_retry"),
+    summary="Replay several dead letters",
+)
+def replay_many(request: HttpRequest, body: JobIdsIn) -> dict[str, Any]:
+    """Replay each job; per-job results (``ok`` with the job, or the error)."""
+    results: list[dict[str, Any]] = []
+    for job_id in body.job_ids:
+        try:
+            job = calls.run(request, "dead_retry", {"job_id": job_id})["job"]
+        except errors.RelayError as exc:
+            results.append({"job_id": job_id, "ok": False, "error": _item_error(exc)})
+        else:
+            results.append({"job_id": job_id, "ok": True, "job": job})
+    return {"results": results}
+
+
+@router.post(
+    "/dead/purge",
+    response={200: PurgeManyOut, **ERRORS},
+    auth=ApiKey("dead_purge"),
+    summary="Purge several dead letters",
+)
+def purge_many(request: HttpRequest, body: JobIdsIn) -> dict[str, Any]:
+    """Purge each job; per-job results."""
+    results: list[dict[str, Any]] = []
+    for job_id in body.job_ids:
+        try:
+            calls.run(request, "dead_purge", {"job_id": job_id})
+        except errors.RelayError as exc:
+            results.append({"job_id": job_id, "ok": False, "error": _item_error(exc)})
+        else:
+            results.append({"job_id": job_id, "ok": True})
+    return {"results": results}
+
+
+@router.delete(
+    "/dead/{job_id}",
+    response={200: PurgeOut, **ERRORS},
+    auth=ApiKey("dead_purge"),
+    summary="Purge a dead letter",
+)
+def purge(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    """Delete a dead job and its history for good (a ``purged`` event records who)."""
+    return calls.run(request, "dead_purge", {"job_id": job_id})
+
+
+def _item_error(exc: errors.RelayError) -> dict[str, str]:
+    return {"code": exc.code, "message": exc.message}

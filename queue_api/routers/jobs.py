@@ -1,0 +1,126 @@
+"""Producer and read endpoints: submit, batch submit, read a job, list jobs, stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.http import HttpRequest, HttpResponse
+from ninja import Router, Status
+from ninja.params import HeaderEx, P, QueryEx
+
+from queue_api import calls
+from queue_api.routers._common import ERRORS
+from queue_api.schemas import (
+    BatchIn,
+    BatchOut,
+    JobDetailOut,
+    JobPageOut,
+    StatsOut,
+    SubmitIn,
+    SubmitOut,
+)
+from queue_api.security import ApiKey
+from queue_core import errors, listing
+
+router = Router(tags=["jobs"])
+
+
+def _location(job_id: str) -> str:
+    return f"/api/v1/jobs/{job_id}"
+
+
+@router.post(
+    "/queues/{queue}/jobs",
+    response={201: SubmitOut, 200: SubmitOut, **ERRORS},
+    auth=ApiKey("submit"),
+    summary="Submit a job",
+)
+def submit(
+    request: HttpRequest,
+    response: HttpResponse,
+    queue: str,
+    body: SubmitIn,
+    idempotency_key: HeaderEx[str | None, P(alias="Idempotency-Key")] = None,
+) -> Status[dict[str, Any]]:
+    """Create a job in ``queue`` (201), or answer an idempotent resubmit with its job (200).
+
+    The idempotency key may come in the body or as the ``Idempotency-Key`` header (both must
+    then agree). Same key and same payload within the window: the existing job, 200,
+    ``deduplicated: true``. Same key, other payload: 409 ``IDEMPOTENCY_CONFLICT``.
+    """
+    args = body.dict()
+    if idempotency_key is not None:
+        if args.get("idempotency_key") not in (None, idempotency_key):
+            raise errors.InvalidArgument(
+                "idempotency_key: the body and the Idempotency-Key header differ",
+                field="idempotency_key",
+            )
+        args["idempotency_key"] = idempotency_key
+    result = calls.run(request, "submit", {"queue": queue, **args})
+    response["Location"] = _location(result["job"]["id"])
+    return Status(200 if result["deduplicated"] else 201, result)
+
+
+@router.post(
+    "/jobs/batch",
+    response={201: BatchOut, 200: BatchOut, **ERRORS},
+    auth=ApiKey("submit_batch"),
+    summary="Submit several jobs in one transaction",
+)
+def submit_batch(request: HttpRequest, body: BatchIn) -> Status[dict[str, Any]]:
+    """Create 1..RELAY_MAX_BATCH_SUBMIT jobs, all or none (201 when any job is new, else 200).
+
+    A bad job fails the whole batch with 422 and ``details.index`` naming it.
+    """
+    jobs = [job.dict() for job in body.jobs]
+    result = calls.run(request, "submit_batch", {"jobs": [_compact(job) for job in jobs]})
+    created = any(not item["deduplicated"] for item in result["results"])
+    return Status(201 if created else 200, result)
+
+
+def _compact(spec: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in spec.items() if value is not None}
+
+
+@router.get(
+    "/jobs/{job_id}",
+    response={200: JobDetailOut, **ERRORS},
+    auth=ApiKey("inspect"),
+    summary="Read a job with its history",
+)
+def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    """Return the job: state, attempts, lease holder and expiry, history with errors, events."""
+    job: dict[str, Any] = calls.run(request, "inspect", {"job_id": job_id})["job"]
+    return job
+
+
+@router.get(
+    "/queues/{queue}/jobs",
+    response={200: JobPageOut, **ERRORS},
+    auth=ApiKey("list_jobs"),
+    summary="List a queue's jobs (keyset pagination)",
+)
+def list_jobs(
+    request: HttpRequest,
+    queue: str,
+    state: listing.StateName | None = None,
+    limit: QueryEx[int, P(ge=1, le=listing.MAX_LIMIT)] = 50,
+    after: str | None = None,
+) -> dict[str, Any]:
+    """Jobs of ``queue`` (in ``state`` when given) in id order, ``limit`` at a time.
+
+    Pass the page's ``next_after`` as ``after`` for the next page; ``null`` means the end.
+    Operator scope.
+    """
+    return listing.list_jobs(queue, state, limit=limit, after=after)
+
+
+@router.get(
+    "/stats",
+    response={200: StatsOut, **ERRORS},
+    auth=ApiKey("stats"),
+    summary="Counts by queue and state",
+)
+def stats(request: HttpRequest, queue: str | None = None) -> dict[str, Any]:
+    """Jobs by queue and state, with each queue's oldest ready age (all queues, or ``queue``)."""
+    return calls.run(request, "stats", {"queue": queue})

@@ -1,0 +1,135 @@
+"""Worker endpoints with the TCP semantics: lease (bounded long-poll), renew, ack, fail, release.
+
+Every renew, ack, fail and release names the job, the worker id it was leased with and its
+lease token, and is fenced exactly as over TCP: a lost lease answers 409 ``LEASE_EXPIRED`` or
+``STALE_TOKEN`` and changes nothing.
+
+Long-poll under gunicorn: a waiting ``lease`` holds one worker thread for up to ``wait_ms``
+(at most ``RELAY_MAX_WAIT_MS``). While it waits it reads ``PRAGMA data_version`` every
+``POLL_S`` on its own connection, which changes only when another connection commits (a submit
+over HTTP or TCP, the TCP server's reaper), and also wakes at the next instant a job falls due
+or a lease expires; only then does it try the claim (a write transaction) again. Use gthread
+workers with enough threads for the waiting workers you expect, or keep ``wait_ms`` short.
+A client that disconnects mid-wait is not noticed (WSGI cannot tell); a job leased to it
+returns when its lease expires.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.http import HttpRequest
+from ninja import Router
+
+from queue_api import calls
+from queue_api.routers._common import ERRORS
+from queue_api.schemas import (
+    AckOut,
+    FailIn,
+    FailOut,
+    LeaseIdsIn,
+    LeaseIn,
+    LeasesOut,
+    ReleaseOut,
+    RenewIn,
+    RenewOut,
+)
+from queue_api.security import ApiKey
+from queue_core import metrics
+
+router = Router(tags=["workers"])
+
+POLL_S = 0.05  # how often a waiting lease checks PRAGMA data_version
+MIN_PAUSE_S = 0.01  # the least a waiting lease sleeps between two claims
+
+
+@router.post(
+    "/leases",
+    response={200: LeasesOut, **ERRORS},
+    auth=ApiKey("lease"),
+    summary="Lease ready jobs (long-poll up to wait_ms)",
+)
+def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
+    """Lease up to ``max_jobs`` ready jobs from ``queues`` (ready -> leased, attempt + 1).
+
+    Waits up to ``wait_ms`` for a job when none is ready; answers ``{"jobs": []}`` then.
+    """
+    args = body.dict()
+    if args.get("worker_id") is None:
+        # Without the port, so the client knows what to send with renew/ack/fail.
+        args["worker_id"] = f"http:{request.META.get('REMOTE_ADDR') or 'unknown'}"
+    verb, checked = calls.check("lease", args)
+    svc = calls.service()
+    deadline = time.monotonic() + checked.get("wait_ms", 0) / 1000
+    while True:
+        version = svc.store.data_version()
+        started = time.monotonic()
+        outcome = calls.call(request, verb, checked)
+        metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
+        result: dict[str, Any] = outcome.result
+        if result["jobs"] or time.monotonic() >= deadline:
+            return result
+        _wait(svc, version, deadline)
+
+
+def _wait(svc: Any, version: int, deadline: float) -> None:
+    """Sleep until another connection commits, a job may fall due, or ``deadline``."""
+    wake_at = deadline
+    due_ms = svc.next_due_ms()
+    if due_ms is not None:
+        due_in_s = max(0, due_ms - svc.clock.now_ms() + 1) / 1000
+        wake_at = min(wake_at, time.monotonic() + due_in_s)
+    wake_at = max(wake_at, min(deadline, time.monotonic() + MIN_PAUSE_S))
+    while (left := wake_at - time.monotonic()) > 0:
+        time.sleep(min(POLL_S, left))
+        if svc.store.data_version() != version:
+            return
+
+
+def _lease_op(request: HttpRequest, op: str, job_id: str, body: Any) -> dict[str, Any]:
+    return calls.run(request, op, {"job_id": job_id, **body.dict()})
+
+
+@router.post(
+    "/jobs/{job_id}/renew",
+    response={200: RenewOut, **ERRORS},
+    auth=ApiKey("renew"),
+    summary="Extend a lease",
+)
+def renew(request: HttpRequest, job_id: str, body: RenewIn) -> dict[str, Any]:
+    """Move a live lease's expiry to now + ``lease_ms`` (leased -> leased)."""
+    return _lease_op(request, "renew", job_id, body)
+
+
+@router.post(
+    "/jobs/{job_id}/ack",
+    response={200: AckOut, **ERRORS},
+    auth=ApiKey("ack"),
+    summary="Acknowledge a leased job",
+)
+def ack(request: HttpRequest, job_id: str, body: LeaseIdsIn) -> dict[str, Any]:
+    """Mark a leased job done (leased -> succeeded); a repeat answers ``duplicate: true``."""
+    return _lease_op(request, "ack", job_id, body)
+
+
+@router.post(
+    "/jobs/{job_id}/fail",
+    response={200: FailOut, **ERRORS},
+    auth=ApiKey("fail"),
+    summary="Report a failed attempt",
+)
+def fail(request: HttpRequest, job_id: str, body: FailIn) -> dict[str, Any]:
+    """Record a failure (leased -> retrying with backoff, or -> dead when none is left)."""
+    return _lease_op(request, "fail", job_id, body)
+
+
+@router.post(
+    "/jobs/{job_id}/release",
+    response={200: ReleaseOut, **ERRORS},
+    auth=ApiKey("release"),
+    summary="Give a leased job back",
+)
+def release(request: HttpRequest, job_id: str, body: LeaseIdsIn) -> dict[str, Any]:
+    """Return a leased job to ready without counting a failure (leased -> ready)."""
+    return _lease_op(request, "release", job_id, body)

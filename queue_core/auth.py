@@ -1,0 +1,439 @@
+"""API keys: create, verify, revoke; and which op each scope allows.
+
+A key reads ``rk_<prefix>_<secret>``: ``prefix`` is 12 hex characters that find the row (safe
+to show and to log), ``secret`` 32 random bytes in URL-safe base64. Only the SHA-256 of the
+whole key is stored, and it is compared in constant time (``hmac.compare_digest``). A fast
+hash is right here: the secret has 256 random bits, so there is nothing to brute-force, unlike
+a password.
+
+Access is off until the first key is made: with no ``ApiKey`` row, every request is allowed
+(``ANONYMOUS``). Once any row exists, active or revoked, every request except ``ping``,
+``hello`` and the health check needs an active key, so revoking the last key locks the API
+instead of opening it (delete the rows to switch access control off again).
+
+Scopes (``SCOPE_OPS``): ``producer`` submits and reads, ``worker`` leases, renews, acks, fails,
+releases and reads one job, ``operator`` may do everything (dead letters, job listings). Both
+surfaces check the same op names; the HTTP API maps each endpoint to one.
+
+Each process keeps a snapshot of the key table (``KeyRing``) for ``RING_TTL_S``, so a new or
+revoked key takes effect within a second everywhere, and at once in the process that made it.
+Failed attempts are logged (``event=auth_failed``) with the key's prefix at most, never the
+secret.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterable
+
+from django.conf import settings
+from django.db import DatabaseError
+from django.db.models import Q
+
+from queue_core import errors
+from queue_core.clock import Clock, SystemClock
+
+log = logging.getLogger("relay.auth")
+
+SCOPES = ("producer", "worker", "operator")
+# Ops every scope may use, and the TCP ops that need no key at all.
+OPEN_OPS = frozenset({"ping", "hello"})
+SCOPE_OPS: dict[str, frozenset[str] | None] = {
+    "producer": frozenset({"submit", "submit_batch", "inspect", "stats"}),
+    "worker": frozenset({"lease", "renew", "ack", "fail", "release", "inspect"}),
+    "operator": None,  # everything
+}
+KEY_PREFIX = "rk"
+_KEY_RE = re.compile(r"^rk_([0-9a-f]{12})_([A-Za-z0-9_-]{32,128})$")
+PREFIX_HEX_CHARS = 12
+SECRET_BYTES = 32
+RING_TTL_S = 1.0  # how long a process trusts its snapshot of the key table
+TOUCH_INTERVAL_MS = 60_000  # last_used_at_ms is written at most this often per key
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request runs as.
+
+    Attributes:
+        name: the key's name (``anonymous`` when access control is off).
+        prefix: the key's public prefix (None when anonymous).
+        scopes: the key's scopes.
+    """
+
+    name: str
+    prefix: str | None
+    scopes: frozenset[str]
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether a key was checked (False when access control is off)."""
+        return self.prefix is not None
+
+    @property
+    def actor(self) -> str:
+        """How operator events (replay, purge) record who did it."""
+        return f"key:{self.name}" if self.prefix else "anonymous"
+
+    def allows(self, op: str) -> bool:
+        """Whether this principal may run ``op`` (a TCP op name or an HTTP action)."""
+        return allows(self.scopes, op)
+
+    def describe(self) -> dict[str, object]:
+        """The ``hello`` result: name, prefix and scopes (never the secret)."""
+        return {
+            "authenticated": self.authenticated,
+            "name": self.name,
+            "prefix": self.prefix,
+            "scopes": sorted(self.scopes),
+        }
+
+
+ANONYMOUS = Principal(name="anonymous", prefix=None, scopes=frozenset(SCOPES))
+
+
+def allows(scopes: Iterable[str], op: str) -> bool:
+    """Whether any of ``scopes`` allows ``op``."""
+    if op in OPEN_OPS:
+        return True
+    for scope in scopes:
+        ops = SCOPE_OPS.get(scope, frozenset())
+        if ops is None or op in ops:
+            return True
+    return False
+
+
+def hash_key(key: str) -> str:
+    """Return the hex SHA-256 of a whole key string."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def parse_prefix(key: str) -> str | None:
+    """Return the prefix of a well-formed key, else None (nothing of a malformed key is kept)."""
+    match = _KEY_RE.match(key)
+    return match.group(1) if match else None
+
+
+def check_scopes(scopes: Iterable[str]) -> list[str]:
+    """Return ``scopes`` sorted and without repeats.
+
+    Raises:
+        InvalidArgument: no scope, or one not in ``SCOPES``.
+    """
+    chosen = sorted(set(scopes))
+    if not chosen:
+        raise errors.InvalidArgument("give at least one scope", field="scopes")
+    unknown = [s for s in chosen if s not in SCOPES]
+    if unknown:
+        raise errors.InvalidArgument(
+            f"unknown scope {unknown[0]!r} (choose from {', '.join(SCOPES)})", field="scopes"
+        )
+    return chosen
+
+
+# ---------------------------------------------------------------------- the key table
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Entry:
+    name: str
+    secret_sha256: str
+    scopes: frozenset[str]
+    active: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KeyRing:
+    """A snapshot of the key table.
+
+    Attributes:
+        entries: prefix -> key data (revoked keys included, marked inactive).
+        loaded_at: ``time.monotonic()`` when it was read.
+    """
+
+    entries: dict[str, _Entry]
+    loaded_at: float
+
+    @property
+    def required(self) -> bool:
+        """Whether requests need a key (any key row exists, active or revoked)."""
+        return bool(self.entries)
+
+    def is_active(self, prefix: str | None) -> bool:
+        """Whether the key with ``prefix`` exists and is not revoked."""
+        entry = self.entries.get(prefix) if prefix else None
+        return entry is not None and entry.active
+
+    def verify(self, key: str) -> tuple[Principal | None, str]:
+        """Check a presented key.
+
+        Returns:
+            ``(principal, "ok")``, or ``(None, reason)`` with reason ``malformed``,
+            ``unknown_key``, ``revoked`` or ``bad_secret``.
+        """
+        prefix = parse_prefix(key)
+        if prefix is None:
+            return None, "malformed"
+        entry = self.entries.get(prefix)
+        if entry is None:
+            return None, "unknown_key"
+        if not hmac.compare_digest(hash_key(key), entry.secret_sha256):
+            return None, "bad_secret"
+        if not entry.active:
+            return None, "revoked"
+        return Principal(entry.name, prefix, entry.scopes), "ok"
+
+
+_lock = threading.Lock()
+_ring: KeyRing | None = None
+
+
+def load_ring() -> KeyRing:
+    """Read the key table (one small query) and make it this process's snapshot."""
+    from queue_core.models import ApiKey
+
+    global _ring
+    rows = ApiKey.objects.values_list("prefix", "name", "secret_sha256", "scopes", "revoked_at_ms")
+    entries = {
+        prefix: _Entry(name, digest, frozenset(s for s in scopes.split(",") if s), revoked is None)
+        for prefix, name, digest, scopes, revoked in rows
+    }
+    ring = KeyRing(entries, time.monotonic())
+    with _lock:
+        _ring = ring
+    return ring
+
+
+def cached_ring() -> KeyRing | None:
+    """Return the snapshot if it is younger than ``RING_TTL_S``, without touching the DB."""
+    ring = _ring
+    if ring is None or time.monotonic() - ring.loaded_at > RING_TTL_S:
+        return None
+    return ring
+
+
+def current_ring() -> KeyRing:
+    """Return a fresh-enough snapshot, reading the table when the cached one is stale."""
+    return cached_ring() or load_ring()
+
+
+def invalidate() -> None:
+    """Forget the snapshot (after creating or revoking a key in this process)."""
+    global _ring
+    with _lock:
+        _ring = None
+
+
+# ---------------------------------------------------------------------- checking requests
+
+_touched: dict[str, float] = {}
+
+
+def _fail(reason: str, *, surface: str, peer: str, prefix: str | None, code: str) -> None:
+    from queue_core import metrics
+
+    metrics.AUTH_FAILURES.labels(surface=surface, code=code).inc()
+    log.warning(
+        "event=auth_failed surface=%s peer=%s prefix=%s reason=%s",
+        surface,
+        peer,
+        prefix or "-",
+        reason,
+        extra={
+            "event": "auth_failed",
+            "surface": surface,
+            "peer": peer,
+            "prefix": prefix,
+            "reason": reason,
+        },
+    )
+
+
+def authenticate(
+    key: str | None, *, surface: str, peer: str, ring: KeyRing | None = None
+) -> Principal:
+    """Return who presents ``key``.
+
+    Args:
+        key: the presented key, or None when the request carried none.
+        surface: ``"http"`` or ``"tcp"`` (for the log and the metric).
+        peer: the client's address (for the log).
+        ring: the snapshot to check against (default ``current_ring()``, which may read the DB).
+    Returns:
+        The key's ``Principal``; ``ANONYMOUS`` when no key was given and no key exists.
+    Raises:
+        Unauthenticated: a key is required and none was given, or the key is malformed,
+            unknown, revoked or wrong.
+    """
+    ring = ring or current_ring()
+    if key is None:
+        if not ring.required:
+            return ANONYMOUS
+        _fail("missing", surface=surface, peer=peer, prefix=None, code="UNAUTHENTICATED")
+        raise errors.Unauthenticated(
+            "an API key is required: send 'Authorization: Bearer <key>' over HTTP, or a hello "
+            "op with api_key over TCP"
+        )
+    principal, reason = ring.verify(key)
+    if principal is None:
+        _fail(reason, surface=surface, peer=peer, prefix=parse_prefix(key), code="UNAUTHENTICATED")
+        raise errors.Unauthenticated(f"API key refused ({reason.replace('_', ' ')})")
+    touch(principal.prefix)
+    return principal
+
+
+def check_session(
+    principal: Principal | None, ring: KeyRing, *, surface: str, peer: str
+) -> Principal:
+    """Return who a connection runs as now, for a connection that may have said hello.
+
+    Args:
+        principal: what the connection's ``hello`` established (None when it sent none).
+        ring: the current snapshot of the key table.
+    Returns:
+        ``principal``, or ``ANONYMOUS`` while no key exists.
+    Raises:
+        Unauthenticated: keys exist and the connection has none, or its key was revoked since.
+    """
+    if not ring.required:
+        return ANONYMOUS
+    if principal is None or not principal.authenticated:
+        return authenticate(None, surface=surface, peer=peer, ring=ring)
+    if not ring.is_active(principal.prefix):
+        _fail(
+            "revoked", surface=surface, peer=peer, prefix=principal.prefix, code="UNAUTHENTICATED"
+        )
+        raise errors.Unauthenticated("API key refused (revoked); send hello with another key")
+    return principal
+
+
+def authorize(principal: Principal, op: str, *, surface: str, peer: str) -> None:
+    """Check that ``principal`` may run ``op``.
+
+    Raises:
+        PermissionDenied: none of the key's scopes allows ``op``.
+    """
+    if principal.allows(op):
+        return
+    _fail(
+        f"scope:{op}", surface=surface, peer=peer, prefix=principal.prefix, code="PERMISSION_DENIED"
+    )
+    raise errors.PermissionDenied(
+        f"key {principal.name!r} (scopes {','.join(sorted(principal.scopes))}) may not {op}",
+        op=op,
+    )
+
+
+def touch(prefix: str | None, *, clock: Clock | None = None) -> None:
+    """Record that a key was used, at most once per ``TOUCH_INTERVAL_MS`` per process.
+
+    Best effort: a locked database skips the update rather than failing the request.
+    """
+    if prefix is None:
+        return
+    from queue_core.models import ApiKey
+
+    now = time.monotonic()
+    if now - _touched.get(prefix, -1e9) < TOUCH_INTERVAL_MS / 1000:
+        return
+    _touched[prefix] = now
+    now_ms = (clock or SystemClock()).now_ms()
+    try:
+        ApiKey.objects.filter(
+            Q(last_used_at_ms__isnull=True) | Q(last_used_at_ms__lt=now_ms - TOUCH_INTERVAL_MS),
+            prefix=prefix,
+        ).update(last_used_at_ms=now_ms)
+    except DatabaseError as exc:
+        log.debug("event=key_touch_skipped prefix=%s error=%r", prefix, exc)
+
+
+# ---------------------------------------------------------------------- managing keys
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewKey:
+    """A key just made: the only time its secret is known.
+
+    Attributes:
+        key: the full key (``rk_<prefix>_<secret>``); show it once, store it nowhere.
+        prefix: its public prefix.
+        name: its name.
+        scopes: its scopes, sorted.
+    """
+
+    key: str
+    prefix: str
+    name: str
+    scopes: list[str]
+
+
+def create_key(name: str, scopes: Iterable[str], *, clock: Clock | None = None) -> NewKey:
+    """Make a key and store its hash.
+
+    Args:
+        name: who or what it is for (1..100 characters).
+        scopes: some of ``producer``, ``worker``, ``operator``.
+    Returns:
+        ``NewKey`` holding the secret (not stored anywhere).
+    Raises:
+        InvalidArgument: bad name or scopes.
+    """
+    from queue_core.models import ApiKey
+
+    name = name.strip()
+    if not 1 <= len(name) <= 100:
+        raise errors.InvalidArgument("name: must be 1 to 100 characters", field="name")
+    chosen = check_scopes(scopes)
+    while True:
+        prefix = secrets.token_hex(PREFIX_HEX_CHARS // 2)
+        if not ApiKey.objects.filter(prefix=prefix).exists():
+            break
+    key = f"{KEY_PREFIX}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}"
+    ApiKey.objects.create(
+        name=name,
+        prefix=prefix,
+        secret_sha256=hash_key(key),
+        scopes=",".join(chosen),
+        created_at_ms=(clock or SystemClock()).now_ms(),
+    )
+    invalidate()
+    log.info(
+        "event=key_created prefix=%s name=%s scopes=%s",
+        prefix,
+        name,
+        ",".join(chosen),
+        extra={"event": "key_created", "prefix": prefix, "key_name": name},
+    )
+    return NewKey(key=key, prefix=prefix, name=name, scopes=chosen)
+
+
+def revoke(prefix: str, *, clock: Clock | None = None) -> bool:
+    """Revoke the key with ``prefix`` (idempotent).
+
+    Returns:
+        True when a key with this prefix exists (revoked now or before), False otherwise.
+    """
+    from queue_core.models import ApiKey
+
+    now_ms = (clock or SystemClock()).now_ms()
+    ApiKey.objects.filter(prefix=prefix, revoked_at_ms__isnull=True).update(revoked_at_ms=now_ms)
+    invalidate()
+    found = ApiKey.objects.filter(prefix=prefix).exists()
+    if found:
+        log.info(
+            "event=key_revoked prefix=%s", prefix, extra={"event": "key_revoked", "prefix": prefix}
+        )
+    return found
+
+
+def client_api_key() -> str | None:
+    """The key clients (CLI, worker) send by default: ``RELAY_API_KEY``, or None."""
+    value = getattr(settings, "RELAY_API_KEY", "") or ""
+    return str(value) or None

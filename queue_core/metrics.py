@@ -1,0 +1,344 @@
+"""Relay's Prometheus metrics: counters and histograms per process, gauges from the database.
+
+Counters and histograms live in ``prometheus_client``'s default registry and count what *this*
+process did; they start at zero when the process starts. Both surfaces record them in the
+same way: the TCP server and the HTTP API call the op table's handlers
+(``queue_core.protocol.dispatch``), each handler lists what happened as ``Event``s in its
+``Outcome``, and the surface calls ``record()`` once the service call has committed. Lease
+expiries happen inside the service's sweeps, so ``MeteredStore`` notes them as their
+statements run and counts them when the transaction commits.
+
+Gauges (``RelayCollector``) are read from the database at scrape time with the service's
+``stats()`` (an index scan grouped by queue and state, plus one MIN per queue over the
+ready-job index), so every process reports the same values.
+
+Labels are bounded: ``queue`` (as many as the queues in use), ``state`` (six), ``op`` (the op
+table) and error ``code`` (the error table). Never a job id or an error text.
+See ``docs/metrics.md`` for which process exports what.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import socket
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from queue_core.store import Store, Tx
+
+log = logging.getLogger("relay.metrics")
+
+# No ``*_created`` series beside each counter: they double the output and Relay's counters
+# simply start at zero with their process.
+disable_created_metrics()  # type: ignore[no-untyped-call]
+
+JOBS_SUBMITTED = Counter(
+    "relay_jobs_submitted", "Jobs created by submit (deduplicated submits excluded).", ["queue"]
+)
+JOBS_DEDUPLICATED = Counter(
+    "relay_jobs_deduplicated",
+    "Submits answered with an existing job because of their idempotency key.",
+    ["queue"],
+)
+JOBS_LEASED = Counter("relay_jobs_leased", "Jobs handed to workers by lease.", ["queue"])
+JOBS_ACKED = Counter("relay_jobs_acked", "Leased jobs acknowledged as done.", ["queue"])
+JOBS_FAILED = Counter(
+    "relay_jobs_failed", "Attempts reported failed by workers (retried or dead).", ["queue"]
+)
+JOBS_DEAD = Counter(
+    "relay_jobs_dead",
+    "Jobs dead-lettered: failed without retries left, or lease expired with none left.",
+    ["queue"],
+)
+JOBS_RELEASED = Counter(
+    "relay_jobs_released", "Leased jobs given back by their worker without a failure.", ["queue"]
+)
+JOBS_REPLAYED = Counter("relay_jobs_replayed", "Dead letters replayed to ready.", ["queue"])
+LEASE_EXPIRATIONS = Counter(
+    "relay_lease_expirations",
+    "Leases that expired before their worker acked, failed or released them.",
+    ["queue"],
+)
+STALE_TOKEN_REJECTIONS = Counter(
+    "relay_stale_token_rejections",
+    "renew/ack/fail/release refused with STALE_TOKEN (a fenced-out worker).",
+    ["op"],
+)
+AUTH_FAILURES = Counter(
+    "relay_auth_failures",
+    "Requests refused for a missing or invalid API key, or a scope that does not allow them.",
+    ["surface", "code"],
+)
+CLAIM_SECONDS = Histogram(
+    "relay_claim_duration_seconds",
+    "Time of one claim (lease) transaction, from the request reaching the database layer to "
+    "its commit; long-poll waits between claims are not included.",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+SUBMIT_TO_START_SECONDS = Histogram(
+    "relay_job_submit_to_start_seconds",
+    "From a job's submit to its first lease (includes any requested delay).",
+    ["queue"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
+)
+
+_COUNTERS: dict[str, Counter] = {
+    "submitted": JOBS_SUBMITTED,
+    "deduplicated": JOBS_DEDUPLICATED,
+    "leased": JOBS_LEASED,
+    "acked": JOBS_ACKED,
+    "failed": JOBS_FAILED,
+    "dead": JOBS_DEAD,
+    "released": JOBS_RELEASED,
+    "replayed": JOBS_REPLAYED,
+    "lease_expired": LEASE_EXPIRATIONS,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Event:
+    """Something a request did, to be counted once it has committed.
+
+    Attributes:
+        name: a key of ``_COUNTERS``, or ``"start_delay"`` (observed in seconds).
+        queue: the job's queue.
+        value: the amount (1 for counters, seconds for ``start_delay``).
+    """
+
+    name: str
+    queue: str
+    value: float = 1.0
+
+
+def record(events: Iterable[Event]) -> None:
+    """Count ``events`` (call after the request's transaction committed)."""
+    for event in events:
+        if event.name == "start_delay":
+            SUBMIT_TO_START_SECONDS.labels(queue=event.queue).observe(max(0.0, event.value))
+        else:
+            _COUNTERS[event.name].labels(queue=event.queue).inc(event.value)
+
+
+def rejected(op: str, exc: BaseException) -> None:
+    """Count a refused request that matters for metrics (``STALE_TOKEN`` so far)."""
+    if getattr(exc, "code", None) == "STALE_TOKEN":
+        STALE_TOKEN_REJECTIONS.labels(op=op).inc()
+
+
+def queue_of(job_id: str) -> str:
+    """Return a job's queue (a primary-key read), or ``"unknown"`` when it is gone.
+
+    The ack and fail results do not name the queue; inside the service's transaction this
+    read sees the job as the request left it.
+    """
+    from queue_core.models import Job
+
+    queue = Job.objects.filter(pk=job_id).values_list("queue", flat=True).first()
+    return queue if queue is not None else "unknown"
+
+
+# ---------------------------------------------------------------------- lease expiries
+
+
+class _MeteredTx(Tx):
+    """A ``Tx`` that notes the lease expiries its statements apply."""
+
+    def __init__(self, inner: Tx, pending: list[Event], queues: dict[str, str]) -> None:
+        super().__init__(inner._cursor)
+        self._pending = pending
+        self._queues = queues
+
+    def all(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run query ``name``; remember the queue of each expired lease it finds."""
+        rows = super().all(name, params)
+        if name == "expired_leases":
+            self._queues.update((r["id"], r["queue"]) for r in rows)
+        return rows
+
+    def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
+        """Run statement ``name``; note an applied expiry (to ready or to dead)."""
+        changed = super().run(name, params)
+        if changed and name in ("expire_to_ready", "expire_to_dead") and params is not None:
+            queue = self._queues.get(str(params["job_id"]), "unknown")
+            self._pending.append(Event("lease_expired", queue))
+            if name == "expire_to_dead":
+                self._pending.append(Event("dead", queue))
+        return changed
+
+
+class MeteredStore(Store):
+    """A ``Store`` that counts lease expiries once their transaction commits.
+
+    Expiries happen inside ``QueueService`` sweeps (the reaper's ``expire_leases`` and the
+    sweep at the start of each ``claim``), whose results do not say how many leases expired.
+    This store watches the named statements that apply them, keeps the events per
+    transaction (a rolled-back savepoint drops its own), and records them after the
+    outermost COMMIT. It changes nothing about what runs.
+    """
+
+    def __init__(self, alias: str = "default") -> None:
+        super().__init__(alias)
+        self._meter = threading.local()
+
+    @contextlib.contextmanager
+    def immediate(self) -> Iterator[Tx]:
+        """``Store.immediate()``, counting the expiries it commits."""
+        outer = not self.in_transaction()
+        if outer:
+            self._meter.pending = []
+            self._meter.queues = {}
+        pending: list[Event] = self._meter.pending
+        mark = len(pending)
+        try:
+            with super().immediate() as tx:
+                yield _MeteredTx(tx, pending, self._meter.queues)
+        except BaseException:
+            del pending[mark:]
+            raise
+        if outer:
+            record(pending)
+            pending.clear()
+
+
+# ---------------------------------------------------------------------- gauges
+
+
+class RelayCollector(Collector):
+    """Queue depth by queue and state, and the oldest ready job's age, read at scrape time."""
+
+    def describe(self) -> Iterator[Metric]:
+        """Name the families without reading the database (the registry calls this)."""
+        yield from self._families()
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        jobs = GaugeMetricFamily(
+            "relay_queue_jobs",
+            "Jobs in each queue by state (read at scrape).",
+            labels=["queue", "state"],
+        )
+        age = GaugeMetricFamily(
+            "relay_queue_oldest_ready_age_seconds",
+            "How long the longest-waiting ready job of each queue has waited (read at scrape).",
+            labels=["queue"],
+        )
+        up = GaugeMetricFamily("relay_database_up", "1 when the scrape could read the database.")
+        return jobs, age, up
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield ``relay_queue_jobs``, ``relay_queue_oldest_ready_age_seconds`` and
+        ``relay_database_up``."""
+        from queue_core.service import QueueService
+
+        jobs, age, up = self._families()
+        try:
+            stats = QueueService(store=Store()).stats()
+        except Exception:
+            log.exception("event=metrics_collect_failed")
+            up.add_metric([], 0)
+            yield up
+            return
+        for queue, counts in sorted(stats["queues"].items()):
+            for state, n in counts.items():
+                if state != "oldest_ready_age_ms":
+                    jobs.add_metric([queue, state], n)
+            ms = counts.get("oldest_ready_age_ms")
+            age.add_metric([queue], 0.0 if ms is None else ms / 1000)
+        up.add_metric([], 1)
+        yield jobs
+        yield age
+        yield up
+
+
+_installed: list[CollectorRegistry] = []
+_install_lock = threading.Lock()
+
+
+def install_collector(registry: CollectorRegistry = REGISTRY) -> None:
+    """Register ``RelayCollector`` on ``registry`` once per process."""
+    with _install_lock:
+        if registry not in _installed:
+            registry.register(RelayCollector())
+            _installed.append(registry)
+
+
+def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
+    """Return the registry in Prometheus text format."""
+    return generate_latest(registry)
+
+
+# ---------------------------------------------------------------------- the TCP process's /metrics
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("event=metrics_request %s", format % args)
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _ThreadingWSGIServer6(_ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
+def _metrics_app(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+    from django.db import connections
+
+    if environ.get("PATH_INFO", "/") not in ("/metrics", "/metrics/", "/"):
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found: scrape /metrics\n"]
+    try:
+        body = exposition()
+    finally:
+        connections.close_all()  # this thread's connection; the next scrape opens its own
+    start_response("200 OK", [("Content-Type", CONTENT_TYPE_LATEST)])
+    return [body]
+
+
+class MetricsServer:
+    """``/metrics`` on a small HTTP server thread, for processes without Django's HTTP stack.
+
+    Args:
+        host, port: where to listen (port 0 picks a free one; ``port`` then holds it).
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        install_collector()
+        server_class = _ThreadingWSGIServer6 if ":" in host else _ThreadingWSGIServer
+        self._httpd = make_server(
+            host, port, _metrics_app, server_class=server_class, handler_class=_QuietHandler
+        )
+        self.host = host
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="relay-metrics", daemon=True
+        )
+
+    def start(self) -> MetricsServer:
+        """Start serving in a daemon thread; return self."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(5)

@@ -1,0 +1,493 @@
+"""A ``django.tasks`` backend on Relay: ``TASKS = {"default": {"BACKEND": RelayBackend}}``.
+
+Django 6's Tasks framework defines ``@task``, ``.enqueue()`` and ``TaskResult`` but ships no
+production backend. ``RelayBackend`` enqueues each task as a Relay job, and ``manage.py
+relay_worker --tasks`` runs them (``execute_task``). The producing project and the worker
+**share Relay's database** (``queue_core`` and ``relay_tasks`` in ``INSTALLED_APPS``, the same
+SQLite file): enqueue goes through ``QueueService`` (so it can follow the caller's transaction,
+see below), and ``get_result`` reads the job and the result row the worker wrote.
+
+Mapping (see ``docs/django.md``):
+
+* **Payload**: ``{"task": "<module path>", "args": [...], "kwargs": {...}, "backend": alias,
+  "priority": int}`` plus ``"run_after_ms"`` when deferred. Arguments must be JSON values.
+* **Priority** (Django's -100..100, larger runs sooner) onto Relay's classes: -100..-34 LOW,
+  -33..33 NORMAL, 34..66 HIGH, 67..100 CRITICAL (``relay_priority``). Within a class Relay is
+  FIFO with aging, so the finer Django value only picks the class.
+* ``queue_name`` is the Relay queue (it must be a valid Relay queue name, and in ``QUEUES``
+  when the backend lists them); ``run_after`` becomes ``run_at_ms``.
+* **Result ids** are Relay job ids (``job_…``), so ``relay inspect <id>`` shows the job.
+* **Status**: pending, ready and retrying are READY; leased is RUNNING; succeeded is
+  SUCCESSFUL; dead is FAILED. A failed attempt with retries left goes back to READY (Django's
+  "ready to be executed again"); ``OPTIONS["MAX_RETRIES"]`` (default
+  ``RELAY_DEFAULT_MAX_RETRIES``) sets the budget, 0 fails a task on its first exception.
+* ``worker_ids`` has one entry per delivery, so ``TaskResult.attempts`` and
+  ``TaskContext.attempt`` count deliveries, like Relay's ``attempt``.
+
+Transactions: inside ``transaction.atomic()`` on Relay's database, ``enqueue`` joins the
+caller's transaction (``Store.immediate()`` becomes a savepoint there): the job becomes visible
+to workers when that transaction commits, and never exists if it rolls back; ``task_enqueued``
+is sent on commit. Set ``"transaction_mode": "IMMEDIATE"`` on that database (check
+``relay.W106``) so such a transaction takes SQLite's write lock when it begins rather than
+failing with "database is locked" when it first writes; keep these transactions short, since
+the server cannot commit while one holds the lock.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from traceback import format_exception
+from typing import Any, ParamSpec, TypeVar
+
+import orjson
+from django.apps import apps
+from django.conf import settings
+from django.core import checks
+from django.db import IntegrityError, close_old_connections, connections, transaction
+from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task_backends
+from django.tasks.backends.base import BaseTaskBackend
+from django.tasks.base import TaskError
+from django.tasks.exceptions import InvalidTask, InvalidTaskBackend, TaskResultDoesNotExist
+from django.tasks.signals import task_enqueued, task_finished, task_started
+from django.utils.json import normalize_json
+from django.utils.module_loading import import_string
+
+from queue_core import validation
+from queue_core.conf import relay_settings
+from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired
+from queue_core.service import QueueService
+from queue_core.store import Store
+from queue_core.worker.handlers import JobContext, JobInterrupted, NonRetryableError
+
+__all__ = [
+    "PRIORITY_CLASSES",
+    "STATUS_OF_STATE",
+    "RelayBackend",
+    "TaskAttemptFailed",
+    "execute_task",
+    "relay_priority",
+]
+
+# (lowest Django priority of the class, Relay class), highest first.
+PRIORITY_CLASSES: tuple[tuple[int, str], ...] = (
+    (67, "critical"),
+    (34, "high"),
+    (-33, "normal"),
+    (-100, "low"),
+)
+
+STATUS_OF_STATE: dict[str, TaskResultStatus] = {
+    "pending": TaskResultStatus.READY,
+    "ready": TaskResultStatus.READY,
+    "retrying": TaskResultStatus.READY,
+    "leased": TaskResultStatus.RUNNING,
+    "succeeded": TaskResultStatus.SUCCESSFUL,
+    "dead": TaskResultStatus.FAILED,
+}
+
+_OPTIONS = frozenset({"DATABASE", "MAX_RETRIES"})
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class TaskAttemptFailed(Exception):
+    """An attempt failed but the worker left no traceback (the error text is all there is)."""
+
+
+def relay_priority(priority: int) -> str:
+    """Map a Django task priority (-100..100) to a Relay priority class name.
+
+    -100..-34 -> ``"low"``, -33..33 -> ``"normal"``, 34..66 -> ``"high"``, 67..100 ->
+    ``"critical"``.
+    """
+    for lowest, name in PRIORITY_CLASSES:
+        if priority >= lowest:
+            return name
+    return "low"
+
+
+def _instant(at_ms: int | None) -> dt.datetime | None:
+    return None if at_ms is None else dt.datetime.fromtimestamp(at_ms / 1000, tz=dt.UTC)
+
+
+def _is_task_payload(payload: Any) -> bool:
+    return (
+        isinstance(payload, dict)
+        and isinstance(payload.get("task"), str)
+        and isinstance(payload.get("args", []), list)
+        and isinstance(payload.get("kwargs", {}), dict)
+    )
+
+
+class RelayBackend(BaseTaskBackend):
+    """Run Django tasks on Relay.
+
+    Settings::
+
+        TASKS = {
+            "default": {
+                "BACKEND": "queue_core.tasks_backend.RelayBackend",
+                "QUEUES": ["default", "emails"],  # optional; empty list: any valid name
+                "OPTIONS": {"DATABASE": "default", "MAX_RETRIES": 3},
+            }
+        }
+
+    OPTIONS:
+        DATABASE: the alias of Relay's database (default ``"default"``).
+        MAX_RETRIES: failures retried before a task is FAILED (0..``RELAY_MAX_RETRIES``;
+            default ``RELAY_DEFAULT_MAX_RETRIES``, 3).
+    """
+
+    supports_defer = True  # run_after -> run_at_ms
+    supports_async_task = True  # the worker runs coroutines with async_to_sync
+    supports_get_result = True  # from any process that shares Relay's database
+    supports_priority = True  # onto Relay's four classes, see relay_priority
+
+    def __init__(self, alias: str, params: dict[str, Any]) -> None:
+        super().__init__(alias, params)
+        self.database: str = self.options.get("DATABASE", "default")
+        self.max_retries: int | None = self.options.get("MAX_RETRIES")
+        self._service: QueueService | None = None
+
+    @property
+    def service(self) -> QueueService:
+        """The ``QueueService`` on ``OPTIONS["DATABASE"]`` (created on first use)."""
+        if self._service is None:
+            self._service = QueueService(store=Store(self.database))
+        return self._service
+
+    # -- configuration --------------------------------------------------------------------
+
+    def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
+        """System checks ``relay.E101``...: apps installed, database alias and its
+        transaction mode (``relay.W106``), options, queue names."""
+        messages: list[checks.CheckMessage] = []
+        for app in ("queue_core", "relay_tasks"):
+            if not apps.is_installed(app):
+                messages.append(
+                    checks.Error(
+                        f"TASKS[{self.alias!r}] uses RelayBackend, which needs {app!r} in "
+                        "INSTALLED_APPS",
+                        id="relay.E101",
+                    )
+                )
+        if self.database not in settings.DATABASES:
+            messages.append(
+                checks.Error(
+                    f"TASKS[{self.alias!r}]['OPTIONS']['DATABASE'] is {self.database!r}, which "
+                    "is not in DATABASES",
+                    id="relay.E102",
+                )
+            )
+        else:
+            database: dict[str, Any] = settings.DATABASES[self.database]
+            mode = database.get("OPTIONS", {}).get("transaction_mode")
+            if str(mode).upper() != "IMMEDIATE":
+                messages.append(
+                    checks.Warning(
+                        f"DATABASES[{self.database!r}] has no 'transaction_mode': 'IMMEDIATE' "
+                        "option, so a task enqueued inside transaction.atomic() after a read may "
+                        "fail with 'database is locked' while another process writes",
+                        hint="Add 'transaction_mode': 'IMMEDIATE' to its OPTIONS (docs/django.md).",
+                        id="relay.W106",
+                    )
+                )
+        unknown = sorted(set(self.options) - _OPTIONS)
+        if unknown:
+            messages.append(
+                checks.Error(
+                    f"TASKS[{self.alias!r}]['OPTIONS'] has unknown keys {unknown}; known: "
+                    f"{sorted(_OPTIONS)}",
+                    id="relay.E103",
+                )
+            )
+        if self.max_retries is not None:
+            try:
+                validation.integer(
+                    "MAX_RETRIES", self.max_retries, lo=0, hi=relay_settings().max_retries
+                )
+            except InvalidArgument as exc:
+                messages.append(
+                    checks.Error(f"TASKS[{self.alias!r}]: {exc.message}", id="relay.E104")
+                )
+        for queue in sorted(self.queues):
+            try:
+                validation.queue_name(queue, relay_settings())
+            except InvalidArgument as exc:
+                messages.append(
+                    checks.Error(
+                        f"TASKS[{self.alias!r}]['QUEUES'] has {queue!r}: {exc.message}",
+                        id="relay.E105",
+                    )
+                )
+        return messages
+
+    def validate_task(self, task: Task[..., Any]) -> None:
+        """Django's checks, plus: ``queue_name`` must be a valid Relay queue name.
+
+        Raises:
+            InvalidTask.
+        """
+        super().validate_task(task)
+        try:
+            validation.queue_name(task.queue_name, relay_settings())
+        except InvalidArgument as exc:
+            raise InvalidTask(
+                f"queue_name {task.queue_name!r} is not a Relay queue name: {exc.message}"
+            ) from exc
+
+    # -- enqueue --------------------------------------------------------------------------
+
+    def enqueue(self, task: Task[_P, _R], args: Any, kwargs: Any) -> TaskResult[_P, _R]:
+        """Submit ``task(*args, **kwargs)`` as a Relay job (∅ -> ready, or pending if deferred).
+
+        Inside ``transaction.atomic()`` on Relay's database the job is written in the
+        caller's transaction: workers see it once that commits, and never if it rolls back.
+
+        Raises:
+            InvalidTask: the task does not fit this backend.
+            TypeError, ValueError: an argument is not JSON-serialisable.
+            RelayError: Relay refused the job (``InvalidArgument``, ``FrameTooLarge`` for a
+                payload over ``RELAY_MAX_PAYLOAD_BYTES``, ``StoreBusy``).
+        """
+        self.validate_task(task)
+        args, kwargs = normalize_json(list(args)), normalize_json(dict(kwargs))
+        payload: dict[str, Any] = {
+            "task": task.module_path,
+            "args": args,
+            "kwargs": kwargs,
+            "backend": self.alias,
+            "priority": task.priority,
+        }
+        options: dict[str, Any] = {
+            "priority": relay_priority(task.priority),
+            "max_retries": self.max_retries,
+        }
+        if task.run_after is not None:
+            run_at_ms = math.ceil(task.run_after.timestamp() * 1000)
+            payload["run_after_ms"] = options["run_at_ms"] = run_at_ms
+        job = self.service.submit(task.queue_name, payload, **options)["job"]
+        result = self._new_result(
+            task, job["id"], args, kwargs, enqueued_at=_instant(job["created_at_ms"])
+        )
+        if connections[self.database].in_atomic_block:
+            # The job exists once (and if) the caller's transaction commits.
+            transaction.on_commit(
+                lambda: task_enqueued.send(type(self), task_result=result), using=self.database
+            )
+        else:
+            task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def _new_result(
+        self,
+        task: Task[_P, _R],
+        result_id: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        *,
+        enqueued_at: dt.datetime | None,
+    ) -> TaskResult[_P, _R]:
+        return TaskResult(
+            task=task,
+            id=result_id,
+            status=TaskResultStatus.READY,
+            enqueued_at=enqueued_at,
+            started_at=None,
+            finished_at=None,
+            last_attempted_at=None,
+            args=args,
+            kwargs=kwargs,
+            backend=self.alias,
+            errors=[],
+            worker_ids=[],
+        )
+
+    # -- results --------------------------------------------------------------------------
+
+    def get_result(self, result_id: str) -> TaskResult[..., Any]:
+        """Read a task's result: the job's state, history, and the worker's result row.
+
+        Raises:
+            TaskResultDoesNotExist: no job has this id (never enqueued, rolled back, purged),
+                or the job is not a Django task.
+            ImportError: the task's module path cannot be imported here.
+        """
+        try:
+            job = self.service.get(result_id, history=True)
+        except (JobNotFound, InvalidArgument):
+            job = None
+        if job is None or not _is_task_payload(job["payload"]):
+            raise TaskResultDoesNotExist(result_id)
+        from relay_tasks.models import TaskResultRecord
+
+        record = TaskResultRecord.objects.using(self.database).filter(pk=job["id"]).first()
+        return self._build_result(result_id, job, record)
+
+    def _task_of(self, payload: dict[str, Any], job: dict[str, Any]) -> Task[..., Any]:
+        task = import_string(payload["task"])
+        if not isinstance(task, Task):
+            raise TaskResultDoesNotExist(f"{payload['task']} is not a task")
+        alias = payload.get("backend")
+        if alias not in getattr(settings, "TASKS", {}):
+            alias = self.alias
+        run_after = _instant(payload.get("run_after_ms"))
+        changes: dict[str, Any] = {"queue_name": job["queue"], "backend": alias}
+        if isinstance(payload.get("priority"), int):
+            changes["priority"] = payload["priority"]
+        if run_after is not None:
+            changes["run_after"] = run_after
+        return task.using(**changes)
+
+    def _build_result(
+        self, result_id: str, job: dict[str, Any], record: Any
+    ) -> TaskResult[..., Any]:
+        payload = job["payload"]
+        status = STATUS_OF_STATE[job["state"]]
+        history: list[dict[str, Any]] = job.get("history", [])
+        recorded = {e["attempt"]: e for e in orjson.loads(record.errors)} if record else {}
+        task_errors: list[TaskError] = []
+        for attempt in history:
+            if attempt["outcome"] not in ("failed", "lease_expired"):
+                continue
+            entry = recorded.get(attempt["attempt"])
+            if entry is not None:
+                error = TaskError(
+                    exception_class_path=entry["exception_class_path"],
+                    traceback=entry["traceback"],
+                )
+            elif attempt["outcome"] == "lease_expired":
+                error = TaskError(
+                    exception_class_path=f"{LeaseExpired.__module__}.{LeaseExpired.__qualname__}",
+                    traceback="lease expired: the worker neither finished nor renewed in time "
+                    "(it crashed, hung or lost its connection)",
+                )
+            else:
+                error = TaskError(
+                    exception_class_path=f"{__name__}.{TaskAttemptFailed.__qualname__}",
+                    traceback=attempt["error"] or "",
+                )
+            task_errors.append(error)
+        finished = status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
+        result = TaskResult(
+            task=self._task_of(payload, job),
+            id=result_id,
+            status=status,
+            enqueued_at=_instant(job["created_at_ms"]),
+            started_at=_instant(history[0]["started_at_ms"]) if history else None,
+            finished_at=_instant(job["finished_at_ms"]) if finished else None,
+            last_attempted_at=_instant(history[-1]["started_at_ms"]) if history else None,
+            args=payload.get("args", []),
+            kwargs=payload.get("kwargs", {}),
+            backend=self.alias,
+            errors=task_errors,
+            worker_ids=[attempt["worker_id"] for attempt in history],
+        )
+        if status == TaskResultStatus.SUCCESSFUL and record and record.return_value is not None:
+            object.__setattr__(result, "_return_value", orjson.loads(record.return_value))
+        return result
+
+    # -- running (the relay_worker --tasks side) -----------------------------------------
+
+    def run(self, ctx: JobContext) -> None:
+        """Run the task of leased job ``ctx.job_id`` and record its outcome.
+
+        Called by ``execute_task`` in a worker handler thread. Sends ``task_started`` and
+        ``task_finished`` (once per attempt, with status SUCCESSFUL or FAILED for that
+        attempt), writes the return value or the error to ``relay_tasks``, then returns (the
+        worker acks) or re-raises (the worker fails the job: retried while the budget lasts,
+        at once dead for a ``NonRetryableError``).
+
+        Raises:
+            Whatever the task raised; NonRetryableError when the job is not a runnable task.
+        """
+        try:
+            result = self.get_result(ctx.job_id)
+        except (TaskResultDoesNotExist, ImportError, InvalidTask) as exc:
+            raise NonRetryableError(f"cannot load the task of {ctx.job_id}: {exc}") from exc
+        task = result.task
+        object.__setattr__(result, "status", TaskResultStatus.RUNNING)
+        task_started.send(type(self), task_result=result)
+        try:
+            if task.takes_context:
+                raw = task.call(TaskContext(task_result=result), *result.args, **result.kwargs)
+            else:
+                raw = task.call(*result.args, **result.kwargs)
+            encoded = orjson.dumps(normalize_json(raw))
+        except JobInterrupted:
+            raise
+        except BaseException as exc:  # any task failure is recorded, then re-raised
+            error = TaskError(
+                exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
+                traceback="".join(format_exception(exc)),
+            )
+            self._record_error(ctx.job_id, ctx.attempt, error)
+            result.errors.append(error)
+            object.__setattr__(result, "status", TaskResultStatus.FAILED)
+            object.__setattr__(result, "finished_at", dt.datetime.now(tz=dt.UTC))
+            task_finished.send(type(self), task_result=result)
+            raise
+        self._record(ctx.job_id, return_value=encoded.decode())
+        object.__setattr__(result, "_return_value", orjson.loads(encoded))
+        object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
+        object.__setattr__(result, "finished_at", dt.datetime.now(tz=dt.UTC))
+        task_finished.send(type(self), task_result=result)
+
+    def _record_error(self, job_id: str, attempt: int, error: TaskError) -> None:
+        from relay_tasks.models import TaskResultRecord
+
+        row = TaskResultRecord.objects.using(self.database).filter(pk=job_id).first()
+        entries = [e for e in orjson.loads(row.errors) if e["attempt"] != attempt] if row else []
+        entries.append(
+            {
+                "attempt": attempt,
+                "exception_class_path": error.exception_class_path,
+                "traceback": error.traceback,
+            }
+        )
+        self._record(job_id, errors=orjson.dumps(entries).decode())
+
+    def _record(self, job_id: str, **fields: str) -> None:
+        """Write result fields with single autocommit statements (no read-then-write
+        transaction, which SQLite could refuse to upgrade while the server writes)."""
+        from relay_tasks.models import TaskResultRecord
+
+        now_ms = time.time_ns() // 1_000_000
+        rows = TaskResultRecord.objects.using(self.database)
+        if rows.filter(pk=job_id).update(updated_at_ms=now_ms, **fields):
+            return
+        try:
+            rows.create(job_id=job_id, updated_at_ms=now_ms, **fields)
+        except IntegrityError:  # written meanwhile by an overlapping attempt
+            rows.filter(pk=job_id).update(updated_at_ms=now_ms, **fields)
+
+
+def execute_task(payload: Any, ctx: JobContext) -> None:
+    """The ``relay_worker --tasks`` handler: run the Django task a job carries.
+
+    Looks up the backend named by the payload (it must be a ``RelayBackend``) and calls its
+    ``run``; see there. Database connections are refreshed around each task, as Django does
+    around each request.
+
+    Raises:
+        NonRetryableError: the payload is not a Django task, or names no Relay backend.
+        Whatever the task raised.
+    """
+    if not _is_task_payload(payload):
+        raise NonRetryableError("payload is not a Django task ({'task', 'args', 'kwargs'})")
+    alias = payload.get("backend", "default")
+    try:
+        backend = task_backends[alias]
+    except InvalidTaskBackend as exc:
+        raise NonRetryableError(f"no task backend {alias!r}: {exc}") from exc
+    if not isinstance(backend, RelayBackend):
+        raise NonRetryableError(f"task backend {alias!r} is not a RelayBackend")
+    close_old_connections()
+    try:
+        backend.run(ctx)
+    finally:
+        close_old_connections()

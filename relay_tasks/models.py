@@ -1,0 +1,34 @@
+"""The result row of one Django task run on Relay."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class TaskResultRecord(models.Model):
+    """Return value and errors of the Django task that Relay job ``job_id`` runs.
+
+    Written by the ``relay_worker --tasks`` executor (``RelayBackend.run``) before it acks or
+    fails the job; the job's state stays the truth about whether the task finished, so a row
+    written by an attempt whose ack never landed is simply overwritten by the next attempt.
+    No foreign key to ``relay_job``: purging a job deletes it with raw SQL, which must not
+    trip a constraint here (an orphaned row is harmless and reads as "no such result").
+    """
+
+    job_id = models.CharField(primary_key=True, max_length=40)
+    return_value = models.TextField(
+        null=True,
+        blank=True,
+        help_text="JSON return value of the attempt that succeeded; NULL before.",
+    )
+    errors = models.TextField(
+        default="[]",
+        help_text='JSON list of {"attempt", "exception_class_path", "traceback"}.',
+    )
+    updated_at_ms = models.BigIntegerField(help_text="When the row was last written, epoch ms.")
+
+    class Meta:
+        db_table = "relay_task_result"
+
+    def __str__(self) -> str:
+        return f"result of {self.job_id}"

@@ -1,0 +1,177 @@
+"""What the console shows: lists, filters, search, the read-only detail page, the overview
+and the audit log."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from queue_core.clock import FakeClock
+from queue_core.models import Job
+from queue_core.service import QueueService
+from tests.admin.conftest import DEAD_LIST, JOB_LIST, OVERVIEW, job_url, make_operator
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+Factory = Callable[..., dict[str, Any]]
+DeadJobs = Callable[..., list[str]]
+
+
+def listed(response: Any) -> list[str]:
+    """Job ids on a changelist page, in order."""
+    return [obj.pk for obj in response.context["cl"].result_list]
+
+
+def test_job_list_filters_by_queue_state_and_priority(
+    alice: Client, job_factory: Factory, leased_job: Factory, dead_jobs: DeadJobs
+) -> None:
+    a = job_factory(queue="email", priority="high")["id"]
+    c = leased_job(queue="email", priority="critical")["job_id"]
+    [d] = dead_jobs(1, queue="billing")
+    b = job_factory(queue="billing")["id"]
+    assert listed(alice.get(JOB_LIST)) == [b, d, c, a]  # newest first
+    assert listed(alice.get(JOB_LIST, {"queue": "email"})) == [c, a]
+    assert listed(alice.get(JOB_LIST, {"state": "leased"})) == [c]
+    assert listed(alice.get(JOB_LIST, {"state": "dead", "queue": "billing"})) == [d]
+    assert listed(alice.get(JOB_LIST, {"priority__exact": "2"})) == [a]
+    filters = alice.get(JOB_LIST).content.decode()
+    assert "?queue=billing" in filters and "?queue=email" in filters
+
+
+def test_job_list_columns(
+    alice: Client, leased_job: Factory, dead_jobs: DeadJobs, console_clock: FakeClock
+) -> None:
+    [dead] = dead_jobs(1, error="SMTPAuthenticationError: 535 " + "x" * 200)
+    lease = leased_job(worker_id="worker-7", queue="thumbs")
+    console_clock.advance(seconds=90)
+    html = alice.get(JOB_LIST).content.decode()
+    assert '<span class="relay-state relay-dead">dead</span>' in html
+    assert "worker-7" in html
+    assert "1m 30s" in html  # age
+    assert "SMTPAuthenticationError: 535 xxx" in html and "x" * 200 not in html.split("title=")[0]
+    assert lease["lease_token"] not in html
+    assert dead in html
+
+
+def test_search_by_job_id_idempotency_key_and_error(
+    alice: Client, job_factory: Factory, dead_jobs: DeadJobs
+) -> None:
+    keyed = job_factory(idempotency_key="signup-42")["id"]
+    [smtp] = dead_jobs(1, error="SMTP timeout talking to mx1")
+    [other] = dead_jobs(1, error="KeyError: 'user'")
+    assert listed(alice.get(JOB_LIST, {"q": keyed})) == [keyed]
+    assert listed(alice.get(JOB_LIST, {"q": "signup-42"})) == [keyed]
+    assert listed(alice.get(JOB_LIST, {"q": "smtp"})) == [smtp]
+    assert listed(alice.get(DEAD_LIST, {"q": "keyerror"})) == [other]
+    assert listed(alice.get(DEAD_LIST, {"q": keyed})) == []  # not dead
+
+
+def test_dead_letter_list_shows_only_dead_jobs(
+    alice: Client, job_factory: Factory, dead_jobs: DeadJobs
+) -> None:
+    job_factory()
+    dead = dead_jobs(2, error="boom")
+    response = alice.get(DEAD_LIST)
+    assert listed(response) == dead[::-1]
+    html = response.content.decode()
+    assert "non-retryable" in html or "boom" in html
+    assert "2 dead letters" in html
+
+
+def test_detail_page_is_read_only_and_complete(
+    alice: Client,
+    service: QueueService,
+    leased_job: Factory,
+    console_clock: FakeClock,
+) -> None:
+    lease = leased_job(
+        payload={"to": "<script>alert(1)</script>", "n": [1, 2]},
+        max_retries=2,
+        idempotency_key="k-1",
+    )
+    job_id, token = lease["job_id"], lease["lease_token"]
+    service.fail(job_id, worker_id="w1", lease_token=token, error="Traceback <b>bad</b>")
+    console_clock.advance(seconds=600)
+    second = service.claim(["default"], worker_id="w2", lease_ms=60_000)[0]
+    html = alice.get(job_url(job_id)).content.decode()
+    # Payload pretty-printed and escaped.
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html and "<script>alert(1)" not in html
+    assert "&quot;n&quot;: [\n    1,\n    2\n  ]" in html
+    # Retry policy, attempts with errors, timestamps.
+    assert "up to 2 retries" in html and '<div class="readonly">1/2</div>' in html
+    assert "Traceback &lt;b&gt;bad&lt;/b&gt;" in html
+    assert "attempt 1" in html and "attempt 2" in html and "w2" in html
+    assert "k-1 (bound until" in html
+    # The token: status and last four characters only, never in full.
+    assert f"live, ends …{second['lease_token'][-4:]}, expires in 1m" in html
+    assert second["lease_token"] not in html and token not in html
+    assert f"…{token[-4:]}" in html  # the old attempt's token tail in the history
+    # No form to save.
+    assert 'name="_save"' not in html and 'type="submit" value="Save"' not in html
+
+
+def test_detail_page_shows_operator_events(
+    alice: Client, service: QueueService, dead_jobs: DeadJobs
+) -> None:
+    [job_id] = dead_jobs(1)
+    service.replay(job_id, actor="carol")
+    html = alice.get(job_url(job_id)).content.decode()
+    assert "replayed" in html and "carol" in html and "dead → ready" in html
+
+
+def test_overview_counts_ages_leases_and_failures(
+    alice: Client,
+    service: QueueService,
+    job_factory: Factory,
+    leased_job: Factory,
+    dead_jobs: DeadJobs,
+    console_clock: FakeClock,
+) -> None:
+    leased_job(queue="email", worker_id="worker-a", lease_ms=300_000)
+    job_factory(queue="email")
+    console_clock.advance(seconds=30)
+    job_factory(queue="email")
+    leased_job(queue="billing", worker_id="worker-b", lease_ms=300_000)
+    dead_jobs(2, queue="billing", error="card declined")
+    console_clock.advance(seconds=15)
+    response = alice.get(OVERVIEW)
+    assert response.status_code == 200
+    data = response.context["overview"]
+    rows = {q.name: q for q in data.queues}
+    assert rows["email"].counts["ready"] == 2 and rows["email"].counts["leased"] == 1
+    assert rows["email"].oldest_ready_age_ms == 45_000
+    assert rows["billing"].counts["dead"] == 2
+    assert [(lease["queue"], lease["leased_by"], lease["jobs"]) for lease in data.leases] == [
+        ("billing", "worker-b", 1),
+        ("email", "worker-a", 1),
+    ]
+    assert len(data.failures) == 2 and data.failures[0]["error"] == "card declined"
+    html = response.content.decode()
+    assert "45s" in html and "worker-a: 1" in html and "card declined" in html
+    assert f'href="{DEAD_LIST}?queue=billing">2</a>' in html
+
+
+def test_overview_is_linked_from_the_admin_home(alice: Client) -> None:
+    assert f'href="{OVERVIEW}"' in alice.get("/admin/").content.decode()
+
+
+def test_audit_log_keeps_purges(alice: Client, service: QueueService, dead_jobs: DeadJobs) -> None:
+    [job_id] = dead_jobs(1)
+    service.purge(job_id, actor="dave")
+    assert not Job.objects.filter(id=job_id).exists()
+    response = alice.get("/admin/queue_core/jobevent/", {"q": job_id})
+    html = response.content.decode()
+    assert "purged" in html and "dave" in html and "dead → ∅" in html
+    assert len(response.context["cl"].result_list) == 1
+    by_actor = alice.get("/admin/queue_core/jobevent/", {"q": "dave"})
+    assert len(by_actor.context["cl"].result_list) == 1
+
+
+def test_overview_needs_the_job_view_permission(transactional_db: None) -> None:
+    client = Client()
+    client.force_login(make_operator("dl-only", "view_deadletter"))
+    assert client.get(OVERVIEW).status_code == 403
+    assert f'href="{OVERVIEW}"' not in client.get("/admin/").content.decode()

@@ -1,0 +1,435 @@
+"""The HTTP API through Django's test client: every endpoint, its status codes and problems."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from typing import Any
+
+import orjson
+import pytest
+from django.http import HttpResponse
+from django.test import RequestFactory, override_settings
+
+from queue_api import calls
+from queue_api.middleware import BodyLimitMiddleware
+from queue_core.clock import FakeClock
+from queue_core.metrics import MeteredStore
+from queue_core.models import Job
+from queue_core.service import QueueService
+from tests.http.conftest import Api, problem
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+JOBS = "/api/v1/queues/email/jobs"
+
+
+def submit(api: Api, payload: Any = None, queue: str = "email", **options: Any) -> dict[str, Any]:
+    response = api.post(f"/api/v1/queues/{queue}/jobs", {"payload": payload or {"n": 1}, **options})
+    assert response.status_code in (200, 201), response.content
+    job: dict[str, Any] = response.json()["job"]
+    return job
+
+
+def lease(api: Api, queue: str = "email", **args: Any) -> dict[str, Any]:
+    response = api.post("/api/v1/leases", {"queues": [queue], "worker_id": "w1", **args})
+    assert response.status_code == 200, response.content
+    jobs: list[dict[str, Any]] = response.json()["jobs"]
+    assert jobs, "nothing leased"
+    return jobs[0]
+
+
+# ---------------------------------------------------------------------- producers
+
+
+def test_submit_answers_201_with_the_job_and_its_location(api: Api) -> None:
+    response = api.post(JOBS, {"payload": {"user_id": 42}, "priority": "high", "max_retries": 5})
+    assert response.status_code == 201
+    body = response.json()
+    assert body["deduplicated"] is False
+    job = body["job"]
+    assert (job["queue"], job["state"], job["priority"]) == ("email", "ready", "high")
+    assert job["payload"] == {"user_id": 42}
+    assert job["max_retries"] == 5
+    assert response["Location"] == f"/api/v1/jobs/{job['id']}"
+    assert job["created_at"].endswith("Z")
+    assert "lease_token" not in job
+
+
+def test_idempotency_key_header_answers_200_with_the_existing_job(api: Api) -> None:
+    first = api.post(JOBS, {"payload": {"a": 1}}, headers={"Idempotency-Key": "signup-42"})
+    again = api.post(JOBS, {"payload": {"a": 1}}, headers={"Idempotency-Key": "signup-42"})
+    in_body = api.post(JOBS, {"payload": {"a": 1}, "idempotency_key": "signup-42"})
+    assert (first.status_code, again.status_code, in_body.status_code) == (201, 200, 200)
+    assert again.json()["deduplicated"] is True
+    assert again.json()["job"]["id"] == first.json()["job"]["id"] == in_body.json()["job"]["id"]
+    assert Job.objects.count() == 1
+
+
+def test_idempotency_key_with_another_payload_is_a_409_problem(api: Api) -> None:
+    api.post(JOBS, {"payload": {"a": 1}, "idempotency_key": "k"})
+    body = problem(
+        api.post(JOBS, {"payload": {"a": 2}, "idempotency_key": "k"}), 409, "IDEMPOTENCY_CONFLICT"
+    )
+    assert body["instance"] == JOBS
+    assert body["details"]["job_id"].startswith("job_")
+
+
+def test_header_and_body_keys_must_agree(api: Api) -> None:
+    response = api.post(
+        JOBS, {"payload": 1, "idempotency_key": "a"}, headers={"Idempotency-Key": "b"}
+    )
+    problem(response, 422, "INVALID_ARGUMENT")
+
+
+def test_delayed_submit_is_pending(api: Api) -> None:
+    job = submit(api, delay_ms=60_000)
+    assert job["state"] == "pending"
+    assert job["available_at_ms"] >= job["created_at_ms"] + 60_000
+
+
+def test_batch_submit_creates_all_in_one_transaction(api: Api) -> None:
+    jobs = [{"queue": "a", "payload": {"i": i}, "idempotency_key": f"k{i}"} for i in range(3)]
+    first = api.post("/api/v1/jobs/batch", {"jobs": jobs})
+    assert first.status_code == 201
+    assert [r["deduplicated"] for r in first.json()["results"]] == [False] * 3
+    again = api.post("/api/v1/jobs/batch", {"jobs": jobs})
+    assert again.status_code == 200
+    assert [r["deduplicated"] for r in again.json()["results"]] == [True] * 3
+
+
+def test_batch_with_one_bad_job_creates_none(api: Api) -> None:
+    jobs = [{"queue": "a", "payload": 1}, {"queue": "bad queue!", "payload": 2}]
+    body = problem(api.post("/api/v1/jobs/batch", {"jobs": jobs}), 422, "INVALID_ARGUMENT")
+    assert body["details"]["index"] == 1
+    assert Job.objects.count() == 0
+
+
+@override_settings(RELAY_MAX_BATCH_SUBMIT=2)
+def test_batch_is_bounded(api: Api) -> None:
+    jobs = [{"queue": "a", "payload": i} for i in range(3)]
+    problem(api.post("/api/v1/jobs/batch", {"jobs": jobs}), 422, "INVALID_ARGUMENT")
+
+
+def test_get_job_shows_attempts_history_errors_and_lease(api: Api) -> None:
+    job = submit(api, max_retries=1, backoff="fixed", backoff_base_ms=0, jitter=False)
+    held = lease(api)
+    fetched = api.get(f"/api/v1/jobs/{job['id']}").json()
+    assert (fetched["state"], fetched["leased_by"]) == ("leased", "w1")
+    assert fetched["lease_expires_at_ms"] == held["lease_expires_at_ms"]
+    api.post(
+        f"/api/v1/jobs/{job['id']}/fail",
+        {"worker_id": "w1", "lease_token": held["lease_token"], "error": "smtp timeout"},
+    )
+    fetched = api.get(f"/api/v1/jobs/{job['id']}").json()
+    assert fetched["state"] in ("retrying", "ready")
+    assert fetched["attempt"] == 1
+    assert fetched["history"][0]["outcome"] == "failed"
+    assert fetched["history"][0]["error"] == "smtp timeout"
+    assert fetched["last_error"] == "smtp timeout"
+
+
+def test_unknown_job_is_a_404_problem(api: Api) -> None:
+    problem(api.get("/api/v1/jobs/job_nope"), 404, "NOT_FOUND")
+
+
+def test_list_jobs_by_queue_and_state_with_keyset_pages(api: Api) -> None:
+    ids = [submit(api, {"i": i})["id"] for i in range(5)]
+    submit(api, {"other": 1}, queue="other")
+    held = lease(api)  # the oldest becomes leased
+    page1 = api.get("/api/v1/queues/email/jobs?state=ready&limit=2").json()
+    assert [j["id"] for j in page1["jobs"]] == ids[1:3]
+    page2 = api.get(f"/api/v1/queues/email/jobs?state=ready&limit=2&after={page1['next_after']}")
+    assert [j["id"] for j in page2.json()["jobs"]] == ids[3:5]
+    assert api.get(f"/api/v1/queues/email/jobs?state=ready&limit=2&after={ids[4]}").json() == {
+        "jobs": [],
+        "next_after": None,
+    }
+    every = api.get("/api/v1/queues/email/jobs?limit=10").json()
+    assert [j["id"] for j in every["jobs"]] == ids
+    assert every["next_after"] is None
+    assert every["jobs"][0]["state"] == "leased" and held["job_id"] == ids[0]
+    problem(api.get("/api/v1/queues/email/jobs?state=nope"), 422, "INVALID_ARGUMENT")
+    problem(api.get("/api/v1/queues/email/jobs?limit=0"), 422, "INVALID_ARGUMENT")
+
+
+def test_stats_counts_by_queue_and_state(api: Api) -> None:
+    submit(api)
+    submit(api, queue="other")
+    lease(api, queue="other")
+    stats = api.get("/api/v1/stats").json()
+    assert stats["queues"]["email"]["ready"] == 1
+    assert stats["queues"]["other"]["leased"] == 1
+    assert stats["totals"]["ready"] == 1
+    assert stats["queues"]["email"]["oldest_ready_age_ms"] >= 0
+    only = api.get("/api/v1/stats?queue=other").json()
+    assert list(only["queues"]) == ["other"]
+
+
+# ---------------------------------------------------------------------- workers
+
+
+def test_lease_renew_ack_with_fencing(api: Api) -> None:
+    job = submit(api)
+    held = lease(api, lease_ms=5_000)
+    assert held["job_id"] == job["id"] and held["attempt"] == 1
+    path = f"/api/v1/jobs/{job['id']}"
+    ids = {"worker_id": "w1", "lease_token": held["lease_token"]}
+    renewed = api.post(f"{path}/renew", {**ids, "lease_ms": 20_000}).json()
+    assert renewed["lease_expires_at_ms"] > held["lease_expires_at_ms"]
+    problem(api.post(f"{path}/ack", {**ids, "lease_token": "x" * 32}), 409, "STALE_TOKEN")
+    problem(api.post(f"{path}/ack", {**ids, "worker_id": "w2"}), 409, "STALE_TOKEN")
+    assert api.post(f"{path}/ack", ids).json() == {
+        "job_id": job["id"],
+        "state": "succeeded",
+        "duplicate": False,
+    }
+    assert api.post(f"{path}/ack", ids).json()["duplicate"] is True
+    problem(api.post(f"{path}/renew", ids), 409, "STALE_TOKEN")
+
+
+def test_expired_lease_is_refused_and_the_job_comes_back(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    svc = QueueService(store=MeteredStore(), clock=clock)
+    monkeypatch.setattr(calls, "service", lambda: svc)
+    job = submit(api, max_retries=2)
+    held = lease(api, lease_ms=1_000)
+    clock.advance(seconds=2)
+    ids = {"worker_id": "w1", "lease_token": held["lease_token"]}
+    problem(api.post(f"/api/v1/jobs/{job['id']}/ack", ids), 409, "LEASE_EXPIRED")
+    again = lease(api, lease_ms=1_000)
+    assert (again["job_id"], again["attempt"]) == (job["id"], 2)
+    problem(api.post(f"/api/v1/jobs/{job['id']}/ack", ids), 409, "STALE_TOKEN")
+
+
+def test_fail_retries_then_dead_and_release(api: Api) -> None:
+    job = submit(api, max_retries=0)
+    held = lease(api)
+    ids = {"worker_id": "w1", "lease_token": held["lease_token"]}
+    out = api.post(f"/api/v1/jobs/{job['id']}/fail", {**ids, "error": "boom"}).json()
+    assert (out["state"], out["retry_at_ms"]) == ("dead", None)
+    assert out["dead_reason"]
+    other = submit(api, {"x": 1})
+    held = lease(api)
+    assert held["job_id"] == other["id"]
+    ids = {"worker_id": "w1", "lease_token": held["lease_token"]}
+    assert api.post(f"/api/v1/jobs/{other['id']}/release", ids).json() == {
+        "job_id": other["id"],
+        "state": "ready",
+    }
+
+
+def test_lease_on_an_empty_queue_waits_at_most_wait_ms(api: Api) -> None:
+    started = time.monotonic()
+    response = api.post("/api/v1/leases", {"queues": ["empty"], "wait_ms": 200})
+    elapsed = time.monotonic() - started
+    assert response.json() == {"jobs": []}
+    assert 0.2 <= elapsed < 5
+
+
+@override_settings(RELAY_MAX_WAIT_MS=1000)
+def test_lease_wait_is_bounded_by_relay_max_wait_ms(api: Api) -> None:
+    response = api.post("/api/v1/leases", {"queues": ["q"], "wait_ms": 1001})
+    problem(response, 422, "INVALID_ARGUMENT")
+
+
+def test_long_poll_wakes_on_a_commit_from_another_connection(api: Api) -> None:
+    result: dict[str, Any] = {}
+
+    def poll() -> None:
+        from django.db import connection
+
+        try:
+            started = time.monotonic()
+            response = Api().post("/api/v1/leases", {"queues": ["wake"], "wait_ms": 15_000})
+            result["elapsed"] = time.monotonic() - started
+            result["jobs"] = response.json()["jobs"]
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    job = submit(api, queue="wake")
+    thread.join(20)
+    assert [j["job_id"] for j in result["jobs"]] == [job["id"]]
+    assert result["elapsed"] < 10
+
+
+def test_lease_defaults_worker_id_to_the_client_address(api: Api) -> None:
+    submit(api)
+    response = api.post("/api/v1/leases", {"queues": ["email"]})
+    job_id = response.json()["jobs"][0]["job_id"]
+    assert api.get(f"/api/v1/jobs/{job_id}").json()["leased_by"].startswith("http:127.0.0.1")
+
+
+# ---------------------------------------------------------------------- dead letters
+
+
+def make_dead(api: Api, n: int, queue: str = "email") -> list[str]:
+    ids = []
+    for i in range(n):
+        job = submit(api, {"dead": i}, queue=queue, max_retries=0)
+        held = lease(api, queue=queue)
+        assert held["job_id"] == job["id"]
+        api.post(
+            f"/api/v1/jobs/{job['id']}/fail",
+            {"worker_id": "w1", "lease_token": held["lease_token"], "error": "x"},
+        )
+        ids.append(job["id"])
+    return ids
+
+
+def test_dead_letters_list_replay_and_purge(api: Api) -> None:
+    ids = make_dead(api, 3)
+    make_dead(api, 1, queue="other")
+    page = api.get("/api/v1/dead?queue=email&limit=2").json()
+    assert [j["id"] for j in page["jobs"]] == ids[:2]
+    rest = api.get(f"/api/v1/dead?queue=email&after={page['next_after']}").json()
+    assert [j["id"] for j in rest["jobs"]] == ids[2:]
+    assert len(api.get("/api/v1/dead").json()["jobs"]) == 4
+
+    replayed = api.post(f"/api/v1/dead/{ids[0]}/replay").json()
+    assert replayed["state"] == "ready"
+    problem(api.post(f"/api/v1/dead/{ids[0]}/replay"), 409, "INVALID_STATE")
+
+    assert api.delete(f"/api/v1/dead/{ids[1]}").json() == {"job_id": ids[1], "purged": True}
+    problem(api.delete(f"/api/v1/dead/{ids[1]}"), 404, "NOT_FOUND")
+    events = api.get(f"/api/v1/jobs/{ids[0]}").json()["events"]
+    assert events[-1]["event"] == "replayed"
+    assert events[-1]["actor"].startswith("http:")
+
+
+def test_dead_letters_replay_and_purge_many(api: Api) -> None:
+    ids = make_dead(api, 4)
+    out = api.post("/api/v1/dead/replay", {"job_ids": [ids[0], ids[1], "job_missing"]}).json()
+    assert [(r["job_id"], r["ok"]) for r in out["results"]] == [
+        (ids[0], True),
+        (ids[1], True),
+        ("job_missing", False),
+    ]
+    assert out["results"][2]["error"]["code"] == "NOT_FOUND"
+    assert out["results"][0]["job"]["state"] == "ready"
+    purged = api.post("/api/v1/dead/purge", {"job_ids": [ids[2], ids[3], ids[0]]}).json()
+    assert [(r["ok"], (r["error"] or {}).get("code")) for r in purged["results"]] == [
+        (True, None),
+        (True, None),
+        (False, "INVALID_STATE"),
+    ]
+    problem(api.post("/api/v1/dead/purge", {"job_ids": []}), 422, "INVALID_ARGUMENT")
+
+
+# ---------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({}, "payload"),
+        ({"payload": None}, "payload"),
+        ({"payload": 1, "max_retries": "5"}, "max_retries"),
+        ({"payload": 1, "jitter": 1}, "jitter"),
+        ({"payload": 1, "surprise": True}, "surprise"),
+        ({"payload": 1, "max_retries": 101}, "max_retries"),
+        ({"payload": 1, "delay_ms": 1, "run_at_ms": 1}, "delay_ms"),
+        ({"payload": 1, "priority": "urgent"}, "priority"),
+    ],
+)
+def test_schema_and_argument_errors_are_422_invalid_argument(
+    api: Api, body: dict[str, Any], field: str
+) -> None:
+    out = problem(api.post(JOBS, body), 422, "INVALID_ARGUMENT")
+    assert out["details"]["field"].startswith(field), out
+
+
+def test_bad_queue_name_is_422(api: Api) -> None:
+    problem(api.post("/api/v1/queues/no%20spaces/jobs", {"payload": 1}), 422, "INVALID_ARGUMENT")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"payload": NaN}', b"\xff\xfe", b'{"payload": 1'])
+def test_malformed_json_is_400_bad_frame(api: Api, raw: bytes) -> None:
+    response = api.client.post(JOBS, raw, content_type="application/json")
+    problem(response, 400, "BAD_FRAME")
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=1000, RELAY_MAX_PAYLOAD_BYTES=500)
+def test_body_over_the_frame_limit_is_413(api: Api) -> None:
+    body = problem(api.post(JOBS, {"payload": "x" * 2000}), 413, "FRAME_TOO_LARGE")
+    assert body["details"]["limit_bytes"] == 1000
+    payload = problem(api.post(JOBS, {"payload": "x" * 800}), 413, "FRAME_TOO_LARGE")
+    assert payload["details"]["field"] == "payload"
+
+
+class _Unreadable(io.RawIOBase):
+    def read(self, size: int = -1) -> bytes:
+        raise AssertionError("the body was read")
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=1000)
+def test_413_comes_from_content_length_without_reading_the_body() -> None:
+    request = RequestFactory().post(JOBS, b"", content_type="application/json")
+    request.META["CONTENT_LENGTH"] = str(10**9)
+    request.META["wsgi.input"] = _Unreadable()
+    request._stream = _Unreadable()  # type: ignore[attr-defined]
+    middleware = BodyLimitMiddleware(lambda r: HttpResponse(r.body))
+    response = middleware(request)
+    assert response.status_code == 413
+    assert orjson.loads(response.content)["code"] == "FRAME_TOO_LARGE"
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=1000)
+def test_chunked_body_is_bounded_too() -> None:
+    def chunked(data: bytes) -> Any:
+        request = RequestFactory().post(JOBS, b"", content_type="application/json")
+        request.META.pop("CONTENT_LENGTH", None)
+        request.META["HTTP_TRANSFER_ENCODING"] = "chunked"
+        request.META["wsgi.input"] = io.BytesIO(data)
+        return BodyLimitMiddleware(lambda r: HttpResponse(r.body))(request)
+
+    assert chunked(b"x" * 1001).status_code == 413
+    small = chunked(b'{"payload": 1}')
+    assert (small.status_code, small.content) == (200, b'{"payload": 1}')
+
+
+def test_unknown_api_path_and_wrong_method(api: Api) -> None:
+    problem(api.get("/api/v1/nothing/here"), 404, "NOT_FOUND")
+    problem(api.get("/api/v2/jobs"), 404, "NOT_FOUND")
+    assert api.client.put(JOBS).status_code == 405
+
+
+# ---------------------------------------------------------------------- schema and docs
+
+
+def test_openapi_schema_and_docs_page_are_served(api: Api) -> None:
+    schema = api.get("/api/v1/openapi.json").json()
+    paths = schema["paths"]
+    for path in (
+        "/api/v1/queues/{queue}/jobs",
+        "/api/v1/jobs/batch",
+        "/api/v1/jobs/{job_id}",
+        "/api/v1/stats",
+        "/api/v1/leases",
+        "/api/v1/jobs/{job_id}/ack",
+        "/api/v1/dead",
+        "/api/v1/dead/replay",
+        "/api/v1/dead/purge",
+    ):
+        assert path in paths, path
+    assert schema["components"]["securitySchemes"]["ApiKey"]["scheme"] == "bearer"
+    assert "409" in paths["/api/v1/jobs/{job_id}/ack"]["post"]["responses"]
+    page = api.get("/api/v1/docs")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "/api/v1/openapi.json" in html or "openapi.json" in html
+    for asset in ("/static/ninja/swagger-ui-bundle.js", "/static/ninja/swagger-ui.css"):
+        assert asset in html
+        served = api.get(asset)
+        served.close()  # a FileResponse: close its file
+        assert served.status_code == 200, asset
+
+
+def test_health_needs_no_key(api: Api) -> None:
+    body = api.get("/api/v1/health").json()
+    assert body["ok"] is True

@@ -1,0 +1,295 @@
+"""API keys: scopes over HTTP and TCP, hashes only, the relay_keys command and the admin."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test import Client
+
+from queue_core import auth, errors
+from queue_core.client import RelayClient
+from queue_core.models import ApiKey
+from queue_core.protocol.server import RelayServer
+from queue_core.service import QueueService
+from tests.http.conftest import Api, problem
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+JOBS = "/api/v1/queues/q/jobs"
+
+
+def test_without_keys_the_api_is_open(api: Api) -> None:
+    assert api.post(JOBS, {"payload": 1}).status_code == 201
+    assert api.get("/api/v1/dead").status_code == 200
+
+
+def test_once_a_key_exists_requests_need_one(
+    api: Api, make_key: Callable[..., str], caplog: pytest.LogCaptureFixture
+) -> None:
+    key = make_key("producer")
+    caplog.set_level(logging.WARNING, logger="relay.auth")
+    body = problem(api.post(JOBS, {"payload": 1}), 401, "UNAUTHENTICATED")
+    assert "Bearer" in body["detail"]
+    wrong = key[:-4] + "AAAA"
+    problem(api.post(JOBS, {"payload": 1}, key=wrong), 401, "UNAUTHENTICATED")
+    problem(api.post(JOBS, {"payload": 1}, key="garbage"), 401, "UNAUTHENTICATED")
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "reason=missing" in logged
+    assert "reason=bad_secret" in logged
+    assert f"prefix={auth.parse_prefix(key)}" in logged
+    assert key.rsplit("_", 1)[1] not in logged and wrong.rsplit("_", 1)[1] not in logged
+    assert "garbage" not in logged
+    assert api.get("/api/v1/health").status_code == 200  # health needs no key
+
+
+def test_scopes_decide_what_a_key_may_do(api: Api, make_key: Callable[..., str]) -> None:
+    producer, worker, operator = make_key("producer"), make_key("worker"), make_key("operator")
+    created = api.post(JOBS, {"payload": 1}, key=producer)
+    assert created.status_code == 201
+    job_id = created.json()["job"]["id"]
+    assert api.get(f"/api/v1/jobs/{job_id}", key=producer).status_code == 200
+    assert api.get("/api/v1/stats", key=producer).status_code == 200
+    body = problem(
+        api.post("/api/v1/leases", {"queues": ["q"]}, key=producer), 403, "PERMISSION_DENIED"
+    )
+    assert "lease" in body["detail"]
+    problem(api.get("/api/v1/dead", key=producer), 403, "PERMISSION_DENIED")
+    problem(api.get("/api/v1/queues/q/jobs", key=producer), 403, "PERMISSION_DENIED")
+
+    problem(api.post(JOBS, {"payload": 1}, key=worker), 403, "PERMISSION_DENIED")
+    leased = api.post("/api/v1/leases", {"queues": ["q"], "worker_id": "w"}, key=worker).json()
+    token = leased["jobs"][0]["lease_token"]
+    acked = api.post(
+        f"/api/v1/jobs/{job_id}/ack", {"worker_id": "w", "lease_token": token}, key=worker
+    )
+    assert acked.status_code == 200
+    assert api.get(f"/api/v1/jobs/{job_id}", key=worker).status_code == 200
+
+    for path in ("/api/v1/dead", "/api/v1/queues/q/jobs", "/api/v1/stats"):
+        assert api.get(path, key=operator).status_code == 200, path
+    assert api.post(JOBS, {"payload": 2}, key=operator).status_code == 201
+
+
+def test_x_api_key_header_works_too(api: Api, make_key: Callable[..., str]) -> None:
+    key = make_key("producer")
+    response = api.client.post(
+        JOBS,
+        orjson.dumps({"payload": 1}),
+        content_type="application/json",
+        headers={"X-Api-Key": key},
+    )
+    assert response.status_code == 201
+
+
+def test_only_a_hash_is_stored(make_key: Callable[..., str]) -> None:
+    key = make_key("worker", "producer", name="ci")
+    row = ApiKey.objects.get()
+    assert row.secret_sha256 == hashlib.sha256(key.encode()).hexdigest()
+    assert key not in str(list(ApiKey.objects.values()))
+    assert row.scope_list == ["producer", "worker"]
+    assert key.startswith(f"rk_{row.prefix}_")
+
+
+def test_revoked_key_is_refused_and_revoking_the_last_key_keeps_access_closed(
+    api: Api, make_key: Callable[..., str]
+) -> None:
+    key = make_key("producer")
+    assert api.post(JOBS, {"payload": 1}, key=key).status_code == 201
+    assert auth.revoke(auth.parse_prefix(key) or "")
+    problem(api.post(JOBS, {"payload": 1}, key=key), 401, "UNAUTHENTICATED")
+    problem(api.post(JOBS, {"payload": 1}), 401, "UNAUTHENTICATED")
+    ApiKey.objects.all().delete()
+    auth.invalidate()
+    assert api.post(JOBS, {"payload": 1}).status_code == 201
+
+
+def test_use_is_recorded(api: Api, make_key: Callable[..., str]) -> None:
+    key = make_key("producer")
+    auth._touched.clear()
+    api.get("/api/v1/stats", key=key)
+    assert ApiKey.objects.get().last_used_at_ms is not None
+
+
+def test_bad_scopes_are_refused(transactional_db: None) -> None:
+    with pytest.raises(errors.InvalidArgument):
+        auth.create_key("x", ["admin"])
+    with pytest.raises(errors.InvalidArgument):
+        auth.create_key("x", [])
+    with pytest.raises(errors.InvalidArgument):
+        auth.create_key("", ["worker"])
+
+
+# ---------------------------------------------------------------------- relay_keys
+
+
+def test_relay_keys_create_list_revoke(api: Api) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    call_command(
+        "relay_keys", "create", "--name", "ci", "--scope", "producer", stdout=out, stderr=err
+    )
+    key = out.getvalue().strip()
+    assert key.startswith("rk_")
+    assert "not shown again" in err.getvalue()
+    assert api.post(JOBS, {"payload": 1}, key=key).status_code == 201
+
+    listing = io.StringIO()
+    call_command("relay_keys", "list", "--json", stdout=listing)
+    rows = orjson.loads(listing.getvalue())
+    prefix = auth.parse_prefix(key)
+    assert [(r["prefix"], r["name"], r["scopes"]) for r in rows] == [(prefix, "ci", ["producer"])]
+    assert key not in listing.getvalue()
+    table = io.StringIO()
+    call_command("relay_keys", "list", stdout=table)
+    assert prefix in table.getvalue()
+
+    call_command("relay_keys", "revoke", str(prefix), stdout=io.StringIO())
+    problem(api.post(JOBS, {"payload": 1}, key=key), 401, "UNAUTHENTICATED")
+    with pytest.raises(CommandError, match="NOT_FOUND"):
+        call_command("relay_keys", "revoke", "000000000000", stdout=io.StringIO())
+
+
+def test_relay_keys_json_create(transactional_db: None) -> None:
+    out = io.StringIO()
+    call_command(
+        "relay_keys", "create", "--name", "w", "--scope", "worker", "--scope", "operator",
+        "--json", stdout=out, stderr=io.StringIO(),
+    )  # fmt: skip
+    body = orjson.loads(out.getvalue())
+    assert body["scopes"] == ["operator", "worker"]
+    assert body["key"].startswith(f"rk_{body['prefix']}_")
+
+
+# ---------------------------------------------------------------------- admin
+
+
+def test_admin_creates_a_key_shows_it_once_and_revokes(transactional_db: None) -> None:
+    User.objects.create_superuser("admin", "a@example.com", "pw")
+    client = Client()
+    client.force_login(User.objects.get())
+    assert client.get("/admin/queue_core/apikey/add/").status_code == 200
+    response = client.post(
+        "/admin/queue_core/apikey/add/", {"name": "ops", "scope_choices": ["operator"]}
+    )
+    assert response.status_code == 200
+    assert "no-store" in response["Cache-Control"]
+    html = response.content.decode()
+    row = ApiKey.objects.get()
+    start = html.index(f"rk_{row.prefix}_")
+    key = html[start : html.index('"', start)]
+    assert auth.hash_key(key) == row.secret_sha256
+    assert key not in client.get(f"/admin/queue_core/apikey/{row.pk}/change/").content.decode()
+    assert key not in client.get("/admin/queue_core/apikey/").content.decode()
+    response = client.post(
+        "/admin/queue_core/apikey/",
+        {"action": "revoke_keys", "_selected_action": [row.pk]},
+        follow=True,
+    )
+    assert response.status_code == 200
+    row.refresh_from_db()
+    assert row.revoked_at_ms is not None
+
+
+# ---------------------------------------------------------------------- TCP
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.server = RelayServer(QueueService(), host="127.0.0.1", port=0, shutdown_grace_ms=0)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.server.ready.wait(15)
+
+    def _run(self) -> None:
+        from django.db import connections
+
+        try:
+            asyncio.run(self.server.serve())
+        finally:
+            connections.close_all()
+
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def stop(self) -> None:
+        self.server.request_shutdown()
+        self.thread.join(15)
+
+
+@pytest.fixture
+def tcp(transactional_db: None) -> Iterator[_Server]:
+    server = _Server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def raw_call(client: RelayClient, op: str, **args: Any) -> Any:
+    return client.call(op, args or None)
+
+
+def test_tcp_needs_hello_once_keys_exist(tcp: _Server, make_key: Callable[..., str]) -> None:
+    with RelayClient(tcp.address()) as anonymous:
+        assert raw_call(anonymous, "submit", queue="q", payload=1)["job"]["state"] == "ready"
+        worker = make_key("worker")
+        assert anonymous.ping()["pong"] is True
+        with pytest.raises(errors.Unauthenticated, match="hello"):
+            raw_call(anonymous, "submit", queue="q", payload=1)
+        with pytest.raises(errors.Unauthenticated):
+            raw_call(anonymous, "hello", api_key=worker[:-2] + "xx")
+        hello = raw_call(anonymous, "hello", api_key=worker)
+        assert hello["authenticated"] is True
+        assert hello["scopes"] == ["worker"]
+        assert worker not in orjson.dumps(hello).decode()
+        assert raw_call(anonymous, "lease", queues=["q"], worker_id="w")["jobs"]
+        with pytest.raises(errors.PermissionDenied):
+            raw_call(anonymous, "submit", queue="q", payload=1)
+        with pytest.raises(errors.PermissionDenied):
+            raw_call(anonymous, "dead_list")
+
+
+def test_client_sends_hello_on_every_connection(tcp: _Server, make_key: Callable[..., str]) -> None:
+    key = make_key("producer", "worker")
+    with RelayClient(tcp.address(), api_key=key) as client:
+        assert client.submit("q", {"n": 1})["job"]["queue"] == "q"
+        client.close()  # the next call reconnects and says hello again
+        assert client.lease(["q"], worker_id="w")[0]["payload"] == {"n": 1}
+    bad = RelayClient(tcp.address(), api_key="rk_000000000000_" + "x" * 43)
+    with bad, pytest.raises(errors.Unauthenticated):
+        bad.stats()
+
+
+def test_revoked_key_stops_working_on_an_open_connection(
+    tcp: _Server, make_key: Callable[..., str]
+) -> None:
+    key = make_key("producer")
+    with RelayClient(tcp.address(), api_key=key) as client:
+        client.stats()
+        auth.revoke(auth.parse_prefix(key) or "")
+        with pytest.raises(errors.Unauthenticated, match="revoked"):
+            client.stats()
+
+
+def test_cli_hands_the_api_key_to_client_commands_only() -> None:
+    from queue_core.cli import translate
+
+    assert translate(["--api-key", "rk_x", "stats"]).argv == [
+        "relay", "relay_stats", "--api-key", "rk_x",
+    ]  # fmt: skip
+    assert translate(["--api-key", "rk_x", "worker", "--api-key", "rk_y"]).argv[-2:] == [
+        "--api-key",
+        "rk_y",
+    ]
+    assert "--api-key" not in translate(["--api-key", "rk_x", "server"]).argv
+    assert translate(["keys", "list"]).argv == ["relay", "relay_keys", "list"]

@@ -1,0 +1,180 @@
+"""Relay's metrics: counters after commit, expiries seen by MeteredStore, gauges from the DB,
+and text every Prometheus parser accepts."""
+
+from __future__ import annotations
+
+import urllib.request
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from queue_api import calls
+from queue_core import metrics
+from queue_core.clock import FakeClock
+from queue_core.metrics import MeteredStore
+from queue_core.service import QueueService
+from tests.http.conftest import Api, metric
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def families(text: str) -> dict[str, Any]:
+    """Parse exposition text (raises on anything a Prometheus scraper would reject)."""
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+def test_http_requests_move_the_counters(api: Api) -> None:
+    before = {
+        name: metric(name, queue="m1")
+        for name in (
+            "relay_jobs_submitted_total",
+            "relay_jobs_deduplicated_total",
+            "relay_jobs_leased_total",
+            "relay_jobs_acked_total",
+            "relay_jobs_failed_total",
+            "relay_jobs_dead_total",
+            "relay_jobs_replayed_total",
+        )
+    }
+    stale_before = metric("relay_stale_token_rejections_total", op="ack")
+    claims_before = metric("relay_claim_duration_seconds_count")
+    jobs = "/api/v1/queues/m1/jobs"
+    api.post(jobs, {"payload": 1, "idempotency_key": "k"})
+    api.post(jobs, {"payload": 1, "idempotency_key": "k"})
+    api.post(jobs, {"payload": 2, "max_retries": 0})
+    leases = api.post("/api/v1/leases", {"queues": ["m1"], "worker_id": "w", "max_jobs": 2})
+    first, second = leases.json()["jobs"]
+    api.post(f"/api/v1/jobs/{first['job_id']}/ack", {"worker_id": "w", "lease_token": "x" * 32})
+    api.post(
+        f"/api/v1/jobs/{first['job_id']}/ack",
+        {"worker_id": "w", "lease_token": first["lease_token"]},
+    )
+    api.post(
+        f"/api/v1/jobs/{second['job_id']}/fail",
+        {"worker_id": "w", "lease_token": second["lease_token"], "error": "boom"},
+    )
+    api.post(f"/api/v1/dead/{second['job_id']}/replay")
+
+    def delta(name: str) -> float:
+        return metric(name, queue="m1") - before[name]
+
+    assert delta("relay_jobs_submitted_total") == 2
+    assert delta("relay_jobs_deduplicated_total") == 1
+    assert delta("relay_jobs_leased_total") == 2
+    assert delta("relay_jobs_acked_total") == 1
+    assert delta("relay_jobs_failed_total") == 1
+    assert delta("relay_jobs_dead_total") == 1
+    assert delta("relay_jobs_replayed_total") == 1
+    assert metric("relay_stale_token_rejections_total", op="ack") - stale_before == 1
+    assert metric("relay_claim_duration_seconds_count") - claims_before >= 1
+    assert metric("relay_job_submit_to_start_seconds_count", queue="m1") >= 2
+
+
+def test_metrics_endpoint_parses_and_has_gauges_from_the_database(api: Api) -> None:
+    api.post("/api/v1/queues/g1/jobs", {"payload": 1})
+    api.post("/api/v1/queues/g1/jobs", {"payload": 2, "delay_ms": 60_000})
+    response = api.get("/metrics")
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain")
+    text = response.content.decode()
+    found = families(text)
+    for name in (
+        "relay_jobs_submitted",
+        "relay_queue_jobs",
+        "relay_queue_oldest_ready_age_seconds",
+        "relay_database_up",
+        "relay_claim_duration_seconds",
+        "django_http_requests_total_by_method",
+    ):
+        assert name in found, name
+    depth = samples(text, "relay_queue_jobs")
+    assert depth[(("queue", "g1"), ("state", "ready"))] == 1
+    assert depth[(("queue", "g1"), ("state", "pending"))] == 1
+    assert samples(text, "relay_database_up") == {(): 1.0}
+
+
+def test_labels_never_carry_job_ids_or_error_texts(api: Api) -> None:
+    job = api.post("/api/v1/queues/l1/jobs", {"payload": 1, "max_retries": 0}).json()["job"]
+    held = api.post("/api/v1/leases", {"queues": ["l1"], "worker_id": "w"}).json()["jobs"][0]
+    api.post(
+        f"/api/v1/jobs/{job['id']}/fail",
+        {"worker_id": "w", "lease_token": held["lease_token"], "error": "secret error text"},
+    )
+    text = api.get("/metrics").content.decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for value in sample.labels.values():
+                assert not value.startswith("job_"), sample
+                assert "secret error text" not in value, sample
+
+
+def test_lease_expiries_are_counted_when_they_commit(transactional_db: None) -> None:
+    clock = FakeClock()
+    svc = QueueService(store=MeteredStore(), clock=clock)
+    svc.submit("x1", {"n": 1}, max_retries=1)
+    svc.submit("x1", {"n": 2}, max_retries=0)
+    svc.claim(["x1"], worker_id="w", max_jobs=2, lease_ms=1_000)
+    expired = metric("relay_lease_expirations_total", queue="x1")
+    dead = metric("relay_jobs_dead_total", queue="x1")
+    clock.advance(seconds=2)
+    assert svc.expire_leases() == ["x1"]
+    assert metric("relay_lease_expirations_total", queue="x1") - expired == 2
+    assert metric("relay_jobs_dead_total", queue="x1") - dead == 1
+
+
+def test_rolled_back_expiries_are_not_counted(transactional_db: None) -> None:
+    clock = FakeClock()
+    svc = QueueService(store=MeteredStore(), clock=clock)
+    svc.submit("x2", {"n": 1})
+    svc.claim(["x2"], worker_id="w", lease_ms=1_000)
+    clock.advance(seconds=2)
+    before = metric("relay_lease_expirations_total", queue="x2")
+
+    def expire_then_fail() -> None:
+        with svc.store.immediate():
+            svc.expire_leases()  # a savepoint inside the outer transaction
+            raise RuntimeError("roll the outer transaction back")
+
+    with pytest.raises(RuntimeError):
+        expire_then_fail()
+    assert metric("relay_lease_expirations_total", queue="x2") == before
+    svc.expire_leases()
+    assert metric("relay_lease_expirations_total", queue="x2") - before == 1
+
+
+def test_http_claim_sweep_counts_expiries(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    svc = QueueService(store=MeteredStore(), clock=clock)
+    monkeypatch.setattr(calls, "service", lambda: svc)
+    api.post("/api/v1/queues/x3/jobs", {"payload": 1})
+    api.post("/api/v1/leases", {"queues": ["x3"], "worker_id": "w", "lease_ms": 1_000})
+    before = metric("relay_lease_expirations_total", queue="x3")
+    clock.advance(seconds=2)
+    again = api.post("/api/v1/leases", {"queues": ["x3"], "worker_id": "w2"}).json()["jobs"]
+    assert again[0]["attempt"] == 2
+    assert metric("relay_lease_expirations_total", queue="x3") - before == 1
+
+
+def test_metrics_server_serves_the_same_text(transactional_db: None) -> None:
+    QueueService().submit("s1", {"n": 1})
+    server = metrics.MetricsServer("127.0.0.1", 0).start()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+            assert r.status == 200
+            text = r.read().decode()
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.port}/other", timeout=10)
+    finally:
+        server.stop()
+    assert samples(text, "relay_queue_jobs")[(("queue", "s1"), ("state", "ready"))] == 1
+    assert "relay_jobs_submitted" in families(text)

@@ -1,0 +1,432 @@
+"""RelayBackend through Django's own task API (``@task``, ``.enqueue()``, ``get_result``).
+
+In-process: the backend submits through QueueService on the test database; a test service
+leases and settles the jobs, and ``execute_task`` (the ``relay_worker --tasks`` handler) runs
+them, so every status is reached without a server. ``test_tasks_worker.py`` runs the same
+tasks through real server and worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.db import connections, transaction
+from django.tasks import TaskResultStatus, default_task_backend, task_backends
+from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
+from django.tasks.signals import task_enqueued, task_finished, task_started
+from django.test import override_settings
+
+from queue_core.clock import FakeClock
+from queue_core.errors import LeaseExpired
+from queue_core.models import Job
+from queue_core.service import QueueService
+from queue_core.tasks_backend import RelayBackend, TaskAttemptFailed, execute_task, relay_priority
+from queue_core.worker import JobContext, NonRetryableError
+from tests.tasks_app import tasks
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+BACKEND = "queue_core.tasks_backend.RelayBackend"
+
+
+def relay_tasks(**options: Any) -> dict[str, Any]:
+    """A TASKS setting with one RelayBackend and these OPTIONS."""
+    return {"default": {"BACKEND": BACKEND, "QUEUES": [], "OPTIONS": options}}
+
+
+@pytest.fixture
+def worker_service() -> QueueService:
+    """The worker side's service (system clock)."""
+    return QueueService()
+
+
+def run_next(
+    service: QueueService, queue: str = "default", worker_id: str = "w1"
+) -> tuple[dict[str, Any], BaseException | None]:
+    """Lease the next job, run it as ``relay_worker --tasks`` does, then ack or fail it."""
+    (lease,) = service.claim([queue], worker_id=worker_id)
+    ctx = JobContext(
+        job_id=lease["job_id"],
+        queue=lease["queue"],
+        attempt=lease["attempt"],
+        worker_id=worker_id,
+        shutdown=threading.Event(),
+        lease=lease,
+    )
+    settle = {"worker_id": worker_id, "lease_token": lease["lease_token"]}
+    try:
+        execute_task(lease["payload"], ctx)
+    except BaseException as exc:
+        service.fail(
+            lease["job_id"],
+            error=str(exc) or type(exc).__name__,
+            retryable=not isinstance(exc, NonRetryableError),
+            **settle,
+        )
+        return lease, exc
+    service.ack(lease["job_id"], **settle)
+    return lease, None
+
+
+@pytest.fixture
+def signals() -> Iterator[list[tuple[str, str]]]:
+    """Record (signal, status) of every task signal sent."""
+    seen: list[tuple[str, str]] = []
+
+    def on(name: str) -> Any:
+        def receiver(sender: Any, task_result: Any, **kwargs: Any) -> None:
+            seen.append((name, str(task_result.status)))
+
+        return receiver
+
+    receivers = {
+        task_enqueued: on("enqueued"),
+        task_started: on("started"),
+        task_finished: on("finished"),
+    }
+    for signal, receiver in receivers.items():
+        signal.connect(receiver)
+    yield seen
+    for signal, receiver in receivers.items():
+        signal.disconnect(receiver)
+
+
+# -- the backend contract ------------------------------------------------------------------
+
+
+def test_backend_is_configured_and_its_flags_are_truthful() -> None:
+    backend = task_backends["default"]
+    assert isinstance(backend, RelayBackend)
+    assert backend.supports_defer
+    assert backend.supports_async_task
+    assert backend.supports_get_result
+    assert backend.supports_priority
+    assert backend.check() == []
+
+
+@pytest.mark.parametrize(
+    ("priority", "relay_class"),
+    [
+        (-100, "low"),
+        (-34, "low"),
+        (-33, "normal"),
+        (0, "normal"),
+        (33, "normal"),
+        (34, "high"),
+        (66, "high"),
+        (67, "critical"),
+        (100, "critical"),
+    ],
+)
+def test_priority_maps_onto_relay_classes(priority: int, relay_class: str) -> None:
+    assert relay_priority(priority) == relay_class
+    result = tasks.add.using(priority=priority).enqueue(1, 2)
+    assert Job.objects.get(pk=result.id).get_priority_display() == relay_class
+    assert result.task.priority == priority
+    assert tasks.add.get_result(result.id).task.priority == priority
+
+
+def test_enqueue_submits_a_relay_job(signals: list[tuple[str, str]]) -> None:
+    result = tasks.send_welcome.enqueue(42, greeting="hi")
+    assert result.id.startswith("job_")
+    assert result.status == TaskResultStatus.READY
+    assert result.enqueued_at is not None
+    assert result.args == [42]
+    assert result.kwargs == {"greeting": "hi"}
+    assert result.backend == "default"
+    job = Job.objects.get(pk=result.id)
+    assert job.queue == "emails"
+    assert job.state == "ready"
+    assert job.get_priority_display() == "high"  # priority=50
+    assert signals == [("enqueued", "READY")]
+    fetched = tasks.send_welcome.get_result(result.id)
+    assert fetched.status == TaskResultStatus.READY
+    assert fetched.task.queue_name == "emails"
+    assert fetched.args == [42]
+    assert fetched.kwargs == {"greeting": "hi"}
+    assert fetched.attempts == 0
+    assert not fetched.is_finished
+    with pytest.raises(ValueError, match="not finished"):
+        _ = fetched.return_value
+
+
+def test_run_after_defers_the_job() -> None:
+    run_after = dt.datetime.now(tz=dt.UTC) + dt.timedelta(hours=1, microseconds=500)
+    result = tasks.add.using(run_after=run_after).enqueue(1, 1)
+    job = Job.objects.get(pk=result.id)
+    assert job.state == "pending"
+    assert job.available_at_ms == math.ceil(run_after.timestamp() * 1000)
+    fetched = default_task_backend.get_result(result.id)
+    assert fetched.status == TaskResultStatus.READY
+    assert fetched.task.run_after is not None
+    assert abs(fetched.task.run_after - run_after) < dt.timedelta(milliseconds=1)
+
+
+@pytest.mark.parametrize("queue_name", ["bad queue", "-leading", "x" * 129])
+def test_queue_name_must_be_a_relay_queue(queue_name: str) -> None:
+    with pytest.raises(InvalidTask, match="not a Relay queue name"):
+        tasks.add.using(queue_name=queue_name)
+
+
+def test_queues_setting_limits_queue_names() -> None:
+    with override_settings(TASKS={"default": {"BACKEND": BACKEND, "QUEUES": ["default"]}}):
+        with pytest.raises(InvalidTask, match="not valid for backend"):
+            tasks.add.using(queue_name="emails")
+        assert tasks.add.enqueue(1, 2).status == TaskResultStatus.READY
+
+
+def test_naive_run_after_and_bad_arguments_are_refused() -> None:
+    with pytest.raises(InvalidTask, match="aware"):
+        tasks.add.using(run_after=dt.datetime(2030, 1, 1))
+    with pytest.raises(TypeError, match="Unsupported type"):
+        tasks.add.enqueue(object(), 1)
+    assert Job.objects.count() == 0
+
+
+def test_system_checks_report_misconfiguration() -> None:
+    backend = RelayBackend(
+        "bad",
+        {
+            "QUEUES": ["ok", "not ok"],
+            "OPTIONS": {"DATABASE": "nope", "MAX_RETRIES": -1, "TYPO": 1},
+        },
+    )
+    ids = [message.id for message in backend.check()]
+    assert ids == ["relay.E102", "relay.E103", "relay.E104", "relay.E105"]
+
+
+# -- results: every status, return values, errors ---------------------------------------
+
+
+def test_lifecycle_ready_running_successful(
+    worker_service: QueueService, signals: list[tuple[str, str]]
+) -> None:
+    result = tasks.add.enqueue(2, 3)
+    (lease,) = worker_service.claim(["default"], worker_id="w1")
+    running = tasks.add.get_result(result.id)
+    assert running.status == TaskResultStatus.RUNNING
+    assert running.worker_ids == ["w1"]
+    assert running.started_at is not None
+    assert running.started_at == running.last_attempted_at
+    worker_service.release(lease["job_id"], worker_id="w1", lease_token=lease["lease_token"])
+
+    _, error = run_next(worker_service, worker_id="w2")
+    assert error is None
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 5
+    assert result.is_finished
+    assert result.finished_at is not None
+    assert result.errors == []
+    assert result.worker_ids == ["w1", "w2"]  # one entry per delivery
+    assert result.attempts == 2
+    assert signals == [
+        ("enqueued", "READY"),
+        ("started", "RUNNING"),
+        ("finished", "SUCCESSFUL"),
+    ]
+
+
+def test_failures_are_retried_then_failed_with_errors(worker_service: QueueService) -> None:
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=1)):
+        result = tasks.fail.enqueue("bad input")
+        _, error = run_next(worker_service)
+        assert isinstance(error, ValueError)
+        retrying = tasks.fail.get_result(result.id)
+        assert retrying.status == TaskResultStatus.READY  # ready to be executed again
+        assert len(retrying.errors) == 1
+        Job.objects.filter(pk=result.id).update(available_at_ms=0)  # make the retry due now
+        run_next(worker_service)
+        result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert result.is_finished
+    assert len(result.errors) == 2
+    assert result.errors[-1].exception_class is ValueError
+    assert "ValueError: bad input" in result.errors[-1].traceback
+    with pytest.raises(ValueError, match="Task failed"):
+        _ = result.return_value
+
+
+def test_non_retryable_error_fails_at_once(worker_service: QueueService) -> None:
+    result = tasks.refuse.enqueue("no way")
+    run_next(worker_service)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert result.errors[0].exception_class is NonRetryableError
+    assert Job.objects.get(pk=result.id).dead_reason == "non-retryable: no way"
+
+
+def test_return_value_that_is_not_json_fails_the_attempt(worker_service: QueueService) -> None:
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=0)):
+        result = tasks.not_json.enqueue()
+        run_next(worker_service)
+        result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert result.errors[0].exception_class is TypeError
+
+
+def test_takes_context_sees_the_delivery_number(worker_service: QueueService) -> None:
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=2)):
+        result = tasks.attempt_number.enqueue(fail_until=1)
+        run_next(worker_service)
+        Job.objects.filter(pk=result.id).update(available_at_ms=0)
+        run_next(worker_service)
+        result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 2
+    assert [error.exception_class for error in result.errors] == [RuntimeError]
+
+
+def test_async_task_runs(worker_service: QueueService) -> None:
+    result = tasks.async_double.enqueue(21)
+    run_next(worker_service)
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 42
+
+
+def test_expired_lease_reads_as_an_error() -> None:
+    clock = FakeClock()
+    clock.set_ms(QueueService().clock.now_ms())  # the backend reads times on the wall clock
+    service = QueueService(clock=clock)
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=0)):
+        result = tasks.add.enqueue(1, 2)
+        service.claim(["default"], worker_id="w1", lease_ms=1_000)
+        clock.advance(seconds=2)
+        service.expire_leases()
+        result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    assert result.errors[0].exception_class is LeaseExpired
+
+
+def test_failure_without_a_recorded_traceback_keeps_the_error_text(
+    worker_service: QueueService,
+) -> None:
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=0)):
+        result = tasks.add.enqueue(1, 2)
+        (lease,) = worker_service.claim(["default"], worker_id="w1")
+        worker_service.fail(
+            lease["job_id"], worker_id="w1", lease_token=lease["lease_token"], error="oom"
+        )
+        result.refresh()
+    assert result.errors[0].exception_class is TaskAttemptFailed
+    assert result.errors[0].traceback == "oom"
+
+
+def test_unknown_foreign_and_mismatched_results() -> None:
+    with pytest.raises(TaskResultDoesNotExist):
+        default_task_backend.get_result("job_01JD000000000000000000000")
+    with pytest.raises(TaskResultDoesNotExist):
+        default_task_backend.get_result("not an id")
+    with pytest.raises(TaskResultDoesNotExist):
+        default_task_backend.get_result("task_01JD000000000000000000000")
+    plain = QueueService().submit("default", {"hello": "world"})["job"]
+    with pytest.raises(TaskResultDoesNotExist):
+        default_task_backend.get_result(plain["id"])
+    result = tasks.add.enqueue(1, 2)
+    with pytest.raises(TaskResultMismatch):
+        tasks.fail.get_result(result.id)
+
+
+def test_worker_refuses_payloads_that_are_not_tasks(worker_service: QueueService) -> None:
+    worker_service.submit("default", {"task": "tests.tasks_app.tasks.nope"})
+    _, error = run_next(worker_service)
+    assert isinstance(error, NonRetryableError)
+    assert "cannot load the task" in str(error)
+    worker_service.submit("default", {"task": "x", "args": [], "kwargs": {}, "backend": "zz"})
+    _, error = run_next(worker_service)
+    assert isinstance(error, NonRetryableError)
+    assert "no task backend 'zz'" in str(error)
+    worker_service.submit("default", [1, 2])
+    _, error = run_next(worker_service)
+    assert isinstance(error, NonRetryableError)
+
+
+def test_aenqueue_and_aget_result(worker_service: QueueService) -> None:
+    async def enqueue() -> str:
+        result = await tasks.add.aenqueue(20, 22)
+        return result.id
+
+    result_id = asyncio.run(enqueue())
+    run_next(worker_service)
+
+    async def fetch() -> Any:
+        result = await tasks.add.aget_result(result_id)
+        await result.arefresh()
+        return result
+
+    result = asyncio.run(fetch())
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 42
+
+
+# -- transactional enqueue ----------------------------------------------------------------
+
+
+def committed_elsewhere(job_id: str) -> bool:
+    """Whether another connection (another thread) sees the job: only committed rows."""
+    seen: list[bool] = []
+
+    def look() -> None:
+        try:
+            seen.append(Job.objects.filter(pk=job_id).exists())
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=look)
+    thread.start()
+    thread.join()
+    return seen == [True]
+
+
+def test_enqueue_inside_a_committed_transaction_appears_at_commit(
+    worker_service: QueueService, signals: list[tuple[str, str]]
+) -> None:
+    with transaction.atomic():
+        result = tasks.add.enqueue(1, 2)
+        assert result.id.startswith("job_")
+        assert Job.objects.filter(pk=result.id).exists()  # in this transaction only
+        assert not committed_elsewhere(result.id)
+        assert signals == []  # sent on commit
+    assert committed_elsewhere(result.id)
+    assert signals == [("enqueued", "READY")]
+    assert tasks.add.get_result(result.id).status == TaskResultStatus.READY
+    run_next(worker_service)
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == 3
+
+
+def test_enqueue_inside_a_rolled_back_transaction_never_appears(
+    worker_service: QueueService, signals: list[tuple[str, str]]
+) -> None:
+    with transaction.atomic():
+        result = tasks.add.enqueue(1, 2)
+        transaction.set_rollback(True)
+    assert Job.objects.count() == 0
+    assert worker_service.claim(["default"], worker_id="w1") == []
+    assert signals == []
+    with pytest.raises(TaskResultDoesNotExist):
+        tasks.add.get_result(result.id)
+
+
+def test_enqueue_in_a_savepoint_rolls_back_alone(worker_service: QueueService) -> None:
+    with transaction.atomic():
+        kept = tasks.add.enqueue(1, 2)
+        with transaction.atomic():
+            tasks.add.enqueue(3, 4)
+            transaction.set_rollback(True)
+    assert list(Job.objects.values_list("id", flat=True)) == [kept.id]
+
+
+def test_missing_immediate_transaction_mode_is_warned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delitem(settings.DATABASES["default"]["OPTIONS"], "transaction_mode")
+    backend = RelayBackend("default", {"QUEUES": []})
+    assert [message.id for message in backend.check()] == ["relay.W106"]

@@ -1,0 +1,37 @@
+"""Application handlers for ``relay_worker --app tests.tasks_app.handlers.HANDLERS``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from queue_core.worker import JobContext, NonRetryableError
+
+
+def echo(payload: Any, ctx: JobContext) -> dict[str, Any]:
+    """Succeed (the return value is ignored by the worker)."""
+    return {"echo": payload, "attempt": ctx.attempt}
+
+
+def boom(payload: Any, ctx: JobContext) -> None:
+    """Fail with the payload's message (retried)."""
+    raise RuntimeError(payload.get("message", "boom"))
+
+
+def refuse(payload: Any, ctx: JobContext) -> None:
+    """Fail for good (dead-lettered at once)."""
+    raise NonRetryableError("refused: bad input")
+
+
+async def async_ok(payload: Any, ctx: JobContext) -> None:
+    """An ``async def`` handler."""
+    await asyncio.sleep(0)
+
+
+def hang(payload: Any, ctx: JobContext) -> None:
+    """Ignore the shutdown event and block for ``payload["seconds"]`` (60 by default)."""
+    threading.Event().wait(float(payload.get("seconds", 60)))
+
+
+HANDLERS = {"echo": echo, "boom": boom, "refuse": refuse, "async_ok": async_ok, "hang": hang}
