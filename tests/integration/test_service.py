@@ -658,6 +658,7 @@ def test_submit_inside_atomic_commits_or_rolls_back_with_the_caller(
 
     with transaction.atomic():
         kept = service.submit("q", {"kept": True})["job"]["id"]
+
     def rolled_back() -> None:
         with transaction.atomic():
             service.submit("q", {"kept": False})
