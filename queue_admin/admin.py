@@ -50,6 +50,7 @@ else:  # ModelAdmin is generic only in django-stubs
     _AdminBase = admin.ModelAdmin
 
 admin.site.site_header = "Relay operator console"
+admin.site.site_url = None  # the project serves no site at "/": no "View site" link
 admin.site.site_title = "Relay"
 admin.site.index_title = "Operator console"
 admin.site.index_template = "queue_admin/index.html"

@@ -326,7 +326,8 @@ def authorize(principal: Principal, op: str, *, surface: str, peer: str) -> None
         f"scope:{op}", surface=surface, peer=peer, prefix=principal.prefix, code="PERMISSION_DENIED"
     )
     raise errors.PermissionDenied(
-        f"key {principal.name!r} (scopes {','.join(sorted(principal.scopes))}) may not {op}",
+        f"key {principal.name!r} (scopes {','.join(sorted(principal.scopes))}) "
+        f"may not use op {op!r}",
         op=op,
     )
 

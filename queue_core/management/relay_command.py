@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import io
+import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -122,7 +124,30 @@ def relay_errors(address: str) -> Iterator[None]:
         ) from exc
 
 
-class RelayClientCommand(BaseCommand):
+class RelayBaseCommand(BaseCommand):
+    """Base of every ``relay_*`` command: ``relay submit`` in usage lines, and errors printed as
+    ``CODE: message`` (without Django's ``CommandError:`` prefix) when run from a shell.
+    ``call_command`` still raises ``CommandError``."""
+
+    def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        """Name the parser ``relay <command>`` when run through the ``relay`` script."""
+        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        if os.path.basename(prog_name) == "relay":
+            parser.prog = f"relay {subcommand.removeprefix('relay_')}"
+        return parser
+
+    def execute(self, *args: Any, **options: Any) -> Any:
+        """Run the command; from a shell, print ``CODE: message`` and exit on CommandError."""
+        try:
+            return super().execute(*args, **options)
+        except CommandError as exc:
+            if not getattr(self, "_called_from_command_line", False) or options.get("traceback"):
+                raise
+            self.stderr.write(str(exc))
+            sys.exit(exc.returncode)
+
+
+class RelayClientCommand(RelayBaseCommand):
     """A command that opens one ``RelayClient`` and maps its errors to exit codes.
 
     Subclasses implement ``run(client, **options)`` and call ``super().add_arguments``.

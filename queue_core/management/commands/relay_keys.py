@@ -12,16 +12,21 @@ import io
 from typing import Any
 
 import orjson
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from rich.console import Console
 from rich.table import Table
 
 from queue_core import auth, errors
-from queue_core.management.relay_command import command_error, console_width, fmt_ms
+from queue_core.management.relay_command import (
+    RelayBaseCommand,
+    command_error,
+    console_width,
+    fmt_ms,
+)
 from queue_core.models import ApiKey
 
 
-class Command(BaseCommand):
+class Command(RelayBaseCommand):
     """Create, list and revoke API keys."""
 
     help = (

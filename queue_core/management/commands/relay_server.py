@@ -10,12 +10,13 @@ from typing import IO, Any
 
 from django.conf import settings
 from django.core.management import call_command
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError, connections
 
 from queue_core import metrics
 from queue_core.client import parse_address
 from queue_core.conf import relay_settings
+from queue_core.management.relay_command import RelayBaseCommand
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 
@@ -24,7 +25,7 @@ log = logging.getLogger("relay.server")
 EXIT_CORRUPT = 3
 
 
-class Command(BaseCommand):
+class Command(RelayBaseCommand):
     """Run the Relay TCP server until SIGTERM/SIGINT, then drain and exit 0.
 
     Exit codes: 0 after a graceful shutdown, 3 when the database fails its integrity check.

@@ -18,10 +18,11 @@ from types import FrameType
 from typing import Any
 
 import orjson
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import CommandParser
 
 from queue_core.conf import relay_settings
 from queue_core.management.relay_command import (
+    RelayBaseCommand,
     add_connection_arguments,
     invalid_argument,
     make_client,
@@ -32,7 +33,7 @@ from queue_core.worker import Handler, Worker, WorkerClient, demo_handler
 from queue_core.worker.runner import logger
 
 
-class Command(BaseCommand):
+class Command(RelayBaseCommand):
     """Build a ``Worker`` from the options, wire the signals, run it."""
 
     help = (
