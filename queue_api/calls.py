@@ -22,7 +22,7 @@ from queue_core.service import QueueService
 @functools.cache
 def service() -> QueueService:
     """The process's ``QueueService`` (thread-safe: each thread gets its own connection)."""
-    return QueueService(store=metrics.MeteredStore())
+    return QueueService(observer=metrics.observe)
 
 
 def context(request: HttpRequest) -> dispatch.Context:

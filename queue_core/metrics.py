@@ -5,8 +5,9 @@ process did; they start at zero when the process starts. Both surfaces record th
 same way: the TCP server and the HTTP API call the op table's handlers
 (``queue_core.protocol.dispatch``), each handler lists what happened as ``Event``s in its
 ``Outcome``, and the surface calls ``record()`` once the service call has committed. Lease
-expiries happen inside the service's sweeps, so ``MeteredStore`` notes them as their
-statements run and counts them when the transaction commits.
+expiries happen inside the service's sweeps, so the service reports them to ``observe`` (its
+``observer``) through ``Store.after_commit``: counted once the sweep commits, never if it
+rolls back.
 
 Gauges (``RelayCollector``) are read from the database at scrape time with the service's
 ``stats()`` (an index scan grouped by queue and state, plus one MIN per queue over the
@@ -19,12 +20,11 @@ See ``docs/metrics.md`` for which process exports what.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -40,7 +40,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from queue_core.store import Store, Tx
+from queue_core.store import Store
 
 log = logging.getLogger("relay.metrics")
 
@@ -156,64 +156,10 @@ def queue_of(job_id: str) -> str:
 # ---------------------------------------------------------------------- lease expiries
 
 
-class _MeteredTx(Tx):
-    """A ``Tx`` that notes the lease expiries its statements apply."""
-
-    def __init__(self, inner: Tx, pending: list[Event], queues: dict[str, str]) -> None:
-        super().__init__(inner._cursor)
-        self._pending = pending
-        self._queues = queues
-
-    def all(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Run query ``name``; remember the queue of each expired lease it finds."""
-        rows = super().all(name, params)
-        if name == "expired_leases":
-            self._queues.update((r["id"], r["queue"]) for r in rows)
-        return rows
-
-    def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
-        """Run statement ``name``; note an applied expiry (to ready or to dead)."""
-        changed = super().run(name, params)
-        if changed and name in ("expire_to_ready", "expire_to_dead") and params is not None:
-            queue = self._queues.get(str(params["job_id"]), "unknown")
-            self._pending.append(Event("lease_expired", queue))
-            if name == "expire_to_dead":
-                self._pending.append(Event("dead", queue))
-        return changed
-
-
-class MeteredStore(Store):
-    """A ``Store`` that counts lease expiries once their transaction commits.
-
-    Expiries happen inside ``QueueService`` sweeps (the reaper's ``expire_leases`` and the
-    sweep at the start of each ``claim``), whose results do not say how many leases expired.
-    This store watches the named statements that apply them, keeps the events per
-    transaction (a rolled-back savepoint drops its own), and records them after the
-    outermost COMMIT. It changes nothing about what runs.
-    """
-
-    def __init__(self, alias: str = "default") -> None:
-        super().__init__(alias)
-        self._meter = threading.local()
-
-    @contextlib.contextmanager
-    def immediate(self) -> Iterator[Tx]:
-        """``Store.immediate()``, counting the expiries it commits."""
-        outer = not self.in_transaction()
-        if outer:
-            self._meter.pending = []
-            self._meter.queues = {}
-        pending: list[Event] = self._meter.pending
-        mark = len(pending)
-        try:
-            with super().immediate() as tx:
-                yield _MeteredTx(tx, pending, self._meter.queues)
-        except BaseException:
-            del pending[mark:]
-            raise
-        if outer:
-            record(pending)
-            pending.clear()
+def observe(event: str, queue: str) -> None:
+    """``QueueService``'s observer: count a transition no request returns (a lease expiry,
+    and the dead letter it may cause). The service calls it after the sweep commits."""
+    record([Event(event, queue)])
 
 
 # ---------------------------------------------------------------------- gauges

@@ -12,11 +12,12 @@ Results are plain JSON-ready dicts in the shapes ``docs/protocol.md`` documents.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import secrets
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import orjson
@@ -143,6 +144,9 @@ class QueueService:
         clock: source of ``now_ms`` (default ``SystemClock()``); inject ``FakeClock`` in tests.
         rng: source of retry jitter (default an unseeded ``random.Random``). Lease tokens
             always come from ``secrets``, never from ``rng``.
+        observer: called as ``observer(event, queue)`` after the commit of a transition that
+            no caller sees happen: ``"lease_expired"`` and ``"dead"`` for each lease the sweeps
+            expire (metrics use it; the surfaces count what their own calls return).
     """
 
     def __init__(
@@ -150,10 +154,12 @@ class QueueService:
         store: Store | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        observer: Callable[[str, str], None] | None = None,
     ) -> None:
         self.store = store or Store()
         self.clock: Clock = clock or SystemClock()
         self.rng = rng or random.Random()
+        self.observer = observer
 
     @property
     def settings(self) -> RelaySettings:
@@ -792,8 +798,11 @@ class QueueService:
             params = {"job_id": r["id"], "attempt": r["attempt"], "now_ms": now}
             if r["failures"] + 1 > r["max_retries"]:
                 tx.run("expire_to_dead", params)
+                self._observe("lease_expired", r["queue"])
+                self._observe("dead", r["queue"])
             else:
                 tx.run("expire_to_ready", params)
+                self._observe("lease_expired", r["queue"])
                 queues[r["queue"]] = None
             self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", "lease expired")
             log.info(
@@ -803,6 +812,10 @@ class QueueService:
                 extra={"event": "lease_expired", "job_id": r["id"], "attempt": r["attempt"]},
             )
         return list(queues)
+
+    def _observe(self, event: str, queue: str) -> None:
+        if self.observer is not None:
+            self.store.after_commit(functools.partial(self.observer, event, queue))
 
     def recover(self) -> int:
         """Release every lease at server start (LEASED -> READY), without counting a failure.

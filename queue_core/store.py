@@ -22,11 +22,11 @@ import random
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import resources
 from typing import Any
 
-from django.db import DatabaseError, OperationalError, connections
+from django.db import DatabaseError, OperationalError, connections, transaction
 
 from queue_core.conf import relay_settings
 from queue_core.errors import StoreBusy
@@ -130,9 +130,14 @@ class Store:
             # (docs/benchmarking.md).
             yield from self._savepoint(conn, self._local.cursor, depth)
             return
+        self._local.after = []
         with conn.cursor() as cursor:
             if conn.in_atomic_block:
                 yield from self._savepoint(conn, cursor, depth)
+                # The caller's transaction decides: Django runs these after its COMMIT.
+                for fn in self._local.after:
+                    transaction.on_commit(fn, using=self.alias)
+                self._local.after = []
                 return
             self._begin_immediate(cursor)
             self._local.depth = 1
@@ -141,12 +146,14 @@ class Store:
                 yield Tx(cursor)
             except BaseException:
                 self._local.depth = 0
+                self._local.after = []
                 with contextlib.suppress(Exception):
                     cursor.execute("ROLLBACK")
                 raise
             try:
                 cursor.execute("COMMIT")
             except OperationalError as exc:
+                self._local.after = []
                 with contextlib.suppress(Exception):
                     cursor.execute("ROLLBACK")
                 if _is_busy(exc):
@@ -155,6 +162,24 @@ class Store:
             finally:
                 self._local.depth = 0
                 self._local.cursor = None
+        callbacks, self._local.after = self._local.after, []
+        for fn in callbacks:
+            try:
+                fn()
+            except Exception:
+                log.exception("event=after_commit_failed")
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once this thread's write transaction has committed.
+
+        Dropped if the transaction, or the savepoint it was registered in, rolls back; run at
+        once outside a transaction. Inside a caller's ``atomic()`` it becomes Django's
+        ``transaction.on_commit``. Errors ``fn`` raises are logged, never propagated.
+        """
+        if not self.in_transaction():
+            fn()
+            return
+        self._local.after.append(fn)
 
     def _savepoint(self, conn: Any, cursor: Any, depth: int) -> Iterator[Tx]:
         """Run the body in ``SAVEPOINT relay_sp{depth}``: released on success, rolled back alone
@@ -165,9 +190,11 @@ class Store:
         raw.execute(f"SAVEPOINT {name}")
         self._local.depth = depth + 1
         self._local.cursor = cursor
+        mark = len(self._local.after)
         try:
             yield Tx(cursor)
         except BaseException:
+            del self._local.after[mark:]  # what this savepoint registered is undone with it
             raw.execute(f"ROLLBACK TO {name}")
             raw.execute(f"RELEASE {name}")
             raise

@@ -14,8 +14,8 @@ from django.test import RequestFactory, override_settings
 
 from queue_api import calls
 from queue_api.middleware import BodyLimitMiddleware
+from queue_core import metrics
 from queue_core.clock import FakeClock
-from queue_core.metrics import MeteredStore
 from queue_core.models import Job
 from queue_core.service import QueueService
 from tests.http.conftest import Api, problem
@@ -193,7 +193,7 @@ def test_expired_lease_is_refused_and_the_job_comes_back(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = FakeClock()
-    svc = QueueService(store=MeteredStore(), clock=clock)
+    svc = QueueService(observer=metrics.observe, clock=clock)
     monkeypatch.setattr(calls, "service", lambda: svc)
     job = submit(api, max_retries=2)
     held = lease(api, lease_ms=1_000)

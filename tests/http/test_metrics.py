@@ -1,5 +1,5 @@
-"""Relay's metrics: counters after commit, expiries seen by MeteredStore, gauges from the DB,
-and text every Prometheus parser accepts."""
+"""Relay's metrics: counters after commit, expiries reported by the service's observer,
+gauges from the DB, and text every Prometheus parser accepts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from queue_api import calls
 from queue_core import metrics
 from queue_core.clock import FakeClock
-from queue_core.metrics import MeteredStore
 from queue_core.service import QueueService
 from tests.http.conftest import Api, metric
 
@@ -120,7 +119,7 @@ def test_labels_never_carry_job_ids_or_error_texts(api: Api) -> None:
 
 def test_lease_expiries_are_counted_when_they_commit(transactional_db: None) -> None:
     clock = FakeClock()
-    svc = QueueService(store=MeteredStore(), clock=clock)
+    svc = QueueService(observer=metrics.observe, clock=clock)
     svc.submit("x1", {"n": 1}, max_retries=1)
     svc.submit("x1", {"n": 2}, max_retries=0)
     svc.claim(["x1"], worker_id="w", max_jobs=2, lease_ms=1_000)
@@ -134,7 +133,7 @@ def test_lease_expiries_are_counted_when_they_commit(transactional_db: None) -> 
 
 def test_rolled_back_expiries_are_not_counted(transactional_db: None) -> None:
     clock = FakeClock()
-    svc = QueueService(store=MeteredStore(), clock=clock)
+    svc = QueueService(observer=metrics.observe, clock=clock)
     svc.submit("x2", {"n": 1})
     svc.claim(["x2"], worker_id="w", lease_ms=1_000)
     clock.advance(seconds=2)
@@ -154,7 +153,7 @@ def test_rolled_back_expiries_are_not_counted(transactional_db: None) -> None:
 
 def test_http_claim_sweep_counts_expiries(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
-    svc = QueueService(store=MeteredStore(), clock=clock)
+    svc = QueueService(observer=metrics.observe, clock=clock)
     monkeypatch.setattr(calls, "service", lambda: svc)
     api.post("/api/v1/queues/x3/jobs", {"payload": 1})
     api.post("/api/v1/leases", {"queues": ["x3"], "worker_id": "w", "lease_ms": 1_000})

@@ -741,3 +741,41 @@ def test_read_replies_fit_one_frame(
     assert len(orjson.dumps(got)) <= 40_000
     assert got["history_omitted"] > 0
     assert got["history"][-1]["attempt"] == 30  # the newest attempts are the ones kept
+
+
+def test_after_commit_runs_only_what_committed(service: QueueService) -> None:
+    from django.db import transaction
+
+    store, ran = service.store, []
+
+    def register_then_fail(name: str) -> None:
+        with store.immediate():
+            store.after_commit(lambda: ran.append(name))
+            raise RuntimeError
+
+    store.after_commit(lambda: ran.append("now"))  # no transaction: at once
+    with store.immediate():
+        store.after_commit(lambda: ran.append("outer"))
+        with pytest.raises(RuntimeError):
+            register_then_fail("rolled back savepoint")
+        assert ran == ["now"]  # nothing before the COMMIT
+    assert ran == ["now", "outer"]
+    with pytest.raises(RuntimeError):
+        register_then_fail("rolled back transaction")
+    with transaction.atomic():
+        with store.immediate():
+            store.after_commit(lambda: ran.append("caller committed"))
+        assert ran == ["now", "outer"]
+    assert ran == ["now", "outer", "caller committed"]
+
+
+def test_observer_hears_each_expiry_after_commit(
+    service: QueueService, leased_job: Factory, clock: FakeClock
+) -> None:
+    heard: list[tuple[str, str]] = []
+    service.observer = lambda event, queue: heard.append((event, queue))
+    leased_job(queue="a", lease_ms=5_000, max_retries=1)
+    leased_job(queue="b", lease_ms=5_000, max_retries=0)
+    clock.advance(ms=5_000)
+    service.expire_leases()
+    assert sorted(heard) == [("dead", "b"), ("lease_expired", "a"), ("lease_expired", "b")]

@@ -91,8 +91,8 @@ class Command(RelayBaseCommand):
         # One server per database file: a second one (say, bin/setup run twice) must not
         # release the first one's live leases at its start. The lock lives as long as we do.
         self.lock = _lock_database(path)
-        # MeteredStore counts the lease expiries the service's sweeps commit.
-        service = QueueService(store=metrics.MeteredStore())
+        # The observer counts the lease expiries the service's sweeps commit.
+        service = QueueService(observer=metrics.observe)
         problems = service.store.quick_check()
         if problems:
             raise CommandError(
