@@ -1,0 +1,309 @@
+"""Processes and files for the benchmark: databases, ``relay_server``, ``relay_worker``, RSS.
+
+* ``template_db`` runs ``migrate`` once on an empty file; ``fresh_db`` copies it, so every
+  scenario starts on a fresh SQLite file with the shipped schema.
+* ``ServerProcess`` is a real ``relay_server`` subprocess on ``127.0.0.1:0``; the port comes
+  from its JSON ``event=ready`` log line on stderr (no sleeps).
+* ``WorkerProcess`` is a real ``relay_worker`` subprocess (the demo handler acks at once).
+* ``peak_rss_mb`` reads ``VmHWM`` (the kernel's high-water mark of resident memory) from
+  ``/proc/PID/status``; elsewhere it falls back to psutil's current RSS.
+* ``fill_backlog`` writes READY jobs straight into a file before its server starts: test
+  set-up (a recursive CTE in 100,000-row transactions with ``synchronous=OFF``), not a measured
+  path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+FILL_CHUNK = 100_000
+
+
+def django_cmd(*args: str) -> list[str]:
+    """``python -m django ARGS`` with the running interpreter (works installed or in a checkout)."""
+    return [sys.executable, "-m", "django", *args]
+
+
+def child_env(db_path: str, **extra: str) -> dict[str, str]:
+    """The environment for a Relay child process on ``db_path`` (JSON logs at info)."""
+    env = dict(os.environ)
+    env.setdefault("DJANGO_SETTINGS_MODULE", "relayproject.settings")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.update({"RELAY_DB": db_path, "PYTHONUNBUFFERED": "1", "RELAY_LOG": "info"})
+    env.update(extra)
+    return env
+
+
+def template_db(directory: Path) -> Path:
+    """Create ``directory/template.db`` with ``migrate`` and return its path.
+
+    Raises:
+        RuntimeError: ``migrate`` failed (its output is in the message).
+    """
+    path = directory / "template.db"
+    done = subprocess.run(
+        django_cmd("migrate", "--no-input", "--verbosity", "0"),
+        env=child_env(str(path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"migrate failed: {done.stderr.strip()[-2000:]}")
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return path
+
+
+def fresh_db(template: Path, directory: Path, name: str) -> Path:
+    """Copy the migrated template to ``directory/name.db`` and return the copy's path."""
+    path = directory / f"{name}.db"
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{path}{suffix}")
+    shutil.copyfile(template, path)
+    return path
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """Return the peak resident set of ``pid`` in MiB (``VmHWM``), or its current RSS, or None."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    try:
+        return round(float(psutil.Process(pid).memory_info().rss) / 2**20, 1)
+    except psutil.Error:
+        return None
+
+
+def cpu_s(pid: int | None) -> float | None:
+    """Return the user + system CPU seconds ``pid`` has used (all threads), or None."""
+    if pid is None:
+        return None
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return None
+    return float(times.user + times.system)
+
+
+def rss_mb(pid: int) -> float | None:
+    """Return the current resident set of ``pid`` in MiB, or None when it is gone."""
+    try:
+        return round(float(psutil.Process(pid).memory_info().rss) / 2**20, 1)
+    except psutil.Error:
+        return None
+
+
+class _Child:
+    """A child whose stderr JSON log lines are read as they come (the last 200 are kept)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
+        self.name = name
+        self.popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        self.pid = self.popen.pid
+        self.tail: deque[str] = deque(maxlen=200)
+        self._records: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._eof = False
+        self._max_rss = 0.0
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stderr is not None
+        for raw in self.popen.stderr:
+            text = raw.decode("utf-8", "replace").rstrip("\n")
+            record = None
+            if "ready" in text:  # parse only the lines waited for: a worker logs every job
+                try:
+                    record = json.loads(text)
+                except ValueError:
+                    record = None
+            with self._cond:
+                self.tail.append(text)
+                if isinstance(record, dict) and record.get("event") in ("ready", "worker_ready"):
+                    self._records.append(record)
+                    self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def wait_event(self, event: str, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+        """Return the first log record with ``event``, or raise RuntimeError with the log tail."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                for record in self._records:
+                    if record.get("event") == event:
+                        return record
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    why = "exited" if self._eof else f"gave no {event} line in {timeout_s:g} s"
+                    tail = "\n".join(list(self.tail)[-15:])
+                    raise RuntimeError(f"{self.name} {why}:\n{tail}")
+                self._cond.wait(left)
+
+    def peak_rss_mb(self) -> float | None:
+        """The process's peak RSS so far in MiB (see ``peak_rss_mb``)."""
+        return peak_rss_mb(self.pid)
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; return the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._reader.join(5)
+        if self.popen.stderr is not None:
+            self.popen.stderr.close()
+        return self.popen.returncode
+
+
+class ServerProcess(_Child):
+    """``relay_server --address 127.0.0.1:0 --db PATH`` as a subprocess, ready on return.
+
+    Attributes:
+        port: the bound port; ``address``: ``127.0.0.1:PORT``.
+    Raises:
+        RuntimeError: the server exited or did not log ``event=ready`` in time.
+    """
+
+    def __init__(self, db_path: Path, **env: str) -> None:
+        argv = django_cmd("relay_server", "--address", "127.0.0.1:0", "--db", str(db_path))
+        super().__init__(argv, child_env(str(db_path), **env), "relay_server")
+        try:
+            ready = self.wait_event("ready")
+        except BaseException:
+            self.stop()
+            raise
+        self.port = int(ready["port"])
+        self.address = f"127.0.0.1:{self.port}"
+
+
+class WorkerProcess(_Child):
+    """``relay_worker --address ADDR --queue Q --concurrency N`` as a subprocess, ready on return.
+
+    It runs the shipped demo handler (acks at once) and logs at the shipped ``info`` level.
+    """
+
+    def __init__(self, address: str, queue: str, concurrency: int, db_path: Path) -> None:
+        argv = django_cmd(
+            "relay_worker",
+            "--address",
+            address,
+            "--queue",
+            queue,
+            "--concurrency",
+            str(concurrency),
+            "--wait-ms",
+            "250",
+            "--shutdown-timeout-ms",
+            "5000",
+        )
+        super().__init__(argv, child_env(str(db_path)), "relay_worker")
+        try:
+            self.wait_event("worker_ready")
+        except BaseException:
+            self.stop()
+            raise
+
+
+def count_state(db_path: Path, state: str, queue: str = "bench") -> int:
+    """Count ``queue``'s jobs in ``state`` with a read-only connection (an index range count)."""
+    with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)) as conn:
+        conn.execute("PRAGMA busy_timeout=5000")
+        row = conn.execute(
+            "SELECT COUNT(*) FROM relay_job WHERE queue = ? AND state = ?", (queue, state)
+        ).fetchone()
+    return int(row[0])
+
+
+_FILL = """
+WITH RECURSIVE c(n) AS (SELECT :lo UNION ALL SELECT n + 1 FROM c WHERE n + 1 < :hi)
+INSERT INTO relay_job (
+    id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+    attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+SELECT printf('job_%026d', n), :queue, 'ready', n % 4,
+       '{"n":' || n || ',"pad":"' || :pad || '"}', NULL, NULL,
+       0, 0, 3, 'exponential', 1000, 300000, 1,
+       :now - (n * 7919) % :spread, NULL, :now - (n * 7919) % :spread, :now
+  FROM c
+"""
+
+
+def fill_backlog(
+    db_path: Path,
+    count: int,
+    *,
+    queue: str = "bench",
+    spread_ms: int = 600_000,
+    tick: Callable[[int], None] | None = None,
+) -> float:
+    """Insert ``count`` READY jobs over the four priority classes, aged 0..``spread_ms``.
+
+    Ages are scattered (``n * 7919 mod spread``), so rows do not arrive in index order, and
+    with a ten-minute spread aging lifts many of them to higher effective classes, as on a
+    queue that has fallen behind. Test set-up, not a measured path.
+
+    Returns:
+        The seconds the fill took.
+    """
+    start = time.perf_counter()
+    now = time.time_ns() // 1_000_000
+    with contextlib.closing(sqlite3.connect(db_path, isolation_level=None)) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=OFF")
+        conn.execute("PRAGMA cache_size=-262144")  # 256 MiB for the index builds
+        for lo in range(0, count, FILL_CHUNK):
+            hi = min(count, lo + FILL_CHUNK)
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(
+                _FILL,
+                {
+                    "lo": lo,
+                    "hi": hi,
+                    "queue": queue,
+                    "pad": "x" * 70,
+                    "now": now,
+                    "spread": spread_ms,
+                },
+            )
+            conn.execute("COMMIT")
+            if tick is not None:
+                tick(hi - lo)
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return round(time.perf_counter() - start, 2)

@@ -1,0 +1,356 @@
+"""The measurements. Each function runs one scenario and returns a JSON-ready dict.
+
+Throughputs are jobs per second over the window from the first client's start to the last
+one's end; latencies are per request, measured by the client (so they include the loopback
+round trip, the server's queueing and the fsync of the group commit that carried them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from queue_core import errors
+from queue_core.bench import floor, load, procs
+from queue_core.bench.stats import rate, summarize
+from queue_core.client import RelayClient
+
+Tick = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Env:
+    """What every scenario needs.
+
+    Attributes:
+        workdir: a temporary directory for database files (removed by the runner).
+        template: a migrated empty database to copy.
+        synchronous: the ``synchronous`` pragma the server uses (the floor uses the same).
+        run_id: a short id that makes queue names unique to this run.
+        deadline_s: the most any one load phase may take.
+    """
+
+    workdir: Path
+    template: Path
+    synchronous: str
+    run_id: str
+    deadline_s: float
+
+
+def _client(address: str) -> RelayClient:
+    return RelayClient(address, timeout_s=60.0, max_frame_bytes=load.MAX_FRAME_BYTES)
+
+
+def _processes(concurrency: int) -> int:
+    """Client processes for a concurrency level: 1 up to 4 clients, then one per 8 (min 2)."""
+    if concurrency <= 4:
+        return 1
+    return max(2, min(8, concurrency // 8))
+
+
+def _load_result(result: dict[str, Any]) -> dict[str, Any]:
+    """Replace the raw latency lists of ``load.run`` by their summaries."""
+    out = {k: v for k, v in result.items() if k != "latency_ms"}
+    out["latency_ms"] = {name: summarize(v) for name, v in result["latency_ms"].items()}
+    return out
+
+
+def _measured(server_pid: int | None, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run a load and add the server's CPU time per job (``server_cpu_us_per_job``).
+
+    CPU per job barely moves when other processes compete for the cores, so it shows a change
+    in the server's own work more reliably than a rate does on a busy machine.
+    """
+    before = procs.cpu_s(server_pid)
+    result = _load_result(run())
+    after = procs.cpu_s(server_pid)
+    per_job = None
+    if before is not None and after is not None and result["ops"]:
+        per_job = round((after - before) / result["ops"] * 1e6, 1)
+    result["server_cpu_us_per_job"] = per_job
+    return result
+
+
+# ------------------------------------------------------------------------------ the floor
+
+
+def floor_inserts(env: Env, one: int, batches: int, tick: Tick) -> dict[str, Any]:
+    """The raw floor for inserts: one per transaction, and 100 per transaction."""
+    body = _payload_text()
+    single = floor.insert_one(
+        str(procs.fresh_db(env.template, env.workdir, "floor-one")),
+        one,
+        body,
+        env.synchronous,
+        tick,
+    )
+    batch = floor.insert_batches(
+        str(procs.fresh_db(env.template, env.workdir, "floor-batch")),
+        batches,
+        100,
+        body,
+        env.synchronous,
+        tick,
+    )
+    return {"insert_one": single, "insert_batch100": batch}
+
+
+def floor_claim_ack(env: Env, count: int, tick: Tick) -> dict[str, Any]:
+    """The raw floor for claim (one transaction) + ack (one transaction)."""
+    path = str(procs.fresh_db(env.template, env.workdir, "floor-claim"))
+    return floor.claim_ack(path, count, _payload_text(), env.synchronous, tick)
+
+
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merge floor rounds: the best round (its rate and latencies) plus every round's rate.
+
+    The floor is measured before and after the Relay scenarios it is compared with. The
+    better round is the one the machine disturbed least; a disturbed floor would flatter
+    every Relay ratio, so the ratios are taken against the better one.
+    """
+    best = max(rounds, key=lambda r: r["per_s"])
+    out = dict(best)
+    out["rounds_per_s"] = [r["per_s"] for r in rounds]
+    return out
+
+
+def _payload_text() -> str:
+    import orjson
+
+    return orjson.dumps(load.payload(0), option=orjson.OPT_SORT_KEYS).decode()
+
+
+# ------------------------------------------------------------------------------ TCP
+
+
+def submit(
+    env: Env,
+    address: str,
+    *,
+    concurrency: int,
+    ops_per_thread: int,
+    batch: int | None,
+    server_pid: int | None = None,
+) -> dict[str, Any]:
+    """Producers submitting one job per request (``batch`` None) or ``batch`` per request."""
+    kind = "submit" if batch is None else "submit_batch"
+    out = _measured(
+        server_pid,
+        lambda: load.run(
+            address,
+            kind,
+            concurrency=concurrency,
+            processes=_processes(concurrency),
+            ops_per_thread=ops_per_thread,
+            deadline_s=env.deadline_s,
+            queue=f"bench-{env.run_id}-submit",
+            batch=batch or 1,
+        ),
+    )
+    out.update(transport="tcp", mode="single" if batch is None else f"batch{batch}")
+    return out
+
+
+def prefill(address: str, queue: str, count: int) -> None:
+    """Submit ``count`` jobs to ``queue`` in batches of 100 (set-up, not measured)."""
+    with _client(address) as client:
+        for lo in range(0, count, 100):
+            n = min(100, count - lo)
+            client.submit_batch(
+                [{"queue": queue, "payload": load.payload(lo + i)} for i in range(n)]
+            )
+
+
+def lease_ack(
+    env: Env, address: str, *, concurrency: int, jobs: int, server_pid: int | None = None
+) -> dict[str, Any]:
+    """``concurrency`` workers doing lease(max_jobs=1) -> ack until ``jobs`` are drained."""
+    queue = f"bench-{env.run_id}-lease{concurrency}"
+    prefill(address, queue, jobs)
+    out = _measured(
+        server_pid,
+        lambda: load.run(
+            address,
+            "lease_ack",
+            concurrency=concurrency,
+            processes=_processes(concurrency),
+            ops_per_thread=jobs,
+            deadline_s=env.deadline_s,
+            queue=queue,
+        ),
+    )
+    ops = out["per_thread_ops"]
+    # Fairness: the least-served worker's share relative to an even split.
+    out["least_served_share"] = round(min(ops) * len(ops) / max(1, sum(ops)), 3)
+    return out
+
+
+def submit_to_start(env: Env, address: str, *, samples: int, tick: Tick) -> dict[str, Any]:
+    """Idle server, one worker waiting in a long-poll: time from ``submit`` to the lease reply.
+
+    A producer submits one job at a time; a consumer thread long-polls ``lease`` (wait 5 s),
+    notes when the lease arrives, acks, and long-polls again. The producer waits until the
+    consumer is back in its long-poll (plus 2 ms for the request to reach the server) before
+    the next submit, so every sample starts on an idle server with a waiting worker.
+    """
+    queue = f"bench-{env.run_id}-s2s"
+    arrived: list[float] = []
+    sent: list[float] = []
+    waiting = threading.Event()
+    got = threading.Event()
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def consume() -> None:
+        with _client(address) as client:
+            while not stop.is_set():
+                waiting.set()
+                try:
+                    jobs = client.lease([queue], worker_id="bench-s2s", wait_ms=5000)
+                except (errors.RelayError, ConnectionError) as exc:
+                    problems.append(repr(exc))
+                    return
+                now = time.perf_counter()
+                waiting.clear()
+                for job in jobs:
+                    arrived.append(now)
+                    client.ack(job["job_id"], worker_id="bench-s2s", lease_token=job["lease_token"])
+                if jobs:
+                    got.set()
+
+    consumer = threading.Thread(target=consume, name="bench-s2s-consumer", daemon=True)
+    consumer.start()
+    submit_lat: list[float] = []
+    with _client(address) as producer:
+        try:
+            for n in range(samples):
+                if not waiting.wait(10) or problems:
+                    break
+                time.sleep(0.002)
+                got.clear()
+                t0 = time.perf_counter()
+                sent.append(t0)
+                producer.submit(queue, load.payload(n))
+                submit_lat.append((time.perf_counter() - t0) * 1000)
+                if not got.wait(10):
+                    problems.append(f"job {n} not leased within 10 s")
+                    break
+                tick(1)
+        finally:
+            stop.set()
+            with contextlib.suppress(errors.RelayError, ConnectionError):
+                producer.submit(queue, {"stop": True})  # ends the consumer's last long-poll
+    consumer.join(15)
+    pairs = min(len(sent), len(arrived))
+    lat = [(arrived[i] - sent[i]) * 1000 for i in range(pairs)]
+    return {
+        "samples": pairs,
+        "latency_ms": summarize(lat),
+        "submit_latency_ms": summarize(submit_lat),
+        "problems": problems[:3],
+    }
+
+
+def worker_drain(
+    env: Env,
+    server: procs.ServerProcess,
+    db_path: Path,
+    *,
+    jobs: int,
+    concurrency: int,
+    prefill_jobs: bool = True,
+) -> dict[str, Any]:
+    """Run a real ``relay_worker`` process until it has acked ``jobs`` jobs; its peak RSS and rate.
+
+    With ``prefill_jobs`` the queue is filled first over TCP; otherwise it drains the backlog
+    already in the file (queue ``bench``).
+    """
+    queue = f"bench-{env.run_id}-worker" if prefill_jobs else "bench"
+    if prefill_jobs:
+        prefill(server.address, queue, jobs)
+    before = procs.count_state(db_path, "succeeded", queue)
+    worker = procs.WorkerProcess(server.address, queue, concurrency, db_path)
+    start = time.perf_counter()
+    done = 0
+    try:
+        deadline = time.monotonic() + env.deadline_s
+        while time.monotonic() < deadline:
+            done = procs.count_state(db_path, "succeeded", queue) - before
+            if done >= jobs or worker.popen.poll() is not None:
+                break
+            time.sleep(0.05)
+        elapsed = time.perf_counter() - start
+        peak = worker.peak_rss_mb()
+    finally:
+        worker.stop()
+    return {
+        "concurrency": concurrency,
+        "jobs": done,
+        "seconds": round(elapsed, 3),
+        "per_s": rate(done, elapsed),
+        "worker_peak_rss_mb": peak,
+    }
+
+
+# ------------------------------------------------------------------------------ backlog
+
+
+def backlog(env: Env, size: int, *, claims: int, worker_jobs: int, tick: Tick) -> dict[str, Any]:
+    """Claim latency and server memory with ``size`` READY jobs waiting.
+
+    The file is filled directly (``procs.fill_backlog``) before its server starts; then one
+    worker does ``claims`` x lease(max_jobs=1) + ack, and, when ``worker_jobs`` > 0, a real
+    ``relay_worker`` drains that many more.
+    """
+    db_path = procs.fresh_db(env.template, env.workdir, f"backlog-{size}")
+    fill_s = procs.fill_backlog(db_path, size, tick=tick)
+    t0 = time.perf_counter()
+    server = procs.ServerProcess(db_path)
+    startup_s = time.perf_counter() - t0
+    try:
+        rss_idle = server.peak_rss_mb()
+        lease_lat: list[float] = []
+        ack_lat: list[float] = []
+        with _client(server.address) as client:
+            client.ping()
+            start = time.perf_counter()
+            for _ in range(claims):
+                a = time.perf_counter()
+                jobs = client.lease(["bench"], worker_id="bench-backlog", max_jobs=1)
+                b = time.perf_counter()
+                if not jobs:
+                    break
+                client.ack(
+                    jobs[0]["job_id"], worker_id="bench-backlog", lease_token=jobs[0]["lease_token"]
+                )
+                c = time.perf_counter()
+                lease_lat.append((b - a) * 1000)
+                ack_lat.append((c - b) * 1000)
+            elapsed = time.perf_counter() - start
+        worker = (
+            worker_drain(env, server, db_path, jobs=worker_jobs, concurrency=16, prefill_jobs=False)
+            if worker_jobs
+            else None
+        )
+        peak = server.peak_rss_mb()
+    finally:
+        server.stop()
+    both = [x + y for x, y in zip(lease_lat, ack_lat, strict=True)]
+    return {
+        "ready_jobs": size,
+        "fill_s": fill_s,
+        "server_startup_s": round(startup_s, 2),
+        "claims": len(lease_lat),
+        "lease_ack_per_s": rate(len(lease_lat), elapsed),
+        "lease_latency_ms": summarize(lease_lat),
+        "ack_latency_ms": summarize(ack_lat),
+        "lease_ack_latency_ms": summarize(both),
+        "server_rss_after_start_mb": rss_idle,
+        "server_peak_rss_mb": peak,
+        "worker": worker,
+    }
