@@ -213,10 +213,16 @@ class QueueService:
             try:
                 rows.append(self._prepare(spec.get("queue"), spec.get("payload"), options))
             except InvalidArgument as exc:
-                exc.details["index"] = index
+                field = f"jobs[{index}].{exc.details.get('field', '')}".rstrip(".")
+                exc.details.update(index=index, field=field)
+                exc.message = f"jobs[{index}].{exc.message}"
+                exc.args = (exc.message,)
                 raise
         with self.store.immediate() as tx:
-            return [self._insert(tx, row) for row in rows]
+            pending: list[dict[str, Any]] = []
+            results = [self._insert(tx, row, pending) for row in rows]
+            self._flush(tx, pending)
+            return results
 
     def _prepare(self, queue: Any, payload: Any, options: Mapping[str, Any]) -> dict[str, Any]:
         s = self.settings
@@ -263,11 +269,26 @@ class QueueService:
             "idempotency_key": v.idempotency_key(opt.get("idempotency_key")),
             "_delay_ms": delay_ms,
             "_run_at_ms": run_at_ms,
+            "_payload": payload,
         }
 
-    def _insert(self, tx: Tx, prepared: Mapping[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def _flush(tx: Tx, pending: list[dict[str, Any]]) -> None:
+        if pending:
+            tx.many("insert_job", pending)
+            pending.clear()
+
+    def _insert(
+        self, tx: Tx, prepared: Mapping[str, Any], pending: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
+        """Insert one prepared job, or queue it on ``pending`` for one ``executemany`` (a batch).
+
+        A job with an idempotency key flushes ``pending`` first, so a key repeated within one
+        batch finds the earlier job.
+        """
         now = self.clock.now_ms()
         row = dict(prepared)
+        payload = row.pop("_payload")
         delay_ms, run_at_ms = row.pop("_delay_ms"), row.pop("_run_at_ms")
         due = run_at_ms if run_at_ms is not None else now + delay_ms
         if due - now > self.settings.max_delay_ms:
@@ -277,6 +298,8 @@ class QueueService:
             )
         key = row["idempotency_key"]
         if key is not None:
+            if pending:
+                self._flush(tx, pending)
             bound = tx.one("find_idempotent", {"queue": row["queue"], "key": key})
             if bound is not None:
                 if bound["idempotency_expires_at_ms"] > now:
@@ -297,13 +320,16 @@ class QueueService:
             ready_since_ms=None if delayed else now,
             now_ms=now,
         )
-        tx.run("insert_job", row)
+        if pending is None or key is not None:
+            tx.run("insert_job", row)
+        else:
+            pending.append(row)
         view = {
             "id": row["id"],
             "queue": row["queue"],
             "state": str(row["state"]),
             "priority": _priority_name(row["priority"]),
-            "payload": orjson.loads(row["payload"]),
+            "payload": payload,
             "attempt": 0,
             "failures": 0,
             "max_retries": row["max_retries"],

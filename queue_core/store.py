@@ -22,7 +22,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -87,6 +87,10 @@ class Tx:
             return []
         cols = [d[0] for d in cur.description]
         return [dict(zip(cols, row, strict=True)) for row in rows]
+
+    def many(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Run statement ``name`` once per mapping in ``rows`` (``executemany``)."""
+        self._cursor.executemany(QUERIES[name], rows)
 
     def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
         """Run statement ``name``; return the number of rows it changed."""

@@ -779,3 +779,22 @@ def test_observer_hears_each_expiry_after_commit(
     clock.advance(ms=5_000)
     service.expire_leases()
     assert sorted(heard) == [("dead", "b"), ("lease_expired", "a"), ("lease_expired", "b")]
+
+
+def test_batch_with_a_key_repeated_inside_it_dedupes_against_itself(
+    service: QueueService,
+) -> None:
+    results = service.submit_batch(
+        [
+            {"queue": "q", "payload": 1},
+            {"queue": "q", "payload": {"a": 1}, "idempotency_key": "k"},
+            {"queue": "q", "payload": 2},
+            {"queue": "q", "payload": {"a": 1}, "idempotency_key": "k"},
+            {"queue": "q", "payload": 3},
+        ]
+    )
+    assert [r["deduplicated"] for r in results] == [False, False, False, True, False]
+    assert results[3]["job"]["id"] == results[1]["job"]["id"]
+    assert Job.objects.count() == 4
+    ids = [r["job"]["id"] for r in results]
+    assert sorted(set(ids)) == sorted(Job.objects.values_list("id", flat=True))
