@@ -133,6 +133,8 @@ class JobAttempt(models.Model):
     # succeeded | failed | lease_expired | released | recovered; NULL while running.
     outcome = models.CharField(max_length=16, null=True, blank=True)
     error = models.TextField(null=True, blank=True)
+    # A failed attempt's decision: when the retry was due, or NULL when it dead-lettered the job.
+    retry_at_ms = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "relay_attempt"

@@ -661,7 +661,9 @@ class QueueService:
                 params["reason"] = decision.dead_reason
                 tx.run("fail_dead", params)
                 state = JobState.DEAD
-            self._end_attempt(tx, job_id, lease["attempt"], now, "failed", error)
+            self._end_attempt(
+                tx, job_id, lease["attempt"], now, "failed", error, decision.retry_at_ms
+            )
         return {
             "job_id": job_id,
             "state": state.value,
@@ -673,26 +675,13 @@ class QueueService:
 
     def _repeated_fail(self, tx: Tx, job_id: str, attempt: Mapping[str, Any]) -> dict[str, Any]:
         """Answer a fail repeated with the token of an attempt that already failed: say what
-        that failure did (retry or dead letter), whatever happened to the job since."""
+        that failure did (its attempt row keeps the decision), whatever happened since."""
         row = self._job(tx, job_id)
-        latest = row["attempt"] == attempt["attempt"]
-        # It dead-lettered the job if the job is still dead from it, or a replay came after it
-        # and before the next delivery.
-        next_start = min(
-            (
-                a["started_at_ms"]
-                for a in tx.all("attempts_of", {"job_id": job_id})
-                if a["attempt"] > attempt["attempt"]
-            ),
-            default=None,
+        dead = attempt["retry_at_ms"] is None
+        still = row["attempt"] == attempt["attempt"] and row["state"] in (
+            JobState.RETRYING,
+            JobState.DEAD,
         )
-        dead = (latest and row["state"] == JobState.DEAD) or any(
-            e["event"] == "replayed"
-            and e["at_ms"] >= attempt["ended_at_ms"]
-            and (next_start is None or e["at_ms"] <= next_start)
-            for e in tx.all("events_of", {"job_id": job_id})
-        )
-        still = latest and row["state"] in (JobState.RETRYING, JobState.DEAD)
         return {
             "job_id": job_id,
             "state": (JobState.DEAD if dead else JobState.RETRYING).value,
@@ -778,7 +767,14 @@ class QueueService:
         )
 
     def _end_attempt(
-        self, tx: Tx, job_id: str, attempt: int, now: int, outcome: str, error: str | None
+        self,
+        tx: Tx,
+        job_id: str,
+        attempt: int,
+        now: int,
+        outcome: str,
+        error: str | None,
+        retry_at_ms: int | None = None,
     ) -> None:
         tx.run(
             "end_attempt",
@@ -788,6 +784,7 @@ class QueueService:
                 "now_ms": now,
                 "outcome": outcome,
                 "error": error,
+                "retry_at_ms": retry_at_ms,
             },
         )
 

@@ -121,9 +121,11 @@ INSERT INTO relay_attempt (job_id, attempt, worker_id, lease_token, started_at_m
 VALUES (%(job_id)s, %(attempt)s, %(worker_id)s, %(token)s, %(now_ms)s);
 
 -- name: end_attempt
--- Close the history row of a delivery. Params: job_id, attempt, now_ms, outcome, error.
+-- Close the history row of a delivery. Params: job_id, attempt, now_ms, outcome, error,
+-- retry_at_ms (a failure's retry time, NULL otherwise).
 UPDATE relay_attempt
-   SET ended_at_ms = %(now_ms)s, outcome = %(outcome)s, error = %(error)s
+   SET ended_at_ms = %(now_ms)s, outcome = %(outcome)s, error = %(error)s,
+       retry_at_ms = %(retry_at_ms)s
  WHERE job_id = %(job_id)s AND attempt = %(attempt)s AND ended_at_ms IS NULL;
 
 -- name: live_lease
@@ -188,7 +190,7 @@ SELECT state, lease_token, leased_by, lease_expires_at_ms
 
 -- name: attempt_by_token
 -- The delivery a lease token belonged to. Params: job_id, lease_token.
-SELECT attempt, worker_id, outcome, ended_at_ms
+SELECT attempt, worker_id, outcome, ended_at_ms, retry_at_ms
   FROM relay_attempt
  WHERE job_id = %(job_id)s AND lease_token = %(lease_token)s;
 

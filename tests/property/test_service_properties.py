@@ -177,12 +177,6 @@ def test_failures_retry_within_policy_bounds_then_dead_letter(
     audit_now()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: QueueService._repeated_fail infers what an earlier fail did from timestamps: "
-    "a replay in the same millisecond as the next delivery's start counts as 'between' them, "
-    "so the repeat of a fail that had retried answers state 'dead'",
-)
 def test_repeated_fail_reports_what_that_failure_did_within_one_millisecond(fresh: Any) -> None:
     service, clock = fresh()
     job = service.submit("q", {"n": 1}, max_retries=3, backoff="fixed", jitter=False)["job"]

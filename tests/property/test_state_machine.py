@@ -187,23 +187,6 @@ class QueueMachine(RuleBasedStateMachine):
         )
         assert tok.token == latest.token and tok.attempt == self.model[tok.job_id].attempt
 
-    def known_same_ms_replay_bug(self, tok: Token) -> bool:
-        """KNOWN BUG (see test_service_properties.py::
-        test_repeated_fail_reports_what_that_failure_did_within_one_millisecond): a repeated
-        fail that had retried is reported "dead" when a replay happened in the very millisecond
-        the next delivery started. Tolerated here only in exactly that case; delete this once
-        the strict xfail there passes."""
-        later = [
-            t.started_at
-            for t in self.leases.values()
-            if t.job_id == tok.job_id and t.attempt == tok.attempt + 1
-        ]
-        return (
-            tok.failed_to == "retrying"
-            and bool(later)
-            and later[0] in (self.model[tok.job_id].replays)
-        )
-
     def pick(self, tok: Token, how: str) -> tuple[Token, str]:
         """The lease a call names, and the worker making it.
 
@@ -364,8 +347,6 @@ class QueueMachine(RuleBasedStateMachine):
             # the retry time and reason only while the job still stands where it left it.
             result = self.service.fail(tok.job_id, retryable=retryable, **call)
             assert result["duplicate"] is True
-            if result["state"] != tok.failed_to and self.known_same_ms_replay_bug(tok):
-                return
             assert result["state"] == tok.failed_to
             still = job.attempt == tok.attempt and job.state in ("retrying", "dead")
             retrying = still and tok.failed_to == "retrying"
