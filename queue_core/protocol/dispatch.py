@@ -229,7 +229,9 @@ def _submit_batch(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outc
     results = svc.submit_batch(args["jobs"])
     # The producer has the payloads; echoing 1,000 of them back could outgrow a frame.
     slim = [
-        {
+        r
+        if "payload" not in r["job"]
+        else {
             "job": {k: v for k, v in r["job"].items() if k != "payload"},
             "deduplicated": r["deduplicated"],
         }
