@@ -90,6 +90,10 @@ DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.sqlite3",
         "NAME": RELAY_DB,
+        # Keep each HTTP worker thread's connection between requests: opening one per request,
+        # and the WAL checkpoint when a file's last connection closes, dominated HTTP submits.
+        "CONN_MAX_AGE": _env_int("RELAY_CONN_MAX_AGE_S", 60),
+        "CONN_HEALTH_CHECKS": True,
         "OPTIONS": {
             "timeout": RELAY_BUSY_TIMEOUT_MS / 1000,
             # atomic() takes the write lock at BEGIN: a deferred transaction that reads, then
