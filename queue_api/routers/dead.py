@@ -6,6 +6,7 @@ answer per job, so one job that is no longer dead does not undo the others.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.http import HttpRequest
@@ -64,15 +65,7 @@ def replay(request: HttpRequest, job_id: str) -> dict[str, Any]:
 )
 def replay_many(request: HttpRequest, body: JobIdsIn) -> dict[str, Any]:
     """Replay each job; per-job results (``ok`` with the job, or the error)."""
-    results: list[dict[str, Any]] = []
-    for job_id in body.job_ids:
-        try:
-            job = calls.run(request, "dead_retry", {"job_id": job_id})["job"]
-        except errors.RelayError as exc:
-            results.append({"job_id": job_id, "ok": False, "error": _item_error(exc)})
-        else:
-            results.append({"job_id": job_id, "ok": True, "job": job})
-    return {"results": results}
+    return _each(request, "dead_retry", body.job_ids, lambda result: {"job": result["job"]})
 
 
 @router.post(
@@ -83,15 +76,7 @@ def replay_many(request: HttpRequest, body: JobIdsIn) -> dict[str, Any]:
 )
 def purge_many(request: HttpRequest, body: JobIdsIn) -> dict[str, Any]:
     """Purge each job; per-job results."""
-    results: list[dict[str, Any]] = []
-    for job_id in body.job_ids:
-        try:
-            calls.run(request, "dead_purge", {"job_id": job_id})
-        except errors.RelayError as exc:
-            results.append({"job_id": job_id, "ok": False, "error": _item_error(exc)})
-        else:
-            results.append({"job_id": job_id, "ok": True})
-    return {"results": results}
+    return _each(request, "dead_purge", body.job_ids, lambda result: {})
 
 
 @router.delete(
@@ -105,5 +90,21 @@ def purge(request: HttpRequest, job_id: str) -> dict[str, Any]:
     return calls.run(request, "dead_purge", {"job_id": job_id})
 
 
-def _item_error(exc: errors.RelayError) -> dict[str, str]:
-    return {"code": exc.code, "message": exc.message}
+def _each(
+    request: HttpRequest,
+    op: str,
+    job_ids: list[str],
+    shape: Callable[[dict[str, Any]], dict[str, Any]],
+) -> dict[str, Any]:
+    """Run ``op`` for each job id, one transaction each; collect ``ok`` plus ``shape(result)``,
+    or the error, per job."""
+    results: list[dict[str, Any]] = []
+    for job_id in job_ids:
+        try:
+            result = calls.run(request, op, {"job_id": job_id})
+        except errors.RelayError as exc:
+            error = {"code": exc.code, "message": exc.message}
+            results.append({"job_id": job_id, "ok": False, "error": error})
+        else:
+            results.append({"job_id": job_id, "ok": True, **shape(result)})
+    return {"results": results}
