@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -198,15 +199,15 @@ def _job_effects(job: Mapping[str, Any]) -> tuple[set[str], int | None]:
 def _submitted(results: Iterable[Mapping[str, Any]], result: dict[str, Any]) -> Outcome:
     ready: set[str] = set()
     due: list[int] = []
-    events: list[metrics.Event] = []
+    counts: Counter[tuple[str, str]] = Counter()  # one metrics event per (kind, queue)
     for item in results:
         queues, at_ms = _job_effects(item["job"])
         ready |= queues
         if at_ms is not None:
             due.append(at_ms)
-        kind = "deduplicated" if item["deduplicated"] else "submitted"
-        events.append(metrics.Event(kind, item["job"]["queue"]))
-    return Outcome(result, frozenset(ready), min(due, default=None), tuple(events))
+        counts["deduplicated" if item["deduplicated"] else "submitted", item["job"]["queue"]] += 1
+    events = tuple(metrics.Event(kind, queue, n) for (kind, queue), n in counts.items())
+    return Outcome(result, frozenset(ready), min(due, default=None), events)
 
 
 def _hello(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
