@@ -79,7 +79,7 @@ class RetryPolicyOut(Schema):
 
 
 class JobSummaryOut(Schema):
-    """A job without its payload (batch submit results: the producer has the payloads)."""
+    """A job's fields other than its payload (``JobOut`` adds the payload)."""
 
     id: str
     queue: str
@@ -168,9 +168,12 @@ class SubmitOut(Schema):
 
 
 class BatchItemOut(Schema):
-    """One job of a batch submit, without its payload."""
+    """One job of a batch submit: its id and where it stands (the producer has the rest)."""
 
-    job: JobSummaryOut
+    job_id: str
+    queue: str
+    state: str
+    available_at_ms: int | None
     deduplicated: bool
 
 

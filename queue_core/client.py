@@ -489,7 +489,8 @@ class RelayClient:
             jobs: submit args dicts (``{"queue", "payload", ...}`` with the wire names used
                 by ``submit``), sent as given; at most ``RELAY_MAX_BATCH_SUBMIT``.
         Returns:
-            ``{"results": [{"job": Job, "deduplicated": bool}, ...]}`` in input order.
+            ``{"results": [{"job_id", "queue", "state", "available_at_ms", "deduplicated"},
+            ...]}`` in input order (ids, not whole jobs: ``inspect`` reads one).
         Raises:
             as ``submit``.
         """

@@ -164,6 +164,19 @@ def job_view(row: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _batch_entry(
+    job_id: str, queue: str, state: str, available_at_ms: int | None, deduplicated: bool
+) -> dict[str, Any]:
+    """One ``submit_batch`` result."""
+    return {
+        "job_id": job_id,
+        "queue": queue,
+        "state": state,
+        "available_at_ms": available_at_ms,
+        "deduplicated": deduplicated,
+    }
+
+
 class QueueService:
     """Submit, lease, renew, ack, fail, release, replay, purge, expire and recover jobs.
 
@@ -227,8 +240,11 @@ class QueueService:
             specs: up to ``RELAY_MAX_BATCH_SUBMIT`` mappings with ``queue``, ``payload`` and the
                 options ``submit`` takes.
         Returns:
-            One ``{"job", "deduplicated"}`` per spec, in order; a new job's view leaves out its
-            payload (the producer has it, and 1,000 of them could outgrow a reply frame).
+            One ``{"job_id", "queue", "state", "available_at_ms", "deduplicated"}`` per spec,
+            in order: what a producer needs to track its jobs, not their whole views (the
+            producer has the payloads and options, and 1,000 views would cost more to build,
+            send and parse than to insert; SQS's ``SendMessageBatch`` answers ids too).
+            ``state`` is the job's state now (``ready`` or ``pending`` for a new job).
         Raises:
             InvalidArgument (``details["index"]`` names the bad spec), FrameTooLarge,
             IdempotencyConflict, StoreBusy.
@@ -369,7 +385,12 @@ class QueueService:
                             "different payload",
                             job_id=bound["id"],
                         )
-                    return {"job": self._job(tx, bound["id"]), "deduplicated": True}
+                    job = self._job(tx, bound["id"])
+                    if pending is not None:
+                        return _batch_entry(
+                            job["id"], job["queue"], job["state"], job["available_at_ms"], True
+                        )
+                    return {"job": job, "deduplicated": True}
                 tx.run("unbind_idempotency_key", {"job_id": bound["id"]})
         delayed = due > now
         job_id = f"job_{_ULIDS.new(now)}"
@@ -386,6 +407,8 @@ class QueueService:
             tx.run("insert_job", row)
         else:
             pending.append(row)
+        if pending is not None:
+            return _batch_entry(job_id, row["queue"], state, available_at_ms, False)
         view: dict[str, Any] = {
             "id": job_id,
             "queue": row["queue"],
@@ -411,8 +434,6 @@ class QueueService:
             "last_error": None,
             "dead_reason": None,
         }
-        if pending is not None:  # a batch's results leave the payloads out (the producer has them)
-            del view["payload"]
         return {"job": view, "deduplicated": False}
 
     # ------------------------------------------------------------------ reads

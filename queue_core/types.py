@@ -15,6 +15,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 __all__ = [
     "AckResult",
     "Attempt",
+    "BatchEntry",
     "DeadListResult",
     "DeadPurgeResult",
     "FailResult",
@@ -123,10 +124,20 @@ class SubmitResult(TypedDict):
     deduplicated: bool
 
 
-class SubmitBatchResult(TypedDict):
-    """``submit_batch``: one result per job, in order."""
+class BatchEntry(TypedDict):
+    """One job of a ``submit_batch``: its id and state now (``ready`` or ``pending`` when new)."""
 
-    results: list[SubmitResult]
+    job_id: str
+    queue: str
+    state: JobState
+    available_at_ms: int | None
+    deduplicated: bool
+
+
+class SubmitBatchResult(TypedDict):
+    """``submit_batch``: one entry per job, in order."""
+
+    results: list[BatchEntry]
 
 
 class LeaseResult(TypedDict):

@@ -19,7 +19,6 @@ commit is what lets many concurrent clients beat one fsync per request.
 
 from __future__ import annotations
 
-import re
 import secrets
 import sqlite3
 import time
@@ -28,20 +27,13 @@ from typing import Any
 
 from queue_core.bench.stats import rate, summarize
 
-_PARAM_RE = re.compile(r"%\((\w+)\)s")
-
 Tick = Callable[[int], None]
 
 
-def _named(sql: str) -> str:
-    """Turn Django's ``%(name)s`` placeholders into sqlite3's ``:name``."""
-    return _PARAM_RE.sub(r":\1", sql).replace("%%", "%")
-
-
 def _queries() -> dict[str, str]:
-    from queue_core.store import QUERIES  # Django is set up in the bench process
+    from queue_core.store import NAMED_QUERIES  # Django is set up in the bench process
 
-    return {name: _named(QUERIES[name]) for name in ("insert_job", "claim_by_id", "ack")}
+    return {name: NAMED_QUERIES[name] for name in ("insert_job", "claim_by_id", "ack")}
 
 
 def connect(path: str, synchronous: str, busy_timeout_ms: int = 5000) -> sqlite3.Connection:

@@ -189,6 +189,7 @@ def _jobs(field: str, value: Any) -> list[dict[str, Any]]:
 
 
 def _job_effects(job: Mapping[str, Any]) -> tuple[set[str], int | None]:
+    """The queue to wake, or the instant to promote at, for a job (or batch entry) just made."""
     if job["state"] == JobState.READY:
         return {job["queue"]}, None
     if job["state"] in (JobState.PENDING, JobState.RETRYING):
@@ -196,16 +197,16 @@ def _job_effects(job: Mapping[str, Any]) -> tuple[set[str], int | None]:
     return set(), None
 
 
-def _submitted(results: Iterable[Mapping[str, Any]], result: dict[str, Any]) -> Outcome:
+def _submitted(jobs: Iterable[tuple[Mapping[str, Any], bool]], result: dict[str, Any]) -> Outcome:
     ready: set[str] = set()
     due: list[int] = []
     counts: Counter[tuple[str, str]] = Counter()  # one metrics event per (kind, queue)
-    for item in results:
-        queues, at_ms = _job_effects(item["job"])
+    for job, deduplicated in jobs:
+        queues, at_ms = _job_effects(job)
         ready |= queues
         if at_ms is not None:
             due.append(at_ms)
-        counts["deduplicated" if item["deduplicated"] else "submitted", item["job"]["queue"]] += 1
+        counts["deduplicated" if deduplicated else "submitted", job["queue"]] += 1
     events = tuple(metrics.Event(kind, queue, n) for (kind, queue), n in counts.items())
     return Outcome(result, frozenset(ready), min(due, default=None), events)
 
@@ -223,22 +224,12 @@ def _ping(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 
 def _submit(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.submit(args.pop("queue"), args.pop("payload"), **args)
-    return _submitted([out], {"job": out["job"], "deduplicated": out["deduplicated"]})
+    return _submitted([(out["job"], out["deduplicated"])], out)
 
 
 def _submit_batch(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     results = svc.submit_batch(args["jobs"])
-    # The producer has the payloads; echoing 1,000 of them back could outgrow a frame.
-    slim = [
-        r
-        if "payload" not in r["job"]
-        else {
-            "job": {k: v for k, v in r["job"].items() if k != "payload"},
-            "deduplicated": r["deduplicated"],
-        }
-        for r in results
-    ]
-    return _submitted(results, {"results": slim})
+    return _submitted([(r, r["deduplicated"]) for r in results], {"results": results})
 
 
 def _lease(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:

@@ -282,6 +282,10 @@ class _Conn:
             if self.writer.is_closing():
                 return False
             self.writer.write(line)
+            if not self.writer.transport.get_write_buffer_size():
+                # The kernel took the whole line (the usual case): nothing to wait for. A
+                # failed write closes the transport, so it is reported as not sent.
+                return not self.writer.is_closing()
             try:
                 await asyncio.wait_for(self.writer.drain(), SEND_TIMEOUT_S)
             except TimeoutError:

@@ -273,7 +273,7 @@ def _submit_all(address: str, specs: list[dict[str, Any]]) -> list[str]:
     with RelayClient(address, timeout_s=60) as client:
         for start in range(0, len(specs), 200):
             results = client.submit_batch(specs[start : start + 200])["results"]
-            ids.extend(r["job"]["id"] for r in results)
+            ids.extend(r["job_id"] for r in results)
     return ids
 
 

@@ -94,7 +94,7 @@ def test_thousand_jobs_through_real_server_and_worker(spawn: Spawner) -> None:
         ids: list[str] = []
         for start in range(0, len(specs), 100):
             results = client.submit_batch(specs[start : start + 100])["results"]
-            ids.extend(r["job"]["id"] for r in results)
+            ids.extend(r["job_id"] for r in results)
         assert len(set(ids)) == 1000
         totals = wait_until_settled(client, 1000)
 

@@ -97,6 +97,9 @@ def test_batch_submit_creates_all_in_one_transaction(api: Api) -> None:
     again = api.post("/api/v1/jobs/batch", {"jobs": jobs})
     assert again.status_code == 200
     assert [r["deduplicated"] for r in again.json()["results"]] == [True] * 3
+    assert [r["job_id"] for r in again.json()["results"]] == [
+        r["job_id"] for r in first.json()["results"]
+    ]
 
 
 def test_batch_with_one_bad_job_creates_none(api: Api) -> None:

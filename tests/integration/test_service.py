@@ -123,8 +123,10 @@ def test_unencodable_payload_is_rejected(service: QueueService) -> None:
 
 def test_submit_batch_is_all_or_nothing(service: QueueService) -> None:
     results = service.submit_batch([{"queue": "q", "payload": i} for i in range(3)])
-    assert all("payload" not in r["job"] for r in results)  # the producer has them
-    stored = Job.objects.filter(id__in=[r["job"]["id"] for r in results]).order_by("id")
+    assert [(r["queue"], r["state"], r["deduplicated"]) for r in results] == [
+        ("q", "ready", False)
+    ] * 3
+    stored = Job.objects.filter(id__in=[r["job_id"] for r in results]).order_by("id")
     assert [row.payload for row in stored] == ["0", "1", "2"]
     with pytest.raises(errors.InvalidArgument) as exc:
         service.submit_batch([{"queue": "q", "payload": 1}, {"queue": "bad name", "payload": 2}])
@@ -138,6 +140,20 @@ def test_submit_batch_is_all_or_nothing(service: QueueService) -> None:
             ]
         )
     assert Job.objects.count() == 4
+
+
+def test_submit_batch_entries_name_state_and_due_time(
+    service: QueueService, clock: FakeClock
+) -> None:
+    now = clock.now_ms()
+    results = service.submit_batch(
+        [{"queue": "q", "payload": 1}, {"queue": "r", "payload": 2, "delay_ms": 5_000}]
+    )
+    assert [(r["queue"], r["state"], r["available_at_ms"]) for r in results] == [
+        ("q", "ready", None),
+        ("r", "pending", now + 5_000),
+    ]
+    assert service.get(results[1]["job_id"])["available_at_ms"] == now + 5_000
 
 
 @override_settings(RELAY_MAX_BATCH_SUBMIT=2)
@@ -796,7 +812,7 @@ def test_batch_with_a_key_repeated_inside_it_dedupes_against_itself(
         ]
     )
     assert [r["deduplicated"] for r in results] == [False, False, False, True, False]
-    assert results[3]["job"]["id"] == results[1]["job"]["id"]
+    assert results[3]["job_id"] == results[1]["job_id"]
     assert Job.objects.count() == 4
-    ids = [r["job"]["id"] for r in results]
+    ids = [r["job_id"] for r in results]
     assert sorted(set(ids)) == sorted(Job.objects.values_list("id", flat=True))
