@@ -199,7 +199,8 @@ def sections(doc: dict[str, Any]) -> list[Section]:
 
 def tables(doc: dict[str, Any]) -> list[RenderableType]:
     """The run as rich renderables."""
-    out: list[RenderableType] = [Text(headline(doc))]
+    # Two lines, each narrower than a terminal, rather than one wrapped inside the load list.
+    out: list[RenderableType] = [Text(headline(doc).replace("; load average", ";\nload average"))]
     for title, head, rows in sections(doc):
         table = Table(title=title, title_justify="left")
         for n, col in enumerate(head):
