@@ -291,7 +291,7 @@ class QueueService:
             opt = {k: val for k, val in options.items() if val is not None}
         else:
             opt = {}
-        row = self._default_options(s) if not opt else self._options(opt, s)
+        row = self._default_options(s) if not opt else self._options(opt, s, self.clock.now_ms())
         row["queue"] = v.queue_name(queue, s)
         row["payload"] = v.payload(payload, s)
         row["_payload"] = payload
@@ -305,7 +305,8 @@ class QueueService:
         return dict(cached[1])
 
     @staticmethod
-    def _options(opt: Mapping[str, Any], s: RelaySettings) -> dict[str, Any]:
+    def _options(opt: Mapping[str, Any], s: RelaySettings, now_ms: int = 0) -> dict[str, Any]:
+        """Validate submit options against ``s``; ``now_ms`` bounds ``run_at_ms`` (epoch ms)."""
         backoff = opt.get("backoff", s.default_backoff)
         if backoff not in ("fixed", "exponential"):
             raise InvalidArgument("backoff: must be 'fixed' or 'exponential'", field="backoff")
@@ -327,6 +328,11 @@ class QueueService:
         run_at_ms = opt.get("run_at_ms")
         if run_at_ms is not None:
             v.integer("run_at_ms", run_at_ms, lo=0)
+            if run_at_ms - now_ms > s.max_delay_ms:
+                raise InvalidArgument(
+                    f"run_at_ms: more than RELAY_MAX_DELAY_MS ({s.max_delay_ms} ms) ahead",
+                    field="run_at_ms",
+                )
         return {
             "priority": v.priority(opt.get("priority", "normal")),
             "max_retries": v.integer(
@@ -367,11 +373,6 @@ class QueueService:
         payload = row.pop("_payload")
         delay_ms, run_at_ms = row.pop("_delay_ms"), row.pop("_run_at_ms")
         due = run_at_ms if run_at_ms is not None else now + delay_ms
-        if due - now > s.max_delay_ms:
-            raise InvalidArgument(
-                f"run_at_ms: more than RELAY_MAX_DELAY_MS ({s.max_delay_ms} ms) ahead",
-                field="run_at_ms",
-            )
         key = row["idempotency_key"]
         if key is not None:
             if pending:

@@ -75,8 +75,11 @@ class Tx:
     text already in sqlite3's ``:name`` style and Django's error translation around them
     (``OperationalError`` for "database is locked", ``IntegrityError``...). Django's cursor
     wrapper re-spelled every query on every call, which made a statement cost 10.7 us
-    instead of 4.1 us (docs/benchmarking.md). When Django is recording queries (``DEBUG``,
-    ``CaptureQueriesContext``), they go through its debug cursor instead, so they are counted.
+    instead of 4.1 us (docs/benchmarking.md). Like Django's cursor, it refuses to run inside a
+    caller's ``atomic()`` block that already failed (``TransactionManagementError``). When
+    Django is recording queries (``DEBUG``, ``CaptureQueriesContext``) or a database
+    instrumentation hook is installed (``connection.execute_wrapper``), statements go through
+    Django's cursor instead, so they are counted and seen.
 
     Args:
         cursor: a Django cursor on the transaction's connection.
@@ -84,14 +87,16 @@ class Tx:
 
     def __init__(self, cursor: Any) -> None:
         self._cursor = cursor
-        self._debug = isinstance(cursor, CursorDebugWrapper)
+        self._db = cursor.db
+        self._django = isinstance(cursor, CursorDebugWrapper) or bool(self._db.execute_wrappers)
         self._raw = cursor.cursor  # Django's SQLiteCursorWrapper: a sqlite3.Cursor
-        self._errors = cursor.db.wrap_database_errors
+        self._errors = self._db.wrap_database_errors
 
     def _execute(self, name: str, params: Mapping[str, Any]) -> Any:
-        if self._debug:
+        if self._django:
             self._cursor.execute(QUERIES[name], params)
             return self._cursor
+        self._db.validate_no_broken_transaction()
         with self._errors:
             _RAW_EXECUTE(self._raw, NAMED_QUERIES[name], params)
         return self._raw
@@ -120,9 +125,10 @@ class Tx:
 
     def many(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
         """Run statement ``name`` once per mapping in ``rows`` (``executemany``)."""
-        if self._debug:
+        if self._django:
             self._cursor.executemany(QUERIES[name], rows)
             return
+        self._db.validate_no_broken_transaction()
         with self._errors:
             _RAW_EXECUTEMANY(self._raw, NAMED_QUERIES[name], rows)
 

@@ -768,6 +768,13 @@ class RelayServer:
                     lambda: verb.handler(self.service, args, ctx), claims=True
                 )
                 metrics.CLAIM_SECONDS.observe(loop.time() - started)
+                if conn.gone and outcome.result["jobs"]:
+                    # The client closed (EOF) while the claim ran: a normal close still lets
+                    # the reply into the kernel, so give the jobs back rather than lease them
+                    # to a socket nobody reads.
+                    worker_id = args.get("worker_id") or conn.peer
+                    await self._release_unsent(outcome.result["jobs"], worker_id)
+                    return dispatch.Outcome({"jobs": []})
                 remaining = deadline - loop.time()
                 if outcome.result["jobs"] or remaining <= 0 or self._draining or conn.gone:
                     return outcome

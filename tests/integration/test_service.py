@@ -6,7 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
+from django.db.transaction import TransactionManagementError
 from django.test.utils import override_settings
 
 from queue_core import errors
@@ -97,9 +98,46 @@ def test_submit_rejects_bad_options(
     assert Job.objects.count() == 0
 
 
+@override_settings(RELAY_MAX_DELAY_MS=600_000)
 def test_run_at_beyond_max_delay_is_rejected(service: QueueService, clock: FakeClock) -> None:
-    with pytest.raises(errors.InvalidArgument):
-        service.submit("q", {}, run_at_ms=clock.now_ms() + 31 * 24 * 3600 * 1000)
+    assert service.submit("q", {}, run_at_ms=clock.now_ms() + 600_000)["job"]["state"] == "pending"
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit("q", {}, run_at_ms=clock.now_ms() + 600_001)
+    assert exc.value.details["field"] == "run_at_ms"
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit_batch(
+            [{"queue": "q", "payload": 1}, {"queue": "q", "payload": 2, "run_at_ms": 2**62}]
+        )
+    assert exc.value.details == {"field": "jobs[1].run_at_ms", "index": 1}
+    assert Job.objects.count() == 1
+
+
+def test_submit_inside_a_failed_atomic_block_is_refused(service: QueueService) -> None:
+    # Like Django's own cursor: a job "submitted" into a transaction that will roll back
+    # would be lost without the producer hearing of it.
+    with transaction.atomic():
+        with (
+            pytest.raises(IntegrityError),
+            transaction.atomic(savepoint=False),
+            connection.cursor() as cursor,
+        ):
+            cursor.execute("INSERT INTO relay_job (id) VALUES (NULL)")
+        with pytest.raises(TransactionManagementError):
+            service.submit("q", {"x": 1})
+    assert Job.objects.count() == 0
+
+
+def test_database_instrumentation_hooks_see_the_statements(service: QueueService) -> None:
+    seen: list[str] = []
+
+    def spy(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        seen.append(sql.split()[0].upper())
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(spy):
+        service.submit("q", 1)
+        service.submit_batch([{"queue": "q", "payload": 2}, {"queue": "q", "payload": 3}])
+    assert seen.count("INSERT") == 2  # one execute, one executemany
 
 
 @pytest.mark.parametrize("name", ["", "-x", "a b", "é", "x" * 129, 7, None])

@@ -632,9 +632,43 @@ def test_lease_sent_by_a_client_that_hung_up_leaves_no_job_leased(server: Runnin
     ghost = Client(server.port)
     ghost.send("lease", queues=["cl"], max_jobs=5, wait_ms=5000)
     ghost.close()
-    # Either the server saw the hang-up before claiming, or it gave the jobs back at once.
-    wait_for(lambda: not Job.objects.filter(state="leased").exists())
+    # Either the server saw the hang-up before claiming, or it gave the jobs back at once; its
+    # connection is dropped only once the lease request has been answered.
+    wait_for(lambda: len(server.server._conns) == 1)
     assert sorted(Job.objects.values_list("state", flat=True)) == ["ready"] * 5
+    assert producer.ok("stats")["totals"]["dead"] == 0
+    producer.close()
+
+
+def test_jobs_claimed_for_a_client_that_closed_during_the_claim_go_back(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A normal close (FIN, not a reset) still lets the reply into the kernel, so the server
+    # must notice the EOF itself and give the claimed jobs back.
+    running = start()
+    producer = Client(running.port)
+    for i in range(3):
+        producer.ok("submit", queue="fin", payload={"i": i}, max_retries=0)
+    claiming, go_on = threading.Event(), threading.Event()
+    claim = QueueService.claim
+
+    def held_claim(self: QueueService, *args: Any, **kwargs: Any) -> Any:
+        leases = claim(self, *args, **kwargs)
+        if leases:
+            claiming.set()
+            assert go_on.wait(15)
+        return leases
+
+    monkeypatch.setattr(QueueService, "claim", held_claim)
+    ghost = Client(running.port)
+    ghost.send("lease", queues=["fin"], max_jobs=3, worker_id="ghost")
+    assert claiming.wait(15)
+    ghost.close()
+    wait_for(lambda: any(conn.gone for conn in running.server._conns))
+    go_on.set()
+    # The ghost's connection is dropped only once its lease request has been answered.
+    wait_for(lambda: len(running.server._conns) == 1)
+    assert sorted(Job.objects.values_list("state", flat=True)) == ["ready"] * 3
     assert producer.ok("stats")["totals"]["dead"] == 0
     producer.close()
 
