@@ -236,7 +236,7 @@ def test_holds_at_most_concurrency_jobs(relay: FakeRelay, make_worker: Any) -> N
     assert all(call["max_jobs"] <= 2 for call in relay.calls_of("lease"))
     assert running.worker.counters()["acked"] == 7
     assert running.worker.leased == 7
-    assert relay.clients == 2  # one connection for leasing, one for the rest
+    assert relay.clients == 3  # one connection for leasing, min(concurrency, 4) for the rest
 
 
 def test_acks_a_job_whose_handler_returns(relay: FakeRelay, make_worker: Any) -> None:
