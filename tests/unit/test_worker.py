@@ -239,6 +239,30 @@ def test_holds_at_most_concurrency_jobs(relay: FakeRelay, make_worker: Any) -> N
     assert relay.clients == 3  # one connection for leasing, min(concurrency, 4) for the rest
 
 
+def test_handler_threads_ack_on_separate_connections_at_once(
+    relay: FakeRelay, make_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two acks must be in flight together, each on its own client: one shared connection
+    # (one request in flight) would serialise every ack of the worker.
+    together = threading.Barrier(2, timeout=WAIT_S)
+    used: list[int] = []
+    ack = FakeClient.ack
+
+    def paired_ack(self: FakeClient, job_id: str, **kwargs: Any) -> dict[str, Any]:
+        if len(used) < 2:
+            used.append(id(self))
+            together.wait()
+        return ack(self, job_id, **kwargs)
+
+    monkeypatch.setattr(FakeClient, "ack", paired_ack)
+    relay.add({"n": 1}, {"n": 2})
+    running = make_worker(concurrency=2)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "two acks")
+    running.stop()
+    assert len(set(used)) == 2
+    assert running.worker.counters()["acked"] == 2
+
+
 def test_acks_a_job_whose_handler_returns(relay: FakeRelay, make_worker: Any) -> None:
     seen: list[tuple[Any, JobContext]] = []
     relay.add({"hello": "world"})
