@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import orjson
+from django.apps import apps
 
 from queue_core import validation as v
 from queue_core.clock import Clock, SystemClock
@@ -976,6 +977,9 @@ class QueueService:
     ) -> dict[str, Any]:
         """Delete a terminal job and its history, keeping a ``purged`` event (who, when).
 
+        With the ``relay_tasks`` app installed, the Django task result stored for the job goes
+        too (``relay_task_result``), so purging keeps the database from growing.
+
         Args:
             actor: who asked.
             dead_only: refuse SUCCEEDED jobs too (the ``dead_purge`` op).
@@ -997,6 +1001,8 @@ class QueueService:
                 )
             tx.run("delete_attempts", {"job_id": job_id})
             tx.run("delete_terminal_job", {"job_id": job_id})
+            if apps.is_installed("relay_tasks"):
+                tx.run("delete_task_result", {"job_id": job_id})
             self._event(tx, job_id, "purged", state, None, now, actor)
         return {"job_id": job_id, "purged": True}
 

@@ -11,8 +11,9 @@ class TaskResultRecord(models.Model):
     Written by the ``relay_worker --tasks`` executor (``RelayBackend.run``) before it acks or
     fails the job; the job's state stays the truth about whether the task finished, so a row
     written by an attempt whose ack never landed is simply overwritten by the next attempt.
-    No foreign key to ``relay_job``: purging a job deletes it with raw SQL, which must not
-    trip a constraint here (an orphaned row is harmless and reads as "no such result").
+    No foreign key to ``relay_job``: ``QueueService.purge`` deletes the job and this row in one
+    transaction with raw SQL (``delete_task_result``); a row left without its job reads as "no
+    such result".
     """
 
     job_id = models.CharField(primary_key=True, max_length=40)

@@ -239,6 +239,11 @@ DELETE FROM relay_attempt WHERE job_id = %(job_id)s;
 -- Purge, part two: only a terminal job is ever deleted. Params: job_id.
 DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead');
 
+-- name: delete_task_result
+-- Purge, part three, when the relay_tasks app is installed: the Django task's result row.
+-- Params: job_id.
+DELETE FROM relay_task_result WHERE job_id = %(job_id)s;
+
 -- name: counts
 -- Jobs by queue and state (a scan of relay_job_queue_state, not of the table).
 SELECT queue, state, COUNT(*) AS n FROM relay_job GROUP BY queue, state;

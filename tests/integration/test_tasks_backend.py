@@ -234,6 +234,21 @@ def test_lifecycle_ready_running_successful(
     ]
 
 
+def test_purging_a_finished_task_job_deletes_its_result(worker_service: QueueService) -> None:
+    from relay_tasks.models import TaskResultRecord
+
+    kept, purged = tasks.add.enqueue(1, 2), tasks.add.enqueue(3, 4)
+    for _ in range(2):
+        _, error = run_next(worker_service)
+        assert error is None
+    assert TaskResultRecord.objects.count() == 2
+    worker_service.purge(purged.id, actor="test")
+    assert list(TaskResultRecord.objects.values_list("job_id", flat=True)) == [kept.id]
+    assert tasks.add.get_result(kept.id).return_value == 3
+    with pytest.raises(TaskResultDoesNotExist):
+        tasks.add.get_result(purged.id)
+
+
 def test_failures_are_retried_then_failed_with_errors(worker_service: QueueService) -> None:
     with override_settings(TASKS=relay_tasks(MAX_RETRIES=1)):
         result = tasks.fail.enqueue("bad input")
