@@ -58,4 +58,8 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
                 "RELAY_SQLITE_SYNCHRONOUS must be OFF, NORMAL, FULL or EXTRA", id="relay.E006"
             )
         )
+    if s.startup_check not in ("integrity", "quick"):
+        errors.append(
+            checks.Error("RELAY_STARTUP_CHECK must be 'integrity' or 'quick'", id="relay.E007")
+        )
     return errors

@@ -143,6 +143,8 @@ RELAY_DEFAULT_BACKOFF_CAP_MS = _env_int("RELAY_DEFAULT_BACKOFF_CAP_MS", 300_000)
 RELAY_DEFAULT_JITTER = _env("RELAY_DEFAULT_JITTER", "1") == "1"
 RELAY_IDEMPOTENCY_WINDOW_MS = _env_int("RELAY_IDEMPOTENCY_WINDOW_MS", 24 * 3600 * 1000)
 RELAY_BUSY_RETRY_BUDGET_MS = _env_int("RELAY_BUSY_RETRY_BUDGET_MS", 10_000)
+# "integrity" (PRAGMA integrity_check) or "quick" (PRAGMA quick_check) before the server serves.
+RELAY_STARTUP_CHECK = _env("RELAY_STARTUP_CHECK", "integrity")
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

@@ -40,3 +40,5 @@ def test_checks_catch_bad_settings() -> None:
         assert "relay.E005" in ids()
     with override_settings(RELAY_SQLITE_SYNCHRONOUS="SOMETIMES"):
         assert "relay.E006" in ids()
+    with override_settings(RELAY_STARTUP_CHECK="none"):
+        assert "relay.E007" in ids()

@@ -63,7 +63,8 @@ class Command(RelayBaseCommand):
         """Check, migrate, recover, then serve until signalled.
 
         Raises:
-            CommandError: ``CORRUPT`` (exit code 3) when ``PRAGMA quick_check`` fails or the
+            CommandError: ``CORRUPT`` (exit code 3) when ``PRAGMA integrity_check`` (or
+                ``quick_check``, ``RELAY_STARTUP_CHECK=quick``) fails or the
                 file is not a database; ``ALREADY_SERVED`` (exit code 4) when another relay
                 server holds this database; ``INVALID_ARGUMENT`` for a bad address, grace or
                 database path; ``UNAVAILABLE`` when the database cannot be written.
@@ -93,7 +94,7 @@ class Command(RelayBaseCommand):
         self.lock = _lock_database(path)
         # The observer counts the lease expiries the service's sweeps commit.
         service = QueueService(observer=metrics.observe)
-        problems = service.store.quick_check()
+        problems = service.store.quick_check(full=relay_settings().startup_check != "quick")
         if problems:
             raise CommandError(
                 f"CORRUPT: database {path} failed integrity check: {'; '.join(problems[:5])}",
@@ -104,7 +105,8 @@ class Command(RelayBaseCommand):
             recovered = service.recover()
         except DatabaseError as exc:
             if "malformed" in str(exc) or "corrupt" in str(exc).lower():
-                # Damage quick_check cannot see (an index entry out of step with its row)
+                # Damage the start-up check cannot see (with RELAY_STARTUP_CHECK=quick, an
+                # index entry out of step with its row)
                 # surfaces when recovery touches it: still corruption, still never served.
                 raise CommandError(
                     f"CORRUPT: database {path} is damaged: {exc}", returncode=EXIT_CORRUPT
