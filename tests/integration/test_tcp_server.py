@@ -708,6 +708,38 @@ def test_client_that_never_reads_is_cut_off_and_others_are_served(
     producer.close()
 
 
+@override_settings(RELAY_MAX_INFLIGHT_PER_CONNECTION=8)
+def test_writer_that_never_reads_its_replies_is_bounded_and_cut_off(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Submits are answered without a task per request; their unread replies must still pin
+    # at most max_inflight_per_connection frames (the server stops reading from that client),
+    # and the silent reader is still cut off.
+    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 1.0)
+    running = start()
+    producer = Client(running.port)
+    assert producer.ok("ping")["pong"] is True
+    hog = Client(running.port, timeout=30)
+    frame = orjson.dumps({"op": "submit", "args": {"queue": "w", "payload": "p" * 200_000}})
+
+    def flood() -> None:
+        with contextlib.suppress(OSError):  # the server cuts it off
+            for _ in range(300):
+                hog.sock.sendall(frame + b"\n")
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    assert producer.ok("ping")["pong"] is True
+    wait_for(lambda: len(running.server._conns) == 1)
+    flooder.join(30)
+    # Replies unread, the server stopped reading its requests: the socket buffers' worth plus
+    # eight in flight, not the 300 it sent (nor what a second of reading would have taken).
+    assert Job.objects.filter(queue="w").count() < 60
+    hog.close()
+    assert producer.ok("submit", queue="w", payload=1)["job"]["state"] == "ready"
+    producer.close()
+
+
 def test_shutdown_is_not_held_by_a_client_that_never_reads(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
