@@ -349,6 +349,22 @@ class _Conn:
         self.slots.release()
 
 
+async def _until_idle(conns: Iterable[_Conn], timeout_s: float | None) -> None:
+    """Wait until ``conns`` have no request or reply send in progress, or ``timeout_s`` passes.
+
+    The set is read again after each wait: an inline write's reply may start a send task
+    only as its request finishes, and that reply must go out too.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        pending = {task for conn in conns for task in conn.tasks if not task.done()}
+        remaining = None if deadline is None else deadline - loop.time()
+        if not pending or (remaining is not None and remaining <= 0):
+            return
+        await asyncio.wait(pending, timeout=remaining)
+
+
 def _reply(request: codec.Request, result: dict[str, Any]) -> bytes:
     """The ok reply line of ``request``.
 
@@ -531,9 +547,7 @@ class RelayServer:
         for conn in conns:
             if conn.read_task is not None:
                 conn.read_task.cancel()
-        inflight = [task for conn in conns for task in conn.tasks]
-        if inflight:
-            await asyncio.wait(inflight, timeout=CLOSE_WAIT_S)
+        await _until_idle(conns, CLOSE_WAIT_S)
         # Abort what is left (a client that reads nothing must not hold the shutdown), until
         # every transport is gone: one accepted just before close() may only now reach
         # _on_connect. (Server._active_count counts them; wait_closed() can miss a late one.)
@@ -643,8 +657,8 @@ class RelayServer:
             log.debug("event=connected peer=%s", peer)
             conn.read_task = asyncio.create_task(self._read_loop(conn))
             await asyncio.wait([conn.read_task])
-            if conn.tasks:  # let pipelined requests answer before closing
-                await asyncio.wait(conn.tasks, timeout=CLOSE_WAIT_S if self._draining else None)
+            # Let pipelined requests answer before closing.
+            await _until_idle([conn], CLOSE_WAIT_S if self._draining else None)
         except Exception:
             log.exception("event=connection_failed peer=%s", peer)
         finally:
@@ -795,11 +809,12 @@ class RelayServer:
     def _write_inline(self, conn: _Conn, request: codec.Request) -> asyncio.Future[Any] | None:
         """Hand a write (submit, ack, fail, renew, ...) to the writer without a task.
 
-        Returns the writer call's future, whose done-callback sends the reply; or None when the
-        request takes the general path (``_serve_request``): not a write, a refusal to report,
-        or a key table to re-read first. Both paths answer the same; this one spares each write
-        a task and its chain of coroutines, about a seventh of the server's CPU per single-job
-        submit with 16 producers (docs/benchmarking.md).
+        Returns the writer call's future, whose done-callback sends the reply (a refusal is
+        answered the same way); or None when the request takes the general path
+        (``_serve_request``): not a write, or a key table to re-read first. Both paths answer
+        the same; this one spares each write a task and its chain of coroutines, about a
+        seventh of the server's CPU per single-job submit with 16 producers
+        (docs/benchmarking.md).
         """
         verb = dispatch.VERBS.get(request.op)
         if verb is None or verb.kind is not dispatch.Kind.WRITE:
@@ -807,14 +822,15 @@ class RelayServer:
         ring = auth.cached_ring()
         if ring is None:
             return None
-        try:
-            args, ctx = self._admit(conn, verb, request.args, ring)
-        except errors.RelayError:
-            return None  # the general path refuses it the same way (and counts it)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        call = functools.partial(verb.handler, self.service, args, ctx)
-        self._write_calls.put(_Call(call, future, loop))
+        try:
+            args, ctx = self._admit(conn, verb, request.args, ring)
+        except errors.RelayError as exc:  # refused here (counted and logged once), answered below
+            future.set_exception(exc)
+        else:
+            call = functools.partial(verb.handler, self.service, args, ctx)
+            self._write_calls.put(_Call(call, future, loop))
         future.add_done_callback(functools.partial(self._reply_inline, conn, request))
         return future
 

@@ -22,7 +22,7 @@ from queue_core.client import RelayClient
 from queue_core.models import ApiKey
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
-from tests.http.conftest import Api, problem
+from tests.http.conftest import Api, metric, problem
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -257,6 +257,24 @@ def test_tcp_needs_hello_once_keys_exist(tcp: _Server, make_key: Callable[..., s
             raw_call(anonymous, "submit", queue="q", payload=1)
         with pytest.raises(errors.PermissionDenied):
             raw_call(anonymous, "dead_list")
+
+
+@pytest.mark.parametrize("op", ["ack", "lease"])  # a write (answered inline) and a lease
+def test_tcp_refusal_is_counted_and_logged_once(
+    tcp: _Server, make_key: Callable[..., str], caplog: pytest.LogCaptureFixture, op: str
+) -> None:
+    producer = make_key("producer")
+    args = {"job_id": "job_x", "worker_id": "w", "lease_token": "t"} if op == "ack" else {}
+    with RelayClient(tcp.address(), api_key=producer) as client:
+        assert client.ping()["pong"] is True
+        auth.load_ring()  # a fresh snapshot: the request is admitted without a reload
+        before = metric("relay_auth_failures_total", surface="tcp", code="PERMISSION_DENIED")
+        caplog.set_level(logging.WARNING, logger="relay.auth")
+        with pytest.raises(errors.PermissionDenied):
+            raw_call(client, op, queues=["q"]) if op == "lease" else raw_call(client, op, **args)
+    after = metric("relay_auth_failures_total", surface="tcp", code="PERMISSION_DENIED")
+    assert after - before == 1
+    assert sum("auth_failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_client_sends_hello_on_every_connection(tcp: _Server, make_key: Callable[..., str]) -> None:

@@ -740,6 +740,69 @@ def test_writer_that_never_reads_its_replies_is_bounded_and_cut_off(
     producer.close()
 
 
+def _read_replies(client: Client, got: list[int], errors_seen: list[object]) -> None:
+    """Read reply ids until EOF; note a cut-off line or a socket error."""
+    try:
+        while line := client.file.readline():
+            if not line.endswith(b"\n"):
+                errors_seen.append(f"cut-off line ({len(line)} bytes)")
+                return
+            got.append(orjson.loads(line)["id"])
+    except OSError as exc:
+        errors_seen.append(exc)
+
+
+def _submits(n: int, queue: str, size: int) -> bytes:
+    return b"".join(
+        orjson.dumps({"id": i, "op": "submit", "args": {"queue": queue, "payload": "p" * size}})
+        + b"\n"
+        for i in range(n)
+    )
+
+
+def test_client_that_half_closes_after_pipelined_writes_gets_every_reply(
+    server: Running,
+) -> None:
+    # As `nc -N` does: send everything, shut the sending side, read to the end. Replies larger
+    # than the socket buffers are still going out when the last request finishes.
+    client = Client(server.port, timeout=30)
+
+    def send_then_half_close() -> None:
+        client.sock.sendall(_submits(40, "h", 200_000))
+        client.sock.shutdown(socket.SHUT_WR)
+
+    sender = threading.Thread(target=send_then_half_close, daemon=True)
+    sender.start()
+    got: list[int] = []
+    errors_seen: list[object] = []
+    _read_replies(client, got, errors_seen)
+    sender.join(15)
+    client.close()
+    assert errors_seen == []
+    assert sorted(got) == list(range(40))
+    assert Job.objects.filter(queue="h").count() == 40
+
+
+def test_shutdown_answers_every_write_it_committed(start: Callable[..., Running]) -> None:
+    running = start(shutdown_grace_ms=0)
+    client = Client(running.port, timeout=30)
+    got: list[int] = []
+    errors_seen: list[object] = []
+    reader = threading.Thread(target=_read_replies, args=(client, got, errors_seen), daemon=True)
+    reader.start()
+    sender = threading.Thread(
+        target=lambda: client.sock.sendall(_submits(60, "s", 200_000)), daemon=True
+    )
+    sender.start()
+    wait_for(lambda: len(got) >= 5)
+    running.stop()
+    reader.join(15)
+    committed = Job.objects.filter(queue="s").count()
+    client.close()
+    assert errors_seen == []
+    assert len(got) == committed  # whatever committed was answered, whole
+
+
 def test_shutdown_is_not_held_by_a_client_that_never_reads(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
