@@ -3,7 +3,9 @@
 Threads and tasks:
 
 * The event loop reads bounded lines, decodes them, and writes one reply line per request.
-  It never touches the database.
+  It never touches the database. A write (submit, ack, fail, renew, ...) is admitted in the
+  read loop and answered from its writer future's callback (``_write_inline``); reads, leases
+  and the rest run as one task per request (``_serve_request``).
 * One **writer thread** runs every state-changing call (submit, lease claims, renew, ack, fail,
   release, replay, purge, the reaper's sweeps). It takes the first queued call, drains up to
   ``GROUP_COMMIT_MAX - 1`` more, and runs them all inside ONE ``store.immediate()``
