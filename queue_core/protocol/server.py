@@ -271,6 +271,7 @@ class _Conn:
     waiting: set[asyncio.Event] = dataclasses.field(default_factory=set)  # its long-polls
     read_task: asyncio.Task[None] | None = None
     gone: bool = False  # the client closed its side: long-polls stop waiting
+    eof_sent: bool = False  # we closed our side (after FRAME_TOO_LARGE): nothing more to send
     principal: auth.Principal | None = None  # set by a successful hello
     send_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
@@ -282,7 +283,7 @@ class _Conn:
         disconnected (``abort``), which frees what its replies hold.
         """
         async with self.send_lock:
-            if self.writer.is_closing():
+            if self.writer.is_closing() or self.eof_sent:
                 return False
             self.writer.write(line)
             if not self.writer.transport.get_write_buffer_size():
@@ -321,7 +322,7 @@ class _Conn:
         task: asyncio.Future[Any]
         if self.send_lock.locked() or self.writer.transport.get_write_buffer_size():
             task = asyncio.ensure_future(self.send(line))
-        elif self.writer.is_closing():  # nobody to send to: dropped, as send() drops it
+        elif self.writer.is_closing() or self.eof_sent:  # dropped, as send() drops it
             self.slots.release()
             return
         else:
@@ -360,7 +361,9 @@ async def _until_idle(conns: Iterable[_Conn], timeout_s: float | None) -> None:
     loop = asyncio.get_running_loop()
     deadline = None if timeout_s is None else loop.time() + timeout_s
     while True:
-        pending = {task for conn in conns for task in conn.tasks if not task.done()}
+        # Done ones too: a request is only over once its callbacks (the reply) have run, and
+        # they take it out of the set.
+        pending = {task for conn in conns for task in conn.tasks}
         remaining = None if deadline is None else deadline - loop.time()
         if not pending or (remaining is not None and remaining <= 0):
             return
@@ -722,16 +725,24 @@ class RelayServer:
             task.add_done_callback(conn.done)
 
     async def _refuse_frame(self, conn: _Conn, exc: errors.FrameTooLarge) -> None:
-        """Reply FRAME_TOO_LARGE, then read and discard input briefly before closing.
+        """Reply FRAME_TOO_LARGE, answer the requests before it, then read and discard input
+        briefly before closing.
 
         Closing a socket with unread input makes the kernel send a reset, and a client still
         sending its oversize frame would see "connection reset" instead of the error. So the
         rest of the frame is thrown away (never buffered) for up to ``LINGER_S``.
         """
         log.debug("event=frame_too_large peer=%s", conn.peer)
+        # The connection ends here: its long-polls stop waiting (a claim that lands now is
+        # given back), and the requests it sent before the oversize frame are answered first.
+        conn.gone = True
+        for event in conn.waiting:
+            event.set()
         await conn.send(codec.encode_error(None, exc))
+        await _until_idle([conn], CLOSE_WAIT_S)
         with contextlib.suppress(Exception):
             if conn.writer.can_write_eof():
+                conn.eof_sent = True
                 conn.writer.write_eof()
             async with asyncio.timeout(LINGER_S):
                 while await conn.reader.read(65536):

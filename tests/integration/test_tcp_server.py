@@ -783,6 +783,66 @@ def test_client_that_half_closes_after_pipelined_writes_gets_every_reply(
     assert Job.objects.filter(queue="h").count() == 40
 
 
+@override_settings(RELAY_MAX_FRAME_BYTES=4096, RELAY_MAX_PAYLOAD_BYTES=2048)
+def test_requests_before_an_oversize_frame_are_answered_and_leases_not_stranded(
+    server: Running,
+) -> None:
+    producer = Client(server.port)
+    producer.ok("submit", queue="f", payload={"ready": True})
+    client = Client(server.port, timeout=30)
+    frames = [
+        orjson.dumps({"id": i, "op": "submit", "args": {"queue": "g", "payload": i}})
+        for i in range(3)
+    ]
+    frames.append(orjson.dumps({"id": 3, "op": "lease", "args": {"queues": ["f"]}}))
+    frames.append(b"x" * 8192)
+    client.send_raw(b"\n".join(frames) + b"\n")
+    replies: dict[Any, dict[str, Any]] = {}
+    while line := client.file.readline():
+        reply = orjson.loads(line)
+        replies[reply["id"]] = reply
+    client.close()
+    assert set(replies) == {0, 1, 2, 3, None}
+    assert replies[None]["error"]["code"] == "FRAME_TOO_LARGE"
+    assert all(replies[i]["ok"] for i in range(4))
+    assert Job.objects.filter(queue="g").count() == 3
+    # The lease either reached the client or was given back: never leased to nobody.
+    leased = {job["job_id"] for job in replies[3]["result"]["jobs"]}
+    assert set(Job.objects.filter(state="leased").values_list("id", flat=True)) == leased
+    producer.close()
+
+
+def test_half_closing_clients_get_the_reply_to_their_write(server: Running) -> None:
+    # Each: one submit, then shut its sending side and read to the end. The reply must come
+    # even when the request finishes just as the server sees the EOF.
+    producer = Client(server.port)
+    assert producer.ok("ping")["pong"] is True
+    lost: list[int] = []
+
+    def one(n: int) -> None:
+        client = Client(server.port, timeout=30)
+        try:
+            client.send("submit", req_id=n, queue="hc", payload=n)
+            client.sock.shutdown(socket.SHUT_WR)
+            if not client.file.readline():
+                lost.append(n)
+        finally:
+            client.close()
+
+    def run(start: int) -> None:
+        for n in range(start, start + 25):
+            one(n)
+
+    threads = [threading.Thread(target=run, args=(k * 25,), daemon=True) for k in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert lost == []
+    assert Job.objects.filter(queue="hc").count() == 400
+    producer.close()
+
+
 def test_shutdown_answers_every_write_it_committed(start: Callable[..., Running]) -> None:
     running = start(shutdown_grace_ms=0)
     client = Client(running.port, timeout=30)
