@@ -339,6 +339,24 @@ class _Conn:
         async with self.send_lock:
             await self._drained()
 
+    async def close_gracefully(self) -> None:
+        """Close our side (FIN), discard what the client still sends for up to ``LINGER_S``,
+        then close.
+
+        Closing a socket with unread input makes the kernel send a reset, which also destroys
+        replies the client has not read yet (a shutdown while it pipelines requests, an
+        oversize frame behind its requests); a client still sending its oversize frame would
+        see "connection reset" instead of the error. So the rest is read and thrown away first.
+        """
+        with contextlib.suppress(Exception):
+            if not self.eof_sent and self.writer.can_write_eof():
+                self.eof_sent = True
+                self.writer.write_eof()
+            async with asyncio.timeout(LINGER_S):
+                while await self.reader.read(65536):
+                    pass
+        self.writer.close()
+
     def abort(self) -> None:
         """Drop the connection at once, unsent replies included."""
         self.gone = True
@@ -553,14 +571,17 @@ class RelayServer:
             if conn.read_task is not None:
                 conn.read_task.cancel()
         await _until_idle(conns, CLOSE_WAIT_S)
-        # Abort what is left (a client that reads nothing must not hold the shutdown), until
-        # every transport is gone: one accepted just before close() may only now reach
+        # Connections close gracefully (``close_gracefully``, at most LINGER_S). Then abort
+        # what is left (a client that reads nothing must not hold the shutdown), until every
+        # transport is gone: one accepted just before close() may only now reach
         # _on_connect. (Server._active_count counts them; wait_closed() can miss a late one.)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CLOSE_WAIT_S
+        abort_at = loop.time() + LINGER_S + 0.1
+        deadline = abort_at + CLOSE_WAIT_S
         while loop.time() < deadline:
-            for conn in list(self._conns):
-                conn.abort()
+            if loop.time() >= abort_at:
+                for conn in list(self._conns):
+                    conn.abort()
             if not self._conns and not getattr(server, "_active_count", 0):
                 break
             await asyncio.sleep(0.01)
@@ -671,6 +692,8 @@ class RelayServer:
                 task.cancel()
             if writer.transport.get_write_buffer_size():
                 conn.abort()  # nobody reads what is left: don't wait for it to flush
+            elif conn.read_task is not None:
+                await conn.close_gracefully()
             else:
                 writer.close()
             with contextlib.suppress(ConnectionError):
@@ -725,13 +748,9 @@ class RelayServer:
             task.add_done_callback(conn.done)
 
     async def _refuse_frame(self, conn: _Conn, exc: errors.FrameTooLarge) -> None:
-        """Reply FRAME_TOO_LARGE, answer the requests before it, then read and discard input
-        briefly before closing.
-
-        Closing a socket with unread input makes the kernel send a reset, and a client still
-        sending its oversize frame would see "connection reset" instead of the error. So the
-        rest of the frame is thrown away (never buffered) for up to ``LINGER_S``.
-        """
+        """Reply FRAME_TOO_LARGE and answer the requests before it; the connection then
+        closes gracefully (``_Conn.close_gracefully``: the rest of the frame is thrown away,
+        never buffered)."""
         log.debug("event=frame_too_large peer=%s", conn.peer)
         # The connection ends here: its long-polls stop waiting (a claim that lands now is
         # given back), and the requests it sent before the oversize frame are answered first.
@@ -740,13 +759,6 @@ class RelayServer:
             event.set()
         await conn.send(codec.encode_error(None, exc))
         await _until_idle([conn], CLOSE_WAIT_S)
-        with contextlib.suppress(Exception):
-            if conn.writer.can_write_eof():
-                conn.eof_sent = True
-                conn.writer.write_eof()
-            async with asyncio.timeout(LINGER_S):
-                while await conn.reader.read(65536):
-                    pass
 
     async def _serve_request(self, conn: _Conn, request: codec.Request) -> None:
         result: dict[str, Any] | None = None

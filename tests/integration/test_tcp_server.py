@@ -783,6 +783,33 @@ def test_client_that_half_closes_after_pipelined_writes_gets_every_reply(
     assert Job.objects.filter(queue="h").count() == 40
 
 
+def test_shutdown_while_a_client_pipelines_answers_what_it_committed(
+    start: Callable[..., Running],
+) -> None:
+    # The client still has requests the server will never read when it stops: closing with
+    # them unread must not turn into a reset that destroys the replies in flight.
+    running = start(shutdown_grace_ms=0)
+    client = Client(running.port, timeout=30)
+    got: list[int] = []
+    errors_seen: list[object] = []
+    reader = threading.Thread(target=_read_replies, args=(client, got, errors_seen), daemon=True)
+    reader.start()
+
+    def pipeline() -> None:
+        with contextlib.suppress(OSError):  # the server stops reading and closes
+            client.sock.sendall(_submits(60_000, "pl", 10))
+
+    sender = threading.Thread(target=pipeline, daemon=True)
+    sender.start()
+    wait_for(lambda: len(got) >= 200)
+    running.stop()
+    reader.join(15)
+    committed = Job.objects.filter(queue="pl").count()
+    client.close()
+    assert errors_seen == []
+    assert len(got) == committed
+
+
 @override_settings(RELAY_MAX_FRAME_BYTES=4096, RELAY_MAX_PAYLOAD_BYTES=2048)
 def test_requests_before_an_oversize_frame_are_answered_and_leases_not_stranded(
     server: Running,
