@@ -6,7 +6,7 @@ inside one, which lets the server run many requests in one transaction (group co
 each request still rolls back alone. Statements are named blocks of ``sql/queries.sql``.
 
 A PostgreSQL backend would implement the same small surface (``immediate``, ``reading``,
-``Tx.one/all/run``, ``quick_check``) with ``BEGIN`` + ``FOR UPDATE SKIP LOCKED`` in its own
+``Tx.one/all/run``, ``integrity_problems``) with ``BEGIN`` + ``FOR UPDATE SKIP LOCKED`` in its own
 query file; callers would not change.
 
 Django keeps SQLite in autocommit and issues ``BEGIN`` itself inside ``transaction.atomic()``,
@@ -277,9 +277,9 @@ class Store:
         """Return whether this thread is inside ``immediate()``."""
         return self._depth() > 0
 
-    def quick_check(self, *, full: bool = False) -> list[str]:
-        """Run ``PRAGMA quick_check`` (``PRAGMA integrity_check`` with ``full``); return the
-        problems found (``[]`` when healthy).
+    def integrity_problems(self, *, full: bool = True) -> list[str]:
+        """Run ``PRAGMA integrity_check`` (``PRAGMA quick_check`` when not ``full``); return
+        the problems found (``[]`` when healthy).
 
         ``integrity_check`` also compares every index entry with its row (O(N log N) instead
         of O(N); https://sqlite.org/pragma.html#pragma_integrity_check). A file that is not a

@@ -625,6 +625,15 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> None:
         time.sleep(0.02)
 
 
+def assert_given_back(running: Running, producer: Client, jobs: int) -> None:
+    """Once the gone client's connection is dropped (only after its lease request has been
+    answered), all ``jobs`` are READY again and none went dead; closes ``producer``."""
+    wait_for(lambda: len(running.server._conns) == 1)
+    assert sorted(Job.objects.values_list("state", flat=True)) == ["ready"] * jobs
+    assert producer.ok("stats")["totals"]["dead"] == 0
+    producer.close()
+
+
 def test_lease_sent_by_a_client_that_hung_up_leaves_no_job_leased(server: Running) -> None:
     producer = Client(server.port)
     for i in range(5):
@@ -632,12 +641,8 @@ def test_lease_sent_by_a_client_that_hung_up_leaves_no_job_leased(server: Runnin
     ghost = Client(server.port)
     ghost.send("lease", queues=["cl"], max_jobs=5, wait_ms=5000)
     ghost.close()
-    # Either the server saw the hang-up before claiming, or it gave the jobs back at once; its
-    # connection is dropped only once the lease request has been answered.
-    wait_for(lambda: len(server.server._conns) == 1)
-    assert sorted(Job.objects.values_list("state", flat=True)) == ["ready"] * 5
-    assert producer.ok("stats")["totals"]["dead"] == 0
-    producer.close()
+    # Either the server saw the hang-up before claiming, or it gave the jobs back at once.
+    assert_given_back(server, producer, 5)
 
 
 def test_jobs_claimed_for_a_client_that_closed_during_the_claim_go_back(
@@ -666,11 +671,7 @@ def test_jobs_claimed_for_a_client_that_closed_during_the_claim_go_back(
     ghost.close()
     wait_for(lambda: any(conn.gone for conn in running.server._conns))
     go_on.set()
-    # The ghost's connection is dropped only once its lease request has been answered.
-    wait_for(lambda: len(running.server._conns) == 1)
-    assert sorted(Job.objects.values_list("state", flat=True)) == ["ready"] * 3
-    assert producer.ok("stats")["totals"]["dead"] == 0
-    producer.close()
+    assert_given_back(running, producer, 3)
 
 
 def test_client_that_never_reads_is_cut_off_and_others_are_served(

@@ -94,7 +94,8 @@ class Command(RelayBaseCommand):
         self.lock = _lock_database(path)
         # The observer counts the lease expiries the service's sweeps commit.
         service = QueueService(observer=metrics.observe)
-        problems = service.store.quick_check(full=relay_settings().startup_check != "quick")
+        full = relay_settings().startup_check != "quick"
+        problems = service.store.integrity_problems(full=full)
         if problems:
             raise CommandError(
                 f"CORRUPT: database {path} failed integrity check: {'; '.join(problems[:5])}",
