@@ -44,7 +44,8 @@ from queue_core.client import (
     RelayUnreachable,
     _compact,
     format_address,
-    parse_address,
+    format_addresses,
+    parse_addresses,
 )
 from queue_core.protocol import codec
 from queue_core.retry import RetryPolicy, jittered_ms
@@ -152,7 +153,9 @@ class AsyncRelayClient:
     ``queue_core.types`` (``lease`` returns just its list of jobs).
 
     Args:
-        address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``).
+        address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``), or several
+            separated by commas: the client connects to the first that answers and, after a
+            broken connection, starts at the next (failover, as ``RelayClient``).
         timeout_s: how long to wait for a reply, in seconds; a ``lease`` waits this much longer
             than its ``wait_ms``.
         connect_timeout_s: how long to wait for each TCP connection attempt, in seconds.
@@ -161,7 +164,8 @@ class AsyncRelayClient:
             a larger reply drops the connection.
         max_in_flight: most requests outstanding on the connection at once (>= 1); further
             calls wait for a free slot.
-        connect_retries: how many more times to try a connection that cannot be opened (>= 0).
+        connect_retries: how many more times to try every server when none can be reached
+            (>= 0).
         reconnect_base_ms, reconnect_cap_ms: the pause before the first retry and the cap of
             the doubling pauses, in ms; each is jittered to 50-100%.
         api_key: an API key (``rk_...``) sent in a ``hello`` first on every new connection, as
@@ -189,8 +193,9 @@ class AsyncRelayClient:
         rng: random.Random | None = None,
         sleep: Sleep | None = None,
     ) -> None:
-        self.host, self.port = parse_address(address)
-        self.address = format_address(self.host, self.port)
+        self.servers = parse_addresses(address)
+        self.address = format_addresses(self.servers)
+        self._index = 0  # the server in use, or tried next
         if max_in_flight < 1 or connect_retries < 0:
             raise ValueError("max_in_flight must be >= 1 and connect_retries >= 0")
         self.timeout_s = timeout_s
@@ -246,15 +251,21 @@ class AsyncRelayClient:
             if conn is not None:
                 await conn.aclose()
                 self._conn = None
-            failures = 0
+                self._index = (self._index + 1) % len(self.servers)  # it broke: fail over
+            failures = tried = 0
             while True:
+                host, port = self.servers[self._index]
                 try:
                     reader, writer = await asyncio.wait_for(
-                        asyncio.open_connection(self.host, self.port, limit=self.max_frame_bytes),
+                        asyncio.open_connection(host, port, limit=self.max_frame_bytes),
                         self.connect_timeout_s,
                     )
                 except (OSError, TimeoutError) as exc:
-                    failures += 1
+                    self._index = (self._index + 1) % len(self.servers)
+                    tried += 1
+                    if tried < len(self.servers):
+                        continue  # the next server, at once
+                    failures, tried = failures + 1, 0
                     if failures > self.connect_retries:
                         reason = str(exc) or type(exc).__name__
                         raise RelayUnreachable(
@@ -269,7 +280,10 @@ class AsyncRelayClient:
                 if self._hello is not None:
                     await self._shake(reader, writer, self._hello)
                 self._conn = _Connection(
-                    reader, writer, address=self.address, max_frame_bytes=self.max_frame_bytes
+                    reader,
+                    writer,
+                    address=format_address(host, port),
+                    max_frame_bytes=self.max_frame_bytes,
                 )
                 return self._conn
 

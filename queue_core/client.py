@@ -107,6 +107,26 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def parse_addresses(addresses: str) -> list[tuple[str, int]]:
+    """Split ``"HOST:PORT[,HOST:PORT...]"`` (``RELAY_ADDRESS``, ``--address``) into servers.
+
+    Several servers of one PostgreSQL database: a client uses the first that answers and
+    fails over to the next when its connection breaks (``TcpTransport``).
+
+    Raises:
+        ValueError: empty, or an element ``parse_address`` refuses.
+    """
+    parts = [part.strip() for part in addresses.split(",")]
+    if not any(parts):
+        raise ValueError("address: expected HOST:PORT[,HOST:PORT...], e.g. 127.0.0.1:7400")
+    return [parse_address(part) for part in parts if part]
+
+
+def format_addresses(servers: Sequence[tuple[str, int]]) -> str:
+    """Return ``HOST:PORT,HOST:PORT`` (the inverse of ``parse_addresses``)."""
+    return ",".join(format_address(host, port) for host, port in servers)
+
+
 class Transport(Protocol):
     """Carries one encoded request frame to the server and returns its reply line.
 
@@ -129,41 +149,52 @@ class Transport(Protocol):
 class TcpTransport:
     """One lazily opened TCP connection, reopened after any failure.
 
+    Given several servers (several ``relay server`` processes on one PostgreSQL database), it
+    connects to the first that answers, and after a broken connection the next attempt starts
+    at the next server: a worker whose server died acks through another with the same lease
+    tokens (a lease belongs to the worker, not to the connection).
+
     Args:
-        host, port: the server.
+        servers: ``[(host, port), ...]``, tried in turn (``parse_addresses``).
         connect_timeout_s: how long to wait for the TCP handshake, in seconds.
         max_frame_bytes: the longest reply accepted, newline excluded; the read buffer never
             holds more than this plus one byte.
         handshake: a request frame (the ``hello`` op with an API key) sent first on every new
             connection; an error reply to it closes the connection and is raised.
-        connect_retries: how many more times to try a connection that cannot be opened, with
-            jittered backoff from 100 ms doubling to 2 s (default 0: fail at once).
+        connect_retries: how many more times to try every server when none can be reached,
+            with jittered backoff from 100 ms doubling to 2 s (default 0: fail at once).
     """
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        servers: Sequence[tuple[str, int]],
         *,
         connect_timeout_s: float,
         max_frame_bytes: int,
         handshake: bytes | None = None,
         connect_retries: int = 0,
     ) -> None:
-        self.host = host
+        if not servers:
+            raise ValueError("TcpTransport needs at least one server")
+        self.servers = list(servers)
+        self._index = 0  # the server in use, or tried next
         self.connect_retries = connect_retries
-        self.port = port
-        self.address = format_address(host, port)
         self.connect_timeout_s = connect_timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.handshake = handshake
         self._sock: socket.socket | None = None
         self._buf = bytearray()
 
+    @property
+    def address(self) -> str:
+        """``HOST:PORT`` of the server in use (or tried next)."""
+        return format_address(*self.servers[self._index])
+
     def _fail(self, reason: str, cause: BaseException | None = None) -> RelayConnectionError:
-        self.close()
         err = RelayConnectionError(reason, address=self.address)
         err.__cause__ = cause
+        self.close()
+        self._index = (self._index + 1) % len(self.servers)  # fail over next time
         return err
 
     def _connected(self) -> socket.socket:
@@ -184,7 +215,8 @@ class TcpTransport:
         return sock
 
     def _open(self) -> socket.socket:
-        """Open the TCP connection, retrying ``connect_retries`` times with jittered backoff
+        """Open a TCP connection to the first server that accepts, starting at the current
+        one; when none does, retry them all ``connect_retries`` times with jittered backoff
         (safe: nothing was sent).
 
         Raises:
@@ -192,15 +224,20 @@ class TcpTransport:
         """
         failures = 0
         while True:
-            try:
-                return socket.create_connection(
-                    (self.host, self.port), timeout=self.connect_timeout_s
-                )
-            except OSError as exc:
-                failures += 1
-                if failures > self.connect_retries:
-                    raise RelayUnreachable(f"cannot connect: {exc}", address=self.address) from exc
-                time.sleep(jittered_ms(RECONNECT_BACKOFF, failures, _RNG) / 1000)
+            for _ in self.servers:
+                try:
+                    return socket.create_connection(
+                        self.servers[self._index], timeout=self.connect_timeout_s
+                    )
+                except OSError as exc:
+                    error = exc
+                    self._index = (self._index + 1) % len(self.servers)
+            failures += 1
+            if failures > self.connect_retries:
+                raise RelayUnreachable(
+                    f"cannot connect: {error}", address=format_addresses(self.servers)
+                ) from error
+            time.sleep(jittered_ms(RECONNECT_BACKOFF, failures, _RNG) / 1000)
 
     def _shake(self, sock: socket.socket, frame: bytes) -> None:
         """Send the handshake on a new connection; raise its error reply (nothing else sent).
@@ -295,7 +332,9 @@ class RelayClient:
     just its list of jobs).
 
     Args:
-        address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``).
+        address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``), or several
+            separated by commas (servers of one PostgreSQL database): the client fails over to
+            the next when a connection breaks (``TcpTransport``).
         timeout_s: how long to wait for a reply, in seconds; a ``lease`` waits this much longer
             than its ``wait_ms``.
         connect_timeout_s: how long to wait for the TCP connection, in seconds.
@@ -322,16 +361,15 @@ class RelayClient:
         transport: Transport | None = None,
         connect_retries: int = 0,
     ) -> None:
-        host, port = parse_address(address)
-        self.address = format_address(host, port)
+        servers = parse_addresses(address)
+        self.address = format_addresses(servers)
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         handshake = (
             codec.encode_request("hello", "hello", {"api_key": api_key}) if api_key else None
         )
         self._transport: Transport = transport or TcpTransport(
-            host,
-            port,
+            servers,
             connect_timeout_s=connect_timeout_s,
             max_frame_bytes=max_frame_bytes,
             handshake=handshake,

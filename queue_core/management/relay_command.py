@@ -25,7 +25,12 @@ from rich.console import Console, RenderableType
 
 from queue_core import errors
 from queue_core.auth import client_api_key
-from queue_core.client import RelayClient, RelayConnectionError, RelayUnreachable, parse_address
+from queue_core.client import (
+    RelayClient,
+    RelayConnectionError,
+    RelayUnreachable,
+    parse_addresses,
+)
 from queue_core.conf import relay_settings
 
 EXIT_ERROR = 1
@@ -37,8 +42,9 @@ def add_connection_arguments(parser: CommandParser | Any, *, json_help: str | No
     parser.add_argument(
         "--address",
         default=None,
-        metavar="HOST:PORT",
-        help=f"Relay server address (default: RELAY_ADDRESS, now {relay_settings().address}).",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="Relay server address; several servers of one PostgreSQL database separated by "
+        f"commas, failed over in turn (default: RELAY_ADDRESS, now {relay_settings().address}).",
     )
     parser.add_argument(
         "--api-key",
@@ -72,7 +78,7 @@ def resolve_address(address: str | None) -> str:
     """
     address = address or relay_settings().address
     try:
-        parse_address(address)
+        parse_addresses(address)
     except ValueError as exc:
         raise invalid_argument(f"--address: {exc}") from exc
     return address
