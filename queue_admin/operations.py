@@ -2,7 +2,7 @@
 
 Every change goes through ``QueueService.replay`` / ``QueueService.purge``, which guard the
 state (compare-and-set) and record who did it in the job's events. For speed, ``BulkRunner``
-groups ``CHUNK`` calls into one ``Store.immediate()`` transaction: each call becomes a
+groups ``CHUNK`` calls into one ``QueueService.transaction()``: each call becomes a
 SAVEPOINT that rolls back alone when the service refuses it, the group commit the TCP server
 uses. The write lock is held for one chunk at a time (about 10 ms for 200 jobs), so workers
 keep claiming while an operator replays 100,000 dead letters.
@@ -92,7 +92,7 @@ class BulkRunner:
     """Apply replay or purge to chunks of job ids through the service.
 
     Args:
-        service: the QueueService to call (its store provides the chunk transaction).
+        service: the QueueService to call (its ``transaction()`` holds each chunk).
         actor: recorded in each job's events as who did it (the operator's username).
         time_budget_s: stop starting new chunks after this many seconds.
         monotonic: clock for the budget (injectable for tests).
@@ -132,7 +132,7 @@ class BulkRunner:
                 break
             part = Outcome(op)
             try:
-                with self.service.store.immediate():
+                with self.service.transaction():
                     for job_id in chunk:
                         self._one(op, job_id, part, dead_only=dead_only)
             except StoreBusy:

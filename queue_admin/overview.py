@@ -1,11 +1,12 @@
 """The queue overview: per queue the counts by state, oldest ready age, who holds leases now,
-and the latest failures.
+the latest failures, and the live servers.
 
 Four reads, each bounded by an index rather than by the size of the table:
 
-- counts by queue and state, and each queue's oldest READY job: ``QueueService.stats()``
-  (the numbers ``relay stats`` prints), one pass over the ``(queue, state, id)`` covering
-  index and one over the READY partial index;
+- counts by queue and state, each queue's oldest READY job and the live servers:
+  ``QueueService.stats()`` (the numbers ``relay stats`` prints), one pass over the
+  ``(queue, state, id)`` covering index, one over the READY partial index, and the server
+  registry (a handful of rows);
 - leases held now, grouped by queue and worker: the ``relay_job_leased`` partial index,
   which holds only leased jobs (bounded by the workers' concurrency);
 - the latest failed attempts: the ``relay_attempt_failed`` partial index (migration 0003),
@@ -53,6 +54,7 @@ class Overview:
     totals: dict[str, int]
     leases: list[dict[str, Any]]
     failures: list[dict[str, Any]]
+    servers: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def total_cells(self) -> list[tuple[str, int]]:
@@ -117,4 +119,5 @@ def build_overview(service: QueueService) -> Overview:
         totals={state: int(stats["totals"].get(state, 0)) for state in STATES},
         leases=leases,
         failures=failures,
+        servers=list(stats["servers"]),
     )

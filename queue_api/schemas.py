@@ -206,12 +206,25 @@ class TotalsOut(Schema):
     dead: int
 
 
+class ServerOut(Schema):
+    """A live ``relay server`` in the registry (instants in epoch ms)."""
+
+    id: str
+    address: str
+    host: str
+    pid: int
+    started_at_ms: int
+    seen_at_ms: int
+    clock_skew_ms: int = Field(description="The server's clock minus the database's, in ms.")
+
+
 class StatsOut(Schema):
-    """Counts by queue and state."""
+    """Counts by queue and state, and the live servers."""
 
     queues: dict[str, QueueStatsOut]
     totals: TotalsOut
     server_time_ms: int
+    servers: list[ServerOut]
 
 
 class JobPageOut(Schema):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core import checks
 
 from queue_core.conf import RelaySettings
@@ -30,6 +31,8 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "max_inflight_per_connection",
         "idle_timeout_ms",
         "reaper_interval_ms",
+        "server_heartbeat_ms",
+        "max_clock_skew_ms",
     ]
     for name in positive:
         if getattr(s, name) <= 0:
@@ -61,5 +64,18 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
     if s.startup_check not in ("integrity", "quick"):
         errors.append(
             checks.Error("RELAY_STARTUP_CHECK must be 'integrity' or 'quick'", id="relay.E007")
+        )
+    engine = settings.DATABASES.get(s.database, {}).get("ENGINE")
+    if engine is None:
+        errors.append(
+            checks.Error(f"RELAY_DATABASE: no database alias {s.database!r}", id="relay.E008")
+        )
+    elif engine not in ("django.db.backends.sqlite3", "django.db.backends.postgresql"):
+        errors.append(
+            checks.Error(
+                f"RELAY_DATABASE {s.database!r} uses {engine}; Relay stores jobs in SQLite or "
+                "PostgreSQL",
+                id="relay.E009",
+            )
         )
     return errors

@@ -8,11 +8,15 @@ options may come before the command and are handed on to it:
 * ``--api-key KEY`` becomes the command's ``--api-key`` (client commands only; prefer
   ``RELAY_API_KEY``, since a command line is visible to other users);
 * ``--db PATH`` sets ``RELAY_DB`` before Django reads its settings (``relay server`` also
-  takes ``--db`` itself).
+  takes ``--db`` itself);
+* ``--database-url postgresql://user@host:port/dbname`` sets ``RELAY_DATABASE_URL``: Relay's
+  tables live in that PostgreSQL database instead of the SQLite file.
 
 Examples::
 
     relay server --db relay.db
+    relay --database-url postgresql://relay@127.0.0.1:5432/relay migrate
+    relay --database-url postgresql://relay@127.0.0.1:5432/relay server --address 127.0.0.1:7401
     relay worker --queue email --queue notifications --concurrency 16
     relay --address 10.0.0.5:7400 submit email --payload '{"user_id":42}' --priority high
     relay --json stats
@@ -50,7 +54,13 @@ class Subcommand:
 SUBCOMMANDS: dict[str, Subcommand] = {
     "server": Subcommand(
         "relay_server",
-        "run the Relay server (NDJSON over TCP) on the SQLite file",
+        "run the Relay server (NDJSON over TCP) on its database",
+        takes_json=False,
+        takes_api_key=False,
+    ),
+    "migrate": Subcommand(
+        "migrate",
+        "create or update Relay's tables (once per PostgreSQL database, before its servers)",
         takes_json=False,
         takes_api_key=False,
     ),
@@ -77,8 +87,8 @@ class Invocation:
     """What ``main`` runs: environment to set, then Django's argv.
 
     Attributes:
-        env: variables to set before Django starts (``RELAY_DB``).
-        argv: ``["relay", "relay_<command>", args...]`` for ``execute_from_command_line``.
+        env: variables to set before Django starts (``RELAY_DB``, ``RELAY_DATABASE_URL``).
+        argv: ``["relay", "<command>", args...]`` for ``execute_from_command_line``.
     """
 
     env: dict[str, str]
@@ -90,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     lines = [f"  {name:<8} {sub.summary}" for name, sub in SUBCOMMANDS.items()]
     parser = argparse.ArgumentParser(
         prog="relay",
-        usage="relay [--address HOST:PORT] [--api-key KEY] [--db PATH] [--json] COMMAND [ARGS...]",
+        usage="relay [--address HOST:PORT[,HOST:PORT...]] [--api-key KEY] [--db PATH] "
+        "[--database-url URL] [--json] COMMAND [ARGS...]",
         description="Relay: a durable job queue with leases, retries and dead letters.",
         epilog="commands:\n"
         + "\n".join(lines)
@@ -105,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="server to talk to, or listen on for 'server' (default RELAY_ADDRESS)",
     )
     parser.add_argument("--db", metavar="PATH", help="SQLite database file (sets RELAY_DB)")
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help="PostgreSQL database, postgresql://user@host:port/dbname (sets RELAY_DATABASE_URL)",
+    )
     parser.add_argument(
         "--api-key", metavar="KEY", help="API key for the server (default RELAY_API_KEY)"
     )
@@ -134,8 +150,10 @@ def translate(argv: Sequence[str]) -> Invocation:
     env: dict[str, str] = {}
     if ns.db:
         env["RELAY_DB"] = ns.db
+    if ns.database_url:
+        env["RELAY_DATABASE_URL"] = ns.database_url
     # Explicit options after the command win over global ones.
-    if ns.address and not _has_option(args, "--address"):
+    if ns.address and sub.command != "migrate" and not _has_option(args, "--address"):
         args += ["--address", ns.address]
     if ns.json and sub.takes_json and not _has_option(args, "--json"):
         args.append("--json")

@@ -54,6 +54,13 @@ class RelaySettings:
             integrity_check``, the default: 2.7 s for 1M jobs on the benchmark machine) or
             ``"quick"`` (``PRAGMA quick_check``, 0.9 s there, blind to index entries out of
             step with their rows).
+        database: the Django database alias Relay's tables live in (``"default"``); its
+            engine picks the storage driver (SQLite or PostgreSQL, ``queue_core.storage``).
+        server_heartbeat_ms: how often a server renews its row in the server registry, in
+            ms (5 000); it counts as live for three of these.
+        max_clock_skew_ms: the most a server's clock may differ from the database's, in ms
+            (1 000); a server further off refuses to start, and logs it at each heartbeat
+            (several servers judge lease expiry and due times by their own clocks).
     """
 
     address: str = "127.0.0.1:7400"
@@ -85,6 +92,9 @@ class RelaySettings:
     busy_retry_budget_ms: int = 10_000
     sqlite_synchronous: str = "FULL"
     startup_check: str = "integrity"
+    database: str = "default"
+    server_heartbeat_ms: int = 5_000
+    max_clock_skew_ms: int = 1_000
 
     @classmethod
     def from_django(cls) -> RelaySettings:

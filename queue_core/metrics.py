@@ -6,12 +6,14 @@ same way: the TCP server and the HTTP API call the op table's handlers
 (``queue_core.protocol.dispatch``), each handler lists what happened as ``Event``s in its
 ``Outcome``, and the surface calls ``record()`` once the service call has committed. Lease
 expiries happen inside the service's sweeps, so the service reports them to ``observe`` (its
-``observer``) through ``Store.after_commit``: counted once the sweep commits, never if it
+``observer``) through the driver's ``after_commit``: counted once the sweep commits, never if it
 rolls back.
 
 Gauges (``RelayCollector``) are read from the database at scrape time with the service's
-``stats()`` (an index scan grouped by queue and state, plus one MIN per queue over the
-ready-job index), so every process reports the same values.
+``stats(finished=False)`` (a scan of the index of live jobs grouped by queue and state, plus one
+MIN per queue over the ready-job index), so every process reports the same values. SUCCEEDED
+jobs are not counted: they pile up until purged and a scrape must not cost more as they do
+(the counter ``relay_jobs_acked_total`` counts them as they happen).
 
 Labels are bounded: ``queue`` (as many as the queues in use), ``state`` (six), ``op`` (the op
 table) and error ``code`` (the error table). Never a job id or an error text.
@@ -39,8 +41,6 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
-
-from queue_core.store import Store
 
 log = logging.getLogger("relay.metrics")
 
@@ -176,7 +176,7 @@ class RelayCollector(Collector):
     def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         jobs = GaugeMetricFamily(
             "relay_queue_jobs",
-            "Jobs in each queue by state (read at scrape).",
+            "Jobs in each queue by live state, SUCCEEDED excluded (read at scrape).",
             labels=["queue", "state"],
         )
         age = GaugeMetricFamily(
@@ -194,7 +194,7 @@ class RelayCollector(Collector):
 
         jobs, age, up = self._families()
         try:
-            stats = QueueService(store=Store()).stats()
+            stats = QueueService().stats(finished=False)
         except Exception:
             log.exception("event=metrics_collect_failed")
             up.add_metric([], 0)

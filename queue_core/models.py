@@ -1,8 +1,10 @@
-"""Relay's tables: jobs, the per-attempt history, and an append-only event log.
+"""Relay's tables: jobs, the per-attempt history, an append-only event log, and the registry of
+running servers.
 
-No transition methods live here: ``queue_core.service`` changes job state, through raw SQL in
-``queue_core.store``. The ORM is for migrations, the admin and read-only listings. Instants are
-integer epoch milliseconds (``*_at_ms``), exact to compare and free of time zones.
+No transition methods live here: ``queue_core.service`` changes job state, through the named
+SQL of its storage driver (``queue_core.storage``). The ORM is for migrations, the admin and
+read-only listings. Instants are integer epoch milliseconds (``*_at_ms``), exact to compare and
+free of time zones.
 """
 
 from __future__ import annotations
@@ -166,6 +168,34 @@ class JobEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.job_id} {self.event}"
+
+
+class RelayServer(models.Model):
+    """A running ``relay server`` process, kept by its heartbeat (``QueueService.heartbeat``).
+
+    Several servers may serve one PostgreSQL database; each inserts its row at start, renews
+    ``seen_at_ms`` every ``RELAY_SERVER_HEARTBEAT_MS`` and deletes it when it stops cleanly.
+    A server is live while seen within three heartbeats; rows of servers that died are
+    deleted by the others' heartbeats an hour after they were last seen. A registry only:
+    leases belong to workers, never to a server.
+    """
+
+    id = models.CharField(primary_key=True, max_length=40)
+    address = models.CharField(max_length=300)
+    host = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    started_at_ms = models.BigIntegerField()
+    seen_at_ms = models.BigIntegerField()
+    clock_skew_ms = models.BigIntegerField(
+        default=0, help_text="This server's clock minus the database's, in ms."
+    )
+
+    class Meta:
+        db_table = "relay_server"
+        ordering = ["started_at_ms"]
+
+    def __str__(self) -> str:
+        return f"{self.address} ({self.host} pid {self.pid})"
 
 
 class DeadLetter(Job):

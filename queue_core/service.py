@@ -1,17 +1,19 @@
 """QueueService: the one place where job state changes.
 
 The TCP server, the HTTP API, the admin actions, the CLI and the django.tasks backend all call
-this class; none of them writes job state itself. Every method runs in one
-``Store.immediate()`` transaction (a SAVEPOINT when the caller already holds one, which is how
-the server commits many requests at once), guards each UPDATE with the state it expects
-(compare-and-set, as River's queries do), and on a guard miss re-reads the job to explain the
-rejection with a stable error code.
+this class; none of them writes job state itself, and none reaches storage: this is the only
+caller of a storage driver (``queue_core.storage``; SQLite or PostgreSQL). Every method runs in
+one ``driver.write()`` transaction (a SAVEPOINT when the caller already holds one, which is how
+the server commits many requests at once: ``transaction()``), guards each UPDATE with the
+state it expects (compare-and-set, as River's queries do), and on a guard miss re-reads the
+job to explain the rejection with a stable error code.
 
 Results are plain JSON-ready dicts in the shapes ``docs/protocol.md`` documents.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -33,10 +35,12 @@ from queue_core.errors import (
     JobNotFound,
     LeaseExpired,
     StaleToken,
+    StoreBusy,
 )
 from queue_core.retry import RetryPolicy, decide
-from queue_core.states import TERMINAL_STATES, JobState, Priority, effective_priority
-from queue_core.store import Store, Tx
+from queue_core.states import JobState, Priority
+from queue_core.storage import Capabilities, ChangeFeed, ClaimRequest, Driver, Tx, driver_for
+from queue_core.storage.base import REPLY_OVERHEAD_BYTES
 
 log = logging.getLogger("relay.service")
 
@@ -54,10 +58,9 @@ SUBMIT_OPTIONS = frozenset(
     }
 )
 SWEEP_LIMIT = 500
+SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.
 TOKEN_BYTES = 24
-# Bytes a lease reply spends per job beyond its payload (ids, token, times), generously rounded.
-REPLY_OVERHEAD_BYTES = 1024
 
 
 class _MonotonicUlid:
@@ -125,10 +128,6 @@ def _newest_that_fit(rows: list[dict[str, Any]], budget: int) -> tuple[list[dict
     return rows[len(rows) - kept :], len(rows) - kept
 
 
-class _Overflow(Exception):
-    """Rolls back the savepoint of a claim whose payload would overflow the lease reply."""
-
-
 _PRIORITY_NAMES = tuple(p.name.lower() for p in sorted(Priority))
 
 
@@ -178,11 +177,17 @@ def _batch_entry(
     }
 
 
+def new_server_id() -> str:
+    """Return a fresh id for the server registry (``srv_`` and 16 hex digits)."""
+    return f"srv_{secrets.token_hex(8)}"
+
+
 class QueueService:
     """Submit, lease, renew, ack, fail, release, replay, purge, expire and recover jobs.
 
     Args:
-        store: the storage seam (default ``Store()`` on the ``default`` database).
+        driver: the storage driver (default: the process's driver for ``RELAY_DATABASE``,
+            ``driver_for(alias)``).
         clock: source of ``now_ms`` (default ``SystemClock()``); inject ``FakeClock`` in tests.
         rng: source of retry jitter (default an unseeded ``random.Random``). Lease tokens
             always come from ``secrets``, never from ``rng``.
@@ -193,12 +198,12 @@ class QueueService:
 
     def __init__(
         self,
-        store: Store | None = None,
+        driver: Driver | None = None,
         clock: Clock | None = None,
         rng: random.Random | None = None,
         observer: Callable[[str, str], None] | None = None,
     ) -> None:
-        self.store = store or Store()
+        self.driver: Driver = driver or driver_for(relay_settings().database)
         self.clock: Clock = clock or SystemClock()
         self.rng = rng or random.Random()
         self.observer = observer
@@ -208,6 +213,43 @@ class QueueService:
     def settings(self) -> RelaySettings:
         """The current Relay settings."""
         return relay_settings()
+
+    # ------------------------------------------------------------ storage doors
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the storage under this service can do (``single_writer``, ...)."""
+        return self.driver.capabilities
+
+    def transaction(self) -> contextlib.AbstractContextManager[Any]:
+        """Group several service calls into one commit: each call inside becomes a SAVEPOINT
+        and rolls back alone (the TCP server's group commit, the admin's bulk chunks).
+
+        Raises:
+            StoreBusy: the transaction could not start or commit within the retry budget.
+        """
+        return self.driver.write()
+
+    def changes(self) -> ChangeFeed:
+        """The change feed of commits made elsewhere, for long-poll wake-ups (see
+        ``queue_core.storage.base.ChangeFeed``)."""
+        return self.driver.changes()
+
+    def check_storage(self, *, full: bool = True) -> list[str]:
+        """The storage's start-up health check; return the problems (``[]`` when healthy)."""
+        return self.driver.check(full=full)
+
+    def close(self) -> None:
+        """Close this thread's database connection (threads that used the service, on exit)."""
+        self.driver.close()
+
+    def claim_storage(self) -> Any:
+        """Claim the database for this server where only one may serve it; keep the handle.
+
+        Raises:
+            AlreadyServed: another server serves it.
+        """
+        return self.driver.server_lock()
 
     # ----------------------------------------------------------------- submit
 
@@ -231,7 +273,7 @@ class QueueService:
         """
         s = self.settings
         row = self._prepare(queue, payload, options, s)
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             return self._insert(tx, row, self.clock.now_ms(), s)
 
     def submit_batch(self, specs: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -267,7 +309,7 @@ class QueueService:
                 exc.message = f"jobs[{index}].{exc.message}"
                 exc.args = (exc.message,)
                 raise
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             now = self.clock.now_ms()  # one instant for the whole batch
             pending: list[dict[str, Any]] = []
             results = [self._insert(tx, row, now, s, pending) for row in rows]
@@ -378,22 +420,9 @@ class QueueService:
         if key is not None:
             if pending:
                 self._flush(tx, pending)
-            bound = tx.one("find_idempotent", {"queue": row["queue"], "key": key})
-            if bound is not None:
-                if bound["idempotency_expires_at_ms"] > now:
-                    if bound["payload"] != row["payload"]:
-                        raise IdempotencyConflict(
-                            f"idempotency key {key!r} is bound to {bound['id']} with a "
-                            "different payload",
-                            job_id=bound["id"],
-                        )
-                    job = self._job(tx, bound["id"])
-                    if pending is not None:
-                        return _batch_entry(
-                            job["id"], job["queue"], job["state"], job["available_at_ms"], True
-                        )
-                    return {"job": job, "deduplicated": True}
-                tx.run("unbind_idempotency_key", {"job_id": bound["id"]})
+            found = self._bound_job(tx, row, key, now, pending)
+            if found is not None:
+                return found
         delayed = due > now
         job_id = f"job_{_ULIDS.new(now)}"
         state = "pending" if delayed else "ready"
@@ -405,10 +434,20 @@ class QueueService:
         row["available_at_ms"] = available_at_ms
         row["ready_since_ms"] = ready_since_ms
         row["now_ms"] = now
-        if pending is None or key is not None:
+        if key is not None:
+            if tx.one("insert_job_keyed", row) is None:
+                # Another transaction (another server) bound the key since we looked: answer
+                # with its job, as if it had been there first.
+                found = self._bound_job(tx, row, key, now, pending)
+                if found is None:  # pragma: no cover - the conflicting row is committed
+                    raise StoreBusy("idempotency key in flux; try again")
+                return found
+        elif pending is None:
             tx.run("insert_job", row)
         else:
             pending.append(row)
+        if not delayed:
+            tx.made_ready()
         if pending is not None:
             return _batch_entry(job_id, row["queue"], state, available_at_ms, False)
         view: dict[str, Any] = {
@@ -438,6 +477,37 @@ class QueueService:
         }
         return {"job": view, "deduplicated": False}
 
+    def _bound_job(
+        self,
+        tx: Tx,
+        row: Mapping[str, Any],
+        key: str,
+        now: int,
+        pending: list[dict[str, Any]] | None,
+    ) -> dict[str, Any] | None:
+        """The answer for a key already bound in this queue within its window (the job, with
+        ``deduplicated: true``), or None when the key is free (a bound key past its window is
+        freed here).
+
+        Raises:
+            IdempotencyConflict: the key is bound to a job with another payload.
+        """
+        bound = tx.one("find_idempotent", {"queue": row["queue"], "key": key})
+        if bound is None:
+            return None
+        if bound["idempotency_expires_at_ms"] <= now:
+            tx.run("unbind_idempotency_key", {"job_id": bound["id"], "now_ms": now})
+            return None
+        if bound["payload"] != row["payload"]:
+            raise IdempotencyConflict(
+                f"idempotency key {key!r} is bound to {bound['id']} with a different payload",
+                job_id=bound["id"],
+            )
+        job = self._job(tx, bound["id"])
+        if pending is not None:
+            return _batch_entry(job["id"], job["queue"], job["state"], job["available_at_ms"], True)
+        return {"job": job, "deduplicated": True}
+
     # ------------------------------------------------------------------ reads
 
     def get(self, job_id: str, *, history: bool = True) -> dict[str, Any]:
@@ -447,7 +517,7 @@ class QueueService:
             JobNotFound.
         """
         job_id = v.job_id(job_id)
-        with self.store.reading() as tx:
+        with self.driver.read() as tx:
             view = self._job(tx, job_id)
             if history:
                 attempts = tx.all("attempts_of", {"job_id": job_id})
@@ -466,22 +536,28 @@ class QueueService:
             raise JobNotFound(f"no job {job_id}", job_id=job_id)
         return job_view(row)
 
-    def stats(self, queue: str | None = None) -> dict[str, Any]:
-        """Count jobs by queue and state, with each queue's oldest READY age.
+    def stats(self, queue: str | None = None, *, finished: bool = True) -> dict[str, Any]:
+        """Count jobs by queue and state, with each queue's oldest READY age and the live
+        servers.
 
         Args:
             queue: only this queue (None for all).
+            finished: count SUCCEEDED jobs too. False (the metrics gauges) reads only the
+                index of live jobs, so finished jobs piling up cost a scrape nothing; the
+                ``succeeded`` keys are then absent.
         Returns:
             ``{"queues": {name: {state: n, ..., "oldest_ready_age_ms": int | None}},
-            "totals": {state: n}, "server_time_ms": int}``.
+            "totals": {state: n}, "server_time_ms": int, "servers": [Server, ...]}`` (the
+            servers as ``servers()`` gives them).
         """
         if queue is not None:
             queue = v.queue_name(queue, self.settings)
         now = self.clock.now_ms()
-        with self.store.reading() as tx:
-            counts = tx.all("counts")
+        with self.driver.read() as tx:
+            counts = tx.all("counts" if finished else "counts_live")
             oldest = {r["queue"]: r["oldest"] for r in tx.all("oldest_ready")}
-        blank = {s.value: 0 for s in JobState}
+            servers = self._live_servers(tx, now)
+        blank = {s.value: 0 for s in JobState if finished or s is not JobState.SUCCEEDED}
         queues: dict[str, dict[str, Any]] = {}
         totals = dict(blank)
         for r in counts:
@@ -493,7 +569,73 @@ class QueueService:
         for name, q in queues.items():
             since = oldest.get(name)
             q["oldest_ready_age_ms"] = max(0, now - since) if since is not None else None
-        return {"queues": queues, "totals": totals, "server_time_ms": now}
+        return {"queues": queues, "totals": totals, "server_time_ms": now, "servers": servers}
+
+    # ------------------------------------------------------------ server registry
+
+    def register_server(self, server_id: str, *, address: str, host: str, pid: int) -> int:
+        """Enter a server in the registry (or renew its row: the heartbeat); forget servers
+        unseen for ``SERVER_FORGET_MS``. Return this server's clock skew.
+
+        Several servers judge lease expiry and due times by their own clocks, so each must
+        stay within ``RELAY_MAX_CLOCK_SKEW_MS`` of the database's (the bounded-skew rule of
+        docs/design-decisions.md); the caller decides what an excess means (``relay
+        server`` refuses to start, and logs it at each heartbeat).
+
+        Args:
+            server_id: the server's id (``new_server_id()``), the same at each heartbeat.
+            address: where its clients connect, ``HOST:PORT``.
+            host: the machine's name; pid: the process id.
+        Returns:
+            This server's clock minus the database's, in ms (the database read's round trip
+            is split evenly, so the figure is good to half of it).
+        """
+        with self.driver.write() as tx:
+            skew, after = self._skew(tx)
+            tx.run(
+                "register_server",
+                {
+                    "id": server_id,
+                    "address": address,
+                    "host": host,
+                    "pid": pid,
+                    "now_ms": after,
+                    "clock_skew_ms": skew,
+                },
+            )
+            tx.run("forget_servers", {"before_ms": after - SERVER_FORGET_MS})
+        return skew
+
+    def clock_skew_ms(self) -> int:
+        """Return this process's clock minus the database's, in ms, good to half a database
+        round trip (on SQLite, whose clock is this machine's, about 0)."""
+        with self.driver.read() as tx:
+            return self._skew(tx)[0]
+
+    def _skew(self, tx: Tx) -> tuple[int, int]:
+        before = self.clock.now_ms()
+        row = tx.one("database_now")
+        after = self.clock.now_ms()
+        return (before + after) // 2 - int(row["now_ms"] if row else after), after
+
+    def deregister_server(self, server_id: str) -> None:
+        """Take a server that stops cleanly out of the registry (a dead one ages out)."""
+        with self.driver.write() as tx:
+            tx.run("deregister_server", {"id": server_id})
+
+    def servers(self) -> list[dict[str, Any]]:
+        """Return the live servers: those seen within three ``RELAY_SERVER_HEARTBEAT_MS``.
+
+        Returns:
+            ``[{"id", "address", "host", "pid", "started_at_ms", "seen_at_ms",
+            "clock_skew_ms"}, ...]``, the oldest first.
+        """
+        with self.driver.read() as tx:
+            return self._live_servers(tx, self.clock.now_ms())
+
+    def _live_servers(self, tx: Tx, now: int) -> list[dict[str, Any]]:
+        since = now - 3 * self.settings.server_heartbeat_ms
+        return [dict(r) for r in tx.all("live_servers", {"since_ms": since})]
 
     def dead_list(
         self, queue: str | None = None, *, limit: int = 100, after: str | None = None
@@ -509,7 +651,7 @@ class QueueService:
         """
         limit = v.integer("limit", limit, lo=1, hi=1000)
         params: dict[str, Any] = {"after": "" if after is None else v.job_id(after), "limit": limit}
-        with self.store.reading() as tx:
+        with self.driver.read() as tx:
             if queue is None:
                 rows = tx.all("dead_page", params)
             else:
@@ -527,7 +669,7 @@ class QueueService:
 
     def next_due_ms(self) -> int | None:
         """Return the earliest future instant (epoch ms) a job becomes due or a lease expires."""
-        with self.store.reading() as tx:
+        with self.driver.read() as tx:
             due = [tx.one("next_scheduled"), tx.one("next_expiry")]
         times = [r["at_ms"] for r in due if r and r["at_ms"] is not None]
         return min(times) if times else None
@@ -565,74 +707,49 @@ class QueueService:
         worker_id = v.worker_id(worker_id)
         max_jobs = v.integer("max_jobs", max_jobs, lo=1, hi=s.max_jobs_per_lease)
         length = v.lease_ms(lease_ms, s)
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             now = self.clock.now_ms()
-            self._promote(tx, now)
-            self._expire(tx, now)
-            heads: list[tuple[int, int, str]] = []
-            for name in names:
-                for r in tx.all("ready_heads", {"queue": name, "limit": max_jobs}):
-                    eff = effective_priority(r["priority"], r["ready_since_ms"], now)
-                    heads.append((-eff, r["ready_since_ms"], r["id"]))
-            heads.sort()
-            leases: list[dict[str, Any]] = []
-            expires = now + length
-            reply_bytes = REPLY_OVERHEAD_BYTES
-            for _, _, job_id in heads[:max_jobs]:
-                token = secrets.token_urlsafe(TOKEN_BYTES)
-                params = {
-                    "job_id": job_id,
-                    "token": token,
-                    "worker_id": worker_id,
-                    "now_ms": now,
-                    "expires_ms": expires,
-                }
-                # The reply must fit one frame: once the next job could overflow it, claim
-                # inside a savepoint and undo the claim that does.
-                if leases and reply_bytes + s.max_payload_bytes > s.max_frame_bytes:
-                    row = self._claim_if_fits(params, s.max_frame_bytes - reply_bytes)
-                    if row is None:
-                        break
-                else:
-                    row = tx.one("claim_by_id", params)
-                if row is None:  # pragma: no cover - the write lock makes this impossible
-                    continue
-                reply_bytes += len(row["payload"].encode()) + REPLY_OVERHEAD_BYTES
-                tx.run(
+            self._sweep(tx, now)
+            rows = tx.claim(
+                ClaimRequest(
+                    queues=names,
+                    worker_id=worker_id,
+                    now_ms=now,
+                    expires_ms=now + length,
+                    tokens=[secrets.token_urlsafe(TOKEN_BYTES) for _ in range(max_jobs)],
+                    room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
+                    payload_cap_bytes=s.max_payload_bytes,
+                )
+            )
+            if rows:
+                tx.many(
                     "insert_attempt",
-                    {
-                        "job_id": job_id,
-                        "attempt": row["attempt"],
-                        "worker_id": worker_id,
-                        "token": token,
-                        "now_ms": now,
-                    },
+                    [
+                        {
+                            "job_id": row["id"],
+                            "attempt": row["attempt"],
+                            "worker_id": worker_id,
+                            "token": row["lease_token"],
+                            "now_ms": now,
+                        }
+                        for row in rows
+                    ],
                 )
-                leases.append(
-                    {
-                        "job_id": job_id,
-                        "queue": row["queue"],
-                        "payload": orjson.loads(row["payload"]),
-                        "attempt": row["attempt"],
-                        "priority": _priority_name(row["priority"]),
-                        "lease_token": token,
-                        "lease_expires_at_ms": expires,
-                        "failures": row["failures"],
-                        "max_retries": row["max_retries"],
-                        "created_at_ms": row["created_at_ms"],
-                    }
-                )
-        return leases
-
-    def _claim_if_fits(self, params: dict[str, Any], room: int) -> dict[str, Any] | None:
-        try:
-            with self.store.immediate() as sp:  # nested: a savepoint
-                row = sp.one("claim_by_id", params)
-                if row is not None and len(row["payload"].encode()) + REPLY_OVERHEAD_BYTES > room:
-                    raise _Overflow
-                return row
-        except _Overflow:
-            return None
+        return [
+            {
+                "job_id": row["id"],
+                "queue": row["queue"],
+                "payload": orjson.loads(row["payload"]),
+                "attempt": row["attempt"],
+                "priority": _priority_name(row["priority"]),
+                "lease_token": row["lease_token"],
+                "lease_expires_at_ms": now + length,
+                "failures": row["failures"],
+                "max_retries": row["max_retries"],
+                "created_at_ms": row["created_at_ms"],
+            }
+            for row in rows
+        ]
 
     def renew(
         self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
@@ -650,7 +767,7 @@ class QueueService:
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
         length = v.lease_ms(lease_ms, self.settings)
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             now = self.clock.now_ms()
             params = guard | {"now_ms": now, "expires_ms": now + length}
             row = tx.one("renew", params)
@@ -672,7 +789,7 @@ class QueueService:
         """
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             now = self.clock.now_ms()
             params = guard | {"now_ms": now}
             row = tx.one("ack", params)
@@ -715,7 +832,7 @@ class QueueService:
         job_id = guard["job_id"]
         error = v.error_text(error, self.settings)
         retryable = v.boolean("retryable", retryable)
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             now = self.clock.now_ms()
             params: dict[str, Any] = guard | {"now_ms": now}
             lease = tx.one("live_lease", params)
@@ -790,13 +907,14 @@ class QueueService:
         """
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             now = self.clock.now_ms()
             params = guard | {"now_ms": now}
             row = tx.one("release", params)
             if row is None:
                 raise self._rejection(tx, params, "release")
             self._end_attempt(tx, job_id, row["attempt"], now, "released", None)
+            tx.made_ready()
         return {"job_id": job_id, "state": JobState.READY.value, "queue": row["queue"]}
 
     @staticmethod
@@ -881,13 +999,16 @@ class QueueService:
         """Move due PENDING/RETRYING jobs to READY (bounded sweep).
 
         Returns:
-            The queues that got READY jobs (with repeats removed).
+            The queues that got READY jobs (with repeats removed); ``[]`` when another
+            server's sweep holds the sweep lock (it does the work).
         """
-        with self.store.immediate() as tx:
-            return self._promote(tx, self.clock.now_ms())
+        with self.driver.write() as tx:
+            return self._promote(tx, self.clock.now_ms()) if tx.sweep_lock() else []
 
     def _promote(self, tx: Tx, now: int) -> list[str]:
         rows = tx.all("promote_due", {"now_ms": now, "limit": SWEEP_LIMIT})
+        if rows:
+            tx.made_ready()
         return list(dict.fromkeys(r["queue"] for r in rows))
 
     def expire_leases(self) -> list[str]:
@@ -897,22 +1018,40 @@ class QueueService:
         with the reason "lease expired" instead of looping forever.
 
         Returns:
-            The queues that got jobs back as READY.
+            The queues that got jobs back as READY; ``[]`` when another server's sweep holds
+            the sweep lock.
         """
-        with self.store.immediate() as tx:
-            return self._expire(tx, self.clock.now_ms())
+        with self.driver.write() as tx:
+            return self._expire(tx, self.clock.now_ms()) if tx.sweep_lock() else []
+
+    def _sweep(self, tx: Tx, now: int) -> list[str]:
+        """Expire leases and promote due jobs, if this transaction gets the sweep lock (one
+        sweep at a time across servers); return the queues that got READY jobs."""
+        if not tx.sweep_lock():
+            return []
+        return list(dict.fromkeys([*self._expire(tx, now), *self._promote(tx, now)]))
+
+    def sweep(self) -> list[str]:
+        """Expire leases, then promote due jobs, in one transaction (the server's reaper).
+
+        Returns:
+            The queues that got READY jobs; ``[]`` when another server is sweeping.
+        """
+        with self.driver.write() as tx:
+            return self._sweep(tx, self.clock.now_ms())
 
     def _expire(self, tx: Tx, now: int) -> list[str]:
         queues: dict[str, None] = {}
         for r in tx.all("expired_leases", {"now_ms": now, "limit": SWEEP_LIMIT}):
             params = {"job_id": r["id"], "attempt": r["attempt"], "now_ms": now}
-            if r["failures"] + 1 > r["max_retries"]:
-                tx.run("expire_to_dead", params)
-                self._observe("lease_expired", r["queue"])
+            dead = r["failures"] + 1 > r["max_retries"]
+            # Guarded by state and attempt: a lease acked meanwhile is left alone.
+            if not tx.run("expire_to_dead" if dead else "expire_to_ready", params):
+                continue
+            self._observe("lease_expired", r["queue"])
+            if dead:
                 self._observe("dead", r["queue"])
             else:
-                tx.run("expire_to_ready", params)
-                self._observe("lease_expired", r["queue"])
                 queues[r["queue"]] = None
             self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", "lease expired")
             log.info(
@@ -921,26 +1060,36 @@ class QueueService:
                 r["attempt"],
                 extra={"event": "lease_expired", "job_id": r["id"], "attempt": r["attempt"]},
             )
+        if queues:
+            tx.made_ready()
         return list(queues)
 
     def _observe(self, event: str, queue: str) -> None:
         if self.observer is not None:
-            self.store.after_commit(functools.partial(self.observer, event, queue))
+            self.driver.after_commit(functools.partial(self.observer, event, queue))
 
     def recover(self) -> int:
         """Release every lease at server start (LEASED -> READY), without counting a failure.
 
-        Old tokens are cleared, so a worker still running from before the restart can no
-        longer ack, fail or renew. Terminal jobs are untouched.
+        Only where one server serves the database (``capabilities.single_writer``: SQLite):
+        nobody else can hold a lease then. Old tokens are cleared, so a worker still running
+        from before the restart can no longer ack, fail or renew. Terminal jobs are untouched.
+        Where several servers share the database (PostgreSQL), leases belong to workers, a
+        server start releases nothing, and a lost lease comes back by expiry.
 
         Returns:
-            How many leases were released.
+            How many leases were released (0 where several servers share the database).
         """
-        with self.store.immediate() as tx:
+        if not self.capabilities.single_writer:
+            return 0
+        with self.driver.write() as tx:
             now = self.clock.now_ms()
             tx.run("recover_attempts", {"now_ms": now})
             tx.run("recover_events", {"now_ms": now})
-            return tx.run("recover_jobs", {"now_ms": now})
+            released = tx.run("recover_jobs", {"now_ms": now})
+            if released:
+                tx.made_ready()
+            return released
 
     # -------------------------------------------------------------- operators
 
@@ -959,7 +1108,7 @@ class QueueService:
             StoreBusy.
         """
         job_id = v.job_id(job_id)
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             now = self.clock.now_ms()
             row = tx.one("replay", {"job_id": job_id, "now_ms": now})
             if row is None:
@@ -970,6 +1119,7 @@ class QueueService:
                     state=current["state"],
                 )
             self._event(tx, job_id, "replayed", JobState.DEAD, JobState.READY, now, actor)
+            tx.made_ready()
             return self._job(tx, job_id)
 
     def purge(
@@ -989,21 +1139,22 @@ class QueueService:
             JobNotFound, InvalidState (not terminal, or not DEAD with ``dead_only``), StoreBusy.
         """
         job_id = v.job_id(job_id)
-        allowed = {JobState.DEAD} if dead_only else TERMINAL_STATES
-        with self.store.immediate() as tx:
+        with self.driver.write() as tx:
             now = self.clock.now_ms()
-            state = self._job(tx, job_id)["state"]
-            if state not in allowed:
+            # Delete first, guarded by state: a concurrent replay (another server) either
+            # happened before (the job is READY: refused) or waits for this commit.
+            row = tx.one(
+                "delete_dead_job" if dead_only else "delete_terminal_job", {"job_id": job_id}
+            )
+            if row is None:
+                state = self._job(tx, job_id)["state"]
                 raise InvalidState(
-                    f"cannot purge {job_id}: it is {state}",
-                    job_id=job_id,
-                    state=state,
+                    f"cannot purge {job_id}: it is {state}", job_id=job_id, state=state
                 )
             tx.run("delete_attempts", {"job_id": job_id})
-            tx.run("delete_terminal_job", {"job_id": job_id})
             if apps.is_installed("relay_tasks"):
                 tx.run("delete_task_result", {"job_id": job_id})
-            self._event(tx, job_id, "purged", state, None, now, actor)
+            self._event(tx, job_id, "purged", row["state"], None, now, actor)
         return {"job_id": job_id, "purged": True}
 
     @staticmethod

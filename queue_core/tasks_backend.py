@@ -25,9 +25,9 @@ Mapping (see ``docs/django.md``):
   ``TaskContext.attempt`` count deliveries, like Relay's ``attempt``.
 
 Transactions: inside ``transaction.atomic()`` on Relay's database, ``enqueue`` joins the
-caller's transaction (``Store.immediate()`` becomes a savepoint there): the job becomes visible
-to workers when that transaction commits, and never exists if it rolls back; ``task_enqueued``
-is sent on commit. Set ``"transaction_mode": "IMMEDIATE"`` on that database (check
+caller's transaction (the driver's write transaction becomes a savepoint there): the job
+becomes visible to workers when that transaction commits, and never exists if it rolls back;
+``task_enqueued`` is sent on commit. Set ``"transaction_mode": "IMMEDIATE"`` on that database (check
 ``relay.W106``) so such a transaction takes SQLite's write lock when it begins rather than
 failing with "database is locked" when it first writes; keep these transactions short, since
 the server cannot commit while one holds the lock.
@@ -58,7 +58,7 @@ from queue_core import validation
 from queue_core.conf import relay_settings
 from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired
 from queue_core.service import QueueService
-from queue_core.store import Store
+from queue_core.storage import driver_for
 from queue_core.worker.handlers import JobContext, JobInterrupted, NonRetryableError
 
 __all__ = [
@@ -157,7 +157,7 @@ class RelayBackend(BaseTaskBackend):
     def service(self) -> QueueService:
         """The ``QueueService`` on ``OPTIONS["DATABASE"]`` (created on first use)."""
         if self._service is None:
-            self._service = QueueService(store=Store(self.database))
+            self._service = QueueService(driver=driver_for(self.database))
         return self._service
 
     # -- configuration --------------------------------------------------------------------

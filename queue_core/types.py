@@ -185,12 +185,26 @@ class JobResult(TypedDict):
     job: Job
 
 
+class Server(TypedDict):
+    """A live ``relay server`` in the registry (instants in epoch ms)."""
+
+    id: str
+    address: str
+    host: str
+    pid: int
+    started_at_ms: int
+    seen_at_ms: int
+    clock_skew_ms: int
+
+
 class StatsResult(TypedDict):
-    """``stats``: per-queue counts by state plus ``oldest_ready_age_ms`` (None when empty)."""
+    """``stats``: per-queue counts by state plus ``oldest_ready_age_ms`` (None when empty),
+    and the live servers."""
 
     queues: dict[str, dict[str, int | None]]
     totals: dict[str, int]
     server_time_ms: int
+    servers: list[Server]
 
 
 class DeadListResult(TypedDict):

@@ -79,37 +79,71 @@ TEMPLATES = [
     },
 ]
 
-# SQLite in WAL mode. synchronous=FULL makes every commit durable (one fsync per commit; the
-# server shares one commit between many concurrent requests). busy_timeout makes a writer wait
-# for another process's write lock instead of failing at once.
+# The embedded default: SQLite in WAL mode. synchronous=FULL makes every commit durable (one
+# fsync per commit; the server shares one commit between many concurrent requests).
+# busy_timeout makes a writer wait for another process's write lock instead of failing at once.
 RELAY_DB = _env("RELAY_DB", str(BASE_DIR / "relay.db"))
 RELAY_SQLITE_SYNCHRONOUS = _env("RELAY_SQLITE_SYNCHRONOUS", "FULL").upper()
 RELAY_BUSY_TIMEOUT_MS = _env_int("RELAY_BUSY_TIMEOUT_MS", 5000)
+# PostgreSQL instead, for several relay servers on one database:
+# RELAY_DATABASE_URL=postgresql://user[:password]@host[:port]/dbname (RELAY_DB is then unused).
+RELAY_DATABASE_URL = _env("RELAY_DATABASE_URL", "")
+# The alias of the database Relay's tables live in.
+RELAY_DATABASE = "default"
 
-DATABASES = {
-    "default": {
-        "ENGINE": "django.db.backends.sqlite3",
-        "NAME": RELAY_DB,
-        # Keep each HTTP worker thread's connection between requests: opening one per request,
-        # and the WAL checkpoint when a file's last connection closes, dominated HTTP submits.
+SQLITE_DATABASE = {
+    "ENGINE": "django.db.backends.sqlite3",
+    "NAME": RELAY_DB,
+    # Keep each HTTP worker thread's connection between requests: opening one per request,
+    # and the WAL checkpoint when a file's last connection closes, dominated HTTP submits.
+    "CONN_MAX_AGE": _env_int("RELAY_CONN_MAX_AGE_S", 60),
+    "CONN_HEALTH_CHECKS": True,
+    "OPTIONS": {
+        "timeout": RELAY_BUSY_TIMEOUT_MS / 1000,
+        # atomic() takes the write lock at BEGIN: a deferred transaction that reads, then
+        # writes, can fail at once with SQLITE_BUSY when another connection wrote between.
+        "transaction_mode": "IMMEDIATE",
+        "init_command": (
+            "PRAGMA journal_mode=WAL;"
+            f"PRAGMA synchronous={RELAY_SQLITE_SYNCHRONOUS};"
+            f"PRAGMA busy_timeout={RELAY_BUSY_TIMEOUT_MS};"
+            "PRAGMA foreign_keys=ON"
+        ),
+    },
+    # Tests share one file-backed database between the test process and the real server,
+    # worker and CLI processes they spawn.
+    "TEST": {"NAME": _env("RELAY_TEST_DB", str(BASE_DIR / ".test-relay.db"))},
+}
+
+
+def postgresql_database(url: str) -> dict[str, object]:
+    """Django's settings for a ``postgresql://user[:password]@host[:port]/dbname`` URL."""
+    from urllib.parse import unquote, urlsplit
+
+    from django.core.exceptions import ImproperlyConfigured
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("postgresql", "postgres") or not parts.path.strip("/"):
+        raise ImproperlyConfigured(
+            f"RELAY_DATABASE_URL must read postgresql://user@host:port/dbname, got {url!r}"
+        )
+    return {
+        "ENGINE": "django.db.backends.postgresql",
+        "NAME": unquote(parts.path.strip("/")),
+        "USER": unquote(parts.username or ""),
+        "PASSWORD": unquote(parts.password or ""),
+        "HOST": parts.hostname or "",
+        "PORT": str(parts.port or ""),
         "CONN_MAX_AGE": _env_int("RELAY_CONN_MAX_AGE_S", 60),
         "CONN_HEALTH_CHECKS": True,
-        "OPTIONS": {
-            "timeout": RELAY_BUSY_TIMEOUT_MS / 1000,
-            # atomic() takes the write lock at BEGIN: a deferred transaction that reads, then
-            # writes, can fail at once with SQLITE_BUSY when another connection wrote between.
-            "transaction_mode": "IMMEDIATE",
-            "init_command": (
-                "PRAGMA journal_mode=WAL;"
-                f"PRAGMA synchronous={RELAY_SQLITE_SYNCHRONOUS};"
-                f"PRAGMA busy_timeout={RELAY_BUSY_TIMEOUT_MS};"
-                "PRAGMA foreign_keys=ON"
-            ),
-        },
-        # Tests share one file-backed database between the test process and the real server,
-        # worker and CLI processes they spawn.
-        "TEST": {"NAME": _env("RELAY_TEST_DB", str(BASE_DIR / ".test-relay.db"))},
+        # psycopg prepares a statement after it ran 5 times on a connection (server-side
+        # binding): claim, ack and submit become prepared statements.
+        "OPTIONS": {"server_side_binding": True},
     }
+
+
+DATABASES = {
+    "default": postgresql_database(RELAY_DATABASE_URL) if RELAY_DATABASE_URL else SQLITE_DATABASE
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
@@ -145,6 +179,9 @@ RELAY_IDEMPOTENCY_WINDOW_MS = _env_int("RELAY_IDEMPOTENCY_WINDOW_MS", 24 * 3600 
 RELAY_BUSY_RETRY_BUDGET_MS = _env_int("RELAY_BUSY_RETRY_BUDGET_MS", 10_000)
 # "integrity" (PRAGMA integrity_check) or "quick" (PRAGMA quick_check) before the server serves.
 RELAY_STARTUP_CHECK = _env("RELAY_STARTUP_CHECK", "integrity")
+# Several servers on one PostgreSQL database: the registry heartbeat, and the clock bound.
+RELAY_SERVER_HEARTBEAT_MS = _env_int("RELAY_SERVER_HEARTBEAT_MS", 5_000)
+RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

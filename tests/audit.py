@@ -1,4 +1,5 @@
-"""Database invariants of a Relay SQLite file, checked from the outside with plain ``sqlite3``.
+"""Database invariants of a Relay database, checked from the outside (plain ``sqlite3``, or any
+DB-API connection: the checks are portable SQL, so a PostgreSQL database is audited too).
 
 ``audit(db)`` reads one consistent snapshot (a read transaction: under WAL it sees exactly the
 commits made before it began, even while a server keeps writing) and raises ``AuditFailure``
@@ -97,27 +98,29 @@ CHECKS: dict[str, str] = {
         SELECT lease_token, COUNT(*) FROM relay_attempt
          GROUP BY lease_token HAVING COUNT(*) > 1""",
     "succeeded job has exactly one succeeded attempt, its last": """
-        SELECT j.id, j.state, j.attempt,
-               (SELECT COUNT(*) FROM relay_attempt a
-                 WHERE a.job_id = j.id AND a.outcome = 'succeeded') AS n,
-               (SELECT a.outcome FROM relay_attempt a
-                 WHERE a.job_id = j.id AND a.attempt = j.attempt) AS last
-          FROM relay_job j
-         WHERE (j.state = 'succeeded' AND (n != 1 OR last IS NOT 'succeeded'))
-            OR (j.state != 'succeeded' AND n != 0)""",
+        SELECT id, state, attempt, n, last FROM (
+            SELECT j.id, j.state, j.attempt,
+                   (SELECT COUNT(*) FROM relay_attempt a
+                     WHERE a.job_id = j.id AND a.outcome = 'succeeded') AS n,
+                   (SELECT a.outcome FROM relay_attempt a
+                     WHERE a.job_id = j.id AND a.attempt = j.attempt) AS last
+              FROM relay_job j) AS s
+         WHERE (state = 'succeeded' AND (n != 1 OR last IS DISTINCT FROM 'succeeded'))
+            OR (state != 'succeeded' AND n != 0)""",
     "dead job's last attempt failed or expired": """
         SELECT j.id, a.outcome FROM relay_job j
           LEFT JOIN relay_attempt a ON a.job_id = j.id AND a.attempt = j.attempt
          WHERE j.state = 'dead' AND (a.outcome IS NULL
                                      OR a.outcome NOT IN ('failed', 'lease_expired'))""",
     "failures match failed and expired attempts (jobs never replayed)": """
-        SELECT j.id, j.failures,
-               (SELECT COUNT(*) FROM relay_attempt a WHERE a.job_id = j.id
-                   AND a.outcome IN ('failed', 'lease_expired')) AS counted
-          FROM relay_job j
-         WHERE NOT EXISTS (SELECT 1 FROM relay_event e
-                            WHERE e.job_id = j.id AND e.event = 'replayed')
-           AND j.failures != counted""",
+        SELECT id, failures, counted FROM (
+            SELECT j.id, j.failures,
+                   (SELECT COUNT(*) FROM relay_attempt a WHERE a.job_id = j.id
+                       AND a.outcome IN ('failed', 'lease_expired')) AS counted
+              FROM relay_job j
+             WHERE NOT EXISTS (SELECT 1 FROM relay_event e
+                                WHERE e.job_id = j.id AND e.event = 'replayed')) AS s
+         WHERE failures != counted""",
     "idempotency key and its expiry set together": """
         SELECT id FROM relay_job
          WHERE (idempotency_key IS NULL) != (idempotency_expires_at_ms IS NULL)""",

@@ -23,11 +23,14 @@ from tests.procs import Spawner, spawner
 
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings() -> None:
-    """Give each pytest process its own file-backed test DB (children processes share it)."""
+    """Give each pytest process its own file-backed test DB (children processes share it),
+    and its own PostgreSQL test database."""
     from django.conf import settings
 
     name = os.path.join(tempfile.gettempdir(), f"relay-test-{os.getpid()}.db")
     settings.DATABASES["default"]["TEST"]["NAME"] = name
+    # The storage contract suite's PostgreSQL database: one per run, so runs never collide.
+    settings.DATABASES["postgresql"].setdefault("TEST", {})["NAME"] = f"relay_test_{os.getpid()}"
 
 
 @pytest.fixture

@@ -5,11 +5,12 @@ lease token, and is fenced exactly as over TCP: a lost lease answers 409 ``LEASE
 ``STALE_TOKEN`` and changes nothing.
 
 Long-poll under gunicorn: a waiting ``lease`` holds one worker thread for up to ``wait_ms``
-(at most ``RELAY_MAX_WAIT_MS``). While it waits it reads ``PRAGMA data_version`` every
-``POLL_S`` on its own connection, which changes only when another connection commits (a submit
-over HTTP or TCP, the TCP server's reaper), and also wakes at the next instant a job falls due
-or a lease expires; only then does it try the claim (a write transaction) again. Use gthread
-workers with enough threads for the waiting workers you expect, or keep ``wait_ms`` short.
+(at most ``RELAY_MAX_WAIT_MS``). It waits on the service's change feed, the same design as the
+TCP server's (``queue_core.storage.base.ChangeFeed``: ``PRAGMA data_version`` on this thread's
+connection with SQLite, which changes only when another connection commits; LISTEN/NOTIFY with
+PostgreSQL), and also wakes at the next instant a job falls due or a lease expires; only then
+does it try the claim (a write transaction) again. Use gthread workers with enough threads for
+the waiting workers you expect, or keep ``wait_ms`` short.
 A client that disconnects mid-wait is not noticed (WSGI cannot tell); a job leased to it
 returns when its lease expires.
 """
@@ -37,10 +38,10 @@ from queue_api.schemas import (
 )
 from queue_api.security import ApiKey
 from queue_core import metrics
+from queue_core.storage import ChangeFeed
 
 router = Router(tags=["workers"])
 
-POLL_S = 0.05  # how often a waiting lease checks PRAGMA data_version
 MIN_PAUSE_S = 0.01  # the least a waiting lease sleeps between two claims
 
 
@@ -61,30 +62,28 @@ def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
         args["worker_id"] = f"http:{request.META.get('REMOTE_ADDR') or 'unknown'}"
     verb, checked = calls.check("lease", args)
     svc = calls.service()
+    feed = svc.changes()
     deadline = time.monotonic() + checked.get("wait_ms", 0) / 1000
     while True:
-        version = svc.store.data_version()
+        version = feed.token()
         started = time.monotonic()
         outcome = calls.call(request, verb, checked)
         metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
         result: dict[str, Any] = outcome.result
         if result["jobs"] or time.monotonic() >= deadline:
             return result
-        _wait(svc, version, deadline)
+        _wait(svc, feed, version, deadline)
 
 
-def _wait(svc: Any, version: int, deadline: float) -> None:
-    """Sleep until another connection commits, a job may fall due, or ``deadline``."""
+def _wait(svc: Any, feed: ChangeFeed, version: int, deadline: float) -> None:
+    """Wait until another connection commits, a job may fall due, or ``deadline``."""
     wake_at = deadline
     due_ms = svc.next_due_ms()
     if due_ms is not None:
         due_in_s = max(0, due_ms - svc.clock.now_ms() + 1) / 1000
         wake_at = min(wake_at, time.monotonic() + due_in_s)
     wake_at = max(wake_at, min(deadline, time.monotonic() + MIN_PAUSE_S))
-    while (left := wake_at - time.monotonic()) > 0:
-        time.sleep(min(POLL_S, left))
-        if svc.store.data_version() != version:
-            return
+    feed.wait(version, wake_at - time.monotonic())
 
 
 def _lease_op(request: HttpRequest, op: str, job_id: str, body: Any) -> dict[str, Any]:

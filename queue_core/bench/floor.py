@@ -3,8 +3,8 @@
 Same file layout (a copy of a freshly migrated database, so the same table, indexes and CHECK
 constraints), same pragmas as the server (WAL, ``synchronous`` from
 ``RELAY_SQLITE_SYNCHRONOUS``, ``busy_timeout``, foreign keys), and the same statements as
-``queue_core/sql/queries.sql`` (``insert_job``, ``claim_by_id``, ``ack``), one process, one
-connection, no network, no Python per-request work beyond the loop:
+``queue_core/storage/sqlite/queries.sql`` (``insert_job``, ``claim_by_id``, ``ack``), one
+process, one connection, no network, no Python per-request work beyond the loop:
 
 * insert one job per transaction: ``BEGIN IMMEDIATE; INSERT; COMMIT``;
 * insert in batches of 100: ``BEGIN IMMEDIATE; 100 x INSERT; COMMIT``;
@@ -31,7 +31,7 @@ Tick = Callable[[int], None]
 
 
 def _queries() -> dict[str, str]:
-    from queue_core.store import NAMED_QUERIES  # Django is set up in the bench process
+    from queue_core.storage.sqlite.driver import NAMED_QUERIES  # Django is set up here
 
     return {name: NAMED_QUERIES[name] for name in ("insert_job", "claim_by_id", "ack")}
 

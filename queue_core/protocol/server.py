@@ -8,24 +8,31 @@ Threads and tasks:
   and the rest run as one task per request (``_serve_request``).
 * One **writer thread** runs every state-changing call (submit, lease claims, renew, ack, fail,
   release, replay, purge, the reaper's sweeps). It takes the first queued call, drains up to
-  ``GROUP_COMMIT_MAX - 1`` more, and runs them all inside ONE ``store.immediate()``
-  transaction: each call gets its own SAVEPOINT (the service's own ``immediate()`` nests too),
+  ``GROUP_COMMIT_MAX - 1`` more, and runs them all inside ONE ``service.transaction()``
+  (the storage driver's write transaction): each call gets its own SAVEPOINT (the service's
+  own transactions nest too),
   so one call's error rolls back only that call. The batch then COMMITs once, one fsync for
   all of them at ``synchronous=FULL``, and only then are the callers' futures resolved. If the
-  commit fails, every call in the batch gets that error. Between batches (or every
-  ``WATCH_INTERVAL_S`` when idle) it reads ``PRAGMA data_version`` on its own connection: the
-  value changes only when *another* connection commits (the HTTP API, a CLI), so our own
-  commits never trigger it.
+  commit fails, every call in the batch gets that error.
+* Commits made elsewhere (the HTTP API, a CLI, another server) come from the service's change
+  feed (``queue_core.storage.base.ChangeFeed``). On PostgreSQL the feed pushes (LISTEN/NOTIFY,
+  from the driver's listener thread); on SQLite the writer polls it between batches (or every
+  ``WATCH_INTERVAL_S`` when idle) on its own connection, whose ``PRAGMA data_version`` changes
+  only when *another* connection commits, so our own commits never trigger it.
 * A small **reader pool** runs read-only calls (ping, inspect, stats, dead_list); each thread
   has its own connection and WAL lets them read while the writer writes.
 * The **reaper** task runs ``expire_leases`` + ``promote_due`` on the writer every
   ``RELAY_REAPER_INTERVAL_MS``, or sooner at ``next_due_ms()`` or at a due instant a request
-  reported, and after another process commits.
+  reported, and after another process commits. Where the change feed pushes (PostgreSQL),
+  each pass also has the waiting long-polls look once: the bounded fallback poll.
+* The **heartbeat** task renews this server's row in the server registry (``server_id``)
+  every ``RELAY_SERVER_HEARTBEAT_MS`` through the writer; the row goes at a clean stop.
 
 Long-poll leases subscribe to per-queue ``asyncio.Event``s *before* each claim (so a commit
 between the claim and the wait is not missed) and are woken when a commit in this process
 makes a job READY in one of their queues, when the reaper promotes or expires jobs there, or
-when another process commits (wake all). There is no fixed-sleep polling on the lease path.
+when another process or server commits (wake all). There is no fixed-sleep polling on the
+lease path.
 
 SIGTERM/SIGINT (``request_shutdown``): stop accepting, refuse submit/lease with
 ``UNAVAILABLE``, answer waiting long-polls with ``{"jobs": []}``, keep serving renew, ack,
@@ -40,8 +47,10 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import queue
 import signal
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -49,15 +58,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from queue_core import auth, errors, metrics
+from queue_core.client import format_address
 from queue_core.conf import relay_settings
 from queue_core.protocol import codec, dispatch
-from queue_core.service import QueueService
-from queue_core.store import Store
+from queue_core.service import QueueService, new_server_id
+from queue_core.storage import ChangeFeed
 
 log = logging.getLogger("relay.server")
 
 GROUP_COMMIT_MAX = 256  # calls per writer transaction
-WATCH_INTERVAL_S = 0.05  # how often the writer checks PRAGMA data_version
+WATCH_INTERVAL_S = 0.05  # how often the writer polls a change feed that cannot push
 READER_THREADS = 4
 DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs
 CLOSE_WAIT_S = 2.0  # how long a closing connection waits for its in-flight requests
@@ -115,17 +125,17 @@ _STOP = object()
 class _DbThread(threading.Thread):
     """A thread that runs calls from a queue and closes its DB connection on exit."""
 
-    def __init__(self, name: str, calls: queue.SimpleQueue[Any], store: Store) -> None:
+    def __init__(self, name: str, calls: queue.SimpleQueue[Any], service: QueueService) -> None:
         super().__init__(name=name, daemon=True)
         self.calls = calls
-        self.store = store
+        self.service = service
 
     def run(self) -> None:
         try:
             self.serve()
         finally:
             with contextlib.suppress(Exception):
-                self.store.close()
+                self.service.close()
 
     def serve(self) -> None:
         while (call := self.calls.get()) is not _STOP:
@@ -136,39 +146,45 @@ class _DbThread(threading.Thread):
 
 
 class _Writer(_DbThread):
-    """The one thread that writes: group commit plus the ``data_version`` watch.
+    """The one thread that writes: group commit, plus polling a change feed that cannot push.
 
     Args:
         calls: the queue ``_Call``s arrive on (``_STOP`` ends the thread after earlier calls).
-        store: the service's store (its ``immediate()`` gives the transaction and savepoints).
+        service: the service (its ``transaction()`` gives the transaction and savepoints).
         sweep: expires leases and promotes due jobs, returning the queues that got READY
             jobs. Run first in a batch that holds a claim: ``claim`` sweeps too, but does not
             say which queues it made ready, and their waiters must be woken.
         on_ready: called (on this thread) with the queues ``sweep`` made ready, after commit.
         on_foreign_commit: called (on this thread) when another connection committed.
+        poll: whether to poll the change feed (False when it pushes by itself).
     """
 
     def __init__(
         self,
         calls: queue.SimpleQueue[Any],
-        store: Store,
+        service: QueueService,
         *,
         sweep: Callable[[], set[str]],
         on_ready: Callable[[set[str]], None],
         on_foreign_commit: Callable[[], None],
+        poll: bool,
     ) -> None:
-        super().__init__("relay-writer", calls, store)
+        super().__init__("relay-writer", calls, service)
         self.commits = 0  # transactions committed (each holds one or more calls)
         self.sweep = sweep
         self.on_ready = on_ready
         self.on_foreign_commit = on_foreign_commit
+        self.poll = poll
 
     def serve(self) -> None:
-        version = self._data_version(None)
-        next_watch = time.monotonic() + WATCH_INTERVAL_S
+        feed = self.service.changes() if self.poll else None
+        version = self._position(feed, None)
+        next_watch = time.monotonic() + WATCH_INTERVAL_S if feed else None
         while True:
             try:
-                first = self.calls.get(timeout=max(0.0, next_watch - time.monotonic()))
+                # Without a feed to poll, wait for the next call however long it takes.
+                wait = None if next_watch is None else max(0.0, next_watch - time.monotonic())
+                first = self.calls.get(timeout=wait)
             except queue.Empty:
                 first = None
             if first is _STOP:
@@ -185,34 +201,37 @@ class _Writer(_DbThread):
                         break
                     batch.append(nxt)
                 self._commit(batch)
-            if time.monotonic() >= next_watch:
-                new = self._data_version(version)
+            if next_watch is not None and time.monotonic() >= next_watch:
+                new = self._position(feed, version)
                 if version is not None and new != version:
                     self.on_foreign_commit()
                 version = new
                 next_watch = time.monotonic() + WATCH_INTERVAL_S
 
-    def _data_version(self, old: int | None) -> int | None:
+    @staticmethod
+    def _position(feed: ChangeFeed | None, old: int | None) -> int | None:
+        if feed is None:
+            return None
         try:
-            return self.store.data_version()
+            return feed.token()
         except Exception:
-            log.exception("event=data_version_failed")
+            log.exception("event=change_feed_failed")
             return old
 
     def _commit(self, batch: list[_Call]) -> None:
         outcomes: list[tuple[bool, Any]] = []
         ready: set[str] = set()
         try:
-            with self.store.immediate():
+            with self.service.transaction():
                 if any(call.claims for call in batch):
                     try:
-                        with self.store.immediate():
+                        with self.service.transaction():
                             ready = self.sweep()
                     except Exception:
                         log.exception("event=sweep_failed")
                 for call in batch:
                     try:
-                        with self.store.immediate():  # a SAVEPOINT: this call rolls back alone
+                        with self.service.transaction():  # a SAVEPOINT: it rolls back alone
                             outcomes.append((True, call.fn()))
                     except Exception as exc:  # noqa: BLE001 - re-raised in the caller
                         outcomes.append((False, exc))
@@ -459,6 +478,8 @@ class RelayServer:
         self._write_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writer: _Writer | None = None
+        self._pushed = False  # the change feed pushes (PostgreSQL): no polling by the writer
+        self.server_id = new_server_id()  # its row in the server registry
 
     @property
     def commits(self) -> int:
@@ -483,18 +504,23 @@ class RelayServer:
             OSError: the address cannot be bound.
         """
         self._loop = asyncio.get_running_loop()
-        store = self.service.store
+        foreign = functools.partial(self._from_thread, self._foreign_commit)
+        pushed = self.service.capabilities.push_changes and self.service.changes().subscribe(
+            foreign
+        )
+        self._pushed = pushed
         self._writer = _Writer(
             self._write_calls,
-            store,
+            self.service,
             sweep=self._sweep,
             on_ready=lambda queues: self._from_thread(self._notifier.wake, queues),
-            on_foreign_commit=lambda: self._from_thread(self._foreign_commit),
+            on_foreign_commit=foreign,
+            poll=not pushed,
         )
         threads: list[_DbThread] = [
             self._writer,
             *(
-                _DbThread(f"relay-reader-{n}", self._read_calls, store)
+                _DbThread(f"relay-reader-{n}", self._read_calls, self.service)
                 for n in range(READER_THREADS)
             ),
         ]
@@ -511,11 +537,19 @@ class RelayServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self.request_shutdown)
         reaper = asyncio.create_task(self._reaper(), name="relay-reaper")
+        await self._heartbeat_once()  # in the registry before the ready line
+        heart = asyncio.create_task(self._heartbeat(), name="relay-heartbeat")
         log.info(
-            "event=ready host=%s port=%s",
+            "event=ready host=%s port=%s server_id=%s",
             self.host,
             self.port,
-            extra={"event": "ready", "host": self.host, "port": self.port},
+            self.server_id,
+            extra={
+                "event": "ready",
+                "host": self.host,
+                "port": self.port,
+                "server_id": self.server_id,
+            },
         )
         self.ready.set()
         try:
@@ -536,7 +570,10 @@ class RelayServer:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     self._loop.remove_signal_handler(sig)
             reaper.cancel()
-            await asyncio.gather(reaper, return_exceptions=True)
+            heart.cancel()
+            await asyncio.gather(reaper, heart, return_exceptions=True)
+            with contextlib.suppress(Exception):  # else it ages out of the registry
+                await self._write(functools.partial(self.service.deregister_server, self.server_id))
             await asyncio.to_thread(self._stop_threads, threads)
             log.info("event=stopped", extra={"event": "stopped"})
 
@@ -634,10 +671,41 @@ class RelayServer:
 
     def _sweep(self) -> set[str]:
         """Writer thread: expire leases, promote due jobs; return the queues made ready."""
-        return set(self.service.expire_leases()) | set(self.service.promote_due())
+        return set(self.service.sweep())
 
     def _reap_once(self) -> tuple[set[str], int | None]:
         return self._sweep(), self.service.next_due_ms()
+
+    async def _heartbeat_once(self) -> None:
+        """Renew this server's row in the registry; log a clock off by more than
+        ``RELAY_MAX_CLOCK_SKEW_MS`` (or a failure: the next beat tries again)."""
+        register = functools.partial(
+            self.service.register_server,
+            self.server_id,
+            address=format_address(self.host, self.port),
+            host=socket.gethostname(),
+            pid=os.getpid(),
+        )
+        try:
+            skew = await self._write(register)
+        except Exception:
+            log.exception("event=heartbeat_failed")
+            return
+        limit = relay_settings().max_clock_skew_ms
+        if abs(skew) > limit:
+            log.error(
+                "event=clock_skew skew_ms=%s limit_ms=%s",
+                skew,
+                limit,
+                extra={"event": "clock_skew", "skew_ms": skew, "limit_ms": limit},
+            )
+
+    async def _heartbeat(self) -> None:
+        """Renew the registry row every ``RELAY_SERVER_HEARTBEAT_MS`` until cancelled."""
+        interval_s = relay_settings().server_heartbeat_ms / 1000
+        while True:
+            await asyncio.sleep(interval_s)
+            await self._heartbeat_once()
 
     async def _reaper(self) -> None:
         """Sweep every ``RELAY_REAPER_INTERVAL_MS``, and at the next due instant if sooner."""
@@ -659,6 +727,11 @@ class RelayServer:
             if queues:
                 log.debug("event=reaped queues=%s", ",".join(sorted(queues)))
                 self._notifier.wake(queues)
+            if self._pushed:
+                # The bounded fallback poll (as River's FetchPollInterval): a wake-up pushed
+                # by another server could be lost (its listener reconnecting), so each pass
+                # also has the waiting long-polls look once.
+                self._notifier.wake_all()
             # A due instant still in the past means a sweep hit its row limit: go again now.
             if due_ms is not None and (queues or due_ms > self.service.clock.now_ms()):
                 self._schedule_due(due_ms)

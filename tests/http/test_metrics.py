@@ -140,7 +140,7 @@ def test_rolled_back_expiries_are_not_counted(transactional_db: None) -> None:
     before = metric("relay_lease_expirations_total", queue="x2")
 
     def expire_then_fail() -> None:
-        with svc.store.immediate():
+        with svc.transaction():
             svc.expire_leases()  # a savepoint inside the outer transaction
             raise RuntimeError("roll the outer transaction back")
 

@@ -227,6 +227,24 @@ def test_stats_with_no_queues(server: Any) -> None:
     assert out == "no jobs\n"
 
 
+def test_stats_lists_the_live_servers(server: Any) -> None:
+    live = {
+        "id": "srv_1",
+        "address": "10.0.0.7:7400",
+        "host": "relay-b",
+        "pid": 4242,
+        "started_at_ms": 1_767_225_600_000,
+        "seen_at_ms": 1_767_225_605_000,
+        "clock_skew_ms": -3,
+    }
+    stats = {"queues": {}, "totals": {}, "server_time_ms": 0, "servers": [live]}
+    canned = server(lambda req, conn: ok(req, stats))
+    out, _ = run("relay_stats", "--address", canned.address)
+    assert out.startswith("no jobs\n")
+    assert "Live servers: 1" in out
+    assert all(text in out for text in ("10.0.0.7:7400", "relay-b", "4242", "-3 ms"))
+
+
 def test_dead_list_prints_jobs_and_the_next_cursor(server: Any) -> None:
     canned = server(lambda req, conn: ok(req, {"jobs": [JOB], "next_after": "job_1"}))
     out, _ = run(

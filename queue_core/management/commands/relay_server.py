@@ -1,12 +1,17 @@
-"""``manage.py relay_server``: check the database, migrate, recover leases, serve over TCP."""
+"""``manage.py relay_server``: check the database, migrate, recover leases, serve over TCP.
+
+On SQLite (one server per file) it takes the file's lock, checks its integrity, migrates and
+releases every lease. On PostgreSQL (any number of servers on one database) it checks that
+the database answers and is fully migrated, and releases nothing: other servers' workers
+hold their leases, and lost ones come back by expiry.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from django.conf import settings
 from django.core.management import call_command
@@ -19,6 +24,7 @@ from queue_core.conf import relay_settings
 from queue_core.management.relay_command import RelayBaseCommand
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
+from queue_core.storage import AlreadyServed
 
 log = logging.getLogger("relay.server")
 
@@ -67,7 +73,9 @@ class Command(RelayBaseCommand):
                 ``quick_check``, ``RELAY_STARTUP_CHECK=quick``) fails or the
                 file is not a database; ``ALREADY_SERVED`` (exit code 4) when another relay
                 server holds this database; ``INVALID_ARGUMENT`` for a bad address, grace or
-                database path; ``UNAVAILABLE`` when the database cannot be written.
+                database path; ``UNAVAILABLE`` when the database cannot be written, or (on
+                PostgreSQL) has unapplied migrations or a clock off by more than
+                ``RELAY_MAX_CLOCK_SKEW_MS``.
         """
         try:
             host, port = parse_address(options["address"], allow_port_zero=True)
@@ -83,26 +91,27 @@ class Command(RelayBaseCommand):
                 raise CommandError(f"INVALID_ARGUMENT: --metrics-address: {exc}") from exc
         if options["db"]:
             use_database(options["db"])
-        path = str(settings.DATABASES["default"]["NAME"])
-        folder = Path(path).resolve().parent
-        if Path(path).is_dir() or not folder.is_dir():
-            raise CommandError(
-                f"INVALID_ARGUMENT: --db {path}: no such file or folder to create it"
-            )
-        # One server per database file: a second one (say, bin/setup run twice) must not
-        # release the first one's live leases at its start. The lock lives as long as we do.
-        self.lock = _lock_database(path)
         # The observer counts the lease expiries the service's sweeps commit.
         service = QueueService(observer=metrics.observe)
+        where = _describe(service)
+        if service.capabilities.single_writer:
+            self.lock = _claim(service, where)
+        else:
+            _check_migrations(service, where)
         full = relay_settings().startup_check != "quick"
-        problems = service.store.integrity_problems(full=full)
+        problems = service.check_storage(full=full)
         if problems:
-            raise CommandError(
-                f"CORRUPT: database {path} failed integrity check: {'; '.join(problems[:5])}",
-                returncode=EXIT_CORRUPT,
-            )
+            if service.capabilities.single_writer:
+                raise CommandError(
+                    f"CORRUPT: database {where} failed integrity check: {'; '.join(problems[:5])}",
+                    returncode=EXIT_CORRUPT,
+                )
+            raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
+        if not service.capabilities.single_writer:
+            _check_clock(service, where)
         try:
-            call_command("migrate", interactive=False, verbosity=0)
+            if service.capabilities.single_writer:
+                call_command("migrate", interactive=False, verbosity=0)
             recovered = service.recover()
         except DatabaseError as exc:
             if "malformed" in str(exc) or "corrupt" in str(exc).lower():
@@ -110,14 +119,14 @@ class Command(RelayBaseCommand):
                 # index entry out of step with its row)
                 # surfaces when recovery touches it: still corruption, still never served.
                 raise CommandError(
-                    f"CORRUPT: database {path} is damaged: {exc}", returncode=EXIT_CORRUPT
+                    f"CORRUPT: database {where} is damaged: {exc}", returncode=EXIT_CORRUPT
                 ) from exc
-            raise CommandError(f"UNAVAILABLE: cannot write database {path}: {exc}") from exc
+            raise CommandError(f"UNAVAILABLE: cannot write database {where}: {exc}") from exc
         log.info(
             "event=recovered leases=%d db=%s",
             recovered,
-            path,
-            extra={"event": "recovered", "leases": recovered, "db": str(path)},
+            where,
+            extra={"event": "recovered", "leases": recovered, "db": where},
         )
         connections.close_all()  # the server's threads open their own connections
         server = RelayServer(
@@ -156,22 +165,73 @@ def start_metrics(address: tuple[str, int]) -> metrics.MetricsServer:
 EXIT_ALREADY_SERVED = 4
 
 
-def _lock_database(path: str) -> IO[bytes]:
-    """Hold an exclusive ``flock`` on ``<path>.server-lock`` for the life of the process.
+def _describe(service: QueueService) -> str:
+    """The database, for messages: a SQLite file's path, or PostgreSQL's host and name."""
+    conf = connections[service.driver.alias].settings_dict
+    if service.capabilities.vendor == "sqlite":
+        return str(conf["NAME"])
+    return (
+        f"postgresql://{conf.get('HOST') or 'localhost'}:{conf.get('PORT') or 5432}/{conf['NAME']}"
+    )
+
+
+def _claim(service: QueueService, path: str) -> Any:
+    """Check a SQLite path, then hold the one-server-per-file lock for the process's life.
 
     Raises:
-        CommandError: ``ALREADY_SERVED`` (exit code 4) when another process holds it.
+        CommandError: ``INVALID_ARGUMENT`` for a path that cannot be a database file,
+            ``ALREADY_SERVED`` (exit code 4) when another server holds the file.
     """
-    handle = open(f"{path}.server-lock", "ab")  # noqa: SIM115 - held until exit
+    folder = Path(path).resolve().parent
+    if Path(path).is_dir() or not folder.is_dir():
+        raise CommandError(f"INVALID_ARGUMENT: --db {path}: no such file or folder to create it")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
+        return service.claim_storage()
+    except AlreadyServed as exc:
+        raise CommandError(f"ALREADY_SERVED: {exc}", returncode=EXIT_ALREADY_SERVED) from None
+
+
+def _check_migrations(service: QueueService, where: str) -> None:
+    """Refuse to serve a shared database whose migrations are not all applied.
+
+    Several servers share it, so none migrates it on its own at start: the operator runs
+    ``manage.py migrate`` once (a migration racing another server's start would be worse).
+
+    Raises:
+        CommandError: ``UNAVAILABLE`` when the database cannot be reached or is behind.
+    """
+    from django.db.migrations.executor import MigrationExecutor
+
+    try:
+        executor = MigrationExecutor(connections[service.driver.alias])
+        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    except DatabaseError as exc:
+        raise CommandError(f"UNAVAILABLE: cannot reach database {where}: {exc}") from exc
+    if plan:
+        names = ", ".join(f"{m.app_label}.{m.name}" for m, _ in plan[:5])
         raise CommandError(
-            f"ALREADY_SERVED: another relay server is serving {path}; stop it first",
-            returncode=EXIT_ALREADY_SERVED,
-        ) from None
-    return handle
+            f"UNAVAILABLE: database {where} has {len(plan)} unapplied migration(s) ({names}); "
+            "run `relay migrate` (manage.py migrate) first"
+        )
+
+
+def _check_clock(service: QueueService, where: str) -> None:
+    """Refuse to serve a shared database whose clock is more than ``RELAY_MAX_CLOCK_SKEW_MS``
+    from this machine's: servers judge lease expiry and due times by their own clocks.
+
+    Raises:
+        CommandError: ``UNAVAILABLE`` when the clocks differ by more than the bound.
+    """
+    try:
+        skew = service.clock_skew_ms()
+    except DatabaseError as exc:
+        raise CommandError(f"UNAVAILABLE: cannot reach database {where}: {exc}") from exc
+    limit = relay_settings().max_clock_skew_ms
+    if abs(skew) > limit:
+        raise CommandError(
+            f"UNAVAILABLE: this machine's clock is {skew} ms off the clock of database {where} "
+            f"(RELAY_MAX_CLOCK_SKEW_MS is {limit}); synchronise it (NTP) first"
+        )
 
 
 def use_database(path: str) -> None:

@@ -1,4 +1,5 @@
-"""``relay stats [--queue Q]``: job counts by state per queue, and the oldest ready job's age."""
+"""``relay stats [--queue Q]``: job counts by state per queue, the oldest ready job's age, and
+the live servers."""
 
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ class Command(RelayClientCommand):
         if options["json"]:
             self.print_json(result)
             return
+        self._queues(result, options["queue"])
+        if result.get("servers"):
+            self._servers(result["servers"])
+
+    def _queues(self, result: dict[str, Any], only: str | None) -> None:
+        """Print the counts by queue and state."""
         queues: dict[str, dict[str, Any]] = result.get("queues") or {}
         if not queues:
-            self.stdout.write(
-                "no jobs" + (f" in queue {options['queue']}" if options["queue"] else "")
-            )
+            self.stdout.write("no jobs" + (f" in queue {only}" if only else ""))
             return
         table = Table(
             title=f"Relay queues at {fmt_ms(result.get('server_time_ms'))}",
@@ -62,5 +67,21 @@ class Command(RelayClientCommand):
                 *(str(totals.get(state, 0)) for state in STATES),
                 fmt_duration(oldest),
                 style="bold",
+            )
+        self.print_rich(table)
+
+    def _servers(self, servers: list[dict[str, Any]]) -> None:
+        """Print the live servers (several share a PostgreSQL database)."""
+        table = Table(title=f"Live servers: {len(servers)}", title_justify="left")
+        for column in ("address", "host", "pid", "up since", "last seen", "clock skew"):
+            table.add_column(column, justify="left" if column in ("address", "host") else "right")
+        for server in servers:
+            table.add_row(
+                str(server.get("address")),
+                str(server.get("host")),
+                str(server.get("pid")),
+                fmt_ms(server.get("started_at_ms")),
+                fmt_ms(server.get("seen_at_ms")),
+                f"{server.get('clock_skew_ms', 0)} ms",
             )
         self.print_rich(table)

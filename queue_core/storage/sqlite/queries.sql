@@ -1,6 +1,7 @@
--- Every hand-written statement Relay runs, one named block each (after procrastinate's
--- queries.sql). Parameters use Django's %(name)s style. Instants are epoch ms passed in as
--- parameters: SQL never reads the database clock.
+-- Every statement the SQLite driver runs, one named block each (after procrastinate's
+-- queries.sql); ../postgresql/queries.sql has the same names where the work is the same.
+-- Parameters use Django's %(name)s style. Instants are epoch ms passed in as parameters:
+-- SQL never reads the database clock.
 
 -- name: insert_job
 -- Create a job. Params: every column below.
@@ -14,6 +15,21 @@ VALUES (
     %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
     %(now_ms)s);
 
+-- name: insert_job_keyed
+-- Create a job that has an idempotency key, unless another transaction bound the key first
+-- (then no row comes back and the caller reads the job that holds it). Params: as insert_job.
+INSERT INTO relay_job (
+    id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+    attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+VALUES (
+    %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
+    %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
+    %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
+    %(now_ms)s)
+ON CONFLICT (queue, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id;
+
 -- name: find_idempotent
 -- The job an idempotency key is bound to in a queue. Params: queue, key.
 SELECT id, payload, idempotency_expires_at_ms
@@ -21,10 +37,10 @@ SELECT id, payload, idempotency_expires_at_ms
  WHERE queue = %(queue)s AND idempotency_key = %(key)s;
 
 -- name: unbind_idempotency_key
--- Free a key whose window has passed, so a new job may take it. Params: job_id.
+-- Free a key whose window has passed, so a new job may take it. Params: job_id, now_ms.
 UPDATE relay_job
    SET idempotency_key = NULL, idempotency_expires_at_ms = NULL
- WHERE id = %(job_id)s;
+ WHERE id = %(job_id)s AND idempotency_expires_at_ms <= %(now_ms)s;
 
 -- name: get_job
 -- One job with every column the views show. Params: job_id.
@@ -59,6 +75,7 @@ UPDATE relay_job
                WHERE state IN ('pending', 'retrying') AND available_at_ms <= %(now_ms)s
                ORDER BY available_at_ms
                LIMIT %(limit)s)
+   AND state IN ('pending', 'retrying')
 RETURNING queue;
 
 -- name: expired_leases
@@ -107,7 +124,8 @@ SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
                 ORDER BY ready_since_ms, id LIMIT %(limit)s);
 
 -- name: claim_by_id
--- Lease one chosen READY job. Params: job_id, token, worker_id, now_ms, expires_ms.
+-- Lease one chosen READY job (the driver's claim ranks ready_heads, then leases by id).
+-- Params: job_id, token, worker_id, now_ms, expires_ms.
 UPDATE relay_job
    SET state = 'leased', attempt = attempt + 1, lease_token = %(token)s,
        leased_by = %(worker_id)s, leased_at_ms = %(now_ms)s,
@@ -232,12 +250,19 @@ VALUES (%(job_id)s, %(event)s, %(from_state)s, %(to_state)s, %(now_ms)s, %(actor
         %(detail)s);
 
 -- name: delete_attempts
--- Purge, part one. Params: job_id.
+-- Purge, part two. Params: job_id.
 DELETE FROM relay_attempt WHERE job_id = %(job_id)s;
 
 -- name: delete_terminal_job
--- Purge, part two: only a terminal job is ever deleted. Params: job_id.
-DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead');
+-- Purge, part one: only a terminal job is ever deleted (its attempts go next, in the same
+-- transaction: the foreign key is checked at COMMIT). Params: job_id.
+DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead')
+RETURNING state;
+
+-- name: delete_dead_job
+-- Purge of a dead letter only (the dead_purge op). Params: job_id.
+DELETE FROM relay_job WHERE id = %(job_id)s AND state = 'dead'
+RETURNING state;
 
 -- name: delete_task_result
 -- Purge, part three, when the relay_tasks app is installed: the Django task's result row.
@@ -247,6 +272,12 @@ DELETE FROM relay_task_result WHERE job_id = %(job_id)s;
 -- name: counts
 -- Jobs by queue and state (a scan of relay_job_queue_state, not of the table).
 SELECT queue, state, COUNT(*) AS n FROM relay_job GROUP BY queue, state;
+
+-- name: counts_live
+-- Jobs by queue and state without SUCCEEDED ones: a scan of the partial index relay_job_live,
+-- so finished jobs never cost a metrics scrape anything. Params: none.
+SELECT queue, state, COUNT(*) AS n FROM relay_job WHERE state <> 'succeeded'
+ GROUP BY queue, state;
 
 -- name: oldest_ready
 -- When the longest-waiting READY job of each queue became ready. Params: none.
@@ -279,3 +310,30 @@ SELECT MIN(available_at_ms) AS at_ms FROM relay_job WHERE state IN ('pending', '
 -- name: next_expiry
 -- The earliest lease expiry. Params: none.
 SELECT MIN(lease_expires_at_ms) AS at_ms FROM relay_job WHERE state = 'leased';
+
+-- name: database_now
+-- The database's clock, epoch ms (the servers' clocks are checked against it). Params: none.
+SELECT CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER) AS now_ms;
+
+-- name: register_server
+-- A server announces itself (or again, after others forgot it). Params: id, address, host,
+-- pid, now_ms, clock_skew_ms.
+INSERT INTO relay_server (id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms)
+VALUES (%(id)s, %(address)s, %(host)s, %(pid)s, %(now_ms)s, %(now_ms)s, %(clock_skew_ms)s)
+ON CONFLICT (id) DO UPDATE SET seen_at_ms = excluded.seen_at_ms,
+                               clock_skew_ms = excluded.clock_skew_ms;
+
+-- name: forget_servers
+-- Drop the rows of servers not seen since before_ms (they died). Params: before_ms.
+DELETE FROM relay_server WHERE seen_at_ms < %(before_ms)s;
+
+-- name: deregister_server
+-- A server that stops cleanly leaves the registry. Params: id.
+DELETE FROM relay_server WHERE id = %(id)s;
+
+-- name: live_servers
+-- Servers seen since since_ms, oldest first. Params: since_ms.
+SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
+  FROM relay_server
+ WHERE seen_at_ms >= %(since_ms)s
+ ORDER BY started_at_ms, id;

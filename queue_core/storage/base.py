@@ -1,0 +1,319 @@
+"""The storage driver interface: the one door to a database, used only by ``QueueService``.
+
+A driver owns transactions, named statements, the claim, a change feed for wake-ups,
+after-commit hooks and the start-up health check of one database engine (after River's
+``riverdriver`` interface, run by one contract suite over every driver, and procrastinate's
+connectors). ``queue_core.storage.sqlite`` and ``queue_core.storage.postgresql`` implement it;
+``driver_for(alias)`` picks one by the Django database's vendor. Statements are named blocks
+of the driver's own ``queries.sql``: the same names where the same work is done, so the
+service never sees SQL, and a block only one database needs says why.
+
+Both drivers reach the database through Django's connection for that alias (its settings,
+its error translation, its ``atomic()`` for callers that enqueue inside their own
+transaction), but run their statements on the raw DB-API cursor under it: Django's cursor
+wrapper re-spells a query on every call (docs/benchmarking.md). When Django records queries
+(``DEBUG``, ``CaptureQueriesContext``) or an ``execute_wrapper`` is installed, statements go
+through Django's cursor, so they are counted and seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from importlib import resources
+from typing import Any, Protocol
+
+from django.db.backends.utils import CursorDebugWrapper
+
+# Bytes a lease reply spends per job beyond its payload (ids, token, times), generously rounded.
+REPLY_OVERHEAD_BYTES = 1024
+
+_BLOCK_RE = re.compile(r"^-- name: (\w+)\n((?:--[^\n]*\n)*)(.*?)(?=^-- name: |\Z)", re.M | re.S)
+
+
+def load_queries(package: str) -> dict[str, str]:
+    """Parse ``<package>/queries.sql`` into ``{name: statement}`` (comment lines dropped).
+
+    Args:
+        package: a dotted package name, e.g. ``"queue_core.storage.sqlite"``.
+    """
+    text = resources.files(package).joinpath("queries.sql").read_text("utf-8")
+    queries: dict[str, str] = {}
+    for match in _BLOCK_RE.finditer(text):
+        queries[match.group(1)] = match.group(3).strip().rstrip(";").strip()
+    return queries
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a driver's database can do, for the few places where that changes behaviour.
+
+    Attributes:
+        vendor: ``"sqlite"`` or ``"postgresql"`` (Django's ``connection.vendor``).
+        single_writer: one ``relay server`` per database: it takes a lock by file identity,
+            and releases every lease at start (nobody else can hold one). False where several
+            servers share the database: leases belong to workers and come back by expiry.
+        skip_locked: the claim skips rows other transactions hold (``FOR UPDATE SKIP
+            LOCKED``); SQLite needs none, its write lock admits one writer at a time.
+        push_changes: the change feed pushes wake-ups (``ChangeFeed.subscribe``); otherwise
+            it is polled.
+    """
+
+    vendor: str
+    single_writer: bool
+    skip_locked: bool
+    push_changes: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClaimRequest:
+    """What one claim asks for (``Tx.claim``).
+
+    Attributes:
+        queues: 1..16 queue names, already validated.
+        worker_id: who leases.
+        now_ms: the instant of the claim, epoch ms (aging counts to it).
+        expires_ms: the lease expiry to set, epoch ms.
+        tokens: one fresh fencing token per job wanted; ``len(tokens)`` is the most leased.
+        room_bytes: the reply's budget: jobs are leased while their payloads plus
+            ``REPLY_OVERHEAD_BYTES`` each fit in it (the first job always is).
+        payload_cap_bytes: the largest payload a job can have (``RELAY_MAX_PAYLOAD_BYTES``).
+    """
+
+    queues: Sequence[str]
+    worker_id: str
+    now_ms: int
+    expires_ms: int
+    tokens: Sequence[str]
+    room_bytes: int
+    payload_cap_bytes: int
+
+
+class Tx(Protocol):
+    """Statements inside one write transaction (or savepoint), or a read, by query name.
+
+    Rows are dicts keyed by column name. Errors are Django's (``IntegrityError``...), except
+    lock waits a retry can cure, which raise ``StoreBusy`` (``BUSY``).
+    """
+
+    def one(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """Run query ``name``; return its first row, or None."""
+        ...
+
+    def all(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run query ``name``; return every row."""
+        ...
+
+    def many(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Run statement ``name`` once per mapping in ``rows`` (``executemany``)."""
+        ...
+
+    def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
+        """Run statement ``name``; return the number of rows it changed."""
+        ...
+
+    def claim(self, request: ClaimRequest) -> list[dict[str, Any]]:
+        """Lease the best READY jobs of ``request.queues`` (READY -> LEASED, attempt + 1).
+
+        Best means: highest aged class (base class + one per whole minute since
+        ``ready_since_ms``, capped at CRITICAL), then oldest ``ready_since_ms``, then id. The
+        claim stays indexed: its cost does not grow with the backlog.
+
+        Returns:
+            The leased rows in that order: ``id, queue, payload, attempt, priority,
+            failures, max_retries, created_at_ms, lease_token``.
+        """
+        ...
+
+    def sweep_lock(self) -> bool:
+        """Take the sweep lock for the rest of the transaction; False when another server's
+        sweep holds it (skip this sweep: that one does the work)."""
+        ...
+
+    def made_ready(self) -> None:
+        """Note that this transaction makes jobs READY, so waiters elsewhere are woken once it
+        commits (a no-op where the change feed sees every commit by itself)."""
+        ...
+
+
+class ChangeFeed(Protocol):
+    """Commits made elsewhere (another process, another server), for long-poll wake-ups.
+
+    One design for every long-poll, TCP and HTTP: take a ``token()``, try the claim, then
+    ``wait(token, timeout_s)``. Commits made by this process never count: its own waiters are
+    woken directly.
+    """
+
+    def token(self) -> int:
+        """Return the feed's current position."""
+        ...
+
+    def wait(self, token: int, timeout_s: float) -> int | None:
+        """Block up to ``timeout_s`` (0: just look) for a commit elsewhere after ``token``.
+
+        Returns:
+            The new position when something committed, None on timeout.
+        """
+        ...
+
+    def subscribe(self, fn: Callable[[], None]) -> bool:
+        """Call ``fn`` (from a driver thread, so it must be thread-safe and quick) on each
+        commit elsewhere; return False when this feed cannot push and must be polled."""
+        ...
+
+
+class Driver(Protocol):
+    """One database engine behind ``QueueService``; documented once, here."""
+
+    alias: str
+    capabilities: Capabilities
+
+    def write(self) -> contextlib.AbstractContextManager[Tx]:
+        """Open a write transaction; COMMIT on success, ROLLBACK on error.
+
+        Nested on the same thread it is a SAVEPOINT, released on success and rolled back
+        alone on error (how the server runs many requests in one commit). Inside a caller's
+        ``transaction.atomic()`` it is a SAVEPOINT too, committed with the caller's work.
+
+        Raises:
+            StoreBusy: the write could not start (or commit) within the retry budget.
+        """
+        ...
+
+    def read(self) -> contextlib.AbstractContextManager[Tx]:
+        """Run reads: each statement sees the latest committed state (inside ``write()`` on
+        the same thread, reads join that transaction)."""
+        ...
+
+    def after_commit(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once this thread's write transaction commits; dropped if it (or the
+        savepoint ``fn`` was registered in) rolls back; at once outside a transaction.
+        Errors ``fn`` raises are logged, never propagated."""
+        ...
+
+    def in_transaction(self) -> bool:
+        """Return whether this thread is inside ``write()``."""
+        ...
+
+    def changes(self) -> ChangeFeed:
+        """The change feed for the calling thread (see ``ChangeFeed``)."""
+        ...
+
+    def check(self, *, full: bool = True) -> list[str]:
+        """The start-up health check; return the problems found (``[]`` when healthy).
+
+        SQLite: ``PRAGMA integrity_check`` (``quick_check`` when not ``full``). PostgreSQL:
+        connectivity; the server checks unapplied migrations beside it.
+        """
+        ...
+
+    def server_lock(self) -> Any:
+        """Claim the database for this server where only one may serve it (SQLite); return
+        a handle to keep for the life of the process (None where none is needed).
+
+        Raises:
+            AlreadyServed: another server holds it.
+        """
+        ...
+
+    def close(self) -> None:
+        """Close this thread's connection (threads that used the driver call this on exit)."""
+        ...
+
+
+class AlreadyServed(Exception):
+    """Another ``relay server`` holds this database (single-writer drivers only)."""
+
+
+RawExecute = Callable[[Any, str, Mapping[str, Any]], Any]
+RawExecuteMany = Callable[[Any, str, Sequence[Mapping[str, Any]]], Any]
+
+
+class SqlTx:
+    """The statement half of ``Tx``, shared by the drivers.
+
+    Statements run on the DB-API cursor ``raw`` under the Django cursor, spelled for that
+    driver (``raw_queries``), inside Django's error translation; when Django is recording
+    queries or an ``execute_wrapper`` is installed, through the Django cursor instead
+    (``queries``, Django's ``%(name)s`` style). Like Django's cursor, it refuses to run inside
+    a caller's ``atomic()`` block that already failed (``TransactionManagementError``).
+
+    Args:
+        cursor: a Django cursor on the transaction's connection.
+        raw: the DB-API cursor to run statements on.
+        queries / raw_queries: the driver's statements, by name, in both spellings.
+    """
+
+    def __init__(
+        self,
+        cursor: Any,
+        raw: Any,
+        queries: Mapping[str, str],
+        raw_queries: Mapping[str, str],
+        execute: RawExecute,
+        executemany: RawExecuteMany,
+    ) -> None:
+        self._cursor = cursor
+        self._db = cursor.db
+        self._django = isinstance(cursor, CursorDebugWrapper) or bool(self._db.execute_wrappers)
+        self._raw = raw
+        self._errors = self._db.wrap_database_errors
+        self._queries = queries
+        self._raw_queries = raw_queries
+        self._execute_raw = execute
+        self._executemany_raw = executemany
+
+    def _execute(self, name: str, params: Mapping[str, Any]) -> Any:
+        if self._django:
+            self._cursor.execute(self._queries[name], params)
+            return self._cursor
+        self._db.validate_no_broken_transaction()
+        with self._errors:
+            self._execute_raw(self._raw, self._raw_queries[name], params)
+        return self._raw
+
+    def one(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+        """Run query ``name``; return its first row as a dict, or None."""
+        cur = self._execute(name, params or {})
+        with self._errors:
+            row = cur.fetchone()
+            if row is None:
+                return None
+            cols = [d[0] for d in cur.description]
+            # Drain the rest so RETURNING statements complete.
+            cur.fetchall()
+        return dict(zip(cols, row, strict=True))
+
+    def all(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run query ``name``; return every row as a dict."""
+        cur = self._execute(name, params or {})
+        with self._errors:
+            rows = cur.fetchall()
+        if not rows:
+            return []
+        cols = [d[0] for d in cur.description]
+        return [dict(zip(cols, row, strict=True)) for row in rows]
+
+    def many(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Run statement ``name`` once per mapping in ``rows`` (``executemany``)."""
+        if self._django:
+            self._cursor.executemany(self._queries[name], rows)
+            return
+        self._db.validate_no_broken_transaction()
+        with self._errors:
+            self._executemany_raw(self._raw, self._raw_queries[name], rows)
+
+    def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
+        """Run statement ``name``; return the number of rows it changed."""
+        return int(self._execute(name, params or {}).rowcount)
+
+
+def run_callbacks(callbacks: list[Callable[[], None]], log: Any) -> None:
+    """Run after-commit callbacks in order; log (never raise) what they raise."""
+    for fn in callbacks:
+        try:
+            fn()
+        except Exception:
+            log.exception("event=after_commit_failed")

@@ -1,0 +1,346 @@
+-- Every statement the PostgreSQL driver runs, one named block each, with the names of
+-- ../sqlite/queries.sql where the work is the same. Parameters use psycopg's %(name)s style.
+-- Instants are epoch ms passed in as parameters: SQL never reads the database clock.
+--
+-- What differs from SQLite, and why: several servers write at once here, so every sweep
+-- update carries its state guard and skips rows other transactions hold (FOR UPDATE SKIP
+-- LOCKED), the claim is one statement that locks what it takes, and an idempotency key is
+-- bound by INSERT ... ON CONFLICT (two servers may insert the same key at the same moment).
+
+-- name: insert_job
+-- Create a job. Params: every column below.
+INSERT INTO relay_job (
+    id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+    attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+VALUES (
+    %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
+    %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
+    %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
+    %(now_ms)s);
+
+-- name: insert_job_keyed
+-- Create a job that has an idempotency key, unless another transaction bound the key first
+-- (then no row comes back and the caller reads the job that holds it). Params: as insert_job.
+INSERT INTO relay_job (
+    id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+    attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+VALUES (
+    %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
+    %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
+    %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
+    %(now_ms)s)
+ON CONFLICT (queue, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id;
+
+-- name: find_idempotent
+-- The job an idempotency key is bound to in a queue. Params: queue, key.
+SELECT id, payload, idempotency_expires_at_ms
+  FROM relay_job
+ WHERE queue = %(queue)s AND idempotency_key = %(key)s;
+
+-- name: unbind_idempotency_key
+-- Free a key whose window has passed, so a new job may take it. Params: job_id, now_ms.
+UPDATE relay_job
+   SET idempotency_key = NULL, idempotency_expires_at_ms = NULL
+ WHERE id = %(job_id)s AND idempotency_expires_at_ms <= %(now_ms)s;
+
+-- name: get_job
+-- One job with every column the views show. Params: job_id.
+SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
+       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+  FROM relay_job
+ WHERE id = %(job_id)s;
+
+-- name: attempts_of
+-- The delivery history of a job, oldest first. Params: job_id.
+SELECT attempt, worker_id, started_at_ms, ended_at_ms, outcome, error
+  FROM relay_attempt
+ WHERE job_id = %(job_id)s
+ ORDER BY attempt;
+
+-- name: events_of
+-- Operator and recovery events of a job, oldest first. Params: job_id.
+SELECT event, from_state, to_state, at_ms, actor, detail
+  FROM relay_event
+ WHERE job_id = %(job_id)s
+ ORDER BY id;
+
+-- name: promote_due
+-- PENDING/RETRYING jobs whose time has come become READY; aging counts from the due time.
+-- Bounded so one sweep never holds the write lock for long. Params: now_ms, limit.
+UPDATE relay_job
+   SET state = 'ready', ready_since_ms = available_at_ms, available_at_ms = NULL,
+       updated_at_ms = %(now_ms)s
+ WHERE id IN (SELECT id FROM relay_job
+               WHERE state IN ('pending', 'retrying') AND available_at_ms <= %(now_ms)s
+               ORDER BY available_at_ms
+               LIMIT %(limit)s
+                 FOR UPDATE SKIP LOCKED)
+   AND state IN ('pending', 'retrying')
+RETURNING queue;
+
+-- name: expired_leases
+-- Leases whose expiry has passed, oldest first. Params: now_ms, limit.
+SELECT id, queue, attempt, failures, max_retries
+  FROM relay_job
+ WHERE state = 'leased' AND lease_expires_at_ms <= %(now_ms)s
+ ORDER BY lease_expires_at_ms
+ LIMIT %(limit)s
+   FOR UPDATE SKIP LOCKED;
+
+-- name: expire_to_ready
+-- A lost lease returns the job to READY and counts a failure; aging counts from the expiry.
+-- Params: job_id, attempt, now_ms.
+UPDATE relay_job
+   SET state = 'ready', failures = failures + 1, ready_since_ms = lease_expires_at_ms,
+       last_error = 'lease expired', lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
+
+-- name: expire_to_dead
+-- A lost lease with no retry budget left dead-letters the job. Params: job_id, attempt, now_ms.
+UPDATE relay_job
+   SET state = 'dead', failures = failures + 1, last_error = 'lease expired',
+       dead_reason = 'lease expired', finished_at_ms = %(now_ms)s, lease_token = NULL,
+       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
+
+-- name: claim
+-- Lease the best READY jobs in one statement. The heads of each (queue, base class) are one
+-- index seek each on relay_job_ready (LATERAL, LIMIT), locked with SKIP LOCKED so concurrent
+-- claims on other servers take other jobs instead of waiting; they are ranked by aged class
+-- (base + one per whole minute waited, capped at CRITICAL = 3), then FIFO, and leased while
+-- their payloads (+ 1024 bytes each) fit the reply (the first always does). Heads locked but
+-- not taken stay READY. Params: queues (text[]), limit, now_ms, expires_ms, worker_id,
+-- tokens (text[], one per job wanted), room.
+WITH heads AS (
+    SELECT h.id, h.priority, h.ready_since_ms, h.size
+      FROM unnest(%(queues)s::text[]) AS q(name)
+     CROSS JOIN (VALUES (3), (2), (1), (0)) AS c(cls)
+     CROSS JOIN LATERAL (
+           SELECT id, priority, ready_since_ms, octet_length(payload) AS size
+             FROM relay_job
+            WHERE state = 'ready' AND queue = q.name AND priority = c.cls
+            ORDER BY ready_since_ms, id
+            LIMIT %(limit)s
+              FOR UPDATE SKIP LOCKED) AS h
+), ranked AS (
+    SELECT id,
+           row_number() OVER w AS n,
+           sum(size + 1024) OVER w AS bytes
+      FROM heads
+    WINDOW w AS (ORDER BY LEAST(3, priority + GREATEST(0, %(now_ms)s::bigint - ready_since_ms)
+                                              / 60000) DESC,
+                          ready_since_ms, id)
+)
+UPDATE relay_job AS j
+   SET state = 'leased', attempt = j.attempt + 1,
+       lease_token = (%(tokens)s::text[])[r.n::int], leased_by = %(worker_id)s,
+       leased_at_ms = %(now_ms)s, lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
+  FROM ranked AS r
+ WHERE j.id = r.id AND r.n <= %(limit)s AND (r.n = 1 OR r.bytes <= %(room)s)
+RETURNING j.id, j.queue, j.payload, j.attempt, j.priority, j.failures, j.max_retries,
+          j.created_at_ms, j.lease_token, r.n;
+
+-- name: insert_attempt
+-- Open the history row of a delivery. Params: job_id, attempt, worker_id, token, now_ms.
+INSERT INTO relay_attempt (job_id, attempt, worker_id, lease_token, started_at_ms)
+VALUES (%(job_id)s, %(attempt)s, %(worker_id)s, %(token)s, %(now_ms)s);
+
+-- name: end_attempt
+-- Close the history row of a delivery. Params: job_id, attempt, now_ms, outcome, error,
+-- retry_at_ms (a failure's retry time, NULL otherwise).
+UPDATE relay_attempt
+   SET ended_at_ms = %(now_ms)s, outcome = %(outcome)s, error = %(error)s,
+       retry_at_ms = %(retry_at_ms)s
+ WHERE job_id = %(job_id)s AND attempt = %(attempt)s AND ended_at_ms IS NULL;
+
+-- name: live_lease
+-- The lease a renew/ack/fail/release names, if it is the current, unexpired one (the
+-- compare-and-set guard, as River guards in the WHERE clause). Locked until COMMIT, so a
+-- sweep on another server cannot expire it between this read and the fail that follows.
+-- Params: job_id, lease_token, worker_id, now_ms.
+SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter
+  FROM relay_job
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+   FOR UPDATE;
+
+-- name: renew
+-- Move a live lease's expiry. Params: job_id, lease_token, worker_id, now_ms, expires_ms.
+UPDATE relay_job
+   SET lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+RETURNING lease_expires_at_ms, attempt;
+
+-- name: ack
+-- Leased -> succeeded, guarded like renew. Params: job_id, lease_token, worker_id, now_ms.
+-- Returns the queue too, so counting the ack needs no second read.
+UPDATE relay_job
+   SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+RETURNING attempt, queue;
+
+-- name: fail_retry
+-- Leased -> retrying; READY again at retry_at_ms. Params: job_id, lease_token, now_ms,
+-- retry_at_ms, error.
+UPDATE relay_job
+   SET state = 'retrying', failures = failures + 1, available_at_ms = %(retry_at_ms)s,
+       last_error = %(error)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s;
+
+-- name: fail_dead
+-- Leased -> dead. Params: job_id, lease_token, now_ms, error, reason.
+UPDATE relay_job
+   SET state = 'dead', failures = failures + 1, last_error = %(error)s,
+       dead_reason = %(reason)s, finished_at_ms = %(now_ms)s, lease_token = NULL,
+       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s;
+
+-- name: release
+-- Leased -> ready without counting a failure (a worker giving a job back).
+-- Params: job_id, lease_token, worker_id, now_ms.
+UPDATE relay_job
+   SET state = 'ready', ready_since_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+RETURNING attempt, queue;
+
+-- name: lease_state
+-- What a rejected renew/ack/fail/release is explained from. Params: job_id.
+SELECT state, lease_token, leased_by, lease_expires_at_ms
+  FROM relay_job
+ WHERE id = %(job_id)s;
+
+-- name: attempt_by_token
+-- The delivery a lease token belonged to. Params: job_id, lease_token.
+SELECT attempt, worker_id, outcome, ended_at_ms, retry_at_ms
+  FROM relay_attempt
+ WHERE job_id = %(job_id)s AND lease_token = %(lease_token)s;
+
+-- name: replay
+-- Dead -> ready: a fresh retry budget; the delivery counter and history are kept.
+-- Params: job_id, now_ms.
+UPDATE relay_job
+   SET state = 'ready', failures = 0, ready_since_ms = %(now_ms)s, dead_reason = NULL,
+       finished_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'dead'
+RETURNING queue;
+
+-- name: insert_event
+-- Append to the event log. Params: job_id, event, from_state, to_state, now_ms, actor, detail.
+INSERT INTO relay_event (job_id, event, from_state, to_state, at_ms, actor, detail)
+VALUES (%(job_id)s, %(event)s, %(from_state)s, %(to_state)s, %(now_ms)s, %(actor)s,
+        %(detail)s);
+
+-- name: delete_attempts
+-- Purge, part two. Params: job_id.
+DELETE FROM relay_attempt WHERE job_id = %(job_id)s;
+
+-- name: delete_terminal_job
+-- Purge, part one: only a terminal job is ever deleted (its attempts go next, in the same
+-- transaction: the foreign key is checked at COMMIT). Params: job_id.
+DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead')
+RETURNING state;
+
+-- name: delete_dead_job
+-- Purge of a dead letter only (the dead_purge op). Params: job_id.
+DELETE FROM relay_job WHERE id = %(job_id)s AND state = 'dead'
+RETURNING state;
+
+-- name: delete_task_result
+-- Purge, part three, when the relay_tasks app is installed: the Django task's result row.
+-- Params: job_id.
+DELETE FROM relay_task_result WHERE job_id = %(job_id)s;
+
+-- name: counts
+-- Jobs by queue and state (a scan of relay_job_queue_state, not of the table).
+SELECT queue, state, COUNT(*) AS n FROM relay_job GROUP BY queue, state;
+
+-- name: counts_live
+-- Jobs by queue and state without SUCCEEDED ones: a scan of the partial index relay_job_live,
+-- so finished jobs never cost a metrics scrape anything. Params: none.
+SELECT queue, state, COUNT(*) AS n FROM relay_job WHERE state <> 'succeeded'
+ GROUP BY queue, state;
+
+-- name: oldest_ready
+-- When the longest-waiting READY job of each queue became ready. Params: none.
+SELECT queue, MIN(ready_since_ms) AS oldest FROM relay_job WHERE state = 'ready' GROUP BY queue;
+
+-- name: dead_page
+-- One page of dead letters in id order. Params: after, limit.
+SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
+       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+  FROM relay_job
+ WHERE state = 'dead' AND id > %(after)s
+ ORDER BY id LIMIT %(limit)s;
+
+-- name: dead_page_queue
+-- One page of one queue's dead letters in id order. Params: queue, after, limit.
+SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
+       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+  FROM relay_job
+ WHERE queue = %(queue)s AND state = 'dead' AND id > %(after)s
+ ORDER BY id LIMIT %(limit)s;
+
+-- name: next_scheduled
+-- The earliest due time of a PENDING/RETRYING job. Params: none.
+SELECT MIN(available_at_ms) AS at_ms FROM relay_job WHERE state IN ('pending', 'retrying');
+
+-- name: next_expiry
+-- The earliest lease expiry. Params: none.
+SELECT MIN(lease_expires_at_ms) AS at_ms FROM relay_job WHERE state = 'leased';
+-- name: sweep_lock
+-- Only one server sweeps (expires leases, promotes due jobs) at a time: a transaction-scoped
+-- advisory lock, let go at COMMIT or ROLLBACK; a server that does not get it skips the sweep.
+SELECT pg_try_advisory_xact_lock(hashtext('relay.sweep')) AS locked;
+
+-- name: notify_ready
+-- Wake long-polls on other servers once this transaction commits (NOTIFY is transactional,
+-- and repeats of one payload in one transaction are delivered once). Params: origin (the
+-- sender's id, so its own listener ignores it).
+SELECT pg_notify('relay_ready', %(origin)s);
+
+-- name: check
+-- The start-up check: the database answers and Relay's table is there.
+SELECT count(*) AS n FROM (SELECT 1 FROM relay_job LIMIT 1) AS one;
+
+-- name: database_now
+-- The database's clock, epoch ms (the servers' clocks are checked against it). Params: none.
+SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms;
+
+-- name: register_server
+-- A server announces itself (or again, after others forgot it). Params: id, address, host,
+-- pid, now_ms, clock_skew_ms.
+INSERT INTO relay_server (id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms)
+VALUES (%(id)s, %(address)s, %(host)s, %(pid)s, %(now_ms)s, %(now_ms)s, %(clock_skew_ms)s)
+ON CONFLICT (id) DO UPDATE SET seen_at_ms = excluded.seen_at_ms,
+                               clock_skew_ms = excluded.clock_skew_ms;
+
+-- name: forget_servers
+-- Drop the rows of servers not seen since before_ms (they died). Params: before_ms.
+DELETE FROM relay_server WHERE seen_at_ms < %(before_ms)s;
+
+-- name: deregister_server
+-- A server that stops cleanly leaves the registry. Params: id.
+DELETE FROM relay_server WHERE id = %(id)s;
+
+-- name: live_servers
+-- Servers seen since since_ms, oldest first. Params: since_ms.
+SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
+  FROM relay_server
+ WHERE seen_at_ms >= %(since_ms)s
+ ORDER BY started_at_ms, id;

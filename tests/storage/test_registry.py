@@ -1,0 +1,100 @@
+"""The server registry and the clock check, once per storage driver (fake clock).
+
+A server is live while seen within three heartbeats (``RELAY_SERVER_HEARTBEAT_MS``); a dead
+server's row is deleted an hour after it was last seen; ``clock_skew_ms`` compares this
+process's clock with the database's."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from django.test.utils import override_settings
+
+from queue_core.clock import FakeClock
+from queue_core.models import RelayServer
+from queue_core.service import SERVER_FORGET_MS, QueueService, new_server_id
+from tests.storage.conftest import DATABASES
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
+
+HEARTBEAT_MS = 5_000
+
+
+def register(service: QueueService, server_id: str, port: int = 7400) -> int:
+    return service.register_server(server_id, address=f"127.0.0.1:{port}", host="h", pid=42)
+
+
+@override_settings(RELAY_SERVER_HEARTBEAT_MS=HEARTBEAT_MS)
+def test_a_server_is_live_for_three_heartbeats(service: QueueService, clock: FakeClock) -> None:
+    a, b = new_server_id(), new_server_id()
+    register(service, a, 7400)
+    started = clock.now_ms()
+    clock.advance(ms=10)
+    register(service, b, 7401)
+    live = service.servers()
+    assert [s["id"] for s in live] == [a, b]
+    assert live[0] | {"clock_skew_ms": 0} == {
+        "id": a,
+        "address": "127.0.0.1:7400",
+        "host": "h",
+        "pid": 42,
+        "started_at_ms": started,
+        "seen_at_ms": started,
+        "clock_skew_ms": 0,
+    }
+    clock.advance(ms=3 * HEARTBEAT_MS - 10)  # a: exactly three heartbeats ago
+    assert [s["id"] for s in service.servers()] == [a, b]
+    clock.advance(ms=1)
+    assert [s["id"] for s in service.servers()] == [b]
+    register(service, a)  # its heartbeat: live again, start time kept
+    again = service.servers()
+    assert [s["id"] for s in again] == [a, b]
+    assert again[0]["started_at_ms"] == started and again[0]["seen_at_ms"] == clock.now_ms()
+
+
+def test_stats_lists_the_live_servers(service: QueueService) -> None:
+    server_id = new_server_id()
+    register(service, server_id)
+    assert [s["id"] for s in service.stats()["servers"]] == [server_id]
+
+
+def test_a_clean_stop_leaves_the_registry(service: QueueService) -> None:
+    a, b = new_server_id(), new_server_id()
+    register(service, a)
+    register(service, b)
+    service.deregister_server(a)
+    assert [s["id"] for s in service.servers()] == [b]
+
+
+def test_a_dead_servers_row_is_forgotten_after_an_hour(
+    service: QueueService, clock: FakeClock
+) -> None:
+    dead, other = new_server_id(), new_server_id()
+    register(service, dead)
+    clock.advance(ms=SERVER_FORGET_MS)
+    register(service, other)  # exactly an hour: kept
+    assert RelayServer.objects.filter(id=dead).exists()
+    clock.advance(ms=1)
+    register(service, other)
+    assert list(RelayServer.objects.values_list("id", flat=True)) == [other]
+
+
+def test_clock_skew_is_measured_against_the_database(service: QueueService) -> None:
+    service.clock = FakeClock(start_ms=int(time.time() * 1000) + 60_000)
+    skew = service.clock_skew_ms()
+    assert 59_000 < skew < 61_000  # a minute ahead, give or take the round trip
+    assert 59_000 < register(service, new_server_id()) < 61_000
+
+
+def test_stats_without_finished_jobs_counts_only_live_states(service: QueueService) -> None:
+    done = service.submit("q", 1)["job"]["id"]
+    service.submit("q", 2)
+    lease = service.claim(["q"], worker_id="w", max_jobs=1)[0]
+    assert lease["job_id"] == done
+    service.ack(done, worker_id="w", lease_token=lease["lease_token"])
+    everything = service.stats()
+    live = service.stats(finished=False)
+    assert everything["queues"]["q"]["succeeded"] == 1 and everything["totals"]["succeeded"] == 1
+    assert "succeeded" not in live["queues"]["q"] and "succeeded" not in live["totals"]
+    assert live["queues"]["q"]["ready"] == 1 and live["totals"]["ready"] == 1
