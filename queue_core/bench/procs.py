@@ -193,7 +193,7 @@ class _Child:
 
 
 class ServerProcess(_Child):
-    """``relay_server --address 127.0.0.1:0 --db PATH`` as a subprocess, ready on return.
+    """``relay_server --address 127.0.0.1:0 [--db PATH]`` as a subprocess, ready on return.
 
     Attributes:
         port: the bound port; ``address``: ``127.0.0.1:PORT``.
@@ -201,9 +201,11 @@ class ServerProcess(_Child):
         RuntimeError: the server exited or did not log ``event=ready`` in time.
     """
 
-    def __init__(self, db_path: Path, **env: str) -> None:
-        argv = django_cmd("relay_server", "--address", "127.0.0.1:0", "--db", str(db_path))
-        super().__init__(argv, child_env(str(db_path), **env), "relay_server")
+    def __init__(self, db_path: Path | None, **env: str) -> None:
+        argv = django_cmd("relay_server", "--address", "127.0.0.1:0")
+        if db_path is not None:  # None: the database comes from env (RELAY_DATABASE_URL)
+            argv += ["--db", str(db_path)]
+        super().__init__(argv, child_env(str(db_path or ""), **env), "relay_server")
         try:
             ready = self.wait_event("ready")
         except BaseException:

@@ -190,13 +190,17 @@ def lease_ack(
     return out
 
 
-def submit_to_start(env: Env, address: str, *, samples: int, tick: Tick) -> dict[str, Any]:
+def submit_to_start(
+    env: Env, address: str, *, samples: int, tick: Tick, consumer_address: str | None = None
+) -> dict[str, Any]:
     """Idle server, one worker waiting in a long-poll: time from ``submit`` to the lease reply.
 
     A producer submits one job at a time; a consumer thread long-polls ``lease`` (wait 5 s),
     notes when the lease arrives, acks, and long-polls again. The producer waits until the
     consumer is back in its long-poll (plus 2 ms for the request to reach the server) before
-    the next submit, so every sample starts on an idle server with a waiting worker.
+    the next submit, so every sample starts on an idle server with a waiting worker. With
+    ``consumer_address`` (another server of the same PostgreSQL database) the worker waits
+    there: the wake-up crosses servers.
     """
     queue = f"bench-{env.run_id}-s2s"
     arrived: list[float] = []
@@ -207,7 +211,7 @@ def submit_to_start(env: Env, address: str, *, samples: int, tick: Tick) -> dict
     problems: list[str] = []
 
     def consume() -> None:
-        with _client(address) as client:
+        with _client(consumer_address or address) as client:
             while not stop.is_set():
                 waiting.set()
                 try:

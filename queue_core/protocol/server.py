@@ -6,14 +6,17 @@ Threads and tasks:
   It never touches the database. A write (submit, ack, fail, renew, ...) is admitted in the
   read loop and answered from its writer future's callback (``_write_inline``); reads, leases
   and the rest run as one task per request (``_serve_request``).
-* One **writer thread** runs every state-changing call (submit, lease claims, renew, ack, fail,
-  release, replay, purge, the reaper's sweeps). It takes the first queued call, drains up to
-  ``GROUP_COMMIT_MAX - 1`` more, and runs them all inside ONE ``service.transaction()``
-  (the storage driver's write transaction): each call gets its own SAVEPOINT (the service's
-  own transactions nest too),
-  so one call's error rolls back only that call. The batch then COMMITs once, one fsync for
-  all of them at ``synchronous=FULL``, and only then are the callers' futures resolved. If the
-  commit fails, every call in the batch gets that error.
+* One **writer thread** (SQLite: one writer per file; on PostgreSQL ``SHARED_WRITERS``, each
+  with its own connection, taking calls from the same queue) runs every state-changing call
+  (submit, lease claims, renew, ack, fail, release, replay, purge, the reaper's sweeps). It
+  takes the first queued call, drains up to ``GROUP_COMMIT_MAX - 1`` more, and runs them all
+  inside ONE ``service.transaction()`` (the storage driver's write transaction): each call
+  gets its own SAVEPOINT (the service's own transactions nest too), so one call's error rolls
+  back only that call. The batch then COMMITs once, one fsync for all of them (SQLite at
+  ``synchronous=FULL``; PostgreSQL at its ``synchronous_commit``), and only then are the
+  callers' futures resolved. If the commit fails, every call in the batch gets that error.
+  With several writers, two calls in flight at once (from two connections, or pipelined on
+  one) may commit in either order; with one, they commit in the order they were read.
 * Commits made elsewhere (the HTTP API, a CLI, another server) come from the service's change
   feed (``queue_core.storage.base.ChangeFeed``). On PostgreSQL the feed pushes (LISTEN/NOTIFY,
   from the driver's listener thread); on SQLite the writer polls it between batches (or every
@@ -69,6 +72,9 @@ log = logging.getLogger("relay.server")
 GROUP_COMMIT_MAX = 256  # calls per writer transaction
 WATCH_INTERVAL_S = 0.05  # how often the writer polls a change feed that cannot push
 READER_THREADS = 4
+# Writer threads (each its own connection and group commit) where the database takes
+# concurrent writers (PostgreSQL); SQLite has one.
+SHARED_WRITERS = 4
 DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs
 CLOSE_WAIT_S = 2.0  # how long a closing connection waits for its in-flight requests
 LINGER_S = 1.0  # how long input is discarded after FRAME_TOO_LARGE before closing
@@ -168,8 +174,9 @@ class _Writer(_DbThread):
         on_ready: Callable[[set[str]], None],
         on_foreign_commit: Callable[[], None],
         poll: bool,
+        name: str = "relay-writer",
     ) -> None:
-        super().__init__("relay-writer", calls, service)
+        super().__init__(name, calls, service)
         self.commits = 0  # transactions committed (each holds one or more calls)
         self.sweep = sweep
         self.on_ready = on_ready
@@ -477,14 +484,14 @@ class RelayServer:
         self._notifier = _Notifier()
         self._write_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._writer: _Writer | None = None
+        self._writers: list[_Writer] = []
         self._pushed = False  # the change feed pushes (PostgreSQL): no polling by the writer
         self.server_id = new_server_id()  # its row in the server registry
 
     @property
     def commits(self) -> int:
         """Write transactions committed so far (group commit: usually fewer than requests)."""
-        return self._writer.commits if self._writer is not None else 0
+        return sum(writer.commits for writer in self._writers)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -509,16 +516,21 @@ class RelayServer:
             foreign
         )
         self._pushed = pushed
-        self._writer = _Writer(
-            self._write_calls,
-            self.service,
-            sweep=self._sweep,
-            on_ready=lambda queues: self._from_thread(self._notifier.wake, queues),
-            on_foreign_commit=foreign,
-            poll=not pushed,
-        )
+        count = 1 if self.service.capabilities.single_writer else SHARED_WRITERS
+        self._writers = [
+            _Writer(
+                self._write_calls,
+                self.service,
+                name="relay-writer" if count == 1 else f"relay-writer-{n}",
+                sweep=self._sweep,
+                on_ready=lambda queues: self._from_thread(self._notifier.wake, queues),
+                on_foreign_commit=foreign,
+                poll=not pushed and n == 0,
+            )
+            for n in range(count)
+        ]
         threads: list[_DbThread] = [
-            self._writer,
+            *self._writers,
             *(
                 _DbThread(f"relay-reader-{n}", self._read_calls, self.service)
                 for n in range(READER_THREADS)
@@ -578,7 +590,8 @@ class RelayServer:
             log.info("event=stopped", extra={"event": "stopped"})
 
     def _stop_threads(self, threads: list[_DbThread]) -> None:
-        self._write_calls.put(_STOP)
+        for _ in self._writers:
+            self._write_calls.put(_STOP)
         for _ in range(READER_THREADS):
             self._read_calls.put(_STOP)
         for thread in threads:

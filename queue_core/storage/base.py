@@ -129,7 +129,8 @@ class Tx(Protocol):
 
     def sweep_lock(self) -> bool:
         """Take the sweep lock for the rest of the transaction; False when another server's
-        sweep holds it (skip this sweep: that one does the work)."""
+        sweep holds it, or when this transaction swept already (skip this sweep: that one
+        does the work)."""
         ...
 
     def made_ready(self) -> None:

@@ -238,8 +238,8 @@ def test_detail_page_is_a_fixed_handful_of_queries(staff: Client) -> None:
 
 def test_overview_reads_through_indexes(staff: Client) -> None:
     response, sql, took = render(staff, OVERVIEW)
-    # session, user, counts, oldest ready, leases, recent failures
-    assert len(sql) == 6, "\n".join(sql)
+    # session, user, counts, oldest ready, live servers, leases, recent failures
+    assert len(sql) == 7, "\n".join(sql)
     # The counts by queue and state read the (queue, state, id) covering index whole: the
     # one O(jobs) read, a few ms at 200,000 jobs.
     plans = [assert_indexed(q, whole_index="relay_job_queue_state") for q in job_queries(sql)]

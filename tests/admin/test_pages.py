@@ -154,6 +154,19 @@ def test_overview_counts_ages_leases_and_failures(
     assert f'href="{DEAD_LIST}?queue=billing">2</a>' in html
 
 
+def test_overview_lists_the_live_servers(
+    alice: Client, service: QueueService, console_clock: FakeClock
+) -> None:
+    service.register_server("srv_a", address="10.0.0.7:7400", host="relay-a", pid=41)
+    service.register_server("srv_b", address="10.0.0.8:7400", host="relay-b", pid=42)
+    console_clock.advance(ms=3 * 5_000 + 1)  # srv_a stops beating: no longer live
+    service.register_server("srv_b", address="10.0.0.8:7400", host="relay-b", pid=42)
+    html = alice.get(OVERVIEW).content.decode()
+    assert "Live servers" in html and 'id="relay-servers"' in html
+    assert "10.0.0.8:7400" in html and "relay-b" in html
+    assert "10.0.0.7:7400" not in html
+
+
 def test_overview_is_linked_from_the_admin_home(alice: Client) -> None:
     assert f'href="{OVERVIEW}"' in alice.get("/admin/").content.decode()
 

@@ -1,4 +1,5 @@
-"""``relay bench``: a real Relay server measured against the raw SQLite floor.
+"""``relay bench``: a real Relay server measured against the raw SQLite floor, or with
+``--database-url`` on PostgreSQL against a raw psycopg floor.
 
 See docs/benchmarking.md for what it measures and how to read it.
 """
@@ -24,6 +25,7 @@ from queue_core.bench.runner import (
     SUBMIT_CONCURRENCY,
     Bench,
     Progress,
+    Sizes,
 )
 from queue_core.management.relay_command import resolve_address
 
@@ -83,6 +85,14 @@ class Command(BaseCommand):
             help="Measure this already running server instead of spawning one (RSS and "
             "backlog scaling are then skipped).",
         )
+        parser.add_argument(
+            "--database-url",
+            default=None,
+            metavar="URL",
+            help="Measure Relay on PostgreSQL (postgresql://user@host:port/dbname) against a "
+            "raw psycopg floor, with two servers against one; the run creates and drops a "
+            "database of its own there (docs/benchmarking.md).",
+        )
         parser.add_argument("--json", action="store_true", help="Print JSON instead of tables.")
         parser.add_argument(
             "--quick", action="store_true", help="Smaller counts, no 1M backlog: under a minute."
@@ -139,6 +149,9 @@ class Command(BaseCommand):
             disable=options["no_progress"],
             transient=False,
         )
+        if options["database_url"]:
+            self._postgresql(options, sizes, bar)
+            return
         bench = Bench(
             sizes,
             address=address,
@@ -171,3 +184,37 @@ class Command(BaseCommand):
         Console(file=out, force_terminal=tty, width=140 if not tty else None).print(
             report.render(doc)
         )
+
+    def _postgresql(self, options: dict[str, Any], sizes: Sizes, bar: RichProgress) -> None:
+        """Run the PostgreSQL benchmark (``queue_core.bench.postgresql``) and report it."""
+        import psycopg
+
+        from queue_core.bench import postgresql
+
+        if not options["database_url"].startswith(("postgresql://", "postgres://")):
+            raise CommandError("INVALID_ARGUMENT: --database-url must be postgresql://...")
+        workers = tuple(n for n in options["workers"] if n <= 16) or postgresql.WORKERS
+        if options["workers"] == LEASE_CONCURRENCY:
+            workers = postgresql.WORKERS
+        producers = options["producers"]
+        if producers == SUBMIT_CONCURRENCY:
+            producers = postgresql.PRODUCERS
+        bench = postgresql.PgBench(
+            options["database_url"],
+            sizes,
+            progress=_Bar(bar),
+            producers=producers,
+            workers=workers,
+        )
+        try:
+            with bar:
+                doc = bench.run()
+        except (RuntimeError, psycopg.Error) as exc:
+            raise CommandError(f"benchmark failed: {exc}") from exc
+        text = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+        if options["json_out"]:
+            Path(options["json_out"]).write_text(text + "\n", encoding="utf-8")
+        table = postgresql.markdown(doc)
+        if options["markdown_out"]:
+            Path(options["markdown_out"]).write_text(table, encoding="utf-8")
+        self.stdout.write(text if options["json"] else table)

@@ -1,5 +1,5 @@
-"""Several real ``relay server`` processes on one PostgreSQL database (the test database of
-tests/settings.py, migrated by pytest-django), with real workers and real sockets.
+"""PostgreSQL-only tests on the test database of tests/settings.py (migrated by pytest-django):
+the claim's plan, and several real ``relay server`` processes with real workers and sockets.
 
 ``servers(n, **env)`` starts ``n`` servers on free loopback ports and returns them with their
 addresses; the ORM reads of these tests go to the PostgreSQL database. Every process is killed

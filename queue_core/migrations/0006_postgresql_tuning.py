@@ -1,10 +1,15 @@
-"""PostgreSQL only: vacuum and analyse relay_job and relay_attempt sooner than the defaults.
+"""PostgreSQL only: vacuum relay_job and relay_attempt sooner, and drop the LIKE indexes.
 
 Every transition updates a job row, so a busy queue leaves dead tuples fast; PostgreSQL's
 default (vacuum once 20% of the table is dead) lets a table of finished jobs bloat before it
 runs. Per-table storage parameters (PostgreSQL's CREATE TABLE ... WITH, "Storage
 Parameters") make these two tables vacuum after about 1% of their rows died, with a cost limit
-high enough to keep up. Nothing happens on other databases.
+high enough to keep up.
+
+Django gives every text primary key and foreign key on PostgreSQL a second index with
+``varchar_pattern_ops`` (``..._like``) for ``LIKE 'x%'`` lookups. Relay never runs those on
+its job tables, and each is one more index every submit writes, so they are dropped (the
+reverse migration does not recreate them). Nothing happens on other databases.
 """
 
 from typing import Any
@@ -23,9 +28,19 @@ RESET = (
 
 
 def tune(apps: Any, schema_editor: Any) -> None:
-    if schema_editor.connection.vendor == "postgresql":
-        for table in TABLES:
-            schema_editor.execute(f"ALTER TABLE {table} SET ({SETTINGS})")
+    if schema_editor.connection.vendor != "postgresql":
+        return
+    for table in TABLES:
+        schema_editor.execute(f"ALTER TABLE {table} SET ({SETTINGS})")
+    with schema_editor.connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT indexname FROM pg_indexes WHERE schemaname = current_schema() "
+            "AND tablename = ANY(%s) AND indexname LIKE '%%\\_like'",
+            [list(TABLES)],
+        )
+        likes = [row[0] for row in cursor.fetchall()]
+    for name in likes:
+        schema_editor.execute(f'DROP INDEX IF EXISTS "{name}"')
 
 
 def untune(apps: Any, schema_editor: Any) -> None:

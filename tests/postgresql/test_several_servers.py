@@ -20,7 +20,7 @@ from queue_core.client import RelayClient
 from queue_core.models import Job, JobAttempt
 from tests.audit import audit
 from tests.procs import Spawner
-from tests.servers.conftest import DATABASES, Server
+from tests.postgresql.conftest import DATABASES, Server
 from tests.storage.conftest import database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]

@@ -1,0 +1,93 @@
+"""The PostgreSQL claim stays indexed: its plan seeks ``relay_job_ready`` once per (queue,
+class) and never scans the table, and the pages it touches do not grow from 1,000 to 100,000
+ready jobs (flat cost; ``relay bench --database-url`` measures 1,000,000)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from django.db import connections
+
+from queue_core.storage.postgresql.driver import QUERIES
+from tests.postgresql.conftest import DATABASES
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
+
+NOW_MS = 1_767_225_600_000
+
+
+def fill(n: int, queue: str) -> None:
+    """Insert ``n`` READY jobs of ``queue`` spread over the four classes, then ANALYZE."""
+    with connections["postgresql"].cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO relay_job (id, queue, state, priority, payload, attempt, failures,
+                                   max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+                                   created_at_ms, ready_since_ms, updated_at_ms)
+            SELECT 'job_' || %(queue)s || lpad(g::text, 10, '0'), %(queue)s, 'ready', g %% 4,
+                   '{}', 0, 0, 3, 'exponential', 1000, 300000, true,
+                   %(now)s - g, %(now)s - g, %(now)s - g
+              FROM generate_series(1, %(n)s) AS g
+            """,
+            {"queue": queue, "n": n, "now": NOW_MS},
+        )
+        cursor.execute("ANALYZE relay_job")
+
+
+def explain(queue: str, *, analyze: bool) -> dict[str, Any]:
+    """EXPLAIN the real claim statement for one job of ``queue`` (rolled back)."""
+    params = {
+        "queues": [queue],
+        "limit": 1,
+        "now_ms": NOW_MS,
+        "expires_ms": NOW_MS + 30_000,
+        "worker_id": "plan",
+        "tokens": ["t"],
+        "room": 1 << 20,
+    }
+    options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
+    conn = connections["postgresql"]
+    with conn.cursor() as cursor:
+        cursor.execute("BEGIN")
+        try:
+            cursor.execute(f"EXPLAIN ({options}) {QUERIES['claim']}", params)
+            (plan,) = cursor.fetchone()
+        finally:
+            cursor.execute("ROLLBACK")
+    doc = plan if isinstance(plan, list) else orjson.loads(plan)
+    return dict(doc[0])
+
+
+def nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    out = [plan]
+    for child in plan.get("Plans", []):
+        out.extend(nodes(child))
+    return out
+
+
+def buffers(plan: dict[str, Any]) -> int:
+    top = plan["Plan"]
+    return int(top.get("Shared Hit Blocks", 0)) + int(top.get("Shared Read Blocks", 0))
+
+
+def test_the_claim_seeks_the_ready_index_and_never_scans_the_table() -> None:
+    fill(20_000, "plan")
+    scans = [n for n in nodes(explain("plan", analyze=False)["Plan"]) if "Relation Name" in n]
+    on_jobs = [n for n in scans if n["Relation Name"] == "relay_job"]
+    assert on_jobs, scans
+    assert not [n for n in on_jobs if n["Node Type"] == "Seq Scan"], on_jobs
+    # The heads come from the partial READY index; the UPDATE finds each row by primary key.
+    heads = [n for n in on_jobs if n["Node Type"] in ("Index Scan", "Index Only Scan")]
+    assert {n["Index Name"] for n in heads} <= {"relay_job_ready", "relay_job_pkey"}
+    assert "relay_job_ready" in {n["Index Name"] for n in heads}
+
+
+def test_the_claim_touches_as_many_pages_at_100k_ready_as_at_1k() -> None:
+    fill(1_000, "small")
+    fill(100_000, "large")
+    explain("small", analyze=True)  # warm the catalogue caches for both runs alike
+    small = buffers(explain("small", analyze=True))
+    large = buffers(explain("large", analyze=True))
+    assert large <= 2 * small + 8, (small, large)
