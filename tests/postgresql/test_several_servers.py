@@ -19,8 +19,8 @@ from django.db import connections
 from queue_core.client import RelayClient
 from queue_core.models import Job, JobAttempt
 from tests.audit import audit
-from tests.procs import Spawner
 from tests.postgresql.conftest import DATABASES, Server
+from tests.procs import Spawner
 from tests.storage.conftest import database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]

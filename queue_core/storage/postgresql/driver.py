@@ -127,8 +127,9 @@ class PostgresTx(SqlTx):
         if getattr(local, "swept", False):
             return False
         row = self.one("sweep_lock")
-        local.swept = bool(row and row["locked"])
-        return local.swept
+        locked = bool(row and row["locked"])
+        local.swept = locked
+        return locked
 
     def made_ready(self) -> None:
         """Send ``NOTIFY relay_ready`` once per transaction (delivered at COMMIT)."""
