@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sqlite3
@@ -113,6 +114,30 @@ def test_second_server_on_the_same_database_is_refused_and_steals_nothing(
     assert out.returncode == 4, out.stderr
     assert "ALREADY_SERVED" in out.stderr
     # The first server's lease is untouched: its holder can still ack.
+    acked = call(port, "ack", job_id=job["id"], worker_id="w", lease_token=lease["lease_token"])
+    assert acked["ok"], acked
+    first.signal(signal.SIGTERM)
+    assert first.wait_exit(timeout=15) == 0
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_second_server_through_another_path_to_the_file_is_refused(
+    procs: Spawner, tmp_path: Path, link: str
+) -> None:
+    # The lock holds the file (its inode), not the path: another name for the same file
+    # must not start a second server that would release the first one's leases.
+    db = tmp_path / "relay.db"
+    first, port = procs.server("--db", str(db))
+    job = call(port, "submit", queue="q", payload=1)["result"]["job"]
+    lease = call(port, "lease", queues=["q"], worker_id="w", lease_ms=60_000)["result"]["jobs"][0]
+    other = tmp_path / "other-name.db"
+    if link == "symlink":
+        other.symlink_to(db)
+    else:
+        os.link(db, other)
+    out = procs.run("relay_server", "--db", str(other), "--address", "127.0.0.1:0")
+    assert out.returncode == 4, out.stderr
+    assert "ALREADY_SERVED" in out.stderr
     acked = call(port, "ack", job_id=job["id"], worker_id="w", lease_token=lease["lease_token"])
     assert acked["ok"], acked
     first.signal(signal.SIGTERM)

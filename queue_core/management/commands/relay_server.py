@@ -122,12 +122,19 @@ class Command(RelayBaseCommand):
                     f"CORRUPT: database {where} is damaged: {exc}", returncode=EXIT_CORRUPT
                 ) from exc
             raise CommandError(f"UNAVAILABLE: cannot write database {where}: {exc}") from exc
-        log.info(
-            "event=recovered leases=%d db=%s",
-            recovered,
-            where,
-            extra={"event": "recovered", "leases": recovered, "db": where},
-        )
+        if service.capabilities.single_writer:
+            log.info(
+                "event=recovered leases=%d db=%s",
+                recovered,
+                where,
+                extra={"event": "recovered", "leases": recovered, "db": where},
+            )
+        else:  # leases belong to workers; lost ones come back by expiry
+            log.info(
+                "event=shared_database db=%s",
+                where,
+                extra={"event": "shared_database", "db": where},
+            )
         connections.close_all()  # the server's threads open their own connections
         server = RelayServer(
             service, host=host, port=port, shutdown_grace_ms=options["shutdown_grace_ms"]

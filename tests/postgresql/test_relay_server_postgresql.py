@@ -1,0 +1,81 @@
+"""``relay_server`` on PostgreSQL: it checks connectivity, unapplied migrations and the clock
+instead of ``PRAGMA integrity_check``, never migrates a shared database itself, takes no file
+lock (two servers serve one database) and releases no lease at start."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from django.core.management.base import CommandError
+
+from queue_core.clock import FakeClock
+from queue_core.management.commands.relay_server import _check_clock
+from queue_core.service import QueueService
+from queue_core.storage import driver_for
+from tests.postgresql.conftest import DATABASES
+from tests.procs import Spawner
+from tests.storage.conftest import database_url
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
+
+
+@pytest.fixture
+def empty_database() -> Iterator[str]:
+    """A PostgreSQL database with no tables; its URL."""
+    base = database_url("postgresql")["RELAY_DATABASE_URL"]
+    admin, _, _ = base.rpartition("/")
+    name = f"relay_empty_{os.getpid()}"
+    with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{admin}/{name}"
+    finally:
+        with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_unapplied_migrations_refuse_to_serve(pg_spawn: Spawner, empty_database: str) -> None:
+    out = pg_spawn.run(
+        "relay_server", "--address", "127.0.0.1:0", RELAY_DATABASE_URL=empty_database
+    )
+    assert out.returncode == 1, out.stderr
+    assert "UNAVAILABLE" in out.stderr and "unapplied migration" in out.stderr
+    assert "relay migrate" in out.stderr and '"event": "ready"' not in out.stderr
+    with psycopg.connect(empty_database) as conn:  # nothing was created behind our back
+        tables = conn.execute(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = 'public'"
+        ).fetchone()
+    assert tables == (0,)
+
+
+def test_an_unreachable_database_refuses_to_serve(pg_spawn: Spawner) -> None:
+    out = pg_spawn.run(
+        "relay_server",
+        "--address",
+        "127.0.0.1:0",
+        RELAY_DATABASE_URL="postgresql://postgres@127.0.0.1:1/relay",
+    )
+    assert out.returncode == 1, out.stderr
+    assert "UNAVAILABLE: cannot reach database postgresql://127.0.0.1:1/relay" in out.stderr
+
+
+def test_a_clock_beyond_the_skew_bound_refuses_to_serve() -> None:
+    ahead = QueueService(
+        driver=driver_for("postgresql"), clock=FakeClock(start_ms=int(time.time() * 1000) + 5_000)
+    )
+    with pytest.raises(CommandError, match=r"UNAVAILABLE: this machine's clock is 4\d{3} ms off"):
+        _check_clock(ahead, "the test database")
+    within = QueueService(driver=driver_for("postgresql"))
+    _check_clock(within, "the test database")  # the real clock: well within 1,000 ms
+
+
+def test_two_servers_share_one_database_without_a_lock(pg_spawn: Spawner) -> None:
+    env = database_url("postgresql")
+    first, _ = pg_spawn.server(**env)
+    second, _ = pg_spawn.server(**env)
+    assert first.wait_event("shared_database") and second.wait_event("shared_database")
