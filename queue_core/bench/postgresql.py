@@ -192,6 +192,7 @@ class PgBench:
         sizes: how much work (``runner.FULL``, ``runner.QUICK``, or ``.scaled(...)``).
         progress: the progress hook.
         producers, workers: the concurrency levels of the submit and lease+ack scenarios.
+        backlog_enabled: run the backlog scenario (``--no-backlog`` skips it).
     """
 
     def __init__(
@@ -202,8 +203,10 @@ class PgBench:
         progress: Progress | None = None,
         producers: tuple[int, ...] = PRODUCERS,
         workers: tuple[int, ...] = WORKERS,
+        backlog_enabled: bool = True,
     ) -> None:
         self.admin_url = url
+        self.backlog_enabled = backlog_enabled
         self.sizes = sizes
         self.progress = progress or Progress()
         self.producers = producers
@@ -348,7 +351,10 @@ class PgBench:
                 )  # fmt: skip
             with self._step("lease+ack, 16 workers over two servers"):
                 doc["two_servers"] = self._split_lease_ack(env, a.address, b.address)
-            doc["backlog"] = self._backlog(a.address, body)
+            if self.backlog_enabled:
+                doc["backlog"] = self._backlog(a.address, body)
+            else:
+                doc["backlog"] = {"status": "skipped: --no-backlog", "sizes": []}
             doc["server"] = {"peak_rss_mb": a.peak_rss_mb()}
         finally:
             a.stop()

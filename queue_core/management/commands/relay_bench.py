@@ -205,6 +205,7 @@ class Command(BaseCommand):
             progress=_Bar(bar),
             producers=producers,
             workers=workers,
+            backlog_enabled=not options["no_backlog"],
         )
         try:
             with bar:
