@@ -10,8 +10,8 @@ expiries happen inside the service's sweeps, so the service reports them to ``ob
 rolls back.
 
 Gauges (``RelayCollector``) are read from the database at scrape time with the service's
-``stats(finished=False)`` (a scan of the index of live jobs grouped by queue and state, plus one
-MIN per queue over the ready-job index), so every process reports the same values. SUCCEEDED
+``stats(finished=False)`` (each live state counted from its own partial index, plus one MIN
+per queue over the ready-job index), so every process reports the same values. SUCCEEDED
 jobs are not counted: they pile up until purged and a scrape must not cost more as they do
 (the counter ``relay_jobs_acked_total`` counts them as they happen).
 

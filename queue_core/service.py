@@ -543,8 +543,8 @@ class QueueService:
         Args:
             queue: only this queue (None for all).
             finished: count SUCCEEDED jobs too. False (the metrics gauges) reads only the
-                index of live jobs, so finished jobs piling up cost a scrape nothing; the
-                ``succeeded`` keys are then absent.
+                partial indexes of the live states, so finished jobs piling up cost a scrape
+                nothing; the ``succeeded`` keys are then absent.
         Returns:
             ``{"queues": {name: {state: n, ..., "oldest_ready_age_ms": int | None}},
             "totals": {state: n}, "server_time_ms": int, "servers": [Server, ...]}`` (the

@@ -1,9 +1,5 @@
-"""The server registry (several servers on one PostgreSQL database) and the live-jobs index.
-
-- relay_server: one row per running ``relay server``, renewed by its heartbeat.
-- relay_job_live: jobs by queue and state, without SUCCEEDED ones, so the metrics gauges and
-  ``stats`` count what is live and never every finished job (bloat stays out of a scrape).
-"""
+"""The server registry: one row per running ``relay server`` (several may serve one PostgreSQL
+database), renewed by its heartbeat."""
 
 from django.db import migrations, models
 
@@ -32,12 +28,5 @@ class Migration(migrations.Migration):
                 ),
             ],
             options={"db_table": "relay_server", "ordering": ["started_at_ms"]},
-        ),
-        migrations.RunSQL(
-            sql=(
-                "CREATE INDEX IF NOT EXISTS relay_job_live "
-                "ON relay_job (queue, state) WHERE state <> 'succeeded'"
-            ),
-            reverse_sql="DROP INDEX IF EXISTS relay_job_live",
         ),
     ]

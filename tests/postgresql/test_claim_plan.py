@@ -1,15 +1,20 @@
-"""The PostgreSQL claim stays indexed: its plan seeks ``relay_job_ready`` once per (queue,
-class) and never scans the table, and the pages it touches do not grow from 1,000 to 100,000
-ready jobs (flat cost; ``relay bench --database-url`` measures 1,000,000)."""
+"""PostgreSQL plans stay indexed: the claim seeks ``relay_job_ready`` once per (queue, class)
+and never scans the table, and the pages it touches do not grow from 1,000 to 100,000 ready
+jobs (flat cost; ``relay bench --database-url`` measures 1,000,000); the metrics gauges' counts
+read the live states' partial indexes, never the finished jobs."""
 
 from __future__ import annotations
 
 from typing import Any
+from unittest import mock
 
 import orjson
+import psycopg
 import pytest
 from django.db import connections
 
+from queue_core.service import QueueService
+from queue_core.storage import driver_for
 from queue_core.storage.postgresql.driver import QUERIES
 from tests.postgresql.conftest import DATABASES
 
@@ -91,3 +96,57 @@ def test_the_claim_touches_as_many_pages_at_100k_ready_as_at_1k() -> None:
     small = buffers(explain("small", analyze=True))
     large = buffers(explain("large", analyze=True))
     assert large <= 2 * small + 8, (small, large)
+
+
+def counts_plan(*, seqscan: bool) -> dict[str, Any]:
+    """EXPLAIN ``counts_live`` as the planner sees it, with sequential scans allowed or not."""
+    with connections["postgresql"].cursor() as cursor:
+        if not seqscan:
+            cursor.execute("SET enable_seqscan = off")
+        try:
+            cursor.execute(f"EXPLAIN (FORMAT JSON) {QUERIES['counts_live']}")
+            (plan,) = cursor.fetchone()
+        finally:
+            cursor.execute("RESET enable_seqscan")
+    doc = plan if isinstance(plan, list) else orjson.loads(plan)
+    return dict(doc[0])
+
+
+def test_the_gauges_count_live_jobs_without_reading_finished_ones() -> None:
+    # 200,000 jobs that went through READY and finished, beside 50 live ones, vacuumed as
+    # autovacuum would: relay_job_ready keeps the pages of its largest backlog.
+    fill(200_000, "done")
+    with connections["postgresql"].cursor() as cursor:
+        cursor.execute(
+            "UPDATE relay_job SET state = 'succeeded', finished_at_ms = ready_since_ms, "
+            "ready_since_ms = NULL WHERE queue = 'done'"
+        )
+    fill(50, "live")
+    with connections["postgresql"].cursor() as cursor:
+        cursor.execute("VACUUM ANALYZE relay_job")
+    # Left to itself the planner scans the whole table for the READY count ...
+    alone = [n for n in nodes(counts_plan(seqscan=True)["Plan"]) if n.get("Relation Name")]
+    assert "Seq Scan" in {n["Node Type"] for n in alone}
+    # ... so the driver runs this statement with sequential scans off: four partial indexes.
+    scans = [n for n in nodes(counts_plan(seqscan=False)["Plan"]) if n.get("Relation Name")]
+    assert {(n["Node Type"], n.get("Index Name")) for n in scans} <= {
+        ("Index Scan", "relay_job_ready"),
+        ("Index Scan", "relay_job_scheduled"),
+        ("Index Scan", "relay_job_leased"),
+        ("Index Scan", "relay_job_dead"),
+        ("Index Only Scan", "relay_job_ready"),
+        ("Bitmap Index Scan", "relay_job_ready"),
+    }, scans
+    sent: list[str] = []
+    real = psycopg.Cursor.execute
+
+    def spy(cursor: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(str(query).strip().splitlines()[0])
+        return real(cursor, query, *args, **kwargs)
+
+    with mock.patch.object(psycopg.Cursor, "execute", spy):
+        rows = QueueService(driver=driver_for("postgresql")).stats(finished=False)
+    assert rows["totals"]["ready"] == 50 and "succeeded" not in rows["totals"]
+    at = sent.index("SET enable_seqscan = off")
+    assert sent[at + 1] == QUERIES["counts_live"].strip().splitlines()[0]
+    assert sent[at + 2] == "RESET enable_seqscan"

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import psycopg
@@ -53,6 +53,11 @@ _BUSY_STATES = frozenset({"40001", "40P01", "55P03"})
 RECONNECT_MAX_S = 2.0  # the change feed's longest pause between reconnect attempts
 NOTIFY_POLL_S = 1.0  # how long the listener blocks before it looks at its stop flag
 _FEEDS: weakref.WeakSet[PostgresChangeFeed] = weakref.WeakSet()
+# Statements that must read their partial indexes however the planner costs them. Every job
+# passes through READY, so relay_job_ready keeps the pages of the largest backlog it held, and
+# the planner, costing an index scan by its pages, can prefer to scan every finished job of
+# the table (tests/postgresql/test_claim_plan.py shows it doing so).
+INDEXED_ONLY = frozenset({"counts_live"})
 
 
 def _translate(exc: DatabaseError) -> Exception | None:
@@ -91,6 +96,21 @@ class PostgresTx(SqlTx):
     def _execute(self, name: str, params: Any) -> Any:
         with _relay_errors():
             return super()._execute(name, params)
+
+    def all(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run query ``name``; return every row as a dict (``INDEXED_ONLY`` statements with
+        sequential scans off for their duration)."""
+        if name not in INDEXED_ONLY:
+            return super().all(name, params)
+        with _relay_errors():
+            self._raw.execute("SET enable_seqscan = off")
+        try:
+            return super().all(name, params)
+        finally:
+            # In a transaction the statement's error aborted, the SET is undone with it and
+            # this RESET fails: the statement's own error is the one to raise.
+            with contextlib.suppress(psycopg.Error):
+                self._raw.execute("RESET enable_seqscan")
 
     def many(self, name: str, rows: Any) -> None:
         """Run statement ``name`` once per mapping in ``rows`` (``executemany``)."""
