@@ -221,14 +221,29 @@ class QueueService:
         """What the storage under this service can do (``single_writer``, ...)."""
         return self.driver.capabilities
 
-    def transaction(self) -> contextlib.AbstractContextManager[Any]:
+    def transaction(self, *, savepoints: bool = True) -> contextlib.AbstractContextManager[Any]:
         """Group several service calls into one commit: each call inside becomes a SAVEPOINT
         and rolls back alone (the TCP server's group commit, the admin's bulk chunks).
 
+        Args:
+            savepoints: False: the calls inside take no SAVEPOINT where one costs round
+                trips (PostgreSQL); the caller sets a failed call apart with ``mark()`` and
+                ``forgive(mark)``, or lets the whole transaction roll back and runs the calls
+                again with savepoints (``Driver.write``).
         Raises:
             StoreBusy: the transaction could not start or commit within the retry budget.
         """
-        return self.driver.write()
+        return self.driver.write(savepoints=savepoints)
+
+    def mark(self) -> int:
+        """The position ``forgive`` compares with (``Driver.mark``)."""
+        return self.driver.mark()
+
+    def forgive(self, mark: int) -> bool:
+        """Inside ``transaction(savepoints=False)``, after a call failed: True when the
+        transaction is intact and the call changed nothing, so it may go on
+        (``Driver.forgive``)."""
+        return self.driver.forgive(mark)
 
     def changes(self) -> ChangeFeed:
         """The change feed of commits made elsewhere, for long-poll wake-ups (see

@@ -171,16 +171,33 @@ class Driver(Protocol):
     alias: str
     capabilities: Capabilities
 
-    def write(self) -> contextlib.AbstractContextManager[Tx]:
+    def write(self, *, savepoints: bool = True) -> contextlib.AbstractContextManager[Tx]:
         """Open a write transaction; COMMIT on success, ROLLBACK on error.
 
         Nested on the same thread it is a SAVEPOINT, released on success and rolled back
         alone on error (how the server runs many requests in one commit). Inside a caller's
         ``transaction.atomic()`` it is a SAVEPOINT too, committed with the caller's work.
 
+        Args:
+            savepoints: False (outermost only; honoured where a SAVEPOINT costs round trips,
+                PostgreSQL): nested writes take none, and a nested call that fails is set
+                apart with ``mark()`` and ``forgive(mark)``, or the whole transaction is
+                rolled back.
         Raises:
             StoreBusy: the write could not start (or commit) within the retry budget.
         """
+        ...
+
+    def mark(self) -> int:
+        """Return this thread's count of statements that changed rows in its transaction
+        (the position ``forgive`` compares with)."""
+        ...
+
+    def forgive(self, mark: int) -> bool:
+        """After a call failed inside ``write(savepoints=False)``: True when the transaction
+        is intact and nothing changed since ``mark`` (it goes on as if the call never ran);
+        False when it must be rolled back (the call changed rows, or the database aborted
+        the transaction)."""
         ...
 
     def read(self) -> contextlib.AbstractContextManager[Tx]:

@@ -34,6 +34,7 @@ from typing import Any
 
 import psycopg
 from django.db import DatabaseError, connections, transaction
+from psycopg.pq import TransactionStatus
 
 from queue_core.errors import StoreBusy, Unavailable
 from queue_core.storage.base import (
@@ -47,6 +48,10 @@ from queue_core.storage.base import (
 log = logging.getLogger("relay.store")
 
 QUERIES = load_queries("queue_core.storage.postgresql")
+# The statements that can change rows (``Driver.mark``): all but the plain SELECTs.
+WRITES = frozenset(
+    name for name, sql in QUERIES.items() if not sql.lstrip().upper().startswith("SELECT")
+)
 CHANNEL = "relay_ready"
 # SQLSTATEs a retry cures: serialization_failure, deadlock_detected, lock_not_available.
 _BUSY_STATES = frozenset({"40001", "40P01", "55P03"})
@@ -95,7 +100,10 @@ class PostgresTx(SqlTx):
 
     def _execute(self, name: str, params: Any) -> Any:
         with _relay_errors():
-            return super()._execute(name, params)
+            cursor = super()._execute(name, params)
+        if name in WRITES and cursor.rowcount:
+            self._driver._local.changed = getattr(self._driver._local, "changed", 0) + 1
+        return cursor
 
     def all(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Run query ``name``; return every row as a dict (``INDEXED_ONLY`` statements with
@@ -116,6 +124,8 @@ class PostgresTx(SqlTx):
         """Run statement ``name`` once per mapping in ``rows`` (``executemany``)."""
         with _relay_errors():
             super().many(name, rows)
+        if name in WRITES and rows:
+            self._driver._local.changed = getattr(self._driver._local, "changed", 0) + 1
 
     def claim(self, request: ClaimRequest) -> list[dict[str, Any]]:
         """Lease the best READY jobs in one statement (``claim`` in queries.sql)."""
@@ -255,10 +265,13 @@ class PostgresDriver:
         self._feed_lock = threading.Lock()
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[PostgresTx]:
+    def write(self, *, savepoints: bool = True) -> Iterator[PostgresTx]:
         """Open a write transaction (Django's ``atomic()``: BEGIN, or a SAVEPOINT when nested
         or inside the caller's ``atomic()``); see ``Driver.write``.
 
+        Args:
+            savepoints: False at the outermost level: no nested write takes a SAVEPOINT (the
+                TCP server's group commit; ``mark``/``forgive`` set a failed call apart).
         Raises:
             StoreBusy: deadlock, serialization failure or lock timeout, at a statement or at
                 COMMIT. Unavailable: the connection is lost.
@@ -270,13 +283,15 @@ class PostgresDriver:
                 conn.close()  # a broken connection from an earlier error: open a new one
             self._local.notified = False
             self._local.swept = False
+            self._local.changed = 0
+            self._local.flat = not savepoints
             self._local.depth = 0
         self._local.depth = depth = getattr(self._local, "depth", 0) + 1
         # A SAVEPOINT costs two round trips. The first nesting level gets one (a call of the
         # TCP server's group commit, an item of an admin bulk action: each rolls back
         # alone); deeper levels (the service's own transaction inside such a call) roll back
         # with it, so they need none.
-        savepoint = depth <= 2
+        savepoint = depth <= 2 and not getattr(self._local, "flat", False)
         try:
             with (
                 _relay_errors(),
@@ -290,6 +305,24 @@ class PostgresDriver:
             raise
         finally:
             self._local.depth -= 1
+
+    def mark(self) -> int:
+        """Return how many statements changed rows in this thread's transaction so far."""
+        return int(getattr(self._local, "changed", 0))
+
+    def forgive(self, mark: int) -> bool:
+        """See ``Driver.forgive``: the transaction must not be in the aborted state (a
+        statement failed) and no statement may have changed rows since ``mark``. Then
+        Django's rollback mark, set when the exception left an ``atomic(savepoint=False)``,
+        is cleared: the database transaction is intact."""
+        conn = connections[self.alias]
+        raw = conn.connection
+        if raw is None or raw.info.transaction_status != TransactionStatus.INTRANS:
+            return False
+        if self.mark() != mark:
+            return False
+        transaction.set_rollback(False, using=self.alias)
+        return True
 
     def notify(self, tx: PostgresTx) -> None:
         """Send this transaction's one ``NOTIFY relay_ready`` (see ``PostgresTx.made_ready``)."""
