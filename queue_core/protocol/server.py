@@ -828,7 +828,13 @@ class RelayServer:
             for task in conn.tasks:
                 task.cancel()
             if writer.transport.get_write_buffer_size():
-                conn.abort()  # nobody reads what is left: don't wait for it to flush
+                # A reply's tail may still be buffered (drain() returns at the low-water mark,
+                # not at empty), and a client that half-closed is still reading it: give it
+                # until the buffer empties, as long as a slow reader gets. What is left then
+                # has no reader: drop it.
+                await self._flush(conn, CLOSE_WAIT_S if self._draining else SEND_TIMEOUT_S)
+            if writer.transport.get_write_buffer_size():
+                conn.abort()
             elif conn.read_task is not None:
                 await conn.close_gracefully()
             else:
@@ -837,6 +843,16 @@ class RelayServer:
                 await writer.wait_closed()
             self._conns.discard(conn)  # only now: until closed, a shutdown must see it
             log.debug("event=disconnected peer=%s", peer)
+
+    @staticmethod
+    async def _flush(conn: _Conn, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the connection's write buffer to empty."""
+        transport = conn.writer.transport
+        if transport.is_closing():
+            return
+        transport.set_write_buffer_limits(high=0)  # drain() now waits for an empty buffer
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            await asyncio.wait_for(conn.writer.drain(), timeout_s)
 
     async def _read_loop(self, conn: _Conn) -> None:
         """Read frames until EOF, an idle timeout or an oversize frame; spawn one task each."""
