@@ -20,6 +20,9 @@ from queue_core.clock import FakeClock
 from queue_core.service import QueueService
 from tests.procs import Spawner, spawner
 
+# The ``relay_db`` fixture: crash tests that run on both drivers.
+pytest_plugins = ["tests.relay_db"]
+
 
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings() -> None:

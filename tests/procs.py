@@ -128,6 +128,7 @@ class Spawner:
 
     def __init__(self, db_path: str) -> None:
         self.db_path = db_path
+        self.env: dict[str, str] = {}  # for every child (``RELAY_DATABASE_URL`` on PostgreSQL)
         self.procs: list[Proc] = []
 
     def __call__(self, *args: str, name: str | None = None, **env: str) -> Proc:
@@ -135,7 +136,7 @@ class Spawner:
         popen = subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), *args],
             cwd=ROOT,
-            env=command_env(self.db_path, **env),
+            env=command_env(self.db_path, **{**self.env, **env}),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -151,7 +152,7 @@ class Spawner:
         return subprocess.run(
             [sys.executable, str(ROOT / "manage.py"), *args],
             cwd=ROOT,
-            env=command_env(self.db_path, **env),
+            env=command_env(self.db_path, **{**self.env, **env}),
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,

@@ -1,6 +1,6 @@
 """The quickstart, for real: a relay_server process, a relay_worker process (concurrency 8),
 1,000 jobs mixing sleeps and failures over TCP, and every job ends exactly as its payload and
-retry budget dictate."""
+retry budget dictate: on SQLite and on PostgreSQL (``relay_db``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import pytest
 from queue_core.client import RelayClient
 from queue_core.models import Job, JobAttempt
 from tests.procs import ROOT, Spawner, command_env
+from tests.relay_db import DATABASES, RelayDb
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 RELAY = str(Path(sys.executable).parent / "relay")
 
@@ -72,7 +73,7 @@ def make_jobs(
     return specs, expected
 
 
-def test_thousand_jobs_through_real_server_and_worker(spawn: Spawner) -> None:
+def test_thousand_jobs_through_real_server_and_worker(spawn: Spawner, relay_db: RelayDb) -> None:
     server, port = spawn.server()
     address = f"127.0.0.1:{port}"
     worker = spawn(
@@ -111,6 +112,7 @@ def test_thousand_jobs_through_real_server_and_worker(spawn: Spawner) -> None:
     assert JobAttempt.objects.count() == sum(a for _, a, _ in expected)
     assert not JobAttempt.objects.filter(ended_at_ms__isnull=True).exists()
     assert JobAttempt.objects.filter(outcome="succeeded").count() == want_ok
+    relay_db.audit()
 
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit(30) == 0

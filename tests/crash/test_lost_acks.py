@@ -9,14 +9,14 @@
   repeating the ack settles it either way, exactly once.
 * An ack that never committed (the proxy cuts the connection without forwarding it) leaves the
   lease to expire: the job is delivered once more, and the attempt counter and history show it.
+
+Each test runs on SQLite and on PostgreSQL (``relay_db``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import socket
-import sqlite3
 import struct
 import threading
 import time
@@ -27,17 +27,17 @@ import pytest
 
 from queue_core import errors
 from queue_core.client import RelayClient, RelayConnectionError
-from tests.audit import audit
 from tests.chaos.proxy import Action, Proxy
 from tests.procs import Spawner
+from tests.relay_db import DATABASES, RelayDb
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 SHORT_LEASES = {"RELAY_MIN_LEASE_MS": "100", "RELAY_REAPER_INTERVAL_MS": "50"}
 
 
 @pytest.fixture
-def port(spawn: Spawner) -> int:
+def port(spawn: Spawner, relay_db: RelayDb) -> int:
     _, port = spawn.server(**SHORT_LEASES)
     return port
 
@@ -60,19 +60,16 @@ def first_of(op: str, action: Action) -> Any:
     return policy
 
 
-def history(db: str, job_id: str) -> tuple[Any, ...]:
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        return (
-            conn.execute(
-                "SELECT state, attempt, failures, finished_at_ms FROM relay_job WHERE id = ?",
-                (job_id,),
-            ).fetchone(),
-            conn.execute(
-                "SELECT attempt, worker_id, outcome, ended_at_ms FROM relay_attempt"
-                " WHERE job_id = ? ORDER BY attempt",
-                (job_id,),
-            ).fetchall(),
-        )
+def history(db: RelayDb, job_id: str) -> tuple[Any, ...]:
+    (job,) = db.rows(
+        "SELECT state, attempt, failures, finished_at_ms FROM relay_job WHERE id = %s", (job_id,)
+    )
+    attempts = db.rows(
+        "SELECT attempt, worker_id, outcome, ended_at_ms FROM relay_attempt"
+        " WHERE job_id = %s ORDER BY attempt",
+        (job_id,),
+    )
+    return job, attempts
 
 
 def wait_past(client: RelayClient, instant_ms: int) -> None:
@@ -84,7 +81,9 @@ def wait_past(client: RelayClient, instant_ms: int) -> None:
 
 
 @pytest.mark.parametrize("verb", ["ack", "fail"])
-def test_settle_whose_reply_is_lost_is_safe_to_repeat(port: int, spawn: Spawner, verb: str) -> None:
+def test_settle_whose_reply_is_lost_is_safe_to_repeat(
+    port: int, relay_db: RelayDb, verb: str
+) -> None:
     direct = RelayClient(f"127.0.0.1:{port}")
     with Proxy(port, first_of(verb, Action.DROP_REPLY)) as proxy, direct:
         worker = RelayClient(proxy.address)
@@ -101,21 +100,23 @@ def test_settle_whose_reply_is_lost_is_safe_to_repeat(port: int, spawn: Spawner,
         with pytest.raises(RelayConnectionError):
             settle()  # committed, but the reply was swallowed
         assert len(proxy.dropped_replies) == 1 and proxy.dropped_replies[0]["ok"] is True
-        settled = history(spawn.db_path, job["id"])
+        settled = history(relay_db, job["id"])
         want = "succeeded" if verb == "ack" else "retrying"
         assert settled[0][:3] == (want, 1, 0 if verb == "ack" else 1)
         again = settle()  # the worker repeats it with the same token
         assert again["duplicate"] is True and again["state"] == want
-        assert history(spawn.db_path, job["id"]) == settled  # the repeat changed nothing
+        assert history(relay_db, job["id"]) == settled  # the repeat changed nothing
         # Past the moment the lease would have expired: never delivered again.
         wait_past(direct, lease["lease_expires_at_ms"])
         assert direct.lease(["lost"], worker_id="other") == []
-        assert history(spawn.db_path, job["id"]) == settled
+        assert history(relay_db, job["id"]) == settled
         worker.close()
-    audit(spawn.db_path)
+    relay_db.audit()
 
 
-def test_worker_process_retries_acks_whose_replies_are_lost(port: int, spawn: Spawner) -> None:
+def test_worker_process_retries_acks_whose_replies_are_lost(
+    port: int, spawn: Spawner, relay_db: RelayDb
+) -> None:
     with Proxy(port, first_of("ack", Action.DROP_REPLY)) as proxy:
         with RelayClient(f"127.0.0.1:{port}") as client:
             ids = [client.submit("lossy", {"i": i})["job"]["id"] for i in range(8)]
@@ -140,13 +141,13 @@ def test_worker_process_retries_acks_whose_replies_are_lost(port: int, spawn: Sp
         errors_logged = [r for r in worker.records if r.get("event") == "ack_error"]
         assert len(errors_logged) == len(ids)
     for job_id in ids:
-        state, attempts = history(spawn.db_path, job_id)
+        state, attempts = history(relay_db, job_id)
         assert state[:3] == ("succeeded", 1, 0) and [a[2] for a in attempts] == ["succeeded"]
-    audit(spawn.db_path)
+    relay_db.audit()
 
 
 def test_ack_cut_off_by_the_client_closing_is_settled_by_repeating_it(
-    port: int, spawn: Spawner
+    port: int, relay_db: RelayDb
 ) -> None:
     with RelayClient(f"127.0.0.1:{port}") as client:
         ids = [client.submit("cut", {"i": i})["job"]["id"] for i in range(20)]
@@ -172,14 +173,14 @@ def test_ack_cut_off_by_the_client_closing_is_settled_by_repeating_it(
             assert again["state"] == "succeeded"
             outcomes.append(again["duplicate"])
     for job_id in ids:
-        state, attempts = history(spawn.db_path, job_id)
+        state, attempts = history(relay_db, job_id)
         assert state[:3] == ("succeeded", 1, 0) and [a[2] for a in attempts] == ["succeeded"]
-    audit(spawn.db_path)
+    relay_db.audit()
     assert len(outcomes) == 20  # duplicate or not, depending on whether the server heard it
 
 
 def test_ack_that_never_committed_leads_to_expiry_and_one_more_delivery(
-    port: int, spawn: Spawner
+    port: int, relay_db: RelayDb
 ) -> None:
     with Proxy(port, first_of("ack", Action.DROP_REQUEST)) as proxy:
         first = RelayClient(proxy.address)
@@ -189,7 +190,7 @@ def test_ack_that_never_committed_leads_to_expiry_and_one_more_delivery(
             with pytest.raises(RelayConnectionError):
                 first.ack(job["id"], worker_id="w1", lease_token=lease["lease_token"])
             assert proxy.frames[-1] == ("ack", Action.DROP_REQUEST)
-            assert history(spawn.db_path, job["id"])[0][:3] == ("leased", 1, 0)
+            assert history(relay_db, job["id"])[0][:3] == ("leased", 1, 0)
             # The lease runs out; the next worker's long-poll gets the job again.
             again = second.lease(["never"], worker_id="w2", lease_ms=60_000, wait_ms=15_000)
             assert [(x["job_id"], x["attempt"]) for x in again] == [(job["id"], 2)]
@@ -198,10 +199,10 @@ def test_ack_that_never_committed_leads_to_expiry_and_one_more_delivery(
             with pytest.raises((errors.StaleToken, errors.LeaseExpired)):
                 first.ack(job["id"], worker_id="w1", lease_token=lease["lease_token"])
         first.close()
-    state, attempts = history(spawn.db_path, job["id"])
+    state, attempts = history(relay_db, job["id"])
     assert state[:3] == ("succeeded", 2, 1)  # one more execution, counted
     assert [(a[0], a[1], a[2]) for a in attempts] == [
         (1, "w1", "lease_expired"),
         (2, "w2", "succeeded"),
     ]
-    audit(spawn.db_path)
+    relay_db.audit()

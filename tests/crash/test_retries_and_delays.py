@@ -9,26 +9,25 @@
 * A delayed job is never delivered before its due time, neither to a worker already waiting on
   the queue nor to a lease request made the moment it was submitted.
 
-The injected-clock versions are ``tests/property/test_service_properties.py`` and
-``tests/integration/test_service.py`` (aging, FIFO, exact boundaries).
+Each test runs on SQLite and on PostgreSQL (``relay_db``). The injected-clock versions are
+``tests/property/test_service_properties.py`` and ``tests/storage/test_service_contract.py``
+(aging, FIFO, exact boundaries).
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import signal
-import sqlite3
 import time
 from typing import Any
 
 import pytest
 
 from queue_core.client import RelayClient
-from tests.audit import audit
 from tests.procs import Spawner
+from tests.relay_db import DATABASES, RelayDb
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 # (max_retries, backoff, base_ms, cap_ms, jitter, non-retryable at delivery n or None)
 POLICIES = [
@@ -45,18 +44,19 @@ def bounded_ms(backoff: str, base_ms: int, cap_ms: int, failure: int) -> int:
     return base_ms if backoff == "fixed" else min(cap_ms, base_ms * 2 ** (failure - 1))
 
 
-def attempts_of(db: str, job_id: str) -> list[tuple[int, int, int | None, str | None]]:
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        return conn.execute(
-            "SELECT attempt, started_at_ms, ended_at_ms, outcome FROM relay_attempt"
-            " WHERE job_id = ? ORDER BY attempt",
-            (job_id,),
-        ).fetchall()
+def attempts_of(db: RelayDb, job_id: str) -> list[tuple[Any, ...]]:
+    return db.rows(
+        "SELECT attempt, started_at_ms, ended_at_ms, outcome FROM relay_attempt"
+        " WHERE job_id = %s ORDER BY attempt",
+        (job_id,),
+    )
 
 
-def test_server_grants_retry_delays_within_the_policy_then_dead_letters(spawn: Spawner) -> None:
+def test_server_grants_retry_delays_within_the_policy_then_dead_letters(
+    spawn: Spawner, relay_db: RelayDb
+) -> None:
     _, port = spawn.server()
-    db = spawn.db_path
+    db = relay_db
     with RelayClient(f"127.0.0.1:{port}") as client:
         specs: dict[str, tuple[Any, ...]] = {}
         for retries, backoff, base, cap, jitter, hard_at in POLICIES:
@@ -105,11 +105,11 @@ def test_server_grants_retry_delays_within_the_policy_then_dead_letters(spawn: S
             else:
                 assert granted == bounded, (job_id, n, granted)
             assert started_next >= retry_at[(job_id, n)], "delivered before the retry was due"
-    audit(db)
+    db.audit()
 
 
 def test_worker_process_takes_failing_jobs_to_dead_in_exactly_their_attempts(
-    spawn: Spawner,
+    spawn: Spawner, relay_db: RelayDb
 ) -> None:
     _, port = spawn.server()
     address = f"127.0.0.1:{port}"
@@ -151,10 +151,12 @@ def test_worker_process_takes_failing_jobs_to_dead_in_exactly_their_attempts(
             for n, (prev, nxt) in enumerate(itertools.pairwise(history), 1):
                 floor = bounded_ms("exponential", base, 300_000, n) * (0.5 if jitter else 1.0)
                 assert nxt["started_at_ms"] - prev["ended_at_ms"] >= floor - 0.5, (job_id, n)
-    audit(spawn.db_path)
+    relay_db.audit()
 
 
-def test_delayed_jobs_are_never_delivered_before_they_are_due(spawn: Spawner) -> None:
+def test_delayed_jobs_are_never_delivered_before_they_are_due(
+    spawn: Spawner, relay_db: RelayDb
+) -> None:
     _, port = spawn.server()
     address = f"127.0.0.1:{port}"
     worker = spawn(
@@ -183,7 +185,7 @@ def test_delayed_jobs_are_never_delivered_before_they_are_due(spawn: Spawner) ->
             assert time.monotonic() < deadline
             time.sleep(0.05)
     for job_id, due_at in due.items():
-        (attempt, started, _, outcome), *_ = attempts_of(spawn.db_path, job_id)
+        (attempt, started, _, outcome), *_ = attempts_of(relay_db, job_id)
         assert attempt == 1 and outcome == "succeeded"
         assert started >= due_at, f"{job_id} delivered {due_at - started} ms early"
-    audit(spawn.db_path)
+    relay_db.audit()

@@ -5,13 +5,12 @@ Worker A's lease runs out; the server's reaper takes the job back and worker B's
 sent with its old token, are all refused with ``STALE_TOKEN`` on a connection that stays open,
 and change nothing: the job row, its attempt history and its events are byte-for-byte the same.
 Before anybody re-leases a job, the same calls get ``LEASE_EXPIRED`` instead, also changing
-nothing. (The service-level versions are in tests/integration/test_service.py.)
+nothing. Each test runs on SQLite and on PostgreSQL (``relay_db``). (The service-level
+versions are in tests/storage/test_service_contract.py.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
 import time
 from typing import Any
 
@@ -19,33 +18,28 @@ import pytest
 
 from queue_core import errors
 from queue_core.client import RelayClient
-from tests.audit import audit
 from tests.procs import Spawner
+from tests.relay_db import DATABASES, RelayDb
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 SHORT_LEASES = {"RELAY_MIN_LEASE_MS": "100", "RELAY_REAPER_INTERVAL_MS": "50"}
 VERBS = ("ack", "fail", "renew", "release")
 
 
 @pytest.fixture
-def server(spawn: Spawner) -> str:
+def server(spawn: Spawner, relay_db: RelayDb) -> str:
     _, port = spawn.server(**SHORT_LEASES)
     return f"127.0.0.1:{port}"
 
 
-def snapshot(db: str, job_id: str) -> tuple[Any, ...]:
+def snapshot(db: RelayDb, job_id: str) -> tuple[Any, ...]:
     """Every stored fact about the job: its row, its attempts, its events."""
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        return (
-            conn.execute("SELECT * FROM relay_job WHERE id = ?", (job_id,)).fetchall(),
-            conn.execute(
-                "SELECT * FROM relay_attempt WHERE job_id = ? ORDER BY attempt", (job_id,)
-            ).fetchall(),
-            conn.execute(
-                "SELECT * FROM relay_event WHERE job_id = ? ORDER BY id", (job_id,)
-            ).fetchall(),
-        )
+    return (
+        db.rows("SELECT * FROM relay_job WHERE id = %s", (job_id,)),
+        db.rows("SELECT * FROM relay_attempt WHERE job_id = %s ORDER BY attempt", (job_id,)),
+        db.rows("SELECT * FROM relay_event WHERE job_id = %s ORDER BY id", (job_id,)),
+    )
 
 
 def call(client: RelayClient, verb: str, lease: dict[str, Any], worker: str) -> Any:
@@ -57,8 +51,10 @@ def call(client: RelayClient, verb: str, lease: dict[str, Any], worker: str) -> 
     return getattr(client, verb)(lease["job_id"], **args)
 
 
-def test_stale_worker_is_fenced_out_after_its_job_is_re_leased(server: str, spawn: Spawner) -> None:
-    db = spawn.db_path
+def test_stale_worker_is_fenced_out_after_its_job_is_re_leased(
+    server: str, relay_db: RelayDb
+) -> None:
+    db = relay_db
     with RelayClient(server) as a, RelayClient(server) as b:
         job = a.submit("fence", {"n": 1}, max_retries=5)["job"]
         old = a.lease(["fence"], worker_id="A", lease_ms=300)[0]
@@ -87,11 +83,11 @@ def test_stale_worker_is_fenced_out_after_its_job_is_re_leased(server: str, spaw
             with pytest.raises((errors.StaleToken, errors.LeaseExpired)):
                 call(a, verb, old, "A")
         assert snapshot(db, job["id"]) == after_ack
-    audit(db)
+    db.audit()
 
 
-def test_expired_lease_nobody_holds_is_refused_as_expired(server: str, spawn: Spawner) -> None:
-    db = spawn.db_path
+def test_expired_lease_nobody_holds_is_refused_as_expired(server: str, relay_db: RelayDb) -> None:
+    db = relay_db
     with RelayClient(server) as a:
         job = a.submit("expire", {"n": 1}, max_retries=5)["job"]
         lease = a.lease(["expire"], worker_id="A", lease_ms=200)[0]
@@ -106,4 +102,4 @@ def test_expired_lease_nobody_holds_is_refused_as_expired(server: str, spawn: Sp
             assert snapshot(db, job["id"]) == before, verb
         seen = a.inspect(job["id"])["job"]
         assert (seen["state"], seen["attempt"], seen["failures"]) == ("ready", 1, 1)
-    audit(db)
+    db.audit()

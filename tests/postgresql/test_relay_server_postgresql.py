@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 from django.core.management.base import CommandError
+from django.db import connections
 
 from queue_core.clock import FakeClock
 from queue_core.management.commands.relay_server import _check_clock
@@ -79,3 +80,23 @@ def test_two_servers_share_one_database_without_a_lock(pg_spawn: Spawner) -> Non
     first, _ = pg_spawn.server(**env)
     second, _ = pg_spawn.server(**env)
     assert first.wait_event("shared_database") and second.wait_event("shared_database")
+
+
+def test_the_postgresql_migration_tunes_autovacuum_and_drops_the_like_indexes() -> None:
+    with connections["postgresql"].cursor() as cursor:
+        cursor.execute(
+            "SELECT relname, reloptions FROM pg_class "
+            "WHERE relname IN ('relay_job', 'relay_attempt') ORDER BY relname"
+        )
+        options = {name: set(opts or []) for name, opts in cursor.fetchall()}
+        cursor.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename IN ('relay_job', 'relay_attempt')"
+        )
+        indexes = {row[0] for row in cursor.fetchall()}
+    for table in ("relay_job", "relay_attempt"):
+        assert {
+            "autovacuum_vacuum_scale_factor=0.01",
+            "autovacuum_analyze_scale_factor=0.02",
+        } <= options[table], options
+    assert not [name for name in indexes if name.endswith("_like")], indexes
+    assert {"relay_job_ready", "relay_job_pkey"} <= indexes

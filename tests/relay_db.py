@@ -1,0 +1,59 @@
+"""The database a crash test's real processes use, on either driver.
+
+``relay_db`` (a fixture of the modules that run on both drivers) points the test's ``spawn``
+at SQLite (the test file) or PostgreSQL (the test database of tests/settings.py), and reads
+the database from outside as those tests do: ``rows(sql, params)`` with ``%s`` placeholders,
+and ``audit()`` (tests/audit.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from django.db import connections
+from django.test.utils import override_settings
+
+from tests.audit import audit
+from tests.procs import Spawner
+from tests.storage.conftest import BACKENDS, DATABASES, OneDatabase, database_url
+
+__all__ = ["BACKENDS", "DATABASES", "RelayDb", "relay_db"]  # relay_db: a plugin (tests/conftest.py)
+
+
+class RelayDb:
+    """Read a Relay database from outside its server: SQLite file or PostgreSQL."""
+
+    def __init__(self, backend: str, path: str) -> None:
+        self.backend = backend
+        self.path = path
+
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        """Run ``sql`` (``%s`` placeholders) and return its rows as tuples."""
+        if self.backend == "sqlite":
+            with contextlib.closing(sqlite3.connect(self.path)) as conn:
+                return [tuple(r) for r in conn.execute(sql.replace("%s", "?"), params)]
+        with connections["postgresql"].cursor() as cursor:
+            cursor.execute(sql, params)
+            return [tuple(r) for r in cursor.fetchall()]
+
+    def audit(self) -> None:
+        """Check every invariant of tests/audit.py."""
+        if self.backend == "sqlite":
+            audit(self.path)
+        else:
+            audit(connections["postgresql"], quick_check=False)
+
+
+@pytest.fixture(params=BACKENDS)
+def relay_db(request: pytest.FixtureRequest, spawn: Spawner) -> Iterator[RelayDb]:
+    """The test's database on each driver in turn; ``spawn``'s children use it, and so do the
+    ORM reads of the test."""
+    backend = str(request.param)
+    spawn.env.update(database_url(backend))
+    alias = "default" if backend == "sqlite" else "postgresql"
+    with override_settings(DATABASE_ROUTERS=[OneDatabase(alias)]):
+        yield RelayDb(backend, spawn.db_path)
