@@ -167,7 +167,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     invocation = translate(sys.argv[1:] if argv is None else argv)
     os.environ.update(invocation.env)  # before django.setup() reads the settings
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relayproject.settings")
-    execute_from_command_line(invocation.argv)
+    if invocation.argv[1] != "migrate":
+        execute_from_command_line(invocation.argv)
+        return
+    from django.db import OperationalError
+
+    try:
+        execute_from_command_line(invocation.argv)
+    except OperationalError as exc:  # a database that is not there: one line, as relay server
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"UNAVAILABLE: cannot reach the database: {first}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

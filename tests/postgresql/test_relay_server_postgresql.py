@@ -5,8 +5,11 @@ lock (two servers serve one database) and releases no lease at start."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -100,3 +103,20 @@ def test_the_postgresql_migration_tunes_autovacuum_and_drops_the_like_indexes() 
         } <= options[table], options
     assert not [name for name in indexes if name.endswith("_like")], indexes
     assert {"relay_job_ready", "relay_job_pkey"} <= indexes
+
+
+def test_relay_migrate_on_a_missing_database_says_so_in_one_line() -> None:
+    base = database_url("postgresql")["RELAY_DATABASE_URL"]
+    admin, _, _ = base.rpartition("/")
+    relay = str(Path(sys.executable).parent / "relay")
+    out = subprocess.run(
+        [relay, "--database-url", f"{admin}/relay_no_such_db_{os.getpid()}", "migrate"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
+    )
+    assert out.returncode == 1
+    assert out.stderr.startswith("UNAVAILABLE: cannot reach the database:"), out.stderr
+    assert "does not exist" in out.stderr and "Traceback" not in out.stderr
