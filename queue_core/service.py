@@ -258,6 +258,11 @@ class QueueService:
         """Close this thread's database connection (threads that used the service, on exit)."""
         self.driver.close()
 
+    def heal(self) -> None:
+        """After a failed call: drop this thread's connection if the failure broke it, so the
+        next call reconnects (``Driver.heal``; the server's threads call it)."""
+        self.driver.heal()
+
     def claim_storage(self) -> Any:
         """Claim the database for this server where only one may serve it; keep the handle.
 

@@ -32,11 +32,14 @@ def integer(field: str, value: Any, *, lo: int | None = None, hi: int | None = N
 
 
 def text(field: str, value: Any, *, max_len: int, min_len: int = 1) -> str:
-    """Return ``value`` if it is a string of ``min_len..max_len`` characters."""
+    """Return ``value`` if it is a string of ``min_len..max_len`` characters without NUL
+    (PostgreSQL cannot store NUL in text; refused on every driver alike)."""
     if not isinstance(value, str):
         raise _bad(field, f"must be a string, got {type(value).__name__}")
     if not min_len <= len(value) <= max_len:
         raise _bad(field, f"must be {min_len} to {max_len} characters long")
+    if "\x00" in value:
+        raise _bad(field, "must not contain NUL characters")
     return value
 
 
@@ -139,13 +142,15 @@ def lease_ms(value: Any, settings: RelaySettings) -> int:
 
 
 def error_text(value: Any, settings: RelaySettings) -> str:
-    """Return a failure text of at most ``max_error_bytes`` UTF-8 bytes."""
+    """Return a failure text of at most ``max_error_bytes`` UTF-8 bytes, NUL characters
+    replaced by U+FFFD (a handler's error message is kept, not refused, even when it holds
+    a character PostgreSQL cannot store)."""
     if not isinstance(value, str):
         raise _bad("error", f"must be a string, got {type(value).__name__}")
     size = len(value.encode("utf-8", errors="surrogatepass"))
     if size > settings.max_error_bytes:
         raise _bad("error", f"is {size} bytes, over the {settings.max_error_bytes}-byte limit")
-    return value
+    return value.replace("\x00", "\ufffd")
 
 
 def job_id(value: Any) -> str:

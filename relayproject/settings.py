@@ -137,8 +137,15 @@ def postgresql_database(url: str) -> dict[str, object]:
         "CONN_MAX_AGE": _env_int("RELAY_CONN_MAX_AGE_S", 60),
         "CONN_HEALTH_CHECKS": True,
         # psycopg prepares a statement after it ran 5 times on a connection (server-side
-        # binding): claim, ack and submit become prepared statements.
-        "OPTIONS": {"server_side_binding": True},
+        # binding): claim, ack and submit become prepared statements. lock_timeout bounds a
+        # wait for a row another transaction holds (two batches binding the same idempotency
+        # keys in opposite orders): the call gets BUSY (retryable) instead of holding its
+        # whole group commit, and every other client's calls in it, for as long as the other
+        # transaction lasts.
+        "OPTIONS": {
+            "server_side_binding": True,
+            "options": f"-c lock_timeout={_env_int('RELAY_LOCK_TIMEOUT_MS', 2000)}",
+        },
     }
 
 

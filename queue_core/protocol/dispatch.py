@@ -223,7 +223,9 @@ def _ping(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 
 
 def _submit(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
-    out = svc.submit(args.pop("queue"), args.pop("payload"), **args)
+    # Never change ``args``: a call may run twice (the flat group commit's second round).
+    options = {k: v for k, v in args.items() if k not in ("queue", "payload")}
+    out = svc.submit(args["queue"], args["payload"], **options)
     return _submitted([(out["job"], out["deduplicated"])], out)
 
 

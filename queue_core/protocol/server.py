@@ -153,6 +153,8 @@ class _DbThread(threading.Thread):
                 _resolve(call, True, call.fn())
             except Exception as exc:  # noqa: BLE001 - re-raised in the caller's coroutine
                 _resolve(call, False, exc)
+                with contextlib.suppress(Exception):
+                    self.service.heal()  # a lost connection: the next call opens a new one
 
 
 class _Writer(_DbThread):
@@ -271,6 +273,8 @@ class _Writer(_DbThread):
         except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
             log.error("event=group_commit_failed calls=%d error=%r", len(batch), exc)
             outcomes, ready = [(False, exc)] * len(batch), set()
+            with contextlib.suppress(Exception):
+                self.service.heal()
         if ready:
             self.on_ready(ready)
         _resolve_all(batch, outcomes)
@@ -297,6 +301,8 @@ class _Writer(_DbThread):
         except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
             log.error("event=group_commit_failed calls=%d error=%r", len(batch), exc)
             outcomes, ready = [(False, exc)] * len(batch), set()
+            with contextlib.suppress(Exception):
+                self.service.heal()
         if ready:
             self.on_ready(ready)
         _resolve_all(batch, outcomes)

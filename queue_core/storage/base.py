@@ -215,6 +215,12 @@ class Driver(Protocol):
         """Return whether this thread is inside ``write()``."""
         ...
 
+    def heal(self) -> None:
+        """Outside a transaction, close this thread's connection if an error left it
+        unusable (a terminated backend, a restarted database); the next statement reconnects.
+        Cheap unless an error occurred."""
+        ...
+
     def changes(self) -> ChangeFeed:
         """The change feed for the calling thread (see ``ChangeFeed``)."""
         ...

@@ -16,6 +16,7 @@ from django.test.utils import CaptureQueriesContext
 
 from queue_core import errors
 from queue_core.models import Job
+from queue_core.protocol import dispatch
 from queue_core.protocol.server import _Call, _Writer
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
@@ -108,3 +109,36 @@ def test_a_statement_the_database_refuses_fails_that_call_alone(service: QueueSe
     )
     assert "division by zero" in str(results[1])
     assert Job.objects.using("postgresql").filter(queue="g").count() == 2
+
+
+def test_a_call_that_runs_twice_gets_the_same_answer(service: QueueService) -> None:
+    # The protocol's submit handler, as the server calls it: the flat round fails on the
+    # conflicting batch, the second round runs every call again from the same arguments.
+    submit = dispatch.VERBS["submit"].handler
+    ctx = dispatch.Context(peer="test")
+    bad: dict[str, Any] = {"queue": "g", "payload": 1, "priority": 7}
+    good: dict[str, Any] = {"queue": "g", "payload": 2, "idempotency_key": "k2"}
+    service.submit("g", {"v": 1}, idempotency_key="k")
+    results, _ = run_batch(
+        service,
+        [
+            lambda: submit(service, bad, ctx),
+            lambda: service.submit_batch(
+                [
+                    {"queue": "g", "payload": "half"},
+                    {"queue": "g", "payload": 9, "idempotency_key": "k"},
+                ]
+            ),
+            lambda: submit(service, good, ctx),
+        ],
+    )
+    assert isinstance(results[0], errors.InvalidArgument)
+    assert isinstance(results[1], errors.IdempotencyConflict)
+    assert results[2].result["job"]["state"] == "ready"
+    assert bad == {"queue": "g", "payload": 1, "priority": 7}  # untouched
+
+
+def test_a_lone_invalid_call_is_answered_in_the_flat_round(service: QueueService) -> None:
+    results, sql = run_batch(service, [lambda: service.submit("g", 1, priority=7)])
+    assert isinstance(results[0], errors.InvalidArgument)
+    assert savepoints(sql) == 0

@@ -13,10 +13,12 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 from django.db import connections
 
-from queue_core.client import RelayClient
+from queue_core import errors
+from queue_core.client import RelayClient, RelayConnectionError
 from queue_core.models import Job, JobAttempt
 from tests.audit import audit
 from tests.postgresql.conftest import DATABASES, Server
@@ -283,3 +285,61 @@ def test_kill_one_of_two_servers_mid_run_workers_fail_over(
     redelivered = Job.objects.filter(queue="kill", attempt__gt=1).count()
     assert redelivered <= 2 * concurrency
     audit_postgresql()  # among others: no job succeeded under two leases
+
+
+def test_servers_recover_when_their_database_connections_are_terminated(servers: Start) -> None:
+    a, b = servers(2)
+    with RelayClient(a.address) as ca, RelayClient(b.address, timeout_s=15) as cb:
+        for client in (ca, cb):  # every reader and writer connection in use
+            for _ in range(8):
+                client.stats()
+                client.submit("warm", 1)
+        with connections["postgresql"].cursor() as cursor:
+            cursor.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+            (killed,) = cursor.fetchone()
+        assert killed >= 4
+
+        def served(client: RelayClient) -> bool:
+            try:
+                client.stats()
+                client.submit("after", 1)
+            except (errors.Unavailable, errors.StoreBusy, RelayConnectionError):
+                return False  # while the connections are replaced: retryable, never INTERNAL
+            return True
+
+        for client in (ca, cb):
+            # Each thread replaces its connection on its next call: a few UNAVAILABLE at most.
+            wait_until(lambda client=client: all(served(client) for _ in range(8)), 30)
+        # Long-polls still cross servers: b's listener reconnected.
+        got: list[Any] = []
+        waiter = threading.Thread(
+            target=lambda: got.extend(cb.lease(["cross"], worker_id="w", wait_ms=10_000))
+        )
+        waiter.start()
+        job_id = ca.submit("cross", 1)["job"]["id"]
+        waiter.join(15)
+        assert [lease["job_id"] for lease in got] == [job_id]
+
+
+def test_a_row_lock_held_elsewhere_gets_busy_not_a_stalled_server(servers: Start) -> None:
+    (a,) = servers(1, RELAY_LOCK_TIMEOUT_MS="500")
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    with psycopg.connect(url) as holder, RelayClient(a.address, timeout_s=10) as client:
+        # Another transaction binds the key and stays open: the insert must wait for it.
+        holder.execute(
+            "INSERT INTO relay_job (id, queue, state, priority, payload, idempotency_key, "
+            "idempotency_expires_at_ms, attempt, failures, max_retries, backoff, "
+            "backoff_base_ms, backoff_cap_ms, jitter, created_at_ms, ready_since_ms, "
+            "updated_at_ms) VALUES ('job_held', 'locked', 'ready', 1, '1', 'k', "
+            "9999999999999, 0, 0, 3, 'fixed', 1000, 1000, false, 1, 1, 1)"
+        )
+        started = time.monotonic()
+        with pytest.raises(errors.StoreBusy):
+            client.submit("locked", 1, idempotency_key="k")
+        assert time.monotonic() - started < 5
+        assert client.submit("other", 1)["job"]["state"] == "ready"  # others are served
+        holder.rollback()
+        assert client.submit("locked", 1, idempotency_key="k")["deduplicated"] is False

@@ -865,3 +865,22 @@ def test_batch_with_a_key_repeated_inside_it_dedupes_against_itself(
     assert Job.objects.count() == 4
     ids = [r["job_id"] for r in results]
     assert sorted(set(ids)) == sorted(Job.objects.values_list("id", flat=True))
+
+
+def test_nul_characters_are_refused_in_names_and_replaced_in_errors(
+    service: QueueService, leased_job: Factory
+) -> None:
+    # PostgreSQL cannot store NUL in text: both drivers refuse it in identifiers alike, and
+    # keep a handler's error message with the NUL replaced.
+    lease = leased_job()
+    for call in (
+        lambda: service.ack(lease["job_id"], worker_id="w\x00", lease_token="t"),
+        lambda: service.ack("job\x00", worker_id="w1", lease_token="t"),
+        lambda: service.submit("q", 1, idempotency_key="k\x00"),
+        lambda: service.dead_list(after="job_\x00"),
+    ):
+        with pytest.raises(errors.InvalidArgument, match="NUL"):
+            call()
+    service.fail(lease["job_id"], error="bad\x00byte", retryable=False, **lease_args(lease))
+    assert row(lease["job_id"]).last_error == "bad\ufffdbyte"
+    assert service.submit("q", {"k\x00": "v\x00"})["job"]["payload"] == {"k\x00": "v\x00"}

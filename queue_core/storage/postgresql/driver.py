@@ -36,7 +36,7 @@ import psycopg
 from django.db import DatabaseError, connections, transaction
 from psycopg.pq import TransactionStatus
 
-from queue_core.errors import StoreBusy, Unavailable
+from queue_core.errors import InvalidArgument, StoreBusy, Unavailable
 from queue_core.storage.base import (
     Capabilities,
     ClaimRequest,
@@ -72,8 +72,14 @@ def _translate(exc: DatabaseError) -> Exception | None:
     state = getattr(cause, "sqlstate", None)
     if state in _BUSY_STATES:
         return StoreBusy(f"the database refused the write for now ({state}); try again")
-    if isinstance(cause, psycopg.OperationalError) and state is None:
+    # No SQLSTATE (the socket is gone), class 08 (connection exception) or 57P (the server
+    # shut the session down: pg_terminate_backend, a restart): the connection is lost.
+    lost = state is None or state.startswith(("08", "57P"))
+    if isinstance(cause, psycopg.OperationalError) and lost:
         return Unavailable(f"the database is unreachable: {str(cause).strip()[:200]}")
+    if isinstance(cause, psycopg.DataError) and (state == "22021" or "NUL" in str(cause)):
+        # A character the database cannot store in text (NUL): the caller's input.
+        return InvalidArgument(f"text the database cannot store: {str(cause).strip()[:200]}")
     return None
 
 
@@ -279,8 +285,7 @@ class PostgresDriver:
         conn = connections[self.alias]
         outermost = not conn.in_atomic_block
         if outermost:
-            if conn.errors_occurred and conn.connection is not None and not conn.is_usable():
-                conn.close()  # a broken connection from an earlier error: open a new one
+            self.heal()  # a broken connection from an earlier error: open a new one
             self._local.notified = False
             self._local.swept = False
             self._local.changed = 0
@@ -317,7 +322,9 @@ class PostgresDriver:
         is cleared: the database transaction is intact."""
         conn = connections[self.alias]
         raw = conn.connection
-        if raw is None or raw.info.transaction_status != TransactionStatus.INTRANS:
+        # IDLE: no statement ran yet in this transaction (psycopg sends BEGIN with the first).
+        intact = (TransactionStatus.INTRANS, TransactionStatus.IDLE)
+        if raw is None or raw.info.transaction_status not in intact:
             return False
         if self.mark() != mark:
             return False
@@ -333,8 +340,16 @@ class PostgresDriver:
     @contextlib.contextmanager
     def read(self) -> Iterator[PostgresTx]:
         """Run reads in autocommit, or inside this thread's transaction when there is one."""
+        self.heal()
         with _relay_errors(), connections[self.alias].cursor() as cursor:
             yield PostgresTx(cursor, self)
+
+    def heal(self) -> None:
+        """Outside a transaction, close this thread's connection if an error left it unusable
+        (a terminated backend, a database restart): the next statement opens a new one."""
+        conn = connections[self.alias]
+        if not conn.in_atomic_block:
+            conn.close_if_unusable_or_obsolete()
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` after COMMIT (Django's ``on_commit``, robust: errors are logged)."""

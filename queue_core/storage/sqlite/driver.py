@@ -323,6 +323,12 @@ class SqliteDriver:
         """Return whether this thread is inside ``write()``."""
         return self._depth() > 0
 
+    def heal(self) -> None:
+        """Outside a transaction, close this thread's connection if an error left it unusable."""
+        conn = connections[self.alias]
+        if not self._depth() and not conn.in_atomic_block:
+            conn.close_if_unusable_or_obsolete()
+
     def changes(self) -> SqliteChangeFeed:
         """A ``data_version`` feed on the calling thread's connection."""
         return SqliteChangeFeed(self.alias)
