@@ -467,7 +467,7 @@ class QueueService:
         else:
             pending.append(row)
         if not delayed:
-            tx.made_ready()
+            tx.made_ready(row["queue"])
         if pending is not None:
             return _batch_entry(job_id, row["queue"], state, available_at_ms, False)
         view: dict[str, Any] = {
@@ -934,7 +934,7 @@ class QueueService:
             if row is None:
                 raise self._rejection(tx, params, "release")
             self._end_attempt(tx, job_id, row["attempt"], now, "released", None)
-            tx.made_ready()
+            tx.made_ready(row["queue"])
         return {"job_id": job_id, "state": JobState.READY.value, "queue": row["queue"]}
 
     @staticmethod
@@ -1027,9 +1027,10 @@ class QueueService:
 
     def _promote(self, tx: Tx, now: int) -> list[str]:
         rows = tx.all("promote_due", {"now_ms": now, "limit": SWEEP_LIMIT})
-        if rows:
-            tx.made_ready()
-        return list(dict.fromkeys(r["queue"] for r in rows))
+        queues = list(dict.fromkeys(r["queue"] for r in rows))
+        for queue in queues:
+            tx.made_ready(queue)
+        return queues
 
     def expire_leases(self) -> list[str]:
         """Reclaim expired leases (LEASED -> READY, or DEAD once the retry budget is spent).
@@ -1080,8 +1081,8 @@ class QueueService:
                 r["attempt"],
                 extra={"event": "lease_expired", "job_id": r["id"], "attempt": r["attempt"]},
             )
-        if queues:
-            tx.made_ready()
+        for queue in queues:
+            tx.made_ready(queue)
         return list(queues)
 
     def _observe(self, event: str, queue: str) -> None:
@@ -1139,7 +1140,7 @@ class QueueService:
                     state=current["state"],
                 )
             self._event(tx, job_id, "replayed", JobState.DEAD, JobState.READY, now, actor)
-            tx.made_ready()
+            tx.made_ready(row["queue"])
             return self._job(tx, job_id)
 
     def purge(

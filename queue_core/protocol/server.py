@@ -718,8 +718,13 @@ class RelayServer:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(fn, *args)
 
-    def _foreign_commit(self) -> None:
-        """Another process committed: wake every waiter and let the reaper look now."""
+    def _foreign_commit(self, queue: str | None = None) -> None:
+        """Another process committed. With ``queue`` (a server on the same PostgreSQL
+        database made jobs READY there): wake that queue's waiters. Without: wake every
+        waiter, and let the reaper look now (it may have scheduled a delayed job)."""
+        if queue is not None:
+            self._notifier.wake([queue])
+            return
         self._notifier.wake_all()
         self._schedule_reap(0.0)
 

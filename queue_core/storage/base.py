@@ -133,9 +133,10 @@ class Tx(Protocol):
         does the work)."""
         ...
 
-    def made_ready(self) -> None:
-        """Note that this transaction makes jobs READY, so waiters elsewhere are woken once it
-        commits (a no-op where the change feed sees every commit by itself)."""
+    def made_ready(self, queue: str | None = None) -> None:
+        """Note that this transaction makes jobs READY in ``queue`` (None: in queues not
+        named), so waiters elsewhere are woken once it commits: those of that queue, or
+        every waiter for None (a no-op where the change feed sees every commit by itself)."""
         ...
 
 
@@ -159,9 +160,10 @@ class ChangeFeed(Protocol):
         """
         ...
 
-    def subscribe(self, fn: Callable[[], None]) -> bool:
-        """Call ``fn`` (from a driver thread, so it must be thread-safe and quick) on each
-        commit elsewhere; return False when this feed cannot push and must be polled."""
+    def subscribe(self, fn: Callable[[str | None], None]) -> bool:
+        """Call ``fn(queue)`` (from a driver thread, so it must be thread-safe and quick) on
+        each commit elsewhere that made jobs READY in ``queue`` (None: any queue may have
+        changed); return False when this feed cannot push and must be polled."""
         ...
 
 

@@ -16,9 +16,16 @@ import pytest
 from django.test.utils import override_settings
 
 from tests.procs import Proc, Spawner, spawner
-from tests.storage.conftest import DATABASES, OneDatabase, database_url
+from tests.storage.conftest import (
+    DATABASES,
+    OneDatabase,
+    _postgresql_connections_closed,
+    database_url,
+)
 
-__all__ = ["DATABASES", "Server"]
+# _postgresql_connections_closed: the session fixture that ends the change feeds' listener
+# connections before the test database is dropped (autouse, from tests/storage).
+__all__ = ["DATABASES", "Server", "_postgresql_connections_closed"]
 
 
 @dataclass

@@ -20,6 +20,9 @@ from django.db import connections
 from queue_core import errors
 from queue_core.client import RelayClient, RelayConnectionError
 from queue_core.models import Job, JobAttempt
+from queue_core.service import QueueService
+from queue_core.storage import driver_for
+from queue_core.storage.postgresql.driver import PostgresDriver
 from tests.audit import audit
 from tests.postgresql.conftest import DATABASES, Server
 from tests.procs import Spawner
@@ -343,3 +346,27 @@ def test_a_row_lock_held_elsewhere_gets_busy_not_a_stalled_server(servers: Start
         assert client.submit("other", 1)["job"]["state"] == "ready"  # others are served
         holder.rollback()
         assert client.submit("locked", 1, idempotency_key="k")["deduplicated"] is False
+
+
+def test_a_commit_elsewhere_names_the_queues_it_made_ready() -> None:
+    # A server wakes only the long-polls of the queues another server made jobs READY in
+    # (RelayServer._foreign_commit): the notification carries the queue.
+    feed = driver_for("postgresql").changes()
+    heard: list[str | None] = []
+    lock = threading.Lock()
+
+    def hear(queue: str | None) -> None:
+        with lock:
+            heard.append(queue)
+
+    feed.subscribe(hear)
+    wait_until(lambda: feed.connected.is_set(), what="the listener to connect")  # type: ignore[attr-defined]
+    with lock:
+        heard.clear()  # the reconnect's own "look again" (None)
+    other = QueueService(driver=PostgresDriver("postgresql"))  # another origin: another server
+    other.submit("busy", 1)
+    other.submit_batch([{"queue": "idle", "payload": 1}, {"queue": "busy", "payload": 2}])
+    other.submit("later", 1, delay_ms=60_000)  # nothing READY: no notification
+    wait_until(lambda: len(heard) >= 3, what="three notifications")
+    with lock:
+        assert sorted(heard) == ["busy", "busy", "idle"], heard

@@ -167,9 +167,10 @@ class PostgresTx(SqlTx):
         local.swept = locked
         return locked
 
-    def made_ready(self) -> None:
-        """Send ``NOTIFY relay_ready`` once per transaction (delivered at COMMIT)."""
-        self._driver.notify(self)
+    def made_ready(self, queue: str | None = None) -> None:
+        """Send ``NOTIFY relay_ready`` once per queue per transaction (delivered at COMMIT),
+        so other servers wake only that queue's long-polls."""
+        self._driver.notify(self, queue)
 
 
 class PostgresChangeFeed:
@@ -185,7 +186,7 @@ class PostgresChangeFeed:
         self._driver = driver
         self._cond = threading.Condition()
         self._position = 0
-        self._subscribers: list[Callable[[], None]] = []
+        self._subscribers: list[Callable[[str | None], None]] = []
         self._stopped = False
         self.connected = threading.Event()
         self._thread = threading.Thread(target=self._listen, name="relay-pg-listen", daemon=True)
@@ -204,8 +205,9 @@ class PostgresChangeFeed:
                 return self._position
             return None
 
-    def subscribe(self, fn: Callable[[], None]) -> bool:
-        """Call ``fn`` from the listener thread on each foreign commit; True (it pushes)."""
+    def subscribe(self, fn: Callable[[str | None], None]) -> bool:
+        """Call ``fn(queue)`` from the listener thread on each foreign commit (``queue`` None:
+        any queue); True (it pushes)."""
         with self._cond:
             self._subscribers.append(fn)
         return True
@@ -215,14 +217,14 @@ class PostgresChangeFeed:
         self._stopped = True
         self._thread.join(timeout_s)
 
-    def _moved(self) -> None:
+    def _moved(self, queue: str | None = None) -> None:
         with self._cond:
             self._position += 1
             self._cond.notify_all()
             subscribers = list(self._subscribers)
         for fn in subscribers:
             try:
-                fn()
+                fn(queue)
             except Exception:
                 log.exception("event=change_subscriber_failed")
 
@@ -237,8 +239,9 @@ class PostgresChangeFeed:
                     pause = 0.05
                     while not self._stopped:
                         for note in conn.notifies(timeout=NOTIFY_POLL_S):
-                            if note.payload != self._driver.origin:
-                                self._moved()
+                            origin, _, queue = note.payload.partition(" ")
+                            if origin != self._driver.origin:
+                                self._moved(queue or None)
             except Exception as exc:  # noqa: BLE001 - logged; the loop reconnects
                 self.connected.clear()
                 log.warning("event=listen_failed error=%r retry_in_s=%.2f", exc, pause)
@@ -286,7 +289,7 @@ class PostgresDriver:
         outermost = not conn.in_atomic_block
         if outermost:
             self.heal()  # a broken connection from an earlier error: open a new one
-            self._local.notified = False
+            self._local.notified = None
             self._local.swept = False
             self._local.changed = 0
             self._local.flat = not savepoints
@@ -306,7 +309,7 @@ class PostgresDriver:
                 yield PostgresTx(cursor, self)
         except BaseException:
             # A savepoint that rolled back took its NOTIFY with it: send again if needed.
-            self._local.notified = False
+            self._local.notified = None
             raise
         finally:
             self._local.depth -= 1
@@ -331,11 +334,18 @@ class PostgresDriver:
         transaction.set_rollback(False, using=self.alias)
         return True
 
-    def notify(self, tx: PostgresTx) -> None:
-        """Send this transaction's one ``NOTIFY relay_ready`` (see ``PostgresTx.made_ready``)."""
-        if not getattr(self._local, "notified", False):
-            tx.one("notify_ready", {"origin": self.origin})
-            self._local.notified = True
+    def notify(self, tx: PostgresTx, queue: str | None = None) -> None:
+        """Send this transaction's ``NOTIFY relay_ready`` for ``queue`` unless sent already
+        (payload ``"<origin> <queue>"``, or ``"<origin>"`` for any queue; queue names hold no
+        spaces; see ``PostgresTx.made_ready``)."""
+        sent: set[str | None] | None = getattr(self._local, "notified", None)
+        if sent is None:
+            sent = self._local.notified = set()
+        if queue in sent or None in sent:
+            return
+        payload = self.origin if queue is None else f"{self.origin} {queue}"
+        tx.one("notify_ready", {"origin": payload})
+        sent.add(queue)
 
     @contextlib.contextmanager
     def read(self) -> Iterator[PostgresTx]:

@@ -321,7 +321,8 @@ SELECT pg_try_advisory_xact_lock(hashtext('relay.sweep')) AS locked;
 -- name: notify_ready
 -- Wake long-polls on other servers once this transaction commits (NOTIFY is transactional,
 -- and repeats of one payload in one transaction are delivered once). Params: origin (the
--- sender's id, so its own listener ignores it).
+-- sender's id, so its own listener ignores it, then a space and the queue made ready; the
+-- id alone: any queue).
 SELECT pg_notify('relay_ready', %(origin)s);
 
 -- name: check

@@ -137,7 +137,7 @@ class SqliteTx(SqlTx):
         """Always True: the write lock already admits one sweep at a time."""
         return True
 
-    def made_ready(self) -> None:
+    def made_ready(self, queue: str | None = None) -> None:
         """Nothing to do: other connections see the commit in ``PRAGMA data_version``."""
 
 
@@ -167,7 +167,7 @@ class SqliteChangeFeed:
                 return None
             time.sleep(min(WATCH_INTERVAL_S, left))
 
-    def subscribe(self, fn: Callable[[], None]) -> bool:
+    def subscribe(self, fn: Callable[[str | None], None]) -> bool:
         """SQLite cannot push: always False (poll ``wait`` instead)."""
         return False
 
