@@ -17,6 +17,8 @@ import pytest
 from django.db import connections
 from django.test.utils import override_settings
 
+from queue_core.service import QueueService
+from queue_core.storage import driver_for
 from tests.audit import audit
 from tests.procs import Spawner
 from tests.storage.conftest import BACKENDS, DATABASES, OneDatabase, database_url
@@ -40,10 +42,21 @@ class RelayDb:
             cursor.execute(sql, params)
             return [tuple(r) for r in cursor.fetchall()]
 
-    def audit(self) -> None:
-        """Check every invariant of tests/audit.py."""
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment a child process needs to use this database."""
+        return database_url(self.backend)
+
+    def service(self) -> QueueService:
+        """A ``QueueService`` on this database (the system clock)."""
+        return QueueService(
+            driver=driver_for("default" if self.backend == "sqlite" else "postgresql")
+        )
+
+    def audit(self, *, quick_check: bool = True) -> None:
+        """Check every invariant of tests/audit.py (``PRAGMA quick_check`` on SQLite only)."""
         if self.backend == "sqlite":
-            audit(self.path)
+            audit(self.path, quick_check=quick_check)
         else:
             audit(connections["postgresql"], quick_check=False)
 

@@ -1,10 +1,11 @@
 """Competing claims: threads, processes and TCP clients claim from one queue at once.
 
 Eight threads of this process call ``QueueService.claim`` directly, three child processes do the
-same on the same SQLite file, and four threads claim over TCP through a real ``relay_server``
-process. Leases are short (200 ms) and a third of the deliveries are abandoned, so leases expire
-and jobs are handed out again while the race goes on. A sampler audits the database snapshots
-while it runs. Afterwards, from every delivery each racer saw and the attempt history:
+same on the same database, and four threads claim over TCP through a real ``relay_server``
+process: on SQLite, and on PostgreSQL (``relay_db``). Leases are short (200 ms) and a third of
+the deliveries are abandoned, so leases expire and jobs are handed out again while the race goes
+on. A sampler audits the database snapshots while it runs. Afterwards, from every delivery each
+racer saw and the attempt history:
 
 * no delivery (job, attempt) was handed to two claimers, and no token was issued twice;
 * every delivery the history records reached exactly one claimer (none lost in between);
@@ -17,26 +18,23 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import itertools
 import random
-import sqlite3
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connections
 from django.test import override_settings
 
 from queue_core import errors
 from queue_core.client import RelayClient
-from queue_core.service import QueueService
-from tests.audit import audit
 from tests.crash.racer import Racer
 from tests.procs import Spawner
+from tests.relay_db import DATABASES, RelayDb
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 QUEUE = "race"
 JOBS = 240
@@ -72,16 +70,18 @@ def claim_until_done(
 
 
 @pytest.fixture
-def tcp_server(spawn: Spawner) -> str:
+def tcp_server(spawn: Spawner, relay_db: RelayDb) -> str:
     _, port = spawn.server(**SHORT_LEASES)
     return f"127.0.0.1:{port}"
 
 
 @override_settings(RELAY_MIN_LEASE_MS=100)
-def test_competing_claims_never_hand_out_a_valid_lease_twice(tcp_server: str) -> None:
-    db = str(connection.settings_dict["NAME"])
+def test_competing_claims_never_hand_out_a_valid_lease_twice(
+    tcp_server: str, relay_db: RelayDb
+) -> None:
+    db = relay_db
     # A lost lease counts as a failure: a budget no run of abandoned leases can spend.
-    QueueService().submit_batch(
+    db.service().submit_batch(
         [{"queue": QUEUE, "payload": {"i": i}, "max_retries": 100} for i in range(JOBS)]
     )
     done = threading.Event()
@@ -89,7 +89,7 @@ def test_competing_claims_never_hand_out_a_valid_lease_twice(tcp_server: str) ->
     violations: list[str] = []
 
     def direct(n: int) -> list[Record]:
-        service = QueueService()
+        service = db.service()
         name = f"thread-{n}"
         start.wait(timeout=60)
         try:
@@ -123,21 +123,25 @@ def test_competing_claims_never_hand_out_a_valid_lease_twice(tcp_server: str) ->
     def sampler() -> int:
         """Audit snapshots of the database while the race runs."""
         runs = 0
-        while not done.is_set():
-            try:
-                audit(db, quick_check=False)
-            except AssertionError as exc:
-                violations.append(str(exc))
-                return runs
-            runs += 1
-        return runs
+        try:
+            while not done.is_set():
+                try:
+                    db.audit(quick_check=False)
+                except AssertionError as exc:
+                    violations.append(str(exc))
+                    return runs
+                runs += 1
+            return runs
+        finally:
+            connections.close_all()
 
     racers = [
         Racer(
-            db,
+            db.path,
             *("claim", "--queue", QUEUE, "--worker-id", f"proc-{n}", "--jobs", str(JOBS)),
             *("--lease-ms", str(LEASE_MS), "--abandon", str(ABANDON), "--seed", str(200 + n)),
             **SHORT_LEASES,
+            **db.env,
         )
         for n in range(3)
     ]
@@ -163,11 +167,11 @@ def test_competing_claims_never_hand_out_a_valid_lease_twice(tcp_server: str) ->
             racer.kill()
 
     assert not violations, violations[0]
-    audit(db)
+    db.audit()
     check_deliveries(db, records)
 
 
-def check_deliveries(db: str, records: list[Record]) -> None:
+def check_deliveries(db: RelayDb, records: list[Record]) -> None:
     """The properties in the module docstring, from what the claimers saw and the history."""
     leases = [r for r in records if r["kind"] == "lease"]
     # Threads and child processes both won some of the race; the TCP clients (the slowest
@@ -178,14 +182,13 @@ def check_deliveries(db: str, records: list[Record]) -> None:
     by_delivery = collections.Counter((r["job_id"], r["attempt"]) for r in leases)
     assert max(by_delivery.values()) == 1, [k for k, n in by_delivery.items() if n > 1][:5]
     assert len({r["lease_token"] for r in leases}) == len(leases)
-    with contextlib.closing(sqlite3.connect(db)) as conn:
-        history = {
-            (job_id, attempt): (started, ended, outcome)
-            for job_id, attempt, started, ended, outcome in conn.execute(
-                "SELECT job_id, attempt, started_at_ms, ended_at_ms, outcome FROM relay_attempt"
-            )
-        }
-        states = collections.Counter(s for (s,) in conn.execute("SELECT state FROM relay_job"))
+    history = {
+        (job_id, attempt): (started, ended, outcome)
+        for job_id, attempt, started, ended, outcome in db.rows(
+            "SELECT job_id, attempt, started_at_ms, ended_at_ms, outcome FROM relay_attempt"
+        )
+    }
+    states = collections.Counter(s for (s,) in db.rows("SELECT state FROM relay_job"))
     assert states == {"succeeded": JOBS}
     assert set(history) == set(by_delivery)  # every delivery reached exactly one claimer
     assert len(leases) > JOBS  # abandoned leases expired and the jobs went out again
