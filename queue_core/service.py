@@ -1048,9 +1048,15 @@ class QueueService:
     def _sweep(self, tx: Tx, now: int) -> list[str]:
         """Expire leases and promote due jobs, if this transaction gets the sweep lock (one
         sweep at a time across servers); return the queues that got READY jobs."""
-        if not tx.sweep_lock():
+        plan = tx.sweep_plan(now)
+        if plan is None:
             return []
-        return list(dict.fromkeys([*self._expire(tx, now), *self._promote(tx, now)]))
+        expire, promote = plan
+        queues = [
+            *(self._expire(tx, now) if expire else []),
+            *(self._promote(tx, now) if promote else []),
+        ]
+        return list(dict.fromkeys(queues))
 
     def sweep(self) -> list[str]:
         """Expire leases, then promote due jobs, in one transaction (the server's reaper).

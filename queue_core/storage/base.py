@@ -133,6 +133,12 @@ class Tx(Protocol):
         does the work)."""
         ...
 
+    def sweep_plan(self, now_ms: int) -> tuple[bool, bool] | None:
+        """Take the sweep lock as ``sweep_lock`` does; None when not had, else ``(expire,
+        promote)``: whether leases may have expired and jobs may be due at ``now_ms`` (both
+        True where asking costs more than sweeping)."""
+        ...
+
     def made_ready(self, queue: str | None = None) -> None:
         """Note that this transaction makes jobs READY in ``queue`` (None: in queues not
         named), so waiters elsewhere are woken once it commits: those of that queue, or

@@ -167,6 +167,18 @@ class PostgresTx(SqlTx):
         local.swept = locked
         return locked
 
+    def sweep_plan(self, now_ms: int) -> tuple[bool, bool] | None:
+        """The sweep lock and whether anything is due, in one round trip (``sweep_probe``);
+        None when another server holds the lock or this transaction swept already."""
+        local = self._driver._local
+        if getattr(local, "swept", False):
+            return None
+        row = self.one("sweep_probe", {"now_ms": now_ms})
+        if not (row and row["locked"]):
+            return None
+        local.swept = True
+        return bool(row["expired"]), bool(row["due"])
+
     def made_ready(self, queue: str | None = None) -> None:
         """Send ``NOTIFY relay_ready`` once per queue per transaction (delivered at COMMIT),
         so other servers wake only that queue's long-polls."""

@@ -318,6 +318,16 @@ SELECT MIN(lease_expires_at_ms) AS at_ms FROM relay_job WHERE state = 'leased';
 -- advisory lock, let go at COMMIT or ROLLBACK; a server that does not get it skips the sweep.
 SELECT pg_try_advisory_xact_lock(hashtext('relay.sweep')) AS locked;
 
+-- name: sweep_probe
+-- The sweep lock, and whether a sweep has anything to do, in one round trip (the claim path
+-- sweeps before every group of claims; usually nothing is due). Each EXISTS is one seek on
+-- a partial index (relay_job_leased, relay_job_scheduled). Params: now_ms.
+SELECT pg_try_advisory_xact_lock(hashtext('relay.sweep')) AS locked,
+       EXISTS (SELECT 1 FROM relay_job
+                WHERE state = 'leased' AND lease_expires_at_ms <= %(now_ms)s) AS expired,
+       EXISTS (SELECT 1 FROM relay_job
+                WHERE state IN ('pending', 'retrying') AND available_at_ms <= %(now_ms)s) AS due;
+
 -- name: notify_ready
 -- Wake long-polls on other servers once this transaction commits (NOTIFY is transactional,
 -- and repeats of one payload in one transaction are delivered once). Params: origin (the

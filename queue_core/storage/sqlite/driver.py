@@ -137,6 +137,11 @@ class SqliteTx(SqlTx):
         """Always True: the write lock already admits one sweep at a time."""
         return True
 
+    def sweep_plan(self, now_ms: int) -> tuple[bool, bool] | None:
+        """``(True, True)``: the sweep's own statements are index seeks in this process, as
+        cheap as asking first."""
+        return (True, True)
+
     def made_ready(self, queue: str | None = None) -> None:
         """Nothing to do: other connections see the commit in ``PRAGMA data_version``."""
 
