@@ -2,15 +2,16 @@
 
 The submits come from every surface at the same instant (a barrier): threads calling
 ``QueueService.submit`` directly, threads using ``RelayClient`` and raw pipelining sockets against
-a real ``relay_server`` process, child processes calling the service on the same SQLite file,
+a real ``relay_server`` process, child processes calling the service on the same database,
 and (in the second test) threads posting to ``POST /api/v1/queues/{queue}/jobs`` through
 Django's test client; that test is skipped only if the route is absent. All of them get the
 same job, exactly one of them ``deduplicated: false``, and the database holds one job. Once the
 window has passed, the same race creates exactly one new job, and the old job no longer holds
 the key.
 
-With the injected clock the window's edge is exact: one millisecond before it the key still
-deduplicates under the race, at it a new job is created.
+The two races run on SQLite and on PostgreSQL (``relay_db``). With the injected clock the
+window's edge is exact: one millisecond before it the key still deduplicates under the race, at
+it a new job is created.
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ from collections.abc import Callable
 
 import orjson
 import pytest
-from django.db import connection, connections
+from django.db import connections
 from django.test import Client, override_settings
 from django.urls import Resolver404, resolve
 
+from queue_api import calls
 from queue_core.client import RelayClient
 from queue_core.clock import FakeClock
 from queue_core.models import Job
 from queue_core.service import QueueService
 from tests.crash.racer import Racer
 from tests.procs import Spawner
+from tests.relay_db import DATABASES, RelayDb
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 QUEUE = "signup"
 KEY = "signup-42"
@@ -56,7 +59,7 @@ def http_route_exists() -> bool:
 
 
 @pytest.fixture
-def server(spawn: Spawner) -> str:
+def server(spawn: Spawner, relay_db: RelayDb) -> str:
     _, port = spawn.server(**SHORT_WINDOW)
     return f"127.0.0.1:{port}"
 
@@ -105,16 +108,27 @@ def http_submits(n: int) -> list[Result]:
     return out
 
 
-def race(address: str, db: str, *, http: bool) -> list[Result]:
+def race(address: str, db: RelayDb, *, http: bool) -> list[Result]:
     """One round: every surface submits KEY at once; return every answer."""
     racers = [
-        Racer(db, "submit", "--queue", QUEUE, "--key", KEY, "--count", "3", **SHORT_WINDOW)
+        Racer(
+            db.path,
+            "submit",
+            "--queue",
+            QUEUE,
+            "--key",
+            KEY,
+            "--count",
+            "3",
+            **SHORT_WINDOW,
+            **db.env,
+        )
         for _ in range(3)
     ]
 
     def direct() -> list[Result]:
         try:
-            service = QueueService()
+            service = db.service()
             return [
                 ("direct", r["job"]["id"], r["deduplicated"])
                 for r in (service.submit(QUEUE, PAYLOAD, idempotency_key=KEY) for _ in range(3))
@@ -165,9 +179,11 @@ def check_one_job(results: list[Result], http: bool) -> str:
     return ids.pop()
 
 
-def run_both_rounds(address: str, *, http: bool) -> None:
-    db = str(connection.settings_dict["NAME"])
-    with override_settings(RELAY_IDEMPOTENCY_WINDOW_MS=WINDOW_MS):
+def run_both_rounds(address: str, db: RelayDb, *, http: bool) -> None:
+    # The HTTP API's service follows RELAY_DATABASE: the database under test.
+    alias = "default" if db.backend == "sqlite" else "postgresql"
+    calls.service.cache_clear()  # the API's service is built once per process, from settings
+    with override_settings(RELAY_IDEMPOTENCY_WINDOW_MS=WINDOW_MS, RELAY_DATABASE=alias):
         first = check_one_job(race(address, db, http=http), http)
         job = Job.objects.get(id=first)
         assert Job.objects.filter(queue=QUEUE).count() == 1
@@ -178,6 +194,7 @@ def run_both_rounds(address: str, *, http: bool) -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         second = check_one_job(race(address, db, http=http), http)
+    calls.service.cache_clear()
     assert second != first
     assert Job.objects.filter(queue=QUEUE).count() == 2
     assert Job.objects.get(id=first).idempotency_key is None  # the key moved to the new job
@@ -185,21 +202,22 @@ def run_both_rounds(address: str, *, http: bool) -> None:
 
 
 def test_concurrent_submits_with_one_key_create_one_job_until_the_window_passes(
-    server: str,
+    server: str, relay_db: RelayDb
 ) -> None:
-    run_both_rounds(server, http=False)
+    run_both_rounds(server, relay_db, http=False)
 
 
 @pytest.mark.skipif(
     not http_route_exists(), reason=f"HTTP API not there yet: no route {HTTP_ROUTE}"
 )
 def test_concurrent_submits_with_one_key_over_http_tcp_and_processes_create_one_job(
-    server: str,
+    server: str, relay_db: RelayDb
 ) -> None:
     """The same race with HTTP submits mixed in (skipped only while the route is absent)."""
-    run_both_rounds(server, http=True)
+    run_both_rounds(server, relay_db, http=True)
 
 
+@pytest.mark.django_db(transaction=True)
 def test_window_edge_under_a_race_with_an_injected_clock(transactional_db: None) -> None:
     clock = FakeClock()
 
