@@ -687,6 +687,20 @@ class QueueService:
             jobs.append(view)
         return {"jobs": jobs, "next_after": jobs[-1]["id"] if len(jobs) == limit else None}
 
+    def ready_queues(self, queues: Iterable[str]) -> list[str]:
+        """Return those of ``queues`` that have a READY job (one index seek each; the TCP
+        server's fallback poll, so that it wakes only long-polls with something to claim).
+
+        Args:
+            queues: queue names (already valid: the names long-polls wait on).
+        """
+        with self.driver.read() as tx:
+            return [
+                q
+                for q in queues
+                if (row := tx.one("queue_has_ready", {"queue": q})) and row["ready"]
+            ]
+
     def next_due_ms(self) -> int | None:
         """Return the earliest future instant (epoch ms) a job becomes due or a lease expires."""
         with self.driver.read() as tx:

@@ -27,7 +27,8 @@ Threads and tasks:
 * The **reaper** task runs ``expire_leases`` + ``promote_due`` on the writer every
   ``RELAY_REAPER_INTERVAL_MS``, or sooner at ``next_due_ms()`` or at a due instant a request
   reported, and after another process commits. Where the change feed pushes (PostgreSQL),
-  each pass also has the waiting long-polls look once: the bounded fallback poll.
+  each pass also asks which waited-on queues have READY jobs and wakes their long-polls: the
+  bounded fallback poll, for a wake-up that got lost.
 * The **heartbeat** task renews this server's row in the server registry (``server_id``)
   every ``RELAY_SERVER_HEARTBEAT_MS`` through the writer; the row goes at a clean stop.
 
@@ -339,6 +340,10 @@ class _Notifier:
     def wake_all(self) -> None:
         """Wake every waiter."""
         self.wake(list(self._waiters))
+
+    def queues(self) -> list[str]:
+        """The queues somebody waits on."""
+        return list(self._waiters)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -802,11 +807,17 @@ class RelayServer:
             if queues:
                 log.debug("event=reaped queues=%s", ",".join(sorted(queues)))
                 self._notifier.wake(queues)
-            if self._pushed:
+            if self._pushed and (waited := self._notifier.queues()):
                 # The bounded fallback poll (as River's FetchPollInterval): a wake-up pushed
-                # by another server could be lost (its listener reconnecting), so each pass
-                # also has the waiting long-polls look once.
-                self._notifier.wake_all()
+                # by another server could be lost (its listener reconnecting, a connection
+                # gone quiet), so each pass asks which waited-on queues have READY jobs (a
+                # seek per queue) and wakes their long-polls: one read, not a claim per waiter.
+                try:
+                    ready = await self._read(functools.partial(self.service.ready_queues, waited))
+                except Exception:
+                    log.exception("event=fallback_poll_failed")
+                    ready = waited
+                self._notifier.wake(ready)
             # A due instant still in the past means a sweep hit its row limit: go again now.
             if due_ms is not None and (queues or due_ms > self.service.clock.now_ms()):
                 self._schedule_due(due_ms)

@@ -370,3 +370,27 @@ def test_a_commit_elsewhere_names_the_queues_it_made_ready() -> None:
     wait_until(lambda: len(heard) >= 3, what="three notifications")
     with lock:
         assert sorted(heard) == ["busy", "busy", "idle"], heard
+
+
+def test_a_lost_wake_up_is_caught_by_the_fallback_poll(servers: Start) -> None:
+    # A READY job that arrives without a notification (here: a row written by hand) still
+    # reaches a waiting long-poll, within a reaper pass or so.
+    (a,) = servers(1, RELAY_REAPER_INTERVAL_MS="200")
+    got: list[Any] = []
+    with RelayClient(a.address, timeout_s=20) as worker:
+        worker.ping()
+        waiter = threading.Thread(
+            target=lambda: got.extend(worker.lease(["quiet"], worker_id="w", wait_ms=10_000))
+        )
+        waiter.start()
+        with connections["postgresql"].cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO relay_job (id, queue, state, priority, payload, attempt, failures, "
+                "max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter, created_at_ms, "
+                "ready_since_ms, updated_at_ms) VALUES ('job_quiet', 'quiet', 'ready', 1, '1', "
+                "0, 0, 3, 'fixed', 1000, 1000, false, 1, 1, 1)"
+            )
+        started = time.monotonic()
+        waiter.join(15)
+        assert [lease["job_id"] for lease in got] == ["job_quiet"]
+        assert time.monotonic() - started < 5  # the long-poll's own timeout is 10 s

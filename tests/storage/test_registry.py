@@ -98,3 +98,14 @@ def test_stats_without_finished_jobs_counts_only_live_states(service: QueueServi
     assert everything["queues"]["q"]["succeeded"] == 1 and everything["totals"]["succeeded"] == 1
     assert "succeeded" not in live["queues"]["q"] and "succeeded" not in live["totals"]
     assert live["queues"]["q"]["ready"] == 1 and live["totals"]["ready"] == 1
+
+
+def test_ready_queues_names_the_queues_with_a_ready_job(service: QueueService) -> None:
+    service.submit("a", 1)
+    service.submit("b", 1, delay_ms=60_000)  # pending: not ready
+    lease = service.claim(["c"], worker_id="w")  # nothing in c
+    assert lease == []
+    service.submit("c", 1)
+    taken = service.claim(["c"], worker_id="w")[0]  # c's only job is leased now
+    assert taken["queue"] == "c"
+    assert service.ready_queues(["a", "b", "c", "nope"]) == ["a"]

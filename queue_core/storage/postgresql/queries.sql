@@ -282,6 +282,11 @@ UNION ALL
 SELECT queue, state, COUNT(*) AS n FROM relay_job
  WHERE state = 'dead' GROUP BY queue, state;
 
+-- name: queue_has_ready
+-- Whether a queue has a READY job: one seek on relay_job_ready (the long-poll fallback poll
+-- asks this for each queue somebody waits on). Params: queue.
+SELECT EXISTS (SELECT 1 FROM relay_job WHERE state = 'ready' AND queue = %(queue)s) AS ready;
+
 -- name: oldest_ready
 -- When the longest-waiting READY job of each queue became ready. Params: none.
 SELECT queue, MIN(ready_since_ms) AS oldest FROM relay_job WHERE state = 'ready' GROUP BY queue;
