@@ -185,7 +185,7 @@ class _Writer(_DbThread):
     ) -> None:
         super().__init__(name, calls, service)
         # Where a SAVEPOINT costs round trips (several writers: PostgreSQL), a batch runs
-        # without one per call first (``_commit_flat``).
+        # without one per call first (``_commit``, ``_guarded``).
         self.flat = not service.capabilities.single_writer
         self.commits = 0  # transactions committed (each holds one or more calls)
         self.sweep = sweep
@@ -236,41 +236,35 @@ class _Writer(_DbThread):
             return old
 
     def _commit(self, batch: list[_Call]) -> None:
-        if self.flat and self._commit_flat(batch):
-            return
-        self._commit_savepoints(batch)
+        """Run ``batch`` in one transaction and answer every call once it has committed.
 
-    def _commit_flat(self, batch: list[_Call]) -> bool:
-        """Run ``batch`` in one transaction without a SAVEPOINT per call (PostgreSQL: two
-        round trips saved per call). A call that fails without having changed a row, on an
-        intact transaction (a stale token, a bad argument), is set apart and the others go
-        on. Anything else (a call that failed after writing, a statement the database
-        refused) rolls the whole transaction back and returns False: the batch then runs
-        again with savepoints, where that call rolls back alone. Nothing is visible before
-        the COMMIT, so running the calls again is safe."""
+        Where a SAVEPOINT costs round trips (``self.flat``: PostgreSQL) the batch first runs
+        without one per call; if a call fails in a way that cannot be set apart
+        (``_guarded``), that round is rolled back and the batch runs again with savepoints.
+        Nothing is visible before the COMMIT, so running the calls again is safe."""
+        if self.flat:
+            try:
+                self._run(batch, flat=True)
+                return
+            except _Redo:
+                pass
+        self._run(batch, flat=False)
+
+    def _run(self, batch: list[_Call], *, flat: bool) -> None:
         outcomes: list[tuple[bool, Any]] = []
         ready: set[str] = set()
         try:
-            with self.service.transaction(savepoints=False):
+            with self.service.transaction(savepoints=not flat):
                 if any(call.claims for call in batch):
-                    mark = self.service.mark()
-                    try:
-                        ready = self.sweep()
-                    except Exception as exc:
-                        if not self.service.forgive(mark):
-                            raise _Redo from exc
-                        log.exception("event=sweep_failed")
-                for call in batch:
-                    mark = self.service.mark()
-                    try:
-                        outcomes.append((True, call.fn()))
-                    except Exception as exc:
-                        if not self.service.forgive(mark):
-                            raise _Redo from exc
-                        outcomes.append((False, exc))
+                    swept, value = self._guarded(self.sweep, flat=flat)
+                    if swept:
+                        ready = value
+                    else:
+                        log.error("event=sweep_failed", exc_info=value)
+                outcomes = [self._guarded(call.fn, flat=flat) for call in batch]
             self.commits += 1
         except _Redo:
-            return False
+            raise
         except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
             log.error("event=group_commit_failed calls=%d error=%r", len(batch), exc)
             outcomes, ready = [(False, exc)] * len(batch), set()
@@ -279,34 +273,31 @@ class _Writer(_DbThread):
         if ready:
             self.on_ready(ready)
         _resolve_all(batch, outcomes)
-        return True
 
-    def _commit_savepoints(self, batch: list[_Call]) -> None:
-        outcomes: list[tuple[bool, Any]] = []
-        ready: set[str] = set()
+    def _guarded(self, fn: Callable[[], Any], *, flat: bool) -> tuple[bool, Any]:
+        """Run one call of a batch; return ``(True, result)`` or ``(False, exception)``.
+
+        With savepoints it runs in its own and rolls back alone. Flat (no SAVEPOINT, two
+        round trips saved per call), a call that fails without having changed a row on an
+        intact transaction (a stale token, a bad argument) is set apart and the others go on.
+
+        Raises:
+            _Redo: flat, the call failed after writing or on a statement the database
+                refused: the whole round must be rolled back.
+        """
+        if not flat:
+            try:
+                with self.service.transaction():  # a SAVEPOINT: it rolls back alone
+                    return True, fn()
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller
+                return False, exc
+        mark = self.service.mark()
         try:
-            with self.service.transaction():
-                if any(call.claims for call in batch):
-                    try:
-                        with self.service.transaction():
-                            ready = self.sweep()
-                    except Exception:
-                        log.exception("event=sweep_failed")
-                for call in batch:
-                    try:
-                        with self.service.transaction():  # a SAVEPOINT: it rolls back alone
-                            outcomes.append((True, call.fn()))
-                    except Exception as exc:  # noqa: BLE001 - re-raised in the caller
-                        outcomes.append((False, exc))
-            self.commits += 1
-        except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
-            log.error("event=group_commit_failed calls=%d error=%r", len(batch), exc)
-            outcomes, ready = [(False, exc)] * len(batch), set()
-            with contextlib.suppress(Exception):
-                self.service.heal()
-        if ready:
-            self.on_ready(ready)
-        _resolve_all(batch, outcomes)
+            return True, fn()
+        except Exception as exc:
+            if not self.service.forgive(mark):
+                raise _Redo from exc
+            return False, exc
 
 
 class _Notifier:
