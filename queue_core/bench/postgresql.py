@@ -23,13 +23,12 @@ default prepared statements (after five executions), as the server does.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -39,7 +38,7 @@ import psycopg
 
 from queue_core.bench import load, procs, scenarios
 from queue_core.bench.floor import job_row
-from queue_core.bench.runner import Progress, Sizes, loadavg, machine
+from queue_core.bench.runner import Progress, Sizes, Steps, loadavg, machine
 from queue_core.bench.stats import rate, ratio, summarize
 
 Tick = Callable[[int], None]
@@ -183,7 +182,7 @@ def claim_latency(address: str, queue: str, claims: int, tick: Tick) -> dict[str
     return {"claims": len(lat), "lease_latency_ms": summarize(lat)}
 
 
-class PgBench:
+class PgBench(Steps):
     """One benchmark run on PostgreSQL.
 
     Args:
@@ -214,16 +213,6 @@ class PgBench:
         self.run_id = secrets.token_hex(3)
         self.url = with_database(url, f"relay_bench_{self.run_id}")
         self.step_seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def _step(self, name: str, total: int = 1) -> Iterator[Tick]:
-        self.progress.step(name, total)
-        start = time.perf_counter()
-        try:
-            yield self.progress.tick
-        finally:
-            self.step_seconds[name] = round(time.perf_counter() - start, 2)
-            self.progress.done()
 
     def run(self) -> dict[str, Any]:
         """Run every scenario and return the result document (``render``/``markdown``).

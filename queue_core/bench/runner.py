@@ -156,7 +156,25 @@ def loadavg() -> list[float] | None:
         return None
 
 
-class Bench:
+class Steps:
+    """Timed, reported steps of a run: ``with self._step(name, total) as tick:`` shows the
+    step on ``progress`` and records its seconds in ``step_seconds``."""
+
+    progress: Progress
+    step_seconds: dict[str, float]
+
+    @contextmanager
+    def _step(self, name: str, total: int = 1) -> Iterator[Callable[[int], None]]:
+        self.progress.step(name, total)
+        start = time.perf_counter()
+        try:
+            yield self.progress.tick
+        finally:
+            self.step_seconds[name] = round(time.perf_counter() - start, 2)
+            self.progress.done()
+
+
+class Bench(Steps):
     """One benchmark run.
 
     Args:
@@ -188,16 +206,6 @@ class Bench:
         self.producers = producers
         self.workers = workers
         self.step_seconds: dict[str, float] = {}
-
-    @contextmanager
-    def _step(self, name: str, total: int = 1) -> Iterator[Callable[[int], None]]:
-        self.progress.step(name, total)
-        start = time.perf_counter()
-        try:
-            yield self.progress.tick
-        finally:
-            self.step_seconds[name] = round(time.perf_counter() - start, 2)
-            self.progress.done()
 
     def run(self) -> dict[str, Any]:
         """Run every scenario and return the result document."""
