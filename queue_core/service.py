@@ -750,7 +750,8 @@ class QueueService:
                     worker_id=worker_id,
                     now_ms=now,
                     expires_ms=now + length,
-                    tokens=[secrets.token_urlsafe(TOKEN_BYTES) for _ in range(max_jobs)],
+                    limit=max_jobs,
+                    new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
                     room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
                     payload_cap_bytes=s.max_payload_bytes,
                 )

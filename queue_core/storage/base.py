@@ -76,7 +76,9 @@ class ClaimRequest:
         worker_id: who leases.
         now_ms: the instant of the claim, epoch ms (aging counts to it).
         expires_ms: the lease expiry to set, epoch ms.
-        tokens: one fresh fencing token per job wanted; ``len(tokens)`` is the most leased.
+        limit: the most jobs to lease (1..``RELAY_MAX_JOBS_PER_LEASE``).
+        new_token: returns a fresh fencing token (``secrets``); called once per job leased
+            (or, where the claim is one statement, ``limit`` times before it).
         room_bytes: the reply's budget: jobs are leased while their payloads plus
             ``REPLY_OVERHEAD_BYTES`` each fit in it (the first job always is).
         payload_cap_bytes: the largest payload a job can have (``RELAY_MAX_PAYLOAD_BYTES``).
@@ -86,7 +88,8 @@ class ClaimRequest:
     worker_id: str
     now_ms: int
     expires_ms: int
-    tokens: Sequence[str]
+    limit: int
+    new_token: Callable[[], str]
     room_bytes: int
     payload_cap_bytes: int
 

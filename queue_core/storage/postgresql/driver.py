@@ -139,11 +139,12 @@ class PostgresTx(SqlTx):
             "claim",
             {
                 "queues": list(request.queues),
-                "limit": len(request.tokens),
+                "limit": request.limit,
                 "now_ms": request.now_ms,
                 "expires_ms": request.expires_ms,
                 "worker_id": request.worker_id,
-                "tokens": list(request.tokens),
+                # One statement: the tokens go in before it knows how many jobs it takes.
+                "tokens": [request.new_token() for _ in range(request.limit)],
                 "room": request.room_bytes,
             },
         )

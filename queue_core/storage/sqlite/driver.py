@@ -90,7 +90,7 @@ class SqliteTx(SqlTx):
         Once the next job could overflow the reply, it is claimed inside a savepoint and the
         claim undone if it does.
         """
-        limit = len(request.tokens)
+        limit = request.limit
         now = request.now_ms
         heads: list[tuple[int, int, str]] = []
         for name in request.queues:
@@ -100,7 +100,8 @@ class SqliteTx(SqlTx):
         heads.sort()
         rows: list[dict[str, Any]] = []
         used = 0
-        for token, (_, _, job_id) in zip(request.tokens, heads, strict=False):
+        for _, _, job_id in heads[:limit]:
+            token = request.new_token()  # only for jobs there are: an empty claim makes none
             params = {
                 "job_id": job_id,
                 "token": token,
