@@ -33,6 +33,10 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "reaper_interval_ms",
         "server_heartbeat_ms",
         "max_clock_skew_ms",
+        "max_unsent_bytes_per_connection",
+        "max_unsent_bytes",
+        "max_bad_frames",
+        "auth_timeout_ms",
     ]
     for name in positive:
         if getattr(s, name) <= 0:

@@ -95,6 +95,12 @@ class RelaySettings:
     database: str = "default"
     server_heartbeat_ms: int = 5_000
     max_clock_skew_ms: int = 1_000
+    # Hostile clients (issue 13).
+    max_unsent_bytes_per_connection: int = 2 * 1024 * 1024
+    max_unsent_bytes: int = 64 * 1024 * 1024
+    max_bad_frames: int = 16
+    auth_timeout_ms: int = 10_000
+    max_connections_per_address: int = 0
 
     @classmethod
     def from_django(cls) -> RelaySettings:

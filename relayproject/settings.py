@@ -189,6 +189,14 @@ RELAY_STARTUP_CHECK = _env("RELAY_STARTUP_CHECK", "integrity")
 # Several servers on one PostgreSQL database: the registry heartbeat, and the clock bound.
 RELAY_SERVER_HEARTBEAT_MS = _env_int("RELAY_SERVER_HEARTBEAT_MS", 5_000)
 RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)
+# Hostile clients: reply-byte budgets, malformed lines, the hello deadline, a per-address cap.
+RELAY_MAX_UNSENT_BYTES_PER_CONNECTION = _env_int(
+    "RELAY_MAX_UNSENT_BYTES_PER_CONNECTION", 2 * 1024 * 1024
+)
+RELAY_MAX_UNSENT_BYTES = _env_int("RELAY_MAX_UNSENT_BYTES", 64 * 1024 * 1024)
+RELAY_MAX_BAD_FRAMES = _env_int("RELAY_MAX_BAD_FRAMES", 16)
+RELAY_AUTH_TIMEOUT_MS = _env_int("RELAY_AUTH_TIMEOUT_MS", 10_000)
+RELAY_MAX_CONNECTIONS_PER_ADDRESS = _env_int("RELAY_MAX_CONNECTIONS_PER_ADDRESS", 0)
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

@@ -299,6 +299,7 @@ def test_malformed_json_gets_bad_frame_and_the_connection_stays(
     connect: Callable[[], Client],
 ) -> None:
     c = connect()
+    assert c.ok("ping")["pong"] is True  # a first line that is not a request would close it
     c.send_raw(b"{not json\n")
     reply = c.recv()
     assert reply == {
@@ -391,6 +392,7 @@ def test_oversize_frame_closes_only_that_connection(start: Callable[..., Running
             head = b'{"op":"ping","id":"'
             frame = head + b"x" * (limit - len(head) - 2) + b'"}'
             assert len(frame) == limit
+            assert exact.ok("ping")["pong"] is True
             exact.send_raw(frame + b"\n")
             assert exact.recv()["error"]["code"] == "BAD_FRAME"  # id over 128 characters
             frame = head[:-1] + b'1,"args":{"p":"' + b"x" * (limit - len(head) - 16) + b'"}}'
@@ -462,6 +464,77 @@ def test_idle_timeout(start: Callable[..., Running]) -> None:
             idle.close()
             if busy is not None:
                 busy.close()
+
+
+def test_malformed_lines_do_not_keep_a_connection_alive(start: Callable[..., Running]) -> None:
+    # A slot holder sending garbage (each answered BAD_FRAME) is still idle: only valid
+    # requests count as activity. Paced writes stand for a slowloris client, not for sync.
+    with override_settings(RELAY_IDLE_TIMEOUT_MS=300, RELAY_MAX_BAD_FRAMES=1000):
+        running = start()
+        c = Client(running.port, timeout=5)
+        try:
+            assert c.ok("ping")["pong"] is True
+            began = time.monotonic()
+            while time.monotonic() - began < 5:
+                c.send_raw(b"{nope\n")
+                reply = c.recv()
+                if reply["error"]["code"] == "TIMEOUT":
+                    break
+                assert reply["error"]["code"] == "BAD_FRAME"
+                time.sleep(0.05)
+            assert reply["error"]["code"] == "TIMEOUT"
+            assert 0.25 <= time.monotonic() - began < 2
+            assert c.at_eof()
+        finally:
+            c.close()
+
+
+def test_with_keys_on_a_connection_must_say_hello_in_time(start: Callable[..., Running]) -> None:
+    from queue_core import auth
+
+    key = auth.create_key("w", ["worker"]).key
+    with override_settings(RELAY_AUTH_TIMEOUT_MS=300):
+        running = start()
+        lurker, worker = Client(running.port, timeout=5), Client(running.port, timeout=5)
+        try:
+            assert worker.ok("hello", api_key=key)["name"] == "w"
+            began = time.monotonic()
+            while True:  # pings are valid requests, but not a hello
+                reply = lurker.call("ping")
+                if not reply["ok"]:
+                    break
+                assert time.monotonic() - began < 2, "never asked to authenticate"
+            assert reply["error"]["code"] == "UNAUTHENTICATED"
+            assert "hello within 300 ms" in reply["error"]["message"]
+            assert time.monotonic() - began >= 0.25
+            while line := lurker.file.readline():  # a ping read before the deadline is answered
+                assert orjson.loads(line)["result"]["pong"] is True
+            assert lurker.at_eof()
+            assert worker.ok("ping")["pong"] is True  # authenticated in time: kept
+        finally:
+            lurker.close()
+            worker.close()
+
+
+def test_connections_per_address_cap(start: Callable[..., Running]) -> None:
+    with override_settings(RELAY_MAX_CONNECTIONS_PER_ADDRESS=2):
+        running = start()
+        first, second = Client(running.port), Client(running.port)
+        elsewhere = socket.create_connection(
+            ("127.0.0.1", running.port), source_address=("127.0.0.2", 0)
+        )
+        other = Client.__new__(Client)
+        other.sock, other.file = elsewhere, elsewhere.makefile("rb")
+        try:
+            assert first.ok("ping") and second.ok("ping")
+            third = Client(running.port)
+            assert third.recv()["error"]["code"] == "TOO_MANY_CONNECTIONS"
+            assert third.at_eof()
+            third.close()
+            assert other.ok("ping")["pong"] is True  # another address is served
+        finally:
+            for c in (first, second, other):
+                c.close()
 
 
 def test_half_written_frame_times_out(start: Callable[..., Running]) -> None:
