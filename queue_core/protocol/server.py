@@ -64,7 +64,7 @@ from typing import Any
 from queue_core import auth, errors, metrics
 from queue_core.client import format_address
 from queue_core.conf import relay_settings
-from queue_core.protocol import codec, dispatch
+from queue_core.protocol import codec, dispatch, limits
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.service import QueueService, new_server_id
 from queue_core.storage import ChangeFeed
@@ -547,6 +547,7 @@ class RelayServer:
         self._read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writers: list[_Writer] = []
         self._pushed = False  # the change feed pushes (PostgreSQL): no polling by the writer
+        self._max_connections = s.max_connections  # capped to the fd limit in serve()
         self._budget = ReplyBudget(
             s.max_unsent_bytes_per_connection, s.max_unsent_bytes, self._conns, time.monotonic
         )
@@ -602,6 +603,8 @@ class RelayServer:
         ]
         for thread in threads:
             thread.start()
+        self._max_connections = limits.connection_cap(relay_settings().max_connections)
+        self._loop.set_exception_handler(limits.QuietAcceptErrors())
         try:
             limit = relay_settings().max_frame_bytes + 2
             server = await asyncio.start_server(self._on_connect, self.host, self.port, limit=limit)
@@ -833,7 +836,7 @@ class RelayServer:
         conn = _Conn(
             reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection), self._budget
         )
-        over_limit = len(self._conns) >= s.max_connections or self._over_address_cap(peername)
+        over_limit = len(self._conns) >= self._max_connections or self._over_address_cap(peername)
         self._conns.add(conn)  # tracked from the start, so a shutdown can always close it
         try:
             if self._draining or over_limit:
