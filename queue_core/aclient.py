@@ -500,9 +500,12 @@ class AsyncRelayClient:
         """Read one job with its attempt history and events."""
         return cast(types.JobResult, await self._call_dict("inspect", {"job_id": job_id}))
 
-    async def stats(self, queue: str | None = None) -> types.StatsResult:
-        """Count jobs by state, per queue (``queue``: only this one)."""
-        return cast(types.StatsResult, await self._call_dict("stats", _compact({"queue": queue})))
+    async def stats(
+        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
+    ) -> types.StatsResult:
+        """Count jobs by state, per queue, a page of queues at a time (as ``RelayClient``)."""
+        args = _compact({"queue": queue, "limit": limit, "after": after})
+        return cast(types.StatsResult, await self._call_dict("stats", args))
 
     async def dead_list(
         self, queue: str | None = None, limit: int = 100, after: str | None = None

@@ -37,6 +37,7 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "max_unsent_bytes",
         "max_bad_frames",
         "auth_timeout_ms",
+        "metrics_max_queues",
     ]
     for name in positive:
         if getattr(s, name) <= 0:

@@ -669,18 +669,24 @@ class RelayClient:
         """
         return self._call_dict("inspect", {"job_id": job_id})
 
-    def stats(self, queue: str | None = None) -> dict[str, Any]:
-        """Count jobs by state, per queue.
+    def stats(
+        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
+    ) -> dict[str, Any]:
+        """Count jobs by state, per queue, a page of queues at a time.
 
         Args:
             queue: only this queue (default: every queue).
+            limit: queues per page, 1..1000 (the server's default: 1000, and no more than
+                fit a frame).
+            after: the previous page's ``next_after``.
         Returns:
-            ``{"queues": {name: {state counts..., "oldest_ready_age_ms"}}, "totals",
-            "server_time_ms"}``.
+            ``{"queues": {name: {state counts..., "oldest_ready_age_ms"}}, "totals" (every
+            queue), "server_time_ms", "servers", "next_after"}``; ``next_after`` is None on
+            the last page.
         Raises:
             InvalidArgument, RelayConnectionError.
         """
-        return self._call_dict("stats", _compact({"queue": queue}))
+        return self._call_dict("stats", _compact({"queue": queue, "limit": limit, "after": after}))
 
     def dead_list(
         self, queue: str | None = None, limit: int = 100, after: str | None = None

@@ -101,6 +101,7 @@ class RelaySettings:
     max_bad_frames: int = 16
     auth_timeout_ms: int = 10_000
     max_connections_per_address: int = 0
+    metrics_max_queues: int = 100
 
     @classmethod
     def from_django(cls) -> RelaySettings:

@@ -116,6 +116,11 @@ def _encoded_len(value: Any) -> int:
     return len(orjson.dumps(value))
 
 
+def name_before(page: dict[str, Any]) -> str:
+    """The last key of a page (the cursor of the next one)."""
+    return next(reversed(page))
+
+
 def _newest_that_fit(rows: list[dict[str, Any]], budget: int) -> tuple[list[dict[str, Any]], int]:
     """Return the newest rows (kept oldest first) whose JSON fits ``budget`` bytes, and how
     many older rows were left out."""
@@ -556,7 +561,14 @@ class QueueService:
             raise JobNotFound(f"no job {job_id}", job_id=job_id)
         return job_view(row)
 
-    def stats(self, queue: str | None = None, *, finished: bool = True) -> dict[str, Any]:
+    def stats(
+        self,
+        queue: str | None = None,
+        *,
+        finished: bool = True,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> dict[str, Any]:
         """Count jobs by queue and state, with each queue's oldest READY age and the live
         servers.
 
@@ -565,13 +577,24 @@ class QueueService:
             finished: count SUCCEEDED jobs too. False (the metrics gauges) reads only the
                 partial indexes of the live states, so finished jobs piling up cost a scrape
                 nothing; the ``succeeded`` keys are then absent.
+            limit: at most this many queues (1..1000), in name order after ``after``, and
+                no more than fit one frame (keyset paging, as ``dead_list``); None for all.
+            after: the previous page's ``next_after``.
         Returns:
             ``{"queues": {name: {state: n, ..., "oldest_ready_age_ms": int | None}},
-            "totals": {state: n}, "server_time_ms": int, "servers": [Server, ...]}`` (the
-            servers as ``servers()`` gives them).
+            "totals": {state: n}, "server_time_ms": int, "servers": [Server, ...],
+            "next_after": str | None}``: totals always count every queue; ``next_after``
+            names the page's last queue when more follow. The servers are as
+            ``servers()`` gives them.
+        Raises:
+            InvalidArgument: a bad queue name, limit or cursor.
         """
         if queue is not None:
             queue = v.queue_name(queue, self.settings)
+        if limit is not None:
+            limit = v.integer("limit", limit, lo=1, hi=1000)
+        if after is not None:
+            after = v.queue_name(after, self.settings)
         now = self.clock.now_ms()
         with self.driver.read() as tx:
             counts = tx.all("counts" if finished else "counts_live")
@@ -586,10 +609,39 @@ class QueueService:
             q = queues.setdefault(r["queue"], dict(blank))
             q[r["state"]] = r["n"]
             totals[r["state"]] += r["n"]
+        next_after = None
+        if limit is not None:
+            queues, next_after = self._stats_page(queues, limit, after, servers)
         for name, q in queues.items():
             since = oldest.get(name)
             q["oldest_ready_age_ms"] = max(0, now - since) if since is not None else None
-        return {"queues": queues, "totals": totals, "server_time_ms": now, "servers": servers}
+        return {
+            "queues": queues,
+            "totals": totals,
+            "server_time_ms": now,
+            "servers": servers,
+            "next_after": next_after,
+        }
+
+    def _stats_page(
+        self,
+        queues: dict[str, dict[str, Any]],
+        limit: int,
+        after: str | None,
+        servers: list[dict[str, Any]],
+    ) -> tuple[dict[str, dict[str, Any]], str | None]:
+        """The queues after ``after`` in name order, at most ``limit`` and one frame's worth;
+        with the cursor of the next page (None at the end)."""
+        names = sorted(name for name in queues if after is None or name > after)
+        room = self.settings.max_frame_bytes - REPLY_OVERHEAD_BYTES - _encoded_len(servers)
+        page: dict[str, dict[str, Any]] = {}
+        for name in names[:limit]:
+            room -= _encoded_len({name: queues[name]}) + 24  # the age key it gets
+            if room < 0 and page:
+                return page, name_before(page)
+            page[name] = queues[name]
+        more = len(names) > len(page)
+        return page, (name_before(page) if more and page else None)
 
     # ------------------------------------------------------------ server registry
 

@@ -197,6 +197,7 @@ RELAY_MAX_UNSENT_BYTES = _env_int("RELAY_MAX_UNSENT_BYTES", 64 * 1024 * 1024)
 RELAY_MAX_BAD_FRAMES = _env_int("RELAY_MAX_BAD_FRAMES", 16)
 RELAY_AUTH_TIMEOUT_MS = _env_int("RELAY_AUTH_TIMEOUT_MS", 10_000)
 RELAY_MAX_CONNECTIONS_PER_ADDRESS = _env_int("RELAY_MAX_CONNECTIONS_PER_ADDRESS", 0)
+RELAY_METRICS_MAX_QUEUES = _env_int("RELAY_METRICS_MAX_QUEUES", 100)
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import pytest
 from django.db import IntegrityError, connections, transaction
 from django.db.transaction import TransactionManagementError
@@ -688,6 +689,44 @@ def test_stats_counts_by_state_and_oldest_ready_age(
         "dead": 0,
     }
     assert list(service.stats("a")["queues"]) == ["a"]
+
+
+def test_stats_pages_queues_by_name_and_totals_count_all(
+    service: QueueService, job_factory: Factory
+) -> None:
+    names = [f"q{i:02d}" for i in range(25)]
+    for name in reversed(names):
+        job_factory(queue=name)
+    first = service.stats(limit=10)
+    assert list(first["queues"]) == names[:10] and first["next_after"] == "q09"
+    assert first["totals"]["ready"] == 25  # every queue, whatever the page
+    second = service.stats(limit=10, after=first["next_after"])
+    assert list(second["queues"]) == names[10:20] and second["next_after"] == "q19"
+    last = service.stats(limit=10, after=second["next_after"])
+    assert list(last["queues"]) == names[20:] and last["next_after"] is None
+    exact = service.stats(limit=5, after="q19")  # a page that ends exactly at the end
+    assert list(exact["queues"]) == names[20:] and exact["next_after"] is None
+    assert service.stats()["next_after"] is None and len(service.stats()["queues"]) == 25
+    for bad in ({"limit": 0}, {"limit": 1001}, {"after": "not a name"}):
+        with pytest.raises(errors.InvalidArgument):
+            service.stats(**bad)  # type: ignore[arg-type]
+
+
+def test_stats_page_fits_one_frame(service: QueueService, job_factory: Factory) -> None:
+    for i in range(40):
+        job_factory(queue=f"queue-{i:02d}-" + "n" * 100)
+    with override_settings(RELAY_MAX_FRAME_BYTES=4096, RELAY_MAX_PAYLOAD_BYTES=1024):
+        small = QueueService(driver=service.driver, clock=service.clock)
+        seen: list[str] = []
+        after = None
+        while True:
+            page = small.stats(limit=1000, after=after)
+            assert len(orjson.dumps(page)) < 4096 - 64
+            assert 0 < len(page["queues"]) < 40
+            seen += page["queues"]
+            if (after := page["next_after"]) is None:
+                break
+        assert seen == sorted(f"queue-{i:02d}-" + "n" * 100 for i in range(40))
 
 
 def test_dead_list_pages_by_keyset(service: QueueService, dead_job: Factory) -> None:
