@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ import pytest
 from django.test import override_settings
 
 from queue_core.models import Job
+from queue_core.protocol import dispatch
 from queue_core.protocol import server as server_mod
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
@@ -985,15 +987,40 @@ def test_shutdown_is_not_held_by_a_client_that_never_reads(
 
 
 @override_settings(RELAY_MAX_FRAME_BYTES=50_000, RELAY_MAX_PAYLOAD_BYTES=10_000)
-def test_read_reply_over_the_frame_limit_is_refused_not_truncated(server: Running) -> None:
+@override_settings(RELAY_MAX_FRAME_BYTES=16_384, RELAY_MAX_PAYLOAD_BYTES=1024)
+def test_stats_over_a_frame_come_in_pages(start: Callable[..., Running]) -> None:
+    client = Client(start().port)
+    names = [f"queue-with-a-long-name-{n:04d}-" + "q" * 80 for n in range(400)]
+    for name in names:
+        client.ok("submit", queue=name, payload={})
+    seen: list[str] = []
+    page = client.ok("stats")
+    while True:
+        assert 0 < len(page["queues"]) < 400 and page["totals"]["ready"] == 400
+        seen += page["queues"]
+        if page["next_after"] is None:
+            break
+        page = client.ok("stats", after=page["next_after"])
+    assert seen == names
+    narrowed = client.ok("stats", queue=names[1])
+    assert list(narrowed["queues"]) == [names[1]] and narrowed["next_after"] is None
+    client.close()
+
+
+def test_read_reply_over_the_frame_limit_is_refused_not_truncated(
+    server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every read keeps its reply within a frame (pages, history cut); this is the fence
+    # behind them, shown with a read made to return too much.
+    huge = dispatch.Outcome({"pad": "x" * (2 * 1024 * 1024)})
+    verb = dataclasses.replace(dispatch.VERBS["ping"], handler=lambda svc, args, ctx: huge)
+    monkeypatch.setitem(dispatch.VERBS, "ping", verb)
     client = Client(server.port)
-    for n in range(400):
-        client.ok("submit", queue=f"queue-with-a-long-name-{n:04d}-" + "q" * 80, payload={})
-    reply = client.call("stats")
+    reply = client.call("ping")
     assert reply["ok"] is False
     assert reply["error"]["code"] == "FRAME_TOO_LARGE"
-    narrowed = client.ok("stats", queue="queue-with-a-long-name-0001-" + "q" * 80)
-    assert len(narrowed["queues"]) == 1
+    monkeypatch.undo()
+    assert client.ok("ping")["pong"] is True  # the connection stays
     client.close()
 
 
