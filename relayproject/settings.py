@@ -189,6 +189,9 @@ RELAY_STARTUP_CHECK = _env("RELAY_STARTUP_CHECK", "integrity")
 # Several servers on one PostgreSQL database: the registry heartbeat, and the clock bound.
 RELAY_SERVER_HEARTBEAT_MS = _env_int("RELAY_SERVER_HEARTBEAT_MS", 5_000)
 RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)
+# Wall-clock steps: the tolerance, and the clock class (a test hook: tests/stepclock.py).
+RELAY_CLOCK_STEP_TOLERANCE_MS = _env_int("RELAY_CLOCK_STEP_TOLERANCE_MS", 1_000)
+RELAY_CLOCK = _env("RELAY_CLOCK", "queue_core.clock.SystemClock")
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.
