@@ -38,6 +38,7 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "max_bad_frames",
         "auth_timeout_ms",
         "metrics_max_queues",
+        "clock_step_tolerance_ms",
     ]
     for name in positive:
         if getattr(s, name) <= 0:

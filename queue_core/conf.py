@@ -61,6 +61,13 @@ class RelaySettings:
         max_clock_skew_ms: the most a server's clock may differ from the database's, in ms
             (1 000); a server further off refuses to start, and logs it at each heartbeat
             (several servers judge lease expiry and due times by their own clocks).
+        clock_step_tolerance_ms: wall-clock steps (item 13): the most, in ms, the wall clock
+            may advance more or less than the monotonic clock between two readings before it
+            counts as a step (1 000; NTP slewing moves it 0.5 ms/s at most). Leases set before
+            a forward step are then judged by the time before it (``queue_core.clock.StepGuard``).
+        clock: the dotted path of the ``Clock`` class the service reads time from
+            (``"queue_core.clock.SystemClock"``). A test hook: end-to-end tests step a real
+            server's clock with ``tests.stepclock.FileStepClock``; never set it in production.
     """
 
     address: str = "127.0.0.1:7400"
@@ -102,6 +109,9 @@ class RelaySettings:
     auth_timeout_ms: int = 10_000
     max_connections_per_address: int = 0
     metrics_max_queues: int = 100
+    # Wall-clock steps (item 13).
+    clock_step_tolerance_ms: int = 1_000
+    clock: str = "queue_core.clock.SystemClock"
 
     @classmethod
     def from_django(cls) -> RelaySettings:

@@ -198,6 +198,9 @@ RELAY_MAX_BAD_FRAMES = _env_int("RELAY_MAX_BAD_FRAMES", 16)
 RELAY_AUTH_TIMEOUT_MS = _env_int("RELAY_AUTH_TIMEOUT_MS", 10_000)
 RELAY_MAX_CONNECTIONS_PER_ADDRESS = _env_int("RELAY_MAX_CONNECTIONS_PER_ADDRESS", 0)
 RELAY_METRICS_MAX_QUEUES = _env_int("RELAY_METRICS_MAX_QUEUES", 100)
+# Wall-clock steps: the tolerance, and the clock class (a test hook: tests/stepclock.py).
+RELAY_CLOCK_STEP_TOLERANCE_MS = _env_int("RELAY_CLOCK_STEP_TOLERANCE_MS", 1_000)
+RELAY_CLOCK = _env("RELAY_CLOCK", "queue_core.clock.SystemClock")
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.
