@@ -329,16 +329,15 @@ class AsyncRelayClient:
         Raises:
             RelayError: the server answered with an error (the subclass for its code); or,
                 with nothing sent, the request is over ``max_frame_bytes`` (``FrameTooLarge``)
-                or not JSON-serialisable (``InvalidArgument``).
+                or not JSON-serialisable (``InvalidArgument``: a float that is NaN or
+                ±Infinity, a string with a lone surrogate, a type JSON does not have).
             RelayUnreachable: no connection could be opened (nothing was sent).
             RelayConnectionError: no complete reply (outcome unknown).
         """
         self._next_id += 1
         req_id = self._next_id
-        try:
-            frame = codec.encode_request(req_id, op, args)
-        except TypeError as exc:  # orjson.JSONEncodeError: a payload JSON cannot hold
-            raise errors.InvalidArgument(f"{op} args are not JSON-serialisable: {exc}") from exc
+        # Refuses NaN/Infinity (orjson would send null) and lone surrogates: InvalidArgument.
+        frame = codec.encode_request(req_id, op, args)
         if len(frame) - 1 > self.max_frame_bytes:
             raise errors.FrameTooLarge(
                 f"request is {len(frame) - 1} bytes, over the {self.max_frame_bytes}-byte "

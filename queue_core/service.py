@@ -930,7 +930,8 @@ class QueueService:
         policy and failure count (Oban's executor outcomes), then one guarded UPDATE applies it.
 
         Args:
-            error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes.
+            error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes, without lone
+                surrogates (no UTF-8 form; refused).
             retryable: False dead-letters the job at once.
         Returns:
             ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``, plus ``queue``
@@ -1222,14 +1223,15 @@ class QueueService:
         and the history; clears the lease fields and the dead reason; records who did it.
 
         Args:
-            actor: who asked (a username, or None for the CLI).
+            actor: who asked (a username of 1..150 characters, or None for the CLI).
         Returns:
             The job after the transition.
         Raises:
-            JobNotFound, InvalidState (not DEAD, e.g. replayed by someone else already),
-            StoreBusy.
+            InvalidArgument, JobNotFound, InvalidState (not DEAD, e.g. replayed by someone
+            else already), StoreBusy.
         """
         job_id = v.job_id(job_id)
+        actor = v.actor(actor)
         with self.driver.write() as tx:
             now = self._now()
             row = tx.one("replay", {"job_id": job_id, "now_ms": now})
@@ -1253,14 +1255,16 @@ class QueueService:
         too (``relay_task_result``), so purging keeps the database from growing.
 
         Args:
-            actor: who asked.
+            actor: who asked (as for ``replay``).
             dead_only: refuse SUCCEEDED jobs too (the ``dead_purge`` op).
         Returns:
             ``{"job_id", "purged": true}``.
         Raises:
-            JobNotFound, InvalidState (not terminal, or not DEAD with ``dead_only``), StoreBusy.
+            InvalidArgument, JobNotFound, InvalidState (not terminal, or not DEAD with
+            ``dead_only``), StoreBusy.
         """
         job_id = v.job_id(job_id)
+        actor = v.actor(actor)
         with self.driver.write() as tx:
             now = self._now()
             # Delete first, guarded by state: a concurrent replay (another server) either

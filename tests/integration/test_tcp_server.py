@@ -1034,3 +1034,71 @@ def test_batch_submit_reply_names_ids_not_payloads(server: Running) -> None:
     assert first["state"] == "ready" and first["available_at_ms"] is None
     assert client.ok("inspect", job_id=first["job_id"])["job"]["payload"] == {"blob": "z" * 900}
     client.close()
+
+
+# ------------------------------------------ NaN, ±Infinity and lone surrogates (#11, #12)
+
+NAN, INF = float("nan"), float("inf")
+NOT_JSON = {
+    "payload": lambda c: c.submit("q", {"x": NAN}),
+    "delay_ms": lambda c: c.submit("q", 1, delay_ms=NAN),
+    "max_retries": lambda c: c.submit("q", 1, max_retries=INF),
+    "jobs[0].payload.y[0]": lambda c: c.submit_batch([{"queue": "q", "payload": {"y": [-INF]}}]),
+    "lease_ms": lambda c: c.lease(["q"], worker_id="w", lease_ms=NAN),
+    "worker_id": lambda c: c.lease(["q"], worker_id="w\ud800"),
+    "idempotency_key": lambda c: c.submit("q", 1, idempotency_key="k\udcff"),
+}
+
+
+def test_client_refuses_nan_infinity_and_surrogates_before_sending(server: Running) -> None:
+    # orjson sent NaN as null, which the server reads as "not given": a NaN delay_ms made a
+    # READY job, a NaN lease_ms a default 30 s lease, {"x": NaN} was stored as {"x": null}.
+    from queue_core.client import RelayClient
+    from queue_core.errors import InvalidArgument
+
+    with RelayClient(f"127.0.0.1:{server.port}") as client:
+        for field, call in NOT_JSON.items():
+            with pytest.raises(InvalidArgument) as info:
+                call(client)
+            assert info.value.details["field"].startswith(field), (field, info.value.details)
+        assert Job.objects.count() == 0
+        assert client.submit("q", {"x": None})["job"]["payload"] == {"x": None}  # still usable
+
+
+def test_async_client_refuses_them_too(server: Running) -> None:
+    from queue_core.aclient import AsyncRelayClient
+    from queue_core.errors import InvalidArgument
+
+    async def main() -> None:
+        async with AsyncRelayClient(f"127.0.0.1:{server.port}") as client:
+            for field, call in NOT_JSON.items():
+                with pytest.raises(InvalidArgument) as info:
+                    await call(client)
+                assert info.value.details["field"].startswith(field), field
+            assert (await client.submit("q", 2.5))["job"]["payload"] == 2.5
+
+    asyncio.run(main())
+    assert Job.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'{"op":"submit","args":{"queue":"q","payload":{"x":1e400}}}\n',
+        b'{"op":"submit","args":{"queue":"q","payload":-Infinity}}\n',
+        b'{"op":"submit","args":{"queue":"q","payload":1,"delay_ms":NaN}}\n',
+        b'{"op":"submit","args":{"queue":"q","payload":"\\ud800"}}\n',
+        b'{"op":"lease","args":{"queues":["q"],"worker_id":"\\udcff"}}\n',
+    ],
+    ids=["1e400", "-Infinity", "NaN", "surrogate payload", "surrogate worker_id"],
+)
+def test_frames_with_them_are_refused_and_nothing_is_stored(
+    connect: Callable[[], Client], frame: bytes
+) -> None:
+    # Not JSON (NaN, Infinity), a number no double holds, or a string with no UTF-8 form: the
+    # codec refuses the frame as not JSON (BAD_FRAME), as the HTTP API does the same body.
+    client = connect()
+    client.send_raw(frame)
+    assert client.recv()["error"]["code"] == "BAD_FRAME"
+    assert client.ok("ping")["pong"] is True
+    assert Job.objects.count() == 0

@@ -924,3 +924,70 @@ def test_nul_characters_are_refused_in_names_and_replaced_in_errors(
     service.fail(lease["job_id"], error="bad\x00byte", retryable=False, **lease_args(lease))
     assert row(lease["job_id"]).last_error == "bad\ufffdbyte"
     assert service.submit("q", {"k\x00": "v\x00"})["job"]["payload"] == {"k\x00": "v\x00"}
+
+
+# ------------------------------------------- values JSON and the stores cannot hold (#11, #12)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=repr)
+def test_nan_and_infinity_in_a_payload_are_refused_not_stored_as_null(
+    service: QueueService, bad: float
+) -> None:
+    # orjson writes NaN and ±Infinity as null: {"x": NaN} would be stored as {"x": null}.
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit("q", {"x": [1, bad]})
+    assert exc.value.details == {"field": "payload.x[1]"}
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit_batch([{"queue": "q", "payload": 1}, {"queue": "q", "payload": {"y": bad}}])
+    assert exc.value.details == {"field": "jobs[1].payload.y", "index": 1}
+    assert Job.objects.count() == 0
+    kept = service.submit("q", {"x": None, "y": 0.5})["job"]["id"]
+    assert row(kept).payload == '{"x":null,"y":0.5}'
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"delay_ms": float("nan")},
+        {"run_at_ms": float("inf")},
+        {"max_retries": float("inf")},
+        {"backoff_base_ms": float("nan")},
+        {"priority": float("nan")},
+    ],
+    ids=lambda options: next(iter(options)),
+)
+def test_nan_and_infinity_options_are_refused(
+    service: QueueService, options: dict[str, Any]
+) -> None:
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit("q", {}, **options)
+    assert exc.value.details["field"] == next(iter(options))
+    assert Job.objects.count() == 0
+
+
+def test_lone_surrogates_are_refused_before_the_store(
+    service: QueueService, leased_job: Factory
+) -> None:
+    # Without the check each of these reached the driver and raised UnicodeEncodeError there.
+    lease = leased_job()
+    job_id, lone = lease["job_id"], "\ud800"
+    refused = {
+        "error": lambda: service.fail(job_id, error=f"boom {lone}", **lease_args(lease)),
+        "worker_id": lambda: service.ack(job_id, worker_id=lone, lease_token="t"),
+        "lease_token": lambda: service.renew(job_id, worker_id="w1", lease_token=lone),
+        "job_id": lambda: service.get(f"job_{lone}"),
+        "idempotency_key": lambda: service.submit("q", 1, idempotency_key=f"k{lone}"),
+        "queue": lambda: service.claim([f"q{lone}"], worker_id="w2"),
+        "payload": lambda: service.submit("q", {"a": lone}),
+        "actor": lambda: service.replay(job_id, actor=f"admin{lone}"),
+    }
+    for field, call in refused.items():
+        with pytest.raises(errors.InvalidArgument) as exc:
+            call()
+        assert exc.value.details["field"].startswith(field), field
+    assert row(job_id).state == "leased"
+    # Nothing was half-done: the lease still settles, and with an escaped text it fails.
+    result = service.fail(job_id, error="boom \\ud800", retryable=False, **lease_args(lease))
+    assert result["state"] == "dead"
+    assert row(job_id).last_error == "boom \\ud800"
+    assert Job.objects.count() == 1
