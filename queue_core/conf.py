@@ -61,6 +61,12 @@ class RelaySettings:
         max_clock_skew_ms: the most a server's clock may differ from the database's, in ms
             (1 000); a server further off refuses to start, and logs it at each heartbeat
             (several servers judge lease expiry and due times by their own clocks).
+
+        Exposure (hardening item 3):
+
+        allow_public_without_keys: let ``relay server`` and the HTTP side listen on an address
+            that is not loopback while no API key exists (False: they refuse to start, exit
+            code 5). Only for a network that is private by other means.
     """
 
     address: str = "127.0.0.1:7400"
@@ -95,6 +101,8 @@ class RelaySettings:
     database: str = "default"
     server_heartbeat_ms: int = 5_000
     max_clock_skew_ms: int = 1_000
+    # Exposure (hardening item 3).
+    allow_public_without_keys: bool = False
 
     @classmethod
     def from_django(cls) -> RelaySettings:

@@ -189,6 +189,8 @@ RELAY_STARTUP_CHECK = _env("RELAY_STARTUP_CHECK", "integrity")
 # Several servers on one PostgreSQL database: the registry heartbeat, and the clock bound.
 RELAY_SERVER_HEARTBEAT_MS = _env_int("RELAY_SERVER_HEARTBEAT_MS", 5_000)
 RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)
+# Exposure: listen beyond loopback although no API key exists (1), instead of refusing to start.
+RELAY_ALLOW_PUBLIC_WITHOUT_KEYS = _env("RELAY_ALLOW_PUBLIC_WITHOUT_KEYS", "0") == "1"
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.
