@@ -51,6 +51,8 @@ MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
     # 413 for bodies over RELAY_MAX_FRAME_BYTES before anything reads them.
     "queue_api.middleware.BodyLimitMiddleware",
+    # 415 for an API request body that is not application/json (no CORS-simple requests).
+    "queue_api.middleware.JsonOnlyMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",

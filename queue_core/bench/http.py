@@ -2,7 +2,7 @@
 
 It runs only when the HTTP API has its submit route (``POST /api/v1/queues/{queue}/jobs``)
 and gunicorn is installed; otherwise the report says why it was skipped. gunicorn gets the
-project's ``gunicorn.conf.py`` (as shipped: one gthread worker, 8 threads) bound to a free
+project's ``gunicorn.conf.py`` (as shipped: one asgi worker) bound to a free
 loopback port, with a ``relay_server`` on the same file as in a deployment. Each producer
 thread keeps one HTTP/1.1 keep-alive connection and POSTs ``{"payload": ...}``.
 """
