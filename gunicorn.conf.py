@@ -23,6 +23,11 @@ threads this replaced answered none of them. In production put a buffering rever
 * ``RELAY_HTTP_GRACEFUL_TIMEOUT_S``: how long in-flight requests get on SIGTERM, default 30.
 * ``RELAY_HTTP_KEEPALIVE_S``: idle keep-alive connections are closed after this, default 5.
 * ``RELAY_HTTP_ACCESS_LOG``: ``1`` (default) writes an access log line per request to stderr.
+
+Before listening (``on_starting``) it refuses, with one line on stderr, to start without a
+private ``SECRET_KEY`` while ``DEBUG`` is off (exit code 6), or on an address beyond loopback
+while no API key exists unless ``RELAY_ALLOW_PUBLIC_WITHOUT_KEYS=1`` (exit code 5); see
+``queue_api.startup``.
 """
 
 import json
@@ -55,6 +60,17 @@ limit_request_line = 8190
 limit_request_fields = 100
 # Load Django once in the arbiter, before forking: a settings or import error stops the start.
 preload_app = True
+
+
+def on_starting(server) -> None:  # type: ignore[no-untyped-def]
+    """Refuse to start (one line on stderr, exit 5 or 6) as ``queue_api.startup`` decides."""
+    from queue_api.startup import refusal
+
+    refused = refusal(list(server.cfg.address))
+    if refused:
+        message, code = refused
+        print(message, file=sys.stderr, flush=True)
+        sys.exit(code)
 
 
 def when_ready(server) -> None:  # type: ignore[no-untyped-def]

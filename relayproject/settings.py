@@ -26,8 +26,26 @@ def _env_int(name: str, default: int) -> int:
         raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from exc
 
 
-SECRET_KEY = _env("RELAY_SECRET_KEY", "relay-insecure-dev-key-change-me-in-production-0123456789")
 DEBUG = _env("RELAY_DEBUG", "0") == "1"
+# SECRET_KEY signs the admin's sessions and CSRF tokens. It comes from RELAY_SECRET_KEY, else
+# from the file RELAY_SECRET_KEY_FILE (default .relay-secret-key; bin/setup writes a random one,
+# mode 0600). Without either it is the public DEV_SECRET_KEY when RELAY_DEBUG=1, else empty:
+# the HTTP side then refuses to start (queue_api.startup); the TCP server and CLI never use it.
+DEV_SECRET_KEY = "relay-insecure-dev-key-change-me-in-production-0123456789"  # noqa: S105
+
+
+def _secret_key() -> str:
+    key = _env("RELAY_SECRET_KEY", "")
+    if key:
+        return key
+    path = Path(_env("RELAY_SECRET_KEY_FILE", str(BASE_DIR / ".relay-secret-key")))
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+SECRET_KEY = _secret_key() or (DEV_SECRET_KEY if DEBUG else "")
 ALLOWED_HOSTS = [
     h for h in _env("RELAY_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h
 ]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -58,11 +60,16 @@ class GunicornProcess:
         conf = root / "gunicorn.conf.py"
         if conf.exists():
             argv += ["--config", str(conf)]
-        argv += ["--bind", self.address, "relayproject.wsgi:application"]
+        argv += ["--bind", self.address, "relayproject.asgi:application"]
         self.popen = subprocess.Popen(
             argv,
             cwd=root,
-            env=procs.child_env(str(db_path), RELAY_LOG="warning"),
+            # A throw-away key: the HTTP side refuses to start without a private one.
+            env=procs.child_env(
+                str(db_path),
+                RELAY_LOG="warning",
+                RELAY_SECRET_KEY=os.environ.get("RELAY_SECRET_KEY") or secrets.token_urlsafe(48),
+            ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
