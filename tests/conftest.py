@@ -45,6 +45,16 @@ def django_db_modify_db_settings() -> None:
     settings.DATABASES["postgresql"].setdefault("TEST", {})["NAME"] = f"relay_test_{os.getpid()}"
 
 
+@pytest.fixture(autouse=True)
+def _stop_commit_watch() -> Iterator[None]:
+    """After each test, stop the HTTP API's long-poll watcher thread if a test started it (it
+    polls the test database, which closes to other threads between tests)."""
+    yield
+    from queue_api import calls
+
+    calls.commit_watch().stop()
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     """A fake clock at 2026-01-01T00:00:00Z."""

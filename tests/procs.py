@@ -123,6 +123,8 @@ def command_env(db_path: str, **extra: str) -> dict[str, str]:
             "RELAY_DB": db_path,
             "PYTHONUNBUFFERED": "1",
             "RELAY_LOG": "info",
+            # Children read relayproject.settings: give them a key (the HTTP side needs one).
+            "RELAY_SECRET_KEY": "relay-tests-only-secret-key-not-for-any-deployment-3f9c1e7a",
         }
     )
     env.update(extra)

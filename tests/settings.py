@@ -18,3 +18,5 @@ DATABASES["postgresql"] = postgresql_database(POSTGRESQL_URL)
 
 # One pytest process uses thousands of queue names; tests that bound metric labels set this.
 RELAY_METRICS_MAX_QUEUES = 1_000_000
+# A private key for tests only (relayproject.settings leaves it empty without RELAY_SECRET_KEY).
+SECRET_KEY = TEST_SECRET_KEY = "relay-tests-only-secret-key-not-for-any-deployment-3f9c1e7a"
