@@ -67,6 +67,20 @@ def job_row(n: int, now_ms: int, payload: str, queue: str = "bench") -> dict[str
     }
 
 
+def ack_params(job_id: str, token: str) -> dict[str, Any]:
+    """The named ``ack`` statement's parameters for a lease the floor took just now (no
+    clock step outstanding: ``judge_ms`` is now, ``mark_ms`` -1; ``queue_core.clock.Reading``)."""
+    now = _now_ms()
+    return {
+        "job_id": job_id,
+        "lease_token": token,
+        "worker_id": "floor",
+        "now_ms": now,
+        "judge_ms": now,
+        "mark_ms": -1,
+    }
+
+
 def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
@@ -185,7 +199,7 @@ def claim_ack(
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(
                 q["ack"],
-                {"job_id": row[0], "lease_token": token, "worker_id": "floor", "now_ms": _now_ms()},
+                ack_params(row[0], token),
             ).fetchall()
             conn.execute("COMMIT")
             t2 = time.perf_counter()

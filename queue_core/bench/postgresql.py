@@ -37,7 +37,7 @@ import orjson
 import psycopg
 
 from queue_core.bench import load, procs, scenarios
-from queue_core.bench.floor import job_row
+from queue_core.bench.floor import ack_params, job_row
 from queue_core.bench.runner import Progress, Sizes, Steps, loadavg, machine
 from queue_core.bench.stats import rate, ratio, summarize
 
@@ -145,12 +145,7 @@ def floor_claim_ack(url: str, count: int, payload: str, tick: Tick) -> dict[str,
             if row is None:
                 break
             t1 = time.perf_counter()
-            ack = {
-                "job_id": row[0],
-                "lease_token": token,
-                "worker_id": "floor",
-                "now_ms": _now_ms(),
-            }
+            ack = ack_params(row[0], token)
             conn.execute(q["ack"], ack).fetchall()
             conn.commit()
             t2 = time.perf_counter()
