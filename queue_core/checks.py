@@ -33,6 +33,8 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "reaper_interval_ms",
         "server_heartbeat_ms",
         "max_clock_skew_ms",
+        "sqlite_wal_limit_bytes",
+        "sqlite_checkpoint_wait_ms",
     ]
     for name in positive:
         if getattr(s, name) <= 0:

@@ -189,6 +189,10 @@ RELAY_STARTUP_CHECK = _env("RELAY_STARTUP_CHECK", "integrity")
 # Several servers on one PostgreSQL database: the registry heartbeat, and the clock bound.
 RELAY_SERVER_HEARTBEAT_MS = _env_int("RELAY_SERVER_HEARTBEAT_MS", 5_000)
 RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)
+# SQLite: the size the -wal file is kept under (journal_size_limit, and the reaper's checkpoint),
+# and how long that checkpoint waits for older readers.
+RELAY_SQLITE_WAL_LIMIT_BYTES = _env_int("RELAY_SQLITE_WAL_LIMIT_BYTES", 16 * 1024 * 1024)
+RELAY_SQLITE_CHECKPOINT_WAIT_MS = _env_int("RELAY_SQLITE_CHECKPOINT_WAIT_MS", 200)
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.
