@@ -13,6 +13,7 @@ from typing import Any
 
 from django.http import HttpRequest
 
+from queue_api.longpoll import CommitWatch
 from queue_api.security import peer_of
 from queue_core import auth, errors, metrics
 from queue_core.protocol import dispatch
@@ -23,6 +24,16 @@ from queue_core.service import QueueService
 def service() -> QueueService:
     """The process's ``QueueService`` (thread-safe: each thread gets its own connection)."""
     return QueueService(observer=metrics.observe)
+
+
+@functools.cache
+def commit_watch() -> CommitWatch:
+    """The process's ``CommitWatch`` (long-poll wake-ups), following ``service()``'s feed."""
+    return CommitWatch(service)
+
+
+# Ops whose commit may make a job ready: waiting long-polls of this process look again.
+READYING_OPS = frozenset({"submit", "submit_batch", "fail", "release", "dead_retry"})
 
 
 def context(request: HttpRequest) -> dispatch.Context:
@@ -55,6 +66,8 @@ def call(request: HttpRequest, verb: dispatch.Verb, args: dict[str, Any]) -> dis
         metrics.rejected(verb.op, exc)
         raise
     metrics.record(outcome.events)  # the service committed before returning
+    if verb.op in READYING_OPS:
+        commit_watch().poke()
     return outcome
 
 

@@ -1,21 +1,43 @@
-"""Refuse request bodies over ``RELAY_MAX_FRAME_BYTES`` before Django reads them.
+"""Guards in front of the views: body size, JSON-only bodies, and the ASGI body bound.
+
+``BodyLimitMiddleware``: refuse request bodies over ``RELAY_MAX_FRAME_BYTES`` before Django
+reads them.
 
 A declared ``Content-Length`` over the limit gets ``413 FRAME_TOO_LARGE`` at once, without a
 byte of the body being read. A chunked body (no length; gunicorn de-chunks ``wsgi.input``) is
 read up to the limit plus one byte: over it, 413; within it, the bytes are handed on as the
 body with their length, since Django otherwise reads a body without ``Content-Length`` as
 empty. ``DATA_UPLOAD_MAX_MEMORY_SIZE`` is set to the same limit as a second fence.
+
+``JsonOnlyMiddleware``: under ``/api/``, a request with a body must say ``Content-Type:
+application/json``; anything else (``text/plain``, a form, none) gets ``415
+UNSUPPORTED_MEDIA_TYPE`` before a view runs. A web page of another origin can send those
+without a CORS preflight, and with API keys off it would otherwise create jobs. A POST, PUT or
+PATCH without a body passes only without a Content-Type and without a cross-origin ``Origin``
+(``curl -X POST .../replay`` does; a page elsewhere cannot).
+
+``AsgiBodyLimit``: under ASGI Django reads the whole body before any middleware runs, so this
+ASGI wrapper (``relayproject.asgi``) applies the same bound first: 413 for a declared length
+over the limit without reading it, and a body without a length (chunked) is collected up to the
+limit plus one byte.
+
+Both Django middlewares run in sync and in async mode (under ASGI an async view, the lease
+long-poll, then holds no thread while it waits).
 """
 
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
+import orjson
+from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from django.core.exceptions import DisallowedHost
 from django.core.handlers.wsgi import LimitedStream
 from django.http import HttpRequest, HttpResponse
 
-from queue_api.problems import problem_response
+from queue_api.problems import CONTENT_TYPE, problem_body, problem_response
 from queue_core import errors
 from queue_core.conf import relay_settings
 
@@ -28,14 +50,46 @@ def _too_large(limit: int, size: int | None) -> errors.FrameTooLarge:
     )
 
 
-class BodyLimitMiddleware:
+class _Guard:
+    """A middleware that may answer instead of the view, in sync or async mode."""
+
+    sync_capable = True
+    async_capable = True
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        """Answer with ``refuse``'s response, or pass the request on."""
+        if self.async_mode:
+            return self._acall(request)
+        return self.refuse(request, streaming=True) or self.get_response(request)
+
+    async def _acall(self, request: HttpRequest) -> HttpResponse:
+        refused = self.refuse(request, streaming=False)
+        if refused is not None:
+            return refused
+        response: HttpResponse = await self.get_response(request)
+        return response
+
+    def refuse(self, request: HttpRequest, *, streaming: bool) -> HttpResponse | None:
+        """The response that stops ``request``, or None to pass it on.
+
+        Args:
+            streaming: whether the body is still unread (WSGI); False under ASGI, where
+                ``AsgiBodyLimit`` has already bounded it.
+        """
+        raise NotImplementedError
+
+
+class BodyLimitMiddleware(_Guard):
     """Bound every request body by ``RELAY_MAX_FRAME_BYTES`` (see the module docstring)."""
 
-    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
-        self.get_response = get_response
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        """Refuse an oversized body with 413, or pass the request on."""
+    def refuse(self, request: HttpRequest, *, streaming: bool) -> HttpResponse | None:
+        """Refuse an oversized body with 413 (None: within the limit)."""
         limit = relay_settings().max_frame_bytes
         declared = request.META.get("CONTENT_LENGTH") or ""
         if declared:
@@ -45,7 +99,7 @@ class BodyLimitMiddleware:
                 return problem_response(request, errors.BadFrame("Content-Length is not a number"))
             if size > limit:
                 return problem_response(request, _too_large(limit, size))
-        elif "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower():
+        elif streaming and "chunked" in request.META.get("HTTP_TRANSFER_ENCODING", "").lower():
             stream = request.META.get("wsgi.input")
             data = stream.read(limit + 1) if stream is not None else b""
             if len(data) > limit:
@@ -53,4 +107,135 @@ class BodyLimitMiddleware:
             request.META["CONTENT_LENGTH"] = str(len(data))
             # Django built its body stream with length 0; give it the bytes read here.
             request._stream = LimitedStream(io.BytesIO(data), len(data))  # type: ignore[assignment]
-        return self.get_response(request)
+        return None
+
+
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def is_json(content_type: str) -> bool:
+    """Whether a Content-Type header names ``application/json`` (parameters allowed)."""
+    return content_type.partition(";")[0].strip().lower() == "application/json"
+
+
+class JsonOnlyMiddleware(_Guard):
+    """415 for a request under ``/api/`` with a body that is not ``application/json``."""
+
+    def refuse(self, request: HttpRequest, *, streaming: bool) -> HttpResponse | None:
+        """Refuse a non-JSON body with 415 (None: JSON, or no body on GET/DELETE/...)."""
+        if not request.path.startswith("/api/"):
+            return None
+        declared = request.META.get("CONTENT_LENGTH") or ""
+        has_body = (declared not in ("", "0")) or bool(request.META.get("HTTP_TRANSFER_ENCODING"))
+        content_type = request.META.get("CONTENT_TYPE", "")
+        if is_json(content_type):
+            return None
+        # No body: fine for GET/DELETE/..., and for a POST without a Content-Type unless a
+        # page of another origin sends it (a browser names it in Origin).
+        if not has_body and (
+            request.method not in BODY_METHODS or (not content_type and not _cross_origin(request))
+        ):
+            return None
+        return problem_response(
+            request,
+            errors.UnsupportedMediaType(
+                "request bodies must be JSON with 'Content-Type: application/json' "
+                f"(got {content_type or 'none'!r})",
+                content_type=content_type,
+            ),
+        )
+
+
+def _cross_origin(request: HttpRequest) -> bool:
+    """Whether a browser sent ``request`` from a page of another origin (``Origin`` header
+    naming another host than ``Host``); clients other than browsers send no ``Origin``."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return False
+    try:
+        host = request.get_host()
+    except DisallowedHost:
+        return True
+    return origin.partition("://")[2].rstrip("/").lower() != host.lower()
+
+
+# ---------------------------------------------------------------------- ASGI
+
+Scope = dict[str, Any]
+Message = Mapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class AsgiBodyLimit:
+    """Bound HTTP request bodies by ``RELAY_MAX_FRAME_BYTES`` before an ASGI app reads them.
+
+    Args:
+        app: the ASGI application to protect (Django's ``ASGIHandler``).
+    """
+
+    def __init__(self, app: Asgi) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer 413 for an oversized body, else call the app (a chunked body pre-read)."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = relay_settings().max_frame_bytes
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        declared = headers.get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                await _answer(send, scope, errors.BadFrame("Content-Length is not a number"))
+                return
+            if size > limit:
+                await _answer(send, scope, _too_large(limit, size))
+                return
+            await self.app(scope, receive, send)
+            return
+        # No length (chunked, or no body): collect up to the limit, then replay it.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                await _answer(send, scope, _too_large(limit, None))
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _answer(send: Send, scope: Scope, exc: errors.RelayError) -> None:
+    """Send ``exc`` as a problem response straight over ASGI (the body is not read)."""
+    body = orjson.dumps(problem_body(exc, str(scope.get("path", ""))), default=str)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": exc.http_status,
+            "headers": [
+                (b"content-type", CONTENT_TYPE.encode()),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -29,6 +29,7 @@ TITLES = {
     "BAD_FRAME": "Malformed request",
     "FRAME_TOO_LARGE": "Request too large",
     "UNKNOWN_OP": "Unknown operation",
+    "UNSUPPORTED_MEDIA_TYPE": "Unsupported media type",
     "UNAUTHENTICATED": "Unauthenticated",
     "PERMISSION_DENIED": "Permission denied",
     "NOT_FOUND": "Not found",

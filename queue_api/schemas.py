@@ -225,6 +225,7 @@ class StatsOut(Schema):
     totals: TotalsOut
     server_time_ms: int
     servers: list[ServerOut]
+    next_after: str | None
 
 
 class JobPageOut(Schema):

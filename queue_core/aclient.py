@@ -329,16 +329,15 @@ class AsyncRelayClient:
         Raises:
             RelayError: the server answered with an error (the subclass for its code); or,
                 with nothing sent, the request is over ``max_frame_bytes`` (``FrameTooLarge``)
-                or not JSON-serialisable (``InvalidArgument``).
+                or not JSON-serialisable (``InvalidArgument``: a float that is NaN or
+                ±Infinity, a string with a lone surrogate, a type JSON does not have).
             RelayUnreachable: no connection could be opened (nothing was sent).
             RelayConnectionError: no complete reply (outcome unknown).
         """
         self._next_id += 1
         req_id = self._next_id
-        try:
-            frame = codec.encode_request(req_id, op, args)
-        except TypeError as exc:  # orjson.JSONEncodeError: a payload JSON cannot hold
-            raise errors.InvalidArgument(f"{op} args are not JSON-serialisable: {exc}") from exc
+        # Refuses NaN/Infinity (orjson would send null) and lone surrogates: InvalidArgument.
+        frame = codec.encode_request(req_id, op, args)
         if len(frame) - 1 > self.max_frame_bytes:
             raise errors.FrameTooLarge(
                 f"request is {len(frame) - 1} bytes, over the {self.max_frame_bytes}-byte "
@@ -500,9 +499,12 @@ class AsyncRelayClient:
         """Read one job with its attempt history and events."""
         return cast(types.JobResult, await self._call_dict("inspect", {"job_id": job_id}))
 
-    async def stats(self, queue: str | None = None) -> types.StatsResult:
-        """Count jobs by state, per queue (``queue``: only this one)."""
-        return cast(types.StatsResult, await self._call_dict("stats", _compact({"queue": queue})))
+    async def stats(
+        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
+    ) -> types.StatsResult:
+        """Count jobs by state, per queue, a page of queues at a time (as ``RelayClient``)."""
+        args = _compact({"queue": queue, "limit": limit, "after": after})
+        return cast(types.StatsResult, await self._call_dict("stats", args))
 
     async def dead_list(
         self, queue: str | None = None, limit: int = 100, after: str | None = None

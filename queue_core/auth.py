@@ -236,22 +236,40 @@ def invalidate() -> None:
 _touched: dict[str, float] = {}
 
 
+AUTH_LOG_EVERY_S = 1.0  # at most one auth_failed warning per second; the counter counts all
+_warned_at = -AUTH_LOG_EVERY_S
+_unlogged = 0
+_warn_lock = threading.Lock()
+
+
 def _fail(reason: str, *, surface: str, peer: str, prefix: str | None, code: str) -> None:
+    """Count a refused request, and log it unless one was logged in the last
+    ``AUTH_LOG_EVERY_S`` (a flood of bad keys must not flood the log: the next line says how
+    many went unlogged, ``relay_auth_failures_total`` counts every one)."""
     from queue_core import metrics
 
+    global _warned_at, _unlogged
     metrics.AUTH_FAILURES.labels(surface=surface, code=code).inc()
+    with _warn_lock:
+        now = time.monotonic()
+        if now - _warned_at < AUTH_LOG_EVERY_S:
+            _unlogged += 1
+            return
+        _warned_at, unlogged, _unlogged = now, _unlogged, 0
     log.warning(
-        "event=auth_failed surface=%s peer=%s prefix=%s reason=%s",
+        "event=auth_failed surface=%s peer=%s prefix=%s reason=%s unlogged=%d",
         surface,
         peer,
         prefix or "-",
         reason,
+        unlogged,
         extra={
             "event": "auth_failed",
             "surface": surface,
             "peer": peer,
             "prefix": prefix,
             "reason": reason,
+            "unlogged": unlogged,
         },
     )
 

@@ -35,6 +35,12 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "max_clock_skew_ms",
         "sqlite_wal_limit_bytes",
         "sqlite_checkpoint_wait_ms",
+        "max_unsent_bytes_per_connection",
+        "max_unsent_bytes",
+        "max_bad_frames",
+        "auth_timeout_ms",
+        "metrics_max_queues",
+        "clock_step_tolerance_ms",
     ]
     for name in positive:
         if getattr(s, name) <= 0:

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         + "\n".join(lines)
         + "\n\n'relay COMMAND --help' shows a command's options. Exit codes: 0 ok, 1 Relay "
         "error or bad argument value (CODE: message on stderr), 2 server unreachable or bad usage, "
-        "3 corrupt database (server), 4 database already served (server).",
+        "3 corrupt database (server), 4 database already served (server), 5 a public address "
+        "without any API key (server, HTTP).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

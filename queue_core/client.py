@@ -407,16 +407,15 @@ class RelayClient:
         Raises:
             RelayError: the server answered with an error (the subclass for its code); or,
                 with nothing sent, the request is over ``max_frame_bytes`` (``FrameTooLarge``)
-                or not JSON-serialisable (``InvalidArgument``).
+                or not JSON-serialisable (``InvalidArgument``: a float that is NaN or
+                ±Infinity, a string with a lone surrogate, a type JSON does not have).
             RelayConnectionError: no complete reply (outcome unknown).
         """
         with self._lock:
             self._next_id += 1
             req_id = self._next_id
-            try:
-                frame = codec.encode_request(req_id, op, args)
-            except TypeError as exc:  # orjson.JSONEncodeError: a payload JSON cannot hold
-                raise errors.InvalidArgument(f"{op} args are not JSON-serialisable: {exc}") from exc
+            # Refuses NaN/Infinity (orjson would send null) and lone surrogates: InvalidArgument.
+            frame = codec.encode_request(req_id, op, args)
             if len(frame) - 1 > self.max_frame_bytes:
                 raise errors.FrameTooLarge(
                     f"request is {len(frame) - 1} bytes, over the {self.max_frame_bytes}-byte "
@@ -669,18 +668,24 @@ class RelayClient:
         """
         return self._call_dict("inspect", {"job_id": job_id})
 
-    def stats(self, queue: str | None = None) -> dict[str, Any]:
-        """Count jobs by state, per queue.
+    def stats(
+        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
+    ) -> dict[str, Any]:
+        """Count jobs by state, per queue, a page of queues at a time.
 
         Args:
             queue: only this queue (default: every queue).
+            limit: queues per page, 1..1000 (the server's default: 1000, and no more than
+                fit a frame).
+            after: the previous page's ``next_after``.
         Returns:
-            ``{"queues": {name: {state counts..., "oldest_ready_age_ms"}}, "totals",
-            "server_time_ms"}``.
+            ``{"queues": {name: {state counts..., "oldest_ready_age_ms"}}, "totals" (every
+            queue), "server_time_ms", "servers", "next_after"}``; ``next_after`` is None on
+            the last page.
         Raises:
             InvalidArgument, RelayConnectionError.
         """
-        return self._call_dict("stats", _compact({"queue": queue}))
+        return self._call_dict("stats", _compact({"queue": queue, "limit": limit, "after": after}))
 
     def dead_list(
         self, queue: str | None = None, limit: int = 100, after: str | None = None

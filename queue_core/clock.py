@@ -3,13 +3,22 @@
 Stored instants are wall-clock epoch milliseconds (UTC); in-process intervals (renew timers,
 long-poll waits) use ``monotonic()``. River threads a stubbable clock through its services the
 same way; ``FakeClock`` makes expiry and aging boundaries testable to the millisecond.
+
+``StepGuard`` watches the wall clock against the monotonic one between readings, so that a
+step of the wall clock (an operator, or NTP stepping instead of slewing) does not expire
+healthy leases early (docs/failure-model.md, "Wall-clock steps").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import logging
 import threading
 import time
 from typing import Protocol
+
+log = logging.getLogger("relay.clock")
 
 
 class Clock(Protocol):
@@ -80,6 +89,14 @@ class FakeClock:
             self._mono += delta_ms / 1000
             return self._now_ms
 
+    def step(self, ms: int) -> int:
+        """Step the wall clock by ``ms`` (negative: backwards), leaving the monotonic clock
+        where it is, as an operator or NTP stepping the system clock does; return the new
+        epoch ms."""
+        with self._lock:
+            self._now_ms += ms
+            return self._now_ms
+
     def set_ms(self, now_ms: int) -> None:
         """Jump the wall clock to ``now_ms`` (never backwards)."""
         with self._lock:
@@ -87,3 +104,124 @@ class FakeClock:
                 raise ValueError("a clock never goes back")
             self._mono += (now_ms - self._now_ms) / 1000
             self._now_ms = now_ms
+
+
+def clock_from_path(path: str) -> Clock:
+    """Build the clock named by a dotted path (``RELAY_CLOCK``), e.g.
+    ``"queue_core.clock.SystemClock"``: a class (or factory) called with no arguments.
+
+    Raises:
+        ImportError: the module cannot be imported; AttributeError: it has no such name.
+    """
+    module, _, name = path.rpartition(".")
+    factory = getattr(importlib.import_module(module), name)
+    clock: Clock = factory()
+    return clock
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reading:
+    """One reading of the clock through a ``StepGuard``.
+
+    Attributes:
+        now_ms: the wall clock, epoch ms: what gets stored.
+        judge_ms: the instant a lease stamped at or before ``mark_ms`` is judged expired by:
+            ``now_ms`` minus the outstanding forward step (``now_ms`` when none).
+        mark_ms: what the clock would have read when the outstanding forward step was
+            detected had it not been stepped, epoch ms: a lease whose expiry was set
+            (``updated_at_ms``) at or before it was set by the old clock, and is judged by
+            ``judge_ms``; a later one by ``now_ms``. -1 when no step is outstanding.
+        ready_ms: the instant a job made READY now is stamped with (``ready_since_ms``): the
+            highest wall reading so far, so that after a backward step new jobs tie with the
+            last ones and their ids (monotonic in this process) keep FIFO order.
+    """
+
+    now_ms: int
+    judge_ms: int
+    mark_ms: int
+    ready_ms: int
+
+
+class StepGuard:
+    """Read a clock and detect steps of its wall time against its monotonic time.
+
+    Between two readings the wall clock should advance as much as the monotonic one (NTP
+    slews by at most 0.5 ms/s). When it advances more than ``tolerance_ms`` further, it was
+    stepped forward by the difference: leases whose expiry was set before the step are then
+    judged by the old time (``Reading.judge_ms``) until every lease set before it would have
+    expired in the old time (``horizon_ms``, the longest lease, after the step),
+    while leases set after the step are judged by the new time. A step back of ``s`` ms first
+    cancels an outstanding forward step; what remains is not compensated: leases last up to
+    ``s`` ms longer and due times come ``s`` ms later. Each detected step is logged once, as a
+    warning (``event=clock_step``). Thread-safe: readings are taken under one lock, so they
+    are ordered.
+
+    Note that Linux's monotonic clock stops while the machine is suspended: after a resume,
+    the suspended time counts as a forward step (leases are judged by the time before it for
+    the window, at most one step late).
+
+    Args:
+        clock: the clock to read (its ``now_ms`` and ``monotonic``).
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._last: tuple[int, float] | None = None  # (wall ms, monotonic s) of the last reading
+        self._high = -1  # the highest wall reading so far, ms
+        self._offset = 0  # the outstanding forward step, ms
+        self._mark = -1  # the last wall reading before it, ms
+        self._until = -1  # judge_ms past which no lease set before it can be live, ms
+
+    def read(self, *, tolerance_ms: int, horizon_ms: int) -> Reading:
+        """Read the clock; detect, log and account for a step since the last reading.
+
+        Args:
+            tolerance_ms: the largest disagreement (ms) between the wall and monotonic
+                advances that is not a step (``RELAY_CLOCK_STEP_TOLERANCE_MS``).
+            horizon_ms: the longest lease in ms (``RELAY_MAX_LEASE_MS``): how long after a
+                forward step leases set before it may still be live.
+        """
+        with self._lock:
+            wall = self.clock.now_ms()
+            mono = self.clock.monotonic()
+            drift = 0
+            if self._last is not None:
+                last_wall, last_mono = self._last
+                drift = (wall - last_wall) - round((mono - last_mono) * 1000)
+                if drift > tolerance_ms:
+                    # The old clock would read wall - drift now: every instant it stamped, in
+                    # any process, is at most that; every instant the new one stamps is later.
+                    self._offset += drift
+                    self._mark = wall - drift
+                    self._until = self._mark + horizon_ms
+                elif drift < -tolerance_ms:
+                    self._offset = max(0, self._offset + drift)
+            self._last = (wall, mono)
+            self._high = max(self._high, wall)
+            settled = bool(self._offset) and wall - self._offset > self._until
+            if settled:
+                self._offset, self._mark, self._until = 0, -1, -1
+            reading = Reading(
+                now_ms=wall,
+                judge_ms=wall - self._offset,
+                mark_ms=self._mark if self._offset else -1,
+                ready_ms=self._high,
+            )
+        if abs(drift) > tolerance_ms:
+            log.warning(
+                "event=clock_step step_ms=%s judge_offset_ms=%s",
+                drift,
+                wall - reading.judge_ms,
+                extra={
+                    "event": "clock_step",
+                    "step_ms": drift,
+                    "judge_offset_ms": wall - reading.judge_ms,
+                    "now_ms": wall,
+                },
+            )
+        if settled:
+            log.info(
+                "event=clock_step_settled now_ms=%s", wall, extra={"event": "clock_step_settled"}
+            )
+        return reading

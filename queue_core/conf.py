@@ -72,6 +72,35 @@ class RelaySettings:
             snapshots to finish, in ms (200); the writer waits with it. A checkpoint that
             could not finish is tried again after 1 s, then after twice as long each time it
             fails again, up to 8 s.
+        clock_step_tolerance_ms: wall-clock steps (item 13): the most, in ms, the wall clock
+            may advance more or less than the monotonic clock between two readings before it
+            counts as a step (1 000; NTP slewing moves it 0.5 ms/s at most). Leases set before
+            a forward step are then judged by the time before it (``queue_core.clock.StepGuard``).
+        clock: the dotted path of the ``Clock`` class the service reads time from
+            (``"queue_core.clock.SystemClock"``). A test hook: end-to-end tests step a real
+            server's clock with ``tests.stepclock.FileStepClock``; never set it in production.
+
+        Hostile clients (hardening items 1, 4, 14):
+
+        max_unsent_bytes_per_connection: reply bytes one connection may hold reserved or
+            unsent before its reads wait and its next frame is not read (2 MiB;
+            ``queue_core.protocol.budget``).
+        max_unsent_bytes: reply bytes all connections may hold before one that drained
+            nothing for a second is cut off (64 MiB).
+        max_bad_frames: malformed lines a connection may send before it is closed (16); a
+            first line that is not a request closes it at once.
+        auth_timeout_ms: with API keys on, how long a connection may go without a successful
+            ``hello`` before it is closed, in ms (10 000).
+        max_connections_per_address: TCP connections one client IP address may hold; 0 for
+            no cap (the default: loopback clients share one address).
+        metrics_max_queues: queue names with their own metric series (100); the others
+            are summed under ``queue="_other"`` (``queue_core.metrics``).
+
+        Exposure (hardening item 3):
+
+        allow_public_without_keys: let ``relay server`` and the HTTP side listen on an address
+            that is not loopback while no API key exists (False: they refuse to start, exit
+            code 5). Only for a network that is private by other means.
     """
 
     address: str = "127.0.0.1:7400"
@@ -109,6 +138,18 @@ class RelaySettings:
     # SQLite write-ahead log bound.
     sqlite_wal_limit_bytes: int = 16 * 1024 * 1024
     sqlite_checkpoint_wait_ms: int = 200
+    # Hostile clients (issue 13).
+    max_unsent_bytes_per_connection: int = 2 * 1024 * 1024
+    max_unsent_bytes: int = 64 * 1024 * 1024
+    max_bad_frames: int = 16
+    auth_timeout_ms: int = 10_000
+    max_connections_per_address: int = 0
+    metrics_max_queues: int = 100
+    # Wall-clock steps (item 13).
+    clock_step_tolerance_ms: int = 1_000
+    clock: str = "queue_core.clock.SystemClock"
+    # Exposure (hardening item 3).
+    allow_public_without_keys: bool = False
 
     @classmethod
     def from_django(cls) -> RelaySettings:

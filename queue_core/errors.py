@@ -59,6 +59,14 @@ class FrameTooLarge(RelayError):
     retryable = False
 
 
+class UnsupportedMediaType(RelayError):
+    """The request body is not ``application/json`` (HTTP API)."""
+
+    code = "UNSUPPORTED_MEDIA_TYPE"
+    http_status = 415
+    retryable = False
+
+
 class UnknownOp(RelayError):
     """The op is not one Relay knows."""
 

@@ -15,8 +15,13 @@ per queue over the ready-job index), so every process reports the same values. S
 jobs are not counted: they pile up until purged and a scrape must not cost more as they do
 (the counter ``relay_jobs_acked_total`` counts them as they happen).
 
-Labels are bounded: ``queue`` (as many as the queues in use), ``state`` (six), ``op`` (the op
-table) and error ``code`` (the error table). Never a job id or an error text.
+Labels are bounded: ``queue`` (at most ``RELAY_METRICS_MAX_QUEUES`` names, then
+``OTHER_QUEUES``), ``state`` (six), ``op`` (the op table) and error ``code`` (the error
+table). Never a job id or an error text. With 10,000 queues ``/metrics`` had 80,041 series
+(12.7 MB); the counters now give their own series to the first queues they see, and the
+gauges to the deepest queues, and fold the rest into ``queue="_other"`` (a name no queue can
+have: queue names begin with a letter or digit), as Prometheus's advice on label cardinality
+asks.
 See ``docs/metrics.md`` for which process exports what.
 """
 
@@ -111,6 +116,26 @@ _COUNTERS: dict[str, Counter] = {
 }
 
 
+OTHER_QUEUES = "_other"  # the label of queues past RELAY_METRICS_MAX_QUEUES
+
+_labelled: set[str] = set()  # queues with their own counter series in this process
+_labelled_lock = threading.Lock()
+
+
+def queue_label(queue: str) -> str:
+    """``queue``, or ``OTHER_QUEUES`` once this process labels ``RELAY_METRICS_MAX_QUEUES``
+    others (first come, first labelled)."""
+    if queue in _labelled:
+        return queue
+    from queue_core.conf import relay_settings
+
+    with _labelled_lock:
+        if len(_labelled) >= relay_settings().metrics_max_queues:
+            return OTHER_QUEUES
+        _labelled.add(queue)
+    return queue
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Event:
     """Something a request did, to be counted once it has committed.
@@ -129,10 +154,11 @@ class Event:
 def record(events: Iterable[Event]) -> None:
     """Count ``events`` (call after the request's transaction committed)."""
     for event in events:
+        queue = queue_label(event.queue)
         if event.name == "start_delay":
-            SUBMIT_TO_START_SECONDS.labels(queue=event.queue).observe(max(0.0, event.value))
+            SUBMIT_TO_START_SECONDS.labels(queue=queue).observe(max(0.0, event.value))
         else:
-            _COUNTERS[event.name].labels(queue=event.queue).inc(event.value)
+            _COUNTERS[event.name].labels(queue=queue).inc(event.value)
 
 
 def rejected(op: str, exc: BaseException) -> None:
@@ -190,6 +216,7 @@ class RelayCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Yield ``relay_queue_jobs``, ``relay_queue_oldest_ready_age_seconds`` and
         ``relay_database_up``."""
+        from queue_core.conf import relay_settings
         from queue_core.service import QueueService
 
         jobs, age, up = self._families()
@@ -200,7 +227,7 @@ class RelayCollector(Collector):
             up.add_metric([], 0)
             yield up
             return
-        for queue, counts in sorted(stats["queues"].items()):
+        for queue, counts in _fold(stats["queues"], relay_settings().metrics_max_queues):
             for state, n in counts.items():
                 if state != "oldest_ready_age_ms":
                     jobs.add_metric([queue, state], n)
@@ -210,6 +237,30 @@ class RelayCollector(Collector):
         yield jobs
         yield age
         yield up
+
+
+def _fold(queues: dict[str, dict[str, Any]], keep: int) -> list[tuple[str, dict[str, Any]]]:
+    """The ``keep`` deepest queues (most live jobs; ties by name) by name, then the rest
+    summed as ``OTHER_QUEUES`` (its age: the oldest among them)."""
+    if len(queues) <= keep:
+        return sorted(queues.items())
+
+    def depth(item: tuple[str, dict[str, Any]]) -> tuple[int, str]:
+        name, counts = item
+        return (-sum(n for k, n in counts.items() if k != "oldest_ready_age_ms"), name)
+
+    ranked = sorted(queues.items(), key=depth)
+    rest: dict[str, Any] = {}
+    ages = []
+    for _, counts in ranked[keep:]:
+        for state, n in counts.items():
+            if state == "oldest_ready_age_ms":
+                if n is not None:
+                    ages.append(n)
+            else:
+                rest[state] = rest.get(state, 0) + n
+    rest["oldest_ready_age_ms"] = max(ages, default=None)
+    return [*sorted(ranked[:keep]), (OTHER_QUEUES, rest)]
 
 
 _installed: list[CollectorRegistry] = []

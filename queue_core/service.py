@@ -26,7 +26,7 @@ import orjson
 from django.apps import apps
 
 from queue_core import validation as v
-from queue_core.clock import Clock, SystemClock
+from queue_core.clock import Clock, Reading, StepGuard, clock_from_path
 from queue_core.conf import RelaySettings, relay_settings
 from queue_core.errors import (
     IdempotencyConflict,
@@ -116,6 +116,11 @@ def _encoded_len(value: Any) -> int:
     return len(orjson.dumps(value))
 
 
+def name_before(page: dict[str, Any]) -> str:
+    """The last key of a page (the cursor of the next one)."""
+    return next(reversed(page))
+
+
 def _newest_that_fit(rows: list[dict[str, Any]], budget: int) -> tuple[list[dict[str, Any]], int]:
     """Return the newest rows (kept oldest first) whose JSON fits ``budget`` bytes, and how
     many older rows were left out."""
@@ -188,7 +193,9 @@ class QueueService:
     Args:
         driver: the storage driver (default: the process's driver for ``RELAY_DATABASE``,
             ``driver_for(alias)``).
-        clock: source of ``now_ms`` (default ``SystemClock()``); inject ``FakeClock`` in tests.
+        clock: source of time (default: the class ``RELAY_CLOCK`` names, ``SystemClock``);
+            inject ``FakeClock`` in tests. The service reads it through a ``StepGuard``, so a
+            step of its wall clock does not expire healthy leases early.
         rng: source of retry jitter (default an unseeded ``random.Random``). Lease tokens
             always come from ``secrets``, never from ``rng``.
         observer: called as ``observer(event, queue)`` after the commit of a transition that
@@ -204,7 +211,8 @@ class QueueService:
         observer: Callable[[str, str], None] | None = None,
     ) -> None:
         self.driver: Driver = driver or driver_for(relay_settings().database)
-        self.clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or clock_from_path(relay_settings().clock)
+        self._guard = StepGuard(self.clock)
         self.rng = rng or random.Random()
         self.observer = observer
         self._defaults: tuple[RelaySettings, dict[str, Any]] | None = None
@@ -213,6 +221,22 @@ class QueueService:
     def settings(self) -> RelaySettings:
         """The current Relay settings."""
         return relay_settings()
+
+    def _read(self) -> Reading:
+        """Read the clock through the step guard (every instant this service stores)."""
+        s = self.settings
+        return self._guard.read(tolerance_ms=s.clock_step_tolerance_ms, horizon_ms=s.max_lease_ms)
+
+    def _now(self) -> int:
+        """The wall clock, epoch ms, read through the step guard."""
+        return self._read().now_ms
+
+    @staticmethod
+    def _judging(at: Reading) -> dict[str, int]:
+        """The parameters a lease-expiry test takes: ``now_ms``, ``judge_ms``, ``mark_ms``
+        (see ``Reading``): a lease is expired when ``lease_expires_at_ms <= now_ms`` and,
+        if its expiry was set at or before ``mark_ms``, ``lease_expires_at_ms <= judge_ms``."""
+        return {"now_ms": at.now_ms, "judge_ms": at.judge_ms, "mark_ms": at.mark_ms}
 
     # ------------------------------------------------------------ storage doors
 
@@ -294,7 +318,7 @@ class QueueService:
         s = self.settings
         row = self._prepare(queue, payload, options, s)
         with self.driver.write() as tx:
-            return self._insert(tx, row, self.clock.now_ms(), s)
+            return self._insert(tx, row, self._read(), s)
 
     def submit_batch(self, specs: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Create several jobs in one transaction: all are created or none.
@@ -330,9 +354,9 @@ class QueueService:
                 exc.args = (exc.message,)
                 raise
         with self.driver.write() as tx:
-            now = self.clock.now_ms()  # one instant for the whole batch
+            at = self._read()  # one instant for the whole batch
             pending: list[dict[str, Any]] = []
-            results = [self._insert(tx, row, now, s, pending) for row in rows]
+            results = [self._insert(tx, row, at, s, pending) for row in rows]
             self._flush(tx, pending)
             return results
 
@@ -354,7 +378,7 @@ class QueueService:
             opt = {k: val for k, val in options.items() if val is not None}
         else:
             opt = {}
-        row = self._default_options(s) if not opt else self._options(opt, s, self.clock.now_ms())
+        row = self._default_options(s) if not opt else self._options(opt, s, self._now())
         row["queue"] = v.queue_name(queue, s)
         row["payload"] = v.payload(payload, s)
         row["_payload"] = payload
@@ -423,16 +447,18 @@ class QueueService:
         self,
         tx: Tx,
         row: dict[str, Any],
-        now: int,
+        at: Reading,
         s: RelaySettings,
         pending: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Insert one prepared job (``row``, consumed), or queue it on ``pending`` for one
-        ``executemany`` (a batch).
+        ``executemany`` (a batch), at the instant ``at``.
 
         A job with an idempotency key flushes ``pending`` first, so a key repeated within one
-        batch finds the earlier job.
+        batch finds the earlier job. A READY job's ``ready_since_ms`` is ``at.ready_ms``: after
+        a backward clock step it ties with the jobs before the step, and the id keeps FIFO.
         """
+        now = at.now_ms
         payload = row.pop("_payload")
         delay_ms, run_at_ms = row.pop("_delay_ms"), row.pop("_run_at_ms")
         due = run_at_ms if run_at_ms is not None else now + delay_ms
@@ -447,7 +473,7 @@ class QueueService:
         job_id = f"job_{_ULIDS.new(now)}"
         state = "pending" if delayed else "ready"
         available_at_ms = due if delayed else None
-        ready_since_ms = None if delayed else now
+        ready_since_ms = None if delayed else at.ready_ms
         row["id"] = job_id
         row["state"] = state
         row["idempotency_expires_at_ms"] = now + s.idempotency_window_ms if key else None
@@ -556,7 +582,14 @@ class QueueService:
             raise JobNotFound(f"no job {job_id}", job_id=job_id)
         return job_view(row)
 
-    def stats(self, queue: str | None = None, *, finished: bool = True) -> dict[str, Any]:
+    def stats(
+        self,
+        queue: str | None = None,
+        *,
+        finished: bool = True,
+        limit: int | None = None,
+        after: str | None = None,
+    ) -> dict[str, Any]:
         """Count jobs by queue and state, with each queue's oldest READY age and the live
         servers.
 
@@ -565,14 +598,25 @@ class QueueService:
             finished: count SUCCEEDED jobs too. False (the metrics gauges) reads only the
                 partial indexes of the live states, so finished jobs piling up cost a scrape
                 nothing; the ``succeeded`` keys are then absent.
+            limit: at most this many queues (1..1000), in name order after ``after``, and
+                no more than fit one frame (keyset paging, as ``dead_list``); None for all.
+            after: the previous page's ``next_after``.
         Returns:
             ``{"queues": {name: {state: n, ..., "oldest_ready_age_ms": int | None}},
-            "totals": {state: n}, "server_time_ms": int, "servers": [Server, ...]}`` (the
-            servers as ``servers()`` gives them).
+            "totals": {state: n}, "server_time_ms": int, "servers": [Server, ...],
+            "next_after": str | None}``: totals always count every queue; ``next_after``
+            names the page's last queue when more follow. The servers are as
+            ``servers()`` gives them.
+        Raises:
+            InvalidArgument: a bad queue name, limit or cursor.
         """
         if queue is not None:
             queue = v.queue_name(queue, self.settings)
-        now = self.clock.now_ms()
+        if limit is not None:
+            limit = v.integer("limit", limit, lo=1, hi=1000)
+        if after is not None:
+            after = v.queue_name(after, self.settings)
+        now = self._now()
         with self.driver.read() as tx:
             counts = tx.all("counts" if finished else "counts_live")
             oldest = {r["queue"]: r["oldest"] for r in tx.all("oldest_ready")}
@@ -586,10 +630,39 @@ class QueueService:
             q = queues.setdefault(r["queue"], dict(blank))
             q[r["state"]] = r["n"]
             totals[r["state"]] += r["n"]
+        next_after = None
+        if limit is not None:
+            queues, next_after = self._stats_page(queues, limit, after, servers)
         for name, q in queues.items():
             since = oldest.get(name)
             q["oldest_ready_age_ms"] = max(0, now - since) if since is not None else None
-        return {"queues": queues, "totals": totals, "server_time_ms": now, "servers": servers}
+        return {
+            "queues": queues,
+            "totals": totals,
+            "server_time_ms": now,
+            "servers": servers,
+            "next_after": next_after,
+        }
+
+    def _stats_page(
+        self,
+        queues: dict[str, dict[str, Any]],
+        limit: int,
+        after: str | None,
+        servers: list[dict[str, Any]],
+    ) -> tuple[dict[str, dict[str, Any]], str | None]:
+        """The queues after ``after`` in name order, at most ``limit`` and one frame's worth;
+        with the cursor of the next page (None at the end)."""
+        names = sorted(name for name in queues if after is None or name > after)
+        room = self.settings.max_frame_bytes - REPLY_OVERHEAD_BYTES - _encoded_len(servers)
+        page: dict[str, dict[str, Any]] = {}
+        for name in names[:limit]:
+            room -= _encoded_len({name: queues[name]}) + 24  # the age key it gets
+            if room < 0 and page:
+                return page, name_before(page)
+            page[name] = queues[name]
+        more = len(names) > len(page)
+        return page, (name_before(page) if more and page else None)
 
     # ------------------------------------------------------------ server registry
 
@@ -651,7 +724,7 @@ class QueueService:
             "clock_skew_ms"}, ...]``, the oldest first.
         """
         with self.driver.read() as tx:
-            return self._live_servers(tx, self.clock.now_ms())
+            return self._live_servers(tx, self._now())
 
     def _live_servers(self, tx: Tx, now: int) -> list[dict[str, Any]]:
         since = now - 3 * self.settings.server_heartbeat_ms
@@ -742,8 +815,9 @@ class QueueService:
         max_jobs = v.integer("max_jobs", max_jobs, lo=1, hi=s.max_jobs_per_lease)
         length = v.lease_ms(lease_ms, s)
         with self.driver.write() as tx:
-            now = self.clock.now_ms()
-            self._sweep(tx, now)
+            at = self._read()
+            now = at.now_ms
+            self._sweep(tx, at)
             rows = tx.claim(
                 ClaimRequest(
                     queues=names,
@@ -803,8 +877,8 @@ class QueueService:
         job_id = guard["job_id"]
         length = v.lease_ms(lease_ms, self.settings)
         with self.driver.write() as tx:
-            now = self.clock.now_ms()
-            params = guard | {"now_ms": now, "expires_ms": now + length}
+            at = self._read()
+            params = guard | self._judging(at) | {"expires_ms": at.now_ms + length}
             row = tx.one("renew", params)
             if row is None:
                 raise self._rejection(tx, params, "renew")
@@ -825,8 +899,9 @@ class QueueService:
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
         with self.driver.write() as tx:
-            now = self.clock.now_ms()
-            params = guard | {"now_ms": now}
+            at = self._read()
+            now = at.now_ms
+            params = guard | self._judging(at)
             row = tx.one("ack", params)
             if row is None:
                 if self._ended_attempt(tx, params, ("succeeded",)) is not None:
@@ -855,7 +930,8 @@ class QueueService:
         policy and failure count (Oban's executor outcomes), then one guarded UPDATE applies it.
 
         Args:
-            error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes.
+            error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes, without lone
+                surrogates (no UTF-8 form; refused).
             retryable: False dead-letters the job at once.
         Returns:
             ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``, plus ``queue``
@@ -868,8 +944,9 @@ class QueueService:
         error = v.error_text(error, self.settings)
         retryable = v.boolean("retryable", retryable)
         with self.driver.write() as tx:
-            now = self.clock.now_ms()
-            params: dict[str, Any] = guard | {"now_ms": now}
+            at = self._read()
+            now = at.now_ms
+            params: dict[str, Any] = guard | self._judging(at)
             lease = tx.one("live_lease", params)
             if lease is None:
                 ended = self._ended_attempt(tx, params, ("failed",))
@@ -943,8 +1020,9 @@ class QueueService:
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
         with self.driver.write() as tx:
-            now = self.clock.now_ms()
-            params = guard | {"now_ms": now}
+            at = self._read()
+            now = at.now_ms
+            params = guard | self._judging(at)
             row = tx.one("release", params)
             if row is None:
                 raise self._rejection(tx, params, "release")
@@ -1038,7 +1116,7 @@ class QueueService:
             server's sweep holds the sweep lock (it does the work).
         """
         with self.driver.write() as tx:
-            return self._promote(tx, self.clock.now_ms()) if tx.sweep_lock() else []
+            return self._promote(tx, self._now()) if tx.sweep_lock() else []
 
     def _promote(self, tx: Tx, now: int) -> list[str]:
         rows = tx.all("promote_due", {"now_ms": now, "limit": SWEEP_LIMIT})
@@ -1058,17 +1136,18 @@ class QueueService:
             the sweep lock.
         """
         with self.driver.write() as tx:
-            return self._expire(tx, self.clock.now_ms()) if tx.sweep_lock() else []
+            return self._expire(tx, self._read()) if tx.sweep_lock() else []
 
-    def _sweep(self, tx: Tx, now: int) -> list[str]:
+    def _sweep(self, tx: Tx, at: Reading) -> list[str]:
         """Expire leases and promote due jobs, if this transaction gets the sweep lock (one
         sweep at a time across servers); return the queues that got READY jobs."""
+        now = at.now_ms
         plan = tx.sweep_plan(now)
         if plan is None:
             return []
         expire, promote = plan
         queues = [
-            *(self._expire(tx, now) if expire else []),
+            *(self._expire(tx, at) if expire else []),
             *(self._promote(tx, now) if promote else []),
         ]
         return list(dict.fromkeys(queues))
@@ -1082,7 +1161,7 @@ class QueueService:
         """
         with self.driver.write() as tx:
             self.driver.after_commit(self.maintain)
-            return self._sweep(tx, self.clock.now_ms())
+            return self._sweep(tx, self._read())
 
     def maintain(self) -> None:
         """Storage upkeep outside a transaction (``Driver.maintain``: on SQLite, keep the
@@ -1090,9 +1169,11 @@ class QueueService:
         to do; the reaper reaches it after each sweep."""
         self.driver.maintain(self.clock.monotonic())
 
-    def _expire(self, tx: Tx, now: int) -> list[str]:
+    def _expire(self, tx: Tx, at: Reading) -> list[str]:
+        """Expire the leases ``at`` judges expired (``_judging``), at most SWEEP_LIMIT."""
+        now = at.now_ms
         queues: dict[str, None] = {}
-        for r in tx.all("expired_leases", {"now_ms": now, "limit": SWEEP_LIMIT}):
+        for r in tx.all("expired_leases", self._judging(at) | {"limit": SWEEP_LIMIT}):
             params = {"job_id": r["id"], "attempt": r["attempt"], "now_ms": now}
             dead = r["failures"] + 1 > r["max_retries"]
             # Guarded by state and attempt: a lease acked meanwhile is left alone.
@@ -1133,7 +1214,7 @@ class QueueService:
         if not self.capabilities.single_writer:
             return 0
         with self.driver.write() as tx:
-            now = self.clock.now_ms()
+            now = self._now()
             tx.run("recover_attempts", {"now_ms": now})
             tx.run("recover_events", {"now_ms": now})
             released = tx.run("recover_jobs", {"now_ms": now})
@@ -1150,16 +1231,17 @@ class QueueService:
         and the history; clears the lease fields and the dead reason; records who did it.
 
         Args:
-            actor: who asked (a username, or None for the CLI).
+            actor: who asked (a username of 1..150 characters, or None for the CLI).
         Returns:
             The job after the transition.
         Raises:
-            JobNotFound, InvalidState (not DEAD, e.g. replayed by someone else already),
-            StoreBusy.
+            InvalidArgument, JobNotFound, InvalidState (not DEAD, e.g. replayed by someone
+            else already), StoreBusy.
         """
         job_id = v.job_id(job_id)
+        actor = v.actor(actor)
         with self.driver.write() as tx:
-            now = self.clock.now_ms()
+            now = self._now()
             row = tx.one("replay", {"job_id": job_id, "now_ms": now})
             if row is None:
                 current = self._job(tx, job_id)
@@ -1181,16 +1263,18 @@ class QueueService:
         too (``relay_task_result``), so purging keeps the database from growing.
 
         Args:
-            actor: who asked.
+            actor: who asked (as for ``replay``).
             dead_only: refuse SUCCEEDED jobs too (the ``dead_purge`` op).
         Returns:
             ``{"job_id", "purged": true}``.
         Raises:
-            JobNotFound, InvalidState (not terminal, or not DEAD with ``dead_only``), StoreBusy.
+            InvalidArgument, JobNotFound, InvalidState (not terminal, or not DEAD with
+            ``dead_only``), StoreBusy.
         """
         job_id = v.job_id(job_id)
+        actor = v.actor(actor)
         with self.driver.write() as tx:
-            now = self.clock.now_ms()
+            now = self._now()
             # Delete first, guarded by state: a concurrent replay (another server) either
             # happened before (the job is READY: refused) or waits for this commit.
             row = tx.one(

@@ -10,7 +10,8 @@ see below), and ``get_result`` reads the job and the result row the worker wrote
 Mapping (see ``docs/django.md``):
 
 * **Payload**: ``{"task": "<module path>", "args": [...], "kwargs": {...}, "backend": alias,
-  "priority": int}`` plus ``"run_after_ms"`` when deferred. Arguments must be JSON values.
+  "priority": int}`` plus ``"run_after_ms"`` when deferred. Arguments must be JSON values
+  (no NaN or ±Infinity, no lone surrogates: ``InvalidArgument``), and so must return values.
 * **Priority** (Django's -100..100, larger runs sooner) onto Relay's classes: -100..-34 LOW,
   -33..33 NORMAL, 34..66 HIGH, 67..100 CRITICAL (``relay_priority``). Within a class Relay is
   FIFO with aging, so the finer Django value only picks the class.
@@ -251,8 +252,9 @@ class RelayBackend(BaseTaskBackend):
         Raises:
             InvalidTask: the task does not fit this backend.
             TypeError, ValueError: an argument is not JSON-serialisable.
-            RelayError: Relay refused the job (``InvalidArgument``, ``FrameTooLarge`` for a
-                payload over ``RELAY_MAX_PAYLOAD_BYTES``, ``StoreBusy``).
+            RelayError: Relay refused the job (``InvalidArgument``, also for a float argument
+                that is NaN or ±Infinity and a string with a lone surrogate; ``FrameTooLarge``
+                for a payload over ``RELAY_MAX_PAYLOAD_BYTES``; ``StoreBusy``).
         """
         self.validate_task(task)
         args, kwargs = normalize_json(list(args)), normalize_json(dict(kwargs))
@@ -403,7 +405,9 @@ class RelayBackend(BaseTaskBackend):
         at once dead for a ``NonRetryableError``).
 
         Raises:
-            Whatever the task raised; NonRetryableError when the job is not a runnable task.
+            Whatever the task raised; NonRetryableError when the job is not a runnable task;
+            TypeError or ValueError (recorded as the attempt's error) when the return value
+            is no JSON value or holds NaN or ±Infinity.
         """
         try:
             result = self.get_result(ctx.job_id)
@@ -417,13 +421,13 @@ class RelayBackend(BaseTaskBackend):
                 raw = task.call(TaskContext(task_result=result), *result.args, **result.kwargs)
             else:
                 raw = task.call(*result.args, **result.kwargs)
-            encoded = orjson.dumps(normalize_json(raw))
+            encoded = _encode_return_value(raw)
         except JobInterrupted:
             raise
         except BaseException as exc:  # any task failure is recorded, then re-raised
             error = TaskError(
                 exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
-                traceback="".join(format_exception(exc)),
+                traceback=_utf8("".join(format_exception(exc))),
             )
             self._record_error(ctx.job_id, ctx.attempt, error)
             result.errors.append(error)
@@ -464,6 +468,26 @@ class RelayBackend(BaseTaskBackend):
             rows.create(job_id=job_id, updated_at_ms=now_ms, **fields)
         except IntegrityError:  # written meanwhile by an overlapping attempt
             rows.filter(pk=job_id).update(updated_at_ms=now_ms, **fields)
+
+
+def _encode_return_value(raw: Any) -> bytes:
+    """A task's return value as JSON.
+
+    Raises:
+        TypeError: not JSON-serialisable (a type JSON does not have, a lone surrogate).
+        ValueError: it holds a float that is NaN or ±Infinity (orjson would store ``null``).
+    """
+    value = normalize_json(raw)
+    encoded = orjson.dumps(value)
+    if b"null" in encoded and (found := validation.unfaithful(value, root="return value")):
+        raise ValueError(": ".join(found))
+    return encoded
+
+
+def _utf8(text: str) -> str:
+    """``text`` with each lone surrogate (no UTF-8 form; JSON and the database refuse it) as
+    its ``\\udXXX`` escape, so a traceback quoting one can be recorded."""
+    return text.encode("utf-8", errors="backslashreplace").decode("utf-8")
 
 
 def execute_task(payload: Any, ctx: JobContext) -> None:

@@ -205,6 +205,7 @@ class StatsResult(TypedDict):
     totals: dict[str, int]
     server_time_ms: int
     servers: list[Server]
+    next_after: str | None  # the next page's cursor; None on the last page
 
 
 class DeadListResult(TypedDict):

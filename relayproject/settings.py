@@ -26,8 +26,26 @@ def _env_int(name: str, default: int) -> int:
         raise ImproperlyConfigured(f"{name} must be an integer, got {raw!r}") from exc
 
 
-SECRET_KEY = _env("RELAY_SECRET_KEY", "relay-insecure-dev-key-change-me-in-production-0123456789")
 DEBUG = _env("RELAY_DEBUG", "0") == "1"
+# SECRET_KEY signs the admin's sessions and CSRF tokens. It comes from RELAY_SECRET_KEY, else
+# from the file RELAY_SECRET_KEY_FILE (default .relay-secret-key; bin/setup writes a random one,
+# mode 0600). Without either it is the public DEV_SECRET_KEY when RELAY_DEBUG=1, else empty:
+# the HTTP side then refuses to start (queue_api.startup); the TCP server and CLI never use it.
+DEV_SECRET_KEY = "relay-insecure-dev-key-change-me-in-production-0123456789"  # noqa: S105
+
+
+def _secret_key() -> str:
+    key = _env("RELAY_SECRET_KEY", "")
+    if key:
+        return key
+    path = Path(_env("RELAY_SECRET_KEY_FILE", str(BASE_DIR / ".relay-secret-key")))
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
+SECRET_KEY = _secret_key() or (DEV_SECRET_KEY if DEBUG else "")
 ALLOWED_HOSTS = [
     h for h in _env("RELAY_ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h
 ]
@@ -51,6 +69,8 @@ MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
     # 413 for bodies over RELAY_MAX_FRAME_BYTES before anything reads them.
     "queue_api.middleware.BodyLimitMiddleware",
+    # 415 for an API request body that is not application/json (no CORS-simple requests).
+    "queue_api.middleware.JsonOnlyMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -193,6 +213,20 @@ RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)
 # and how long that checkpoint waits for older readers.
 RELAY_SQLITE_WAL_LIMIT_BYTES = _env_int("RELAY_SQLITE_WAL_LIMIT_BYTES", 16 * 1024 * 1024)
 RELAY_SQLITE_CHECKPOINT_WAIT_MS = _env_int("RELAY_SQLITE_CHECKPOINT_WAIT_MS", 200)
+# Hostile clients: reply-byte budgets, malformed lines, the hello deadline, a per-address cap.
+RELAY_MAX_UNSENT_BYTES_PER_CONNECTION = _env_int(
+    "RELAY_MAX_UNSENT_BYTES_PER_CONNECTION", 2 * 1024 * 1024
+)
+RELAY_MAX_UNSENT_BYTES = _env_int("RELAY_MAX_UNSENT_BYTES", 64 * 1024 * 1024)
+RELAY_MAX_BAD_FRAMES = _env_int("RELAY_MAX_BAD_FRAMES", 16)
+RELAY_AUTH_TIMEOUT_MS = _env_int("RELAY_AUTH_TIMEOUT_MS", 10_000)
+RELAY_MAX_CONNECTIONS_PER_ADDRESS = _env_int("RELAY_MAX_CONNECTIONS_PER_ADDRESS", 0)
+RELAY_METRICS_MAX_QUEUES = _env_int("RELAY_METRICS_MAX_QUEUES", 100)
+# Wall-clock steps: the tolerance, and the clock class (a test hook: tests/stepclock.py).
+RELAY_CLOCK_STEP_TOLERANCE_MS = _env_int("RELAY_CLOCK_STEP_TOLERANCE_MS", 1_000)
+RELAY_CLOCK = _env("RELAY_CLOCK", "queue_core.clock.SystemClock")
+# Exposure: listen beyond loopback although no API key exists (1), instead of refusing to start.
+RELAY_ALLOW_PUBLIC_WITHOUT_KEYS = _env("RELAY_ALLOW_PUBLIC_WITHOUT_KEYS", "0") == "1"
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

@@ -16,12 +16,21 @@ from typing import Any
 
 import pytest
 
+from queue_core import auth
 from queue_core.clock import FakeClock
 from queue_core.service import QueueService
 from tests.procs import Spawner, spawner
 
 # The ``relay_db`` fixture: crash tests that run on both drivers.
 pytest_plugins = ["tests.relay_db"]
+
+
+@pytest.fixture(autouse=True)
+def _forget_the_key_ring() -> Iterator[None]:
+    """Drop this process's API-key snapshot after each test: a key one test made must not
+    make the next test's requests need one (the snapshot lives ``RING_TTL_S``)."""
+    yield
+    auth.invalidate()
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +43,16 @@ def django_db_modify_db_settings() -> None:
     settings.DATABASES["default"]["TEST"]["NAME"] = name
     # The storage contract suite's PostgreSQL database: one per run, so runs never collide.
     settings.DATABASES["postgresql"].setdefault("TEST", {})["NAME"] = f"relay_test_{os.getpid()}"
+
+
+@pytest.fixture(autouse=True)
+def _stop_commit_watch() -> Iterator[None]:
+    """After each test, stop the HTTP API's long-poll watcher thread if a test started it (it
+    polls the test database, which closes to other threads between tests)."""
+    yield
+    from queue_api import calls
+
+    calls.commit_watch().stop()
 
 
 @pytest.fixture

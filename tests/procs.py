@@ -9,7 +9,9 @@ teardown, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -108,6 +110,10 @@ class Proc:
             self.popen.stderr.close()
 
 
+def _set_nofile(n: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+
 def command_env(db_path: str, **extra: str) -> dict[str, str]:
     """The environment for a child: the test database, quick reaper, plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
@@ -117,6 +123,8 @@ def command_env(db_path: str, **extra: str) -> dict[str, str]:
             "RELAY_DB": db_path,
             "PYTHONUNBUFFERED": "1",
             "RELAY_LOG": "info",
+            # Children read relayproject.settings: give them a key (the HTTP side needs one).
+            "RELAY_SECRET_KEY": "relay-tests-only-secret-key-not-for-any-deployment-3f9c1e7a",
         }
     )
     env.update(extra)
@@ -131,8 +139,14 @@ class Spawner:
         self.env: dict[str, str] = {}  # for every child (``RELAY_DATABASE_URL`` on PostgreSQL)
         self.procs: list[Proc] = []
 
-    def __call__(self, *args: str, name: str | None = None, **env: str) -> Proc:
-        """Start ``manage.py *args`` with stdout discarded and stderr collected."""
+    def __call__(
+        self, *args: str, name: str | None = None, nofile: int | None = None, **env: str
+    ) -> Proc:
+        """Start ``manage.py *args`` with stdout discarded and stderr collected.
+
+        ``nofile`` sets the child's file-descriptor limit (soft and hard), as ``ulimit -n``.
+        """
+        limit = None if nofile is None else functools.partial(_set_nofile, nofile)
         popen = subprocess.Popen(
             [sys.executable, str(ROOT / "manage.py"), *args],
             cwd=ROOT,
@@ -140,6 +154,7 @@ class Spawner:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            preexec_fn=limit,
         )
         proc = Proc(popen, name or args[0])
         self.procs.append(proc)
@@ -160,9 +175,17 @@ class Spawner:
             check=False,
         )
 
-    def server(self, *args: str, **env: str) -> tuple[Proc, int]:
+    def server(self, *args: str, nofile: int | None = None, **env: str) -> tuple[Proc, int]:
         """Start ``relay_server`` on a free loopback port; return it and its port once ready."""
-        proc = self("relay_server", "--address", "127.0.0.1:0", *args, name="relay_server", **env)
+        proc = self(
+            "relay_server",
+            "--address",
+            "127.0.0.1:0",
+            *args,
+            name="relay_server",
+            nofile=nofile,
+            **env,
+        )
         ready = proc.wait_event("ready", timeout=60)
         return proc, int(ready["port"])
 

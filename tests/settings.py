@@ -15,3 +15,8 @@ POSTGRESQL_URL = os.environ.get(
     "RELAY_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
 DATABASES["postgresql"] = postgresql_database(POSTGRESQL_URL)
+
+# One pytest process uses thousands of queue names; tests that bound metric labels set this.
+RELAY_METRICS_MAX_QUEUES = 1_000_000
+# A private key for tests only (relayproject.settings leaves it empty without RELAY_SECRET_KEY).
+SECRET_KEY = TEST_SECRET_KEY = "relay-tests-only-secret-key-not-for-any-deployment-3f9c1e7a"

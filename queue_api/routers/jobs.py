@@ -121,6 +121,15 @@ def list_jobs(
     auth=ApiKey("stats"),
     summary="Counts by queue and state",
 )
-def stats(request: HttpRequest, queue: str | None = None) -> dict[str, Any]:
-    """Jobs by queue and state, with each queue's oldest ready age (all queues, or ``queue``)."""
-    return calls.run(request, "stats", {"queue": queue})
+def stats(
+    request: HttpRequest,
+    queue: str | None = None,
+    limit: int | None = None,
+    after: str | None = None,
+) -> dict[str, Any]:
+    """Jobs by queue and state, with each queue's oldest ready age (all queues, or ``queue``).
+
+    Queues come ``limit`` at a time (default and most 1000) in name order; pass the page's
+    ``next_after`` as ``after`` for the next page (``null``: the last). Totals count all.
+    """
+    return calls.run(request, "stats", {"queue": queue, "limit": limit, "after": after})

@@ -4,14 +4,14 @@ Every renew, ack, fail and release names the job, the worker id it was leased wi
 lease token, and is fenced exactly as over TCP: a lost lease answers 409 ``LEASE_EXPIRED`` or
 ``STALE_TOKEN`` and changes nothing.
 
-Long-poll under gunicorn: a waiting ``lease`` holds one worker thread for up to ``wait_ms``
-(at most ``RELAY_MAX_WAIT_MS``). It waits on the service's change feed, the same design as the
-TCP server's (``queue_core.storage.base.ChangeFeed``: ``PRAGMA data_version`` on this thread's
-connection with SQLite, which changes only when another connection commits; LISTEN/NOTIFY with
-PostgreSQL), and also wakes at the next instant a job falls due or a lease expires; only then
-does it try the claim (a write transaction) again. Use gthread workers with enough threads for
-the waiting workers you expect, or keep ``wait_ms`` short.
-A client that disconnects mid-wait is not noticed (WSGI cannot tell); a job leased to it
+Long-poll: ``lease`` is an async view. Each claim (a write transaction) runs in the request's
+thread (``sync_to_async``); between claims the request waits on the event loop, holding no
+thread, for ``queue_api.longpoll.CommitWatch`` to report a commit (one process-wide watcher of
+the service's change feed, the same feed the TCP server uses), for the next instant a job falls
+due or a lease expires, or for ``wait_ms`` (at most ``RELAY_MAX_WAIT_MS``) to pass. Under the
+ASGI worker (``gunicorn.conf.py``) many long-polls thus cost no worker threads; under WSGI
+(Django's test client) the same view runs through ``async_to_sync``.
+A client that disconnects mid-wait is not noticed before the next claim; a job leased to it
 returns when its lease expires.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest
 from ninja import Router
 
@@ -38,7 +39,6 @@ from queue_api.schemas import (
 )
 from queue_api.security import ApiKey
 from queue_core import metrics
-from queue_core.storage import ChangeFeed
 
 router = Router(tags=["workers"])
 
@@ -51,7 +51,7 @@ MIN_PAUSE_S = 0.01  # the least a waiting lease sleeps between two claims
     auth=ApiKey("lease"),
     summary="Lease ready jobs (long-poll up to wait_ms)",
 )
-def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
+async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
     """Lease up to ``max_jobs`` ready jobs from ``queues`` (ready -> leased, attempt + 1).
 
     Waits up to ``wait_ms`` for a job when none is ready; answers ``{"jobs": []}`` then.
@@ -61,29 +61,37 @@ def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
         # Without the port, so the client knows what to send with renew/ack/fail.
         args["worker_id"] = f"http:{request.META.get('REMOTE_ADDR') or 'unknown'}"
     verb, checked = calls.check("lease", args)
-    svc = calls.service()
-    feed = svc.changes()
     deadline = time.monotonic() + checked.get("wait_ms", 0) / 1000
+    watch = calls.commit_watch()
+    if checked.get("wait_ms", 0) > 0:
+        await watch.start()
+    claim = sync_to_async(_claim)
     while True:
-        version = feed.token()
-        started = time.monotonic()
-        outcome = calls.call(request, verb, checked)
-        metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
-        result: dict[str, Any] = outcome.result
+        generation = watch.generation  # before the claim: a commit after it wakes the wait
+        result, wake_at = await claim(request, verb, checked, deadline)
         if result["jobs"] or time.monotonic() >= deadline:
             return result
-        _wait(svc, feed, version, deadline)
+        await watch.wait(generation, wake_at - time.monotonic())
 
 
-def _wait(svc: Any, feed: ChangeFeed, version: int, deadline: float) -> None:
-    """Wait until another connection commits, a job may fall due, or ``deadline``."""
+def _claim(
+    request: HttpRequest, verb: Any, checked: dict[str, Any], deadline: float
+) -> tuple[dict[str, Any], float]:
+    """Claim once; return the result and, when it is empty, when to look again at the latest
+    (``time.monotonic()``: the next due job or lease expiry, else ``deadline``)."""
+    started = time.monotonic()
+    outcome = calls.call(request, verb, checked)
+    metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
+    result: dict[str, Any] = outcome.result
+    if result["jobs"] or time.monotonic() >= deadline:
+        return result, deadline
+    svc = calls.service()
     wake_at = deadline
     due_ms = svc.next_due_ms()
     if due_ms is not None:
         due_in_s = max(0, due_ms - svc.clock.now_ms() + 1) / 1000
         wake_at = min(wake_at, time.monotonic() + due_in_s)
-    wake_at = max(wake_at, min(deadline, time.monotonic() + MIN_PAUSE_S))
-    feed.wait(version, wake_at - time.monotonic())
+    return result, max(wake_at, min(deadline, time.monotonic() + MIN_PAUSE_S))
 
 
 def _lease_op(request: HttpRequest, op: str, job_id: str, body: Any) -> dict[str, Any]:

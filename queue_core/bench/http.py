@@ -2,7 +2,7 @@
 
 It runs only when the HTTP API has its submit route (``POST /api/v1/queues/{queue}/jobs``)
 and gunicorn is installed; otherwise the report says why it was skipped. gunicorn gets the
-project's ``gunicorn.conf.py`` (as shipped: one gthread worker, 8 threads) bound to a free
+project's ``gunicorn.conf.py`` (as shipped: one asgi worker) bound to a free
 loopback port, with a ``relay_server`` on the same file as in a deployment. Each producer
 thread keeps one HTTP/1.1 keep-alive connection and POSTs ``{"payload": ...}``.
 """
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -58,11 +60,16 @@ class GunicornProcess:
         conf = root / "gunicorn.conf.py"
         if conf.exists():
             argv += ["--config", str(conf)]
-        argv += ["--bind", self.address, "relayproject.wsgi:application"]
+        argv += ["--bind", self.address, "relayproject.asgi:application"]
         self.popen = subprocess.Popen(
             argv,
             cwd=root,
-            env=procs.child_env(str(db_path), RELAY_LOG="warning"),
+            # A throw-away key: the HTTP side refuses to start without a private one.
+            env=procs.child_env(
+                str(db_path),
+                RELAY_LOG="warning",
+                RELAY_SECRET_KEY=os.environ.get("RELAY_SECRET_KEY") or secrets.token_urlsafe(48),
+            ),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from queue_core import errors
+from queue_core import errors, validation
 from queue_core.conf import relay_settings
 
 RequestId = str | int
@@ -122,13 +122,41 @@ def request_id_of(line: bytes) -> RequestId | None:
 
 
 def encode_request(req_id: RequestId | None, op: str, args: dict[str, Any] | None = None) -> bytes:
-    """Encode a request frame ``{"id", "op", "args"}`` ending in ``\\n`` (for clients)."""
+    """Encode a request frame ``{"id", "op", "args"}`` ending in ``\\n`` (for clients).
+
+    Raises:
+        InvalidArgument: ``args`` hold what JSON cannot carry (``details["field"]`` is its
+            path, e.g. ``lease_ms`` or ``payload.items[3]``): a float that is NaN or
+            ±Infinity (orjson would send ``null``, which the server reads as "not given": a
+            NaN ``delay_ms`` would run the job at once), a string with a lone surrogate, or a
+            value of a type JSON does not have.
+    """
     frame: dict[str, Any] = {"op": op}
     if req_id is not None:
         frame["id"] = req_id
     if args:
         frame["args"] = args
-    return orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE)
+    try:
+        encoded = orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE)
+    except TypeError as exc:  # orjson.JSONEncodeError
+        found = validation.unfaithful(args)
+        if found is None:
+            raise errors.InvalidArgument(f"{op} args are not JSON-serialisable: {exc}") from exc
+        raise _invalid(*found) from exc
+    # NaN and ±Infinity come out as null, and the args then differ from their decoding
+    # (decoded and compared in C): only then walk them (in Python) to find which one it was.
+    if (
+        encoded.find(b"null") >= 0
+        and orjson.loads(encoded).get("args") != args
+        and (found := validation.unfaithful(args, encoded=True))
+    ):
+        raise _invalid(*found)
+    return encoded
+
+
+def _invalid(path: str, problem: str) -> errors.InvalidArgument:
+    """``InvalidArgument`` whose field is the path to the bad value, as the server's is."""
+    return errors.InvalidArgument(f"{path}: {problem}", field=path)
 
 
 def encode_ok(req_id: RequestId | None, result: Any) -> bytes:

@@ -304,8 +304,13 @@ def _inspect(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     return Outcome({"job": svc.get(args["job_id"], history=True)})
 
 
+STATS_PAGE = 1000  # queues per stats reply by default (and at most)
+
+
 def _stats(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
-    return Outcome(svc.stats(args.get("queue")))
+    # Paged on the wire: 10,000 queues would not fit one frame.
+    limit = args.get("limit", STATS_PAGE)
+    return Outcome(svc.stats(args.get("queue"), limit=limit, after=args.get("after")))
 
 
 def _dead_list(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -376,7 +381,12 @@ VERBS: dict[str, Verb] = {
         ),
         Verb("release", _LEASE_IDS, _release, Kind.WRITE),
         Verb("inspect", _JOB_ID, _inspect, Kind.READ),
-        Verb("stats", {"queue": Arg(_str)}, _stats, Kind.READ),
+        Verb(
+            "stats",
+            {"queue": Arg(_str), "limit": Arg(_int), "after": Arg(_str)},
+            _stats,
+            Kind.READ,
+        ),
         Verb(
             "dead_list",
             {"queue": Arg(_str), "limit": Arg(_int), "after": Arg(_str)},

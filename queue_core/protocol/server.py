@@ -64,7 +64,8 @@ from typing import Any
 from queue_core import auth, errors, metrics
 from queue_core.client import format_address
 from queue_core.conf import relay_settings
-from queue_core.protocol import codec, dispatch
+from queue_core.protocol import codec, dispatch, limits
+from queue_core.protocol.budget import ReplyBudget
 from queue_core.service import QueueService, new_server_id
 from queue_core.storage import ChangeFeed
 
@@ -345,6 +346,7 @@ class _Conn:
     writer: asyncio.StreamWriter
     peer: str
     slots: asyncio.Semaphore  # in-flight requests left
+    budget: ReplyBudget  # the server's reply-byte budget
     # Its requests in progress (tasks, or writer futures of inline writes) and reply sends.
     tasks: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)
     waiting: set[asyncio.Event] = dataclasses.field(default_factory=set)  # its long-polls
@@ -353,6 +355,10 @@ class _Conn:
     eof_sent: bool = False  # we closed our side (after FRAME_TOO_LARGE): nothing more to send
     principal: auth.Principal | None = None  # set by a successful hello
     send_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    unsent: int = 0  # reply bytes reserved or not yet taken by the kernel (ReplyBudget)
+    drained_at: float = 0.0  # loop time it last held nothing or gave bytes back
+    cut_off: bool = False  # cut by the reply budget
+    bad_frames: int = 0  # malformed lines so far
 
     async def send(self, line: bytes) -> bool:
         """Write one reply line and wait until the socket buffer drains; return whether sent.
@@ -410,8 +416,10 @@ class _Conn:
                 self.slots.release()
                 return
             task = asyncio.ensure_future(self._drain())
+        self.budget.take(self, len(line))  # held until sent or dropped
         self.tasks.add(task)
         task.add_done_callback(self.done)
+        task.add_done_callback(lambda _: self.budget.give(self, len(line)))
 
     async def _drain(self) -> None:
         """Wait, holding the send turn, until a line written by ``reply_soon`` has gone out."""
@@ -539,6 +547,10 @@ class RelayServer:
         self._read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._writers: list[_Writer] = []
         self._pushed = False  # the change feed pushes (PostgreSQL): no polling by the writer
+        self._max_connections = s.max_connections  # capped to the fd limit in serve()
+        self._budget = ReplyBudget(
+            s.max_unsent_bytes_per_connection, s.max_unsent_bytes, self._conns, time.monotonic
+        )
         self.server_id = new_server_id()  # its row in the server registry
 
     @property
@@ -591,6 +603,8 @@ class RelayServer:
         ]
         for thread in threads:
             thread.start()
+        self._max_connections = limits.connection_cap(relay_settings().max_connections)
+        self._loop.set_exception_handler(limits.QuietAcceptErrors())
         try:
             limit = relay_settings().max_frame_bytes + 2
             server = await asyncio.start_server(self._on_connect, self.host, self.port, limit=limit)
@@ -819,8 +833,10 @@ class RelayServer:
         s = relay_settings()
         peername = writer.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
-        conn = _Conn(reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection))
-        over_limit = len(self._conns) >= s.max_connections
+        conn = _Conn(
+            reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection), self._budget
+        )
+        over_limit = len(self._conns) >= self._max_connections or self._over_address_cap(peername)
         self._conns.add(conn)  # tracked from the start, so a shutdown can always close it
         try:
             if self._draining or over_limit:
@@ -867,15 +883,71 @@ class RelayServer:
         with contextlib.suppress(TimeoutError, ConnectionError):
             await asyncio.wait_for(conn.writer.drain(), timeout_s)
 
+    def _over_address_cap(self, peername: object) -> bool:
+        """Whether the peer's address already holds ``RELAY_MAX_CONNECTIONS_PER_ADDRESS``
+        connections (0: no cap)."""
+        cap = relay_settings().max_connections_per_address
+        if not cap or not isinstance(peername, tuple):
+            return False
+        host = peername[0]
+        held = sum(
+            1
+            for c in self._conns
+            if (p := c.writer.get_extra_info("peername")) and isinstance(p, tuple) and p[0] == host
+        )
+        return held >= cap  # this connection is not in the set yet
+
     async def _read_loop(self, conn: _Conn) -> None:
-        """Read frames until EOF, an idle timeout or an oversize frame; spawn one task each."""
+        """Read frames until EOF, a timeout or an abuse; serve each one.
+
+        The connection ends (after an error line) when: its first byte cannot begin a JSON
+        request (an HTTP request line, a TLS hello: nothing after it runs) or its first line
+        is not a request; it sent ``RELAY_MAX_BAD_FRAMES`` malformed lines; no valid request
+        came for ``RELAY_IDLE_TIMEOUT_MS`` while none was in progress (malformed lines do
+        not count as activity); with API keys on, no successful ``hello`` came within
+        ``RELAY_AUTH_TIMEOUT_MS``; or a frame was too large. While it holds more reply bytes
+        than its budget (``ReplyBudget``), its next frame is not read.
+        """
         s = relay_settings()
+        loop = asyncio.get_running_loop()
         idle_s = s.idle_timeout_ms / 1000
+        active_at = loop.time()  # the last valid request, or the connect
+        try:
+            required = (await self._key_ring()).required
+        except errors.RelayError:  # the table cannot be read now: requests will say so
+            required = False
+        auth_by = loop.time() + s.auth_timeout_ms / 1000 if required else None
+        head = await self._first_byte(conn, idle_s if auth_by is None else auth_by - loop.time())
+        if head is None:
+            return
         while True:
+            if self._budget.over(conn):
+                await self._budget.room(conn)
+            authed = auth_by is None or (
+                conn.principal is not None and conn.principal.authenticated
+            )
+            wait_s = active_at + idle_s - loop.time()
+            if not authed:
+                assert auth_by is not None
+                wait_s = min(wait_s, auth_by - loop.time())
             try:
-                line = await asyncio.wait_for(conn.reader.readuntil(b"\n"), idle_s)
+                async with asyncio.timeout(max(wait_s, 0.0)):
+                    line = head + await conn.reader.readuntil(b"\n")
             except TimeoutError:
+                authed = auth_by is None or (
+                    conn.principal is not None and conn.principal.authenticated
+                )
+                if not authed and loop.time() >= auth_by:  # type: ignore[operator]
+                    log.debug("event=auth_timeout peer=%s", conn.peer)
+                    refusal: errors.RelayError = errors.Unauthenticated(
+                        f"no successful hello within {s.auth_timeout_ms} ms"
+                    )
+                    await conn.send(codec.encode_error(None, refusal))
+                    return
+                if loop.time() < active_at + idle_s:  # woken for the hello deadline only
+                    continue
                 if conn.tasks:  # a request in progress (a long-poll) is not idleness
+                    active_at = loop.time()
                     continue
                 log.debug("event=idle_timeout peer=%s", conn.peer)
                 await conn.send(codec.encode_error(None, errors.Timeout()))
@@ -894,15 +966,23 @@ class RelayServer:
                 for event in conn.waiting:
                     event.set()
                 return
+            first, head = bool(head), b""
             try:
                 request = codec.decode_request(line, s.max_frame_bytes)
             except errors.FrameTooLarge as exc:
                 await self._refuse_frame(conn, exc)
                 return
             except errors.BadFrame as exc:
+                conn.bad_frames += 1
                 log.debug("event=bad_frame peer=%s error=%s", conn.peer, exc.message)
+                if first or conn.bad_frames >= s.max_bad_frames:
+                    why = "the first line" if first else f"{conn.bad_frames} malformed lines"
+                    exc = errors.BadFrame(f"{exc.message}; closing after {why}")
+                    await conn.send(codec.encode_error(codec.request_id_of(line), exc))
+                    return
                 await conn.send(codec.encode_error(codec.request_id_of(line), exc))
                 continue
+            active_at = loop.time()
             await conn.slots.acquire()  # at most max_inflight per connection: else stop reading
             inline = self._write_inline(conn, request)
             if inline is not None:  # its reply frees the slot once the kernel has it
@@ -912,6 +992,27 @@ class RelayServer:
             task = asyncio.create_task(self._serve_request(conn, request))
             conn.tasks.add(task)
             task.add_done_callback(conn.done)
+
+    @staticmethod
+    async def _first_byte(conn: _Conn, timeout_s: float) -> bytes | None:
+        """Read the connection's first byte; None (after an error line, or at EOF) when it
+        cannot begin a JSON request: an HTTP request line or a TLS hello ends here, before
+        anything runs (a browser's cross-origin POST must not reach the NDJSON body)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                head = await conn.reader.readexactly(1)
+        except TimeoutError:
+            await conn.send(codec.encode_error(None, errors.Timeout()))
+            return None
+        except (asyncio.IncompleteReadError, ConnectionError):
+            conn.gone = True
+            return None
+        if head not in b"{ \t\r":
+            log.debug("event=not_ndjson peer=%s first_byte=%r", conn.peer, head)
+            refusal = errors.BadFrame("not an NDJSON request: a line must be a JSON object")
+            await conn.send(codec.encode_error(None, refusal))
+            return None
+        return head
 
     async def _refuse_frame(self, conn: _Conn, exc: errors.FrameTooLarge) -> None:
         """Reply FRAME_TOO_LARGE and answer the requests before it; the connection then
@@ -927,13 +1028,32 @@ class RelayServer:
         await _until_idle([conn], CLOSE_WAIT_S)
 
     async def _serve_request(self, conn: _Conn, request: codec.Request) -> None:
+        """Run one request (not an inline write) and send its reply.
+
+        A read reserves a frame of the reply budget before it runs, a lease each time it
+        claims (``_lease``); the hold shrinks to the reply's size once it is made, and ends
+        when the kernel has it.
+        """
         result: dict[str, Any] | None = None
+        verb = dispatch.VERBS.get(request.op)
+        frame = relay_settings().max_frame_bytes
+        held = 0
         try:
-            result = await self._execute(conn, request)
-            line = _reply(request, result)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
-            line = _error_reply(request, exc)
-        sent = await conn.send(line)
+            try:
+                if verb is not None and verb.kind is dispatch.Kind.READ:
+                    await self._budget.reserve(conn, frame)
+                    held = frame
+                result = await self._execute(conn, request)
+                if verb is not None and verb.kind is dispatch.Kind.LEASE and result["jobs"]:
+                    held = frame  # _lease kept its claim's hold
+                line = _reply(request, result)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
+                line = _error_reply(request, exc)
+            self._budget.give(conn, held - len(line))
+            held = len(line)
+            sent = await conn.send(line)
+        finally:
+            self._budget.give(conn, held)
         if not sent and request.op == "lease" and result and result.get("jobs"):
             # Never leave jobs leased to a socket that is gone: give them back at once.
             await self._release_unsent(result["jobs"], request.args.get("worker_id") or conn.peer)
@@ -1065,8 +1185,13 @@ class RelayServer:
     async def _lease(
         self, conn: _Conn, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context
     ) -> dispatch.Outcome:
-        """Claim; when nothing is ready, wait for a wake-up or ``wait_ms``, and claim again."""
+        """Claim; when nothing is ready, wait for a wake-up or ``wait_ms``, and claim again.
+
+        Each claim first reserves a frame of the connection's reply budget; an outcome with
+        jobs returns still holding it (``_serve_request`` ends the hold).
+        """
         loop = asyncio.get_running_loop()
+        frame = relay_settings().max_frame_bytes
         deadline = loop.time() + args.get("wait_ms", 0) / 1000
         queues: list[str] = args["queues"]
         while True:
@@ -1076,15 +1201,23 @@ class RelayServer:
             event = self._notifier.subscribe(queues)
             conn.waiting.add(event)
             try:
+                await self._budget.reserve(conn, frame)
                 started = loop.time()
-                outcome: dispatch.Outcome = await self._write(
-                    lambda: verb.handler(self.service, args, ctx), claims=True
-                )
+                try:
+                    outcome: dispatch.Outcome = await self._write(
+                        lambda: verb.handler(self.service, args, ctx), claims=True
+                    )
+                except BaseException:
+                    self._budget.give(conn, frame)
+                    raise
+                if not outcome.result["jobs"]:
+                    self._budget.give(conn, frame)
                 metrics.CLAIM_SECONDS.observe(loop.time() - started)
                 if conn.gone and outcome.result["jobs"]:
                     # The client closed (EOF) while the claim ran: a normal close still lets
                     # the reply into the kernel, so give the jobs back rather than lease them
                     # to a socket nobody reads.
+                    self._budget.give(conn, frame)
                     worker_id = args.get("worker_id") or conn.peer
                     await self._release_unsent(outcome.result["jobs"], worker_id)
                     return dispatch.Outcome({"jobs": []})

@@ -124,11 +124,22 @@ def default_worker_id() -> str:
 
 
 def truncate_utf8(text: str, max_bytes: int) -> str:
-    """Cut ``text`` to at most ``max_bytes`` UTF-8 bytes without splitting a character."""
-    data = text.encode("utf-8")
-    if len(data) <= max_bytes:
-        return text
+    """Cut ``text`` to at most ``max_bytes`` UTF-8 bytes without splitting a character.
+
+    Never raises: a lone surrogate (U+D800..U+DFFF, which has no UTF-8 form and which the
+    server refuses) becomes its ``\\udXXX`` escape first, so the text can always be sent.
+    """
+    data = text.encode("utf-8", errors="backslashreplace")
     return data[:max_bytes].decode("utf-8", errors="ignore")
+
+
+def error_text(exc: BaseException) -> str:
+    """The text a failed handler's exception is reported with: its message, or its type's
+    name when the message is empty or cannot be read (a ``__str__`` that raises)."""
+    try:
+        return str(exc) or type(exc).__name__
+    except Exception:  # noqa: BLE001 - the failure must be reported whatever __str__ does
+        return f"{type(exc).__name__} (its message could not be read)"
 
 
 _Status = Literal["running", "settling", "released"]
@@ -488,7 +499,7 @@ class Worker:
             action = "release"
         except BaseException as exc:  # noqa: BLE001 - any handler failure, even SystemExit, fails the job
             action = "fail"
-            error = truncate_utf8(str(exc) or type(exc).__name__, self.max_error_bytes)
+            error = truncate_utf8(error_text(exc), self.max_error_bytes)
             retryable = not isinstance(exc, NonRetryableError)
             _log(
                 logging.WARNING,

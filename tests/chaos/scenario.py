@@ -12,7 +12,9 @@ After each kill and after each restart ``tests.audit.audit`` checks the database
 At the end every job must be terminal in the state its payload dictates, none lost, no lease
 acked twice, and the extra deliveries (beyond what the payload alone causes) bounded by the
 leases in flight at the kills: per job by its interrupted attempts, and in total by the leases
-the restarted servers recovered plus the leases of killed workers that expired.
+the restarted servers recovered, the leases of killed workers that expired, and the leases a
+server gave back because their lease reply could not be sent (a worker killed while its claim
+ran): attempts the history closes as ``released`` that no worker's own log shows it received.
 
 Used by ``tests/crash/test_crash_recovery.py`` (short, in CI) and ``python -m tests.chaos.run``
 (long, opt-in). No Django in this process: the database is read with ``sqlite3``.
@@ -76,6 +78,8 @@ class ChaosResult:
     recovered_leases: int = 0
     expired_leases_of_killed_workers: int = 0
     expired_leases_of_live_workers: int = 0
+    released_unsent: int = 0
+    released_by_workers: int = 0
     deliveries: int = 0
     executions_logged: int = 0
     duplicates: int = 0
@@ -92,8 +96,15 @@ class ChaosResult:
 
     @property
     def allowed_duplicates(self) -> int:
-        """Deliveries a kill (or, rarely, a renewal stalled past its lease) may repeat."""
-        return self.in_flight_at_kills + self.expired_leases_of_live_workers
+        """Deliveries a kill (or, rarely, a renewal stalled past its lease) may repeat, and
+        deliveries given back without running: by the server when it could not send the lease
+        reply, or by a worker that stopped."""
+        return (
+            self.in_flight_at_kills
+            + self.expired_leases_of_live_workers
+            + self.released_unsent
+            + self.released_by_workers
+        )
 
     @property
     def ok(self) -> bool:
@@ -112,6 +123,8 @@ class ChaosResult:
                 f"{self.expired_leases_of_killed_workers})",
                 f"expired_leases_of_live_workers={self.expired_leases_of_live_workers}"
                 " (a stalled renewal, not a kill; normally 0)",
+                f"released_unsent={self.released_unsent} (leases the server gave back: their"
+                f" reply could not be sent) released_by_workers={self.released_by_workers}",
                 f"deliveries={self.deliveries} executions_logged={self.executions_logged}",
                 f"duplicates={self.duplicates} (allowed <= {self.allowed_duplicates})",
                 f"lost={self.lost} audits={self.audits} elapsed={self.elapsed_s:.1f}s",
@@ -366,9 +379,30 @@ def _check_outcome(
     if len(jobs) != len(ids):
         v.append(f"{len(jobs)} jobs in the database, {len(ids)} submitted")
 
-    # Interrupted attempts: leases a kill cut short (recovered at a restart, or expired).
+    # The workers' own logs, which the server cannot write: the deliveries each worker
+    # received, acked, and gave back itself.
+    leased: collections.Counter[tuple[str, int]] = collections.Counter()
+    acked: collections.Counter[str] = collections.Counter()
+    acked_attempt: dict[str, int] = {}
+    worker_released: set[tuple[str, int]] = set()
+    for proc in cluster.all_procs():
+        if not proc.name.startswith("chaos-w"):
+            continue
+        for r in proc.records:
+            if r.get("event") == "leased":
+                leased[(r["job_id"], int(r["attempt"]))] += 1
+            elif r.get("event") == "acked" and not r.get("duplicate"):
+                acked[r["job_id"]] += 1
+                acked_attempt[r["job_id"]] = int(r["attempt"])
+            elif r.get("event") == "released":
+                worker_released.add((r["job_id"], int(r["attempt"])))
+
+    # Interrupted attempts: leases a kill cut short (recovered at a restart, or expired), and
+    # leases given back unrun. The server gives back a lease whose reply it could not send (the
+    # worker was killed while its claim ran): the history says "released", and the workers'
+    # logs must agree that no worker received that delivery.
     interrupted: collections.Counter[str] = collections.Counter()
-    for job_id, _, worker_id, outcome in attempts:
+    for job_id, attempt, worker_id, outcome in attempts:
         if outcome == "recovered":
             interrupted[job_id] += 1
             result.recovered_leases += 1
@@ -378,6 +412,17 @@ def _check_outcome(
                 result.expired_leases_of_killed_workers += 1
             else:
                 result.expired_leases_of_live_workers += 1
+        elif outcome == "released":
+            interrupted[job_id] += 1
+            if (job_id, attempt) in worker_released:
+                result.released_by_workers += 1
+            elif leased[(job_id, attempt)]:
+                v.append(
+                    f"{job_id} attempt {attempt}: released, but {worker_id} received it and "
+                    "did not release it"
+                )
+            else:
+                result.released_unsent += 1
     logged_recovered = sum(
         int(r.get("leases", 0))
         for proc in cluster.servers
@@ -407,19 +452,7 @@ def _check_outcome(
     if result.duplicates > result.allowed_duplicates:
         v.append(f"{result.duplicates} duplicates > {result.allowed_duplicates} interrupted")
 
-    # The workers' own logs: each delivery handed to one worker; no lease acked twice.
-    leased: collections.Counter[tuple[str, int]] = collections.Counter()
-    acked: collections.Counter[str] = collections.Counter()
-    acked_attempt: dict[str, int] = {}
-    for proc in cluster.all_procs():
-        if not proc.name.startswith("chaos-w"):
-            continue
-        for r in proc.records:
-            if r.get("event") == "leased":
-                leased[(r["job_id"], int(r["attempt"]))] += 1
-            elif r.get("event") == "acked" and not r.get("duplicate"):
-                acked[r["job_id"]] += 1
-                acked_attempt[r["job_id"]] = int(r["attempt"])
+    # Each delivery handed to one worker; no lease acked twice.
     result.executions_logged = sum(leased.values())
     twice = [key for key, n in leased.items() if n > 1]
     if twice:

@@ -5,8 +5,10 @@ One server process serves the whole module (small limits: 64 KiB frames, 24 conn
 its own connection; each test checks that it kept completing cycles, without an error and with
 bounded latency, while the abuse went on, and that the server logged no internal error.
 
-Each abuse gets its documented answer: ``BAD_FRAME`` (connection kept) for lines that are not
-UTF-8, not JSON, nested too deeply, of the wrong shape or types; ``INVALID_ARGUMENT`` for bad
+Each abuse gets its documented answer: ``BAD_FRAME`` (connection kept, up to
+``RELAY_MAX_BAD_FRAMES`` of them; closed when it is the first line, or when the first byte
+cannot begin a request: an HTTP request, a TLS hello) for lines that are not UTF-8, not JSON,
+nested too deeply, of the wrong shape or types; ``INVALID_ARGUMENT`` for bad
 argument types; ``UNKNOWN_OP``; ``FRAME_TOO_LARGE`` and a close for oversize frames;
 ``TIMEOUT`` and a close for a frame that never completes (however slowly it trickles in);
 ``TOO_MANY_CONNECTIONS`` and a close past the limit. A frame cut off by the client hanging up
@@ -20,7 +22,6 @@ import concurrent.futures
 import contextlib
 import socket
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ import orjson
 import pytest
 
 from queue_core.client import RelayClient
+from tests.hostile.support import Raw, Sentinel
 from tests.procs import Proc, spawner
 
 pytestmark = [pytest.mark.slow]
@@ -37,96 +39,13 @@ pytestmark = [pytest.mark.slow]
 FRAME_LIMIT = 65_536
 MAX_CONNECTIONS = 24
 IDLE_MS = 1_500
+MAX_BAD_FRAMES = 16  # the default
 ENV = {
     "RELAY_MAX_FRAME_BYTES": str(FRAME_LIMIT),
     "RELAY_MAX_PAYLOAD_BYTES": "16384",
     "RELAY_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
     "RELAY_IDLE_TIMEOUT_MS": str(IDLE_MS),
 }
-
-
-class Raw:
-    """A raw socket speaking (or abusing) NDJSON."""
-
-    def __init__(self, port: int, timeout: float = 15.0) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-        self.file = self.sock.makefile("rb")
-
-    def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def recv(self) -> dict[str, Any]:
-        line = self.file.readline()
-        assert line.endswith(b"\n"), f"connection closed instead of a reply: {line!r}"
-        reply: dict[str, Any] = orjson.loads(line)
-        return reply
-
-    def code(self, data: bytes) -> str:
-        """Send ``data`` and return the error code of the reply."""
-        self.send(data)
-        reply = self.recv()
-        assert reply["ok"] is False, reply
-        return str(reply["error"]["code"])
-
-    def ping(self) -> bool:
-        self.send(b'{"id":"p","op":"ping"}\n')
-        reply = self.recv()
-        return reply["id"] == "p" and reply["ok"] is True
-
-    def at_eof(self) -> bool:
-        """True when the server closed the connection (a reset counts: it was closed)."""
-        try:
-            return self.file.read(1) == b""
-        except ConnectionResetError:
-            return True
-        except TimeoutError:
-            return False
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.file.close()
-            self.sock.close()
-
-
-class Sentinel:
-    """Submit -> lease -> ack cycles on one connection, in a thread, until stopped."""
-
-    def __init__(self, port: int) -> None:
-        self.client = RelayClient(f"127.0.0.1:{port}", timeout_s=10)
-        self.cycles = 0
-        self.errors: list[str] = []
-        self.worst_s = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            began = time.monotonic()
-            try:
-                self.client.submit("sentinel", {"n": self.cycles})
-                (lease,) = self.client.lease(["sentinel"], worker_id="sentinel", wait_ms=2_000)
-                self.client.ack(
-                    lease["job_id"], worker_id="sentinel", lease_token=lease["lease_token"]
-                )
-            except Exception as exc:
-                self.errors.append(repr(exc))
-                return
-            self.worst_s = max(self.worst_s, time.monotonic() - began)
-            self.cycles += 1
-
-    def wait_cycles(self, n: int, timeout: float = 20.0) -> None:
-        """Wait (bounded) until ``n`` more cycles have completed."""
-        target = self.cycles + n
-        deadline = time.monotonic() + timeout
-        while self.cycles < target and not self.errors:
-            assert time.monotonic() < deadline, f"sentinel stalled at {self.cycles} cycles"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(15)
-        self.client.close()
 
 
 @pytest.fixture(scope="module")
@@ -196,8 +115,52 @@ BAD_FRAMES = {
 @pytest.mark.parametrize("frame", list(BAD_FRAMES.values()), ids=list(BAD_FRAMES))
 def test_malformed_frame_gets_bad_frame_and_the_connection_stays(port: int, frame: bytes) -> None:
     with raw(port) as conn:
+        assert conn.ping()
         assert conn.code(frame) == "BAD_FRAME"
         assert conn.ping()
+
+
+@pytest.mark.parametrize("frame", list(BAD_FRAMES.values()), ids=list(BAD_FRAMES))
+def test_a_malformed_first_line_closes_the_connection(port: int, frame: bytes) -> None:
+    with raw(port) as conn:
+        conn.send(frame + b'{"id":"after","op":"submit","args":{"queue":"never","payload":1}}\n')
+        assert conn.recv()["error"]["code"] == "BAD_FRAME"
+        assert conn.at_eof()
+
+
+NOT_NDJSON = {
+    # A browser's cross-origin form POST: nothing after the request line may run.
+    "http post": b"POST / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: text/plain\r\n"
+    b"Content-Length: 66\r\n\r\n"
+    b'{"id":"after","op":"submit","args":{"queue":"never","payload":1}}\n',
+    "tls client hello": bytes.fromhex("160301020001") + b"\x00" * 40,  # no newline at all
+    "garbage": b"\x00\x01\x02 hello\n",
+}
+
+
+@pytest.mark.parametrize("data", list(NOT_NDJSON.values()), ids=list(NOT_NDJSON))
+def test_a_connection_that_does_not_speak_ndjson_is_closed_at_once(port: int, data: bytes) -> None:
+    with raw(port) as conn:
+        conn.send(data)
+        assert conn.recv()["error"]["code"] == "BAD_FRAME"
+        assert conn.at_eof()
+    client = RelayClient(f"127.0.0.1:{port}", timeout_s=10)
+    try:  # the body after the request line never ran
+        assert client.stats()["queues"].get("never") is None
+    finally:
+        client.close()
+
+
+def test_too_many_malformed_lines_close_the_connection(port: int) -> None:
+    small = [frame for name, frame in BAD_FRAMES.items() if not name.startswith("deeply")]
+    with raw(port) as conn:
+        assert conn.ping()
+        for n in range(MAX_BAD_FRAMES - 1):  # each one answered, the connection kept
+            assert conn.code(small[n % len(small)]) == "BAD_FRAME"
+        assert conn.ping()  # a valid request does not reset the count
+        reply = conn.code(small[0])
+        assert reply == "BAD_FRAME"
+        assert conn.at_eof()
 
 
 WRONG_ARGS = {
@@ -240,7 +203,7 @@ def test_oversize_frames_are_refused_and_closed(port: int) -> None:
         assert big.recv()["error"]["code"] == "FRAME_TOO_LARGE"
         assert big.at_eof()
     with raw(port) as endless:  # no newline ever: refused once the limit is crossed
-        endless.send(b"x" * (FRAME_LIMIT + 10))
+        endless.send(b"{" + b"x" * (FRAME_LIMIT + 10))
         assert endless.recv()["error"]["code"] == "FRAME_TOO_LARGE"
         assert endless.at_eof()
     with raw(port) as fine:  # a large frame under the limit is served
@@ -266,12 +229,13 @@ def test_frames_cut_off_by_the_client_hanging_up_harm_nobody(port: int) -> None:
 
 def test_slow_frames_are_served_when_complete_and_cut_when_not(port: int) -> None:
     frame = b'{"id":"slow","op":"ping"}\n'
-    with raw(port) as slow, raw(port) as stuck:
+    with raw(port) as slow:
         for i in range(0, len(frame), 4):  # trickles in, but completes within the timeout
             slow.send(frame[i : i + 4])
             time.sleep(0.02)
         assert slow.recv()["id"] == "slow"
-        began = time.monotonic()
+    began = time.monotonic()  # the idle clock starts at the connect
+    with raw(port) as stuck:
         for byte in b'{"op":"pi':  # never completes, however steadily it trickles
             stuck.send(bytes([byte]))
             time.sleep(0.05)
@@ -325,14 +289,18 @@ def test_connections_past_the_limit_are_refused_and_closed(port: int) -> None:
 
 def test_a_flood_of_bad_frames_from_many_clients(port: int) -> None:
     small = [frame for name, frame in BAD_FRAMES.items() if not name.startswith("deeply")]
-    junk = b"".join(small) * 5  # pipelined, in one write
+    junk = b'{"op":"ping"}\n' + b"".join(small[: MAX_BAD_FRAMES - 1])  # pipelined, in one write
 
     def flood() -> set[str]:
-        with raw(port) as conn:
-            conn.send(junk)
-            codes = {conn.recv()["error"]["code"] for _ in range(5 * len(small))}
-            assert conn.ping()
-            return codes
+        codes: set[str] = set()
+        for _ in range(5):
+            with raw(port) as conn:
+                conn.send(junk)
+                replies = [conn.recv() for _ in range(MAX_BAD_FRAMES)]  # in any order
+                assert sum(reply["ok"] for reply in replies) == 1
+                codes |= {r["error"]["code"] for r in replies if not r["ok"]}
+                assert conn.ping()
+        return codes
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         results = [pool.submit(flood) for _ in range(8)]

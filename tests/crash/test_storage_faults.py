@@ -145,13 +145,13 @@ def test_a_full_disk_is_storage_full_for_every_write_then_writes_resume(tmpfs: P
     audit(db)
 
 
-def test_start_on_a_full_disk_exits_5_storage_full_not_corrupt(tmpfs: Path) -> None:
+def test_start_on_a_full_disk_exits_7_storage_full_not_corrupt(tmpfs: Path) -> None:
     db = tmpfs / "relay.db"
     with spawner(str(db)) as spawn:
         migrated(spawn)
         filler = fill(tmpfs)
         done = start(db)
-        assert done.returncode == 5, done.stderr[-2000:]
+        assert done.returncode == 7, done.stderr[-2000:]
         assert last_line(done).startswith(f"STORAGE_FULL: database {db}: "), done.stderr
         assert "CORRUPT" not in done.stderr and "Traceback" not in done.stderr
         filler.unlink()
@@ -165,7 +165,7 @@ def test_start_on_a_full_disk_exits_5_storage_full_not_corrupt(tmpfs: Path) -> N
 
 
 @pytest.mark.parametrize("what", ["file system", "file", "folder"])
-def test_start_on_read_only_storage_exits_6_with_one_line(
+def test_start_on_read_only_storage_exits_8_with_one_line(
     what: str, tmpfs: Path, tmp_path: Path
 ) -> None:
     folder = tmpfs if what == "file system" else tmp_path / "ro"
@@ -190,7 +190,7 @@ def test_start_on_read_only_storage_exits_6_with_one_line(
             else:
                 os.chmod(folder, 0o755)
                 os.chmod(db, 0o644)
-    assert done.returncode == 6, done.stderr[-2000:]
+    assert done.returncode == 8, done.stderr[-2000:]
     assert last_line(done).startswith(f"STORAGE_IO: database {db}: "), done.stderr
     assert "Traceback" not in done.stderr and "CORRUPT" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr

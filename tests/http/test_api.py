@@ -436,3 +436,30 @@ def test_openapi_schema_and_docs_page_are_served(api: Api) -> None:
 def test_health_needs_no_key(api: Api) -> None:
     body = api.get("/api/v1/health").json()
     assert body["ok"] is True
+
+
+# ------------------------------------------ NaN, ±Infinity and lone surrogates (#11, #12)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        (JOBS, b'{"payload": {"x": 1e400}}'),
+        (JOBS, b'{"payload": -Infinity}'),
+        (JOBS, b'{"payload": 1, "delay_ms": NaN}'),
+        (JOBS, b'{"payload": 1, "max_retries": Infinity}'),
+        (JOBS, b'{"payload": "\\ud800"}'),
+        (JOBS, b'{"payload": {"\\udcff": 1}}'),
+        ("/api/v1/leases", b'{"queues": ["email"], "worker_id": "\\ud800"}'),
+        ("/api/v1/leases", b'{"queues": ["email"], "lease_ms": NaN}'),
+    ],
+)
+def test_nan_infinity_and_surrogates_are_refused_like_over_tcp(
+    api: Api, path: str, raw: bytes
+) -> None:
+    # The body parser is orjson, as the TCP codec is: none of these is JSON it reads (NaN and
+    # Infinity are not JSON, 1e400 holds in no double, "\ud800" has no UTF-8 form), so the
+    # answer is BAD_FRAME on both surfaces, and nothing becomes null.
+    response = api.client.post(path, raw, content_type="application/json")
+    problem(response, 400, "BAD_FRAME")
+    assert Job.objects.count() == 0

@@ -35,8 +35,12 @@ def test_without_keys_the_api_is_open(api: Api) -> None:
 
 
 def test_once_a_key_exists_requests_need_one(
-    api: Api, make_key: Callable[..., str], caplog: pytest.LogCaptureFixture
+    api: Api,
+    make_key: Callable[..., str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(auth, "AUTH_LOG_EVERY_S", 0.0)  # log each refusal here
     key = make_key("producer")
     caplog.set_level(logging.WARNING, logger="relay.auth")
     body = problem(api.post(JOBS, {"payload": 1}), 401, "UNAUTHENTICATED")
@@ -261,8 +265,13 @@ def test_tcp_needs_hello_once_keys_exist(tcp: _Server, make_key: Callable[..., s
 
 @pytest.mark.parametrize("op", ["ack", "lease"])  # a write (answered inline) and a lease
 def test_tcp_refusal_is_counted_and_logged_once(
-    tcp: _Server, make_key: Callable[..., str], caplog: pytest.LogCaptureFixture, op: str
+    tcp: _Server,
+    make_key: Callable[..., str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    op: str,
 ) -> None:
+    monkeypatch.setattr(auth, "_warned_at", float("-inf"))  # no warning in the last second
     producer = make_key("producer")
     args = {"job_id": "job_x", "worker_id": "w", "lease_token": "t"} if op == "ack" else {}
     with RelayClient(tcp.address(), api_key=producer) as client:
@@ -311,3 +320,25 @@ def test_cli_hands_the_api_key_to_client_commands_only() -> None:
     ]
     assert "--api-key" not in translate(["--api-key", "rk_x", "server"]).argv
     assert translate(["keys", "list"]).argv == ["relay", "relay_keys", "list"]
+
+
+def test_a_flood_of_bad_keys_is_counted_in_full_and_logged_once_a_second(
+    transactional_db: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    auth.create_key("k", ["producer"])
+    ring = auth.load_ring()
+    monkeypatch.setattr(auth, "_warned_at", float("-inf"))
+    before = metric("relay_auth_failures_total", surface="tcp", code="UNAUTHENTICATED")
+    caplog.set_level(logging.WARNING, logger="relay.auth")
+    for _ in range(50):
+        with pytest.raises(errors.Unauthenticated):
+            auth.authenticate("rk_nope_nope", surface="tcp", peer="p", ring=ring)
+    after = metric("relay_auth_failures_total", surface="tcp", code="UNAUTHENTICATED")
+    assert after - before == 50
+    lines = [r for r in caplog.records if "auth_failed" in r.getMessage()]
+    assert len(lines) == 1
+    monkeypatch.setattr(auth, "_warned_at", auth._warned_at - auth.AUTH_LOG_EVERY_S)  # a second on
+    with pytest.raises(errors.Unauthenticated):
+        auth.authenticate("rk_nope_nope", surface="tcp", peer="p", ring=ring)
+    lines = [r for r in caplog.records if "auth_failed" in r.getMessage()]
+    assert len(lines) == 2 and "unlogged=49" in lines[1].getMessage()

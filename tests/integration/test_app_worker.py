@@ -17,7 +17,7 @@ from django.db import transaction
 from django.tasks import TaskResultStatus
 
 from queue_core.client import RelayClient
-from queue_core.models import Job
+from queue_core.models import Job, JobAttempt
 from tests.procs import Proc, Spawner
 from tests.tasks_app import tasks
 
@@ -162,3 +162,19 @@ def test_tasks_enqueued_in_a_transaction_run_only_if_it_commits(spawn: Spawner) 
     assert committed.return_value == 2
     assert list(Job.objects.values_list("id", flat=True)) == [committed.id]
     assert not Job.objects.filter(pk=rolled_back.id).exists()
+
+
+def test_tasks_worker_reports_an_error_text_with_a_lone_surrogate(spawn: Spawner) -> None:
+    # The task's error text holds "\udcff", which has no UTF-8 form: recording the traceback
+    # and cutting the text to size both raised, so the failure went unreported.
+    _, worker = start(spawn, "--tasks")
+    result = tasks.fail_with_surrogate.enqueue()
+    worker.wait_for(lambda r: r.get("event") == "failed" and r.get("job_id") == result.id)
+    first = JobAttempt.objects.get(job_id=result.id, attempt=1)  # retries may run meanwhile
+    assert (first.outcome, first.error) == ("failed", "cannot read file name bad-\\udcff")
+    result.refresh()
+    error = result.errors[0]
+    assert error.exception_class is ValueError
+    assert "ValueError: cannot read file name bad-\\udcff" in error.traceback
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit() == 0

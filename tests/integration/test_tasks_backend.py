@@ -24,11 +24,12 @@ from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.test import override_settings
 
 from queue_core.clock import FakeClock
-from queue_core.errors import LeaseExpired
+from queue_core.errors import InvalidArgument, LeaseExpired
 from queue_core.models import Job
 from queue_core.service import QueueService
 from queue_core.tasks_backend import RelayBackend, TaskAttemptFailed, execute_task, relay_priority
 from queue_core.worker import JobContext, NonRetryableError
+from queue_core.worker.runner import error_text, truncate_utf8
 from tests.tasks_app import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -66,7 +67,7 @@ def run_next(
     except BaseException as exc:
         service.fail(
             lease["job_id"],
-            error=str(exc) or type(exc).__name__,
+            error=truncate_utf8(error_text(exc), 4096),  # as the worker reports it
             retryable=not isinstance(exc, NonRetryableError),
             **settle,
         )
@@ -285,6 +286,45 @@ def test_return_value_that_is_not_json_fails_the_attempt(worker_service: QueueSe
         result.refresh()
     assert result.status == TaskResultStatus.FAILED
     assert result.errors[0].exception_class is TypeError
+
+
+def test_nan_and_surrogate_arguments_are_refused_at_enqueue() -> None:
+    # orjson would have stored NaN as null: the task would have run with None.
+    for args in ((float("nan"), 1), (1, float("-inf")), ("\ud800", 1)):
+        with pytest.raises(InvalidArgument) as info:
+            tasks.add.enqueue(*args)
+        assert info.value.details["field"].startswith("payload.args["), info.value.details
+    assert Job.objects.count() == 0
+
+
+def test_nan_return_value_fails_the_attempt_instead_of_reading_as_none(
+    worker_service: QueueService,
+) -> None:
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=0)):
+        result = tasks.not_a_number.enqueue()
+        _, error = run_next(worker_service)
+        result.refresh()
+    assert isinstance(error, ValueError)
+    assert result.status == TaskResultStatus.FAILED
+    assert result.errors[0].exception_class is ValueError
+    assert "return value: NaN is not a JSON number" in result.errors[0].traceback
+
+
+def test_error_text_with_a_lone_surrogate_is_recorded_and_reported(
+    worker_service: QueueService, signals: list[tuple[str, str]]
+) -> None:
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=0)):
+        result = tasks.fail_with_surrogate.enqueue()
+        _, error = run_next(worker_service)
+        result.refresh()
+    assert isinstance(error, ValueError)  # the task's own error, not one from recording it
+    assert result.status == TaskResultStatus.FAILED
+    (recorded,) = result.errors
+    assert recorded.exception_class is ValueError
+    assert "cannot read file name bad-\\udcff" in recorded.traceback
+    job = Job.objects.get(pk=result.id)
+    assert job.last_error == "cannot read file name bad-\\udcff"
+    assert signals[-1] == ("finished", "FAILED")
 
 
 def test_takes_context_sees_the_delivery_number(worker_service: QueueService) -> None:

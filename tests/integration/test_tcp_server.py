@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ import pytest
 from django.test import override_settings
 
 from queue_core.models import Job
+from queue_core.protocol import dispatch
 from queue_core.protocol import server as server_mod
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
@@ -299,6 +301,7 @@ def test_malformed_json_gets_bad_frame_and_the_connection_stays(
     connect: Callable[[], Client],
 ) -> None:
     c = connect()
+    assert c.ok("ping")["pong"] is True  # a first line that is not a request would close it
     c.send_raw(b"{not json\n")
     reply = c.recv()
     assert reply == {
@@ -391,6 +394,7 @@ def test_oversize_frame_closes_only_that_connection(start: Callable[..., Running
             head = b'{"op":"ping","id":"'
             frame = head + b"x" * (limit - len(head) - 2) + b'"}'
             assert len(frame) == limit
+            assert exact.ok("ping")["pong"] is True
             exact.send_raw(frame + b"\n")
             assert exact.recv()["error"]["code"] == "BAD_FRAME"  # id over 128 characters
             frame = head[:-1] + b'1,"args":{"p":"' + b"x" * (limit - len(head) - 16) + b'"}}'
@@ -462,6 +466,77 @@ def test_idle_timeout(start: Callable[..., Running]) -> None:
             idle.close()
             if busy is not None:
                 busy.close()
+
+
+def test_malformed_lines_do_not_keep_a_connection_alive(start: Callable[..., Running]) -> None:
+    # A slot holder sending garbage (each answered BAD_FRAME) is still idle: only valid
+    # requests count as activity. Paced writes stand for a slowloris client, not for sync.
+    with override_settings(RELAY_IDLE_TIMEOUT_MS=300, RELAY_MAX_BAD_FRAMES=1000):
+        running = start()
+        c = Client(running.port, timeout=5)
+        try:
+            assert c.ok("ping")["pong"] is True
+            began = time.monotonic()
+            while time.monotonic() - began < 5:
+                c.send_raw(b"{nope\n")
+                reply = c.recv()
+                if reply["error"]["code"] == "TIMEOUT":
+                    break
+                assert reply["error"]["code"] == "BAD_FRAME"
+                time.sleep(0.05)
+            assert reply["error"]["code"] == "TIMEOUT"
+            assert 0.25 <= time.monotonic() - began < 2
+            assert c.at_eof()
+        finally:
+            c.close()
+
+
+def test_with_keys_on_a_connection_must_say_hello_in_time(start: Callable[..., Running]) -> None:
+    from queue_core import auth
+
+    key = auth.create_key("w", ["worker"]).key
+    with override_settings(RELAY_AUTH_TIMEOUT_MS=300):
+        running = start()
+        lurker, worker = Client(running.port, timeout=5), Client(running.port, timeout=5)
+        try:
+            assert worker.ok("hello", api_key=key)["name"] == "w"
+            began = time.monotonic()
+            while True:  # pings are valid requests, but not a hello
+                reply = lurker.call("ping")
+                if not reply["ok"]:
+                    break
+                assert time.monotonic() - began < 2, "never asked to authenticate"
+            assert reply["error"]["code"] == "UNAUTHENTICATED"
+            assert "hello within 300 ms" in reply["error"]["message"]
+            assert time.monotonic() - began >= 0.25
+            while line := lurker.file.readline():  # a ping read before the deadline is answered
+                assert orjson.loads(line)["result"]["pong"] is True
+            assert lurker.at_eof()
+            assert worker.ok("ping")["pong"] is True  # authenticated in time: kept
+        finally:
+            lurker.close()
+            worker.close()
+
+
+def test_connections_per_address_cap(start: Callable[..., Running]) -> None:
+    with override_settings(RELAY_MAX_CONNECTIONS_PER_ADDRESS=2):
+        running = start()
+        first, second = Client(running.port), Client(running.port)
+        elsewhere = socket.create_connection(
+            ("127.0.0.1", running.port), source_address=("127.0.0.2", 0)
+        )
+        other = Client.__new__(Client)
+        other.sock, other.file = elsewhere, elsewhere.makefile("rb")
+        try:
+            assert first.ok("ping") and second.ok("ping")
+            third = Client(running.port)
+            assert third.recv()["error"]["code"] == "TOO_MANY_CONNECTIONS"
+            assert third.at_eof()
+            third.close()
+            assert other.ok("ping")["pong"] is True  # another address is served
+        finally:
+            for c in (first, second, other):
+                c.close()
 
 
 def test_half_written_frame_times_out(start: Callable[..., Running]) -> None:
@@ -912,15 +987,40 @@ def test_shutdown_is_not_held_by_a_client_that_never_reads(
 
 
 @override_settings(RELAY_MAX_FRAME_BYTES=50_000, RELAY_MAX_PAYLOAD_BYTES=10_000)
-def test_read_reply_over_the_frame_limit_is_refused_not_truncated(server: Running) -> None:
+@override_settings(RELAY_MAX_FRAME_BYTES=16_384, RELAY_MAX_PAYLOAD_BYTES=1024)
+def test_stats_over_a_frame_come_in_pages(start: Callable[..., Running]) -> None:
+    client = Client(start().port)
+    names = [f"queue-with-a-long-name-{n:04d}-" + "q" * 80 for n in range(400)]
+    for name in names:
+        client.ok("submit", queue=name, payload={})
+    seen: list[str] = []
+    page = client.ok("stats")
+    while True:
+        assert 0 < len(page["queues"]) < 400 and page["totals"]["ready"] == 400
+        seen += page["queues"]
+        if page["next_after"] is None:
+            break
+        page = client.ok("stats", after=page["next_after"])
+    assert seen == names
+    narrowed = client.ok("stats", queue=names[1])
+    assert list(narrowed["queues"]) == [names[1]] and narrowed["next_after"] is None
+    client.close()
+
+
+def test_read_reply_over_the_frame_limit_is_refused_not_truncated(
+    server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every read keeps its reply within a frame (pages, history cut); this is the fence
+    # behind them, shown with a read made to return too much.
+    huge = dispatch.Outcome({"pad": "x" * (2 * 1024 * 1024)})
+    verb = dataclasses.replace(dispatch.VERBS["ping"], handler=lambda svc, args, ctx: huge)
+    monkeypatch.setitem(dispatch.VERBS, "ping", verb)
     client = Client(server.port)
-    for n in range(400):
-        client.ok("submit", queue=f"queue-with-a-long-name-{n:04d}-" + "q" * 80, payload={})
-    reply = client.call("stats")
+    reply = client.call("ping")
     assert reply["ok"] is False
     assert reply["error"]["code"] == "FRAME_TOO_LARGE"
-    narrowed = client.ok("stats", queue="queue-with-a-long-name-0001-" + "q" * 80)
-    assert len(narrowed["queues"]) == 1
+    monkeypatch.undo()
+    assert client.ok("ping")["pong"] is True  # the connection stays
     client.close()
 
 
@@ -934,3 +1034,71 @@ def test_batch_submit_reply_names_ids_not_payloads(server: Running) -> None:
     assert first["state"] == "ready" and first["available_at_ms"] is None
     assert client.ok("inspect", job_id=first["job_id"])["job"]["payload"] == {"blob": "z" * 900}
     client.close()
+
+
+# ------------------------------------------ NaN, ±Infinity and lone surrogates (#11, #12)
+
+NAN, INF = float("nan"), float("inf")
+NOT_JSON = {
+    "payload": lambda c: c.submit("q", {"x": NAN}),
+    "delay_ms": lambda c: c.submit("q", 1, delay_ms=NAN),
+    "max_retries": lambda c: c.submit("q", 1, max_retries=INF),
+    "jobs[0].payload.y[0]": lambda c: c.submit_batch([{"queue": "q", "payload": {"y": [-INF]}}]),
+    "lease_ms": lambda c: c.lease(["q"], worker_id="w", lease_ms=NAN),
+    "worker_id": lambda c: c.lease(["q"], worker_id="w\ud800"),
+    "idempotency_key": lambda c: c.submit("q", 1, idempotency_key="k\udcff"),
+}
+
+
+def test_client_refuses_nan_infinity_and_surrogates_before_sending(server: Running) -> None:
+    # orjson sent NaN as null, which the server reads as "not given": a NaN delay_ms made a
+    # READY job, a NaN lease_ms a default 30 s lease, {"x": NaN} was stored as {"x": null}.
+    from queue_core.client import RelayClient
+    from queue_core.errors import InvalidArgument
+
+    with RelayClient(f"127.0.0.1:{server.port}") as client:
+        for field, call in NOT_JSON.items():
+            with pytest.raises(InvalidArgument) as info:
+                call(client)
+            assert info.value.details["field"].startswith(field), (field, info.value.details)
+        assert Job.objects.count() == 0
+        assert client.submit("q", {"x": None})["job"]["payload"] == {"x": None}  # still usable
+
+
+def test_async_client_refuses_them_too(server: Running) -> None:
+    from queue_core.aclient import AsyncRelayClient
+    from queue_core.errors import InvalidArgument
+
+    async def main() -> None:
+        async with AsyncRelayClient(f"127.0.0.1:{server.port}") as client:
+            for field, call in NOT_JSON.items():
+                with pytest.raises(InvalidArgument) as info:
+                    await call(client)
+                assert info.value.details["field"].startswith(field), field
+            assert (await client.submit("q", 2.5))["job"]["payload"] == 2.5
+
+    asyncio.run(main())
+    assert Job.objects.count() == 1
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'{"op":"submit","args":{"queue":"q","payload":{"x":1e400}}}\n',
+        b'{"op":"submit","args":{"queue":"q","payload":-Infinity}}\n',
+        b'{"op":"submit","args":{"queue":"q","payload":1,"delay_ms":NaN}}\n',
+        b'{"op":"submit","args":{"queue":"q","payload":"\\ud800"}}\n',
+        b'{"op":"lease","args":{"queues":["q"],"worker_id":"\\udcff"}}\n',
+    ],
+    ids=["1e400", "-Infinity", "NaN", "surrogate payload", "surrogate worker_id"],
+)
+def test_frames_with_them_are_refused_and_nothing_is_stored(
+    connect: Callable[[], Client], frame: bytes
+) -> None:
+    # Not JSON (NaN, Infinity), a number no double holds, or a string with no UTF-8 form: the
+    # codec refuses the frame as not JSON (BAD_FRAME), as the HTTP API does the same body.
+    client = connect()
+    client.send_raw(frame)
+    assert client.recv()["error"]["code"] == "BAD_FRAME"
+    assert client.ok("ping")["pong"] is True
+    assert Job.objects.count() == 0

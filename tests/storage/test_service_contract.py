@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import pytest
 from django.db import IntegrityError, connections, transaction
 from django.db.transaction import TransactionManagementError
@@ -690,6 +691,44 @@ def test_stats_counts_by_state_and_oldest_ready_age(
     assert list(service.stats("a")["queues"]) == ["a"]
 
 
+def test_stats_pages_queues_by_name_and_totals_count_all(
+    service: QueueService, job_factory: Factory
+) -> None:
+    names = [f"q{i:02d}" for i in range(25)]
+    for name in reversed(names):
+        job_factory(queue=name)
+    first = service.stats(limit=10)
+    assert list(first["queues"]) == names[:10] and first["next_after"] == "q09"
+    assert first["totals"]["ready"] == 25  # every queue, whatever the page
+    second = service.stats(limit=10, after=first["next_after"])
+    assert list(second["queues"]) == names[10:20] and second["next_after"] == "q19"
+    last = service.stats(limit=10, after=second["next_after"])
+    assert list(last["queues"]) == names[20:] and last["next_after"] is None
+    exact = service.stats(limit=5, after="q19")  # a page that ends exactly at the end
+    assert list(exact["queues"]) == names[20:] and exact["next_after"] is None
+    assert service.stats()["next_after"] is None and len(service.stats()["queues"]) == 25
+    for bad in ({"limit": 0}, {"limit": 1001}, {"after": "not a name"}):
+        with pytest.raises(errors.InvalidArgument):
+            service.stats(**bad)  # type: ignore[arg-type]
+
+
+def test_stats_page_fits_one_frame(service: QueueService, job_factory: Factory) -> None:
+    for i in range(40):
+        job_factory(queue=f"queue-{i:02d}-" + "n" * 100)
+    with override_settings(RELAY_MAX_FRAME_BYTES=4096, RELAY_MAX_PAYLOAD_BYTES=1024):
+        small = QueueService(driver=service.driver, clock=service.clock)
+        seen: list[str] = []
+        after = None
+        while True:
+            page = small.stats(limit=1000, after=after)
+            assert len(orjson.dumps(page)) < 4096 - 64
+            assert 0 < len(page["queues"]) < 40
+            seen += page["queues"]
+            if (after := page["next_after"]) is None:
+                break
+        assert seen == sorted(f"queue-{i:02d}-" + "n" * 100 for i in range(40))
+
+
 def test_dead_list_pages_by_keyset(service: QueueService, dead_job: Factory) -> None:
     ids = [dead_job(queue="a" if i % 2 else "b")["id"] for i in range(5)]
     page = service.dead_list(limit=2)
@@ -885,3 +924,70 @@ def test_nul_characters_are_refused_in_names_and_replaced_in_errors(
     service.fail(lease["job_id"], error="bad\x00byte", retryable=False, **lease_args(lease))
     assert row(lease["job_id"]).last_error == "bad\ufffdbyte"
     assert service.submit("q", {"k\x00": "v\x00"})["job"]["payload"] == {"k\x00": "v\x00"}
+
+
+# ------------------------------------------- values JSON and the stores cannot hold (#11, #12)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=repr)
+def test_nan_and_infinity_in_a_payload_are_refused_not_stored_as_null(
+    service: QueueService, bad: float
+) -> None:
+    # orjson writes NaN and ±Infinity as null: {"x": NaN} would be stored as {"x": null}.
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit("q", {"x": [1, bad]})
+    assert exc.value.details == {"field": "payload.x[1]"}
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit_batch([{"queue": "q", "payload": 1}, {"queue": "q", "payload": {"y": bad}}])
+    assert exc.value.details == {"field": "jobs[1].payload.y", "index": 1}
+    assert Job.objects.count() == 0
+    kept = service.submit("q", {"x": None, "y": 0.5})["job"]["id"]
+    assert row(kept).payload == '{"x":null,"y":0.5}'
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"delay_ms": float("nan")},
+        {"run_at_ms": float("inf")},
+        {"max_retries": float("inf")},
+        {"backoff_base_ms": float("nan")},
+        {"priority": float("nan")},
+    ],
+    ids=lambda options: next(iter(options)),
+)
+def test_nan_and_infinity_options_are_refused(
+    service: QueueService, options: dict[str, Any]
+) -> None:
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit("q", {}, **options)
+    assert exc.value.details["field"] == next(iter(options))
+    assert Job.objects.count() == 0
+
+
+def test_lone_surrogates_are_refused_before_the_store(
+    service: QueueService, leased_job: Factory
+) -> None:
+    # Without the check each of these reached the driver and raised UnicodeEncodeError there.
+    lease = leased_job()
+    job_id, lone = lease["job_id"], "\ud800"
+    refused = {
+        "error": lambda: service.fail(job_id, error=f"boom {lone}", **lease_args(lease)),
+        "worker_id": lambda: service.ack(job_id, worker_id=lone, lease_token="t"),
+        "lease_token": lambda: service.renew(job_id, worker_id="w1", lease_token=lone),
+        "job_id": lambda: service.get(f"job_{lone}"),
+        "idempotency_key": lambda: service.submit("q", 1, idempotency_key=f"k{lone}"),
+        "queue": lambda: service.claim([f"q{lone}"], worker_id="w2"),
+        "payload": lambda: service.submit("q", {"a": lone}),
+        "actor": lambda: service.replay(job_id, actor=f"admin{lone}"),
+    }
+    for field, call in refused.items():
+        with pytest.raises(errors.InvalidArgument) as exc:
+            call()
+        assert exc.value.details["field"].startswith(field), field
+    assert row(job_id).state == "leased"
+    # Nothing was half-done: the lease still settles, and with an escaped text it fails.
+    result = service.fail(job_id, error="boom \\ud800", retryable=False, **lease_args(lease))
+    assert result["state"] == "dead"
+    assert row(job_id).last_error == "boom \\ud800"
+    assert Job.objects.count() == 1

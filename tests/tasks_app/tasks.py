@@ -51,3 +51,16 @@ async def async_double(x: int) -> int:
 def not_json() -> object:
     """Return something JSON cannot hold (the attempt fails with TypeError)."""
     return object()
+
+
+@task
+def not_a_number() -> float:
+    """Return NaN, which JSON has no number for (the attempt fails with ValueError)."""
+    return float("nan")
+
+
+@task
+def fail_with_surrogate() -> None:
+    """Raise an error whose text holds a lone surrogate (as ``os.fsdecode`` makes of a stray
+    byte), which no UTF-8 store can hold."""
+    raise ValueError(f"cannot read file name {b'bad-\xff'.decode('utf-8', 'surrogateescape')}")

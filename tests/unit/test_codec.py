@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import orjson
 import pytest
 
@@ -166,3 +169,47 @@ def test_replies_are_compact_single_lines() -> None:
     line = codec.encode_ok("x", {"text": "a\nb"})
     assert line.count(b"\n") == 1
     assert orjson.loads(line)["result"]["text"] == "a\nb"
+
+
+NAN, INF = math.nan, math.inf
+LONE = "\ud800"  # a high surrogate with no low one after it
+TRAIL = "\udcff"  # what os.fsdecode makes of a stray 0xFF byte
+
+
+# ----------------------------- what JSON cannot carry: NaN, ±Infinity, lone surrogates (#11, #12)
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        ({"queue": "q", "payload": {"x": NAN}}, "payload.x"),
+        ({"queue": "q", "payload": 1, "delay_ms": NAN}, "delay_ms"),
+        ({"queue": "q", "payload": 1, "max_retries": INF}, "max_retries"),
+        ({"queues": ["q"], "worker_id": "w", "lease_ms": NAN}, "lease_ms"),
+        ({"jobs": [{"queue": "q", "payload": 1}, {"queue": "q", "payload": [-INF]}]}, None),
+        ({"queues": ["q"], "worker_id": f"w{LONE}"}, "worker_id"),
+        ({"job_id": "j", "error": f"boom {TRAIL}"}, "error"),
+    ],
+)
+def test_encode_request_refuses_nan_infinity_and_surrogates(
+    args: dict[str, Any], field: str | None
+) -> None:
+    # orjson sent NaN as null, which the server reads as "not given" (a NaN delay_ms made a
+    # READY job); lone surrogates made orjson raise TypeError.
+    with pytest.raises(errors.InvalidArgument) as info:
+        codec.encode_request(1, "op", args)
+    expected = "jobs[1].payload[0]" if field is None else field
+    assert info.value.details == {"field": expected}
+
+
+def test_encode_request_still_sends_nulls_and_finite_floats() -> None:
+    frame = codec.encode_request(7, "submit", {"queue": "q", "payload": {"a": None, "b": 0.5}})
+    assert frame == b'{"op":"submit","id":7,"args":{"queue":"q","payload":{"a":null,"b":0.5}}}\n'
+
+
+def test_args_that_decode_differently_but_hold_nothing_bad_are_sent() -> None:
+    # A tuple decodes as a list: the args differ from their decoding, the walk finds nothing.
+    frame = codec.encode_request(1, "lease", {"queues": ("q",), "note": None})
+    assert orjson.loads(frame)["args"] == {"queues": ["q"], "note": None}
+    with pytest.raises(errors.InvalidArgument):
+        codec.encode_request(1, "lease", {"queues": ("q",), "note": None, "lease_ms": NAN})

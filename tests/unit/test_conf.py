@@ -42,3 +42,5 @@ def test_checks_catch_bad_settings() -> None:
         assert "relay.E006" in ids()
     with override_settings(RELAY_STARTUP_CHECK="none"):
         assert "relay.E007" in ids()
+    with override_settings(RELAY_CLOCK_STEP_TOLERANCE_MS=0):
+        assert "relay.E002" in ids()

@@ -319,6 +319,39 @@ def test_empty_exception_text_falls_back_to_the_type_name(
     assert relay.calls_of("fail")[0]["error"] == "KeyError"
 
 
+def test_error_text_with_a_lone_surrogate_is_still_reported(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # "\ud800" has no UTF-8 form: cutting the text to size raised, and the job stayed leased.
+    def handler(payload: Any, ctx: JobContext) -> None:
+        raise ValueError(f"bad \ud800 name {payload['n']}")
+
+    relay.add({"n": 1}, {"n": 2})
+    running = make_worker(handler, max_error_bytes=15)
+    relay.wait_for(lambda: len(relay.calls_of("fail")) == 2, "both fails")
+    running.stop()
+    errors_sent = sorted(call["error"] for call in relay.calls_of("fail"))
+    assert errors_sent == ["bad \\ud800 name", "bad \\ud800 name"]  # escaped, cut to 15 bytes
+    assert running.worker.failed == 2 and relay.held == {}
+
+
+def test_an_exception_whose_text_cannot_be_read_is_still_reported(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no text")
+
+    def handler(payload: Any, ctx: JobContext) -> None:
+        raise Unprintable
+
+    relay.add({})
+    running = make_worker(handler)
+    relay.wait_for(lambda: bool(relay.calls_of("fail")), "the fail")
+    running.stop()
+    assert relay.calls_of("fail")[0]["error"] == "Unprintable (its message could not be read)"
+
+
 def test_renews_every_third_of_the_lease(
     relay: FakeRelay, clock: FakeClock, make_worker: Any
 ) -> None:
@@ -494,7 +527,15 @@ def test_rejects_no_queues(relay: FakeRelay) -> None:
 
 @pytest.mark.parametrize(
     ("text", "limit", "expected"),
-    [("abc", 3, "abc"), ("abcd", 3, "abc"), ("aé", 2, "a"), ("aé", 3, "aé"), ("", 0, "")],
+    [
+        ("abc", 3, "abc"),
+        ("abcd", 3, "abc"),
+        ("aé", 2, "a"),
+        ("aé", 3, "aé"),
+        ("", 0, ""),
+        ("a\ud800b", 100, "a\\ud800b"),  # a lone surrogate becomes its escape
+        ("a\udcff", 4, "a\\ud"),  # the escape is cut like any text
+    ],
 )
 def test_truncate_utf8(text: str, limit: int, expected: str) -> None:
     assert truncate_utf8(text, limit) == expected

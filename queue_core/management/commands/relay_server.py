@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError, connections
 
-from queue_core import metrics
+from queue_core import exposure, metrics
 from queue_core.client import parse_address
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
@@ -30,16 +30,18 @@ from queue_core.storage import AlreadyServed
 log = logging.getLogger("relay.server")
 
 EXIT_CORRUPT = 3
-EXIT_STORAGE_FULL = 5  # STORAGE_FULL: the disk holding the database is full
-EXIT_STORAGE_IO = 6  # STORAGE_IO: I/O error, or a read-only file, folder or file system
+EXIT_STORAGE_FULL = 7  # STORAGE_FULL: the disk holding the database is full
+EXIT_STORAGE_IO = 8  # STORAGE_IO: I/O error, or a read-only file, folder or file system
 
 
 class Command(RelayBaseCommand):
     """Run the Relay TCP server until SIGTERM/SIGINT, then drain and exit 0.
 
     Exit codes: 0 after a graceful shutdown, 3 when the database fails its integrity check,
-    4 when another server holds it, 5 when its disk is full, 6 when it cannot be read or
-    written (an I/O error, or a read-only file, folder or file system).
+    4 when another server holds the SQLite file, 5 when asked to listen beyond loopback while
+    no API key exists (``PUBLIC_WITHOUT_KEYS``; ``--allow-public-without-keys`` opts in), 7 when
+    its disk is full, 8 when it cannot be read or written (an I/O error, or a read-only file,
+    folder or file system).
     """
 
     help = "Serve Relay's NDJSON protocol over TCP (see docs/protocol.md)."
@@ -69,6 +71,13 @@ class Command(RelayBaseCommand):
             help="Serve Prometheus /metrics for this process on HOST:PORT, e.g. 127.0.0.1:7401 "
             f"(RELAY_METRICS_ADDRESS, default {s.metrics_address or 'off'}).",
         )
+        parser.add_argument(
+            "--allow-public-without-keys",
+            action="store_true",
+            default=s.allow_public_without_keys,
+            help="Listen on an address that is not loopback even though no API key exists "
+            "(RELAY_ALLOW_PUBLIC_WITHOUT_KEYS=1); without it such a start is refused (exit 5).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Check, migrate, recover, then serve until signalled.
@@ -77,13 +86,14 @@ class Command(RelayBaseCommand):
             CommandError: ``CORRUPT`` (exit code 3) when ``PRAGMA integrity_check`` (or
                 ``quick_check``, ``RELAY_STARTUP_CHECK=quick``) fails or the
                 file is not a database; ``ALREADY_SERVED`` (exit code 4) when another relay
-                server holds this database; ``STORAGE_FULL`` (exit code 5) when the disk
-                holding it is full; ``STORAGE_IO`` (exit code 6) when it cannot be read or
+                server holds this database; ``STORAGE_FULL`` (exit code 7) when the disk
+                holding it is full; ``STORAGE_IO`` (exit code 8) when it cannot be read or
                 written (I/O error; read-only file, folder or file system);
                 ``INVALID_ARGUMENT`` for a bad address, grace or
                 database path; ``UNAVAILABLE`` when the database cannot be written, or (on
                 PostgreSQL) has unapplied migrations or a clock off by more than
-                ``RELAY_MAX_CLOCK_SKEW_MS``.
+                ``RELAY_MAX_CLOCK_SKEW_MS``; ``PUBLIC_WITHOUT_KEYS`` (exit code 5) for an
+                ``--address`` beyond loopback while no API key exists.
         """
         try:
             host, port = parse_address(options["address"], allow_port_zero=True)
@@ -115,9 +125,15 @@ class Command(RelayBaseCommand):
             raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
         if not service.capabilities.single_writer:
             _check_clock(service, where)
+        if service.capabilities.single_writer:
+            _migrate(where)  # the key table must exist before it is read below
+        # /metrics is read-only and takes no key: only the protocol address counts here.
+        refused = exposure.refusal(
+            "relay server", [(host, port)], allowed=options["allow_public_without_keys"]
+        )
+        if refused:
+            raise CommandError(refused, returncode=exposure.EXIT_PUBLIC_WITHOUT_KEYS)
         try:
-            if service.capabilities.single_writer:
-                call_command("migrate", interactive=False, verbosity=0)
             recovered = service.recover()
         except (StorageFull, StorageIO) as exc:
             raise _storage_exit(exc, where) from None
@@ -178,6 +194,23 @@ def _storage_exit(exc: StorageFull | StorageIO, where: str) -> CommandError:
     """The one-line start-up error for a storage fault: its code, the database, the cause."""
     code = EXIT_STORAGE_FULL if isinstance(exc, StorageFull) else EXIT_STORAGE_IO
     return CommandError(f"{exc.code}: database {where}: {exc.message}", returncode=code)
+
+
+def _migrate(where: str) -> None:
+    """Bring a SQLite database's tables up to date.
+
+    Raises:
+        CommandError: ``CORRUPT`` (exit code 3) when migrating finds damage, ``UNAVAILABLE``
+            when the database cannot be written.
+    """
+    try:
+        call_command("migrate", interactive=False, verbosity=0)
+    except DatabaseError as exc:
+        if "malformed" in str(exc) or "corrupt" in str(exc).lower():
+            raise CommandError(
+                f"CORRUPT: database {where} is damaged: {exc}", returncode=EXIT_CORRUPT
+            ) from exc
+        raise CommandError(f"UNAVAILABLE: cannot write database {where}: {exc}") from exc
 
 
 def start_metrics(address: tuple[str, int]) -> metrics.MetricsServer:

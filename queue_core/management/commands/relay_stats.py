@@ -27,6 +27,10 @@ class Command(RelayClientCommand):
     def run(self, client: RelayClient, **options: Any) -> None:
         """Fetch stats and print them."""
         result = client.stats(options["queue"])
+        while result.get("next_after"):  # thousands of queues come a page at a time
+            page = client.stats(options["queue"], after=result["next_after"])
+            result["queues"].update(page["queues"])
+            result["next_after"] = page["next_after"]
         if options["json"]:
             self.print_json(result)
             return

@@ -79,10 +79,14 @@ UPDATE relay_job
 RETURNING queue;
 
 -- name: expired_leases
--- Leases whose expiry has passed, oldest first. Params: now_ms, limit.
+-- Leases whose expiry has passed, oldest first. After a forward step of the wall clock, a
+-- lease whose expiry was set at or before mark_ms (by the old clock) is judged by judge_ms,
+-- the old time (queue_core.clock.StepGuard); mark_ms is -1 and judge_ms = now_ms otherwise.
+-- Params: now_ms, judge_ms, mark_ms, limit.
 SELECT id, queue, attempt, failures, max_retries
   FROM relay_job
  WHERE state = 'leased' AND lease_expires_at_ms <= %(now_ms)s
+   AND (lease_expires_at_ms <= %(judge_ms)s OR updated_at_ms > %(mark_ms)s)
  ORDER BY lease_expires_at_ms
  LIMIT %(limit)s;
 
@@ -149,28 +153,36 @@ UPDATE relay_attempt
 -- name: live_lease
 -- The lease a renew/ack/fail/release names, if it is the current, unexpired one (the
 -- compare-and-set guard, as River guards in the WHERE clause).
--- Params: job_id, lease_token, worker_id, now_ms.
+-- Params: job_id, lease_token, worker_id, now_ms, judge_ms, mark_ms (as expired_leases).
 SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter
   FROM relay_job
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
-   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s;
+   AND leased_by = %(worker_id)s
+   AND (lease_expires_at_ms > %(now_ms)s
+        OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s));
 
 -- name: renew
--- Move a live lease's expiry. Params: job_id, lease_token, worker_id, now_ms, expires_ms.
+-- Move a live lease's expiry. Params: job_id, lease_token, worker_id, now_ms, judge_ms,
+-- mark_ms (as expired_leases), expires_ms.
 UPDATE relay_job
    SET lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
-   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+   AND leased_by = %(worker_id)s
+   AND (lease_expires_at_ms > %(now_ms)s
+        OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
 RETURNING lease_expires_at_ms, attempt;
 
 -- name: ack
--- Leased -> succeeded, guarded like renew. Params: job_id, lease_token, worker_id, now_ms.
+-- Leased -> succeeded, guarded like renew. Params: job_id, lease_token, worker_id, now_ms,
+-- judge_ms, mark_ms.
 -- Returns the queue too, so counting the ack needs no second read.
 UPDATE relay_job
    SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
        lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
-   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+   AND leased_by = %(worker_id)s
+   AND (lease_expires_at_ms > %(now_ms)s
+        OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
 RETURNING attempt, queue;
 
 -- name: fail_retry
@@ -192,12 +204,14 @@ UPDATE relay_job
 
 -- name: release
 -- Leased -> ready without counting a failure (a worker giving a job back).
--- Params: job_id, lease_token, worker_id, now_ms.
+-- Params: job_id, lease_token, worker_id, now_ms, judge_ms, mark_ms (as expired_leases).
 UPDATE relay_job
    SET state = 'ready', ready_since_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
        lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
-   AND leased_by = %(worker_id)s AND lease_expires_at_ms > %(now_ms)s
+   AND leased_by = %(worker_id)s
+   AND (lease_expires_at_ms > %(now_ms)s
+        OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
 RETURNING attempt, queue;
 
 -- name: lease_state

@@ -1,0 +1,61 @@
+"""What the HTTP side checks before it listens (``gunicorn.conf.py``'s ``on_starting``).
+
+* A private ``SECRET_KEY`` (it signs the admin's sessions and CSRF tokens): with ``DEBUG`` off,
+  an empty one (no ``RELAY_SECRET_KEY``, no key file) or the public development key is refused
+  with ``NO_SECRET_KEY`` and exit code ``EXIT_NO_SECRET_KEY``.
+* No address beyond loopback while no API key exists (``queue_core.exposure``), unless
+  ``RELAY_ALLOW_PUBLIC_WITHOUT_KEYS=1``: ``PUBLIC_WITHOUT_KEYS``, exit code 5.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+from queue_core import exposure
+from queue_core.conf import relay_settings
+
+EXIT_NO_SECRET_KEY = 6
+
+
+def secret_key_refusal() -> str | None:
+    """The one-line refusal when ``SECRET_KEY`` is missing or public with ``DEBUG`` off."""
+    if settings.DEBUG:
+        return None
+    try:
+        key = str(settings.SECRET_KEY)
+    except ImproperlyConfigured:  # Django refuses to hand out an empty key
+        key = ""
+    if key and key != getattr(settings, "DEV_SECRET_KEY", None):
+        return None
+    why = "is not set" if not key else "is the public development key"
+    return (
+        f"NO_SECRET_KEY: the HTTP API refuses to start: SECRET_KEY {why} (it signs admin "
+        "sessions and CSRF tokens); set RELAY_SECRET_KEY to a long random string, or run "
+        "bin/setup, which writes a private one to .relay-secret-key (RELAY_SECRET_KEY_FILE)"
+    )
+
+
+def refusal(binds: list[object]) -> tuple[str, int] | None:
+    """The first reason not to start, with its exit code, or None.
+
+    Args:
+        binds: gunicorn's parsed addresses: ``(host, port)`` for TCP, a path (str) for a Unix
+            socket (local, always allowed), an int for an inherited file descriptor (counted
+            as beyond loopback: it cannot be told).
+    """
+    secret = secret_key_refusal()
+    if secret:
+        return secret, EXIT_NO_SECRET_KEY
+    tcp: list[tuple[str, int]] = []
+    for bind in binds:
+        if isinstance(bind, tuple):
+            tcp.append((str(bind[0]), int(bind[1])))
+        elif isinstance(bind, int):
+            tcp.append((f"fd://{bind}", 0))
+    public = exposure.refusal(
+        "the HTTP API", tcp, allowed=relay_settings().allow_public_without_keys
+    )
+    if public:
+        return public, exposure.EXIT_PUBLIC_WITHOUT_KEYS
+    return None

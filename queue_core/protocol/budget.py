@@ -1,0 +1,151 @@
+"""How many reply bytes the TCP server may hold for clients that do not read them.
+
+A reply is held from the moment it is reserved (before a read or a lease claim runs, one
+frame's worth) or made (a write's reply) until the kernel has taken it. A client that sends
+requests and never reads would otherwise pin up to ``max_inflight_per_connection`` replies of
+up to a frame each (16 such connections took a server to 2 GB, issue 13).
+
+After Redis's ``client-output-buffer-limit`` (a hard limit per client) and the back-pressure
+of any stream reader:
+
+* **Per connection** (``RELAY_MAX_UNSENT_BYTES_PER_CONNECTION``): a read or lease claim waits
+  before it runs until its frame fits the connection's budget, and the connection's next
+  frame is not read while it is over budget. A connection holding nothing may always reserve
+  one frame, so every client can make progress.
+* **Per server** (``RELAY_MAX_UNSENT_BYTES``): past it, a connection that already holds bytes
+  waits, and the connection holding the most bytes that has not drained any for
+  ``STALL_S`` is cut off (its replies are dropped), so one set of silent clients cannot hold
+  the rest up for the slow-reader deadline (``SEND_TIMEOUT_S`` in ``server.py``).
+
+All methods run on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Collection
+from typing import Protocol
+
+log = logging.getLogger("relay.server")
+
+STALL_S = 1.0  # a connection over the server budget that drained nothing for this long is cut
+
+
+class Holder(Protocol):
+    """What the budget needs of a connection (``server._Conn``)."""
+
+    peer: str
+    unsent: int  # bytes reserved or unsent
+    drained_at: float  # loop time it last had nothing held, or gave bytes back
+    cut_off: bool  # cut by the budget: what it holds is on its way back
+
+    def abort(self) -> None: ...
+
+
+class ReplyBudget:
+    """Reply bytes reserved or unsent, per connection and in all.
+
+    Args:
+        per_connection: bytes one connection may hold (``RELAY_MAX_UNSENT_BYTES_PER_CONNECTION``).
+        total: bytes all connections together may hold before stalled ones are cut
+            (``RELAY_MAX_UNSENT_BYTES``).
+        conns: the server's live connections (read when looking for one to cut).
+        clock: the loop's monotonic clock in seconds (``loop.time``).
+    """
+
+    def __init__(
+        self,
+        per_connection: int,
+        total: int,
+        conns: Collection[Holder],
+        clock: Callable[[], float],
+    ) -> None:
+        self.per_connection = per_connection
+        self.limit = total
+        self.held = 0  # bytes held by all connections
+        self.cut = 0  # connections cut off for holding too much
+        self._conns = conns
+        self._clock = clock
+        self._changed = asyncio.Event()
+
+    def fits(self, conn: Holder, n: int) -> bool:
+        """Whether ``conn`` may hold ``n`` more bytes now."""
+        if conn.unsent == 0:
+            return True
+        return conn.unsent + n <= self.per_connection and self.held + n <= self.limit
+
+    def over(self, conn: Holder) -> bool:
+        """Whether ``conn`` holds more than it may: its next frame is not read yet."""
+        return conn.unsent > 0 and (conn.unsent > self.per_connection or self.held > self.limit)
+
+    async def reserve(self, conn: Holder, n: int) -> None:
+        """Wait until ``conn`` may hold ``n`` more bytes, then hold them."""
+        while not self.fits(conn, n):
+            await self._wait_for_room()
+        self.take(conn, n)
+
+    async def room(self, conn: Holder) -> None:
+        """Wait until ``conn`` is no longer over budget (the read loop's back-pressure)."""
+        while self.over(conn):
+            await self._wait_for_room()
+
+    def take(self, conn: Holder, n: int) -> None:
+        """Hold ``n`` bytes for ``conn`` without waiting (a reply already made)."""
+        if conn.unsent == 0:
+            conn.drained_at = self._clock()
+        conn.unsent += n
+        self.held += n
+
+    def give(self, conn: Holder, n: int) -> None:
+        """Give back ``n`` bytes of ``conn`` (sent, dropped, or reserved but not needed)."""
+        if n <= 0:
+            if n < 0:
+                self.take(conn, -n)
+            return
+        conn.unsent -= n
+        self.held -= n
+        conn.drained_at = self._clock()
+        self._changed.set()
+
+    async def _wait_for_room(self) -> None:
+        """Wait for bytes to come back; over the server budget, cut the worst stalled holder."""
+        event = self._changed
+        if event.is_set():
+            event = self._changed = asyncio.Event()
+        timeout = self._cut_stalled() if self.held > self.limit else None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    def _cut_stalled(self) -> float | None:
+        """Cut the connection holding most that drained nothing for ``STALL_S``.
+
+        Returns:
+            how long (s) until another could qualify; None after a cut (its bytes come back
+            as its sends fail) or when no connection that was not cut holds anything.
+        """
+        now = self._clock()
+        holders = [c for c in self._conns if c.unsent > 0 and not c.cut_off]
+        if not holders:
+            return None
+        stalled = [c for c in holders if now - c.drained_at >= STALL_S]
+        if stalled:
+            worst = max(stalled, key=lambda c: c.unsent)
+            self.cut += 1
+            log.warning(
+                "event=reply_budget_cut peer=%s unsent_bytes=%d held_bytes=%d",
+                worst.peer,
+                worst.unsent,
+                self.held,
+                extra={
+                    "event": "reply_budget_cut",
+                    "peer": worst.peer,
+                    "unsent_bytes": worst.unsent,
+                    "held_bytes": self.held,
+                },
+            )
+            worst.cut_off = True
+            worst.abort()
+            return None
+        return min(STALL_S - (now - c.drained_at) for c in holders)

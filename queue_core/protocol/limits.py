@@ -1,0 +1,102 @@
+"""The process's file-descriptor limit, and accept() failures without a log storm.
+
+With ``ulimit -n 1024`` and 1,100 clients the server used to hit EMFILE in ``accept()``, log
+thousands of tracebacks a second and stop serving new clients. At start the server raises
+its soft ``RLIMIT_NOFILE`` to the hard limit (as nginx's ``worker_rlimit_nofile`` and
+Redis's ``maxclients`` adjustment do), and caps ``RELAY_MAX_CONNECTIONS`` to what the limit
+leaves after the descriptors it already holds and a reserve: a client past the cap is
+accepted and told ``TOO_MANY_CONNECTIONS``, never left in the backlog. Should ``accept()``
+still run out (descriptors used elsewhere), asyncio pauses accepting for a second; its error
+is logged at most once per ``ACCEPT_LOG_EVERY_S`` with a count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import time
+from typing import Any
+
+log = logging.getLogger("relay.server")
+
+FD_RESERVE = 64  # descriptors kept free for database files, refusals in progress, logs
+ACCEPT_LOG_EVERY_S = 10.0
+
+
+def open_fds() -> int:
+    """Descriptors this process holds now (Linux ``/proc/self/fd``; 0 if unknown)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return 0
+
+
+def connection_cap(wanted: int) -> int:
+    """Raise the soft fd limit as far as allowed; return how many connections fit.
+
+    Args:
+        wanted: ``RELAY_MAX_CONNECTIONS``.
+    Returns:
+        ``wanted``, or less (at least 1) when the fd limit cannot hold that many besides
+        the descriptors already open and ``FD_RESERVE``; logged once when capped.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + open_fds() + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    room = max(1, soft - open_fds() - FD_RESERVE)
+    if room < wanted:
+        log.warning(
+            "event=connection_limit_capped max_connections=%d capped_to=%d nofile=%d",
+            wanted,
+            room,
+            soft,
+            extra={
+                "event": "connection_limit_capped",
+                "max_connections": wanted,
+                "capped_to": room,
+                "nofile": soft,
+            },
+        )
+        return room
+    return wanted
+
+
+class QuietAcceptErrors:
+    """A loop exception handler that logs accept() resource errors once per interval.
+
+    Everything else goes to the loop's default handler.
+    """
+
+    def __init__(self, every_s: float = ACCEPT_LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self.suppressed = 0
+        self._last = -every_s
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if "out of system resource" not in message:
+            loop.default_exception_handler(context)
+            return
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            self.suppressed += 1
+            return
+        self._last = now
+        exc = context.get("exception")
+        log.error(
+            "event=accept_failed error=%r suppressed=%d",
+            exc,
+            self.suppressed,
+            extra={"event": "accept_failed", "error": repr(exc), "suppressed": self.suppressed},
+        )
+        self.suppressed = 0

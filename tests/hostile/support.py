@@ -1,0 +1,113 @@
+"""Attack tools for hostile-client tests: a raw NDJSON socket and a sentinel client.
+
+Every hostile test runs a ``Sentinel`` beside the abuse and checks afterwards that it kept
+completing submit -> lease -> ack cycles with bounded latency: while one client misbehaves,
+the others are served.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import Any
+
+import orjson
+
+from queue_core.client import RelayClient
+
+
+def rss_kib(pid: int) -> tuple[int, int]:
+    """``(VmRSS, VmHWM)`` of process ``pid`` in KiB (Linux ``/proc``)."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0])
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+class Raw:
+    """A raw socket speaking (or abusing) NDJSON."""
+
+    def __init__(self, port: int, timeout: float = 15.0) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.file = self.sock.makefile("rb")
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self) -> dict[str, Any]:
+        line = self.file.readline()
+        assert line.endswith(b"\n"), f"connection closed instead of a reply: {line!r}"
+        reply: dict[str, Any] = orjson.loads(line)
+        return reply
+
+    def code(self, data: bytes) -> str:
+        """Send ``data`` and return the error code of the reply."""
+        self.send(data)
+        reply = self.recv()
+        assert reply["ok"] is False, reply
+        return str(reply["error"]["code"])
+
+    def ping(self) -> bool:
+        self.send(b'{"id":"p","op":"ping"}\n')
+        reply = self.recv()
+        return reply["id"] == "p" and reply["ok"] is True
+
+    def at_eof(self) -> bool:
+        """True when the server closed the connection (a reset counts: it was closed)."""
+        try:
+            return self.file.read(1) == b""
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+            self.sock.close()
+
+
+class Sentinel:
+    """Submit -> lease -> ack cycles on one connection, in a thread, until stopped."""
+
+    def __init__(self, port: int) -> None:
+        self.client = RelayClient(f"127.0.0.1:{port}", timeout_s=10)
+        self.cycles = 0
+        self.errors: list[str] = []
+        self.worst_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            began = time.monotonic()
+            try:
+                self.client.submit("sentinel", {"n": self.cycles})
+                (lease,) = self.client.lease(["sentinel"], worker_id="sentinel", wait_ms=2_000)
+                self.client.ack(
+                    lease["job_id"], worker_id="sentinel", lease_token=lease["lease_token"]
+                )
+            except Exception as exc:
+                self.errors.append(repr(exc))
+                return
+            self.worst_s = max(self.worst_s, time.monotonic() - began)
+            self.cycles += 1
+
+    def wait_cycles(self, n: int, timeout: float = 20.0) -> None:
+        """Wait (bounded) until ``n`` more cycles have completed."""
+        target = self.cycles + n
+        deadline = time.monotonic() + timeout
+        while self.cycles < target and not self.errors:
+            assert time.monotonic() < deadline, f"sentinel stalled at {self.cycles} cycles"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(15)
+        self.client.close()

@@ -1,0 +1,116 @@
+"""The HTTP side stays up behind many slow or long-polling clients (hardening item 5).
+
+A real gunicorn with gunicorn.conf.py on a loopback port; 64 clients that send part of a
+request and stall, 64 lease long-polls that wait, then /health and a submit must be answered
+within a few seconds. Everything is bounded: 128 sockets, one probe each, deadlines throughout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import socket
+import time
+
+import orjson
+import pytest
+
+from tests.http.conftest import Gunicorn, start_gunicorn
+from tests.procs import Spawner
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+SLOW = 64  # clients that send part of a request and stall
+POLLS = 64  # lease long-polls that wait for a job
+PROBE_S = 5.0  # how long /health and a submit may take behind them
+POLL_WAIT_MS = 15_000  # longer than the probes take, so every long-poll is still waiting
+
+
+def read_response(sock: socket.socket, deadline: float) -> tuple[int, bytes]:
+    """Read one HTTP/1.1 response with a Content-Length from ``sock`` before ``deadline``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        part = sock.recv(65536)
+        if not part:
+            raise ConnectionError(f"closed after {data[:200]!r}")
+        data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    while len(body) < length:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        part = sock.recv(65536)
+        if not part:
+            raise ConnectionError("closed mid-body")
+        body += part
+    return status, body
+
+
+def timed(server: Gunicorn, method: str, path: str, body: object = None) -> tuple[int, float]:
+    """Send one request with a ``PROBE_S`` timeout; return its status (0: none) and seconds."""
+    started = time.monotonic()
+    try:
+        status, _, _ = server.request(method, path, body, timeout=PROBE_S)
+    except (OSError, http.client.HTTPException):
+        status = 0
+    return status, time.monotonic() - started
+
+
+def test_health_and_submit_answer_behind_64_slow_and_64_long_polling_clients(
+    spawn: Spawner,
+) -> None:
+    server = start_gunicorn(spawn)
+    port = server.port
+    sockets: list[socket.socket] = []
+    polls: list[socket.socket] = []
+    try:
+        # Slow clients: half stop inside the request line, half inside the headers.
+        for i in range(SLOW):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            partial = (
+                b"GET /api/v1/hea" if i % 2 else b"POST /api/v1/leases HTTP/1.1\r\nHost: x\r\n"
+            )
+            sock.sendall(partial)
+            sockets.append(sock)
+        # Long-polls on a queue with no job: each waits up to POLL_WAIT_MS.
+        body = orjson.dumps({"queues": ["capacity"], "wait_ms": POLL_WAIT_MS})
+        head = (
+            "POST /api/v1/leases HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        for _ in range(POLLS):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(head + body)
+            polls.append(sock)
+
+        health = [timed(server, "GET", "/api/v1/health") for _ in range(3)]
+        submit = timed(server, "POST", "/api/v1/queues/other/jobs", {"payload": {"n": 1}})
+        print(
+            f"\nbehind {SLOW} slow + {POLLS} long-polling clients: health "
+            + ", ".join(f"{status} in {s * 1000:.0f} ms" for status, s in health)
+            + f"; submit {submit[0]} in {submit[1] * 1000:.0f} ms"
+        )
+        assert [status for status, _ in health] == [200, 200, 200], health
+        assert submit[0] == 201, submit
+
+        # The long-polls were really waiting: one job each wakes every one of them.
+        jobs = [{"queue": "capacity", "payload": {"n": i}} for i in range(POLLS)]
+        status, _, _ = server.request("POST", "/api/v1/jobs/batch", {"jobs": jobs}, timeout=10)
+        assert status == 201
+        deadline = time.monotonic() + 10
+        leased = []
+        for sock in polls:
+            status, raw = read_response(sock, deadline)
+            assert status == 200, raw
+            leased += [job["job_id"] for job in orjson.loads(raw)["jobs"]]
+        assert len(leased) == len(set(leased)) == POLLS
+    finally:
+        for sock in sockets + polls:
+            with contextlib.suppress(OSError):
+                sock.close()

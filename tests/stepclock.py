@@ -1,0 +1,56 @@
+"""A system clock a test steps from outside the process: the test hook of ``RELAY_CLOCK``.
+
+A server started with ``RELAY_CLOCK=tests.stepclock.FileStepClock`` and
+``RELAY_TEST_CLOCK_STEP_FILE=<path>`` reads its wall clock as the system clock plus the integer
+number of ms written in that file (0 while there is none); its monotonic clock is the system's.
+Writing the file (``step_to``) therefore steps the server's wall clock exactly as an operator
+or NTP stepping the system clock would, without touching the machine's clock. It lives in
+``tests/``: only a process configured with both variables uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from queue_core.clock import SystemClock
+
+STEP_FILE_ENV = "RELAY_TEST_CLOCK_STEP_FILE"
+
+
+class FileStepClock(SystemClock):
+    """``SystemClock`` with its wall clock offset by the ms in ``$RELAY_TEST_CLOCK_STEP_FILE``.
+
+    The file is looked at (one ``stat``) on every ``now_ms`` and read again when it was
+    replaced. Raises ``KeyError`` when the variable is not set: a misconfigured process fails
+    at start rather than run on an unintended clock.
+    """
+
+    def __init__(self) -> None:
+        self._path = Path(os.environ[STEP_FILE_ENV])
+        self._lock = threading.Lock()
+        self._seen: tuple[int, int] | None = None
+        self._offset_ms = 0
+
+    def now_ms(self) -> int:
+        """Return the system clock plus the file's offset, in epoch ms."""
+        return super().now_ms() + self._offset()
+
+    def _offset(self) -> int:
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            return 0
+        with self._lock:
+            if (st.st_ino, st.st_mtime_ns) != self._seen:
+                self._offset_ms = int(self._path.read_text() or "0")
+                self._seen = (st.st_ino, st.st_mtime_ns)
+            return self._offset_ms
+
+
+def step_to(path: Path, offset_ms: int) -> None:
+    """Set the offset of the processes whose step file is ``path`` (atomically: a new file)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(offset_ms))
+    os.replace(tmp, path)

@@ -1,0 +1,125 @@
+"""``StepGuard``: wall-clock steps detected against the monotonic clock (hardening item 13).
+
+The guard on its own, with ``FakeClock`` (``step`` moves the wall clock alone): what each
+reading judges by, when the judgement returns to the wall clock, and what it logs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from queue_core.clock import FakeClock, StepGuard, SystemClock, clock_from_path
+
+HOUR_MS = 3_600_000
+TOLERANCE_MS = 1_000
+HORIZON_MS = 60_000
+
+
+def read(guard: StepGuard) -> tuple[int, int, int, int]:
+    r = guard.read(tolerance_ms=TOLERANCE_MS, horizon_ms=HORIZON_MS)
+    return r.now_ms, r.judge_ms, r.mark_ms, r.ready_ms
+
+
+def test_no_step_judges_by_the_wall_clock() -> None:
+    clock = FakeClock()
+    guard = StepGuard(clock)
+    t0 = clock.now_ms()
+    assert read(guard) == (t0, t0, -1, t0)
+    clock.advance(seconds=3600)  # both clocks: time passing is not a step
+    assert read(guard) == (t0 + HOUR_MS, t0 + HOUR_MS, -1, t0 + HOUR_MS)
+
+
+def test_first_reading_detects_nothing() -> None:
+    clock = FakeClock()
+    clock.step(HOUR_MS)  # before the guard ever read the clock
+    now = clock.now_ms()
+    assert read(StepGuard(clock)) == (now, now, -1, now)
+
+
+@pytest.mark.parametrize(("step_ms", "detected"), [(999, False), (1_000, False), (1_001, True)])
+def test_forward_step_boundary(step_ms: int, detected: bool) -> None:
+    clock = FakeClock()
+    guard = StepGuard(clock)
+    t0 = read(guard)[0]
+    clock.advance(ms=500)
+    clock.step(step_ms)
+    now, judge, mark, _ = read(guard)
+    assert now == t0 + 500 + step_ms
+    if detected:
+        assert (judge, mark) == (t0 + 500, t0 + 500)
+    else:
+        assert (judge, mark) == (now, -1)
+
+
+@pytest.mark.parametrize(("step_ms", "longer"), [(-1_000, False), (-1_001, True)])
+def test_backward_step_boundary_is_logged_not_compensated(
+    step_ms: int, longer: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    guard = StepGuard(clock)
+    t0 = read(guard)[0]
+    with caplog.at_level(logging.WARNING, logger="relay.clock"):
+        clock.step(step_ms)
+        now, judge, mark, ready = read(guard)
+    assert (now, judge, mark) == (t0 + step_ms, t0 + step_ms, -1)
+    assert ready == t0  # new READY jobs tie with the last ones: the id keeps FIFO
+    assert [getattr(r, "step_ms", None) for r in caplog.records] == ([step_ms] if longer else [])
+
+
+def test_forward_step_is_judged_by_the_old_time_until_the_horizon(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = FakeClock()
+    guard = StepGuard(clock)
+    t0 = read(guard)[0]
+    with caplog.at_level(logging.INFO, logger="relay.clock"):
+        clock.step(HOUR_MS)
+        assert read(guard) == (t0 + HOUR_MS, t0, t0, t0 + HOUR_MS)
+        clock.advance(ms=HORIZON_MS)
+        # Old time t0 + horizon: a lease set by the old clock may still be live at its expiry.
+        assert read(guard) == (
+            t0 + HOUR_MS + HORIZON_MS,
+            t0 + HORIZON_MS,
+            t0,
+            t0 + HOUR_MS + HORIZON_MS,
+        )
+        clock.advance(ms=1)
+        # Past it: every such lease has expired on the old clock too; the wall clock judges.
+        now = t0 + HOUR_MS + HORIZON_MS + 1
+        assert read(guard) == (now, now, -1, now)
+    events = [getattr(r, "event", None) for r in caplog.records]
+    assert events == ["clock_step", "clock_step_settled"]
+
+
+def test_a_step_back_cancels_an_outstanding_step_forward() -> None:
+    clock = FakeClock()
+    guard = StepGuard(clock)
+    t0 = read(guard)[0]
+    clock.step(HOUR_MS)
+    read(guard)
+    clock.step(-HOUR_MS // 2)  # half of it undone: still judged by the time before both
+    assert read(guard) == (t0 + HOUR_MS // 2, t0, t0, t0 + HOUR_MS)
+    clock.step(-HOUR_MS // 2)  # back where it was: the wall clock judges again
+    assert read(guard) == (t0, t0, -1, t0 + HOUR_MS)
+
+
+def test_two_forward_steps_add_up() -> None:
+    clock = FakeClock()
+    guard = StepGuard(clock)
+    t0 = read(guard)[0]
+    clock.step(HOUR_MS)
+    read(guard)
+    clock.advance(ms=10)
+    clock.step(HOUR_MS)
+    now, judge, mark, _ = read(guard)
+    assert (now, judge) == (t0 + 2 * HOUR_MS + 10, t0 + 10)
+    assert mark == t0 + HOUR_MS + 10  # what the once-stepped clock would read
+
+
+def test_clock_from_path_builds_the_named_clock() -> None:
+    assert isinstance(clock_from_path("queue_core.clock.SystemClock"), SystemClock)
+    assert isinstance(clock_from_path("queue_core.clock.FakeClock"), FakeClock)
+    with pytest.raises(AttributeError):
+        clock_from_path("queue_core.clock.NoSuchClock")
