@@ -8,7 +8,8 @@ Every error the HTTP API returns is ``application/problem+json``::
      "details": {"job_id": "job_…"}}
 
 ``code``, ``retryable`` and ``details`` are the same as in a TCP error reply
-(``queue_core.errors.error_body``); ``BUSY`` and ``UNAVAILABLE`` add ``Retry-After``.
+(``queue_core.errors.error_body``); ``BUSY``, ``UNAVAILABLE``, ``TOO_MANY_CONNECTIONS`` and the
+``STORAGE_*`` codes add ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ TITLES = {
     "TOO_MANY_CONNECTIONS": "Too many connections",
     "TIMEOUT": "Timeout",
     "INTERNAL": "Internal error",
+    "STORAGE_FULL": "Database disk full",
+    "STORAGE_IO": "Database storage error",
+    "STORAGE_LOST": "Database file removed or replaced",
 }
+# Retryable refusals that carry Retry-After.
+RETRY_AFTER_CODES = frozenset(
+    {"BUSY", "UNAVAILABLE", "TOO_MANY_CONNECTIONS", "STORAGE_FULL", "STORAGE_IO", "STORAGE_LOST"}
+)
 
 
 def problem_body(exc: BaseException, instance: str) -> dict[str, Any]:
@@ -70,6 +78,6 @@ def problem_response(request: HttpRequest | None, exc: BaseException) -> HttpRes
     response = HttpResponse(
         orjson.dumps(body, default=str), status=body["status"], content_type=CONTENT_TYPE
     )
-    if body["code"] in ("BUSY", "UNAVAILABLE", "TOO_MANY_CONNECTIONS"):
+    if body["code"] in RETRY_AFTER_CODES:
         response["Retry-After"] = str(RETRY_AFTER_S)
     return response

@@ -11,5 +11,9 @@ class QueueCoreConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Register system checks."""
+        """Register system checks, and watch new SQLite connections (the file each one
+        opened, its write-ahead log bound: ``queue_core.storage.sqlite.driver``)."""
         from queue_core import checks  # noqa: F401
+        from queue_core.storage.sqlite.driver import watch_connections
+
+        watch_connections()

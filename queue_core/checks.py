@@ -33,6 +33,8 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "reaper_interval_ms",
         "server_heartbeat_ms",
         "max_clock_skew_ms",
+        "sqlite_wal_limit_bytes",
+        "sqlite_checkpoint_wait_ms",
         "max_unsent_bytes_per_connection",
         "max_unsent_bytes",
         "max_bad_frames",

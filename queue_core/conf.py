@@ -61,6 +61,17 @@ class RelaySettings:
         max_clock_skew_ms: the most a server's clock may differ from the database's, in ms
             (1 000); a server further off refuses to start, and logs it at each heartbeat
             (several servers judge lease expiry and due times by their own clocks).
+
+        SQLite write-ahead log bound (docs/failure-model.md, item 6):
+
+        sqlite_wal_limit_bytes: the size the ``-wal`` file is kept under, in bytes (16 MiB).
+            Every SQLite connection Relay opens gets it as ``PRAGMA journal_size_limit`` (a
+            log that restarts is cut back to it), and the server's reaper checkpoints with
+            ``wal_checkpoint(RESTART)`` when the file has grown past it.
+        sqlite_checkpoint_wait_ms: how long that checkpoint waits for readers of older
+            snapshots to finish, in ms (200); the writer waits with it. A checkpoint that
+            could not finish is tried again after 1 s, then after twice as long each time it
+            fails again, up to 8 s.
         clock_step_tolerance_ms: wall-clock steps (item 13): the most, in ms, the wall clock
             may advance more or less than the monotonic clock between two readings before it
             counts as a step (1 000; NTP slewing moves it 0.5 ms/s at most). Leases set before
@@ -124,6 +135,9 @@ class RelaySettings:
     database: str = "default"
     server_heartbeat_ms: int = 5_000
     max_clock_skew_ms: int = 1_000
+    # SQLite write-ahead log bound.
+    sqlite_wal_limit_bytes: int = 16 * 1024 * 1024
+    sqlite_checkpoint_wait_ms: int = 200
     # Hostile clients (issue 13).
     max_unsent_bytes_per_connection: int = 2 * 1024 * 1024
     max_unsent_bytes: int = 64 * 1024 * 1024

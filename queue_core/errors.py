@@ -171,6 +171,37 @@ class Internal(RelayError):
     retryable = True
 
 
+# Storage faults (docs/failure-model.md, "Storage faults"): the database cannot take writes for
+# a reason outside Relay. Nothing is acknowledged meanwhile; the first two clear by themselves
+# once the cause is gone (space freed, the device back), the third needs a server restart.
+
+
+class StorageFull(RelayError):
+    """The database's disk is full; nothing was written. Writes resume once space is freed."""
+
+    code = "STORAGE_FULL"
+    http_status = 507
+    retryable = True
+
+
+class StorageIO(RelayError):
+    """The database file cannot be read or written (an I/O error, or a read-only file, folder
+    or file system); nothing was written."""
+
+    code = "STORAGE_IO"
+    http_status = 503
+    retryable = True
+
+
+class StorageLost(RelayError):
+    """The database file was removed or replaced while the server had it open; writes are
+    refused until the server is restarted."""
+
+    code = "STORAGE_LOST"
+    http_status = 503
+    retryable = True
+
+
 def all_error_classes() -> list[type[RelayError]]:
     """Return every concrete error class, one per code."""
     out: list[type[RelayError]] = []

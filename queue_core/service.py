@@ -1153,13 +1153,21 @@ class QueueService:
         return list(dict.fromkeys(queues))
 
     def sweep(self) -> list[str]:
-        """Expire leases, then promote due jobs, in one transaction (the server's reaper).
+        """Expire leases, then promote due jobs, in one transaction (the server's reaper);
+        once it commits, run the storage's upkeep (``maintain``).
 
         Returns:
             The queues that got READY jobs; ``[]`` when another server is sweeping.
         """
         with self.driver.write() as tx:
+            self.driver.after_commit(self.maintain)
             return self._sweep(tx, self._read())
+
+    def maintain(self) -> None:
+        """Storage upkeep outside a transaction (``Driver.maintain``: on SQLite, keep the
+        write-ahead log under ``RELAY_SQLITE_WAL_LIMIT_BYTES``). Cheap when there is nothing
+        to do; the reaper reaches it after each sweep."""
+        self.driver.maintain(self.clock.monotonic())
 
     def _expire(self, tx: Tx, at: Reading) -> list[str]:
         """Expire the leases ``at`` judges expired (``_judging``), at most SWEEP_LIMIT."""

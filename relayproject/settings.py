@@ -209,6 +209,10 @@ RELAY_STARTUP_CHECK = _env("RELAY_STARTUP_CHECK", "integrity")
 # Several servers on one PostgreSQL database: the registry heartbeat, and the clock bound.
 RELAY_SERVER_HEARTBEAT_MS = _env_int("RELAY_SERVER_HEARTBEAT_MS", 5_000)
 RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)
+# SQLite: the size the -wal file is kept under (journal_size_limit, and the reaper's checkpoint),
+# and how long that checkpoint waits for older readers.
+RELAY_SQLITE_WAL_LIMIT_BYTES = _env_int("RELAY_SQLITE_WAL_LIMIT_BYTES", 16 * 1024 * 1024)
+RELAY_SQLITE_CHECKPOINT_WAIT_MS = _env_int("RELAY_SQLITE_CHECKPOINT_WAIT_MS", 200)
 # Hostile clients: reply-byte budgets, malformed lines, the hello deadline, a per-address cap.
 RELAY_MAX_UNSENT_BYTES_PER_CONNECTION = _env_int(
     "RELAY_MAX_UNSENT_BYTES_PER_CONNECTION", 2 * 1024 * 1024

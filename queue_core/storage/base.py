@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 from django.db.backends.utils import CursorDebugWrapper
 
+from queue_core.errors import RelayError
+
 # Bytes a lease reply spends per job beyond its payload (ids, token, times), generously rounded.
 REPLY_OVERHEAD_BYTES = 1024
 
@@ -255,6 +257,21 @@ class Driver(Protocol):
 
     def close(self) -> None:
         """Close this thread's connection (threads that used the driver call this on exit)."""
+        ...
+
+    def maintain(self, now_s: float) -> None:
+        """Storage upkeep, run outside a transaction after the server's sweeps commit (SQLite:
+        keep the write-ahead log bounded; PostgreSQL: nothing, autovacuum does its own). Cheap
+        when there is nothing to do; never raises.
+
+        Args:
+            now_s: the caller's monotonic clock, in seconds (paces the work).
+        """
+        ...
+
+    def storage_error(self, exc: BaseException) -> RelayError | None:
+        """Relay's error for ``exc`` when the storage itself failed (``STORAGE_FULL``,
+        ``STORAGE_IO``...), None otherwise; for errors raised outside the driver (``migrate``)."""
         ...
 
 

@@ -21,6 +21,7 @@ from django.db import DatabaseError, connections
 from queue_core import exposure, metrics
 from queue_core.client import parse_address
 from queue_core.conf import relay_settings
+from queue_core.errors import StorageFull, StorageIO
 from queue_core.management.relay_command import RelayBaseCommand
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
@@ -29,6 +30,8 @@ from queue_core.storage import AlreadyServed
 log = logging.getLogger("relay.server")
 
 EXIT_CORRUPT = 3
+EXIT_STORAGE_FULL = 7  # STORAGE_FULL: the disk holding the database is full
+EXIT_STORAGE_IO = 8  # STORAGE_IO: I/O error, or a read-only file, folder or file system
 
 
 class Command(RelayBaseCommand):
@@ -36,7 +39,9 @@ class Command(RelayBaseCommand):
 
     Exit codes: 0 after a graceful shutdown, 3 when the database fails its integrity check,
     4 when another server holds the SQLite file, 5 when asked to listen beyond loopback while
-    no API key exists (``PUBLIC_WITHOUT_KEYS``; ``--allow-public-without-keys`` opts in).
+    no API key exists (``PUBLIC_WITHOUT_KEYS``; ``--allow-public-without-keys`` opts in), 7 when
+    its disk is full, 8 when it cannot be read or written (an I/O error, or a read-only file,
+    folder or file system).
     """
 
     help = "Serve Relay's NDJSON protocol over TCP (see docs/protocol.md)."
@@ -81,7 +86,10 @@ class Command(RelayBaseCommand):
             CommandError: ``CORRUPT`` (exit code 3) when ``PRAGMA integrity_check`` (or
                 ``quick_check``, ``RELAY_STARTUP_CHECK=quick``) fails or the
                 file is not a database; ``ALREADY_SERVED`` (exit code 4) when another relay
-                server holds this database; ``INVALID_ARGUMENT`` for a bad address, grace or
+                server holds this database; ``STORAGE_FULL`` (exit code 7) when the disk
+                holding it is full; ``STORAGE_IO`` (exit code 8) when it cannot be read or
+                written (I/O error; read-only file, folder or file system);
+                ``INVALID_ARGUMENT`` for a bad address, grace or
                 database path; ``UNAVAILABLE`` when the database cannot be written, or (on
                 PostgreSQL) has unapplied migrations or a clock off by more than
                 ``RELAY_MAX_CLOCK_SKEW_MS``; ``PUBLIC_WITHOUT_KEYS`` (exit code 5) for an
@@ -104,12 +112,10 @@ class Command(RelayBaseCommand):
         # The observer counts the lease expiries the service's sweeps commit.
         service = QueueService(observer=metrics.observe)
         where = _describe(service)
-        if service.capabilities.single_writer:
-            self.lock = _claim(service, where)
-        else:
-            _check_migrations(service, where)
-        full = relay_settings().startup_check != "quick"
-        problems = service.check_storage(full=full)
+        try:
+            problems = self._prepare(service, where)
+        except (StorageFull, StorageIO) as exc:
+            raise _storage_exit(exc, where) from None
         if problems:
             if service.capabilities.single_writer:
                 raise CommandError(
@@ -129,7 +135,12 @@ class Command(RelayBaseCommand):
             raise CommandError(refused, returncode=exposure.EXIT_PUBLIC_WITHOUT_KEYS)
         try:
             recovered = service.recover()
+        except (StorageFull, StorageIO) as exc:
+            raise _storage_exit(exc, where) from None
         except DatabaseError as exc:
+            fault = service.driver.storage_error(exc)
+            if isinstance(fault, StorageFull | StorageIO):
+                raise _storage_exit(fault, where) from None
             if "malformed" in str(exc) or "corrupt" in str(exc).lower():
                 # Damage the start-up check cannot see (with RELAY_STARTUP_CHECK=quick, an
                 # index entry out of step with its row)
@@ -163,6 +174,26 @@ class Command(RelayBaseCommand):
         finally:
             if exporter is not None:
                 exporter.stop()
+
+    def _prepare(self, service: QueueService, where: str) -> list[str]:
+        """Claim (SQLite) or check (PostgreSQL) the database, then run the start-up check;
+        return its problems.
+
+        Raises:
+            CommandError: as ``_claim`` and ``_check_migrations``.
+            StorageFull, StorageIO: the storage failed, whatever the file holds.
+        """
+        if service.capabilities.single_writer:
+            self.lock = _claim(service, where)
+        else:
+            _check_migrations(service, where)
+        return service.check_storage(full=relay_settings().startup_check != "quick")
+
+
+def _storage_exit(exc: StorageFull | StorageIO, where: str) -> CommandError:
+    """The one-line start-up error for a storage fault: its code, the database, the cause."""
+    code = EXIT_STORAGE_FULL if isinstance(exc, StorageFull) else EXIT_STORAGE_IO
+    return CommandError(f"{exc.code}: database {where}: {exc.message}", returncode=code)
 
 
 def _migrate(where: str) -> None:

@@ -36,7 +36,7 @@ import psycopg
 from django.db import DatabaseError, connections, transaction
 from psycopg.pq import TransactionStatus
 
-from queue_core.errors import InvalidArgument, StoreBusy, Unavailable
+from queue_core.errors import InvalidArgument, RelayError, StoreBusy, Unavailable
 from queue_core.storage.base import (
     Capabilities,
     ClaimRequest,
@@ -417,3 +417,13 @@ class PostgresDriver:
     def close(self) -> None:
         """Close this thread's connection (threads that used the driver call this on exit)."""
         connections[self.alias].close()
+
+    def maintain(self, now_s: float) -> None:
+        """Nothing: autovacuum keeps PostgreSQL's tables (migration 0006 tunes it)."""
+
+    def storage_error(self, exc: BaseException) -> RelayError | None:
+        """Relay's error for a database error (``BUSY``, ``UNAVAILABLE``...), or None."""
+        if isinstance(exc, DatabaseError):
+            mapped = _translate(exc)
+            return mapped if isinstance(mapped, RelayError) else None
+        return None

@@ -17,6 +17,7 @@ it is a SAVEPOINT of the caller's transaction (tests use ``django_db(transaction
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -30,9 +31,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from django.db import DatabaseError, OperationalError, connections, transaction
+from django.db.backends.signals import connection_created
 
+from queue_core.clock import Clock, SystemClock
 from queue_core.conf import relay_settings
-from queue_core.errors import StoreBusy
+from queue_core.errors import RelayError, StorageFull, StorageIO, StorageLost, StoreBusy
 from queue_core.states import effective_priority
 from queue_core.storage.base import (
     REPLY_OVERHEAD_BYTES,
@@ -58,11 +61,153 @@ def named_style(sql: str) -> str:
 # The same statements in sqlite3's own parameter style, for the raw cursor.
 NAMED_QUERIES = {name: named_style(sql) for name, sql in QUERIES.items()}
 WATCH_INTERVAL_S = 0.05  # how often a waiting feed reads PRAGMA data_version
+MAINTAIN_EVERY_S = 0.25  # how often maintain() looks at the write-ahead log's size
+MAX_CHECKPOINT_BACKOFF_S = 8.0  # the longest pause between checkpoints readers held up
 
 
 def _is_busy(exc: BaseException) -> bool:
     text = str(exc).lower()
     return "locked" in text or "busy" in text
+
+
+# ----------------------------------------------------------------- storage faults (items 7, 8)
+
+# SQLite's primary result codes that mean the storage, not the statement, failed.
+_READONLY_CODES = frozenset(
+    {sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PERM, sqlite3.SQLITE_NOLFS}
+)
+# An I/O error with less than this free beside the file is the disk being full: SQLite reports
+# a full disk as SQLITE_FULL when a write fails, but as SQLITE_IOERR when it cannot size its
+# shared-memory file (at start, say).
+FULL_BELOW_BYTES = 1024 * 1024
+FAULT_LOG_INTERVAL_S = 10.0  # one log line per fault code per this many seconds
+_IDENTITY_ATTR = "_relay_file_identity"  # on Django's connection: (path, (st_dev, st_ino))
+
+
+def _free_bytes(path: str) -> int | None:
+    with contextlib.suppress(OSError):
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+        return st.f_bavail * st.f_frsize
+    return None
+
+
+def storage_fault(exc: BaseException, path: str) -> RelayError | None:
+    """Relay's error for a storage failure under a SQLite call; None for any other error.
+
+    Args:
+        exc: what the call raised: a ``sqlite3.Error``, or Django's wrapper of one.
+        path: the database file (its free space tells a full disk from other I/O errors).
+    Returns:
+        ``StorageFull`` (``SQLITE_FULL``, or ``SQLITE_IOERR`` with under ``FULL_BELOW_BYTES``
+        free), ``StorageIO`` (other I/O errors; a read-only or unopenable file, folder or file
+        system), or None (corruption, constraint errors, bugs: they keep their own paths).
+    """
+    if isinstance(exc, RelayError):  # mapped already
+        return None
+    cause = exc if isinstance(exc, sqlite3.Error) else exc.__cause__
+    code = getattr(cause, "sqlite_errorcode", None)
+    if not isinstance(code, int):
+        return None
+    primary = code & 0xFF
+    said = f"(SQLite: {cause})"
+    if primary == sqlite3.SQLITE_IOERR:
+        free = _free_bytes(path)
+        if free is not None and free < FULL_BELOW_BYTES:
+            primary = sqlite3.SQLITE_FULL
+        else:
+            return StorageIO(f"the database storage failed an I/O operation {said}")
+    if primary == sqlite3.SQLITE_FULL:
+        return StorageFull(
+            f"the database's disk is full {said}: nothing was written; writes resume once "
+            "space is freed"
+        )
+    if primary in _READONLY_CODES:
+        return StorageIO(
+            f"the database cannot be written: its file, folder or file system is read-only "
+            f"or out of reach {said}"
+        )
+    return None
+
+
+def os_fault(exc: OSError) -> RelayError:
+    """Relay's error for an ``OSError`` opening the database file."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(f"the disk holding the database is full ({exc.strerror})")
+    return StorageIO(f"cannot open the database file for writing ({exc.strerror})")
+
+
+def _file_identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # gone, or not a path (":memory:")
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _remember_file(sender: Any, connection: Any, **kwargs: Any) -> None:
+    """On each new connection to Relay's SQLite database: note which file it opened (its
+    device and inode), and bound its write-ahead log (``journal_size_limit``)."""
+    s = relay_settings()
+    if connection.vendor != "sqlite" or connection.alias != s.database:
+        return
+    path = str(connection.settings_dict["NAME"])
+    identity = _file_identity(path)
+    setattr(connection, _IDENTITY_ATTR, (path, identity) if identity else None)
+    limit = int(s.sqlite_wal_limit_bytes)
+    connection.connection.execute(f"PRAGMA journal_size_limit={limit}").fetchall()
+
+
+def watch_connections() -> None:
+    """Install ``_remember_file`` on Django's ``connection_created`` (``QueueCoreConfig.ready``)."""
+    connection_created.connect(_remember_file, dispatch_uid="relay-sqlite-file")
+
+
+class _FaultLog:
+    """One log line per fault code per ``FAULT_LOG_INTERVAL_S`` (with how many it stood for),
+    and one when writes succeed again."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._quiet: dict[str, int] = {}
+        self.failing = False  # read without the lock on every commit: a hint, not a count
+
+    def fault(self, err: RelayError, cause: BaseException) -> None:
+        now = self.clock.monotonic()
+        with self._lock:
+            self.failing = True
+            last = self._last.get(err.code)
+            if last is not None and now - last < FAULT_LOG_INTERVAL_S:
+                self._quiet[err.code] = self._quiet.get(err.code, 0) + 1
+                return
+            self._last[err.code] = now
+            more = self._quiet.pop(err.code, 0)
+        log.error(
+            "event=storage_fault code=%s error=%s repeats=%d",
+            err.code,
+            cause,
+            more,
+            extra={
+                "event": "storage_fault",
+                "code": err.code,
+                "error": str(cause),
+                "repeats": more,
+            },
+        )
+
+    def ok(self) -> None:
+        with self._lock:
+            if not self.failing:
+                return
+            self.failing = False
+            self._last.clear()
+            quiet, self._quiet = self._quiet, {}
+        log.info(
+            "event=storage_recovered unlogged_faults=%d",
+            sum(quiet.values()),
+            extra={"event": "storage_recovered", "unlogged_faults": sum(quiet.values())},
+        )
 
 
 class _Overflow(Exception):
@@ -193,6 +338,71 @@ class SqliteDriver:
         self.alias = alias
         self._local = threading.local()
         self._rng = random.Random()
+        self.clock: Clock = SystemClock()  # paces fault logs and checkpoints
+        self._faults = _FaultLog(self.clock)
+        self._look_at = 0.0  # monotonic s: when maintain() next looks at the log's size
+        self._checkpoint_at = 0.0  # monotonic s: when a checkpoint may next be tried
+        self._checkpoint_backoff_s = 0.0
+        # (path, (st_dev, st_ino)) of the file server_lock() holds: the one this process serves.
+        self._served: tuple[str, tuple[int, int]] | None = None
+
+    def _path(self) -> str:
+        return str(connections[self.alias].settings_dict["NAME"])
+
+    def _fault(self, exc: BaseException) -> RelayError | None:
+        """Map a storage failure to Relay's error (logged, rate-limited); None otherwise."""
+        mapped = storage_fault(exc, self._path())
+        if mapped is not None:
+            self._faults.fault(mapped, exc)
+        return mapped
+
+    def storage_error(self, exc: BaseException) -> RelayError | None:
+        """Relay's error for a storage failure (``STORAGE_FULL``, ``STORAGE_IO``), or None for
+        an error of another kind (see ``storage_fault``)."""
+        return self._fault(exc)
+
+    def _lost(self, why: str) -> StorageLost:
+        lost = StorageLost(
+            "the database file was removed or replaced while the server had it open; "
+            "nothing was written: restart the server"
+        )
+        self._faults.fault(lost, FileNotFoundError(why))
+        return lost
+
+    def _check_file(self, conn: Any) -> None:
+        """Refuse to commit into a file the path no longer names.
+
+        A connection writes to the file it opened; if that file was removed or replaced since,
+        its commits would be acknowledged and then lost (or, once another process opens the
+        path, split between two files). The file expected is the one ``server_lock`` holds
+        in a server, else the one the connection opened. One ``os.stat`` (~1-2 us) per write
+        transaction.
+
+        Raises:
+            StorageLost: the path is gone or names another file, or the connection opened
+                another file than the one this server holds.
+        """
+        own = getattr(conn, _IDENTITY_ATTR, None)
+        if own is None:
+            return
+        path, identity = own
+        served = self._served
+        if served is not None and served[0] == path and served[1] != identity:
+            raise self._lost(f"this connection opened another file than the {path} served")
+        if _file_identity(path) != identity:
+            raise self._lost(f"{path} is gone or is another file than the one opened")
+
+    def _check_opened(self, conn: Any) -> None:
+        """In a server, refuse to read through a connection opened on another file than the
+        one it holds (one opened after the file was removed or replaced). No system call.
+
+        Raises:
+            StorageLost: it did.
+        """
+        own = getattr(conn, _IDENTITY_ATTR, None)
+        served = self._served
+        if served is not None and own is not None and own[0] == served[0] and own != served:
+            raise self._lost(f"this connection opened another file than the {served[0]} served")
 
     def _depth(self) -> int:
         return getattr(self._local, "depth", 0)
@@ -233,6 +443,7 @@ class SqliteDriver:
         self._local.after = []
         with conn.cursor() as cursor:
             if conn.in_atomic_block:
+                self._check_file(conn)
                 yield from self._savepoint(conn, SqliteTx(cursor, self), depth)
                 # The caller's transaction decides: Django runs these after its COMMIT.
                 for fn in self._local.after:
@@ -244,26 +455,42 @@ class SqliteDriver:
             # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
             # the server's group commit opens two savepoints per request).
             tx = self._local.tx = SqliteTx(cursor, self)
+            self._local.aborted = None
             try:
                 yield tx
-            except BaseException:
+            except BaseException as exc:
                 self._local.depth = 0
                 self._local.after = []
                 with contextlib.suppress(Exception):
                     cursor.execute("ROLLBACK")
+                mapped = self._fault(exc)
+                if mapped is not None:
+                    raise mapped from exc
                 raise
             try:
+                aborted = self._local.aborted
+                if aborted is not None and not conn.connection.in_transaction:
+                    raise aborted  # SQLite rolled the whole transaction back (see _savepoint)
+                self._check_file(conn)
                 cursor.execute("COMMIT")
-            except OperationalError as exc:
+            except (DatabaseError, RelayError) as exc:
                 self._local.after = []
                 with contextlib.suppress(Exception):
                     cursor.execute("ROLLBACK")
+                if isinstance(exc, RelayError):
+                    raise
                 if _is_busy(exc):
                     raise StoreBusy() from exc
+                mapped = self._fault(exc)
+                if mapped is not None:
+                    raise mapped from exc
                 raise
             finally:
                 self._local.depth = 0
                 self._local.tx = None
+                self._local.aborted = None
+        if self._faults.failing:
+            self._faults.ok()
         callbacks, self._local.after = self._local.after, []
         run_callbacks(callbacks, log)
 
@@ -283,16 +510,29 @@ class SqliteDriver:
         Django's cursor wrapper a SAVEPOINT/RELEASE pair cost 9 us instead of 3 us)."""
         name = f"relay_sp{depth}"
         raw = conn.connection
+        aborted = getattr(self._local, "aborted", None)
+        if aborted is not None and not raw.in_transaction:
+            # An earlier call's storage fault made SQLite roll the whole transaction back: a
+            # SAVEPOINT now would open (and its RELEASE commit) a transaction of its own.
+            raise aborted
         raw.execute(f"SAVEPOINT {name}")
         self._local.depth = depth + 1
         self._local.tx = tx
         mark = len(self._local.after)
         try:
             yield tx
-        except BaseException:
+        except BaseException as exc:
             del self._local.after[mark:]  # what this savepoint registered is undone with it
-            raw.execute(f"ROLLBACK TO {name}")
-            raw.execute(f"RELEASE {name}")
+            mapped = self._fault(exc)
+            if raw.in_transaction:
+                raw.execute(f"ROLLBACK TO {name}")
+                raw.execute(f"RELEASE {name}")
+            elif depth:  # SQLite rolled the whole transaction back (it may on FULL and IOERR)
+                self._local.aborted = mapped or StorageIO(
+                    f"the transaction was rolled back by SQLite after: {exc}"
+                )
+            if mapped is not None:
+                raise mapped from exc
             raise
         else:
             raw.execute(f"RELEASE {name}")
@@ -311,6 +551,9 @@ class SqliteDriver:
                 if not _is_busy(exc) or time.monotonic() >= deadline:
                     if _is_busy(exc):
                         raise StoreBusy() from exc
+                    mapped = self._fault(exc)
+                    if mapped is not None:
+                        raise mapped from exc
                     raise
                 log.debug("event=busy_retry delay_s=%.3f", delay)
                 time.sleep(delay * self._rng.uniform(0.5, 1.0))
@@ -322,8 +565,17 @@ class SqliteDriver:
 
         Inside ``write()`` on the same thread, reads join that transaction.
         """
-        with connections[self.alias].cursor() as cursor:
-            yield SqliteTx(cursor, self)
+        conn = connections[self.alias]
+        try:
+            with conn.cursor() as cursor:
+                if self._served is not None and not self._depth():
+                    self._check_opened(conn)
+                yield SqliteTx(cursor, self)
+        except DatabaseError as exc:
+            mapped = self._fault(exc)
+            if mapped is not None:
+                raise mapped from exc
+            raise
 
     def in_transaction(self) -> bool:
         """Return whether this thread is inside ``write()``."""
@@ -345,7 +597,13 @@ class SqliteDriver:
 
         ``integrity_check`` also compares every index entry with its row (O(N log N) instead
         of O(N); https://sqlite.org/pragma.html#pragma_integrity_check). A file that is not a
-        database at all is reported as a problem, not raised.
+        database at all is reported as a problem, not raised; a file that cannot be read or
+        opened for writing is not a problem of the file.
+
+        Raises:
+            StorageFull, StorageIO: the storage failed (full disk, I/O error, read-only
+                file, folder or file system), whatever the file holds.
+            StoreBusy: another process holds the database locked.
         """
         pragma = "integrity_check" if full else "quick_check"
         try:
@@ -353,6 +611,11 @@ class SqliteDriver:
                 cursor.execute(f"PRAGMA {pragma}")
                 rows = [str(r[0]) for r in cursor.fetchall()]
         except DatabaseError as exc:  # e.g. "file is not a database"
+            mapped = storage_fault(exc, self._path())  # the caller reports it: no log line
+            if mapped is not None:
+                raise mapped from exc
+            if _is_busy(exc):
+                raise StoreBusy() from exc
             return [f"{type(exc).__name__}: {exc}"]
         return [] if rows == ["ok"] else rows
 
@@ -367,9 +630,14 @@ class SqliteDriver:
 
         Raises:
             AlreadyServed: another process holds it.
+            StorageFull, StorageIO: the file cannot be opened for writing (a read-only file,
+                folder or file system; a full disk).
         """
-        path = str(connections[self.alias].settings_dict["NAME"])
-        handle = open(path, "ab")  # noqa: SIM115 - held until exit
+        path = self._path()
+        try:
+            handle = open(path, "ab")  # noqa: SIM115 - held until exit
+        except OSError as exc:
+            raise os_fault(exc) from exc
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -377,11 +645,79 @@ class SqliteDriver:
             raise AlreadyServed(
                 f"another relay server is serving {path} ({_identity(path)}); stop it first"
             ) from None
+        st = os.fstat(handle.fileno())
+        self._served = (path, (st.st_dev, st.st_ino))
         return handle
 
     def close(self) -> None:
         """Close this thread's connection (threads that used the driver call this on exit)."""
         connections[self.alias].close()
+
+    def maintain(self, now_s: float) -> None:
+        """Keep the write-ahead log under ``RELAY_SQLITE_WAL_LIMIT_BYTES`` (outside a write).
+
+        SQLite's own checkpoint after each commit copies the log into the database but never
+        waits for readers, so with reads always running it never gets to restart the log, and
+        the ``-wal`` file grows for as long as they do. When the file has grown past the limit,
+        this runs ``PRAGMA wal_checkpoint(RESTART)``: it takes the write lock, copies the log
+        and waits up to ``RELAY_SQLITE_CHECKPOINT_WAIT_MS`` for readers of older snapshots; the
+        next commit then writes from the start of the log and cuts the file back to the limit
+        (``journal_size_limit``). A checkpoint a reader held up is tried again after 1 s, then
+        after twice as long each time, up to ``MAX_CHECKPOINT_BACKOFF_S``. Looks at the file's
+        size at most every ``MAINTAIN_EVERY_S``.
+
+        Args:
+            now_s: the caller's monotonic clock, in seconds.
+        """
+        if now_s < self._look_at or self._depth():
+            return
+        self._look_at = now_s + MAINTAIN_EVERY_S
+        s = relay_settings()
+        try:
+            size = os.stat(f"{self._path()}-wal").st_size
+        except OSError:
+            return
+        if size <= s.sqlite_wal_limit_bytes or now_s < self._checkpoint_at:
+            return
+        conn = connections[self.alias]
+        if conn.in_atomic_block:
+            return
+        try:
+            busy, frames, copied = self._checkpoint(conn, s.sqlite_checkpoint_wait_ms)
+        except DatabaseError as exc:
+            self._fault(exc)
+            return
+        if busy:
+            self._checkpoint_backoff_s = min(
+                max(1.0, 2 * self._checkpoint_backoff_s), MAX_CHECKPOINT_BACKOFF_S
+            )
+            self._checkpoint_at = now_s + self._checkpoint_backoff_s
+            log.warning(
+                "event=wal_checkpoint_blocked wal_bytes=%d frames=%d copied=%d retry_s=%.0f",
+                size,
+                frames,
+                copied,
+                self._checkpoint_backoff_s,
+                extra={"event": "wal_checkpoint_blocked", "wal_bytes": size},
+            )
+            return
+        self._checkpoint_backoff_s = 0.0
+        log.debug("event=wal_checkpoint wal_bytes=%d frames=%d", size, frames)
+
+    @staticmethod
+    def _checkpoint(conn: Any, wait_ms: int) -> tuple[bool, int, int]:
+        """``PRAGMA wal_checkpoint(RESTART)`` with the busy timeout set to ``wait_ms`` for it;
+        return ``(busy, frames in the log, frames copied)``."""
+        with conn.cursor() as cursor:
+            cursor.execute("PRAGMA busy_timeout")
+            before = int(cursor.fetchone()[0])
+            cursor.execute(f"PRAGMA busy_timeout={int(wait_ms)}")
+            try:
+                cursor.execute("PRAGMA wal_checkpoint(RESTART)")
+                busy, frames, copied = cursor.fetchone()
+            finally:
+                cursor.execute(f"PRAGMA busy_timeout={before}")
+        return bool(busy), int(frames), int(copied)
 
 
 def _identity(path: str) -> str:

@@ -284,25 +284,13 @@ RETURNING state;
 DELETE FROM relay_task_result WHERE job_id = %(job_id)s;
 
 -- name: counts
--- Jobs by queue and state (a scan of relay_job_queue_state, not of the table).
-SELECT queue, state, COUNT(*) AS n FROM relay_job GROUP BY queue, state;
+-- Jobs by queue and state: the rows relay_job_count's triggers keep (migration 0007), one per
+-- queue and state, so a stats call costs as much with 10 jobs as with 10 million.
+SELECT queue, state, n FROM relay_job_count WHERE n > 0;
 
 -- name: counts_live
--- Jobs by queue and live state (SUCCEEDED left out), each state read from its own partial
--- index, so finished jobs never cost a metrics scrape anything. INDEXED BY keeps SQLite off the (queue, state, id) index, whose scan would
--- count every finished job too.
--- Params: none.
-SELECT queue, state, COUNT(*) AS n FROM relay_job INDEXED BY relay_job_ready
- WHERE state = 'ready' GROUP BY queue, state
-UNION ALL
-SELECT queue, state, COUNT(*) AS n FROM relay_job INDEXED BY relay_job_scheduled
- WHERE state IN ('pending', 'retrying') GROUP BY queue, state
-UNION ALL
-SELECT queue, state, COUNT(*) AS n FROM relay_job INDEXED BY relay_job_leased
- WHERE state = 'leased' GROUP BY queue, state
-UNION ALL
-SELECT queue, state, COUNT(*) AS n FROM relay_job INDEXED BY relay_job_dead
- WHERE state = 'dead' GROUP BY queue, state;
+-- Jobs by queue and live state (SUCCEEDED left out). Params: none.
+SELECT queue, state, n FROM relay_job_count WHERE n > 0 AND state <> 'succeeded';
 
 -- name: queue_has_ready
 -- Whether a queue has a READY job: one seek on relay_job_ready (the long-poll fallback poll
@@ -310,8 +298,15 @@ SELECT queue, state, COUNT(*) AS n FROM relay_job INDEXED BY relay_job_dead
 SELECT EXISTS (SELECT 1 FROM relay_job WHERE state = 'ready' AND queue = %(queue)s) AS ready;
 
 -- name: oldest_ready
--- When the longest-waiting READY job of each queue became ready. Params: none.
-SELECT queue, MIN(ready_since_ms) AS oldest FROM relay_job WHERE state = 'ready' GROUP BY queue;
+-- When the longest-waiting READY job of each queue became ready: for each queue with READY jobs
+-- (relay_job_count), one seek per base class on relay_job_ready, never a scan of the backlog.
+-- Params: none.
+SELECT c.queue AS queue,
+       MIN((SELECT MIN(j.ready_since_ms) FROM relay_job j
+             WHERE j.state = 'ready' AND j.queue = c.queue AND j.priority = p.column1)) AS oldest
+  FROM relay_job_count c, (VALUES (0), (1), (2), (3)) AS p
+ WHERE c.state = 'ready' AND c.n > 0
+ GROUP BY c.queue;
 
 -- name: dead_page
 -- One page of dead letters in id order. Params: after, limit.
