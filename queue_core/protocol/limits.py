@@ -23,6 +23,7 @@ log = logging.getLogger("relay.server")
 
 FD_RESERVE = 64  # descriptors kept free for database files, refusals in progress, logs
 ACCEPT_LOG_EVERY_S = 10.0
+FAILURE_LOG_EVERY_S = 10.0  # one line per failing background step and error code
 
 
 def open_fds() -> int:
@@ -69,6 +70,49 @@ def connection_cap(wanted: int) -> int:
         )
         return room
     return wanted
+
+
+class Every:
+    """Let one log line per key through every ``every_s`` seconds, counting the rest.
+
+    Args:
+        every_s: the least time between two lines with one key, in s.
+    """
+
+    def __init__(self, every_s: float) -> None:
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def due(self, key: str) -> int | None:
+        """None when a line with ``key`` went out less than ``every_s`` ago (this one is
+        counted); else how many were held back since the last one (log this one)."""
+        now = time.monotonic()
+        if now - self._last.get(key, -self.every_s) < self.every_s:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._last[key] = now
+        return self._held.pop(key, 0)
+
+
+def log_failure(every: Every, event: str, exc: BaseException) -> None:
+    """Log a failed background step (group commit, reaper pass, heartbeat).
+
+    A ``RelayError`` (storage full, database unavailable, ...) is an expected condition: one
+    line without a traceback per event and code every ``every.every_s``, with the number held
+    back. Anything else is a bug: logged with its traceback, at the same rate.
+    """
+    from queue_core.errors import RelayError
+
+    code = exc.code if isinstance(exc, RelayError) else type(exc).__name__
+    held = every.due(f"{event}:{code}")
+    if held is None:
+        return
+    extra = {"event": event, "code": code, "held_back": held}
+    if isinstance(exc, RelayError):
+        log.error("event=%s code=%s error=%s held_back=%d", event, code, exc, held, extra=extra)
+    else:
+        log.error("event=%s code=%s held_back=%d", event, code, held, exc_info=exc, extra=extra)
 
 
 class QuietAcceptErrors:

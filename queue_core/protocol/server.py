@@ -183,12 +183,14 @@ class _Writer(_DbThread):
         on_foreign_commit: Callable[[], None],
         poll: bool,
         name: str = "relay-writer",
+        failures: limits.Every | None = None,
     ) -> None:
         super().__init__(name, calls, service)
         # Where a SAVEPOINT costs round trips (several writers: PostgreSQL), a batch runs
         # without one per call first (``_commit``, ``_guarded``).
         self.flat = not service.capabilities.single_writer
         self.commits = 0  # transactions committed (each holds one or more calls)
+        self.failures = failures or limits.Every(limits.FAILURE_LOG_EVERY_S)
         self.sweep = sweep
         self.on_ready = on_ready
         self.on_foreign_commit = on_foreign_commit
@@ -267,7 +269,7 @@ class _Writer(_DbThread):
         except _Redo:
             raise
         except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
-            log.error("event=group_commit_failed calls=%d error=%r", len(batch), exc)
+            limits.log_failure(self.failures, "group_commit_failed", exc)
             outcomes, ready = [(False, exc)] * len(batch), set()
             with contextlib.suppress(Exception):
                 self.service.heal()
@@ -548,6 +550,7 @@ class RelayServer:
         self._writers: list[_Writer] = []
         self._pushed = False  # the change feed pushes (PostgreSQL): no polling by the writer
         self._max_connections = s.max_connections  # capped to the fd limit in serve()
+        self._failures = limits.Every(limits.FAILURE_LOG_EVERY_S)  # rate of failure lines
         self._budget = ReplyBudget(
             s.max_unsent_bytes_per_connection, s.max_unsent_bytes, self._conns, time.monotonic
         )
@@ -591,6 +594,7 @@ class RelayServer:
                 on_ready=lambda queues: self._from_thread(self._notifier.wake, queues),
                 on_foreign_commit=foreign,
                 poll=not pushed and n == 0,
+                failures=self._failures,
             )
             for n in range(count)
         ]
@@ -773,8 +777,8 @@ class RelayServer:
         )
         try:
             skew = await self._write(register)
-        except Exception:
-            log.exception("event=heartbeat_failed")
+        except Exception as exc:  # noqa: BLE001 - the next beat tries again
+            limits.log_failure(self._failures, "heartbeat_failed", exc)
             return
         limit = relay_settings().max_clock_skew_ms
         if abs(skew) > limit:
@@ -806,8 +810,8 @@ class RelayServer:
             self._reap_at = loop.time() + interval_s
             try:
                 queues, due_ms = await self._write(self._reap_once)
-            except Exception:
-                log.exception("event=reaper_failed")
+            except Exception as exc:  # noqa: BLE001 - the next pass tries again
+                limits.log_failure(self._failures, "reaper_failed", exc)
                 continue
             if queues:
                 log.debug("event=reaped queues=%s", ",".join(sorted(queues)))

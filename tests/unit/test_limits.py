@@ -1,0 +1,47 @@
+"""Rate-limited failure lines and the fd-limit cap (``queue_core.protocol.limits``)."""
+
+from __future__ import annotations
+
+import logging
+import resource
+
+import pytest
+
+from queue_core import errors
+from queue_core.protocol import limits
+
+
+def test_expected_failures_log_one_line_per_interval_without_a_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    every = limits.Every(3600)
+    caplog.set_level(logging.ERROR, logger="relay.server")
+    for _ in range(100):  # a full disk fails every group commit and reaper pass
+        limits.log_failure(every, "group_commit_failed", errors.StorageFull())
+        limits.log_failure(every, "reaper_failed", errors.StorageFull())
+    lines = [r for r in caplog.records if r.getMessage().startswith("event=")]
+    assert [r.getMessage().split()[0] for r in lines] == [
+        "event=group_commit_failed",
+        "event=reaper_failed",
+    ]
+    assert all(r.exc_info is None for r in lines)
+    every.every_s = 0  # the interval has passed: the next line says how many were held back
+    limits.log_failure(every, "reaper_failed", errors.StorageFull())
+    assert "held_back=99" in caplog.records[-1].getMessage()
+
+
+def test_a_bug_keeps_its_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="relay.server")
+    limits.log_failure(limits.Every(3600), "reaper_failed", KeyError("boom"))
+    (record,) = caplog.records
+    assert record.exc_info is not None and "code=KeyError" in record.getMessage()
+
+
+def test_the_connection_limit_fits_the_descriptors_left() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard != resource.RLIM_INFINITY  # so no limit can hold this many:
+    capped = limits.connection_cap(10**9)
+    soft_now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert soft <= soft_now <= hard  # raised as far as allowed, never lowered
+    assert 0 < capped <= soft_now - limits.FD_RESERVE
+    assert limits.connection_cap(10) == 10  # a limit that fits is kept
