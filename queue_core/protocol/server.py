@@ -361,6 +361,8 @@ class _Conn:
     drained_at: float = 0.0  # loop time it last held nothing or gave bytes back
     cut_off: bool = False  # cut by the reply budget
     bad_frames: int = 0  # malformed lines so far
+    opened: float = dataclasses.field(default_factory=time.monotonic)
+    evicted: bool = False  # closed to make room for a newcomer (never authenticated)
 
     async def send(self, line: bytes) -> bool:
         """Write one reply line and wait until the socket buffer drains; return whether sent.
@@ -551,6 +553,7 @@ class RelayServer:
         self._pushed = False  # the change feed pushes (PostgreSQL): no polling by the writer
         self._max_connections = s.max_connections  # capped to the fd limit in serve()
         self._failures = limits.Every(limits.FAILURE_LOG_EVERY_S)  # rate of failure lines
+        self._evictions = limits.Every(limits.FAILURE_LOG_EVERY_S)
         self._budget = ReplyBudget(
             s.max_unsent_bytes_per_connection, s.max_unsent_bytes, self._conns, time.monotonic
         )
@@ -840,7 +843,12 @@ class RelayServer:
         conn = _Conn(
             reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection), self._budget
         )
-        over_limit = len(self._conns) >= self._max_connections or self._over_address_cap(peername)
+        full = len(self._conns) >= self._max_connections
+        if full and not self._draining:
+            with contextlib.suppress(errors.RelayError):  # no key table now: refuse
+                if self._evict_unauthenticated(await self._key_ring()):
+                    full = False  # the newcomer takes the slot of one that never said hello
+        over_limit = full or self._over_address_cap(peername)
         self._conns.add(conn)  # tracked from the start, so a shutdown can always close it
         try:
             if self._draining or over_limit:
@@ -886,6 +894,49 @@ class RelayServer:
         transport.set_write_buffer_limits(high=0)  # drain() now waits for an empty buffer
         with contextlib.suppress(TimeoutError, ConnectionError):
             await asyncio.wait_for(conn.writer.drain(), timeout_s)
+
+    def _evict_unauthenticated(self, ring: auth.KeyRing) -> bool:
+        """With API keys on and every slot taken, close the oldest connection that has not
+        completed a ``hello`` (it gets ``TOO_MANY_CONNECTIONS``); return whether one was.
+
+        Such a connection can only ping, so holding slots without a key buys nothing: a
+        client with a key always gets in, however many keyless connections wait for their
+        hello deadline. Authenticated connections are never closed for a newcomer.
+        """
+        if not ring.required:
+            return False
+        waiting = [
+            c
+            for c in self._conns
+            if c.read_task is not None
+            and not c.gone
+            and not c.evicted
+            and (c.principal is None or not c.principal.authenticated)
+        ]
+        if not waiting:
+            return False
+        victim = min(waiting, key=lambda c: c.opened)
+        victim.evicted = victim.gone = True
+        held = self._evictions.due("evicted")
+        if held is not None:  # one line per 10 s under a flood
+            log.info(
+                "event=connection_evicted peer=%s held_back=%d",
+                victim.peer,
+                held,
+                extra={"event": "connection_evicted", "peer": victim.peer, "held_back": held},
+            )
+        refusal = errors.TooManyConnections(
+            "the server is at its connection limit and this connection has not authenticated"
+        )
+        with contextlib.suppress(Exception):
+            if not victim.writer.is_closing():
+                victim.writer.write(codec.encode_error(None, refusal))
+            victim.writer.transport.close()  # at once (after that line), no lingering
+        for event in victim.waiting:
+            event.set()
+        assert victim.read_task is not None
+        victim.read_task.cancel()  # its _on_connect then lets it go
+        return True
 
     def _over_address_cap(self, peername: object) -> bool:
         """Whether the peer's address already holds ``RELAY_MAX_CONNECTIONS_PER_ADDRESS``

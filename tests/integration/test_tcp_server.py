@@ -527,6 +527,40 @@ def test_with_keys_on_a_connection_must_say_hello_in_time(start: Callable[..., R
             worker.close()
 
 
+def test_at_the_limit_a_client_with_a_key_evicts_the_oldest_unauthenticated_connection(
+    start: Callable[..., Running],
+) -> None:
+    from queue_core import auth
+
+    key = auth.create_key("w", ["worker"]).key
+    with override_settings(RELAY_MAX_CONNECTIONS=3):
+        running = start()
+        lurkers = [Client(running.port, timeout=5) for _ in range(2)]
+        member = Client(running.port, timeout=5)
+        newcomer: Client | None = None
+        try:
+            for lurker in lurkers:  # slots held by pings, no hello
+                assert lurker.ok("ping")["pong"] is True
+            assert member.ok("hello", api_key=key)["name"] == "w"
+            newcomer = Client(running.port, timeout=5)
+            assert newcomer.ok("hello", api_key=key)["name"] == "w"  # admitted at once
+            evicted = lurkers[0].recv()  # the oldest keyless one made room
+            assert evicted["error"]["code"] == "TOO_MANY_CONNECTIONS"
+            assert lurkers[0].at_eof()
+            assert lurkers[1].ok("ping")["pong"] is True
+            # Authenticated connections are never evicted: with three, a fourth is refused.
+            assert lurkers[1].ok("hello", api_key=key)["name"] == "w"
+            fourth = Client(running.port, timeout=5)
+            assert fourth.recv()["error"]["code"] == "TOO_MANY_CONNECTIONS"
+            assert fourth.at_eof()
+            fourth.close()
+            assert member.ok("ping")["pong"] is True
+        finally:
+            for c in (*lurkers, member, newcomer):
+                if c is not None:
+                    c.close()
+
+
 def test_connections_per_address_cap(start: Callable[..., Running]) -> None:
     with override_settings(RELAY_MAX_CONNECTIONS_PER_ADDRESS=2):
         running = start()
