@@ -24,6 +24,9 @@ threads this replaced answered none of them. In production put a buffering rever
 * ``RELAY_HTTP_KEEPALIVE_S``: idle keep-alive connections are closed after this, default 5.
 * ``RELAY_HTTP_ACCESS_LOG``: ``1`` (default) writes an access log line per request to stderr.
 
+Django reads ``RELAY_HTTP_THREADS`` (default 8): each worker's long-lived threads that run the
+requests' database work and keep their connections (``queue_api.pool``).
+
 Before listening (``on_starting``) it refuses, with one line on stderr, to start without a
 private ``SECRET_KEY`` while ``DEBUG`` is off (exit code 6), or on an address beyond loopback
 while no API key exists unless ``RELAY_ALLOW_PUBLIC_WITHOUT_KEYS=1`` (exit code 5); see

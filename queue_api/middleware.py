@@ -21,8 +21,9 @@ ASGI wrapper (``relayproject.asgi``) applies the same bound first: 413 for a dec
 over the limit without reading it, and a body without a length (chunked) is collected up to the
 limit plus one byte.
 
-Both Django middlewares run in sync and in async mode (under ASGI an async view, the lease
-long-poll, then holds no thread while it waits).
+Both Django middlewares run in sync and in async mode: under ASGI, requests to sync views run
+the sync chain on ``queue_api.pool``'s threads, and requests to an async view (the lease
+long-poll) the async chain, so they hold no thread while they wait.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import orjson
 from asgiref.sync import iscoroutinefunction, markcoroutinefunction
 from django.core.exceptions import DisallowedHost
+from django.core.handlers.asgi import ASGIRequest
 from django.core.handlers.wsgi import LimitedStream
 from django.http import HttpRequest, HttpResponse
 
@@ -66,7 +68,9 @@ class _Guard:
         """Answer with ``refuse``'s response, or pass the request on."""
         if self.async_mode:
             return self._acall(request)
-        return self.refuse(request, streaming=True) or self.get_response(request)
+        # Sync mode serves WSGI requests and, under ASGI, queue_api.pool's (body already read).
+        streaming = not isinstance(request, ASGIRequest)
+        return self.refuse(request, streaming=streaming) or self.get_response(request)
 
     async def _acall(self, request: HttpRequest) -> HttpResponse:
         refused = self.refuse(request, streaming=False)
@@ -79,8 +83,9 @@ class _Guard:
         """The response that stops ``request``, or None to pass it on.
 
         Args:
-            streaming: whether the body is still unread (WSGI); False under ASGI, where
-                ``AsgiBodyLimit`` has already bounded it.
+            streaming: whether the body is still unread (WSGI); False under ASGI (async
+                mode, or sync mode on ``queue_api.pool``), where ``AsgiBodyLimit`` has
+                already bounded it.
         """
         raise NotImplementedError
 

@@ -41,6 +41,7 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "auth_timeout_ms",
         "metrics_max_queues",
         "clock_step_tolerance_ms",
+        "http_threads",
     ]
     for name in positive:
         if getattr(s, name) <= 0:

@@ -101,6 +101,13 @@ class RelaySettings:
         allow_public_without_keys: let ``relay server`` and the HTTP side listen on an address
             that is not loopback while no API key exists (False: they refuse to start, exit
             code 5). Only for a network that is private by other means.
+
+        HTTP threads (ASGI submit throughput):
+
+        http_threads: threads per HTTP worker process that run requests' sync work (views,
+            middleware, the lease claims) and keep their database connections between
+            requests (8, as the gthread worker had; ``queue_api.pool``). Requests beyond
+            them wait on the event loop, holding no thread.
     """
 
     address: str = "127.0.0.1:7400"
@@ -150,6 +157,8 @@ class RelaySettings:
     clock: str = "queue_core.clock.SystemClock"
     # Exposure (hardening item 3).
     allow_public_without_keys: bool = False
+    # HTTP threads (ASGI submit throughput).
+    http_threads: int = 8
 
     @classmethod
     def from_django(cls) -> RelaySettings:

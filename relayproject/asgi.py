@@ -1,10 +1,10 @@
 """ASGI entry point, what gunicorn.conf.py serves: ``gunicorn -c gunicorn.conf.py``.
 
 Under ASGI, slow clients and waiting long-polls cost no thread: gunicorn's ``asgi`` worker
-parses requests on its event loop, and the lease long-poll is an async view. Each request's
-sync work (the other views, middleware) runs in a thread of its own that ends with the request,
-so a database connection kept after it would never be used again: ``RELAY_CONN_MAX_AGE_S``
-defaults to 0 here (close at the end of each request).
+parses requests on its event loop, and the lease long-poll is an async view. The sync work of
+a request (middleware, the other views) runs whole on one of a few long-lived threads that keep
+their database connections (``queue_api.pool.PooledAsgiHandler``, ``RELAY_HTTP_THREADS``),
+instead of a thread made for each request that would have to open its own.
 
 ``queue_api.middleware.AsgiBodyLimit`` bounds request bodies by ``RELAY_MAX_FRAME_BYTES``
 before Django reads them (Django's ASGI handler reads the whole body first).
@@ -12,13 +12,14 @@ before Django reads them (Django's ASGI handler reads the whole body first).
 
 import os
 
-from django.core.asgi import get_asgi_application
+import django
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relayproject.settings")
-os.environ.setdefault("RELAY_CONN_MAX_AGE_S", "0")
-
-django_application = get_asgi_application()
+django.setup(set_prefix=False)  # as django.core.asgi.get_asgi_application does
 
 from queue_api.middleware import AsgiBodyLimit  # noqa: E402 - needs Django set up
+from queue_api.pool import PooledAsgiHandler  # noqa: E402
+
+django_application = PooledAsgiHandler()
 
 application = AsgiBodyLimit(django_application)

@@ -227,6 +227,8 @@ RELAY_CLOCK_STEP_TOLERANCE_MS = _env_int("RELAY_CLOCK_STEP_TOLERANCE_MS", 1_000)
 RELAY_CLOCK = _env("RELAY_CLOCK", "queue_core.clock.SystemClock")
 # Exposure: listen beyond loopback although no API key exists (1), instead of refusing to start.
 RELAY_ALLOW_PUBLIC_WITHOUT_KEYS = _env("RELAY_ALLOW_PUBLIC_WITHOUT_KEYS", "0") == "1"
+# HTTP side: long-lived threads per gunicorn worker for requests' database work (queue_api.pool).
+RELAY_HTTP_THREADS = _env_int("RELAY_HTTP_THREADS", 8)
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

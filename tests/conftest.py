@@ -55,6 +55,16 @@ def _stop_commit_watch() -> Iterator[None]:
     calls.commit_watch().stop()
 
 
+@pytest.fixture(autouse=True)
+def _stop_http_pool() -> Iterator[None]:
+    """After each test, close the HTTP side's database threads' connections and stop them if
+    a test used them (queue_api.pool: lease claims, in-process ASGI requests)."""
+    yield
+    from queue_api import pool
+
+    pool.shutdown()
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     """A fake clock at 2026-01-01T00:00:00Z."""

@@ -4,13 +4,14 @@ Every renew, ack, fail and release names the job, the worker id it was leased wi
 lease token, and is fenced exactly as over TCP: a lost lease answers 409 ``LEASE_EXPIRED`` or
 ``STALE_TOKEN`` and changes nothing.
 
-Long-poll: ``lease`` is an async view. Each claim (a write transaction) runs in the request's
-thread (``sync_to_async``); between claims the request waits on the event loop, holding no
-thread, for ``queue_api.longpoll.CommitWatch`` to report a commit (one process-wide watcher of
-the service's change feed, the same feed the TCP server uses), for the next instant a job falls
-due or a lease expires, or for ``wait_ms`` (at most ``RELAY_MAX_WAIT_MS``) to pass. Under the
-ASGI worker (``gunicorn.conf.py``) many long-polls thus cost no worker threads; under WSGI
-(Django's test client) the same view runs through ``async_to_sync``.
+Long-poll: ``lease`` is an async view. Each claim (a write transaction) runs on the HTTP
+side's database threads (``queue_api.pool.run``, connections kept); between claims the request
+waits on the event loop, holding no thread, for ``queue_api.longpoll.CommitWatch`` to report a
+commit (one process-wide watcher of the service's change feed, the same feed the TCP server
+uses), for the next instant a job falls due or a lease expires, or for ``wait_ms`` (at most
+``RELAY_MAX_WAIT_MS``) to pass. Under the ASGI worker (``gunicorn.conf.py``) many long-polls
+thus cost no worker threads; under WSGI (Django's test client) the same view runs through
+``async_to_sync``.
 A client that disconnects mid-wait is not noticed before the next claim; a job leased to it
 returns when its lease expires.
 """
@@ -20,11 +21,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.http import HttpRequest
 from ninja import Router
 
-from queue_api import calls
+from queue_api import calls, pool
 from queue_api.routers._common import ERRORS
 from queue_api.schemas import (
     AckOut,
@@ -65,10 +65,9 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
     watch = calls.commit_watch()
     if checked.get("wait_ms", 0) > 0:
         await watch.start()
-    claim = sync_to_async(_claim)
     while True:
         generation = watch.generation  # before the claim: a commit after it wakes the wait
-        result, wake_at = await claim(request, verb, checked, deadline)
+        result, wake_at = await pool.run(_claim, request, verb, checked, deadline)
         if result["jobs"] or time.monotonic() >= deadline:
             return result
         await watch.wait(generation, wake_at - time.monotonic())
