@@ -1220,11 +1220,22 @@ class RelayServer:
         conn.reply_soon(line)
 
     async def _key_ring(self) -> auth.KeyRing:
-        """The key table snapshot; a stale one is re-read in the reader pool, never here."""
+        """The key table snapshot; a stale one is re-read in the reader pool, never here.
+
+        Raises:
+            Unavailable, StoreBusy: the table could not be read (mapped by the driver, as any
+                read: a terminated PostgreSQL connection is not an ``INTERNAL``).
+        """
         ring = auth.cached_ring()
         if ring is None:
-            ring = await self._read(auth.load_ring)
+            ring = await self._read(self._load_ring)
         return ring
+
+    def _load_ring(self) -> auth.KeyRing:
+        """Reader thread: read the key table through the driver's read (its error mapping,
+        and on PostgreSQL a fresh connection after one was terminated)."""
+        with self.service.driver.read():
+            return auth.load_ring()
 
     async def _hello(self, conn: _Conn, args: dict[str, Any]) -> dict[str, Any]:
         """Check an API key and tie it to this connection (a refused key unties the old one)."""

@@ -62,7 +62,7 @@ def named_style(sql: str) -> str:
 NAMED_QUERIES = {name: named_style(sql) for name, sql in QUERIES.items()}
 WATCH_INTERVAL_S = 0.05  # how often a waiting feed reads PRAGMA data_version
 MAINTAIN_EVERY_S = 0.25  # how often maintain() looks at the write-ahead log's size
-MAX_CHECKPOINT_BACKOFF_S = 8.0  # the longest pause between checkpoints readers held up
+MAX_CHECKPOINT_BACKOFF_S = 2.0  # the longest pause between checkpoints readers held up
 
 
 def _is_busy(exc: BaseException) -> bool:
