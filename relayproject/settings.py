@@ -102,6 +102,9 @@ TEMPLATES = [
 # The embedded default: SQLite in WAL mode. synchronous=FULL makes every commit durable (one
 # fsync per commit; the server shares one commit between many concurrent requests).
 # busy_timeout makes a writer wait for another process's write lock instead of failing at once.
+# temp_store=MEMORY keeps statement journals off disk: inside the server's per-call SAVEPOINTs a
+# statement that fires triggers (relay_job_count) opens one, and a temp file per batch insert
+# cost batch submits a third of their rate (16,600 -> 25,300 jobs/s with it, 4 producers).
 RELAY_DB = _env("RELAY_DB", str(BASE_DIR / "relay.db"))
 RELAY_SQLITE_SYNCHRONOUS = _env("RELAY_SQLITE_SYNCHRONOUS", "FULL").upper()
 RELAY_BUSY_TIMEOUT_MS = _env_int("RELAY_BUSY_TIMEOUT_MS", 5000)
@@ -127,7 +130,8 @@ SQLITE_DATABASE = {
             "PRAGMA journal_mode=WAL;"
             f"PRAGMA synchronous={RELAY_SQLITE_SYNCHRONOUS};"
             f"PRAGMA busy_timeout={RELAY_BUSY_TIMEOUT_MS};"
-            "PRAGMA foreign_keys=ON"
+            "PRAGMA foreign_keys=ON;"
+            "PRAGMA temp_store=MEMORY"
         ),
     },
     # Tests share one file-backed database between the test process and the real server,
