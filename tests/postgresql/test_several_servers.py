@@ -172,6 +172,9 @@ def test_a_claim_is_exclusive_across_servers_threads_and_processes(
         thread.join(120)
     assert errors_seen == []
     for worker in workers:
+        # The threads may drain every job before a worker has even started: its SIGTERM
+        # handler is in place once it logs worker_ready (else SIGTERM kills it, exit -15).
+        worker.wait_event("worker_ready")
         worker.signal(signal.SIGTERM)
         assert worker.wait_exit(30) == 0
     assert Job.objects.filter(queue="excl", state="succeeded").count() == total
