@@ -81,6 +81,7 @@ class Sentinel:
         self.errors: list[str] = []
         self.worst_s = 0.0
         self._stop = threading.Event()
+        self._progress = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -94,18 +95,23 @@ class Sentinel:
                     lease["job_id"], worker_id="sentinel", lease_token=lease["lease_token"]
                 )
             except Exception as exc:
-                self.errors.append(repr(exc))
+                with self._progress:
+                    self.errors.append(repr(exc))
+                    self._progress.notify_all()
                 return
-            self.worst_s = max(self.worst_s, time.monotonic() - began)
-            self.cycles += 1
+            with self._progress:
+                self.worst_s = max(self.worst_s, time.monotonic() - began)
+                self.cycles += 1
+                self._progress.notify_all()
 
     def wait_cycles(self, n: int, timeout: float = 20.0) -> None:
-        """Wait (bounded) until ``n`` more cycles have completed."""
-        target = self.cycles + n
-        deadline = time.monotonic() + timeout
-        while self.cycles < target and not self.errors:
-            assert time.monotonic() < deadline, f"sentinel stalled at {self.cycles} cycles"
-            time.sleep(0.01)
+        """Wait (bounded) until ``n`` more cycles have completed, or the sentinel failed."""
+        with self._progress:
+            target = self.cycles + n
+            done = self._progress.wait_for(
+                lambda: self.cycles >= target or bool(self.errors), timeout
+            )
+        assert done, f"sentinel stalled at {self.cycles} cycles"
 
     def stop(self) -> None:
         self._stop.set()

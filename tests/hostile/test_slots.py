@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ HOLDERS = 80  # more than the slots
 FRESH = 12
 
 
-def _hold(port: int, count: int, stop: threading.Event, held: list[int]) -> None:
+def _hold(port: int, count: int, stop: threading.Event, held: threading.Event) -> None:
     """Open ``count`` connections that ping now and then, never hello; reopen closed ones."""
     socks: list[socket.socket | None] = []
     for _ in range(count):
@@ -35,7 +34,7 @@ def _hold(port: int, count: int, stop: threading.Event, held: list[int]) -> None
             socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
         except OSError:
             socks.append(None)
-    held.append(sum(s is not None for s in socks))
+    held.set()  # its connections are open (or refused)
     while not stop.is_set():
         for i, sock in enumerate(socks):
             try:
@@ -65,18 +64,16 @@ def test_keyless_slot_holders_cannot_keep_clients_with_a_key_out(tmp_path: Path)
         )
         key = made.stdout.strip().splitlines()[-1]
         proc, port = spawn.server(RELAY_MAX_CONNECTIONS=str(SLOTS))
-        until = time.monotonic() + 20
         stop = threading.Event()
-        held: list[int] = []
+        held = [threading.Event() for _ in range(4)]
         holders = [
-            threading.Thread(target=_hold, args=(port, HOLDERS // 4, stop, held), daemon=True)
-            for _ in range(4)
+            threading.Thread(target=_hold, args=(port, HOLDERS // 4, stop, ready), daemon=True)
+            for ready in held
         ]
         for holder in holders:
             holder.start()
-        while len(held) < len(holders):  # every holder has opened its connections
-            assert time.monotonic() < until, "holders never connected"
-            time.sleep(0.01)
+        for ready in held:  # every holder has opened its connections
+            assert ready.wait(20), "holders never connected"
         served = 0
         for i in range(FRESH):
             with RelayClient(f"127.0.0.1:{port}", api_key=key, timeout_s=5) as client:
