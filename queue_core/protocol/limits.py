@@ -21,7 +21,7 @@ from typing import Any
 
 log = logging.getLogger("relay.server")
 
-FD_RESERVE = 64  # descriptors kept free for database files, refusals in progress, logs
+FD_RESERVE = 128  # kept free: database files, logs, and refusals in progress (asyncio accepts up to 100 at once)
 ACCEPT_LOG_EVERY_S = 10.0
 FAILURE_LOG_EVERY_S = 10.0  # one line per failing background step and error code
 
