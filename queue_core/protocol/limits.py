@@ -21,7 +21,8 @@ from typing import Any
 
 log = logging.getLogger("relay.server")
 
-FD_RESERVE = 128  # kept free: database files, logs, and refusals in progress (asyncio accepts up to 100 at once)
+# Kept free: database files, logs, and refusals in progress (asyncio accepts up to 100 at once).
+FD_RESERVE = 128
 ACCEPT_LOG_EVERY_S = 10.0
 FAILURE_LOG_EVERY_S = 10.0  # one line per failing background step and error code
 
