@@ -23,6 +23,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
 from queue_core.states import JobState
+from queue_core.storage.base import load_queries
 from tests.admin.conftest import DEAD_LIST, JOB_LIST, OVERVIEW, job_url
 
 pytestmark = pytest.mark.django_db
@@ -109,6 +110,8 @@ def big_table(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                 attempts,
             )
+            for name in ("recount_clear", "recount"):  # rows inserted by hand (migration 0008)
+                cursor.execute(load_queries("queue_core.storage.sqlite")[name])
             cursor.execute("COMMIT")
         yield
         with connection.cursor() as cursor:

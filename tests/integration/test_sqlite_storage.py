@@ -33,7 +33,7 @@ from django.db import connection, connections
 from django.test.utils import override_settings
 
 from queue_core.clock import FakeClock
-from queue_core.errors import StorageFull, StorageLost
+from queue_core.errors import JobNotFound, StorageFull, StorageLost
 from queue_core.service import QueueService
 from queue_core.storage.base import load_queries
 from queue_core.storage.sqlite import driver as sqlite_driver
@@ -98,6 +98,58 @@ def test_counts_follow_every_transition(service: QueueService, clock: FakeClock)
     rnd = random.Random(7)
     for i in range(60):
         service.submit(f"q{i % 3}", {"i": i}, max_retries=1, delay_ms=rnd.choice([0, 0, 500]))
+    # Batches mixing queues, delays and idempotency keys, some of them already bound or
+    # repeated within the batch (deduplicated: nothing inserted, nothing counted).
+    for b in range(4):
+        service.submit_batch(
+            [
+                {
+                    "queue": f"q{i % 3}",
+                    "payload": {"key": i % 4} if i % 5 == 0 else {"b": b, "i": i},
+                    "max_retries": 1,
+                    "delay_ms": rnd.choice([0, 0, 500]),
+                    **({"idempotency_key": f"k{i % 4}"} if i % 5 == 0 else {}),
+                }
+                for i in range(25)
+            ]
+        )
+        service.submit("q1", {"key": 2}, idempotency_key="k2")
+    assert stats_counts(service) == raw_counts()
+    # Inserts rolled back, by a whole transaction and by a savepoint inside one that commits.
+    now = clock.now_ms()
+    rows = [
+        {
+            "id": f"job_rolledback{i:012d}",
+            "queue": "q0",
+            "state": "ready",
+            "priority": 1,
+            "payload": "{}",
+            "idempotency_key": None,
+            "idempotency_expires_at_ms": None,
+            "max_retries": 0,
+            "backoff": "fixed",
+            "backoff_base_ms": 1000,
+            "backoff_cap_ms": 1000,
+            "jitter": False,
+            "now_ms": now,
+            "available_at_ms": None,
+            "ready_since_ms": now,
+        }
+        for i in range(3)
+    ]
+
+    def insert_and_roll_back() -> None:
+        with service.driver.write() as tx:
+            tx.many("insert_job", rows)
+            raise RuntimeError("roll back")
+
+    with pytest.raises(RuntimeError):
+        insert_and_roll_back()  # a whole transaction
+    with service.driver.write() as outer:
+        with pytest.raises(RuntimeError):
+            insert_and_roll_back()  # a savepoint
+        outer.run("insert_job", rows[0])
+    assert stats_counts(service) == raw_counts()
     clock.advance(ms=600)
     service.sweep()
     for _ in range(3):
@@ -144,23 +196,32 @@ def test_a_full_database_is_storage_full_and_writes_resume_with_room(
             with pytest.raises(StorageFull) as err:
                 service.submit("q", big)
             assert err.value.code == "STORAGE_FULL" and err.value.http_status == 507
-        # In a group commit the call that does not fit fails alone; the others commit.
-        with service.transaction():
-            results = []
-            for payload in ({"small": 1}, big, {"small": 2}):
-                try:
-                    with service.transaction():
-                        results.append(service.submit("q", payload)["job"]["id"])
-                except StorageFull:
-                    results.append("full")
-        assert results[1] == "full" and results[0] != "full" and results[2] != "full"
+        # In a group commit, the one-row INSERT that does not fit keeps no statement journal,
+        # so SQLite rolls the whole transaction back: every call of it is STORAGE_FULL, the
+        # one before included, and nothing of it is stored.
+        results: list[str] = []
+
+        def group_commit() -> None:
+            with service.transaction():
+                for payload in ({"small": 1}, big, {"small": 2}):
+                    try:
+                        with service.transaction():
+                            results.append(service.submit("q", payload)["job"]["id"])
+                    except StorageFull:
+                        results.append("full")
+
+        with pytest.raises(StorageFull):
+            group_commit()
+        assert results[1:] == ["full", "full"]
+        with pytest.raises(JobNotFound):
+            service.get(results[0], history=False)
     faults = [r for r in caplog.records if getattr(r, "event", None) == "storage_fault"]
     assert len(faults) == 1 and faults[0].code == "STORAGE_FULL"  # type: ignore[attr-defined]
     assert not [r for r in caplog.records if r.exc_info]
     recovered = service.submit("q", big)["job"]["id"]  # room again: no restart needed
-    ids = {kept, results[0], results[2], recovered}
+    ids = {kept, recovered}
     assert {service.get(j, history=False)["id"] for j in ids} == ids
-    assert service.stats()["totals"]["ready"] == 4
+    assert service.stats()["totals"]["ready"] == 2
     assert [r for r in caplog.records if getattr(r, "event", None) == "storage_recovered"]
 
 

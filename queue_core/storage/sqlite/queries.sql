@@ -283,8 +283,24 @@ RETURNING state;
 -- Params: job_id.
 DELETE FROM relay_task_result WHERE job_id = %(job_id)s;
 
+-- name: count_added
+-- Add n new jobs of one queue and state to relay_job_count: the driver runs it beside each
+-- insert of jobs (migration 0008); triggers count updates and deletes. Params: queue, state, n.
+INSERT INTO relay_job_count (queue, state, n) VALUES (%(queue)s, %(state)s, %(n)s)
+ON CONFLICT (queue, state) DO UPDATE SET n = n + excluded.n;
+
+-- name: recount_clear
+-- Rebuilding relay_job_count after jobs were inserted by hand (test and bench set-ups), part
+-- one. Params: none.
+DELETE FROM relay_job_count;
+
+-- name: recount
+-- Part two: count every job again (a scan of relay_job_queue_state). Params: none.
+INSERT INTO relay_job_count (queue, state, n)
+SELECT queue, state, COUNT(*) FROM relay_job GROUP BY queue, state;
+
 -- name: counts
--- Jobs by queue and state: the rows relay_job_count's triggers keep (migration 0007), one per
+-- Jobs by queue and state: the rows relay_job_count keeps (migrations 0007 and 0008), one per
 -- queue and state, so a stats call costs as much with 10 jobs as with 10 million.
 SELECT queue, state, n FROM relay_job_count WHERE n > 0;
 
