@@ -111,6 +111,13 @@ def encode_ulid(value: int) -> str:
 
 _ULIDS = _MonotonicUlid()
 
+# Job listings (dead_list, list_jobs): the largest page, and the rows read per fetch while a
+# page fills (a page also ends at one frame of JSON: with 256 KiB payloads, four jobs).
+PAGE_MAX_JOBS = 1000
+PAGE_FETCH_ROWS = 16
+# Fewer bytes than any attempt or event row of ``get`` encodes to (the smallest is ~90).
+HISTORY_ROW_MIN_BYTES = 64
+
 
 def _encoded_len(value: Any) -> int:
     return len(orjson.dumps(value))
@@ -565,16 +572,29 @@ class QueueService:
         job_id = v.job_id(job_id)
         with self.driver.read() as tx:
             view = self._job(tx, job_id)
-            if history:
-                attempts = tx.all("attempts_of", {"job_id": job_id})
-                events = tx.all("events_of", {"job_id": job_id})
-        if history:
+            if not history:
+                return view
             # The reply must fit one frame: keep the newest history that fits in half of it.
-            budget = self.settings.max_frame_bytes // 2 - _encoded_len(view)
-            view["history"], omitted = _newest_that_fit(attempts, budget // 2)
-            view["events"], omitted_events = _newest_that_fit(events, budget // 2)
-            view["history_omitted"] = omitted + omitted_events
+            # No row encodes to fewer than HISTORY_ROW_MIN_BYTES, so no more are ever read.
+            budget = (self.settings.max_frame_bytes // 2 - _encoded_len(view)) // 2
+            omitted = 0
+            for key, name in (("history", "attempts"), ("events", "events")):
+                rows, total = self._newest(tx, name, job_id, budget // HISTORY_ROW_MIN_BYTES + 1)
+                view[key], left_out = _newest_that_fit(rows, budget)
+                omitted += left_out + total - len(rows)
+        view["history_omitted"] = omitted
         return view
+
+    @staticmethod
+    def _newest(tx: Tx, name: str, job_id: str, limit: int) -> tuple[list[dict[str, Any]], int]:
+        """The newest ``limit`` rows of a job's ``attempts`` or ``events``, oldest first, and
+        how many there are in all."""
+        rows = tx.all(f"{name}_of", {"job_id": job_id, "limit": max(limit, 1)})
+        rows.reverse()
+        if len(rows) < limit:
+            return rows, len(rows)
+        counted = tx.one(f"{name}_count", {"job_id": job_id})
+        return rows, int(counted["n"]) if counted else len(rows)
 
     def _job(self, tx: Tx, job_id: str) -> dict[str, Any]:
         row = tx.one("get_job", {"job_id": job_id})
@@ -615,7 +635,7 @@ class QueueService:
         if limit is not None:
             limit = v.integer("limit", limit, lo=1, hi=1000)
         if after is not None:
-            after = v.queue_name(after, self.settings)
+            after = v.queue_name(after, self.settings, field="after")
         now = self._now()
         with self.driver.read() as tx:
             counts = tx.all("counts" if finished else "counts_live")
@@ -737,28 +757,85 @@ class QueueService:
 
         Args:
             queue: only this queue (None for all).
-            limit: page size, 1..1000.
+            limit: page size, 1..``PAGE_MAX_JOBS`` (1000); a page also stops before its JSON
+                would pass one frame (``RELAY_MAX_FRAME_BYTES``), so it may hold fewer.
             after: the ``next_after`` of the previous page.
         Returns:
             ``{"jobs": [Job, ...], "next_after": str | None}``.
+        Raises:
+            InvalidArgument.
         """
-        limit = v.integer("limit", limit, lo=1, hi=1000)
-        params: dict[str, Any] = {"after": "" if after is None else v.job_id(after), "limit": limit}
-        with self.driver.read() as tx:
-            if queue is None:
-                rows = tx.all("dead_page", params)
-            else:
-                params["queue"] = v.queue_name(queue, self.settings)
-                rows = tx.all("dead_page_queue", params)
+        if queue is None:
+            return self._page(lambda tx, p: tx.all("dead_page", p), limit, after)
+        return self.list_jobs(queue, JobState.DEAD.value, limit=limit, after=after)
+
+    def list_jobs(
+        self, queue: str, state: str | None = None, *, limit: int = 50, after: str | None = None
+    ) -> dict[str, Any]:
+        """Page through one queue's jobs, in one state or all, in id order (keyset pagination;
+        ids are ULIDs, so id order is creation order).
+
+        Each fetch is one seek on ``relay_job_queue_state`` (queue, state, id) per state asked
+        for, the states merged by id, whatever the table's size.
+
+        Args:
+            queue: the queue.
+            state: ``pending|ready|leased|retrying|succeeded|dead``, or None for every state.
+            limit: page size, 1..``PAGE_MAX_JOBS`` (1000); a page also stops before its JSON
+                would pass one frame (``RELAY_MAX_FRAME_BYTES``).
+            after: the previous page's ``next_after`` (a job id), or None for the first page.
+        Returns:
+            ``{"jobs": [Job, ...], "next_after": str | None}`` (None on the last page).
+        Raises:
+            InvalidArgument.
+        """
+        queue = v.queue_name(queue, self.settings)
+        states = [s.value for s in JobState]
+        if state is not None:
+            if state not in states:
+                raise InvalidArgument(f"state: must be one of {', '.join(states)}", field="state")
+            states = [state]
+
+        def fetch(tx: Tx, params: dict[str, Any]) -> list[dict[str, Any]]:
+            rows = [
+                row
+                for name in states
+                for row in tx.all("jobs_page", {**params, "queue": queue, "state": name})
+            ]
+            rows.sort(key=lambda row: row["id"])
+            return rows[: params["limit"]]
+
+        return self._page(fetch, limit, after)
+
+    def _page(
+        self,
+        fetch: Callable[[Tx, dict[str, Any]], list[dict[str, Any]]],
+        limit: int,
+        after: str | None,
+    ) -> dict[str, Any]:
+        """Fill one page of jobs from ``fetch(tx, {"after", "limit"})`` (rows after a job id,
+        in id order), ``PAGE_FETCH_ROWS`` rows at a time, until ``limit`` jobs or one frame of
+        JSON: at most that many rows (each at most ``RELAY_MAX_PAYLOAD_BYTES`` plus its error
+        text) are held beyond the page itself, however large ``limit`` is.
+        """
+        limit = v.integer("limit", limit, lo=1, hi=PAGE_MAX_JOBS)
+        cursor = "" if after is None else v.job_id(after)
         jobs: list[dict[str, Any]] = []
         room = self.settings.max_frame_bytes - REPLY_OVERHEAD_BYTES
-        for row in rows:
-            view = job_view(row)
-            room -= _encoded_len(view)
-            if room < 0 and jobs:  # the page must fit one frame; the cursor resumes here
-                return {"jobs": jobs, "next_after": jobs[-1]["id"]}
-            jobs.append(view)
-        return {"jobs": jobs, "next_after": jobs[-1]["id"] if len(jobs) == limit else None}
+        with self.driver.read() as tx:
+            while len(jobs) < limit:
+                want = min(limit - len(jobs), PAGE_FETCH_ROWS)
+                rows = fetch(tx, {"after": cursor, "limit": want})
+                for row in rows:
+                    view = job_view(row)
+                    room -= _encoded_len(view)
+                    if room < 0 and jobs:  # the page must fit one frame; the cursor resumes here
+                        return {"jobs": jobs, "next_after": jobs[-1]["id"]}
+                    jobs.append(view)
+                if len(rows) < want:
+                    return {"jobs": jobs, "next_after": None}
+                cursor = rows[-1]["id"]
+        return {"jobs": jobs, "next_after": jobs[-1]["id"]}
 
     def ready_queues(self, queues: Iterable[str]) -> list[str]:
         """Return those of ``queues`` that have a READY job (one index seek each; the TCP

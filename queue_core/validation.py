@@ -73,14 +73,18 @@ def boolean(field: str, value: Any) -> bool:
     return value
 
 
-def queue_name(value: Any, settings: RelaySettings) -> str:
-    """Return a valid queue name: ``[A-Za-z0-9][A-Za-z0-9_.:-]*``, at most the configured length."""
+def queue_name(value: Any, settings: RelaySettings, field: str = "queue") -> str:
+    """Return a valid queue name: ``[A-Za-z0-9][A-Za-z0-9_.:-]*``, at most the configured length.
+
+    Args:
+        field: the argument's name in an error (``after`` for a cursor that is a queue name).
+    """
     if isinstance(value, str) and _known_good(value, settings.max_queue_name_length):
         return value
-    name = text("queue", value, max_len=settings.max_queue_name_length)
+    name = text(field, value, max_len=settings.max_queue_name_length)
     if not QUEUE_NAME_RE.fullmatch(name):
         raise _bad(
-            "queue", "may contain only letters, digits and _ . : - and must not start with a symbol"
+            field, "may contain only letters, digits and _ . : - and must not start with a symbol"
         )
     return name
 

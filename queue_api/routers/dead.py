@@ -25,6 +25,7 @@ from queue_api.schemas import (
 )
 from queue_api.security import ApiKey
 from queue_core import errors
+from queue_core.service import PAGE_MAX_JOBS
 
 router = Router(tags=["dead letters"])
 
@@ -38,7 +39,7 @@ router = Router(tags=["dead letters"])
 def dead_list(
     request: HttpRequest,
     queue: str | None = None,
-    limit: QueryEx[int, P(ge=1, le=1000)] = 100,
+    limit: QueryEx[int, P(ge=1, le=PAGE_MAX_JOBS)] = 100,
     after: str | None = None,
 ) -> dict[str, Any]:
     """Dead jobs (of ``queue`` when given) in id order; ``next_after`` pages on."""

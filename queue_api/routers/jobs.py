@@ -20,7 +20,8 @@ from queue_api.schemas import (
     SubmitOut,
 )
 from queue_api.security import ApiKey
-from queue_core import errors, listing
+from queue_core import errors, types
+from queue_core.service import PAGE_MAX_JOBS
 
 router = Router(tags=["jobs"])
 
@@ -103,16 +104,16 @@ def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
 def list_jobs(
     request: HttpRequest,
     queue: str,
-    state: listing.StateName | None = None,
-    limit: QueryEx[int, P(ge=1, le=listing.MAX_LIMIT)] = 50,
+    state: types.JobState | None = None,
+    limit: QueryEx[int, P(ge=1, le=PAGE_MAX_JOBS)] = 50,
     after: str | None = None,
 ) -> dict[str, Any]:
     """Jobs of ``queue`` (in ``state`` when given) in id order, ``limit`` at a time.
 
-    Pass the page's ``next_after`` as ``after`` for the next page; ``null`` means the end.
-    Operator scope.
+    Pass the page's ``next_after`` as ``after`` for the next page; ``null`` means the end. A
+    page ends early rather than pass ``RELAY_MAX_FRAME_BYTES`` of JSON. Operator scope.
     """
-    return listing.list_jobs(queue, state, limit=limit, after=after)
+    return calls.service().list_jobs(queue, state, limit=limit, after=after)
 
 
 @router.get(

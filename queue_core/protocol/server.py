@@ -1047,6 +1047,10 @@ class RelayServer:
             task = asyncio.create_task(self._serve_request(conn, request))
             conn.tasks.add(task)
             task.add_done_callback(conn.done)
+            if request.op == "hello":
+                # What follows a hello, even in the same write, runs as the hello leaves the
+                # connection: read on only once it is decided.
+                await asyncio.wait([task])
 
     @staticmethod
     async def _first_byte(conn: _Conn, timeout_s: float) -> bytes | None:

@@ -157,6 +157,25 @@ def test_list_jobs_by_queue_and_state_with_keyset_pages(api: Api) -> None:
     problem(api.get("/api/v1/queues/email/jobs?limit=0"), 422, "INVALID_ARGUMENT")
 
 
+@override_settings(RELAY_MAX_FRAME_BYTES=60_000, RELAY_MAX_PAYLOAD_BYTES=20_000)
+def test_a_job_page_ends_at_one_frame_of_json(api: Api) -> None:
+    """``?limit=500`` over big payloads answered every row (a 129 MB body for 500 dead jobs of
+    250 KB); a page now ends before one frame of JSON and ``next_after`` goes on from there."""
+    ids = [submit(api, {"blob": "x" * 15_000, "i": i})["id"] for i in range(10)]
+    seen: list[str] = []
+    after = ""
+    while True:
+        response = api.get(f"{JOBS}?limit=500{after}")
+        assert response.status_code == 200 and len(response.content) <= 60_000
+        page = response.json()
+        assert 0 < len(page["jobs"]) < 4
+        seen += [j["id"] for j in page["jobs"]]
+        if page["next_after"] is None:
+            break
+        after = f"&after={page['next_after']}"
+    assert seen == ids
+
+
 def test_stats_counts_by_queue_and_state(api: Api) -> None:
     submit(api)
     submit(api, queue="other")

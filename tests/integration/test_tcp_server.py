@@ -527,6 +527,36 @@ def test_with_keys_on_a_connection_must_say_hello_in_time(start: Callable[..., R
             worker.close()
 
 
+def test_requests_written_with_the_hello_run_as_the_hello_leaves_the_connection(
+    start: Callable[..., Running],
+) -> None:
+    """A client that pipelines ``hello`` and its first requests in one write got
+    UNAUTHENTICATED for the requests (they ran before the key was checked); a refused key
+    must still leave the connection unauthenticated for what follows it."""
+    from queue_core import auth
+
+    key = auth.create_key("p", ["producer"]).key
+    running = start()
+    c = Client(running.port, timeout=5)
+    try:
+        frames = [
+            {"id": 1, "op": "hello", "args": {"api_key": key}},
+            {"id": 2, "op": "submit", "args": {"queue": "q", "payload": {"n": 1}}},
+            {"id": 3, "op": "dead_list", "args": {}},
+            {"id": 4, "op": "hello", "args": {"api_key": "rk_wrong"}},
+            {"id": 5, "op": "submit", "args": {"queue": "q", "payload": {"n": 2}}},
+        ]
+        c.send_raw(b"".join(orjson.dumps(f) + b"\n" for f in frames))
+        replies = {r["id"]: r for r in (c.recv() for _ in frames)}
+        assert replies[1]["ok"] and replies[2]["ok"], replies
+        assert replies[3]["error"]["code"] == "PERMISSION_DENIED"  # a producer key: no dead_list
+        assert replies[4]["error"]["code"] == "UNAUTHENTICATED"
+        assert replies[5]["error"]["code"] == "UNAUTHENTICATED"
+        assert Job.objects.count() == 1
+    finally:
+        c.close()
+
+
 def test_at_the_limit_a_client_with_a_key_evicts_the_oldest_unauthenticated_connection(
     start: Callable[..., Running],
 ) -> None:

@@ -18,7 +18,8 @@ from django.test.utils import override_settings
 from queue_core import errors
 from queue_core.clock import FakeClock
 from queue_core.models import Job, JobAttempt, JobEvent
-from queue_core.service import QueueService
+from queue_core.service import PAGE_FETCH_ROWS, PAGE_MAX_JOBS, QueueService
+from queue_core.storage.base import REPLY_OVERHEAD_BYTES
 from tests.storage.conftest import DATABASES
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -139,13 +140,14 @@ def test_database_instrumentation_hooks_see_the_statements(
     seen: list[str] = []
 
     def spy(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-        seen.append(sql.split()[0].upper())
+        seen.append(" ".join(sql.split()[:3]))
         return execute(sql, params, many, context)
 
     with connections[alias].execute_wrapper(spy):
         service.submit("q", 1)
         service.submit_batch([{"queue": "q", "payload": 2}, {"queue": "q", "payload": 3}])
-    assert seen.count("INSERT") == 2  # one execute, one executemany
+    # one execute, one executemany (on SQLite each also adds to relay_job_count)
+    assert seen.count("INSERT INTO relay_job") == 2
 
 
 @pytest.mark.parametrize("name", ["", "-x", "a b", "é", "x" * 129, 7, None])
@@ -707,9 +709,15 @@ def test_stats_pages_queues_by_name_and_totals_count_all(
     exact = service.stats(limit=5, after="q19")  # a page that ends exactly at the end
     assert list(exact["queues"]) == names[20:] and exact["next_after"] is None
     assert service.stats()["next_after"] is None and len(service.stats()["queues"]) == 25
-    for bad in ({"limit": 0}, {"limit": 1001}, {"after": "not a name"}):
-        with pytest.raises(errors.InvalidArgument):
+    for bad, field in (
+        ({"limit": 0}, "limit"),
+        ({"limit": 1001}, "limit"),
+        ({"after": "not a name"}, "after"),
+        ({"after": "q" * 500}, "after"),
+    ):
+        with pytest.raises(errors.InvalidArgument) as err:
             service.stats(**bad)  # type: ignore[arg-type]
+        assert err.value.details["field"] == field
 
 
 def test_stats_page_fits_one_frame(service: QueueService, job_factory: Factory) -> None:
@@ -738,6 +746,74 @@ def test_dead_list_pages_by_keyset(service: QueueService, dead_job: Factory) -> 
     only_a = service.dead_list("a")
     assert [j["id"] for j in only_a["jobs"]] == ids[1::2]
     assert only_a["jobs"][0]["dead_reason"] == "non-retryable: boom"
+
+
+def test_list_jobs_merges_states_by_id_and_pages_by_keyset(
+    service: QueueService, job_factory: Factory, dead_job: Factory, leased_job: Factory
+) -> None:
+    ids = [  # leased and dead first: each leases the oldest READY job of its queue
+        leased_job(queue="a")["job_id"],
+        dead_job(queue="a")["id"],
+        job_factory(queue="a")["id"],
+        job_factory(queue="a", delay_ms=5_000)["id"],
+        job_factory(queue="b")["id"],
+        job_factory(queue="a")["id"],
+    ]
+    mine = [ids[i] for i in (0, 1, 2, 3, 5)]
+    first = service.list_jobs("a", limit=3)
+    assert [j["id"] for j in first["jobs"]] == mine[:3] and first["next_after"] == mine[2]
+    rest = service.list_jobs("a", limit=3, after=first["next_after"])
+    assert [j["id"] for j in rest["jobs"]] == mine[3:] and rest["next_after"] is None
+    assert [j["id"] for j in service.list_jobs("a", "ready")["jobs"]] == [ids[2], ids[5]]
+    assert [j["state"] for j in service.list_jobs("a", "dead")["jobs"]] == ["dead"]
+    for bad in ({"state": "lost"}, {"limit": 0}, {"limit": PAGE_MAX_JOBS + 1}, {"after": "x" * 41}):
+        with pytest.raises(errors.InvalidArgument):
+            service.list_jobs("a", **bad)  # type: ignore[arg-type]
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=60_000, RELAY_MAX_PAYLOAD_BYTES=20_000)
+def test_job_pages_read_a_few_rows_at_a_time_and_end_at_one_frame(
+    service: QueueService, alias: str
+) -> None:
+    """A page of ``limit`` 1000 over big payloads used to read all 1000 rows before trimming
+    the reply to a frame (one ``dead_list`` of 250 KB payloads: a server at 824 MB)."""
+    small = QueueService(driver=service.driver, clock=service.clock)
+    ids = [small.submit("q", {"blob": "x" * 15_000, "i": i})["job"]["id"] for i in range(40)]
+    for _ in ids:
+        lease = small.claim(["q"], worker_id="w")[0]
+        small.fail(
+            lease["job_id"],
+            worker_id="w",
+            lease_token=lease["lease_token"],
+            error="e",
+            retryable=False,
+        )
+    limits: list[int] = []
+
+    def spy(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if "relay_job" in sql and "ORDER BY id" in sql:
+            limits.append(params["limit"] if isinstance(params, dict) else params[-1])
+        return execute(sql, params, many, context)
+
+    for call in (
+        lambda after: small.dead_list(limit=1000, after=after),
+        lambda after: small.dead_list("q", limit=1000, after=after),
+        lambda after: small.list_jobs("q", limit=1000, after=after),
+        lambda after: small.list_jobs("q", "dead", limit=1000, after=after),
+    ):
+        seen: list[str] = []
+        after = None
+        while True:
+            limits.clear()
+            with connections[alias].execute_wrapper(spy):
+                page = call(after)
+            assert limits and max(limits) <= PAGE_FETCH_ROWS, limits
+            assert len(orjson.dumps(page)) <= 60_000 - REPLY_OVERHEAD_BYTES
+            assert 0 < len(page["jobs"]) < 4  # three 15 KB jobs fit in 60 KB, not four
+            seen += [j["id"] for j in page["jobs"]]
+            if (after := page["next_after"]) is None:
+                break
+        assert seen == ids
 
 
 def test_schema_rejects_impossible_states(
@@ -850,6 +926,30 @@ def test_read_replies_fit_one_frame(
     assert len(orjson.dumps(got)) <= 40_000
     assert got["history_omitted"] > 0
     assert got["history"][-1]["attempt"] == 30  # the newest attempts are the ones kept
+    events = JobEvent.objects.filter(job_id=job["id"]).count()
+    assert len(got["history"]) + len(got["events"]) + got["history_omitted"] == 30 + events
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=4_000, RELAY_MAX_PAYLOAD_BYTES=1_000)
+def test_job_history_reads_only_the_rows_that_could_fit(service: QueueService, alias: str) -> None:
+    job = service.submit("h", {}, max_retries=50, backoff="fixed", backoff_base_ms=0)["job"]
+    for _ in range(40):
+        lease = service.claim(["h"], worker_id="w")[0]
+        service.fail(job["id"], **lease_args(lease, "w"), error="e")
+    limits: list[int] = []
+
+    def spy(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if "FROM relay_attempt" in sql and "LIMIT" in sql:
+            limits.append(params["limit"])
+        return execute(sql, params, many, context)
+
+    with connections[alias].execute_wrapper(spy):
+        got = service.get(job["id"])
+    assert limits and limits[0] < 40  # ~1,000 bytes of history: no more than 16 rows could fit
+    assert len(orjson.dumps(got)) <= 4_000
+    assert [a["attempt"] for a in got["history"]] == list(range(41 - len(got["history"]), 41))
+    events = JobEvent.objects.filter(job_id=job["id"]).count()
+    assert len(got["history"]) + len(got["events"]) + got["history_omitted"] == 40 + events
 
 
 def test_after_commit_runs_only_what_committed(service: QueueService, alias: str) -> None:

@@ -56,18 +56,26 @@ SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires
  WHERE id = %(job_id)s;
 
 -- name: attempts_of
--- The delivery history of a job, oldest first. Params: job_id.
+-- The newest deliveries of a job, newest first. Params: job_id, limit.
 SELECT attempt, worker_id, started_at_ms, ended_at_ms, outcome, error
   FROM relay_attempt
  WHERE job_id = %(job_id)s
- ORDER BY attempt;
+ ORDER BY attempt DESC LIMIT %(limit)s;
+
+-- name: attempts_count
+-- How many deliveries a job has had (when attempts_of could not return them all). Params: job_id.
+SELECT COUNT(*) AS n FROM relay_attempt WHERE job_id = %(job_id)s;
 
 -- name: events_of
--- Operator and recovery events of a job, oldest first. Params: job_id.
+-- The newest operator and recovery events of a job, newest first. Params: job_id, limit.
 SELECT event, from_state, to_state, at_ms, actor, detail
   FROM relay_event
  WHERE job_id = %(job_id)s
- ORDER BY id;
+ ORDER BY id DESC LIMIT %(limit)s;
+
+-- name: events_count
+-- How many events a job has (when events_of could not return them all). Params: job_id.
+SELECT COUNT(*) AS n FROM relay_event WHERE job_id = %(job_id)s;
 
 -- name: promote_due
 -- PENDING/RETRYING jobs whose time has come become READY; aging counts from the due time.
@@ -315,14 +323,16 @@ SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires
  WHERE state = 'dead' AND id > %(after)s
  ORDER BY id LIMIT %(limit)s;
 
--- name: dead_page_queue
--- One page of one queue's dead letters in id order. Params: queue, after, limit.
+-- name: jobs_page
+-- One page of one queue's jobs in one state, in id order (one seek on relay_job_queue_state):
+-- dead letters, and the HTTP listing, which merges the states itself. Params: queue, state,
+-- after, limit.
 SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
        attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
        created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
        lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
   FROM relay_job
- WHERE queue = %(queue)s AND state = 'dead' AND id > %(after)s
+ WHERE queue = %(queue)s AND state = %(state)s AND id > %(after)s
  ORDER BY id LIMIT %(limit)s;
 
 -- name: next_scheduled
