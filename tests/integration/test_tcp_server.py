@@ -793,6 +793,20 @@ def test_lease_sent_by_a_client_that_hung_up_leaves_no_job_leased(server: Runnin
     assert_given_back(server, producer, 5)
 
 
+def test_a_long_poll_whose_client_hung_up_leases_nothing_submitted_later(
+    server: Running,
+) -> None:
+    ghost = Client(server.port)
+    ghost.send("lease", queues=["later"], worker_id="ghost", wait_ms=20_000)
+    wait_for(lambda: any(conn.waiting for conn in server.server._conns))  # it is waiting
+    ghost.close()
+    wait_for(lambda: len(server.server._conns) == 0)  # the server saw the hang-up
+    producer = Client(server.port)
+    job_id = producer.ok("submit", queue="later", payload={})["job"]["id"]
+    assert producer.ok("inspect", job_id=job_id)["job"]["state"] == "ready"
+    producer.close()
+
+
 def test_jobs_claimed_for_a_client_that_closed_during_the_claim_go_back(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
