@@ -1,1 +1,1 @@
-"""Relay HTTP API (django-ninja). Filled in by the HTTP API issue."""
+"""Relay HTTP API (django-ninja) under ``/api/v1``, its API-key admin and ``/metrics``."""

@@ -97,8 +97,25 @@ def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpRespons
 
 def _describe(item: Any) -> dict[str, str]:
     # Keep the location and the message; never echo the input (it may be a large payload).
-    loc = [str(part) for part in item.get("loc", ()) if part not in ("body", "query", "path")]
-    return {"field": ".".join(loc), "message": str(item.get("msg", "invalid"))}
+    return {"field": field_path(item.get("loc", ())), "message": str(item.get("msg", "invalid"))}
+
+
+def field_path(loc: Any) -> str:
+    """Spell a pydantic error location as TCP names a field: ``jobs[1].queue``.
+
+    The request part (``body``, ``query``, ``path``) is left out, and so is the union member
+    pydantic appends for a union field (``priority.literal['low',...]``): no field is named so.
+    """
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _REQUEST_PARTS:
+            path += f".{part}" if path else part
+    return path
+
+
+_REQUEST_PARTS = frozenset({"body", "query", "path"})
 
 
 @api.exception_handler(AuthenticationError)

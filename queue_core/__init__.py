@@ -1,1 +1,1 @@
-"""Relay core: store, service layer, protocol, server, worker and CLI."""
+"""Relay core: states, the service, storage drivers, protocol, server, clients, worker, CLI."""

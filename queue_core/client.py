@@ -16,8 +16,9 @@ Failure semantics, which callers must get right:
   ``ack`` and ``fail`` are safe to repeat with the same token: a repeat answers success with
   ``"duplicate": true``. The next call reconnects.
 
-Transports: ``TcpTransport`` (the socket). A ``LoopbackTransport`` that feeds frames straight
-into the server's dispatch table is planned for the contract tests.
+Transports: ``TcpTransport`` (the socket, the default), or any ``Transport`` passed as
+``transport``, such as ``queue_core.protocol.loopback.LoopbackTransport``, which feeds frames
+straight into this process's op table (the contract tests' in-process surface).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ caller of a storage driver (``queue_core.storage``; SQLite or PostgreSQL). Every
 one ``driver.write()`` transaction (a SAVEPOINT when the caller already holds one, which is how
 the server commits many requests at once: ``transaction()``), guards each UPDATE with the
 state it expects (compare-and-set, as River's queries do), and on a guard miss re-reads the
-job to explain the rejection with a stable error code.
+job to explain the rejection with a stable error code. Each state change is checked against
+the transition table first (``states.check``: a move the table does not list raises
+``IllegalTransition``, a bug, and what the call wrote rolls back).
 
 Results are plain JSON-ready dicts in the shapes ``docs/protocol.md`` documents.
 """
@@ -38,7 +40,7 @@ from queue_core.errors import (
     StoreBusy,
 )
 from queue_core.retry import RetryPolicy, decide
-from queue_core.states import JobState, Priority
+from queue_core.states import JobState, Priority, Transition, check
 from queue_core.storage import Capabilities, ChangeFeed, ClaimRequest, Driver, Tx, driver_for
 from queue_core.storage.base import REPLY_OVERHEAD_BYTES
 
@@ -478,7 +480,9 @@ class QueueService:
                 return found
         delayed = due > now
         job_id = f"job_{_ULIDS.new(now)}"
-        state = "pending" if delayed else "ready"
+        entered = JobState.PENDING if delayed else JobState.READY
+        check(Transition.SUBMIT, None, entered)
+        state = entered.value
         available_at_ms = due if delayed else None
         ready_since_ms = None if delayed else at.ready_ms
         row["id"] = job_id
@@ -895,6 +899,7 @@ class QueueService:
             at = self._read()
             now = at.now_ms
             self._sweep(tx, at)
+            check(Transition.CLAIM, JobState.READY, JobState.LEASED)
             rows = tx.claim(
                 ClaimRequest(
                     queues=names,
@@ -956,6 +961,7 @@ class QueueService:
         with self.driver.write() as tx:
             at = self._read()
             params = guard | self._judging(at) | {"expires_ms": at.now_ms + length}
+            check(Transition.RENEW, JobState.LEASED, JobState.LEASED)
             row = tx.one("renew", params)
             if row is None:
                 raise self._rejection(tx, params, "renew")
@@ -979,6 +985,7 @@ class QueueService:
             at = self._read()
             now = at.now_ms
             params = guard | self._judging(at)
+            check(Transition.ACK, JobState.LEASED, JobState.SUCCEEDED)
             row = tx.one("ack", params)
             if row is None:
                 if self._ended_attempt(tx, params, ("succeeded",)) is not None:
@@ -1048,10 +1055,12 @@ class QueueService:
             params["error"] = error
             if decision.retry_at_ms is not None:
                 params["retry_at_ms"] = decision.retry_at_ms
+                check(Transition.FAIL_RETRY, JobState.LEASED, JobState.RETRYING)
                 tx.run("fail_retry", params)
                 state = JobState.RETRYING
             else:
                 params["reason"] = decision.dead_reason
+                check(Transition.FAIL_DEAD, JobState.LEASED, JobState.DEAD)
                 tx.run("fail_dead", params)
                 state = JobState.DEAD
             self._end_attempt(
@@ -1100,6 +1109,7 @@ class QueueService:
             at = self._read()
             now = at.now_ms
             params = guard | self._judging(at)
+            check(Transition.RELEASE, JobState.LEASED, JobState.READY)
             row = tx.one("release", params)
             if row is None:
                 raise self._rejection(tx, params, "release")
@@ -1196,6 +1206,9 @@ class QueueService:
             return self._promote(tx, self._now()) if tx.sweep_lock() else []
 
     def _promote(self, tx: Tx, now: int) -> list[str]:
+        # promote_due moves PENDING and RETRYING jobs alike (its guard names both states).
+        check(Transition.PROMOTE, JobState.PENDING, JobState.READY)
+        check(Transition.PROMOTE, JobState.RETRYING, JobState.READY)
         rows = tx.all("promote_due", {"now_ms": now, "limit": SWEEP_LIMIT})
         queues = list(dict.fromkeys(r["queue"] for r in rows))
         for queue in queues:
@@ -1253,6 +1266,7 @@ class QueueService:
         for r in tx.all("expired_leases", self._judging(at) | {"limit": SWEEP_LIMIT}):
             params = {"job_id": r["id"], "attempt": r["attempt"], "now_ms": now}
             dead = r["failures"] + 1 > r["max_retries"]
+            check(Transition.EXPIRE, JobState.LEASED, JobState.DEAD if dead else JobState.READY)
             # Guarded by state and attempt: a lease acked meanwhile is left alone.
             if not tx.run("expire_to_dead" if dead else "expire_to_ready", params):
                 continue
@@ -1292,6 +1306,7 @@ class QueueService:
             return 0
         with self.driver.write() as tx:
             now = self._now()
+            check(Transition.RECOVER, JobState.LEASED, JobState.READY)
             tx.run("recover_attempts", {"now_ms": now})
             tx.run("recover_events", {"now_ms": now})
             released = tx.run("recover_jobs", {"now_ms": now})
@@ -1319,6 +1334,7 @@ class QueueService:
         actor = v.actor(actor)
         with self.driver.write() as tx:
             now = self._now()
+            check(Transition.REPLAY, JobState.DEAD, JobState.READY)
             row = tx.one("replay", {"job_id": job_id, "now_ms": now})
             if row is None:
                 current = self._job(tx, job_id)
@@ -1327,7 +1343,7 @@ class QueueService:
                     job_id=job_id,
                     state=current["state"],
                 )
-            self._event(tx, job_id, "replayed", JobState.DEAD, JobState.READY, now, actor)
+            self._event(tx, job_id, Transition.REPLAY, JobState.DEAD, JobState.READY, now, actor)
             tx.made_ready(row["queue"])
             return self._job(tx, job_id)
 
@@ -1362,17 +1378,19 @@ class QueueService:
                 raise InvalidState(
                     f"cannot purge {job_id}: it is {state}", job_id=job_id, state=state
                 )
+            # Checked once the row says what it was; raising here rolls the delete back.
+            check(Transition.PURGE, JobState(row["state"]), None)
             tx.run("delete_attempts", {"job_id": job_id})
             if apps.is_installed("relay_tasks"):
                 tx.run("delete_task_result", {"job_id": job_id})
-            self._event(tx, job_id, "purged", row["state"], None, now, actor)
+            self._event(tx, job_id, Transition.PURGE, row["state"], None, now, actor)
         return {"job_id": job_id, "purged": True}
 
     @staticmethod
     def _event(
         tx: Tx,
         job_id: str,
-        event: str,
+        event: Transition,
         from_state: str | None,
         to_state: str | None,
         now: int,
@@ -1383,7 +1401,7 @@ class QueueService:
             "insert_event",
             {
                 "job_id": job_id,
-                "event": event,
+                "event": event.value,
                 "from_state": from_state,
                 "to_state": to_state,
                 "now_ms": now,

@@ -1,12 +1,15 @@
-"""Job states and the allowed transitions (pure; ``service.py`` is the only code applying them).
+"""Job states and the transition table (pure): ``QueueService`` checks each state change it
+makes against ``TRANSITIONS`` (``check``), and is the only code that makes one.
 
 ::
 
-    submit -> PENDING (delayed) -> READY (due) -> LEASED (claim, attempt + 1)
-    LEASED -> SUCCEEDED (ack) | READY (lease lost or released)
+    submit -> READY, or PENDING (delayed) -> READY (due)
+    READY -> LEASED (claim, attempt + 1); LEASED -> LEASED (renew)
+    LEASED -> SUCCEEDED (ack)
+           | READY (lease lost with retries left, released, or recovered at a server start)
            | RETRYING (retryable failure) -> READY (retry due)
            | DEAD (retries exhausted, non-retryable, or lease lost with no budget left)
-    DEAD -> READY (replay); SUCCEEDED and DEAD may be purged.
+    DEAD -> READY (replay); SUCCEEDED and DEAD may be purged (the row is deleted).
 """
 
 from __future__ import annotations
@@ -51,7 +54,14 @@ class Priority(enum.IntEnum):
 
 
 class Transition(enum.StrEnum):
-    """Named transitions; each is also the event name recorded in history."""
+    """The named state changes ``QueueService`` makes (``TRANSITIONS`` lists each one's moves).
+
+    Three names are also the ``event`` the job's event log (``relay_event``) records:
+    ``replayed``, ``purged`` and ``recovered`` (``LOGGED_EVENTS``). The others leave no event:
+    a claim opens a delivery row (``relay_attempt``), which ack, fail, release, expiry and
+    recovery close with an outcome (``succeeded``, ``failed``, ``released``,
+    ``lease_expired``, ``recovered``); submit, promote and renew change only the job row.
+    """
 
     SUBMIT = "submitted"
     PROMOTE = "promoted"
@@ -68,28 +78,55 @@ class Transition(enum.StrEnum):
 
 
 S = JobState
-TRANSITIONS: dict[Transition, tuple[frozenset[JobState | None], frozenset[JobState | None]]] = {
-    Transition.SUBMIT: (frozenset({None}), frozenset({S.PENDING, S.READY})),
-    Transition.PROMOTE: (frozenset({S.PENDING, S.RETRYING}), frozenset({S.READY})),
-    Transition.CLAIM: (frozenset({S.READY}), frozenset({S.LEASED})),
-    Transition.RENEW: (frozenset({S.LEASED}), frozenset({S.LEASED})),
-    Transition.ACK: (frozenset({S.LEASED}), frozenset({S.SUCCEEDED})),
-    Transition.FAIL_RETRY: (frozenset({S.LEASED}), frozenset({S.RETRYING})),
-    Transition.FAIL_DEAD: (frozenset({S.LEASED}), frozenset({S.DEAD})),
-    Transition.EXPIRE: (frozenset({S.LEASED}), frozenset({S.READY, S.DEAD})),
-    Transition.RELEASE: (frozenset({S.LEASED}), frozenset({S.READY})),
-    Transition.RECOVER: (frozenset({S.LEASED}), frozenset({S.READY})),
-    Transition.REPLAY: (frozenset({S.DEAD}), frozenset({S.READY})),
-    Transition.PURGE: (frozenset({S.SUCCEEDED, S.DEAD}), frozenset({None})),
+# Each transition's (from, to) moves; None is "no row" (before submit, after purge).
+TRANSITIONS: dict[Transition, frozenset[tuple[JobState | None, JobState | None]]] = {
+    Transition.SUBMIT: frozenset({(None, S.READY), (None, S.PENDING)}),
+    Transition.PROMOTE: frozenset({(S.PENDING, S.READY), (S.RETRYING, S.READY)}),
+    Transition.CLAIM: frozenset({(S.READY, S.LEASED)}),
+    Transition.RENEW: frozenset({(S.LEASED, S.LEASED)}),
+    Transition.ACK: frozenset({(S.LEASED, S.SUCCEEDED)}),
+    Transition.FAIL_RETRY: frozenset({(S.LEASED, S.RETRYING)}),
+    Transition.FAIL_DEAD: frozenset({(S.LEASED, S.DEAD)}),
+    Transition.EXPIRE: frozenset({(S.LEASED, S.READY), (S.LEASED, S.DEAD)}),
+    Transition.RELEASE: frozenset({(S.LEASED, S.READY)}),
+    Transition.RECOVER: frozenset({(S.LEASED, S.READY)}),
+    Transition.REPLAY: frozenset({(S.DEAD, S.READY)}),
+    Transition.PURGE: frozenset({(S.SUCCEEDED, None), (S.DEAD, None)}),
 }
+_ALLOWED = frozenset((t, a, b) for t, moves in TRANSITIONS.items() for a, b in moves)
+
+# The transitions whose name ``relay_event.event`` records (``QueueService._event`` and the
+# ``recover_events`` statement write them).
+LOGGED_EVENTS = frozenset({Transition.REPLAY, Transition.PURGE, Transition.RECOVER})
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.DEAD})
 
 
+class IllegalTransition(RuntimeError):
+    """A state change the table does not list: a bug in the service, never a caller's error
+    (the surfaces answer ``INTERNAL`` and log it)."""
+
+
 def allowed(transition: Transition, from_state: JobState | None, to_state: JobState | None) -> bool:
     """Return whether ``transition`` may move a job from ``from_state`` to ``to_state``."""
-    sources, targets = TRANSITIONS[transition]
-    return from_state in sources and to_state in targets
+    return (transition, from_state, to_state) in _ALLOWED
+
+
+def check(transition: Transition, from_state: JobState | None, to_state: JobState | None) -> None:
+    """Assert that the table lists this move; ``QueueService`` calls it at each state change,
+    before (or, where the old state is read back, in the same transaction as) its UPDATE.
+
+    Args:
+        transition: the change's name.
+        from_state: the state it leaves (None: the job does not exist yet).
+        to_state: the state it enters (None: the job is deleted).
+    Raises:
+        IllegalTransition: the move is not in ``TRANSITIONS``.
+    """
+    if (transition, from_state, to_state) not in _ALLOWED:
+        raise IllegalTransition(
+            f"{transition.name}: {from_state} -> {to_state} is not in the transition table"
+        )
 
 
 def effective_priority(base: int, ready_since_ms: int, now_ms: int) -> int:

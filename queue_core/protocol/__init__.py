@@ -1,2 +1,4 @@
 """Relay's NDJSON-over-TCP protocol: ``codec`` (bytes <-> requests/replies), ``dispatch`` (the op
-table) and ``server`` (the asyncio socket loop). The wire contract is ``docs/protocol.md``."""
+table), ``server`` (the asyncio socket loop) with ``budget`` and ``limits`` (what it holds and
+accepts), and ``loopback`` (a client transport into the op table, no socket). The wire contract
+is ``docs/protocol.md``."""

@@ -7,10 +7,12 @@ import pytest
 from queue_core.states import (
     TERMINAL_STATES,
     TRANSITIONS,
+    IllegalTransition,
     JobState,
     Priority,
     Transition,
     allowed,
+    check,
     effective_priority,
 )
 
@@ -20,7 +22,7 @@ def test_every_transition_has_an_entry() -> None:
 
 
 def test_terminal_states_only_leave_by_replay_or_purge() -> None:
-    leaving = {t for t, (sources, _) in TRANSITIONS.items() if sources & TERMINAL_STATES}
+    leaving = {t for t, moves in TRANSITIONS.items() if any(a in TERMINAL_STATES for a, _ in moves)}
     assert leaving == {Transition.REPLAY, Transition.PURGE}
     assert not allowed(Transition.REPLAY, JobState.SUCCEEDED, JobState.READY)
 
@@ -29,6 +31,15 @@ def test_lease_lost_goes_to_ready_or_dead() -> None:
     assert allowed(Transition.EXPIRE, JobState.LEASED, JobState.READY)
     assert allowed(Transition.EXPIRE, JobState.LEASED, JobState.DEAD)
     assert not allowed(Transition.EXPIRE, JobState.READY, JobState.DEAD)
+
+
+def test_check_passes_a_listed_move_and_raises_on_any_other() -> None:
+    check(Transition.SUBMIT, None, JobState.PENDING)
+    check(Transition.PURGE, JobState.SUCCEEDED, None)
+    with pytest.raises(IllegalTransition, match="REPLAY: succeeded -> ready"):
+        check(Transition.REPLAY, JobState.SUCCEEDED, JobState.READY)
+    with pytest.raises(IllegalTransition):
+        check(Transition.SUBMIT, None, JobState.LEASED)
 
 
 @pytest.mark.parametrize(

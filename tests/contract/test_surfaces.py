@@ -1,0 +1,211 @@
+"""The same cases over in-process, TCP and HTTP (``surface``, tests/contract/conftest.py):
+the same result shapes, and the same error codes with the same ``details.field``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from queue_core import errors
+from queue_core.clock import FakeClock
+from tests.contract.conftest import Surface
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+JOB_KEYS = {
+    "id",
+    "queue",
+    "state",
+    "priority",
+    "payload",
+    "attempt",
+    "failures",
+    "max_retries",
+    "retry_policy",
+    "idempotency_key",
+    "created_at_ms",
+    "available_at_ms",
+    "ready_since_ms",
+    "leased_by",
+    "lease_expires_at_ms",
+    "finished_at_ms",
+    "last_error",
+    "dead_reason",
+}
+UNKNOWN_JOB = "job_00000000000000000000000000"
+
+
+def lease(surface: Surface, queue: str = "q", **kw: Any) -> dict[str, Any]:
+    jobs: list[dict[str, Any]] = surface.call("lease", queues=[queue], worker_id="w1", **kw)["jobs"]
+    assert len(jobs) == 1
+    return jobs[0]
+
+
+def held(job: dict[str, Any], worker_id: str = "w1") -> dict[str, Any]:
+    return {"job_id": job["job_id"], "worker_id": worker_id, "lease_token": job["lease_token"]}
+
+
+def refused(surface: Surface, code: str, op: str, **args: Any) -> errors.RelayError:
+    with pytest.raises(errors.RelayError) as caught:
+        surface.call(op, **args)
+    assert caught.value.code == code, (surface.name, caught.value.message)
+    return caught.value
+
+
+def test_submit_then_inspect(surface: Surface) -> None:
+    made = surface.call("submit", queue="q", payload={"n": 1}, priority="high", max_retries=2)
+    assert set(made) == {"job", "deduplicated"} and made["deduplicated"] is False
+    job = made["job"]
+    assert set(job) == JOB_KEYS | surface.job_extras
+    assert (job["state"], job["priority"], job["max_retries"]) == ("ready", "high", 2)
+    seen = surface.call("inspect", job_id=job["id"])["job"]
+    assert set(seen) == JOB_KEYS | surface.job_extras | {"history", "events", "history_omitted"}
+    assert {k: seen[k] for k in JOB_KEYS} == {k: job[k] for k in JOB_KEYS}
+    assert (seen["history"], seen["events"], seen["history_omitted"]) == ([], [], 0)
+
+
+def test_idempotent_submit(surface: Surface) -> None:
+    first = surface.call("submit", queue="q", payload=[1], idempotency_key="k")
+    again = surface.call("submit", queue="q", payload=[1], idempotency_key="k")
+    assert again == {"job": first["job"], "deduplicated": True}
+    err = refused(
+        surface, "IDEMPOTENCY_CONFLICT", "submit", queue="q", payload=[2], idempotency_key="k"
+    )
+    assert err.details["job_id"] == first["job"]["id"]
+
+
+def test_lease_renew_ack_and_stale_tokens(surface: Surface, clock: FakeClock) -> None:
+    job_id = surface.call("submit", queue="q", payload=1)["job"]["id"]
+    got = lease(surface, lease_ms=10_000)
+    assert got["job_id"] == job_id and got["attempt"] == 1
+    assert surface.call("lease", queues=["q"], worker_id="w1") == {"jobs": []}
+    wrong = {**held(got), "lease_token": "not-the-token"}
+    refused(surface, "STALE_TOKEN", "ack", **wrong)
+    refused(surface, "STALE_TOKEN", "ack", **{**held(got), "worker_id": "w2"})
+    clock.advance(ms=1_000)
+    renewed = surface.call("renew", **held(got), lease_ms=20_000)
+    assert renewed == {"job_id": job_id, "lease_expires_at_ms": clock.now_ms() + 20_000}
+    acked = surface.call("ack", **held(got))
+    assert acked == {"job_id": job_id, "state": "succeeded", "duplicate": False}
+    assert surface.call("ack", **held(got))["duplicate"] is True
+    refused(surface, "STALE_TOKEN", "renew", **held(got))
+    refused(surface, "STALE_TOKEN", "release", **held(got))
+
+
+def test_expired_lease_is_refused(surface: Surface, clock: FakeClock) -> None:
+    surface.call("submit", queue="q", payload=1)
+    got = lease(surface, lease_ms=1_000)
+    clock.advance(ms=1_000)
+    refused(surface, "LEASE_EXPIRED", "ack", **held(got))
+    refused(surface, "LEASE_EXPIRED", "fail", **held(got), error="late")
+
+
+def test_fail_then_release(surface: Surface, clock: FakeClock) -> None:
+    job_id = surface.call(
+        "submit", queue="q", payload=1, backoff="fixed", backoff_base_ms=5_000, jitter=False
+    )["job"]["id"]
+    got = lease(surface)
+    failed = surface.call("fail", **held(got), error="boom")
+    assert failed == {
+        "job_id": job_id,
+        "state": "retrying",
+        "retry_at_ms": clock.now_ms() + 5_000,
+        "dead_reason": None,
+        "duplicate": False,
+    }
+    refused(surface, "STALE_TOKEN", "release", **held(got))
+    clock.advance(ms=5_000)
+    again = lease(surface)
+    assert again["attempt"] == 2
+    assert surface.call("release", **held(again)) == {"job_id": job_id, "state": "ready"}
+    refused(surface, "STALE_TOKEN", "fail", **held(again), error="late")
+
+
+def test_dead_list_pages(surface: Surface) -> None:
+    dead = []
+    for n in range(3):
+        surface.call("submit", queue="d", payload=n)
+        got = lease(surface, "d")
+        out = surface.call("fail", **held(got), error=f"e{n}", retryable=False)
+        assert (out["state"], out["dead_reason"]) == ("dead", f"non-retryable: e{n}")
+        dead.append(got["job_id"])
+    first = surface.call("dead_list", limit=2)
+    assert [j["id"] for j in first["jobs"]] == dead[:2] and first["next_after"] == dead[1]
+    assert all(set(j) == JOB_KEYS | surface.job_extras for j in first["jobs"])
+    assert all(j["state"] == "dead" for j in first["jobs"])
+    rest = surface.call("dead_list", limit=2, after=first["next_after"])
+    assert [j["id"] for j in rest["jobs"]] == dead[2:] and rest["next_after"] is None
+    assert surface.call("dead_list", queue="other") == {"jobs": [], "next_after": None}
+    replayed = surface.call("dead_retry", job_id=dead[0])["job"]
+    assert (replayed["state"], replayed["failures"]) == ("ready", 0)
+    assert surface.call("dead_purge", job_id=dead[1]) == {"job_id": dead[1], "purged": True}
+    refused(surface, "INVALID_STATE", "dead_purge", job_id=dead[0])
+    refused(surface, "INVALID_STATE", "dead_retry", job_id=dead[0])
+
+
+def test_stats_shape(surface: Surface, clock: FakeClock) -> None:
+    surface.call("submit", queue="a", payload=1)
+    surface.call("submit", queue="b", payload=1, delay_ms=60_000)
+    clock.advance(ms=2_500)
+    stats = surface.call("stats")
+    assert set(stats) == {"queues", "totals", "server_time_ms", "servers", "next_after"}
+    states = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
+    assert stats["totals"] == dict.fromkeys(states, 0) | {"pending": 1, "ready": 1}
+    assert stats["queues"]["a"] == dict.fromkeys(states, 0) | {
+        "ready": 1,
+        "oldest_ready_age_ms": 2_500,
+    }
+    assert stats["queues"]["b"]["oldest_ready_age_ms"] is None
+    assert stats["server_time_ms"] == clock.now_ms() and stats["next_after"] is None
+    page = surface.call("stats", limit=1)
+    assert list(page["queues"]) == ["a"] and page["next_after"] == "a"
+
+
+@pytest.mark.parametrize(
+    ("op", "args", "field"),
+    [
+        ("submit", {"queue": "q", "payload": 1, "priority": "urgent"}, "priority"),
+        ("submit", {"queue": "q", "payload": 1, "max_retries": "3"}, "max_retries"),
+        ("submit", {"queue": "q", "payload": 1, "delay_ms": -1}, "delay_ms"),
+        ("submit", {"queue": "bad queue", "payload": 1}, "queue"),
+        (
+            "submit_batch",
+            {"jobs": [{"queue": "q", "payload": 1}, {"queue": 1, "payload": 1}]},
+            "jobs[1].queue",
+        ),
+        (
+            "submit_batch",
+            {"jobs": [{"queue": "q", "payload": 1, "priority": 9}]},
+            "jobs[0].priority",
+        ),
+        ("lease", {"queues": ["q"], "max_jobs": 0}, "max_jobs"),
+        ("lease", {"queues": ["q"], "lease_ms": 10}, "lease_ms"),
+        ("ack", {"job_id": UNKNOWN_JOB, "worker_id": "w1"}, "lease_token"),
+        ("fail", {"job_id": UNKNOWN_JOB, "worker_id": "w1", "lease_token": "t"}, "error"),
+        ("dead_list", {"limit": 0}, "limit"),
+        ("stats", {"after": "bad queue"}, "after"),
+    ],
+)
+def test_invalid_arguments_name_the_field(
+    surface: Surface, op: str, args: dict[str, Any], field: str
+) -> None:
+    err = refused(surface, "INVALID_ARGUMENT", op, **args)
+    assert err.details["field"] == field
+
+
+@pytest.mark.parametrize(
+    ("op", "args"),
+    [
+        ("inspect", {}),
+        ("ack", {"worker_id": "w1", "lease_token": "t"}),
+        ("renew", {"worker_id": "w1", "lease_token": "t"}),
+        ("fail", {"worker_id": "w1", "lease_token": "t", "error": "x"}),
+        ("release", {"worker_id": "w1", "lease_token": "t"}),
+        ("dead_retry", {}),
+        ("dead_purge", {}),
+    ],
+)
+def test_unknown_job(surface: Surface, op: str, args: dict[str, Any]) -> None:
+    err = refused(surface, "NOT_FOUND", op, job_id=UNKNOWN_JOB, **args)
+    assert err.details["job_id"] == UNKNOWN_JOB
