@@ -40,7 +40,6 @@ class Child:
 
     Attributes:
         records: the log records kept so far (JSON objects), in order.
-        raw: the stderr lines kept so far, without their newlines.
     """
 
     def __init__(
@@ -55,7 +54,7 @@ class Child:
         self.pid = popen.pid
         self.name = name
         self.records: list[dict[str, Any]] = []
-        self.raw: deque[str] = deque(maxlen=lines)
+        self._raw: deque[str] = deque(maxlen=lines)
         self._events = events
         self._cond = threading.Condition()
         self._eof = False
@@ -74,7 +73,7 @@ class Child:
                 except orjson.JSONDecodeError:
                     record = None
             with self._cond:
-                self.raw.append(text)
+                self._raw.append(text)
                 if isinstance(record, dict) and (events is None or record.get("event") in events):
                     self.records.append(record)
                 self._cond.notify_all()
@@ -105,7 +104,7 @@ class Child:
                 left = deadline - time.monotonic()
                 if self._eof or left <= 0:
                     why = "exited" if self._eof else f"timed out after {timeout:g} s"
-                    tail = "\n".join(list(self.raw)[-20:])
+                    tail = "\n".join(list(self._raw)[-20:])
                     raise LogWaitError(f"{self.name} {why} before {what}:\n{tail}")
                 self._cond.wait(left)
 
@@ -113,10 +112,17 @@ class Child:
         """Return the first record with ``event == event`` (see ``wait_for``)."""
         return self.wait_for(lambda r: r.get("event") == event, timeout, f"an event={event} line")
 
+    @property
+    def raw(self) -> list[str]:
+        """A copy of the stderr lines kept so far, without their newlines (safe to iterate while
+        the reader thread appends)."""
+        with self._cond:
+            return list(self._raw)
+
     def stderr_text(self) -> str:
         """The stderr lines kept so far, joined by newlines."""
         with self._cond:
-            return "\n".join(self.raw)
+            return "\n".join(self._raw)
 
     def wait_exit(self, timeout: float = 30.0) -> int:
         """Wait up to ``timeout`` s for the process to exit; return its exit code.
