@@ -1,9 +1,9 @@
 """Real child processes for end-to-end and crash tests.
 
 ``spawn()`` starts ``manage.py <command>`` against the test database and collects the JSON log
-lines it writes to stderr, so a test waits for a readiness line (``event=ready port=...``, as
-River's test signals do) instead of sleeping. Every process a test starts is killed at
-teardown, whatever happened.
+lines it writes to stderr (``Proc``, the benchmark's ``relay_bench.child.Child``), so a test
+waits for a readiness line (``event=ready port=...``, as River's test signals do) instead of
+sleeping. Every process a test starts is killed at teardown, whatever happened.
 """
 
 from __future__ import annotations
@@ -12,102 +12,18 @@ import contextlib
 import functools
 import os
 import resource
-import signal
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import orjson
+from relay_bench.child import Child
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Proc:
-    """A child process whose stderr JSON log records are collected as they arrive.
-
-    Args:
-        popen: the started process (stderr must be a pipe).
-        name: a label for failure messages.
-    """
-
-    def __init__(self, popen: subprocess.Popen[bytes], name: str) -> None:
-        self.popen = popen
-        self.name = name
-        self.records: list[dict[str, Any]] = []
-        self.raw: list[str] = []
-        self._cond = threading.Condition()
-        self._eof = False
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stderr is not None
-        for line in self.popen.stderr:
-            text = line.decode("utf-8", "replace").rstrip("\n")
-            try:
-                record = orjson.loads(text)
-            except orjson.JSONDecodeError:
-                record = None
-            with self._cond:
-                self.raw.append(text)
-                if isinstance(record, dict):
-                    self.records.append(record)
-                self._cond.notify_all()
-        with self._cond:
-            self._eof = True
-            self._cond.notify_all()
-
-    def wait_for(
-        self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 30.0
-    ) -> dict[str, Any]:
-        """Return the first log record matching ``predicate``; fail after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        seen = 0
-        with self._cond:
-            while True:
-                for record in self.records[seen:]:
-                    if predicate(record):
-                        return record
-                seen = len(self.records)
-                left = deadline - time.monotonic()
-                if self._eof or left <= 0:
-                    tail = "\n".join(self.raw[-20:])
-                    why = "exited" if self._eof else "timed out"
-                    raise AssertionError(f"{self.name} {why} before the expected log line:\n{tail}")
-                self._cond.wait(left)
-
-    def wait_event(self, event: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Return the first record with ``event == event``."""
-        return self.wait_for(lambda r: r.get("event") == event, timeout)
-
-    def stderr_text(self) -> str:
-        """All stderr lines so far."""
-        with self._cond:
-            return "\n".join(self.raw)
-
-    def wait_exit(self, timeout: float = 30.0) -> int:
-        """Wait for the process to exit; return its exit code."""
-        code = self.popen.wait(timeout)
-        self._reader.join(timeout)
-        return code
-
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` (e.g. ``signal.SIGKILL`` for a real kill -9)."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-
-    def kill(self) -> None:
-        """SIGKILL, reap, and close the stderr pipe."""
-        self.signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(10)
-        self._reader.join(10)
-        if self.popen.stderr is not None:
-            self.popen.stderr.close()
+# The tests' name for the process wrapper they share with the benchmark.
+Proc = Child
 
 
 def _set_nofile(n: int) -> None:

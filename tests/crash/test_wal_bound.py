@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from queue_core.bench.procs import fill_backlog
 from queue_core.client import RelayClient
+from relay_bench.procs import fill_backlog
 from tests.procs import spawner
 
 pytestmark = [pytest.mark.slow]

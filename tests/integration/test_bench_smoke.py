@@ -16,8 +16,8 @@ import orjson
 import pytest
 from django.core.management import call_command
 
-from queue_core.bench import floor, procs, stats
-from queue_core.bench.runner import FULL, targets
+from relay_bench import floor, procs, stats
+from relay_bench.runner import FULL, targets
 
 TOP_KEYS = {
     "meta",

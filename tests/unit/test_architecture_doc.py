@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "architecture.md"
-PACKAGES = ("queue_core", "queue_api", "queue_admin", "relay_tasks", "relayproject")
+PACKAGES = ("queue_core", "queue_api", "queue_admin", "relay_tasks", "relayproject", "relay_bench")
 
 
 def modules() -> list[str]:

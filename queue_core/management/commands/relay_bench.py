@@ -1,33 +1,49 @@
 """``relay bench``: a real Relay server measured against the raw SQLite floor, or with
 ``--database-url`` on PostgreSQL against a raw psycopg floor.
 
-See docs/benchmarking.md for what it measures and how to read it.
+The benchmark itself is the ``relay_bench`` package, which needs the ``bench`` extra (psutil):
+this command parses the options, imports it when it runs, and without the extra exits 1 with
+one line saying how to install it. See docs/benchmarking.md for what it measures.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import CommandError, CommandParser
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
-from queue_core.bench import report
-from queue_core.bench.runner import (
-    FULL,
-    LEASE_CONCURRENCY,
-    QUICK,
-    SUBMIT_CONCURRENCY,
-    Bench,
-    Progress,
-    Sizes,
-)
-from queue_core.management.relay_command import resolve_address
+from queue_core.management.relay_command import EXIT_ERROR, RelayBaseCommand, resolve_address
+
+if TYPE_CHECKING:
+    from relay_bench.runner import Sizes
+
+NEEDS_EXTRA = "relay bench needs the bench extra: pip install 'relay-queue[bench]'"
+# What the bench extra adds (pyproject.toml, [project.optional-dependencies] bench).
+EXTRA_MODULES = frozenset({"psutil"})
+
+
+@contextlib.contextmanager
+def _bench_extra() -> Iterator[None]:
+    """Turn the import of a missing bench-extra module inside the block into ``NEEDS_EXTRA``.
+
+    Raises:
+        CommandError: a module of the bench extra is not installed (exit 1, ``NEEDS_EXTRA``).
+    """
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        if exc.name not in EXTRA_MODULES:
+            raise
+        raise CommandError(NEEDS_EXTRA, returncode=EXIT_ERROR) from None
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -41,32 +57,12 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-class _Bar(Progress):
-    """The runner's progress hook on a rich progress bar (one bar per step)."""
-
-    def __init__(self, progress: RichProgress) -> None:
-        self.progress = progress
-        self.task: Any = None
-
-    def step(self, name: str, total: int) -> None:
-        self.task = self.progress.add_task(name, total=max(1, total))
-
-    def tick(self, n: int = 1) -> None:
-        if self.task is not None:
-            self.progress.advance(self.task, n)
-
-    def done(self) -> None:
-        if self.task is not None:
-            task = self.progress.tasks[self.task]
-            self.progress.update(self.task, completed=task.total)
-            self.task = None
-
-
-class Command(BaseCommand):
+class Command(RelayBaseCommand):
     """Run the benchmark, print a table (or JSON), optionally write JSON and a PNG plot.
 
     Exit codes: 0 when the run finished (whether or not the targets were met), 1 when a
-    scenario could not run (the server would not start, a client failed).
+    scenario could not run (the server would not start, a client failed), an argument is
+    invalid, or the bench extra is not installed.
     """
 
     help = (
@@ -118,24 +114,28 @@ class Command(BaseCommand):
         parser.add_argument(
             "--producers",
             type=_levels,
-            default=SUBMIT_CONCURRENCY,
+            default=None,
             metavar="N,N,...",
-            help="Concurrent producers of the submission scenarios (default 1,4,16).",
+            help="Concurrent producers of the submission scenarios (default 1,4,16; 1,16 with "
+            "--database-url).",
         )
         parser.add_argument(
             "--workers",
             type=_levels,
-            default=LEASE_CONCURRENCY,
+            default=None,
             metavar="N,N,...",
-            help="Concurrent workers of the lease+ack scenario (default 1,4,16,64).",
+            help="Concurrent workers of the lease+ack scenario (default 1,4,16,64; 1,4,16 "
+            "with --database-url, where levels over 16 are dropped).",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Run the benchmark and report."""
+        with _bench_extra():
+            from relay_bench import report, runner
         if options["scale"] <= 0:
             raise CommandError("INVALID_ARGUMENT: --scale must be > 0")
         address = resolve_address(options["address"]) if options["address"] else None
-        sizes = QUICK if options["quick"] else FULL
+        sizes = runner.QUICK if options["quick"] else runner.FULL
         if options["scale"] != 1.0:
             sizes = sizes.scaled(options["scale"])
         err = getattr(self.stderr, "_out", sys.stderr)
@@ -152,14 +152,14 @@ class Command(BaseCommand):
         if options["database_url"]:
             self._postgresql(options, sizes, bar)
             return
-        bench = Bench(
+        bench = runner.Bench(
             sizes,
             address=address,
-            progress=_Bar(bar),
+            progress=runner.RichBar(bar),
             http_enabled=not options["no_http"],
             backlog_enabled=not options["no_backlog"],
-            producers=options["producers"],
-            workers=options["workers"],
+            producers=options["producers"] or runner.SUBMIT_CONCURRENCY,
+            workers=options["workers"] or runner.LEASE_CONCURRENCY,
         )
         try:
             with bar:
@@ -186,23 +186,19 @@ class Command(BaseCommand):
         )
 
     def _postgresql(self, options: dict[str, Any], sizes: Sizes, bar: RichProgress) -> None:
-        """Run the PostgreSQL benchmark (``queue_core.bench.postgresql``) and report it."""
+        """Run the PostgreSQL benchmark (``relay_bench.postgresql``) and report it."""
         import psycopg
 
-        from queue_core.bench import postgresql
+        from relay_bench import postgresql, runner
 
         if not options["database_url"].startswith(("postgresql://", "postgres://")):
             raise CommandError("INVALID_ARGUMENT: --database-url must be postgresql://...")
-        workers = tuple(n for n in options["workers"] if n <= 16) or postgresql.WORKERS
-        if options["workers"] == LEASE_CONCURRENCY:
-            workers = postgresql.WORKERS
-        producers = options["producers"]
-        if producers == SUBMIT_CONCURRENCY:
-            producers = postgresql.PRODUCERS
+        workers = tuple(n for n in options["workers"] or () if n <= 16) or postgresql.WORKERS
+        producers = options["producers"] or postgresql.PRODUCERS
         bench = postgresql.PgBench(
             options["database_url"],
             sizes,
-            progress=_Bar(bar),
+            progress=runner.RichBar(bar),
             producers=producers,
             workers=workers,
             backlog_enabled=not options["no_backlog"],

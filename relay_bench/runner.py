@@ -31,8 +31,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from queue_core.bench import http, procs, scenarios
-from queue_core.bench.stats import ratio
+from rich.progress import Progress as RichProgress
+
+from relay_bench import http, procs, scenarios
+from relay_bench.stats import ratio
 
 SUBMIT_CONCURRENCY = (1, 4, 16)
 LEASE_CONCURRENCY = (1, 4, 16, 64)
@@ -126,6 +128,27 @@ class Progress:
 
     def done(self) -> None:
         """Finish the current step."""
+
+
+class RichBar(Progress):
+    """The progress hook on a rich progress bar (one bar per step)."""
+
+    def __init__(self, progress: RichProgress) -> None:
+        self.progress = progress
+        self.task: Any = None
+
+    def step(self, name: str, total: int) -> None:
+        self.task = self.progress.add_task(name, total=max(1, total))
+
+    def tick(self, n: int = 1) -> None:
+        if self.task is not None:
+            self.progress.advance(self.task, n)
+
+    def done(self) -> None:
+        if self.task is not None:
+            task = self.progress.tasks[self.task]
+            self.progress.update(self.task, completed=task.total)
+            self.task = None
 
 
 def machine() -> dict[str, Any]:

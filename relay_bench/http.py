@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from queue_core.bench import load, procs
+from relay_bench import load, procs
 
 SUBMIT_PATH = "/api/v1/queues/bench/jobs"
 START_TIMEOUT_S = 60.0
@@ -53,7 +53,7 @@ class GunicornProcess:
     """
 
     def __init__(self, db_path: Path) -> None:
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[1]
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "gunicorn"]
@@ -108,7 +108,7 @@ def submit(
     deadline_s: float,
 ) -> list[dict[str, Any]]:
     """Single-job HTTP submissions at each concurrency level against one gunicorn."""
-    from queue_core.bench.scenarios import _load_result, _processes
+    from relay_bench.scenarios import _load_result, _processes
 
     # As deployed (docs/architecture.md), relay_server has the same file open. Without it
     # each HTTP request's connection is the file's last one, and closing it checkpoints the

@@ -36,10 +36,10 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 import psycopg
 
-from queue_core.bench import load, procs, scenarios
-from queue_core.bench.floor import ack_params, job_row
-from queue_core.bench.runner import Progress, Sizes, Steps, loadavg, machine
-from queue_core.bench.stats import rate, ratio, summarize
+from relay_bench import load, procs, scenarios
+from relay_bench.floor import ack_params, job_row
+from relay_bench.runner import Progress, Sizes, Steps, loadavg, machine
+from relay_bench.stats import rate, ratio, summarize
 
 Tick = Callable[[int], None]
 PRODUCERS = (1, 16)
@@ -236,7 +236,7 @@ class PgBench(Steps):
         workdir = Path(tempfile.mkdtemp(prefix="relay-bench-pg-"))
         try:
             with self._step("migrate the bench database"):
-                self._migrate()
+                procs.migrate(procs.child_env("", RELAY_DATABASE_URL=self.url))
             env = scenarios.Env(
                 workdir=workdir,
                 template=workdir / "unused.db",
@@ -254,20 +254,6 @@ class PgBench(Steps):
         doc["meta"]["step_seconds"] = self.step_seconds
         doc["targets"] = targets(doc)
         return doc
-
-    def _migrate(self) -> None:
-        import subprocess
-
-        done = subprocess.run(
-            procs.django_cmd("migrate", "--no-input", "--verbosity", "0"),
-            env=procs.child_env("", RELAY_DATABASE_URL=self.url),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"migrate failed: {done.stderr.strip()[-2000:]}")
 
     def _server(self) -> procs.ServerProcess:
         return procs.ServerProcess(None, RELAY_DATABASE_URL=self.url)

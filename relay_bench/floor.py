@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from queue_core.bench.stats import rate, summarize
+from relay_bench.stats import rate, summarize
 
 Tick = Callable[[int], None]
 

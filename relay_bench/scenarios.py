@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from queue_core import errors
-from queue_core.bench import floor, load, procs
-from queue_core.bench.stats import rate, summarize
 from queue_core.client import RelayClient
+from relay_bench import floor, load, procs
+from relay_bench.stats import rate, summarize
 
 Tick = Callable[[int], None]
 

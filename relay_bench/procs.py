@@ -15,24 +15,20 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import psutil
 
+from relay_bench.child import Child
+
 READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 30.0
 FILL_CHUNK = 100_000
 
 
@@ -45,11 +41,30 @@ def child_env(db_path: str, **extra: str) -> dict[str, str]:
     """The environment for a Relay child process on ``db_path`` (JSON logs at info)."""
     env = dict(os.environ)
     env.setdefault("DJANGO_SETTINGS_MODULE", "relayproject.settings")
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env.update({"RELAY_DB": db_path, "PYTHONUNBUFFERED": "1", "RELAY_LOG": "info"})
     env.update(extra)
     return env
+
+
+def migrate(env: dict[str, str]) -> None:
+    """Run ``migrate`` in a child with ``env`` (see ``child_env``), waiting up to 300 s.
+
+    Raises:
+        RuntimeError: ``migrate`` failed (the end of its stderr is in the message).
+        subprocess.TimeoutExpired: it ran longer.
+    """
+    done = subprocess.run(
+        django_cmd("migrate", "--no-input", "--verbosity", "0"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"migrate failed: {done.stderr.strip()[-2000:]}")
 
 
 def template_db(directory: Path) -> Path:
@@ -59,16 +74,7 @@ def template_db(directory: Path) -> Path:
         RuntimeError: ``migrate`` failed (its output is in the message).
     """
     path = directory / "template.db"
-    done = subprocess.run(
-        django_cmd("migrate", "--no-input", "--verbosity", "0"),
-        env=child_env(str(path)),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"migrate failed: {done.stderr.strip()[-2000:]}")
+    migrate(child_env(str(path)))
     with contextlib.closing(sqlite3.connect(path)) as conn:
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     return path
@@ -118,107 +124,62 @@ def rss_mb(pid: int) -> float | None:
         return None
 
 
-class _Child:
-    """A child whose stderr JSON log lines are read as they come (the last 200 are kept)."""
+class _Process(Child):
+    """A Relay child of the benchmark, ready on return (its ``ready_event`` line was logged).
 
-    def __init__(self, argv: list[str], env: dict[str, str], name: str) -> None:
-        self.name = name
-        self.popen = subprocess.Popen(
+    Only the ``ready``/``worker_ready`` records and the last 200 stderr lines are kept: a
+    worker logs every job.
+
+    Raises:
+        LogWaitError (a RuntimeError): it exited, or gave no ``ready_event`` line in
+        ``READY_TIMEOUT_S``; it is stopped first.
+    """
+
+    def __init__(self, argv: list[str], env: dict[str, str], name: str, ready_event: str) -> None:
+        popen = subprocess.Popen(
             argv,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
         )
-        self.pid = self.popen.pid
-        self.tail: deque[str] = deque(maxlen=200)
-        self._records: list[dict[str, Any]] = []
-        self._cond = threading.Condition()
-        self._eof = False
-        self._max_rss = 0.0
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.popen.stderr is not None
-        for raw in self.popen.stderr:
-            text = raw.decode("utf-8", "replace").rstrip("\n")
-            record = None
-            if "ready" in text:  # parse only the lines waited for: a worker logs every job
-                try:
-                    record = json.loads(text)
-                except ValueError:
-                    record = None
-            with self._cond:
-                self.tail.append(text)
-                if isinstance(record, dict) and record.get("event") in ("ready", "worker_ready"):
-                    self._records.append(record)
-                    self._cond.notify_all()
-        with self._cond:
-            self._eof = True
-            self._cond.notify_all()
-
-    def wait_event(self, event: str, timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
-        """Return the first log record with ``event``, or raise RuntimeError with the log tail."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                for record in self._records:
-                    if record.get("event") == event:
-                        return record
-                left = deadline - time.monotonic()
-                if self._eof or left <= 0:
-                    why = "exited" if self._eof else f"gave no {event} line in {timeout_s:g} s"
-                    tail = "\n".join(list(self.tail)[-15:])
-                    raise RuntimeError(f"{self.name} {why}:\n{tail}")
-                self._cond.wait(left)
+        super().__init__(popen, name, events=("ready", "worker_ready"), lines=200)
+        try:
+            self.ready = self.wait_event(ready_event, READY_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
 
     def peak_rss_mb(self) -> float | None:
         """The process's peak RSS so far in MiB (see ``peak_rss_mb``)."""
         return peak_rss_mb(self.pid)
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; return the exit code."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-        self._reader.join(5)
-        if self.popen.stderr is not None:
-            self.popen.stderr.close()
-        return self.popen.returncode
 
-
-class ServerProcess(_Child):
+class ServerProcess(_Process):
     """``relay_server --address 127.0.0.1:0 [--db PATH]`` as a subprocess, ready on return.
 
     Attributes:
         port: the bound port; ``address``: ``127.0.0.1:PORT``.
     Raises:
-        RuntimeError: the server exited or did not log ``event=ready`` in time.
+        LogWaitError (a RuntimeError): the server exited or did not log ``event=ready`` in time.
     """
 
     def __init__(self, db_path: Path | None, **env: str) -> None:
         argv = django_cmd("relay_server", "--address", "127.0.0.1:0")
         if db_path is not None:  # None: the database comes from env (RELAY_DATABASE_URL)
             argv += ["--db", str(db_path)]
-        super().__init__(argv, child_env(str(db_path or ""), **env), "relay_server")
-        try:
-            ready = self.wait_event("ready")
-        except BaseException:
-            self.stop()
-            raise
-        self.port = int(ready["port"])
+        super().__init__(argv, child_env(str(db_path or ""), **env), "relay_server", "ready")
+        self.port = int(self.ready["port"])
         self.address = f"127.0.0.1:{self.port}"
 
 
-class WorkerProcess(_Child):
+class WorkerProcess(_Process):
     """``relay_worker --address ADDR --queue Q --concurrency N`` as a subprocess, ready on return.
 
     It runs the shipped demo handler (acks at once) and logs at the shipped ``info`` level.
+
+    Raises:
+        LogWaitError (a RuntimeError): the worker exited or did not log ``event=worker_ready``.
     """
 
     def __init__(self, address: str, queue: str, concurrency: int, db_path: Path) -> None:
@@ -235,12 +196,7 @@ class WorkerProcess(_Child):
             "--shutdown-timeout-ms",
             "5000",
         )
-        super().__init__(argv, child_env(str(db_path)), "relay_worker")
-        try:
-            self.wait_event("worker_ready")
-        except BaseException:
-            self.stop()
-            raise
+        super().__init__(argv, child_env(str(db_path)), "relay_worker", "worker_ready")
 
 
 def count_state(db_path: Path, state: str, queue: str = "bench") -> int:

@@ -1,6 +1,6 @@
 """The client side of a measurement: producers and lease+ack workers in child processes.
 
-``run(...)`` starts ``processes`` children (``python -m queue_core.bench.load SPEC``), each
+``run(...)`` starts ``processes`` children (``python -m relay_bench.load SPEC``), each
 with ``concurrency / processes`` threads, and every thread has its own ``RelayClient`` (its own
 TCP connection, one request in flight). A child connects all its threads (a ``ping`` each),
 prints ``{"event": "ready"}``, waits for ``go`` on stdin, runs its share, and prints one JSON
@@ -207,7 +207,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])  # the directory holding queue_core/
+    root = str(Path(__file__).resolve().parents[1])  # the directory holding relay_bench/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -255,7 +255,7 @@ def run(
             }
             children.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "queue_core.bench.load", json.dumps(spec)],
+                    [sys.executable, "-m", "relay_bench.load", json.dumps(spec)],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,

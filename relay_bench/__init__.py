@@ -1,0 +1,27 @@
+"""``relay_bench``: throughput, latency, scaling and memory of a real Relay server.
+
+What ``relay bench`` runs (the command itself, ``queue_core.management.commands.relay_bench``,
+only parses options and imports this package when it runs). It needs the ``bench`` extra
+(``pip install 'relay-queue[bench]'``: psutil, imported by ``procs`` only). An extra adds
+dependencies, not modules: this package is in every wheel of relay-queue.
+
+Modules:
+
+* ``stats``: percentiles and throughput arithmetic (pure).
+* ``floor``: the raw SQLite floor, a plain ``sqlite3`` loop doing the same inserts and
+  claim+ack transactions with the same pragmas.
+* ``load``: the client side of a measurement; runs in child processes
+  (``python -m relay_bench.load``) so the load generator's GIL does not cap the server.
+* ``child``: a child process whose stderr JSON log is read as it comes, so a caller waits for
+  its ``ready`` line; the test suite's process helper too (``tests/procs.py``). No psutil.
+* ``procs``: a fresh migrated database, a ``relay_server`` subprocess, a ``relay_worker``
+  subprocess, peak RSS and CPU time (psutil), the backlog fill.
+* ``http``: the HTTP submission scenario when the HTTP API and gunicorn are available.
+* ``scenarios``: each measurement, built from the above.
+* ``runner``: sizes (full, ``--quick``, tiny), the order of scenarios, the progress bar.
+* ``report``: the terminal table, the JSON document and the PNG plot.
+
+Nothing in the product (server, worker, HTTP API, admin) imports this package
+(tests/integration/test_bench_extra.py checks it), and its ``__init__`` imports nothing:
+``load`` must start without Django.
+"""
