@@ -93,6 +93,7 @@ class Job(TypedDict):
     dead_reason: str | None
     history: NotRequired[list[Attempt]]  # inspect only
     events: NotRequired[list[JobEvent]]  # inspect only
+    history_omitted: NotRequired[int]  # inspect only: older attempts and events left out
 
 
 class Lease(TypedDict):
