@@ -38,6 +38,7 @@ from queue_core.errors import (
     StoreBusy,
 )
 from queue_core.jobs import batch_entry, job_view, lease_view, new_job_view
+from queue_core.protocol import ops
 from queue_core.retry import RetryPolicy, decide
 from queue_core.states import JobState
 from queue_core.storage import Capabilities, ChangeFeed, ClaimRequest, Driver, Tx, driver_for
@@ -45,19 +46,8 @@ from queue_core.storage.base import REPLY_OVERHEAD_BYTES
 
 log = logging.getLogger("relay.service")
 
-SUBMIT_OPTIONS = frozenset(
-    {
-        "priority",
-        "max_retries",
-        "backoff",
-        "backoff_base_ms",
-        "backoff_cap_ms",
-        "jitter",
-        "delay_ms",
-        "run_at_ms",
-        "idempotency_key",
-    }
-)
+# The names a job's options may have (the op catalogue declares them with their wire types).
+SUBMIT_OPTIONS = frozenset(ops.SUBMIT_OPTIONS)
 SWEEP_LIMIT = 500
 SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.

@@ -19,6 +19,7 @@ __all__ = [
     "DeadListResult",
     "DeadPurgeResult",
     "FailResult",
+    "HelloResult",
     "Job",
     "JobEvent",
     "JobResult",
@@ -118,6 +119,16 @@ class PingResult(TypedDict):
     server_time_ms: int
 
 
+class HelloResult(TypedDict):
+    """``hello``: the key the connection now runs as (never its secret)."""
+
+    authenticated: bool
+    name: str
+    prefix: str | None
+    scopes: list[str]
+    server_time_ms: int
+
+
 class SubmitResult(TypedDict):
     """``submit``; ``deduplicated`` is true when an idempotency key matched a job."""
 
@@ -177,7 +188,6 @@ class ReleaseResult(TypedDict):
 
     job_id: str
     state: Literal["ready"]
-    queue: NotRequired[str]
 
 
 class JobResult(TypedDict):
