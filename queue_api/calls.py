@@ -16,7 +16,7 @@ from django.http import HttpRequest
 from queue_api.longpoll import CommitWatch
 from queue_api.security import peer_of
 from queue_core import auth, errors, metrics
-from queue_core.protocol import dispatch
+from queue_core.protocol import dispatch, ops
 from queue_core.service import QueueService
 
 
@@ -33,7 +33,7 @@ def commit_watch() -> CommitWatch:
 
 
 # Ops whose commit may make a job ready: waiting long-polls of this process look again.
-READYING_OPS = frozenset({"submit", "submit_batch", "fail", "release", "dead_retry"})
+READYING_OPS = frozenset(name for name, op in ops.OPS.items() if op.readying)
 
 
 def context(request: HttpRequest) -> dispatch.Context:

@@ -32,22 +32,23 @@ import contextlib
 import functools
 import random
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, Self, cast
+from typing import Any, Self
 
-from queue_core import errors, types
+from queue_core import errors
 from queue_core.client import (
     DEFAULT_ADDRESS,
     DEFAULT_MAX_FRAME_BYTES,
     RelayConnectionError,
     RelayUnreachable,
-    _compact,
+    decode_result,
     format_address,
     format_addresses,
     parse_addresses,
+    request_frame,
 )
-from queue_core.protocol import codec
+from queue_core.protocol import codec, ops
 from queue_core.retry import RetryPolicy, jittered_ms
 
 __all__ = ["AsyncRelayClient"]
@@ -145,12 +146,12 @@ class _Connection:
             await self.writer.wait_closed()
 
 
-class AsyncRelayClient:
+class AsyncRelayClient(ops.Ops, ops.Asynchronous):
     """Asyncio client for one Relay server; many tasks may share it (requests are pipelined).
 
-    Connects on the first call and again on the call after a broken connection. Every method
-    returns the op's ``result`` object as ``docs/protocol.md`` describes it, typed with
-    ``queue_core.types`` (``lease`` returns just its list of jobs).
+    Connects on the first call and again on the call after a broken connection. The op
+    methods are ``RelayClient``'s (``queue_core.protocol.ops.Ops``), as coroutines returning
+    the same typed results.
 
     Args:
         address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``), or several
@@ -317,33 +318,15 @@ class AsyncRelayClient:
             raise errors.error_from_body(reply["error"])
 
     async def call(self, op: str, args: dict[str, Any] | None = None, *, wait_ms: int = 0) -> Any:
-        """Send one request and return its ``result``.
+        """Send one request and return its ``result``: ``RelayClient.call`` as a coroutine.
 
-        Args:
-            op: operation name (``"ping"``, ``"submit"``, ...).
-            args: its arguments; ``None`` values must already be left out.
-            wait_ms: how long the server may hold the request (long-poll) before replying, in
-                ms; added to the reply timeout.
-        Returns:
-            The reply's ``result`` (a dict for every op in the protocol).
         Raises:
-            RelayError: the server answered with an error (the subclass for its code); or,
-                with nothing sent, the request is over ``max_frame_bytes`` (``FrameTooLarge``)
-                or not JSON-serialisable (``InvalidArgument``: a float that is NaN or
-                ±Infinity, a string with a lone surrogate, a type JSON does not have).
-            RelayUnreachable: no connection could be opened (nothing was sent).
-            RelayConnectionError: no complete reply (outcome unknown).
+            as ``RelayClient.call``, and RelayUnreachable: no connection could be opened
+            (nothing was sent).
         """
         self._next_id += 1
         req_id = self._next_id
-        # Refuses NaN/Infinity (orjson would send null) and lone surrogates: InvalidArgument.
-        frame = codec.encode_request(req_id, op, args)
-        if len(frame) - 1 > self.max_frame_bytes:
-            raise errors.FrameTooLarge(
-                f"request is {len(frame) - 1} bytes, over the {self.max_frame_bytes}-byte "
-                "frame limit",
-                limit_bytes=self.max_frame_bytes,
-            )
+        frame = request_frame(req_id, op, args, self.max_frame_bytes)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
         async with self._slots:
@@ -366,158 +349,11 @@ class AsyncRelayClient:
             raise errors.error_from_body(reply["error"])
         return reply["result"]
 
-    async def _call_dict(
-        self, op: str, args: dict[str, Any] | None = None, *, wait_ms: int = 0
-    ) -> dict[str, Any]:
-        result = await self.call(op, args or None, wait_ms=wait_ms)
-        if not isinstance(result, dict):
-            raise RelayConnectionError(f"{op} reply has no result object", address=self.address)
-        return result
+    async def send[T](self, call: ops.Call[T]) -> T:
+        """Send one op's ``call`` (what an ``Ops`` method builds) and return its result.
 
-    async def ping(self) -> types.PingResult:
-        """Check the server is up. See ``RelayClient.ping``."""
-        return cast(types.PingResult, await self._call_dict("ping"))
-
-    async def submit(
-        self,
-        queue: str,
-        payload: Any,
-        *,
-        priority: str | int | None = None,
-        max_retries: int | None = None,
-        backoff: str | None = None,
-        backoff_base_ms: int | None = None,
-        backoff_cap_ms: int | None = None,
-        jitter: bool | None = None,
-        delay_ms: int | None = None,
-        run_at_ms: int | None = None,
-        idempotency_key: str | None = None,
-    ) -> types.SubmitResult:
-        """Enqueue one job (none -> ready, or -> pending when delayed).
-
-        Arguments, result and errors as ``RelayClient.submit``.
+        Raises:
+            as ``call``; RelayConnectionError also when the result is not the op's object.
         """
-        args = {
-            "queue": queue,
-            "payload": payload,
-            **_compact(
-                {
-                    "priority": priority,
-                    "max_retries": max_retries,
-                    "backoff": backoff,
-                    "backoff_base_ms": backoff_base_ms,
-                    "backoff_cap_ms": backoff_cap_ms,
-                    "jitter": jitter,
-                    "delay_ms": delay_ms,
-                    "run_at_ms": run_at_ms,
-                    "idempotency_key": idempotency_key,
-                }
-            ),
-        }
-        return cast(types.SubmitResult, await self._call_dict("submit", args))
-
-    async def submit_batch(self, jobs: Sequence[dict[str, Any]]) -> types.SubmitBatchResult:
-        """Enqueue several jobs in one transaction (all or none). See ``RelayClient``."""
-        result = await self._call_dict("submit_batch", {"jobs": [dict(job) for job in jobs]})
-        return cast(types.SubmitBatchResult, result)
-
-    async def lease(
-        self,
-        queues: Sequence[str],
-        *,
-        worker_id: str,
-        max_jobs: int = 1,
-        lease_ms: int | None = None,
-        wait_ms: int = 0,
-    ) -> list[types.Lease]:
-        """Lease up to ``max_jobs`` ready jobs (ready -> leased), waiting up to ``wait_ms``.
-
-        Arguments and errors as ``RelayClient.lease``. Other calls on this client go on while
-        a lease waits.
-        """
-        args = _compact(
-            {
-                "queues": list(queues),
-                "worker_id": worker_id,
-                "max_jobs": max_jobs,
-                "lease_ms": lease_ms,
-                "wait_ms": wait_ms,
-            }
-        )
-        result = await self._call_dict("lease", args, wait_ms=wait_ms)
-        jobs = result.get("jobs")
-        if not isinstance(jobs, list):
-            raise RelayConnectionError("lease reply has no jobs list", address=self.address)
-        return cast(list[types.Lease], jobs)
-
-    async def renew(
-        self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
-    ) -> types.RenewResult:
-        """Extend a live lease (leased -> leased). See ``RelayClient.renew``."""
-        args = _compact(
-            {
-                "job_id": job_id,
-                "worker_id": worker_id,
-                "lease_token": lease_token,
-                "lease_ms": lease_ms,
-            }
-        )
-        return cast(types.RenewResult, await self._call_dict("renew", args))
-
-    async def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> types.AckResult:
-        """Mark a leased job as done (leased -> succeeded). Safe to repeat."""
-        args = {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
-        return cast(types.AckResult, await self._call_dict("ack", args))
-
-    async def fail(
-        self,
-        job_id: str,
-        *,
-        worker_id: str,
-        lease_token: str,
-        error: str,
-        retryable: bool = True,
-    ) -> types.FailResult:
-        """Record a failed attempt (leased -> retrying, or -> dead). Safe to repeat."""
-        args = {
-            "job_id": job_id,
-            "worker_id": worker_id,
-            "lease_token": lease_token,
-            "error": error,
-            "retryable": retryable,
-        }
-        return cast(types.FailResult, await self._call_dict("fail", args))
-
-    async def release(
-        self, job_id: str, *, worker_id: str, lease_token: str
-    ) -> types.ReleaseResult:
-        """Give a leased job back without counting a failure (leased -> ready)."""
-        args = {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
-        return cast(types.ReleaseResult, await self._call_dict("release", args))
-
-    async def inspect(self, job_id: str) -> types.JobResult:
-        """Read one job with its attempt history and events."""
-        return cast(types.JobResult, await self._call_dict("inspect", {"job_id": job_id}))
-
-    async def stats(
-        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
-    ) -> types.StatsResult:
-        """Count jobs by state, per queue, a page of queues at a time (as ``RelayClient``)."""
-        args = _compact({"queue": queue, "limit": limit, "after": after})
-        return cast(types.StatsResult, await self._call_dict("stats", args))
-
-    async def dead_list(
-        self, queue: str | None = None, limit: int = 100, after: str | None = None
-    ) -> types.DeadListResult:
-        """List dead-lettered jobs, oldest id first, a page at a time."""
-        args = _compact({"queue": queue, "limit": limit, "after": after})
-        return cast(types.DeadListResult, await self._call_dict("dead_list", args))
-
-    async def dead_retry(self, job_id: str) -> types.JobResult:
-        """Replay a dead job (dead -> ready); its history is kept."""
-        return cast(types.JobResult, await self._call_dict("dead_retry", {"job_id": job_id}))
-
-    async def dead_purge(self, job_id: str) -> types.DeadPurgeResult:
-        """Delete a dead job for good."""
-        result = await self._call_dict("dead_purge", {"job_id": job_id})
-        return cast(types.DeadPurgeResult, result)
+        result = await self.call(call.op, call.args or None, wait_ms=call.wait_ms)
+        return decode_result(call, result, self.address)

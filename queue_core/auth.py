@@ -11,9 +11,10 @@ Access is off until the first key is made: with no ``ApiKey`` row, every request
 ``hello`` and the health check needs an active key, so revoking the last key locks the API
 instead of opening it (delete the rows to switch access control off again).
 
-Scopes (``SCOPE_OPS``): ``producer`` submits and reads, ``worker`` leases, renews, acks, fails,
-releases and reads one job, ``operator`` may do everything (dead letters, job listings). Both
-surfaces check the same op names; the HTTP API maps each endpoint to one.
+Scopes (``SCOPE_OPS``, from the op catalogue ``queue_core.protocol.ops``): ``producer``
+submits and reads, ``worker`` leases, renews, acks, fails, releases and reads one job,
+``operator`` may do everything (dead letters, job listings). Both surfaces check the same op
+names; the HTTP API maps each endpoint to one.
 
 Each process keeps a snapshot of the key table (``KeyRing``) for ``RING_TTL_S``, so a new or
 revoked key takes effect within a second everywhere, and at once in the process that made it.
@@ -39,16 +40,17 @@ from django.db.models import Q
 
 from queue_core import errors
 from queue_core.clock import Clock, SystemClock
+from queue_core.protocol.ops import OPS
 
 log = logging.getLogger("relay.auth")
 
 SCOPES = ("producer", "worker", "operator")
-# Ops every scope may use, and the TCP ops that need no key at all.
-OPEN_OPS = frozenset({"ping", "hello"})
+# Ops every scope may use, and the TCP ops that need no key at all (as the catalogue declares).
+OPEN_OPS = frozenset(name for name, op in OPS.items() if op.open)
 SCOPE_OPS: dict[str, frozenset[str] | None] = {
-    "producer": frozenset({"submit", "submit_batch", "inspect", "stats"}),
-    "worker": frozenset({"lease", "renew", "ack", "fail", "release", "inspect"}),
-    "operator": None,  # everything
+    "producer": frozenset(name for name, op in OPS.items() if "producer" in op.scopes),
+    "worker": frozenset(name for name, op in OPS.items() if "worker" in op.scopes),
+    "operator": None,  # everything, HTTP-only actions (list_jobs) included
 }
 KEY_PREFIX = "rk"
 _KEY_RE = re.compile(r"^rk_([0-9a-f]{12})_([A-Za-z0-9_-]{32,128})$")

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any, Protocol, Self
 
 from queue_core import errors
-from queue_core.protocol import codec
+from queue_core.protocol import codec, ops
 from queue_core.retry import RetryPolicy, jittered_ms
 
 DEFAULT_ADDRESS = "127.0.0.1:7400"
@@ -317,6 +317,35 @@ class TcpTransport:
         sock.close()
 
 
+def request_frame(req_id: int, op: str, args: dict[str, Any] | None, max_frame_bytes: int) -> bytes:
+    """Encode one request for sending (both clients).
+
+    Raises:
+        FrameTooLarge: over ``max_frame_bytes``, newline excluded.
+        InvalidArgument: not JSON-serialisable: NaN or ±Infinity (orjson would send null),
+            a lone surrogate, a type JSON does not have.
+    """
+    frame = codec.encode_request(req_id, op, args)
+    if len(frame) - 1 > max_frame_bytes:
+        raise errors.FrameTooLarge(
+            f"request is {len(frame) - 1} bytes, over the {max_frame_bytes}-byte frame limit",
+            limit_bytes=max_frame_bytes,
+        )
+    return frame
+
+
+def decode_result[T](call: ops.Call[T], result: Any, address: str) -> T:
+    """What the op method returns for the reply's ``result`` (both clients).
+
+    Raises:
+        RelayConnectionError: the result is not the op's object (a broken server).
+    """
+    try:
+        return call.decode(result)
+    except ValueError as exc:
+        raise RelayConnectionError(str(exc), address=address) from None
+
+
 def _readable(sock: socket.socket) -> bool:
     try:
         readable, _, _ = select.select([sock], [], [], 0)
@@ -325,12 +354,14 @@ def _readable(sock: socket.socket) -> bool:
     return bool(readable)
 
 
-class RelayClient:
+class RelayClient(ops.BlockingClient):
     """Blocking client for one Relay server; thread-safe, one request in flight at a time.
 
-    Connects on the first call and again on the call after a broken connection. Every method
-    returns the op's ``result`` object as described in ``docs/protocol.md`` (``lease`` returns
-    just its list of jobs).
+    Connects on the first call and again on the call after a broken connection. The op
+    methods (``submit``, ``lease``, ``ack``, ...) come from the op catalogue
+    (``queue_core.protocol.ops.Ops``, which documents each): every one returns the op's
+    ``result`` object typed with ``queue_core.types`` (``lease`` returns just its list of
+    jobs), as ``AsyncRelayClient``'s do.
 
     Args:
         address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``), or several
@@ -415,14 +446,7 @@ class RelayClient:
         with self._lock:
             self._next_id += 1
             req_id = self._next_id
-            # Refuses NaN/Infinity (orjson would send null) and lone surrogates: InvalidArgument.
-            frame = codec.encode_request(req_id, op, args)
-            if len(frame) - 1 > self.max_frame_bytes:
-                raise errors.FrameTooLarge(
-                    f"request is {len(frame) - 1} bytes, over the {self.max_frame_bytes}-byte "
-                    "frame limit",
-                    limit_bytes=self.max_frame_bytes,
-                )
+            frame = request_frame(req_id, op, args, self.max_frame_bytes)
             line = self._transport.roundtrip(frame, timeout_s=self.timeout_s + wait_ms / 1000)
             try:
                 reply = codec.decode_response(line)
@@ -445,288 +469,11 @@ class RelayClient:
             raise errors.error_from_body(reply["error"])
         return reply["result"]
 
-    def _call_dict(
-        self, op: str, args: dict[str, Any] | None = None, *, wait_ms: int = 0
-    ) -> dict[str, Any]:
-        result = self.call(op, args or None, wait_ms=wait_ms)
-        if not isinstance(result, dict):
-            raise RelayConnectionError(f"{op} reply has no result object", address=self.address)
-        return result
+    def send[T](self, call: ops.Call[T]) -> T:
+        """Send one op's ``call`` (what an ``Ops`` method builds) and return its result.
 
-    def ping(self) -> dict[str, Any]:
-        """Check the server is up.
-
-        Returns:
-            ``{"pong": true, "server_time_ms": int}``.
         Raises:
-            RelayConnectionError.
+            as ``call``; RelayConnectionError also when the result is not the op's object.
         """
-        return self._call_dict("ping")
-
-    def submit(
-        self,
-        queue: str,
-        payload: Any,
-        *,
-        priority: str | int | None = None,
-        max_retries: int | None = None,
-        backoff: str | None = None,
-        backoff_base_ms: int | None = None,
-        backoff_cap_ms: int | None = None,
-        jitter: bool | None = None,
-        delay_ms: int | None = None,
-        run_at_ms: int | None = None,
-        idempotency_key: str | None = None,
-    ) -> dict[str, Any]:
-        """Enqueue one job (none -> ready, or -> pending when delayed).
-
-        Options left as ``None`` take the server's defaults.
-
-        Args:
-            queue: queue name.
-            payload: any JSON value, at most ``RELAY_MAX_PAYLOAD_BYTES`` as compact JSON.
-            priority: ``"low"``, ``"normal"``, ``"high"`` or ``"critical"``.
-            max_retries: failures that are retried before the job goes dead.
-            backoff: ``"fixed"`` or ``"exponential"``.
-            backoff_base_ms, backoff_cap_ms: retry delay base and cap, in ms.
-            jitter: scale retry delays into 50-100%.
-            delay_ms: run no sooner than this many ms from now (exclusive with ``run_at_ms``).
-            run_at_ms: run no sooner than this epoch-ms instant.
-            idempotency_key: deduplicate resubmits with the same key and payload.
-        Returns:
-            ``{"job": Job, "deduplicated": bool}``.
-        Raises:
-            InvalidArgument, FrameTooLarge, IdempotencyConflict, StoreBusy, Unavailable,
-            RelayConnectionError (resubmit with an idempotency key to be safe).
-        """
-        return self._call_dict(
-            "submit",
-            {
-                "queue": queue,
-                "payload": payload,
-                **_compact(
-                    {
-                        "priority": priority,
-                        "max_retries": max_retries,
-                        "backoff": backoff,
-                        "backoff_base_ms": backoff_base_ms,
-                        "backoff_cap_ms": backoff_cap_ms,
-                        "jitter": jitter,
-                        "delay_ms": delay_ms,
-                        "run_at_ms": run_at_ms,
-                        "idempotency_key": idempotency_key,
-                    }
-                ),
-            },
-        )
-
-    def submit_batch(self, jobs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """Enqueue several jobs in one transaction (all or none).
-
-        Args:
-            jobs: submit args dicts (``{"queue", "payload", ...}`` with the wire names used
-                by ``submit``), sent as given; at most ``RELAY_MAX_BATCH_SUBMIT``.
-        Returns:
-            ``{"results": [{"job_id", "queue", "state", "available_at_ms", "deduplicated"},
-            ...]}`` in input order (ids, not whole jobs: ``inspect`` reads one).
-        Raises:
-            as ``submit``.
-        """
-        return self._call_dict("submit_batch", {"jobs": [dict(job) for job in jobs]})
-
-    def lease(
-        self,
-        queues: Sequence[str],
-        *,
-        worker_id: str,
-        max_jobs: int = 1,
-        lease_ms: int | None = None,
-        wait_ms: int = 0,
-    ) -> list[dict[str, Any]]:
-        """Lease up to ``max_jobs`` ready jobs (ready -> leased), waiting up to ``wait_ms``.
-
-        Args:
-            queues: queue names to take from (1..16).
-            worker_id: a stable id for this worker (``host:pid``); renew/ack/fail must repeat it.
-            max_jobs: the most jobs to take (1..100).
-            lease_ms: lease length in ms (server default 30 000).
-            wait_ms: long-poll: how long the server may wait for a job, in ms (0..20 000).
-        Returns:
-            Lease dicts (``job_id``, ``lease_token``, ``attempt``, ``payload``, ...); empty when
-            nothing was ready in time.
-        Raises:
-            InvalidArgument, StoreBusy, Unavailable, RelayConnectionError (jobs leased by a lost
-            reply come back when their lease expires).
-        """
-        result = self._call_dict(
-            "lease",
-            _compact(
-                {
-                    "queues": list(queues),
-                    "worker_id": worker_id,
-                    "max_jobs": max_jobs,
-                    "lease_ms": lease_ms,
-                    "wait_ms": wait_ms,
-                }
-            ),
-            wait_ms=wait_ms,
-        )
-        jobs = result.get("jobs")
-        if not isinstance(jobs, list):
-            raise RelayConnectionError("lease reply has no jobs list", address=self.address)
-        return jobs
-
-    def renew(
-        self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
-    ) -> dict[str, Any]:
-        """Extend a live lease (leased -> leased).
-
-        Args:
-            job_id: the leased job.
-            worker_id: the id sent with the lease.
-            lease_token: the token from the lease.
-            lease_ms: new lease length from now, in ms (server default: the visibility timeout).
-        Returns:
-            ``{"job_id", "lease_expires_at_ms"}``.
-        Raises:
-            JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
-        """
-        return self._call_dict(
-            "renew",
-            _compact(
-                {
-                    "job_id": job_id,
-                    "worker_id": worker_id,
-                    "lease_token": lease_token,
-                    "lease_ms": lease_ms,
-                }
-            ),
-        )
-
-    def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
-        """Mark a leased job as done (leased -> succeeded). Safe to repeat.
-
-        Returns:
-            ``{"job_id", "state": "succeeded", "duplicate": bool}``.
-        Raises:
-            JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
-        """
-        return self._call_dict(
-            "ack", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
-        )
-
-    def fail(
-        self,
-        job_id: str,
-        *,
-        worker_id: str,
-        lease_token: str,
-        error: str,
-        retryable: bool = True,
-    ) -> dict[str, Any]:
-        """Record a failed attempt (leased -> retrying, or -> dead). Safe to repeat.
-
-        Args:
-            job_id, worker_id, lease_token: as for ``ack``.
-            error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes.
-            retryable: False dead-letters the job at once.
-        Returns:
-            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``.
-        Raises:
-            JobNotFound, StaleToken, LeaseExpired, InvalidArgument, StoreBusy,
-            RelayConnectionError.
-        """
-        return self._call_dict(
-            "fail",
-            {
-                "job_id": job_id,
-                "worker_id": worker_id,
-                "lease_token": lease_token,
-                "error": error,
-                "retryable": retryable,
-            },
-        )
-
-    def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
-        """Give a leased job back without counting a failure (leased -> ready).
-
-        Returns:
-            ``{"job_id", "state": "ready"}``.
-        Raises:
-            JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
-        """
-        return self._call_dict(
-            "release", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
-        )
-
-    def inspect(self, job_id: str) -> dict[str, Any]:
-        """Read one job with its attempt history and events.
-
-        Returns:
-            ``{"job": Job}`` with ``history`` and ``events``.
-        Raises:
-            JobNotFound, RelayConnectionError.
-        """
-        return self._call_dict("inspect", {"job_id": job_id})
-
-    def stats(
-        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
-    ) -> dict[str, Any]:
-        """Count jobs by state, per queue, a page of queues at a time.
-
-        Args:
-            queue: only this queue (default: every queue).
-            limit: queues per page, 1..1000 (the server's default: 1000, and no more than
-                fit a frame).
-            after: the previous page's ``next_after``.
-        Returns:
-            ``{"queues": {name: {state counts..., "oldest_ready_age_ms"}}, "totals" (every
-            queue), "server_time_ms", "servers", "next_after"}``; ``next_after`` is None on
-            the last page.
-        Raises:
-            InvalidArgument, RelayConnectionError.
-        """
-        return self._call_dict("stats", _compact({"queue": queue, "limit": limit, "after": after}))
-
-    def dead_list(
-        self, queue: str | None = None, limit: int = 100, after: str | None = None
-    ) -> dict[str, Any]:
-        """List dead-lettered jobs, oldest id first, a page at a time.
-
-        Args:
-            queue: only this queue.
-            limit: page size (1..1000).
-            after: the ``next_after`` cursor of the previous page.
-        Returns:
-            ``{"jobs": [Job, ...], "next_after": str | None}``.
-        Raises:
-            InvalidArgument, RelayConnectionError.
-        """
-        return self._call_dict(
-            "dead_list", _compact({"queue": queue, "limit": limit, "after": after})
-        )
-
-    def dead_retry(self, job_id: str) -> dict[str, Any]:
-        """Replay a dead job (dead -> ready); its history is kept.
-
-        Returns:
-            ``{"job": Job}``.
-        Raises:
-            JobNotFound, InvalidState (not dead), StoreBusy, RelayConnectionError.
-        """
-        return self._call_dict("dead_retry", {"job_id": job_id})
-
-    def dead_purge(self, job_id: str) -> dict[str, Any]:
-        """Delete a dead job for good.
-
-        Returns:
-            ``{"job_id", "purged": true}``.
-        Raises:
-            JobNotFound, InvalidState (not terminal), StoreBusy, RelayConnectionError.
-        """
-        return self._call_dict("dead_purge", {"job_id": job_id})
-
-
-def _compact(args: dict[str, Any]) -> dict[str, Any]:
-    """Drop ``None`` options so the server applies its defaults."""
-    return {key: value for key, value in args.items() if value is not None}
+        result = self.call(call.op, call.args or None, wait_ms=call.wait_ms)
+        return decode_result(call, result, self.address)

@@ -22,7 +22,7 @@ import random
 import secrets
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from django.apps import apps
@@ -39,26 +39,17 @@ from queue_core.errors import (
     StaleToken,
     StoreBusy,
 )
+from queue_core.jobs import batch_entry, job_view, lease_view, new_job_view
+from queue_core.protocol import ops
 from queue_core.retry import RetryPolicy, decide
-from queue_core.states import JobState, Priority, Transition, check
+from queue_core.states import JobState, Transition, check
 from queue_core.storage import Capabilities, ChangeFeed, ClaimRequest, Driver, Tx, driver_for
 from queue_core.storage.base import REPLY_OVERHEAD_BYTES
 
 log = logging.getLogger("relay.service")
 
-SUBMIT_OPTIONS = frozenset(
-    {
-        "priority",
-        "max_retries",
-        "backoff",
-        "backoff_base_ms",
-        "backoff_cap_ms",
-        "jitter",
-        "delay_ms",
-        "run_at_ms",
-        "idempotency_key",
-    }
-)
+# The names a job's options may have (the op catalogue declares them with their wire types).
+SUBMIT_OPTIONS = frozenset(ops.SUBMIT_OPTIONS)
 SWEEP_LIMIT = 500
 SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.
@@ -140,55 +131,6 @@ def _newest_that_fit(rows: list[dict[str, Any]], budget: int) -> tuple[list[dict
             break
         kept += 1
     return rows[len(rows) - kept :], len(rows) - kept
-
-
-_PRIORITY_NAMES = tuple(p.name.lower() for p in sorted(Priority))
-
-
-def _priority_name(value: int) -> str:
-    return _PRIORITY_NAMES[value]
-
-
-def job_view(row: Mapping[str, Any]) -> dict[str, Any]:
-    """Shape a ``get_job`` row as the wire's Job object (never includes the lease token)."""
-    return {
-        "id": row["id"],
-        "queue": row["queue"],
-        "state": row["state"],
-        "priority": _priority_name(row["priority"]),
-        "payload": orjson.loads(row["payload"]),
-        "attempt": row["attempt"],
-        "failures": row["failures"],
-        "max_retries": row["max_retries"],
-        "retry_policy": {
-            "backoff": row["backoff"],
-            "base_ms": row["backoff_base_ms"],
-            "cap_ms": row["backoff_cap_ms"],
-            "jitter": bool(row["jitter"]),
-        },
-        "idempotency_key": row["idempotency_key"],
-        "created_at_ms": row["created_at_ms"],
-        "available_at_ms": row["available_at_ms"],
-        "ready_since_ms": row["ready_since_ms"],
-        "leased_by": row["leased_by"],
-        "lease_expires_at_ms": row["lease_expires_at_ms"],
-        "finished_at_ms": row["finished_at_ms"],
-        "last_error": row["last_error"],
-        "dead_reason": row["dead_reason"],
-    }
-
-
-def _batch_entry(
-    job_id: str, queue: str, state: str, available_at_ms: int | None, deduplicated: bool
-) -> dict[str, Any]:
-    """One ``submit_batch`` result."""
-    return {
-        "job_id": job_id,
-        "queue": queue,
-        "state": state,
-        "available_at_ms": available_at_ms,
-        "deduplicated": deduplicated,
-    }
 
 
 def new_server_id() -> str:
@@ -506,32 +448,10 @@ class QueueService:
         if not delayed:
             tx.made_ready(row["queue"])
         if pending is not None:
-            return _batch_entry(job_id, row["queue"], state, available_at_ms, False)
-        view: dict[str, Any] = {
-            "id": job_id,
-            "queue": row["queue"],
-            "state": state,
-            "priority": _PRIORITY_NAMES[row["priority"]],
-            "payload": payload,
-            "attempt": 0,
-            "failures": 0,
-            "max_retries": row["max_retries"],
-            "retry_policy": {
-                "backoff": row["backoff"],
-                "base_ms": row["backoff_base_ms"],
-                "cap_ms": row["backoff_cap_ms"],
-                "jitter": row["jitter"],
-            },
-            "idempotency_key": key,
-            "created_at_ms": now,
-            "available_at_ms": available_at_ms,
-            "ready_since_ms": ready_since_ms,
-            "leased_by": None,
-            "lease_expires_at_ms": None,
-            "finished_at_ms": None,
-            "last_error": None,
-            "dead_reason": None,
-        }
+            return cast(
+                dict[str, Any], batch_entry(job_id, row["queue"], state, available_at_ms, False)
+            )
+        view = new_job_view(row, created_at_ms=now, payload=payload)
         return {"job": view, "deduplicated": False}
 
     def _bound_job(
@@ -562,7 +482,8 @@ class QueueService:
             )
         job = self._job(tx, bound["id"])
         if pending is not None:
-            return _batch_entry(job["id"], job["queue"], job["state"], job["available_at_ms"], True)
+            entry = batch_entry(job["id"], job["queue"], job["state"], job["available_at_ms"], True)
+            return cast(dict[str, Any], entry)
         return {"job": job, "deduplicated": True}
 
     # ------------------------------------------------------------------ reads
@@ -604,7 +525,7 @@ class QueueService:
         row = tx.one("get_job", {"job_id": job_id})
         if row is None:
             raise JobNotFound(f"no job {job_id}", job_id=job_id)
-        return job_view(row)
+        return cast(dict[str, Any], job_view(row))
 
     def stats(
         self,
@@ -831,7 +752,7 @@ class QueueService:
                 want = min(limit - len(jobs), PAGE_FETCH_ROWS)
                 rows = fetch(tx, {"after": cursor, "limit": want})
                 for row in rows:
-                    view = job_view(row)
+                    view = cast(dict[str, Any], job_view(row))
                     room -= _encoded_len(view)
                     if room < 0 and jobs:  # the page must fit one frame; the cursor resumes here
                         return {"jobs": jobs, "next_after": jobs[-1]["id"]}
@@ -926,21 +847,8 @@ class QueueService:
                         for row in rows
                     ],
                 )
-        return [
-            {
-                "job_id": row["id"],
-                "queue": row["queue"],
-                "payload": orjson.loads(row["payload"]),
-                "attempt": row["attempt"],
-                "priority": _priority_name(row["priority"]),
-                "lease_token": row["lease_token"],
-                "lease_expires_at_ms": now + length,
-                "failures": row["failures"],
-                "max_retries": row["max_retries"],
-                "created_at_ms": row["created_at_ms"],
-            }
-            for row in rows
-        ]
+        expires_at_ms = now + length
+        return [cast(dict[str, Any], lease_view(row, expires_at_ms)) for row in rows]
 
     def renew(
         self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None

@@ -19,6 +19,7 @@ __all__ = [
     "DeadListResult",
     "DeadPurgeResult",
     "FailResult",
+    "HelloResult",
     "Job",
     "JobEvent",
     "JobResult",
@@ -93,6 +94,7 @@ class Job(TypedDict):
     dead_reason: str | None
     history: NotRequired[list[Attempt]]  # inspect only
     events: NotRequired[list[JobEvent]]  # inspect only
+    history_omitted: NotRequired[int]  # inspect only: older attempts and events left out
 
 
 class Lease(TypedDict):
@@ -114,6 +116,16 @@ class PingResult(TypedDict):
     """``ping``."""
 
     pong: bool
+    server_time_ms: int
+
+
+class HelloResult(TypedDict):
+    """``hello``: the key the connection now runs as (never its secret)."""
+
+    authenticated: bool
+    name: str
+    prefix: str | None
+    scopes: list[str]
     server_time_ms: int
 
 
@@ -176,7 +188,6 @@ class ReleaseResult(TypedDict):
 
     job_id: str
     state: Literal["ready"]
-    queue: NotRequired[str]
 
 
 class JobResult(TypedDict):

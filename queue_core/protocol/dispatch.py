@@ -1,11 +1,12 @@
 """The op table: op name -> argument schema + handler, in the style of Faktory's command set.
 
-``lookup`` finds a verb (``UnknownOp`` otherwise), ``validate`` checks argument names and
-types (``InvalidArgument`` with ``details["field"]`` naming the argument), and the handler
-calls ``QueueService`` and shapes its result as ``docs/protocol.md`` says. Range checks (lease
-length, queue name pattern, payload size...) belong to the service, so they are not repeated
-here, except ``wait_ms`` and the number of ``queues`` of a lease: the long-poll wait is the
-server's job. Handlers never decide transitions; only the service does.
+The ops, their argument schemas and how each is scheduled are declared once, in
+``queue_core.protocol.ops``; ``VERBS`` pairs each with its handler here. ``lookup`` finds a
+verb (``UnknownOp`` otherwise), ``validate`` checks argument names and types
+(``InvalidArgument`` with ``details["field"]`` naming the argument), and the handler calls
+``QueueService`` and shapes its result as ``docs/protocol.md`` says. An op without a handler
+of its own calls the service method of its name with the checked arguments. Handlers never
+decide transitions; only the service does.
 
 Each handler returns an ``Outcome``: the wire result plus what the commit made ready or due,
 so the server knows whom to wake. ``handle`` runs one request synchronously (no long-poll
@@ -15,24 +16,28 @@ wait): the loopback transport and tests use it.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from queue_core import auth, errors, metrics, validation
-from queue_core.conf import relay_settings
+from queue_core import auth, errors, metrics
 from queue_core.protocol.codec import Request
+from queue_core.protocol.ops import OPS, Arg, Kind, check_args
 from queue_core.service import QueueService
 from queue_core.states import JobState
 
-
-class Kind(enum.Enum):
-    """How the server schedules a verb."""
-
-    READ = "read"  # read-only: runs in the reader pool
-    WRITE = "write"  # changes state: runs on the writer thread, group-committed
-    LEASE = "lease"  # a claim on the writer thread, plus the server's long-poll wait
+__all__ = [
+    "REFUSED_WHILE_DRAINING",
+    "VERBS",
+    "Context",
+    "Kind",
+    "Outcome",
+    "Verb",
+    "check_args",
+    "handle",
+    "lookup",
+    "validate",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,121 +73,7 @@ class Outcome:
     events: tuple[metrics.Event, ...] = ()
 
 
-Check = Callable[[str, Any], Any]
 Handler = Callable[[QueueService, dict[str, Any], Context], Outcome]
-
-
-def _bad(field: str, message: str) -> errors.InvalidArgument:
-    return errors.InvalidArgument(f"{field}: {message}", field=field)
-
-
-def _str(field: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise _bad(field, f"must be a string, got {type(value).__name__}")
-    return value
-
-
-def _int(field: str, value: Any) -> int:
-    return validation.integer(field, value)
-
-
-def _bool(field: str, value: Any) -> bool:
-    return validation.boolean(field, value)
-
-
-def _any(field: str, value: Any) -> Any:
-    return value
-
-
-def _str_or_int(field: str, value: Any) -> str | int:
-    if isinstance(value, bool) or not isinstance(value, str | int):
-        raise _bad(field, f"must be a string or an integer, got {type(value).__name__}")
-    return value
-
-
-def _str_list(field: str, value: Any) -> list[str]:
-    if not isinstance(value, list):
-        raise _bad(field, f"must be a list of strings, got {type(value).__name__}")
-    for item in value:
-        if not isinstance(item, str):
-            raise _bad(field, f"must be a list of strings, got a {type(item).__name__} in it")
-    return value
-
-
-def _wait_ms(field: str, value: Any) -> int:
-    return validation.integer(field, value, lo=0, hi=relay_settings().max_wait_ms)
-
-
-def _queues(field: str, value: Any) -> list[str]:
-    names = _str_list(field, value)
-    limit = relay_settings().max_queues_per_lease
-    if not 1 <= len(names) <= limit:
-        raise _bad(field, f"must name 1 to {limit} queues, got {len(names)}")
-    return names
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Arg:
-    """One argument of a verb: its type check and whether it must be present (non-null)."""
-
-    check: Check
-    required: bool = False
-
-
-_SUBMIT_ARGS: dict[str, Arg] = {
-    "queue": Arg(_str, required=True),
-    "payload": Arg(_any, required=True),
-    "priority": Arg(_str_or_int),
-    "max_retries": Arg(_int),
-    "backoff": Arg(_str),
-    "backoff_base_ms": Arg(_int),
-    "backoff_cap_ms": Arg(_int),
-    "jitter": Arg(_bool),
-    "delay_ms": Arg(_int),
-    "run_at_ms": Arg(_int),
-    "idempotency_key": Arg(_str),
-}
-
-
-def check_args(
-    schema: Mapping[str, Arg], args: Mapping[str, Any], prefix: str = ""
-) -> dict[str, Any]:
-    """Check argument names and types against ``schema``.
-
-    Args:
-        schema: ``{name: Arg}``.
-        args: the request's ``args`` object.
-        prefix: prepended to field names in errors (``"jobs[3]."`` for a batch entry).
-    Returns:
-        The arguments with ``null`` optional ones dropped (so the service's defaults apply).
-    Raises:
-        InvalidArgument: an unknown name, a missing (or null) required one, or a wrong type;
-            ``details["field"]`` names it.
-    """
-    unknown = sorted(set(args) - set(schema))
-    if unknown:
-        name = prefix + unknown[0]
-        raise errors.InvalidArgument(f"{name}: unknown argument", field=name)
-    out: dict[str, Any] = {}
-    for name, arg in schema.items():
-        value = args.get(name)
-        if value is None:
-            if arg.required:
-                raise _bad(prefix + name, "is required")
-            continue
-        out[name] = arg.check(prefix + name, value)
-    return out
-
-
-def _jobs(field: str, value: Any) -> list[dict[str, Any]]:
-    # Each job's names, types and ranges are checked once, by QueueService.submit_batch (it
-    # names a bad one ``jobs[3].priority``): a batch is the hot path of bulk submission.
-    if not isinstance(value, list):
-        raise _bad(field, f"must be a list of job objects, got {type(value).__name__}")
-    for index, spec in enumerate(value):
-        if not isinstance(spec, dict):
-            raise _bad(f"{field}[{index}]", "must be an object")
-    return value
 
 
 # ---------------------------------------------------------------------- handlers
@@ -345,61 +236,42 @@ class Verb:
     kind: Kind
 
 
-_LEASE_IDS = {
-    "job_id": Arg(_str, required=True),
-    "worker_id": Arg(_str, required=True),
-    "lease_token": Arg(_str, required=True),
+# Handlers that do more than call the service method of the op's name (``_by_name``).
+_HANDLERS: dict[str, Handler] = {
+    "ping": _ping,
+    "hello": _hello,
+    "submit": _submit,
+    "submit_batch": _submit_batch,
+    "lease": _lease,
+    "renew": _renew,
+    "ack": _ack,
+    "fail": _fail,
+    "release": _release,
+    "inspect": _inspect,
+    "stats": _stats,
+    "dead_list": _dead_list,
+    "dead_retry": _dead_retry,
+    "dead_purge": _dead_purge,
 }
-_JOB_ID = {"job_id": Arg(_str, required=True)}
+
+
+def _by_name(name: str) -> Handler:
+    """The handler of an op without one of its own: ``QueueService.<name>(**args)``, whose
+    dict is the wire result."""
+
+    def handler(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+        return Outcome(getattr(svc, name)(**args))
+
+    return handler
+
 
 VERBS: dict[str, Verb] = {
-    v.op: v
-    for v in (
-        Verb("ping", {}, _ping, Kind.READ),
-        Verb("hello", {"api_key": Arg(_str, required=True)}, _hello, Kind.READ),
-        Verb("submit", _SUBMIT_ARGS, _submit, Kind.WRITE),
-        Verb("submit_batch", {"jobs": Arg(_jobs, required=True)}, _submit_batch, Kind.WRITE),
-        Verb(
-            "lease",
-            {
-                "queues": Arg(_queues, required=True),
-                "worker_id": Arg(_str),
-                "max_jobs": Arg(_int),
-                "lease_ms": Arg(_int),
-                "wait_ms": Arg(_wait_ms),
-            },
-            _lease,
-            Kind.LEASE,
-        ),
-        Verb("renew", {**_LEASE_IDS, "lease_ms": Arg(_int)}, _renew, Kind.WRITE),
-        Verb("ack", _LEASE_IDS, _ack, Kind.WRITE),
-        Verb(
-            "fail",
-            {**_LEASE_IDS, "error": Arg(_str, required=True), "retryable": Arg(_bool)},
-            _fail,
-            Kind.WRITE,
-        ),
-        Verb("release", _LEASE_IDS, _release, Kind.WRITE),
-        Verb("inspect", _JOB_ID, _inspect, Kind.READ),
-        Verb(
-            "stats",
-            {"queue": Arg(_str), "limit": Arg(_int), "after": Arg(_str)},
-            _stats,
-            Kind.READ,
-        ),
-        Verb(
-            "dead_list",
-            {"queue": Arg(_str), "limit": Arg(_int), "after": Arg(_str)},
-            _dead_list,
-            Kind.READ,
-        ),
-        Verb("dead_retry", _JOB_ID, _dead_retry, Kind.WRITE),
-        Verb("dead_purge", _JOB_ID, _dead_purge, Kind.WRITE),
-    )
+    name: Verb(name, op.args, _HANDLERS.get(name) or _by_name(name), op.kind)
+    for name, op in OPS.items()
 }
 
 # Refused with UNAVAILABLE while the server drains: they would start new work.
-REFUSED_WHILE_DRAINING = frozenset({"submit", "submit_batch", "lease"})
+REFUSED_WHILE_DRAINING = frozenset(name for name, op in OPS.items() if op.refused_while_draining)
 
 
 def lookup(op: str) -> Verb:

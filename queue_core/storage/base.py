@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from django.db.backends.utils import CursorDebugWrapper
 
 from queue_core.errors import RelayError
+from queue_core.jobs import JOB_COLUMNS
 
 # Bytes a lease reply spends per job beyond its payload (ids, token, times), generously rounded.
 REPLY_OVERHEAD_BYTES = 1024
@@ -38,10 +39,14 @@ _BLOCK_RE = re.compile(r"^-- name: (\w+)\n((?:--[^\n]*\n)*)(.*?)(?=^-- name: |\Z
 def load_queries(package: str) -> dict[str, str]:
     """Parse ``<package>/queries.sql`` into ``{name: statement}`` (comment lines dropped).
 
+    ``{job_columns}`` in a statement becomes ``jobs.JOB_COLUMNS``, comma-separated: the
+    columns of a job view, listed once for every statement that reads one.
+
     Args:
         package: a dotted package name, e.g. ``"queue_core.storage.sqlite"``.
     """
     text = resources.files(package).joinpath("queries.sql").read_text("utf-8")
+    text = text.replace("{job_columns}", ", ".join(JOB_COLUMNS))
     queries: dict[str, str] = {}
     for match in _BLOCK_RE.finditer(text):
         queries[match.group(1)] = match.group(3).strip().rstrip(";").strip()

@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from queue_core import types
+
 __all__ = [
     "DemoFailure",
     "Handler",
@@ -60,7 +62,7 @@ class JobContext:
     attempt: int
     worker_id: str
     shutdown: threading.Event
-    lease: dict[str, Any]
+    lease: types.Lease
 
 
 Handler = Callable[[Any, JobContext], object]

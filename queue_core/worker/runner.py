@@ -26,11 +26,12 @@ import queue as queue_mod
 import random
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
 
-from queue_core import errors
+from queue_core import errors, types
 from queue_core.clock import Clock, SystemClock
+from queue_core.protocol.ops import BlockingClient
 from queue_core.retry import RetryPolicy, jittered_ms
 from queue_core.worker.handlers import (
     Handler,
@@ -68,54 +69,13 @@ SETTLE_CONNECTIONS = 4
 _LEASE_GONE = (errors.LeaseExpired, errors.StaleToken, errors.JobNotFound, errors.InvalidState)
 
 
-class WorkerClient(Protocol):
-    """The client calls the worker makes; ``queue_core.client.RelayClient`` satisfies it.
+WorkerClient = BlockingClient
+"""The client the worker calls: the catalogue's blocking op methods (``RelayClient`` is one).
 
-    Methods raise ``RelayError`` subclasses for error replies and ``ConnectionError`` when the
-    outcome is unknown; see ``RelayClient`` for each method's arguments and result.
-    """
-
-    def lease(
-        self,
-        queues: Sequence[str],
-        *,
-        worker_id: str,
-        max_jobs: int = 1,
-        lease_ms: int | None = None,
-        wait_ms: int = 0,
-    ) -> list[dict[str, Any]]:
-        """Lease up to ``max_jobs`` jobs, waiting up to ``wait_ms``."""
-        ...
-
-    def renew(
-        self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
-    ) -> dict[str, Any]:
-        """Extend a lease by ``lease_ms`` from now."""
-        ...
-
-    def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
-        """Mark a leased job as done."""
-        ...
-
-    def fail(
-        self,
-        job_id: str,
-        *,
-        worker_id: str,
-        lease_token: str,
-        error: str,
-        retryable: bool = True,
-    ) -> dict[str, Any]:
-        """Record a failed attempt."""
-        ...
-
-    def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
-        """Give a leased job back without counting a failure."""
-        ...
-
-    def close(self) -> None:
-        """Close the connection, aborting a blocked call from another thread."""
-        ...
+The worker uses ``lease``, ``renew``, ``ack``, ``fail``, ``release`` and ``close``; they raise
+``RelayError`` subclasses for error replies and ``ConnectionError`` when the outcome is
+unknown (see ``queue_core.protocol.ops.Ops`` for each method's arguments and result).
+"""
 
 
 def default_worker_id() -> str:
@@ -183,7 +143,7 @@ class _HeldJob:
     queue: str
     attempt: int
     payload: Any
-    lease: dict[str, Any]
+    lease: types.Lease
     renew_at: float  # clock.monotonic() seconds
     # running: handler busy; settling: ack/fail/release in progress; released: given back at
     # shutdown while the handler still ran (its result is discarded).
@@ -437,7 +397,7 @@ class Worker:
             for lease in leases:
                 self._accept(lease)
 
-    def _accept(self, lease: dict[str, Any]) -> None:
+    def _accept(self, lease: types.Lease) -> None:
         job = _HeldJob(
             job_id=str(lease["job_id"]),
             lease_token=str(lease["lease_token"]),
@@ -538,6 +498,7 @@ class Worker:
         for attempt in range(1, _SETTLE_TRIES + 1):
             try:
                 with self._clients.client() as client:
+                    result: Mapping[str, Any]
                     if action == "ack":
                         result = client.ack(
                             job.job_id, worker_id=self.worker_id, lease_token=job.lease_token

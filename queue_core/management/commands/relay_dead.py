@@ -74,7 +74,7 @@ class Command(RelayClientCommand):
         if options["json"]:
             self.print_json(result)
             return
-        jobs: list[dict[str, Any]] = result.get("jobs") or []
+        jobs = result["jobs"]
         if not jobs:
             self.stdout.write("no dead jobs")
             return

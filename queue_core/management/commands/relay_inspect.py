@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.management.base import CommandParser
@@ -28,14 +29,14 @@ class Command(RelayClientCommand):
 
     def run(self, client: RelayClient, **options: Any) -> None:
         """Fetch the job and print it."""
-        job: dict[str, Any] = client.inspect(options["job_id"])["job"]
+        job = client.inspect(options["job_id"])["job"]
         if options["json"]:
             self.print_json(job)
             return
         self.print_rich(*job_renderables(job))
 
 
-def job_renderables(job: dict[str, Any]) -> list[Table]:
+def job_renderables(job: Mapping[str, Any]) -> list[Table]:
     """Return rich tables for a Job dict: its fields, its attempts and its events."""
     policy = job.get("retry_policy") or {}
     fields = Table.grid(padding=(0, 2))

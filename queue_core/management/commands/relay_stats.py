@@ -3,6 +3,7 @@ the live servers."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from django.core.management.base import CommandParser
@@ -38,7 +39,7 @@ class Command(RelayClientCommand):
         if result.get("servers"):
             self._servers(result["servers"])
 
-    def _queues(self, result: dict[str, Any], only: str | None) -> None:
+    def _queues(self, result: Mapping[str, Any], only: str | None) -> None:
         """Print the counts by queue and state."""
         queues: dict[str, dict[str, Any]] = result.get("queues") or {}
         if not queues:
@@ -74,7 +75,7 @@ class Command(RelayClientCommand):
             )
         self.print_rich(table)
 
-    def _servers(self, servers: list[dict[str, Any]]) -> None:
+    def _servers(self, servers: Sequence[Mapping[str, Any]]) -> None:
         """Print the live servers (several share a PostgreSQL database)."""
         table = Table(title=f"Live servers: {len(servers)}", title_justify="left")
         for column in ("address", "host", "pid", "up since", "last seen", "clock skew"):

@@ -1,7 +1,8 @@
 -- Every statement the SQLite driver runs, one named block each (after procrastinate's
 -- queries.sql); ../postgresql/queries.sql has the same names where the work is the same.
 -- Parameters use Django's %(name)s style. Instants are epoch ms passed in as parameters:
--- SQL never reads the database clock.
+-- SQL never reads the database clock. {job_columns} stands for queue_core.jobs.JOB_COLUMNS
+-- (the columns job_view reads), put in by storage.base.load_queries.
 
 -- name: insert_job
 -- Create a job. Params: every column below.
@@ -44,10 +45,7 @@ UPDATE relay_job
 
 -- name: get_job
 -- One job with every column the views show. Params: job_id.
-SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
-       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
-       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+SELECT {job_columns}
   FROM relay_job
  WHERE id = %(job_id)s;
 
@@ -334,10 +332,7 @@ SELECT c.queue AS queue,
 
 -- name: dead_page
 -- One page of dead letters in id order. Params: after, limit.
-SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
-       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
-       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+SELECT {job_columns}
   FROM relay_job
  WHERE state = 'dead' AND id > %(after)s
  ORDER BY id LIMIT %(limit)s;
@@ -346,10 +341,7 @@ SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires
 -- One page of one queue's jobs in one state, in id order (one seek on relay_job_queue_state):
 -- dead letters, and the HTTP listing, which merges the states itself. Params: queue, state,
 -- after, limit.
-SELECT id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
-       attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-       created_at_ms, available_at_ms, ready_since_ms, leased_by, leased_at_ms,
-       lease_expires_at_ms, finished_at_ms, updated_at_ms, last_error, dead_reason
+SELECT {job_columns}
   FROM relay_job
  WHERE queue = %(queue)s AND state = %(state)s AND id > %(after)s
  ORDER BY id LIMIT %(limit)s;

@@ -1,0 +1,156 @@
+"""The op catalogue: what is derived from it agrees with it, and what is written beside it
+(the HTTP schemas, ``queue_core.types``) is checked against it."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+from ninja import Schema
+
+from queue_api import calls, schemas
+from queue_core import auth, client, types
+from queue_core.aclient import AsyncRelayClient
+from queue_core.protocol import dispatch, ops
+from queue_core.service import SUBMIT_OPTIONS
+from queue_core.worker import WorkerClient
+from tests.typeddicts import typed_keys
+
+SAMPLE = {
+    "api_key": "rk_x",
+    "queue": "q",
+    "payload": {"a": 1},
+    "jobs": [{"queue": "q", "payload": 1}],
+    "queues": ["q"],
+    "worker_id": "w",
+    "job_id": "job_1",
+    "lease_token": "t",
+    "error": "boom",
+}
+
+
+def _required_sample(op: ops.Op) -> dict[str, Any]:
+    params = inspect.signature(op.client).parameters.values()
+    return {p.name: SAMPLE[p.name] for p in params if p.default is inspect.Parameter.empty}
+
+
+@pytest.mark.parametrize("name", list(ops.OPS))
+def test_each_client_method_builds_a_call_of_its_op_with_the_wire_argument_names(
+    name: str,
+) -> None:
+    op = ops.OPS[name]
+    params = set(inspect.signature(op.client).parameters)
+    assert params == set(op.args)
+    required = {n for n, arg in op.args.items() if arg.required}
+    call = op.client(**_required_sample(op))
+    assert call.op == name
+    assert required <= set(call.args) <= set(op.args)
+    assert dispatch.check_args(op.args, call.args) == call.args  # the server accepts it
+
+
+def test_both_clients_and_the_worker_client_have_every_op_with_one_docstring() -> None:
+    for name, op in ops.OPS.items():
+        for cls in (client.RelayClient, AsyncRelayClient, WorkerClient):
+            assert getattr(cls, name) is op.client
+        assert "Returns:" in (op.client.__doc__ or "")
+
+
+def test_the_server_table_and_the_auth_and_drain_sets_follow_the_catalogue() -> None:
+    assert list(dispatch.VERBS) == list(ops.OPS)
+    assert set(dispatch._HANDLERS) <= set(ops.OPS)
+    for name, verb in dispatch.VERBS.items():
+        assert verb.args is ops.OPS[name].args and verb.kind is ops.OPS[name].kind
+    assert {"ping", "hello"} == auth.OPEN_OPS
+    assert auth.SCOPE_OPS["producer"] == {"submit", "submit_batch", "inspect", "stats"}
+    assert auth.SCOPE_OPS["worker"] == {"lease", "renew", "ack", "fail", "release", "inspect"}
+    assert {"submit", "submit_batch", "lease"} == dispatch.REFUSED_WHILE_DRAINING
+    assert {"submit", "submit_batch", "fail", "release", "dead_retry"} == calls.READYING_OPS
+    assert set(ops.SUBMIT_OPTIONS) == SUBMIT_OPTIONS
+
+
+def test_an_op_without_a_handler_calls_the_service_method_of_its_name() -> None:
+    class Service:
+        def echo(self, text: str) -> dict[str, Any]:
+            return {"text": text}
+
+    handler = dispatch._by_name("echo")
+    outcome = handler(Service(), {"text": "hi"}, dispatch.Context())  # type: ignore[arg-type]
+    assert outcome.result == {"text": "hi"}
+
+
+class _Recorder(ops.BlockingClient):
+    def __init__(self, result: Any) -> None:
+        self.result = result
+        self.sent: list[ops.Call[Any]] = []
+
+    def send[T](self, call: ops.Call[T]) -> T:
+        self.sent.append(call)
+        return call.decode(self.result)
+
+
+def test_a_lease_returns_its_jobs_and_waits_as_long_as_it_asks() -> None:
+    recorder = _Recorder({"jobs": [{"job_id": "j"}]})
+    assert recorder.lease(["q"], worker_id="w", wait_ms=250) == [{"job_id": "j"}]
+    assert recorder.sent[0].wait_ms == 250
+    with pytest.raises(ValueError, match="lease reply has no jobs list"):
+        _Recorder({}).lease(["q"], worker_id="w")
+    with pytest.raises(ValueError, match="ack reply has no result object"):
+        _Recorder(None).ack("j", worker_id="w", lease_token="t")
+
+
+# ---------------------------------------------------------------------- HTTP schemas
+
+ISO_TWINS = {"created_at", "available_at", "lease_expires_at", "finished_at"}
+
+
+def _fields(schema: type[Schema]) -> set[str]:
+    return set(schema.model_fields) | set(schema.model_computed_fields)
+
+
+@pytest.mark.parametrize(
+    ("schema", "typed", "extra"),
+    [
+        (schemas.JobOut, types.Job, ISO_TWINS),
+        (schemas.JobDetailOut, types.Job, ISO_TWINS | {"history", "events", "history_omitted"}),
+        (schemas.RetryPolicyOut, types.RetryPolicy, set()),
+        (schemas.AttemptOut, types.Attempt, set()),
+        (schemas.EventOut, types.JobEvent, {"detail"}),
+        (schemas.SubmitOut, types.SubmitResult, set()),
+        (schemas.BatchItemOut, types.BatchEntry, set()),
+        (schemas.BatchOut, types.SubmitBatchResult, set()),
+        (schemas.LeaseOut, types.Lease, set()),
+        (schemas.LeasesOut, types.LeaseResult, set()),
+        (schemas.RenewOut, types.RenewResult, set()),
+        (schemas.AckOut, types.AckResult, set()),
+        (schemas.FailOut, types.FailResult, set()),
+        (schemas.ReleaseOut, types.ReleaseResult, set()),
+        (schemas.ServerOut, types.Server, set()),
+        (schemas.StatsOut, types.StatsResult, set()),
+        (schemas.JobPageOut, types.DeadListResult, set()),
+        (schemas.PurgeOut, types.DeadPurgeResult, set()),
+    ],
+)
+def test_http_response_schemas_have_the_fields_of_the_wire_types(
+    schema: type[Schema], typed: type, extra: set[str]
+) -> None:
+    assert _fields(schema) == typed_keys(typed, required=True) | extra
+
+
+@pytest.mark.parametrize(
+    ("schema", "op", "in_path"),
+    [
+        (schemas.SubmitIn, "submit", {"queue"}),
+        (schemas.BatchJobIn, "submit", set()),
+        (schemas.BatchIn, "submit_batch", set()),
+        (schemas.LeaseIn, "lease", set()),
+        (schemas.RenewIn, "renew", {"job_id"}),
+        (schemas.LeaseIdsIn, "ack", {"job_id"}),
+        (schemas.LeaseIdsIn, "release", {"job_id"}),
+        (schemas.FailIn, "fail", {"job_id"}),
+    ],
+)
+def test_http_request_schemas_take_the_wire_arguments(
+    schema: type[Schema], op: str, in_path: set[str]
+) -> None:
+    assert set(schema.model_fields) | in_path == set(ops.OPS[op].args)
