@@ -7,6 +7,10 @@ action shows a confirmation page (like Django's ``delete_selected``) that states
 jobs it will touch; on the dead-letter list the same actions also apply to everything that
 matches the current filters.
 
+The pages register on the project's ``admin.site`` and change nothing else about it: the
+branded console (header, home page with the overview first) is the standalone service's own
+site, ``relayproject.admin.RelayAdminSite``. Elsewhere the overview is linked from the job list.
+
 Lists stay fast on large tables: the row count is capped (``CappedPaginator``), the
 unfiltered total is never counted, payloads are not loaded, and no column runs a query per
 row.
@@ -48,12 +52,6 @@ if TYPE_CHECKING:
     _AdminBase = admin.ModelAdmin[Any]
 else:  # ModelAdmin is generic only in django-stubs
     _AdminBase = admin.ModelAdmin
-
-admin.site.site_header = "Relay operator console"
-admin.site.site_url = None  # the project serves no site at "/": no "View site" link
-admin.site.site_title = "Relay"
-admin.site.index_title = "Operator console"
-admin.site.index_template = "queue_admin/index.html"
 
 
 class ReadOnlyAdmin(_AdminBase):

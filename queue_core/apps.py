@@ -12,7 +12,15 @@ class QueueCoreConfig(AppConfig):
 
     def ready(self) -> None:
         """Register system checks, and watch new SQLite connections (the file each one
-        opened, its write-ahead log bound: ``queue_core.storage.sqlite.driver``)."""
+        opened, its write-ahead log bound: ``queue_core.storage.sqlite.driver``).
+
+        The checks are Relay's settings (``queue_core.checks``) and Django's tasks checks,
+        which run each ``TASKS`` backend's ``check()`` (``RelayBackend``: ``relay.E101``...).
+        Django registers the latter only when ``django.tasks`` is imported, which a project
+        may not do before ``manage.py check``: importing it here makes sure they run.
+        """
+        import django.tasks  # noqa: F401  (registers django.tasks.checks.check_tasks)
+
         from queue_core import checks  # noqa: F401
         from queue_core.storage.sqlite.driver import watch_connections
 

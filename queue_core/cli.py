@@ -10,7 +10,16 @@ options may come before the command and are handed on to it:
 * ``--db PATH`` sets ``RELAY_DB`` before Django reads its settings (``relay server`` also
   takes ``--db`` itself);
 * ``--database-url postgresql://user@host:port/dbname`` sets ``RELAY_DATABASE_URL``: Relay's
-  tables live in that PostgreSQL database instead of the SQLite file.
+  tables live in that PostgreSQL database instead of the SQLite file;
+* ``--settings MODULE`` sets ``DJANGO_SETTINGS_MODULE`` (Django's own ``--settings`` after the
+  command works too).
+
+The Django project: ``--settings`` or ``DJANGO_SETTINGS_MODULE`` names one's own (``relay
+--settings mysite.settings worker --tasks``; the current directory is put on ``sys.path`` first,
+as ``manage.py`` puts its own folder, so run it where ``manage.py`` is). With neither, ``relay``
+runs the standalone service, ``relayproject.settings`` (its SQLite file ``RELAY_DB`` defaults to
+``relay.db`` in the current directory). ``RELAY_DB`` and ``RELAY_DATABASE_URL`` are read only by
+``relayproject.settings``: a project of one's own has its own ``DATABASES``.
 
 Examples::
 
@@ -87,7 +96,8 @@ class Invocation:
     """What ``main`` runs: environment to set, then Django's argv.
 
     Attributes:
-        env: variables to set before Django starts (``RELAY_DB``, ``RELAY_DATABASE_URL``).
+        env: variables to set before Django starts (``RELAY_DB``, ``RELAY_DATABASE_URL``,
+            ``DJANGO_SETTINGS_MODULE``).
         argv: ``["relay", "<command>", args...]`` for ``execute_from_command_line``.
     """
 
@@ -101,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="relay",
         usage="relay [--address HOST:PORT[,HOST:PORT...]] [--api-key KEY] [--db PATH] "
-        "[--database-url URL] [--json] COMMAND [ARGS...]",
+        "[--database-url URL] [--settings MODULE] [--json] COMMAND [ARGS...]",
         description="Relay: a durable job queue with leases, retries and dead letters.",
         epilog="commands:\n"
         + "\n".join(lines)
@@ -121,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--database-url",
         metavar="URL",
         help="PostgreSQL database, postgresql://user@host:port/dbname (sets RELAY_DATABASE_URL)",
+    )
+    parser.add_argument(
+        "--settings",
+        metavar="MODULE",
+        help="your Django project's settings, e.g. mysite.settings (sets DJANGO_SETTINGS_MODULE; "
+        "default: DJANGO_SETTINGS_MODULE, else Relay's standalone relayproject.settings)",
     )
     parser.add_argument(
         "--api-key", metavar="KEY", help="API key for the server (default RELAY_API_KEY)"
@@ -153,6 +169,8 @@ def translate(argv: Sequence[str]) -> Invocation:
         env["RELAY_DB"] = ns.db
     if ns.database_url:
         env["RELAY_DATABASE_URL"] = ns.database_url
+    if ns.settings:
+        env["DJANGO_SETTINGS_MODULE"] = ns.settings
     # Explicit options after the command win over global ones.
     if ns.address and sub.command != "migrate" and not _has_option(args, "--address"):
         args += ["--address", ns.address]
@@ -163,11 +181,36 @@ def translate(argv: Sequence[str]) -> Invocation:
     return Invocation(env=env, argv=["relay", sub.command, *args])
 
 
+STANDALONE_SETTINGS = "relayproject.settings"
+
+
+def use_settings(args: Sequence[str]) -> bool:
+    """Choose the Django settings module before Django starts.
+
+    The user's choice (``DJANGO_SETTINGS_MODULE``, or Django's ``--settings`` among ``args``,
+    which Django itself applies later) also puts the current directory first on ``sys.path``,
+    so that a project's settings import as they do under its ``manage.py``. With no choice,
+    ``DJANGO_SETTINGS_MODULE`` becomes ``relayproject.settings`` (the standalone service).
+
+    Args:
+        args: the command's own arguments (``Invocation.argv[2:]``).
+    Returns:
+        Whether the user chose the settings.
+    """
+    if not os.environ.get("DJANGO_SETTINGS_MODULE") and not _has_option(args, "--settings"):
+        os.environ["DJANGO_SETTINGS_MODULE"] = STANDALONE_SETTINGS
+        return False
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Run ``relay``: parse global options, set up Django, run the management command."""
     invocation = translate(sys.argv[1:] if argv is None else argv)
     os.environ.update(invocation.env)  # before django.setup() reads the settings
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relayproject.settings")
+    use_settings(invocation.argv[2:])
     if invocation.argv[1] != "migrate":
         execute_from_command_line(invocation.argv)
         return

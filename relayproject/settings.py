@@ -1,13 +1,20 @@
-"""Django settings for Relay: the only module that reads os.environ.
+"""Django settings for Relay the standalone service: the only module that reads os.environ.
 
-Every ``RELAY_*`` name below may be set as an environment variable of the same name; the
-typed, validated view of them is ``queue_core.conf.relay_settings()``.
+This is the project ``relay`` and ``manage.py`` run when no other settings are named; a
+Django project of one's own uses its own settings instead (docs/django.md) and reads none of
+the environment variables below. Every ``RELAY_*`` name below may be set as an environment
+variable of the same name; the typed, validated view of them is
+``queue_core.conf.relay_settings()``. Files it makes or reads by default (``relay.db``,
+``.relay-secret-key``, ``staticfiles/``) are in the current directory, never beside the
+installed code.
 """
 
 import os
 from pathlib import Path
 
-BASE_DIR = Path(__file__).resolve().parent.parent
+BASE_DIR = Path(__file__).resolve().parent.parent  # the checkout, or site-packages when installed
+# Where the service's own files go by default: the directory it was started in.
+WORK_DIR = Path.cwd()
 
 
 def _env(name: str, default: str) -> str:
@@ -28,9 +35,10 @@ def _env_int(name: str, default: int) -> int:
 
 DEBUG = _env("RELAY_DEBUG", "0") == "1"
 # SECRET_KEY signs the admin's sessions and CSRF tokens. It comes from RELAY_SECRET_KEY, else
-# from the file RELAY_SECRET_KEY_FILE (default .relay-secret-key; bin/setup writes a random one,
-# mode 0600). Without either it is the public DEV_SECRET_KEY when RELAY_DEBUG=1, else empty:
-# the HTTP side then refuses to start (queue_api.startup); the TCP server and CLI never use it.
+# from the file RELAY_SECRET_KEY_FILE (default .relay-secret-key in the current directory;
+# bin/setup writes a random one, mode 0600, in the checkout's root). Without either it is the
+# public DEV_SECRET_KEY when RELAY_DEBUG=1, else empty: the HTTP side then refuses to start
+# (queue_api.startup); the TCP server and CLI never use it.
 DEV_SECRET_KEY = "relay-insecure-dev-key-change-me-in-production-0123456789"  # noqa: S105
 
 
@@ -38,7 +46,7 @@ def _secret_key() -> str:
     key = _env("RELAY_SECRET_KEY", "")
     if key:
         return key
-    path = Path(_env("RELAY_SECRET_KEY_FILE", str(BASE_DIR / ".relay-secret-key")))
+    path = Path(_env("RELAY_SECRET_KEY_FILE", str(WORK_DIR / ".relay-secret-key")))
     try:
         return path.read_text().strip()
     except FileNotFoundError:
@@ -51,7 +59,8 @@ ALLOWED_HOSTS = [
 ]
 
 INSTALLED_APPS = [
-    "django.contrib.admin",
+    # django.contrib.admin, branded as Relay's operator console (relayproject/admin.py).
+    "relayproject.apps.RelayAdminConfig",
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",
@@ -105,7 +114,8 @@ TEMPLATES = [
 # temp_store=MEMORY keeps statement journals off disk: inside the server's per-call SAVEPOINTs a
 # statement that fires triggers (relay_job_count) opens one, and a temp file per batch insert
 # cost batch submits a third of their rate (16,600 -> 25,300 jobs/s with it, 4 producers).
-RELAY_DB = _env("RELAY_DB", str(BASE_DIR / "relay.db"))
+# The file: RELAY_DB, default relay.db in the current directory.
+RELAY_DB = _env("RELAY_DB", str(WORK_DIR / "relay.db"))
 RELAY_SQLITE_SYNCHRONOUS = _env("RELAY_SQLITE_SYNCHRONOUS", "FULL").upper()
 RELAY_BUSY_TIMEOUT_MS = _env_int("RELAY_BUSY_TIMEOUT_MS", 5000)
 # PostgreSQL instead, for several relay servers on one database:
@@ -247,7 +257,7 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 STATIC_URL = "static/"
-STATIC_ROOT = BASE_DIR / "staticfiles"
+STATIC_ROOT = WORK_DIR / "staticfiles"  # collectstatic's output
 
 # Structured JSON logs on stderr; RELAY_LOG=debug turns on debug output.
 RELAY_LOG = _env("RELAY_LOG", "info").upper()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import io
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -58,6 +59,29 @@ def add_connection_arguments(parser: CommandParser | Any, *, json_help: str | No
         action="store_true",
         help=json_help or "Print the server's result as JSON instead of text.",
     )
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+
+def ensure_log_output() -> None:
+    """Make the ``relay`` loggers' lines (INFO and up) reach stderr if nothing else would.
+
+    For a long-running command (``relay_server``, ``relay_worker``) in a project whose logging
+    gives the ``relay`` logger no handler, on it or above it (Django's default logging has
+    none on the root logger, so INFO lines such as ``event=ready`` were lost): attach a plain
+    stderr handler, at INFO unless the project set a level for ``relay``. A project that
+    configures any handler on the way (``relayproject.settings``' JSON one, a root handler)
+    keeps its choice, so no line is printed twice.
+    """
+    relay = logging.getLogger("relay")
+    if relay.hasHandlers():
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    relay.addHandler(handler)
+    if relay.level == logging.NOTSET:
+        relay.setLevel(logging.INFO)
 
 
 def command_error(exc: errors.RelayError) -> CommandError:

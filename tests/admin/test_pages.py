@@ -171,6 +171,15 @@ def test_overview_is_linked_from_the_admin_home(alice: Client) -> None:
     assert f'href="{OVERVIEW}"' in alice.get("/admin/").content.decode()
 
 
+def test_the_standalone_service_brands_its_admin_as_the_console(alice: Client) -> None:
+    # relayproject's RelayAdminSite; a project of one's own keeps Django's header and
+    # "View site" (tests/integration/test_own_project.py).
+    page = alice.get("/admin/").content.decode()
+    assert '<a href="/admin/">Relay operator console</a>' in page
+    assert "<title>Operator console | Relay</title>" in page
+    assert "View site" not in page
+
+
 def test_audit_log_keeps_purges(alice: Client, service: QueueService, dead_jobs: DeadJobs) -> None:
     [job_id] = dead_jobs(1)
     service.purge(job_id, actor="dave")

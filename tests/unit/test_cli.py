@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,6 +96,41 @@ def test_db_sets_relay_db_before_django_starts() -> None:
     assert invocation.env == {"RELAY_DB": "/tmp/x.db"}
     assert invocation.argv == ["relay", "relay_server"]
     assert cli.translate(["stats"]).env == {}
+
+
+def test_settings_sets_django_settings_module_before_django_starts() -> None:
+    invocation = cli.translate(["--settings", "mysite.settings", "worker", "--tasks"])
+    assert invocation.env == {"DJANGO_SETTINGS_MODULE": "mysite.settings"}
+    assert invocation.argv == ["relay", "relay_worker", "--tasks"]
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "chosen", "expected"),
+    [
+        (None, [], False, "relayproject.settings"),
+        ("mysite.settings", [], True, "mysite.settings"),
+        (None, ["--settings", "mysite.settings"], True, None),  # Django reads it
+        (None, ["--settings=mysite.settings"], True, None),
+    ],
+)
+def test_use_settings_falls_back_to_the_standalone_project_only_without_a_choice(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    env: str | None,
+    args: list[str],
+    chosen: bool,
+    expected: str | None,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    if env is None:
+        monkeypatch.delenv("DJANGO_SETTINGS_MODULE", raising=False)
+    else:
+        monkeypatch.setenv("DJANGO_SETTINGS_MODULE", env)
+    assert cli.use_settings(args) is chosen
+    assert os.environ.get("DJANGO_SETTINGS_MODULE") == expected
+    # A chosen project's settings import from the current directory, as under manage.py.
+    assert (str(tmp_path) in sys.path) is chosen
 
 
 def test_options_after_the_command_are_not_read_as_global() -> None:

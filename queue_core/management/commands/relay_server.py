@@ -22,7 +22,7 @@ from queue_core import exposure, metrics
 from queue_core.client import parse_address
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
-from queue_core.management.relay_command import RelayBaseCommand
+from queue_core.management.relay_command import RelayBaseCommand, ensure_log_output
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 from queue_core.storage import AlreadyServed
@@ -95,6 +95,7 @@ class Command(RelayBaseCommand):
                 ``RELAY_MAX_CLOCK_SKEW_MS``; ``PUBLIC_WITHOUT_KEYS`` (exit code 5) for an
                 ``--address`` beyond loopback while no API key exists.
         """
+        ensure_log_output()
         try:
             host, port = parse_address(options["address"], allow_port_zero=True)
         except ValueError as exc:

@@ -24,6 +24,7 @@ from queue_core.conf import relay_settings
 from queue_core.management.relay_command import (
     RelayBaseCommand,
     add_connection_arguments,
+    ensure_log_output,
     invalid_argument,
     make_client,
     relay_errors,
@@ -40,7 +41,8 @@ class Command(RelayBaseCommand):
         "Run a pull worker; by default with the safe demonstration handler: {'sleep_ms': N} "
         "sleeps, "
         "{'fail': true, 'error': '...', 'retryable': false} fails, anything else succeeds. "
-        "Logs JSON lines on stderr, starting with event=worker_ready."
+        "Logs on stderr (JSON lines under relayproject's settings), starting with "
+        "event=worker_ready."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -104,6 +106,7 @@ class Command(RelayBaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         """Run the worker until a signal stops it."""
+        ensure_log_output()
         address = resolve_address(options["address"])
 
         def client_factory() -> WorkerClient:

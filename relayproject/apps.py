@@ -1,0 +1,12 @@
+"""The standalone service's admin app: Django's admin with ``RelayAdminSite`` as ``admin.site``."""
+
+from __future__ import annotations
+
+from django.contrib.admin.apps import AdminConfig
+
+
+class RelayAdminConfig(AdminConfig):
+    """``django.contrib.admin`` whose default site is the branded operator console; listed in
+    ``relayproject.settings.INSTALLED_APPS`` in place of ``"django.contrib.admin"``."""
+
+    default_site = "relayproject.admin.RelayAdminSite"
