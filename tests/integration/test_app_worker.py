@@ -178,3 +178,28 @@ def test_tasks_worker_reports_an_error_text_with_a_lone_surrogate(spawn: Spawner
     assert "ValueError: cannot read file name bad-\\udcff" in error.traceback
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit() == 0
+
+
+@pytest.mark.parametrize("executor", [[], ["--app", "tests.tasks_app.handlers.HANDLERS"]])
+def test_worker_without_the_task_runner_refuses_django_tasks(
+    spawn: Spawner, executor: list[str]
+) -> None:
+    # The demo worker used to ack a task job: SUCCESSFUL, return_value None, body never run.
+    _, worker = start(spawn, *executor)
+    result = tasks.add.enqueue(2, 3)
+    worker.wait_for(lambda r: r.get("event") == "failed" and r.get("job_id") == result.id)
+    refused = worker.wait_for(
+        lambda r: r.get("event") == "handler_failed" and r.get("job_id") == result.id
+    )
+    assert refused["level"] == "WARNING", refused
+    job = Job.objects.get(pk=result.id)
+    assert job.state == "dead"
+    assert job.attempt == 1  # not retried: another attempt on this worker cannot fix it
+    assert job.dead_reason == (
+        "non-retryable: Django task tests.tasks_app.tasks.add needs the task runner: "
+        "run relay worker --tasks"
+    )
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit() == 0
