@@ -48,13 +48,20 @@ import json
 import math
 import time
 from traceback import format_exception
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import orjson
 from django.apps import apps
 from django.conf import settings
 from django.core import checks
-from django.db import IntegrityError, close_old_connections, connections, transaction
+from django.core.exceptions import ImproperlyConfigured
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    close_old_connections,
+    connections,
+    transaction,
+)
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task_backends
 from django.tasks.backends.base import BaseTaskBackend
 from django.tasks.base import TaskError
@@ -66,7 +73,7 @@ from django.utils.module_loading import import_string
 
 from queue_core import validation
 from queue_core.conf import relay_settings
-from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired
+from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired, RelayError
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from queue_core.worker.handlers import JobContext, JobInterrupted, NonRetryableError
@@ -77,8 +84,11 @@ __all__ = [
     "RelayBackend",
     "ReturnValueRefused",
     "TaskAttemptFailed",
+    "check_worker_setup",
     "execute_task",
+    "relay_backends",
     "relay_priority",
+    "worker_queues",
 ]
 
 # (lowest Django priority of the class, Relay class), highest first.
@@ -594,3 +604,71 @@ def execute_task(payload: Any, ctx: JobContext) -> None:
         backend.run(ctx)
     finally:
         close_old_connections()
+
+
+def relay_backends() -> list[RelayBackend]:
+    """The ``RelayBackend``s configured in ``TASKS``, in settings order."""
+    return [b for b in task_backends.all() if isinstance(b, RelayBackend)]
+
+
+def worker_queues(backends: list[RelayBackend]) -> list[str]:
+    """The queues ``relay_worker --tasks`` serves without ``--queue``: every queue the
+    backends' ``QUEUES`` name, plus ``"default"`` for a backend whose ``QUEUES`` is empty (it
+    allows any name, which no list can cover: name such queues with ``--queue``).
+
+    Returns:
+        Queue names, sorted.
+    """
+    queues: set[str] = set()
+    for backend in backends:
+        queues |= backend.queues or {"default"}
+    return sorted(queues)
+
+
+class _StatsClient(Protocol):
+    def stats(
+        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
+    ) -> dict[str, Any]: ...
+
+
+def check_worker_setup(backends: list[RelayBackend], client: _StatsClient) -> list[str]:
+    """Check, before ``relay_worker --tasks`` leases, that it can run what the server hands it.
+
+    For each backend's ``DATABASE``: ``relay_tasks``' table must be readable there (migrated),
+    and the server's registry of live servers (``stats``) must share a server id with the one
+    this database holds, or the server and this worker use different databases: every job
+    leased would fail to load.
+
+    Args:
+        backends: the ``RelayBackend``s (``relay_backends()``), at least one.
+        client: a ``RelayClient`` on the worker's server.
+    Returns:
+        Warnings about what could not be checked (the server unreachable yet, or the API key
+        lacks the ``stats`` scope); empty when everything was checked.
+    Raises:
+        ImproperlyConfigured: a database is unreadable or is not the server's (one line).
+    """
+    from relay_tasks.models import TaskResultRecord
+
+    warnings: list[str] = []
+    try:
+        served = {str(server["id"]) for server in client.stats(limit=1)["servers"]}
+    except (ConnectionError, RelayError) as exc:
+        served = set()
+        warnings.append(f"could not ask the server for its database's servers ({exc})")
+    for database in sorted({backend.database for backend in backends}):
+        try:
+            TaskResultRecord.objects.using(database).exists()
+            service = QueueService(driver=driver_for(database))
+            here = {str(server["id"]) for server in service.servers()}
+        except DatabaseError as exc:
+            raise ImproperlyConfigured(
+                f"database {database!r} cannot hold task results ({exc}); run manage.py migrate "
+                "with the settings the server uses"
+            ) from exc
+        if served and not served & here:
+            raise ImproperlyConfigured(
+                f"database {database!r} is not the one the server uses (it knows none of the "
+                f"server's ids {sorted(served)}): run the worker with the server's settings"
+            )
+    return warnings
