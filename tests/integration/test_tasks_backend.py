@@ -2,7 +2,7 @@
 
 In-process: the backend submits through QueueService on the test database; a test service
 leases and settles the jobs, and ``execute_task`` (the ``relay_worker --tasks`` handler) runs
-them, so every status is reached without a server. ``test_tasks_worker.py`` runs the same
+them, so every status is reached without a server. ``test_app_worker.py`` runs the same
 tasks through real server and worker processes.
 """
 
