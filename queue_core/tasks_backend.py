@@ -10,13 +10,20 @@ see below), and ``get_result`` reads the job and the result row the worker wrote
 Mapping (see ``docs/django.md``):
 
 * **Payload**: ``{"task": "<module path>", "args": [...], "kwargs": {...}, "backend": alias,
-  "priority": int}`` plus ``"run_after_ms"`` when deferred. Arguments must be JSON values
-  (no NaN or ±Infinity, no lone surrogates: ``InvalidArgument``), and so must return values.
+  "priority": int}`` plus ``"run_after_ms"`` when deferred. Arguments and return values follow
+  Django's rules: ``normalize_json`` (its ``TypeError``/``ValueError`` at enqueue), then a
+  round trip through ``json`` (keys become strings, ``{1: "one"}`` reads back as
+  ``{"1": "one"}``). Arguments Relay's native JSON cannot hold faithfully (integers beyond 64
+  bits, NaN, ±Infinity, lone surrogates) travel as ``json`` text in ``"call_json"`` instead of
+  ``"args"``/``"kwargs"``.
 * **Priority** (Django's -100..100, larger runs sooner) onto Relay's classes: -100..-34 LOW,
   -33..33 NORMAL, 34..66 HIGH, 67..100 CRITICAL (``relay_priority``). Within a class Relay is
   FIFO with aging, so the finer Django value only picks the class.
 * ``queue_name`` is the Relay queue (it must be a valid Relay queue name, and in ``QUEUES``
-  when the backend lists them); ``run_after`` becomes ``run_at_ms``.
+  when the backend lists them); ``run_after`` becomes ``run_at_ms``, at most
+  ``RELAY_MAX_DELAY_MS`` (30 days) ahead (``InvalidTask`` beyond).
+* **Times** are aware (UTC) under ``USE_TZ = True`` and naive local time otherwise, as Django's
+  own backends give them.
 * **Result ids** are Relay job ids (``job_…``), so ``relay inspect <id>`` shows the job.
 * **Status**: pending, ready and retrying are READY; leased is RUNNING; succeeded is
   SUCCESSFUL; dead is FAILED. A failed attempt with retries left goes back to READY (Django's
@@ -37,27 +44,36 @@ the server cannot commit while one holds the lock.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import time
 from traceback import format_exception
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import orjson
 from django.apps import apps
 from django.conf import settings
 from django.core import checks
-from django.db import IntegrityError, close_old_connections, connections, transaction
+from django.core.exceptions import ImproperlyConfigured
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    close_old_connections,
+    connections,
+    transaction,
+)
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task_backends
 from django.tasks.backends.base import BaseTaskBackend
 from django.tasks.base import TaskError
 from django.tasks.exceptions import InvalidTask, InvalidTaskBackend, TaskResultDoesNotExist
 from django.tasks.signals import task_enqueued, task_finished, task_started
+from django.utils import timezone
 from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
 from queue_core import validation
 from queue_core.conf import relay_settings
-from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired
+from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired, RelayError
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from queue_core.worker.handlers import JobContext, JobInterrupted, NonRetryableError
@@ -66,9 +82,13 @@ __all__ = [
     "PRIORITY_CLASSES",
     "STATUS_OF_STATE",
     "RelayBackend",
+    "ReturnValueRefused",
     "TaskAttemptFailed",
+    "check_worker_setup",
     "execute_task",
+    "relay_backends",
     "relay_priority",
+    "worker_queues",
 ]
 
 # (lowest Django priority of the class, Relay class), highest first.
@@ -99,6 +119,12 @@ class TaskAttemptFailed(Exception):
     """An attempt failed but the worker left no traceback (the error text is all there is)."""
 
 
+class ReturnValueRefused(NonRetryableError):
+    """The task ran but its return value cannot be stored (Django's ``normalize_json``
+    refused it): the task is FAILED at once, since another run would return the same kind of
+    value. The recorded error keeps the ``TypeError``/``ValueError`` and its traceback."""
+
+
 def relay_priority(priority: int) -> str:
     """Map a Django task priority (-100..100) to a Relay priority class name.
 
@@ -112,7 +138,12 @@ def relay_priority(priority: int) -> str:
 
 
 def _instant(at_ms: int | None) -> dt.datetime | None:
-    return None if at_ms is None else dt.datetime.fromtimestamp(at_ms / 1000, tz=dt.UTC)
+    """Epoch ms as Django gives times: aware UTC under ``USE_TZ``, else naive local time."""
+    if at_ms is None:
+        return None
+    if settings.USE_TZ:
+        return dt.datetime.fromtimestamp(at_ms / 1000, tz=dt.UTC)
+    return dt.datetime.fromtimestamp(at_ms / 1000)
 
 
 def _is_task_payload(payload: Any) -> bool:
@@ -121,6 +152,46 @@ def _is_task_payload(payload: Any) -> bool:
         and isinstance(payload.get("task"), str)
         and isinstance(payload.get("args", []), list)
         and isinstance(payload.get("kwargs", {}), dict)
+        and isinstance(payload.get("call_json", ""), str)
+    )
+
+
+def _json_round_trip(value: Any) -> Any:
+    """``value`` as Django's task serialisation stores it: ``normalize_json``, then through
+    ``json`` (dict keys become strings; NaN, ±Infinity and integers of any size survive).
+
+    Raises:
+        TypeError, ValueError: ``normalize_json`` refused it (Django's errors).
+    """
+    return json.loads(json.dumps(normalize_json(value)))
+
+
+def _call_payload(args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The payload fields for a call: native ``args``/``kwargs`` when Relay's JSON (orjson)
+    holds them faithfully, else ``call_json``, their ``json`` text (ASCII)."""
+    call = {"args": args, "kwargs": kwargs}
+    try:
+        orjson.dumps(call)  # raises on an integer beyond 64 bits or a lone surrogate
+    except TypeError:
+        pass
+    else:
+        if validation.unfaithful(call, encoded=True) is None:  # NaN, ±Infinity
+            return call
+    return {"call_json": json.dumps(call)}
+
+
+def _call_of(payload: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The ``(args, kwargs)`` a task payload carries (see ``_call_payload``)."""
+    if isinstance(payload.get("call_json"), str):
+        call = json.loads(payload["call_json"])
+        return call["args"], call["kwargs"]
+    return payload.get("args", []), payload.get("kwargs", {})
+
+
+def _task_error(exc: BaseException) -> TaskError:
+    return TaskError(
+        exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        traceback=_utf8("".join(format_exception(exc))),
     )
 
 
@@ -228,18 +299,27 @@ class RelayBackend(BaseTaskBackend):
         return messages
 
     def validate_task(self, task: Task[..., Any]) -> None:
-        """Django's checks, plus: ``queue_name`` must be a valid Relay queue name.
+        """Django's checks, plus: ``queue_name`` must be a valid Relay queue name, and
+        ``run_after`` at most ``RELAY_MAX_DELAY_MS`` (30 days) from now.
 
         Raises:
             InvalidTask.
         """
         super().validate_task(task)
+        s = relay_settings()
         try:
-            validation.queue_name(task.queue_name, relay_settings())
+            validation.queue_name(task.queue_name, s)
         except InvalidArgument as exc:
             raise InvalidTask(
                 f"queue_name {task.queue_name!r} is not a Relay queue name: {exc.message}"
             ) from exc
+        if task.run_after is not None:
+            delay_ms = _epoch_ms(task.run_after) - time.time_ns() // 1_000_000
+            if delay_ms > s.max_delay_ms:
+                raise InvalidTask(
+                    f"run_after is {delay_ms} ms ahead; Relay defers a task at most "
+                    f"RELAY_MAX_DELAY_MS ({s.max_delay_ms} ms)"
+                )
 
     # -- enqueue --------------------------------------------------------------------------
 
@@ -251,17 +331,15 @@ class RelayBackend(BaseTaskBackend):
 
         Raises:
             InvalidTask: the task does not fit this backend.
-            TypeError, ValueError: an argument is not JSON-serialisable.
-            RelayError: Relay refused the job (``InvalidArgument``, also for a float argument
-                that is NaN or ±Infinity and a string with a lone surrogate; ``FrameTooLarge``
-                for a payload over ``RELAY_MAX_PAYLOAD_BYTES``; ``StoreBusy``).
+            TypeError, ValueError: ``normalize_json`` refused an argument (Django's errors).
+            RelayError: Relay refused the job (``FrameTooLarge`` for a payload over
+                ``RELAY_MAX_PAYLOAD_BYTES``; ``StoreBusy``).
         """
         self.validate_task(task)
-        args, kwargs = normalize_json(list(args)), normalize_json(dict(kwargs))
+        args, kwargs = _json_round_trip(list(args)), _json_round_trip(dict(kwargs))
         payload: dict[str, Any] = {
             "task": task.module_path,
-            "args": args,
-            "kwargs": kwargs,
+            **_call_payload(args, kwargs),
             "backend": self.alias,
             "priority": task.priority,
         }
@@ -270,7 +348,7 @@ class RelayBackend(BaseTaskBackend):
             "max_retries": self.max_retries,
         }
         if task.run_after is not None:
-            run_at_ms = math.ceil(task.run_after.timestamp() * 1000)
+            run_at_ms = _epoch_ms(task.run_after)
             payload["run_after_ms"] = options["run_at_ms"] = run_at_ms
         job = self.service.submit(task.queue_name, payload, **options)["job"]
         result = self._new_result(
@@ -334,9 +412,7 @@ class RelayBackend(BaseTaskBackend):
         task = import_string(payload["task"])
         if not isinstance(task, Task):
             raise TaskResultDoesNotExist(f"{payload['task']} is not a task")
-        alias = payload.get("backend")
-        if alias not in getattr(settings, "TASKS", {}):
-            alias = self.alias
+        alias = self._enqueuing_alias(payload)
         run_after = _instant(payload.get("run_after_ms"))
         changes: dict[str, Any] = {"queue_name": job["queue"], "backend": alias}
         if isinstance(payload.get("priority"), int):
@@ -344,6 +420,13 @@ class RelayBackend(BaseTaskBackend):
         if run_after is not None:
             changes["run_after"] = run_after
         return task.using(**changes)
+
+    def _enqueuing_alias(self, payload: dict[str, Any]) -> str:
+        """The alias the task was enqueued through, or this one when that is not configured
+        here."""
+        alias = payload.get("backend")
+        configured = getattr(settings, "TASKS", {})
+        return alias if isinstance(alias, str) and alias in configured else self.alias
 
     def _build_result(
         self, result_id: str, job: dict[str, Any], record: Any
@@ -375,6 +458,7 @@ class RelayBackend(BaseTaskBackend):
                 )
             task_errors.append(error)
         finished = status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
+        args, kwargs = _call_of(payload)
         result = TaskResult(
             task=self._task_of(payload, job),
             id=result_id,
@@ -383,14 +467,14 @@ class RelayBackend(BaseTaskBackend):
             started_at=_instant(history[0]["started_at_ms"]) if history else None,
             finished_at=_instant(job["finished_at_ms"]) if finished else None,
             last_attempted_at=_instant(history[-1]["started_at_ms"]) if history else None,
-            args=payload.get("args", []),
-            kwargs=payload.get("kwargs", {}),
-            backend=self.alias,
+            args=args,
+            kwargs=kwargs,
+            backend=self._enqueuing_alias(payload),
             errors=task_errors,
             worker_ids=[attempt["worker_id"] for attempt in history],
         )
         if status == TaskResultStatus.SUCCESSFUL and record and record.return_value is not None:
-            object.__setattr__(result, "_return_value", orjson.loads(record.return_value))
+            object.__setattr__(result, "_return_value", json.loads(record.return_value))
         return result
 
     # -- running (the relay_worker --tasks side) -----------------------------------------
@@ -405,13 +489,20 @@ class RelayBackend(BaseTaskBackend):
         at once dead for a ``NonRetryableError``).
 
         Raises:
-            Whatever the task raised; NonRetryableError when the job is not a runnable task;
-            TypeError or ValueError (recorded as the attempt's error) when the return value
-            is no JSON value or holds NaN or ±Infinity.
+            Whatever the task raised.
+            NonRetryableError: the job is not a runnable task here; when its task cannot be
+                loaded (``ImportError``, ``InvalidTask``) that error's class and traceback are
+                recorded as the attempt's error.
+            ReturnValueRefused: the task returned a value ``normalize_json`` refuses (the
+                ``TypeError``/``ValueError`` is recorded); the body ran once, and the task is
+                FAILED without a retry.
         """
         try:
             result = self.get_result(ctx.job_id)
-        except (TaskResultDoesNotExist, ImportError, InvalidTask) as exc:
+        except (ImportError, InvalidTask) as exc:
+            self._record_error(ctx.job_id, ctx.attempt, _task_error(exc))
+            raise NonRetryableError(f"cannot load the task of {ctx.job_id}: {exc}") from exc
+        except TaskResultDoesNotExist as exc:
             raise NonRetryableError(f"cannot load the task of {ctx.job_id}: {exc}") from exc
         task = result.task
         object.__setattr__(result, "status", TaskResultStatus.RUNNING)
@@ -421,24 +512,31 @@ class RelayBackend(BaseTaskBackend):
                 raw = task.call(TaskContext(task_result=result), *result.args, **result.kwargs)
             else:
                 raw = task.call(*result.args, **result.kwargs)
-            encoded = _encode_return_value(raw)
         except JobInterrupted:
             raise
         except BaseException as exc:  # any task failure is recorded, then re-raised
-            error = TaskError(
-                exception_class_path=f"{type(exc).__module__}.{type(exc).__qualname__}",
-                traceback=_utf8("".join(format_exception(exc))),
-            )
-            self._record_error(ctx.job_id, ctx.attempt, error)
-            result.errors.append(error)
-            object.__setattr__(result, "status", TaskResultStatus.FAILED)
-            object.__setattr__(result, "finished_at", dt.datetime.now(tz=dt.UTC))
-            task_finished.send(type(self), task_result=result)
+            self._finish_failed(ctx, result, exc)
             raise
-        self._record(ctx.job_id, return_value=encoded.decode())
-        object.__setattr__(result, "_return_value", orjson.loads(encoded))
+        try:
+            value = _json_round_trip(raw)
+        except (TypeError, ValueError, RecursionError) as exc:
+            self._finish_failed(ctx, result, exc)
+            raise ReturnValueRefused(f"the return value cannot be stored: {exc}") from exc
+        self._record(ctx.job_id, return_value=json.dumps(value))
+        object.__setattr__(result, "_return_value", value)
         object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
-        object.__setattr__(result, "finished_at", dt.datetime.now(tz=dt.UTC))
+        object.__setattr__(result, "finished_at", timezone.now())
+        task_finished.send(type(self), task_result=result)
+
+    def _finish_failed(
+        self, ctx: JobContext, result: TaskResult[..., Any], exc: BaseException
+    ) -> None:
+        """Record ``exc`` as the attempt's error and send ``task_finished`` (FAILED)."""
+        error = _task_error(exc)
+        self._record_error(ctx.job_id, ctx.attempt, error)
+        result.errors.append(error)
+        object.__setattr__(result, "status", TaskResultStatus.FAILED)
+        object.__setattr__(result, "finished_at", timezone.now())
         task_finished.send(type(self), task_result=result)
 
     def _record_error(self, job_id: str, attempt: int, error: TaskError) -> None:
@@ -470,18 +568,9 @@ class RelayBackend(BaseTaskBackend):
             rows.filter(pk=job_id).update(updated_at_ms=now_ms, **fields)
 
 
-def _encode_return_value(raw: Any) -> bytes:
-    """A task's return value as JSON.
-
-    Raises:
-        TypeError: not JSON-serialisable (a type JSON does not have, a lone surrogate).
-        ValueError: it holds a float that is NaN or ±Infinity (orjson would store ``null``).
-    """
-    value = normalize_json(raw)
-    encoded = orjson.dumps(value)
-    if b"null" in encoded and (found := validation.unfaithful(value, root="return value")):
-        raise ValueError(": ".join(found))
-    return encoded
+def _epoch_ms(instant: dt.datetime) -> int:
+    """``instant`` in epoch ms, rounded up; a naive one is local time (``USE_TZ = False``)."""
+    return math.ceil(instant.timestamp() * 1000)
 
 
 def _utf8(text: str) -> str:
@@ -515,3 +604,71 @@ def execute_task(payload: Any, ctx: JobContext) -> None:
         backend.run(ctx)
     finally:
         close_old_connections()
+
+
+def relay_backends() -> list[RelayBackend]:
+    """The ``RelayBackend``s configured in ``TASKS``, in settings order."""
+    return [b for b in task_backends.all() if isinstance(b, RelayBackend)]
+
+
+def worker_queues(backends: list[RelayBackend]) -> list[str]:
+    """The queues ``relay_worker --tasks`` serves without ``--queue``: every queue the
+    backends' ``QUEUES`` name, plus ``"default"`` for a backend whose ``QUEUES`` is empty (it
+    allows any name, which no list can cover: name such queues with ``--queue``).
+
+    Returns:
+        Queue names, sorted.
+    """
+    queues: set[str] = set()
+    for backend in backends:
+        queues |= backend.queues or {"default"}
+    return sorted(queues)
+
+
+class _StatsClient(Protocol):
+    def stats(
+        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
+    ) -> dict[str, Any]: ...
+
+
+def check_worker_setup(backends: list[RelayBackend], client: _StatsClient) -> list[str]:
+    """Check, before ``relay_worker --tasks`` leases, that it can run what the server hands it.
+
+    For each backend's ``DATABASE``: ``relay_tasks``' table must be readable there (migrated),
+    and the server's registry of live servers (``stats``) must share a server id with the one
+    this database holds, or the server and this worker use different databases: every job
+    leased would fail to load.
+
+    Args:
+        backends: the ``RelayBackend``s (``relay_backends()``), at least one.
+        client: a ``RelayClient`` on the worker's server.
+    Returns:
+        Warnings about what could not be checked (the server unreachable yet, or the API key
+        lacks the ``stats`` scope); empty when everything was checked.
+    Raises:
+        ImproperlyConfigured: a database is unreadable or is not the server's (one line).
+    """
+    from relay_tasks.models import TaskResultRecord
+
+    warnings: list[str] = []
+    try:
+        served = {str(server["id"]) for server in client.stats(limit=1)["servers"]}
+    except (ConnectionError, RelayError) as exc:
+        served = set()
+        warnings.append(f"could not ask the server for its database's servers ({exc})")
+    for database in sorted({backend.database for backend in backends}):
+        try:
+            TaskResultRecord.objects.using(database).exists()
+            service = QueueService(driver=driver_for(database))
+            here = {str(server["id"]) for server in service.servers()}
+        except DatabaseError as exc:
+            raise ImproperlyConfigured(
+                f"database {database!r} cannot hold task results ({exc}); run manage.py migrate "
+                "with the settings the server uses"
+            ) from exc
+        if served and not served & here:
+            raise ImproperlyConfigured(
+                f"database {database!r} is not the one the server uses (it knows none of the "
+                f"server's ids {sorted(served)}): run the worker with the server's settings"
+            )
+    return warnings

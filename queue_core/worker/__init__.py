@@ -10,6 +10,7 @@ from queue_core.worker.handlers import (
     JobContext,
     JobInterrupted,
     NonRetryableError,
+    TaskJobRefused,
     demo_handler,
 )
 from queue_core.worker.runner import Worker, WorkerClient
@@ -19,6 +20,7 @@ __all__ = [
     "JobContext",
     "JobInterrupted",
     "NonRetryableError",
+    "TaskJobRefused",
     "Worker",
     "WorkerClient",
     "demo_handler",

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from queue_core.worker import runner
-from queue_core.worker.handlers import JobContext, NonRetryableError
+from queue_core.worker.handlers import JobContext, NonRetryableError, refuse_django_task
 
 __all__ = ["AppHandler", "Router", "UnknownTask", "Worker", "load_handlers"]
 
@@ -46,7 +46,9 @@ class Router:
 
     A payload that is not a JSON object, has no string ``task`` field, or names a task with no
     handler raises ``UnknownTask``, a ``NonRetryableError``: another attempt cannot fix it, so
-    the job goes straight to dead with that text as its reason.
+    the job goes straight to dead with that text as its reason. A Django task's job
+    (``handlers.is_django_task``) raises ``TaskJobRefused`` (also non-retryable): only
+    ``relay worker --tasks`` runs those.
 
     Args:
         handlers: task name -> handler; copied, so later changes to the mapping have no effect.
@@ -73,7 +75,9 @@ class Router:
 
         Raises:
             UnknownTask: no string task field, or no handler for it.
+            TaskJobRefused: the payload is a Django task's job.
         """
+        refuse_django_task(payload)
         if not isinstance(payload, dict):
             raise UnknownTask(f"payload is not an object with a {self.task_field!r} field")
         name = payload.get(self.task_field)
@@ -127,7 +131,7 @@ class Worker(runner.Worker):
     Return from a handler to ack, raise to fail with the exception text (retried with backoff
     until the job's ``max_retries`` is spent), raise ``NonRetryableError`` to dead-letter at
     once, raise ``JobInterrupted`` to give the job back during a shutdown. Unknown tasks are
-    dead-lettered (``UnknownTask``).
+    dead-lettered (``UnknownTask``), and so are Django tasks' jobs (``TaskJobRefused``).
 
     Args:
         queues: queue names to lease from (1..16).

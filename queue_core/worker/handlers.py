@@ -7,6 +7,10 @@ at-least-once, so a handler may run twice for one job and must make its effects 
 
 Raise ``NonRetryableError`` for failures a retry cannot fix (the job goes straight to dead), and
 ``JobInterrupted`` to give the job back untouched when ``ctx.shutdown`` is set.
+
+A job enqueued through ``django.tasks`` (``is_django_task``) runs only under ``relay worker
+--tasks``: the demonstration handler and application routers refuse it (``TaskJobRefused``)
+rather than ack a task whose body never ran.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ __all__ = [
     "JobContext",
     "JobInterrupted",
     "NonRetryableError",
+    "TaskJobRefused",
     "demo_handler",
+    "is_django_task",
+    "refuse_django_task",
 ]
 
 
@@ -37,6 +44,41 @@ class JobInterrupted(Exception):
 
     The worker releases the job (back to ready, no failure counted) instead of failing it.
     """
+
+
+class TaskJobRefused(NonRetryableError):
+    """A job enqueued through ``django.tasks`` reached a worker without the task runner.
+
+    Failing it non-retryably (dead, reason naming ``relay worker --tasks``) rather than
+    releasing it: a release would hand it straight back to the same wrong worker, in a loop
+    that counts no attempts; a dead task is visible (``FAILED``) and ``relay dead retry``
+    replays it once a ``--tasks`` worker serves its queue.
+    """
+
+
+def is_django_task(payload: Any) -> bool:
+    """Whether ``payload`` has the shape ``RelayBackend.enqueue`` gives a Django task's job:
+    an object with string ``task`` and ``backend`` and a list ``args`` (or, for arguments that
+    Relay's JSON cannot hold natively, a string ``call_json``)."""
+    return (
+        isinstance(payload, dict)
+        and isinstance(payload.get("task"), str)
+        and isinstance(payload.get("backend"), str)
+        and (isinstance(payload.get("args"), list) or isinstance(payload.get("call_json"), str))
+    )
+
+
+def refuse_django_task(payload: Any) -> None:
+    """Raise ``TaskJobRefused`` when ``payload`` is a Django task's job (``is_django_task``).
+
+    Raises:
+        TaskJobRefused: with the reason ``"Django task <module path> needs the task runner:
+            run relay worker --tasks"``.
+    """
+    if is_django_task(payload):
+        raise TaskJobRefused(
+            f"Django task {payload['task']} needs the task runner: run relay worker --tasks"
+        )
 
 
 class DemoFailure(RuntimeError):
@@ -77,16 +119,18 @@ def demo_handler(payload: Any, ctx: JobContext) -> None:
     * ``{"fail": true, "error": "demo", "retryable": false}`` raises ``DemoFailure("demo")``,
       or ``NonRetryableError("demo")`` when ``retryable`` is false; ``error`` defaults to
       ``"demo failure"``.
+    * A Django task's job (``is_django_task``) is refused: ``TaskJobRefused``.
     * Anything else, including a payload that is not an object, succeeds at once.
 
     Args:
         payload: the job's payload.
         ctx: the job context; only ``ctx.shutdown`` is used.
     Raises:
-        JobInterrupted, DemoFailure, NonRetryableError.
+        JobInterrupted, DemoFailure, NonRetryableError, TaskJobRefused.
     """
     if not isinstance(payload, dict):
         return
+    refuse_django_task(payload)
     if payload.get("fail") is True:
         message = str(payload.get("error") or "demo failure")
         if payload.get("retryable", True) is False:

@@ -35,8 +35,9 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S)
     return value
 
 
-def start(spawn: Spawner, *worker_args: str) -> tuple[str, Proc]:
-    """Start a server and a worker with ``worker_args``; return the address and the worker."""
+def start(spawn: Spawner, *worker_args: str, **env: str) -> tuple[str, Proc]:
+    """Start a server and a worker with ``worker_args`` and ``env``; return the address and
+    the worker."""
     _, port = spawn.server()
     address = f"127.0.0.1:{port}"
     worker = spawn(
@@ -49,6 +50,7 @@ def start(spawn: Spawner, *worker_args: str) -> tuple[str, Proc]:
         "1000",
         *worker_args,
         name="relay_worker",
+        **env,
     )
     worker.wait_event("worker_ready")
     return address, worker
@@ -178,3 +180,59 @@ def test_tasks_worker_reports_an_error_text_with_a_lone_surrogate(spawn: Spawner
     assert "ValueError: cannot read file name bad-\\udcff" in error.traceback
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit() == 0
+
+
+@pytest.mark.parametrize("executor", [[], ["--app", "tests.tasks_app.handlers.HANDLERS"]])
+def test_worker_without_the_task_runner_refuses_django_tasks(
+    spawn: Spawner, executor: list[str]
+) -> None:
+    # The demo worker used to ack a task job: SUCCESSFUL, return_value None, body never run.
+    _, worker = start(spawn, *executor)
+    result = tasks.add.enqueue(2, 3)
+    worker.wait_for(lambda r: r.get("event") == "failed" and r.get("job_id") == result.id)
+    refused = worker.wait_for(
+        lambda r: r.get("event") == "handler_failed" and r.get("job_id") == result.id
+    )
+    assert refused["level"] == "WARNING", refused
+    job = Job.objects.get(pk=result.id)
+    assert job.state == "dead"
+    assert job.attempt == 1  # not retried: another attempt on this worker cannot fix it
+    assert job.dead_reason == (
+        "non-retryable: Django task tests.tasks_app.tasks.add needs the task runner: "
+        "run relay worker --tasks"
+    )
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit() == 0
+
+
+def test_tasks_worker_without_queue_serves_every_queue_in_queues(spawn: Spawner) -> None:
+    _, worker = start(spawn, "--tasks", DJANGO_SETTINGS_MODULE="tests.tasks_app.queues_settings")
+    ready = worker.wait_event("worker_ready")
+    assert ready["queues"] == "default,emails,reports"
+    emails = tasks.send_welcome.enqueue(7)  # queue_name="emails"
+    reports = tasks.add.using(queue_name="reports").enqueue(1, 2)
+    for result in (emails, reports):
+        wait_for(lambda result=result: (result.refresh(), result.is_finished)[1], result.id)
+        assert result.status == TaskResultStatus.SUCCESSFUL, result.errors
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit() == 0
+
+
+def test_tasks_worker_on_another_database_exits_at_start(spawn: Spawner, tmp_path: Any) -> None:
+    # It used to lease the server's jobs and fail every one: "cannot load the task".
+    _, port = spawn.server()
+    address = f"127.0.0.1:{port}"
+    other = str(tmp_path / "other.db")
+    done = spawn.run("relay_worker", "--tasks", "--address", address, RELAY_DB=other)
+    assert done.returncode == 1, done.stderr
+    assert "INVALID_ARGUMENT: --tasks: database 'default' cannot hold task results" in (done.stderr)
+    assert spawn.run("migrate", RELAY_DB=other).returncode == 0
+    done = spawn.run("relay_worker", "--tasks", "--address", address, RELAY_DB=other)
+    assert done.returncode == 1, done.stderr
+    assert "INVALID_ARGUMENT: --tasks: database 'default' is not the one the server uses" in (
+        done.stderr
+    )
+    result = tasks.add.enqueue(1, 2)
+    assert Job.objects.get(pk=result.id).state == "ready"  # nothing leased it

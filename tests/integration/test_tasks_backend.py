@@ -2,7 +2,7 @@
 
 In-process: the backend submits through QueueService on the test database; a test service
 leases and settles the jobs, and ``execute_task`` (the ``relay_worker --tasks`` handler) runs
-them, so every status is reached without a server. ``test_tasks_worker.py`` runs the same
+them, so every status is reached without a server. ``test_app_worker.py`` runs the same
 tasks through real server and worker processes.
 """
 
@@ -23,11 +23,18 @@ from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskRes
 from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.test import override_settings
 
+from queue_core import tasks_backend
 from queue_core.clock import FakeClock
-from queue_core.errors import InvalidArgument, LeaseExpired
+from queue_core.errors import LeaseExpired
 from queue_core.models import Job
 from queue_core.service import QueueService
-from queue_core.tasks_backend import RelayBackend, TaskAttemptFailed, execute_task, relay_priority
+from queue_core.tasks_backend import (
+    RelayBackend,
+    ReturnValueRefused,
+    TaskAttemptFailed,
+    execute_task,
+    relay_priority,
+)
 from queue_core.worker import JobContext, NonRetryableError
 from queue_core.worker.runner import error_text, truncate_utf8
 from tests.tasks_app import tasks
@@ -288,26 +295,131 @@ def test_return_value_that_is_not_json_fails_the_attempt(worker_service: QueueSe
     assert result.errors[0].exception_class is TypeError
 
 
-def test_nan_and_surrogate_arguments_are_refused_at_enqueue() -> None:
-    # orjson would have stored NaN as null: the task would have run with None.
-    for args in ((float("nan"), 1), (1, float("-inf")), ("\ud800", 1)):
-        with pytest.raises(InvalidArgument) as info:
-            tasks.add.enqueue(*args)
-        assert info.value.details["field"].startswith("payload.args["), info.value.details
+ROUND_TRIPS = [
+    # (argument, what Django's serialisation, normalize_json then json, gives back)
+    ({1: "one", None: 2}, {"1": "one", "null": 2}),
+    (2**70, 2**70),
+    (-(2**64), -(2**64)),
+    ([1.5, (2, 3)], [1.5, [2, 3]]),
+    (b"bytes", "bytes"),
+    ("\ud800 lone surrogate", "\ud800 lone surrogate"),
+    ({"deep": [float("inf"), -float("inf")]}, {"deep": [float("inf"), -float("inf")]}),
+]
+
+
+@pytest.mark.parametrize(("value", "expected"), ROUND_TRIPS)
+def test_arguments_and_return_values_follow_djangos_json_rules(
+    worker_service: QueueService, value: Any, expected: Any
+) -> None:
+    # Relay refused {1: "one"} and 2**70, which Django accepts.
+    result = tasks.identity.enqueue(
+        value,
+    )
+    assert result.args == [expected]
+    _, error = run_next(worker_service)
+    assert error is None
+    result.refresh()
+    assert result.args == [expected]
+    assert result.status == TaskResultStatus.SUCCESSFUL
+    assert result.return_value == expected
+
+
+def test_nan_round_trips() -> None:
+    result = tasks.identity.enqueue(float("nan"))
+    run_next(QueueService())
+    result.refresh()
+    assert math.isnan(result.args[0])
+    assert math.isnan(result.return_value)
+
+
+def test_what_django_refuses_is_refused_at_enqueue_with_djangos_error() -> None:
+    with pytest.raises(TypeError, match="Unsupported type"):
+        tasks.identity.enqueue(object())
+    with pytest.raises(ValueError, match="Unsupported value"):
+        tasks.identity.enqueue(b"\xff")
     assert Job.objects.count() == 0
 
 
-def test_nan_return_value_fails_the_attempt_instead_of_reading_as_none(
+def test_return_value_that_cannot_be_stored_fails_at_once_after_one_run(
     worker_service: QueueService,
 ) -> None:
-    with override_settings(TASKS=relay_tasks(MAX_RETRIES=0)):
-        result = tasks.not_a_number.enqueue()
+    # The body ran 4 times under 3 retries; Django's backends run it once.
+    tasks.RUNS.clear()
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=3)):
+        result = tasks.not_json_counted.enqueue()
         _, error = run_next(worker_service)
         result.refresh()
-    assert isinstance(error, ValueError)
+    assert isinstance(error, ReturnValueRefused)
+    assert tasks.RUNS == {"not_json_counted": 1}
+    job = Job.objects.get(pk=result.id)
+    assert job.state == "dead"
+    assert job.dead_reason.startswith("non-retryable: the return value cannot be stored:")
     assert result.status == TaskResultStatus.FAILED
-    assert result.errors[0].exception_class is ValueError
-    assert "return value: NaN is not a JSON number" in result.errors[0].traceback
+    (recorded,) = result.errors
+    assert recorded.exception_class is TypeError
+    assert "TypeError: Unsupported type" in recorded.traceback
+
+
+def test_a_task_that_cannot_be_loaded_records_the_exception_and_traceback(
+    worker_service: QueueService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    result = tasks.add.enqueue(1, 2)
+    real_import = tasks_backend.import_string
+    # The worker's code lacks the task's module (the producer's has it).
+    monkeypatch.setattr(
+        tasks_backend, "import_string", lambda path: real_import(path.replace("tasks_app", "gone"))
+    )
+    _, error = run_next(worker_service)
+    monkeypatch.undo()
+    assert isinstance(error, NonRetryableError)
+    result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    (recorded,) = result.errors
+    assert recorded.exception_class is ModuleNotFoundError
+    assert "Traceback (most recent call last)" in recorded.traceback
+    assert "No module named 'tests.gone'" in recorded.traceback
+
+
+@override_settings(USE_TZ=False)
+def test_times_are_naive_without_use_tz(worker_service: QueueService) -> None:
+    run_after = dt.datetime.now() + dt.timedelta(hours=1)
+    deferred = tasks.add.using(run_after=run_after).enqueue(1, 1)
+    assert Job.objects.get(pk=deferred.id).available_at_ms == math.ceil(
+        run_after.timestamp() * 1000
+    )
+    read_after = tasks.add.get_result(deferred.id).task.run_after
+    assert read_after is not None and read_after.tzinfo is None
+    assert abs(read_after - run_after) < dt.timedelta(milliseconds=1)
+    result = tasks.add.enqueue(2, 3)
+    before = dt.datetime.now()
+    run_next(worker_service)
+    result.refresh()
+    times = [result.enqueued_at, result.started_at, result.last_attempted_at, result.finished_at]
+    assert all(t is not None and t.tzinfo is None for t in times), times
+    assert result.finished_at is not None
+    assert abs(result.finished_at - before) < dt.timedelta(seconds=60)
+
+
+def test_run_after_beyond_relays_max_delay_is_an_invalid_task() -> None:
+    now = dt.datetime.now(tz=dt.UTC)
+    with pytest.raises(InvalidTask, match="RELAY_MAX_DELAY_MS"):
+        tasks.add.using(run_after=now + dt.timedelta(days=30, minutes=1))
+    with (
+        override_settings(RELAY_MAX_DELAY_MS=60_000),
+        pytest.raises(InvalidTask, match=r"RELAY_MAX_DELAY_MS \(60000 ms\)"),
+    ):
+        tasks.add.using(run_after=now + dt.timedelta(minutes=2))
+    result = tasks.add.using(run_after=now + dt.timedelta(days=29)).enqueue(1, 1)
+    assert Job.objects.get(pk=result.id).state == "pending"
+
+
+def test_results_name_the_enqueuing_alias() -> None:
+    both = {**relay_tasks(), "other": {"BACKEND": BACKEND, "QUEUES": []}}
+    with override_settings(TASKS=both):
+        result = tasks.add.using(backend="other").enqueue(1, 2)
+        assert result.backend == "other"
+        assert task_backends["default"].get_result(result.id).backend == "other"
+        assert task_backends["other"].get_result(result.id).backend == "other"
 
 
 def test_error_text_with_a_lone_surrogate_is_recorded_and_reported(

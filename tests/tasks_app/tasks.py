@@ -64,3 +64,20 @@ def fail_with_surrogate() -> None:
     """Raise an error whose text holds a lone surrogate (as ``os.fsdecode`` makes of a stray
     byte), which no UTF-8 store can hold."""
     raise ValueError(f"cannot read file name {b'bad-\xff'.decode('utf-8', 'surrogateescape')}")
+
+
+@task
+def identity(value: Any) -> Any:
+    """Return ``value`` (the argument and the return value both cross Relay's storage)."""
+    return value
+
+
+RUNS: dict[str, int] = {}
+"""How often each counting task's body ran in this process, by task name."""
+
+
+@task
+def not_json_counted() -> object:
+    """Count the run in ``RUNS``, then return something JSON cannot hold."""
+    RUNS["not_json_counted"] = RUNS.get("not_json_counted", 0) + 1
+    return object()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from queue_core.clock import FakeClock
-from queue_core.worker import JobContext, NonRetryableError
+from queue_core.worker import JobContext, NonRetryableError, TaskJobRefused
 from queue_core.worker.app import Router, UnknownTask, Worker, load_handlers
 from tests.tasks_app import handlers
 from tests.unit.test_worker import WAIT_S, FakeRelay, Running
@@ -124,3 +124,10 @@ def test_worker_defaults_to_a_relay_client_on_relay_address() -> None:
     client = worker._client_factory()
     assert client.address == "127.0.0.1:1"  # type: ignore[attr-defined]
     client.close()
+
+
+def test_router_refuses_django_task_jobs_even_with_a_matching_name() -> None:
+    router = Router({"app.tasks.send": print})
+    payload = {"task": "app.tasks.send", "args": [1], "kwargs": {}, "backend": "default"}
+    with pytest.raises(TaskJobRefused, match="run relay worker --tasks"):
+        router(payload, context())

@@ -17,8 +17,15 @@ import pytest
 
 from queue_core import errors
 from queue_core.clock import FakeClock
-from queue_core.worker import JobContext, JobInterrupted, NonRetryableError, Worker, demo_handler
-from queue_core.worker.handlers import DemoFailure
+from queue_core.worker import (
+    JobContext,
+    JobInterrupted,
+    NonRetryableError,
+    TaskJobRefused,
+    Worker,
+    demo_handler,
+)
+from queue_core.worker.handlers import DemoFailure, is_django_task
 from queue_core.worker.runner import truncate_utf8
 
 WAIT_S = 10.0  # upper bound for anything the test waits on; reached only when a test fails
@@ -562,3 +569,33 @@ def test_demo_handler_sleep_is_cut_short_by_shutdown() -> None:
     shutdown.set()
     with pytest.raises(JobInterrupted):
         demo_handler({"sleep_ms": 60_000}, _ctx(shutdown))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"task": "app.tasks.send", "args": [], "kwargs": {}, "backend": "default", "priority": 0},
+        {"task": "app.tasks.send", "call_json": '{"args": [], "kwargs": {}}', "backend": "x"},
+    ],
+)
+def test_demo_handler_refuses_django_task_jobs(payload: Any) -> None:
+    # It used to ack them: the task read SUCCESSFUL and its body never ran.
+    with pytest.raises(TaskJobRefused) as caught:
+        demo_handler(payload, _ctx())
+    assert str(caught.value) == (
+        "Django task app.tasks.send needs the task runner: run relay worker --tasks"
+    )
+    assert isinstance(caught.value, NonRetryableError)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"task": "x", "args": []},
+        {"task": "x", "backend": "b"},
+        {"task": 1, "backend": "b", "args": []},
+    ],
+)
+def test_payloads_that_are_not_django_tasks_are_not_refused(payload: Any) -> None:
+    assert not is_django_task(payload)
+    assert demo_handler(payload, _ctx()) is None

@@ -2,7 +2,10 @@
 
 ``--app package.module.HANDLERS`` runs an application's handlers instead, routed by the
 payload's ``task`` field (``queue_core.worker.app``); ``--tasks`` runs Django tasks enqueued
-through ``queue_core.tasks_backend.RelayBackend``.
+through ``queue_core.tasks_backend.RelayBackend``: without ``--queue`` it serves every queue in
+the backends' ``QUEUES`` (``worker_queues``), and before leasing it checks that its database is
+the server's (``check_worker_setup``), exiting 1 with one line when not. The other two refuse
+Django tasks' jobs (``handlers.TaskJobRefused``).
 
 SIGTERM or SIGINT stops it gracefully (``Worker.stop``): no new leases, running jobs get
 ``--shutdown-timeout-ms`` to finish, the rest are released back to ready. A second signal exits
@@ -20,6 +23,7 @@ from typing import Any
 import orjson
 from django.core.management.base import CommandParser
 
+from queue_core.client import RelayClient
 from queue_core.conf import relay_settings
 from queue_core.management.relay_command import (
     RelayBaseCommand,
@@ -51,7 +55,9 @@ class Command(RelayBaseCommand):
             "--queue",
             action="append",
             metavar="QUEUE",
-            help="Queue to lease from; repeat for several (default: default).",
+            help="Queue to lease from; repeat for several (default: default; with --tasks, "
+            "every queue in the RelayBackends' QUEUES, and default for one whose QUEUES is "
+            "empty).",
         )
         parser.add_argument(
             "--concurrency",
@@ -117,10 +123,14 @@ class Command(RelayBaseCommand):
         except (ImportError, TypeError, ValueError) as exc:
             option = "--app" if options.get("app") else "--tasks"
             raise invalid_argument(f"{option}: {exc}") from exc
+        queues = options["queue"] or ["default"]
+        if options.get("tasks"):
+            served = _check_tasks_setup(make_client(address, api_key=options.get("api_key")))
+            queues = options["queue"] or served
         try:
             worker = Worker(
                 client_factory,
-                options["queue"] or ["default"],
+                queues,
                 handler=handler,
                 concurrency=options["concurrency"],
                 lease_ms=options["lease_ms"],
@@ -159,6 +169,33 @@ def _handler(options: dict[str, Any]) -> Handler:
             raise ValueError("TASKS has no queue_core.tasks_backend.RelayBackend")
         return execute_task
     return demo_handler
+
+
+def _check_tasks_setup(client: RelayClient) -> list[str]:
+    """Check the ``--tasks`` worker's database against the server's; return the queues it
+    serves without ``--queue``.
+
+    Raises:
+        CommandError: ``--tasks: ...`` (exit 1) when the database is not usable or not the
+            server's.
+    """
+    from django.core.exceptions import ImproperlyConfigured
+
+    from queue_core.tasks_backend import check_worker_setup, relay_backends, worker_queues
+
+    backends = relay_backends()
+    try:
+        for warning in check_worker_setup(backends, client):
+            logger.warning(
+                "event=tasks_setup_unchecked reason=%s",
+                warning,
+                extra={"event": "tasks_setup_unchecked", "reason": warning},
+            )
+    except ImproperlyConfigured as exc:
+        raise invalid_argument(f"--tasks: {exc}") from exc
+    finally:
+        client.close()
+    return worker_queues(backends)
 
 
 def _install_signal_handlers(worker: Worker) -> dict[int, Any]:
