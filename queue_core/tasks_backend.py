@@ -71,7 +71,7 @@ from django.utils import timezone
 from django.utils.json import normalize_json
 from django.utils.module_loading import import_string
 
-from queue_core import validation
+from queue_core import types, validation
 from queue_core.conf import relay_settings
 from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired, RelayError
 from queue_core.service import QueueService
@@ -628,7 +628,7 @@ def worker_queues(backends: list[RelayBackend]) -> list[str]:
 class _StatsClient(Protocol):
     def stats(
         self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
-    ) -> dict[str, Any]: ...
+    ) -> types.StatsResult: ...
 
 
 def check_worker_setup(backends: list[RelayBackend], client: _StatsClient) -> list[str]:
