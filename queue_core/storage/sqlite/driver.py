@@ -238,13 +238,13 @@ class SqliteTx(SqlTx):
     def one(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         row = super().one(name, params)
         if row is not None and name in _JOB_INSERTS:
-            self._count_inserted([params or {}])
+            self._count_one(params or {})
         return row
 
     def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
         n = super().run(name, params)
         if n and name in _JOB_INSERTS:
-            self._count_inserted([params or {}])
+            self._count_one(params or {})
         return n
 
     def many(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
@@ -258,6 +258,10 @@ class SqliteTx(SqlTx):
         added = Counter((row["queue"], row["state"]) for row in rows)
         for (queue, state), n in added.items():
             super().run("count_added", {"queue": queue, "state": state, "n": n})
+
+    def _count_one(self, row: Mapping[str, Any]) -> None:
+        """``_count_inserted`` for one row (a single submit: no ``Counter``)."""
+        super().run("count_added", {"queue": row["queue"], "state": row["state"], "n": 1})
 
     def claim(self, request: ClaimRequest) -> list[dict[str, Any]]:
         """Lease the best READY jobs: the heads of each base class of each queue (one index
