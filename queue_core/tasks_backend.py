@@ -258,7 +258,8 @@ class RelayBackend(BaseTaskBackend):
         else:
             database: dict[str, Any] = settings.DATABASES[self.database]
             mode = database.get("OPTIONS", {}).get("transaction_mode")
-            if str(mode).upper() != "IMMEDIATE":
+            sqlite = database.get("ENGINE") == "django.db.backends.sqlite3"
+            if sqlite and str(mode).upper() != "IMMEDIATE":  # a SQLite-only option
                 messages.append(
                     checks.Warning(
                         f"DATABASES[{self.database!r}] has no 'transaction_mode': 'IMMEDIATE' "

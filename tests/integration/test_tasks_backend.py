@@ -597,3 +597,13 @@ def test_missing_immediate_transaction_mode_is_warned(monkeypatch: pytest.Monkey
     monkeypatch.delitem(settings.DATABASES["default"]["OPTIONS"], "transaction_mode")
     backend = RelayBackend("default", {"QUEUES": []})
     assert [message.id for message in backend.check()] == ["relay.W106"]
+
+
+def test_immediate_transaction_mode_is_asked_of_sqlite_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 'transaction_mode' is an option of Django's SQLite backend; PostgreSQL has none.
+    postgres = {"ENGINE": "django.db.backends.postgresql", "NAME": "relay", "OPTIONS": {}}
+    monkeypatch.setitem(settings.DATABASES, "pg", postgres)
+    backend = RelayBackend("default", {"QUEUES": [], "OPTIONS": {"DATABASE": "pg"}})
+    assert [message.id for message in backend.check()] == []
