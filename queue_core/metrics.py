@@ -74,6 +74,11 @@ JOBS_DEAD = Counter(
 JOBS_RELEASED = Counter(
     "relay_jobs_released", "Leased jobs given back by their worker without a failure.", ["queue"]
 )
+JOBS_PRUNED = Counter(
+    "relay_jobs_pruned",
+    "Finished jobs deleted by retention (RELAY_RETENTION_SUCCEEDED / _DEAD, relay prune).",
+    ["queue"],
+)
 JOBS_REPLAYED = Counter("relay_jobs_replayed", "Dead letters replayed to ready.", ["queue"])
 LEASE_EXPIRATIONS = Counter(
     "relay_lease_expirations",
@@ -113,6 +118,7 @@ _COUNTERS: dict[str, Counter] = {
     "released": JOBS_RELEASED,
     "replayed": JOBS_REPLAYED,
     "lease_expired": LEASE_EXPIRATIONS,
+    "pruned": JOBS_PRUNED,
 }
 
 
