@@ -291,6 +291,11 @@ class QueueService:
         """The storage's start-up health check; return the problems (``[]`` when healthy)."""
         return self.driver.check(full=full)
 
+    def backup(self, path: str, *, overwrite: bool = False) -> dict[str, Any]:
+        """Copy the database to ``path`` while it serves, and check the copy
+        (``Driver.backup``: its arguments, result and errors)."""
+        return self.driver.backup(path, overwrite=overwrite)
+
     def close(self) -> None:
         """Close this thread's database connection (threads that used the service, on exit)."""
         self.driver.close()
