@@ -190,7 +190,8 @@ def queue_of(job_id: str) -> str:
 
 def observe(event: str, queue: str) -> None:
     """``QueueService``'s observer: count a transition no request returns (a lease expiry,
-    and the dead letter it may cause). The service calls it after the sweep commits."""
+    the dead letter it may cause, a job deleted by retention). The service calls it after
+    the sweep or prune batch commits."""
     record([Event(event, queue)])
 
 

@@ -213,7 +213,8 @@ class QueueService:
             always come from ``secrets``, never from ``rng``.
         observer: called as ``observer(event, queue)`` after the commit of a transition that
             no caller sees happen: ``"lease_expired"`` and ``"dead"`` for each lease the sweeps
-            expire (metrics use it; the surfaces count what their own calls return).
+            expire, ``"pruned"`` for each job retention deletes (metrics use it; the surfaces
+            count what their own calls return).
     """
 
     def __init__(
