@@ -178,3 +178,24 @@ def test_prune_rejects_bad_arguments(
 ) -> None:
     with pytest.raises(errors.InvalidArgument):
         service.prune_batch(older_than, limit=limit)
+
+
+def test_each_pruned_job_is_reported_to_the_observer_after_commit(
+    driver: Any, clock: FakeClock, leased_job: Factory, service: QueueService
+) -> None:
+    seen: list[tuple[str, str]] = []
+    observed = QueueService(driver=driver, clock=clock, observer=lambda e, q: seen.append((e, q)))
+    for queue in ("a", "a", "b"):
+        succeeded_job(service, leased_job, queue=queue)
+    clock.advance(ms=DAY_MS + 1)
+
+    def rolled_back() -> None:
+        with observed.transaction():
+            observed.prune_batch({"succeeded": DAY_MS})
+            raise RuntimeError("roll back")
+
+    with pytest.raises(RuntimeError):
+        rolled_back()
+    assert seen == [] and Job.objects.count() == 3
+    observed.prune_batch({"succeeded": DAY_MS})
+    assert sorted(seen) == [("pruned", "a"), ("pruned", "a"), ("pruned", "b")]
