@@ -30,7 +30,7 @@ class Command(RelayBaseCommand):
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        """Define --older-than, --state, --batch, --dry-run and --json."""
+        """Define --older-than, --state, --batch, --yield, --dry-run and --json."""
         parser.add_argument(
             "--older-than",
             required=True,
@@ -51,6 +51,15 @@ class Command(RelayBaseCommand):
             help=f"jobs per transaction, 1..10000 (default {PRUNE_BATCH}).",
         )
         parser.add_argument(
+            "--yield",
+            dest="yield_factor",
+            type=float,
+            default=2.0,
+            metavar="FACTOR",
+            help="after each batch, wait FACTOR times as long as it took, leaving the write "
+            "lock to the server (default 2: pruning takes a third of the time; 0: no wait).",
+        )
+        parser.add_argument(
             "--dry-run", action="store_true", help="only count the jobs that would go."
         )
         parser.add_argument("--json", action="store_true", help="print the counts as JSON.")
@@ -68,6 +77,8 @@ class Command(RelayBaseCommand):
             raise invalid_argument(f"--older-than: {exc}") from None
         if age_ms <= 0:
             raise invalid_argument("--older-than must be more than 0")
+        if not 0 <= options["yield_factor"] <= 100:
+            raise invalid_argument("--yield must be 0..100")
         states = PRUNABLE_STATES if options["state"] == "all" else (options["state"],)
         older_than = dict.fromkeys(states, age_ms)
         service = QueueService()
@@ -75,7 +86,9 @@ class Command(RelayBaseCommand):
             if options["dry_run"]:
                 counts = service.count_prunable(older_than)
             else:
-                counts = service.prune(older_than, batch=options["batch"])
+                counts = service.prune(
+                    older_than, batch=options["batch"], yield_factor=options["yield_factor"]
+                )
         except errors.RelayError as exc:
             raise command_error(exc) from None
         finally:
