@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 from django.core import checks
 
-from queue_core.conf import RelaySettings
+from queue_core.conf import RelaySettings, parse_duration_ms
 
 
 @checks.register()
@@ -74,6 +74,11 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         errors.append(
             checks.Error("RELAY_STARTUP_CHECK must be 'integrity' or 'quick'", id="relay.E007")
         )
+    for name in ("retention_succeeded", "retention_dead"):
+        try:
+            parse_duration_ms(getattr(s, name))
+        except ValueError as exc:
+            errors.append(checks.Error(f"RELAY_{name.upper()}: {exc}", id="relay.E010"))
     engine = settings.DATABASES.get(s.database, {}).get("ENGINE")
     if engine is None:
         errors.append(

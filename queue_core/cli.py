@@ -30,6 +30,8 @@ Examples::
     relay --address 10.0.0.5:7400 submit email --payload '{"user_id":42}' --priority high
     relay --json stats
     relay dead retry job_01J...
+    relay prune --older-than 7d --dry-run
+    relay --db relay.db backup /backups/relay-2026-01-01.db
 """
 
 from __future__ import annotations
@@ -80,6 +82,16 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "inspect": Subcommand("relay_inspect", "show a job with its attempt history: JOB_ID"),
     "stats": Subcommand("relay_stats", "show job counts by state per queue"),
     "dead": Subcommand("relay_dead", "dead letters: list | retry JOB_ID... | purge JOB_ID..."),
+    "prune": Subcommand(
+        "relay_prune",
+        "delete finished jobs by age now: --older-than 7d [--state succeeded|dead] [--dry-run]",
+        takes_api_key=False,
+    ),
+    "backup": Subcommand(
+        "relay_backup",
+        "copy the SQLite database while the server runs, and check the copy: PATH [--force]",
+        takes_api_key=False,
+    ),
     "bench": Subcommand(
         "relay_bench", "measure submit and lease+ack throughput and latency", takes_api_key=False
     ),
@@ -172,7 +184,8 @@ def translate(argv: Sequence[str]) -> Invocation:
     if ns.settings:
         env["DJANGO_SETTINGS_MODULE"] = ns.settings
     # Explicit options after the command win over global ones.
-    if ns.address and sub.command != "migrate" and not _has_option(args, "--address"):
+    local = sub.command in ("migrate", "relay_prune", "relay_backup")  # no server address
+    if ns.address and not local and not _has_option(args, "--address"):
         args += ["--address", ns.address]
     if ns.json and sub.takes_json and not _has_option(args, "--json"):
         args.append("--json")

@@ -159,6 +159,22 @@ class RelaySettings:
     allow_public_without_keys: bool = False
     # HTTP threads (ASGI submit throughput).
     http_threads: int = 8
+    # Retention (issue 16, item 1).
+    retention_succeeded: str = "7d"
+    retention_dead: str = "30d"
+
+    def retention_ms(self) -> dict[str, int]:
+        """The retention of each finished state in ms, ``{"succeeded": ms, "dead": ms}``;
+        0 keeps that state forever.
+
+        Raises:
+            ValueError: a retention setting is not a duration (the system check
+                ``relay.E010`` reports it at start).
+        """
+        return {
+            "succeeded": parse_duration_ms(self.retention_succeeded),
+            "dead": parse_duration_ms(self.retention_dead),
+        }
 
     @classmethod
     def from_django(cls) -> RelaySettings:
@@ -169,6 +185,33 @@ class RelaySettings:
             if hasattr(settings, name):
                 values[field.name] = getattr(settings, name)
         return cls(**values)
+
+
+_DURATION_RE = re.compile(r"(\d+)(ms|s|m|h|d)")
+_UNIT_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_duration_ms(text: str) -> int:
+    """Parse a duration such as ``"7d"``, ``"12h"``, ``"30m"``, ``"45s"`` or ``"500ms"``.
+
+    Args:
+        text: a whole number and one unit (``ms``, ``s``, ``m``, ``h``, ``d``), no spaces;
+            or ``"0"`` (no unit needed).
+    Returns:
+        The duration in ms (>= 0).
+    Raises:
+        ValueError: anything else (a bare number other than 0, a fraction, a sign).
+    """
+    text = str(text).strip()
+    if text == "0":
+        return 0
+    match = _DURATION_RE.fullmatch(text)
+    if match is None:
+        raise ValueError(
+            f"{text!r} is not a duration: a whole number and a unit (ms, s, m, h, d), "
+            "such as 7d or 12h, or 0"
+        )
+    return int(match.group(1)) * _UNIT_MS[match.group(2)]
 
 
 @functools.cache

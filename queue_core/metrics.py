@@ -74,6 +74,11 @@ JOBS_DEAD = Counter(
 JOBS_RELEASED = Counter(
     "relay_jobs_released", "Leased jobs given back by their worker without a failure.", ["queue"]
 )
+JOBS_PRUNED = Counter(
+    "relay_jobs_pruned",
+    "Finished jobs deleted by retention (RELAY_RETENTION_SUCCEEDED / _DEAD, relay prune).",
+    ["queue"],
+)
 JOBS_REPLAYED = Counter("relay_jobs_replayed", "Dead letters replayed to ready.", ["queue"])
 LEASE_EXPIRATIONS = Counter(
     "relay_lease_expirations",
@@ -113,6 +118,7 @@ _COUNTERS: dict[str, Counter] = {
     "released": JOBS_RELEASED,
     "replayed": JOBS_REPLAYED,
     "lease_expired": LEASE_EXPIRATIONS,
+    "pruned": JOBS_PRUNED,
 }
 
 
@@ -184,7 +190,8 @@ def queue_of(job_id: str) -> str:
 
 def observe(event: str, queue: str) -> None:
     """``QueueService``'s observer: count a transition no request returns (a lease expiry,
-    and the dead letter it may cause). The service calls it after the sweep commits."""
+    the dead letter it may cause, a job deleted by retention). The service calls it after
+    the sweep or prune batch commits."""
     record([Event(event, queue)])
 
 

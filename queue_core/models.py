@@ -73,6 +73,15 @@ class Job(models.Model):
             ),
             models.Index(fields=["id"], name="relay_job_dead", condition=Q(state="dead")),
             models.Index(fields=["queue", "state", "id"], name="relay_job_queue_state"),
+            # Retention: the oldest finished jobs of each state, found without a scan.
+            models.Index(
+                fields=["finished_at_ms"],
+                name="relay_job_succeeded_done",
+                condition=Q(state="succeeded"),
+            ),
+            models.Index(
+                fields=["finished_at_ms"], name="relay_job_dead_done", condition=Q(state="dead")
+            ),
         ]
         constraints = [
             models.UniqueConstraint(

@@ -51,6 +51,10 @@ log = logging.getLogger("relay.service")
 # The names a job's options may have (the op catalogue declares them with their wire types).
 SUBMIT_OPTIONS = frozenset(ops.SUBMIT_OPTIONS)
 SWEEP_LIMIT = 500
+# Jobs one prune transaction deletes at most, with their attempts, events and task results:
+# about 30 ms of write lock on a 1M-job SQLite file (docs/failure-model.md, "Retention").
+PRUNE_BATCH = 100
+PRUNABLE_STATES = ("succeeded", "dead")
 SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.
 TOKEN_BYTES = 24
@@ -139,7 +143,7 @@ def new_server_id() -> str:
 
 
 class QueueService:
-    """Submit, lease, renew, ack, fail, release, replay, purge, expire and recover jobs.
+    """Submit, lease, renew, ack, fail, release, replay, purge, prune, expire and recover jobs.
 
     Args:
         driver: the storage driver (default: the process's driver for ``RELAY_DATABASE``,
@@ -151,7 +155,8 @@ class QueueService:
             always come from ``secrets``, never from ``rng``.
         observer: called as ``observer(event, queue)`` after the commit of a transition that
             no caller sees happen: ``"lease_expired"`` and ``"dead"`` for each lease the sweeps
-            expire (metrics use it; the surfaces count what their own calls return).
+            expire, ``"pruned"`` for each job retention deletes (metrics use it; the surfaces
+            count what their own calls return).
     """
 
     def __init__(
@@ -228,6 +233,11 @@ class QueueService:
     def check_storage(self, *, full: bool = True) -> list[str]:
         """The storage's start-up health check; return the problems (``[]`` when healthy)."""
         return self.driver.check(full=full)
+
+    def backup(self, path: str, *, overwrite: bool = False) -> dict[str, Any]:
+        """Copy the database to ``path`` while it serves, and check the copy
+        (``Driver.backup``: its arguments, result and errors)."""
+        return self.driver.backup(path, overwrite=overwrite)
 
     def close(self) -> None:
         """Close this thread's database connection (threads that used the service, on exit)."""
@@ -1293,6 +1303,149 @@ class QueueService:
                 tx.run("delete_task_result", {"job_id": job_id})
             self._event(tx, job_id, Transition.PURGE, row["state"], None, now, actor)
         return {"job_id": job_id, "purged": True}
+
+    # -------------------------------------------------------------- retention
+
+    def _cutoffs(self, older_than_ms: Mapping[str, int] | None, now: int) -> dict[str, int]:
+        """``{state: before_ms}`` for each state to prune (0 or absent: that state is kept).
+
+        Raises:
+            InvalidArgument: a state other than succeeded/dead, or an age that is not a
+                whole number of ms >= 0.
+        """
+        if older_than_ms is None:
+            older_than_ms = self.settings.retention_ms()
+        cutoffs: dict[str, int] = {}
+        for state, age in older_than_ms.items():
+            if state not in PRUNABLE_STATES:
+                raise InvalidArgument(
+                    f"prune: state must be succeeded or dead, got {state!r}", field="state"
+                )
+            if isinstance(age, bool) or not isinstance(age, int) or age < 0:
+                raise InvalidArgument(
+                    f"prune: {state} age must be a whole number of ms >= 0", field="older_than_ms"
+                )
+            if age:
+                cutoffs[state] = now - age
+        return cutoffs
+
+    def prune_batch(
+        self,
+        older_than_ms: Mapping[str, int] | None = None,
+        *,
+        limit: int = PRUNE_BATCH,
+        before_ms: Mapping[str, int] | None = None,
+    ) -> dict[str, int]:
+        """Delete up to ``limit`` finished jobs past their retention, in one short write
+        transaction (SUCCEEDED/DEAD -> deleted), with their attempts, events and, with the
+        ``relay_tasks`` app, task results. No ``purged`` event is kept: the job's whole
+        history goes. A job that finished exactly its retention ago is kept; 1 ms earlier, it
+        goes. Its idempotency key is free again (a new submit with it makes a new job).
+
+        Args:
+            older_than_ms: ``{"succeeded": ms, "dead": ms}``: delete jobs of that state that
+                finished more than this long ago; a state absent or 0 is kept forever.
+                Default: ``RELAY_RETENTION_SUCCEEDED`` / ``RELAY_RETENTION_DEAD``.
+            limit: the most jobs this call deletes (1..10 000), SUCCEEDED ones first.
+            before_ms: ``{state: epoch ms}``: the cutoffs themselves, instead of now minus
+                ``older_than_ms`` (``prune`` passes the ones it computed once).
+        Returns:
+            ``{"succeeded": n, "dead": m}``, the jobs deleted.
+        Raises:
+            InvalidArgument, StoreBusy.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
+            raise InvalidArgument("prune: limit must be 1..10000", field="limit")
+        deleted = dict.fromkeys(PRUNABLE_STATES, 0)
+        with self.driver.write() as tx:
+            cutoffs = (
+                dict(before_ms)
+                if before_ms is not None
+                else self._cutoffs(older_than_ms, self._now())
+            )
+            left = limit
+            for state in PRUNABLE_STATES:
+                if state not in cutoffs or left <= 0:
+                    continue
+                # Prune is a purge by age: the same transition, checked once per state.
+                check(Transition.PURGE, JobState(state), None)
+                rows = tx.all(f"prune_{state}", {"before_ms": cutoffs[state], "limit": left})
+                if not rows:
+                    continue
+                ids = [{"job_id": r["id"]} for r in rows]
+                tx.many("delete_attempts", ids)
+                tx.many("delete_events", ids)
+                if apps.is_installed("relay_tasks"):
+                    tx.many("delete_task_result", ids)
+                for r in rows:
+                    self._observe("pruned", r["queue"])
+                deleted[state] = len(rows)
+                left -= len(rows)
+        if any(deleted.values()):
+            log.info(
+                "event=pruned succeeded=%s dead=%s",
+                deleted["succeeded"],
+                deleted["dead"],
+                extra={"event": "pruned", **deleted},
+            )
+        return deleted
+
+    def prune(
+        self,
+        older_than_ms: Mapping[str, int] | None = None,
+        *,
+        batch: int = PRUNE_BATCH,
+        max_batches: int | None = None,
+        yield_factor: float = 0.0,
+    ) -> dict[str, int]:
+        """Delete every finished job past its retention, one ``prune_batch`` transaction of
+        at most ``batch`` jobs at a time (other writers get the lock between batches).
+
+        The cutoffs are fixed when the call starts, so it ends even while jobs keep finishing.
+
+        Args:
+            older_than_ms: as for ``prune_batch``.
+            batch: jobs per transaction (1..10 000).
+            max_batches: stop after this many transactions (None: until none are left).
+            yield_factor: after each full batch, sleep (on the service's clock) this many
+                times as long as the batch took, so other writers get that share of the
+                write lock (``relay prune`` passes 2: a third of the time for pruning).
+        Returns:
+            ``{"succeeded": n, "dead": m}``, the jobs deleted in all.
+        Raises:
+            InvalidArgument, StoreBusy (the batches committed before it stay committed).
+        """
+        cutoffs = self._cutoffs(older_than_ms, self._now())
+        total = dict.fromkeys(PRUNABLE_STATES, 0)
+        done = 0
+        while cutoffs and (max_batches is None or done < max_batches):
+            started = self.clock.monotonic()
+            deleted = self.prune_batch(limit=batch, before_ms=cutoffs)
+            done += 1
+            for state, n in deleted.items():
+                total[state] += n
+            if sum(deleted.values()) < batch:
+                break
+            if yield_factor > 0:
+                self.clock.sleep(yield_factor * (self.clock.monotonic() - started))
+        return total
+
+    def count_prunable(self, older_than_ms: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Count the finished jobs ``prune`` would delete now (``relay prune --dry-run``).
+
+        Args:
+            older_than_ms: as for ``prune_batch``.
+        Returns:
+            ``{"succeeded": n, "dead": m}``.
+        Raises:
+            InvalidArgument.
+        """
+        counts = dict.fromkeys(PRUNABLE_STATES, 0)
+        with self.driver.read() as tx:
+            for state, before in self._cutoffs(older_than_ms, self._now()).items():
+                row = tx.one(f"count_prunable_{state}", {"before_ms": before})
+                counts[state] = int(row["n"]) if row else 0
+        return counts
 
     @staticmethod
     def _event(

@@ -7,9 +7,9 @@
 * ``WorkerProcess`` is a real ``relay_worker`` subprocess (the demo handler acks at once).
 * ``peak_rss_mb`` reads ``VmHWM`` (the kernel's high-water mark of resident memory) from
   ``/proc/PID/status``; elsewhere it falls back to psutil's current RSS.
-* ``fill_backlog`` writes READY jobs straight into a file before its server starts: test
-  set-up (a recursive CTE in 100,000-row transactions with ``synchronous=OFF``), not a measured
-  path.
+* ``fill_backlog`` writes READY jobs straight into a file before its server starts, and
+  ``fill_finished`` SUCCEEDED ones with their attempts: test set-up (a recursive CTE in
+  100,000-row transactions with ``synchronous=OFF``), not a measured path.
 """
 
 from __future__ import annotations
@@ -221,6 +221,64 @@ SELECT printf('job_%026d', n), :queue, 'ready', n % 4,
        :now - (n * 7919) % :spread, NULL, :now - (n * 7919) % :spread, :now
   FROM c
 """
+
+
+_FILL_FINISHED = """
+WITH RECURSIVE c(n) AS (SELECT :lo UNION ALL SELECT n + 1 FROM c WHERE n + 1 < :hi)
+INSERT INTO relay_job (
+    id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
+    attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+    created_at_ms, available_at_ms, ready_since_ms, finished_at_ms, updated_at_ms)
+SELECT printf('job_f%025d', n), :queue, 'succeeded', n % 4,
+       '{"n":' || n || ',"pad":"' || :pad || '"}', NULL, NULL,
+       1, 0, 3, 'exponential', 1000, 300000, 1,
+       :finished - 1000, NULL, NULL, :finished - (n * 7919) % 3600000, :finished
+  FROM c
+"""
+_FILL_ATTEMPTS = """
+INSERT INTO relay_attempt (
+    job_id, attempt, worker_id, lease_token, started_at_ms, ended_at_ms, outcome)
+SELECT id, 1, 'bench-filled', 'filled', finished_at_ms - 10, finished_at_ms, 'succeeded'
+  FROM relay_job WHERE id >= printf('job_f%025d', :lo) AND id < printf('job_f%025d', :hi)
+"""
+
+
+def fill_finished(
+    db_path: Path,
+    count: int,
+    *,
+    finished_at_ms: int,
+    queue: str = "bench-done",
+    tick: Callable[[int], None] | None = None,
+) -> float:
+    """Insert ``count`` SUCCEEDED jobs, each with one succeeded attempt, finished in the hour
+    before ``finished_at_ms`` (scattered, so deletes do not follow insertion order). Test
+    set-up for the retention scenario, as ``fill_backlog``.
+
+    Returns:
+        The seconds the fill took.
+    """
+    from queue_core.storage.sqlite.driver import NAMED_QUERIES  # Django is set up here
+
+    start = time.perf_counter()
+    with contextlib.closing(sqlite3.connect(db_path, isolation_level=None)) as conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=OFF")
+        conn.execute("PRAGMA cache_size=-262144")
+        for lo in range(0, count, FILL_CHUNK):
+            hi = min(count, lo + FILL_CHUNK)
+            params = {"lo": lo, "hi": hi, "queue": queue, "pad": "x" * 70}
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(_FILL_FINISHED, params | {"finished": finished_at_ms})
+            conn.execute(_FILL_ATTEMPTS, {"lo": lo, "hi": hi})
+            conn.execute(
+                NAMED_QUERIES["count_added"], {"queue": queue, "state": "succeeded", "n": hi - lo}
+            )
+            conn.execute("COMMIT")
+            if tick is not None:
+                tick(hi - lo)
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return round(time.perf_counter() - start, 2)
 
 
 def fill_backlog(

@@ -478,3 +478,37 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     )
     add(label, "<= 1.5", flat, None if flat is None else flat <= 1.5)
     return out
+
+
+def prune_run(
+    finished: int, *, deadline_s: float, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Run only the retention scenario (``scenarios.prune_under_load``): ``relay bench
+    --prune-jobs N``. Returns ``{"meta": {...}, "prune": {...}}``."""
+    from queue_core.conf import relay_settings
+
+    started = time.time()
+    steps = Steps()
+    steps.progress = progress or Progress()
+    steps.step_seconds = {}
+    doc: dict[str, Any] = {
+        "meta": {"tool": "relay_bench", "machine": machine(), "loadavg_start": loadavg()}
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
+    try:
+        with steps._step("migrate a template database"):
+            template = procs.template_db(workdir)
+        env = scenarios.Env(
+            workdir=workdir,
+            template=template,
+            synchronous=relay_settings().sqlite_synchronous,
+            run_id=secrets.token_hex(3),
+            deadline_s=deadline_s,
+        )
+        with steps._step(f"prune {finished:,} finished jobs under lease+ack", finished) as tick:
+            doc["prune"] = scenarios.prune_under_load(env, finished, tick=tick)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    doc["meta"]["loadavg_end"] = loadavg()
+    doc["meta"]["duration_s"] = round(time.time() - started, 1)
+    return doc

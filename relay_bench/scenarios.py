@@ -8,6 +8,7 @@ round trip, the server's queueing and the fsync of the group commit that carried
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -358,3 +359,86 @@ def backlog(env: Env, size: int, *, claims: int, worker_jobs: int, tick: Tick) -
         "server_peak_rss_mb": peak,
         "worker": worker,
     }
+
+
+# ------------------------------------------------------------------------------ retention
+
+
+def prune_under_load(
+    env: Env, finished: int, *, claims_after: int = 2000, tick: Tick
+) -> dict[str, Any]:
+    """Claim latency while the server's retention deletes ``finished`` old SUCCEEDED jobs.
+
+    ``finished`` jobs that finished two days ago (each with its attempt) and a READY backlog
+    are written into a fresh file; a server with ``RELAY_RETENTION_SUCCEEDED=1d`` starts on
+    it and prunes them in its bounded batches while one worker does lease(max_jobs=1) + ack
+    without pause. Latencies are split into those taken while old jobs remained and the
+    ``claims_after`` taken after the last one went. Bounded by ``env.deadline_s``.
+    """
+    db_path = procs.fresh_db(env.template, env.workdir, f"prune-{finished}")
+    day_ms = 86_400_000
+    fill_s = procs.fill_finished(db_path, finished, finished_at_ms=_now_ms() - 2 * day_ms)
+    ready = finished // 2 + claims_after + 10_000  # more than the worker can drain meanwhile
+    fill_s += procs.fill_backlog(db_path, ready)
+    server = procs.ServerProcess(db_path, RELAY_RETENTION_SUCCEEDED="1d")
+    cutoff = _now_ms() - day_ms
+    left = [finished]
+    stop = threading.Event()
+
+    def watch() -> None:  # counts old jobs from another connection, once a second
+        with contextlib.closing(sqlite3.connect(db_path, timeout=30)) as conn:
+            while not stop.is_set():
+                (n,) = conn.execute(
+                    "SELECT COUNT(*) FROM relay_job WHERE state = 'succeeded' "
+                    "AND finished_at_ms < ?",
+                    (cutoff,),
+                ).fetchone()
+                tick(left[0] - int(n))
+                left[0] = int(n)
+                if not n:
+                    return
+                stop.wait(1.0)
+
+    during: list[float] = []
+    after: list[float] = []
+    watcher = threading.Thread(target=watch, name="prune-watch")
+    try:
+        start = time.perf_counter()
+        watcher.start()
+        done_s: float | None = None
+        with _client(server.address) as client:
+            while time.perf_counter() - start < env.deadline_s:
+                a = time.perf_counter()
+                jobs = client.lease(["bench"], worker_id="bench-prune", max_jobs=1)
+                b = time.perf_counter()
+                if not jobs:
+                    break
+                client.ack(
+                    jobs[0]["job_id"], worker_id="bench-prune", lease_token=jobs[0]["lease_token"]
+                )
+                if left[0]:
+                    during.append((b - a) * 1000)
+                    continue
+                if done_s is None:
+                    done_s = time.perf_counter() - start
+                after.append((b - a) * 1000)
+                if len(after) >= claims_after:
+                    break
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+        server.stop()
+    return {
+        "finished_jobs": finished,
+        "fill_s": round(fill_s, 2),
+        "pruned": finished - left[0],
+        "prune_s": round(done_s, 1) if done_s is not None else None,
+        "pruned_per_s": rate(finished - left[0], done_s) if done_s else None,
+        "lease_latency_ms_while_pruning": summarize(during),
+        "lease_latency_ms_after": summarize(after),
+        "lease_acks_while_pruning": len(during),
+    }
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000

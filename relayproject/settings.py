@@ -243,6 +243,9 @@ RELAY_CLOCK = _env("RELAY_CLOCK", "queue_core.clock.SystemClock")
 RELAY_ALLOW_PUBLIC_WITHOUT_KEYS = _env("RELAY_ALLOW_PUBLIC_WITHOUT_KEYS", "0") == "1"
 # HTTP side: long-lived threads per gunicorn worker for requests' database work (queue_api.pool).
 RELAY_HTTP_THREADS = _env_int("RELAY_HTTP_THREADS", 8)
+# Retention: how long finished jobs are kept (durations such as 7d, 12h, 30m; 0 keeps forever).
+RELAY_RETENTION_SUCCEEDED = _env("RELAY_RETENTION_SUCCEEDED", "7d")
+RELAY_RETENTION_DEAD = _env("RELAY_RETENTION_DEAD", "30d")
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

@@ -274,6 +274,27 @@ class Driver(Protocol):
         """
         ...
 
+    def backup(self, path: str, *, overwrite: bool = False) -> dict[str, Any]:
+        """Copy the database to the file ``path`` while it is in use, consistent as of one
+        instant, and check the copy (SQLite: the online backup API, then ``PRAGMA
+        integrity_check`` on the copy; the copy is written beside ``path`` and renamed into
+        place only once it passed, so ``path`` never holds half a copy).
+
+        Args:
+            path: the file to write; its folder must exist.
+            overwrite: replace an existing file at ``path`` (otherwise refused).
+        Returns:
+            ``{"path": str, "bytes": int, "pages": int}`` of the copy.
+        Raises:
+            FileExistsError: ``path`` exists and ``overwrite`` is False.
+            ValueError: the copy failed its integrity check (it is deleted; the message
+                names the problems).
+            NotImplementedError: the database has no such backup (PostgreSQL: use
+                ``pg_dump``).
+            StorageFull, StorageIO: writing the copy failed.
+        """
+        ...
+
     def storage_error(self, exc: BaseException) -> RelayError | None:
         """Relay's error for ``exc`` when the storage itself failed (``STORAGE_FULL``,
         ``STORAGE_IO``...), None otherwise; for errors raised outside the driver (``migrate``)."""

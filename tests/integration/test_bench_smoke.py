@@ -103,6 +103,32 @@ def test_backlog_fill_writes_ready_jobs_over_classes(tmp_path: Path) -> None:
     assert (one["jobs"], batch["jobs"], claim["jobs"]) == (5, 200, 5)
 
 
+@pytest.mark.slow
+def test_prune_scenario_runs_end_to_end(tmp_path: Path) -> None:
+    out = io.StringIO()
+    call_command(
+        "relay_bench", "--prune-jobs", "1200", "--no-progress", stdout=out, stderr=io.StringIO()
+    )
+    prune = orjson.loads(out.getvalue())["prune"]
+    assert prune["finished_jobs"] == prune["pruned"] == 1200
+    assert prune["lease_latency_ms_after"]["n"] == 2000
+    assert {"prune_s", "pruned_per_s", "lease_latency_ms_while_pruning"} <= set(prune)
+
+
+def test_finished_fill_writes_succeeded_jobs_with_attempts(tmp_path: Path) -> None:
+    db = procs.fresh_db(procs.template_db(tmp_path), tmp_path, "finished")
+    procs.fill_finished(db, 250, finished_at_ms=1_000_000_000)
+    assert procs.count_state(db, "succeeded", queue="bench-done") == 250
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        attempts = conn.execute("SELECT COUNT(DISTINCT job_id) FROM relay_attempt").fetchone()[0]
+        span = conn.execute("SELECT MIN(finished_at_ms), MAX(finished_at_ms) FROM relay_job")
+        low, high = span.fetchone()
+        counted = conn.execute("SELECT n FROM relay_job_count WHERE state = 'succeeded'")
+        assert counted.fetchone()[0] == 250
+    assert attempts == 250
+    assert 1_000_000_000 - 3_600_000 < low < high <= 1_000_000_000
+
+
 def test_percentiles_use_nearest_rank() -> None:
     values = [float(n) for n in range(1, 201)]
     summary = stats.summarize(values)

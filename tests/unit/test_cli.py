@@ -85,6 +85,12 @@ def test_seed_lines_map_to_management_commands(line: str, expected: list[str]) -
         ("relay --address a:1 stats --address b:2", ["relay_stats", "--address", "b:2"]),
         ("relay --address a:1 stats --address=b:2", ["relay_stats", "--address=b:2"]),
         ("relay --json stats --json", ["relay_stats", "--json"]),
+        # Local commands open the database themselves: no server address, no API key.
+        (
+            "relay --address h:1 --api-key k --json prune --older-than 7d",
+            ["relay_prune", "--older-than", "7d", "--json"],
+        ),
+        ("relay --address h:1 --api-key k backup b.db", ["relay_backup", "b.db"]),
     ],
 )
 def test_global_options_are_handed_to_the_command(line: str, expected: list[str]) -> None:

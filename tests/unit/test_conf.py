@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from django.core import checks
 from django.test.utils import override_settings
 
-from queue_core.conf import relay_settings
+from queue_core.conf import parse_duration_ms, relay_settings
 
 
 def test_defaults() -> None:
@@ -44,3 +45,38 @@ def test_checks_catch_bad_settings() -> None:
         assert "relay.E007" in ids()
     with override_settings(RELAY_CLOCK_STEP_TOLERANCE_MS=0):
         assert "relay.E002" in ids()
+
+
+@pytest.mark.parametrize(
+    ("text", "ms"),
+    [
+        ("0", 0),
+        ("500ms", 500),
+        ("45s", 45_000),
+        ("30m", 1_800_000),
+        ("12h", 43_200_000),
+        ("7d", 604_800_000),
+        (" 1d ", 86_400_000),
+    ],
+)
+def test_durations_parse(text: str, ms: int) -> None:
+    assert parse_duration_ms(text) == ms
+
+
+@pytest.mark.parametrize("text", ["", "7", "1.5h", "-1d", "7 d", "1w", "d", "0s0"])
+def test_bad_durations_are_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration_ms(text)
+
+
+def test_retention_defaults_and_zero() -> None:
+    assert relay_settings().retention_ms() == {"succeeded": 7 * 86_400_000, "dead": 30 * 86_400_000}
+    with override_settings(RELAY_RETENTION_SUCCEEDED="0", RELAY_RETENTION_DEAD="12h"):
+        assert relay_settings().retention_ms() == {"succeeded": 0, "dead": 43_200_000}
+
+
+def test_checks_catch_bad_retention() -> None:
+    with override_settings(RELAY_RETENTION_SUCCEEDED="7"):
+        assert "relay.E010" in ids()
+    with override_settings(RELAY_RETENTION_DEAD="forever"):
+        assert "relay.E010" in ids()

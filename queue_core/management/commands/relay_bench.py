@@ -106,6 +106,15 @@ class Command(RelayBaseCommand):
         parser.add_argument(
             "--plot", metavar="PATH", help="Draw the scaling curves to this PNG (matplotlib)."
         )
+        parser.add_argument(
+            "--prune-jobs",
+            type=int,
+            default=0,
+            metavar="N",
+            help="Run only the retention scenario: N old finished jobs pruned by the server "
+            "while one worker does lease+ack (claim p99 during and after; JSON output; "
+            "1..5000000; e.g. 1000000).",
+        )
         parser.add_argument("--no-http", action="store_true", help="Skip the HTTP scenario.")
         parser.add_argument(
             "--no-backlog", action="store_true", help="Skip the backlog scaling scenario."
@@ -149,6 +158,20 @@ class Command(RelayBaseCommand):
             disable=options["no_progress"],
             transient=False,
         )
+        if options["prune_jobs"]:
+            if not 1 <= options["prune_jobs"] <= 5_000_000:
+                raise CommandError("INVALID_ARGUMENT: --prune-jobs must be 1..5000000")
+            with bar:
+                doc = runner.prune_run(
+                    options["prune_jobs"],
+                    deadline_s=max(sizes.deadline_s, 900.0),
+                    progress=runner.RichBar(bar),
+                )
+            text = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+            if options["json_out"]:
+                Path(options["json_out"]).write_text(text + "\n", encoding="utf-8")
+            self.stdout.write(text)
+            return
         if options["database_url"]:
             self._postgresql(options, sizes, bar)
             return

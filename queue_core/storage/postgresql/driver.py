@@ -397,6 +397,12 @@ class PostgresDriver:
         params = connections[self.alias].get_connection_params()
         return {k: v for k, v in params.items() if k not in ("cursor_factory", "context")}
 
+    def backup(self, path: str, *, overwrite: bool = False) -> dict[str, Any]:
+        """Not here: a PostgreSQL database is copied with its own tools (``pg_dump``)."""
+        raise NotImplementedError(
+            "relay backup copies SQLite databases; back up PostgreSQL with pg_dump"
+        )
+
     def check(self, *, full: bool = True) -> list[str]:
         """Connect and read Relay's table; return the problems found (``[]`` when healthy).
 

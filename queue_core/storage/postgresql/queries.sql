@@ -278,6 +278,52 @@ RETURNING state;
 DELETE FROM relay_job WHERE id = %(job_id)s AND state = 'dead'
 RETURNING state;
 
+-- name: prune_succeeded
+-- Retention, part one: delete up to `limit` SUCCEEDED jobs that finished before before_ms,
+-- oldest first (a seek on relay_job_succeeded_done; the state is spelled out, not a parameter,
+-- so the partial index applies). Their attempts, events and task result go next, in the same
+-- transaction. Params: before_ms, limit.
+-- PostgreSQL: SKIP LOCKED, so servers pruning at once take different rows instead of
+-- waiting on each other.
+DELETE FROM relay_job
+ WHERE id IN (
+     SELECT id FROM relay_job
+      WHERE state = 'succeeded' AND finished_at_ms < %(before_ms)s
+      ORDER BY finished_at_ms
+      LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED)
+RETURNING id, queue;
+
+-- name: count_prunable_succeeded
+-- What prune_succeeded would delete in all (relay prune --dry-run). Params: before_ms.
+SELECT COUNT(*) AS n FROM relay_job
+ WHERE state = 'succeeded' AND finished_at_ms < %(before_ms)s;
+
+-- name: prune_dead
+-- Retention, part one: delete up to `limit` DEAD jobs that finished before before_ms,
+-- oldest first (a seek on relay_job_dead_done; the state is spelled out, not a parameter,
+-- so the partial index applies). Their attempts, events and task result go next, in the same
+-- transaction. Params: before_ms, limit.
+-- PostgreSQL: SKIP LOCKED, so servers pruning at once take different rows instead of
+-- waiting on each other.
+DELETE FROM relay_job
+ WHERE id IN (
+     SELECT id FROM relay_job
+      WHERE state = 'dead' AND finished_at_ms < %(before_ms)s
+      ORDER BY finished_at_ms
+      LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED)
+RETURNING id, queue;
+
+-- name: count_prunable_dead
+-- What prune_dead would delete in all (relay prune --dry-run). Params: before_ms.
+SELECT COUNT(*) AS n FROM relay_job
+ WHERE state = 'dead' AND finished_at_ms < %(before_ms)s;
+
+-- name: delete_events
+-- Retention, part two: a pruned job's events (purge keeps them; prune does not). Params: job_id.
+DELETE FROM relay_event WHERE job_id = %(job_id)s;
+
 -- name: delete_task_result
 -- Purge, part three, when the relay_tasks app is installed: the Django task's result row.
 -- Params: job_id.

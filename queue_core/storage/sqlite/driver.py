@@ -658,6 +658,48 @@ class SqliteDriver:
             return [f"{type(exc).__name__}: {exc}"]
         return [] if rows == ["ok"] else rows
 
+    def backup(self, path: str, *, overwrite: bool = False) -> dict[str, Any]:
+        """Copy the database with SQLite's online backup API (see ``Driver.backup``).
+
+        The copy is made in one backup step, which reads one snapshot of the database: in
+        WAL mode a reader does not block the writer, so the server goes on committing while
+        it runs (a copy made in several steps would start over whenever another connection
+        wrote between two steps, so under a steady load it might never end). The
+        write-ahead log may grow meanwhile: a checkpoint cannot pass the snapshot.
+        """
+        target = Path(path)
+        if target.exists() and not overwrite:
+            raise FileExistsError(f"{path} exists (--force replaces it)")
+        partial = target.with_name(f".{target.name}.partial")
+        partial.unlink(missing_ok=True)
+        timeout_s = relay_settings().busy_retry_budget_ms / 1000
+        try:
+            src = sqlite3.connect(self._path(), timeout=timeout_s)
+            try:
+                dst = sqlite3.connect(partial)
+                try:
+                    src.backup(dst)
+                    pages = int(dst.execute("PRAGMA page_count").fetchone()[0])
+                    problems = [str(r[0]) for r in dst.execute("PRAGMA integrity_check")]
+                finally:
+                    dst.close()
+            finally:
+                src.close()
+        except sqlite3.Error as exc:
+            partial.unlink(missing_ok=True)
+            mapped = storage_fault(exc, str(partial))
+            if mapped is not None:
+                raise mapped from exc
+            raise
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        if problems != ["ok"]:
+            partial.unlink(missing_ok=True)
+            raise ValueError(f"the copy failed its integrity check: {'; '.join(problems[:5])}")
+        os.replace(partial, target)
+        return {"path": str(target), "bytes": target.stat().st_size, "pages": pages}
+
     def server_lock(self) -> IO[bytes]:
         """Hold an exclusive ``flock`` on the database file itself for the life of the process.
 

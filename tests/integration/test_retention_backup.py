@@ -1,0 +1,205 @@
+"""Retention and online backup end to end: ``relay prune`` and ``relay backup`` as commands,
+and a real ``relay server`` pruning by itself while a worker goes on, and being backed up
+while a producer writes."""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+from django.test.utils import override_settings
+
+from queue_core.clock import FakeClock, SystemClock
+from queue_core.service import QueueService
+from tests.integration.test_relay_server_command import Conn
+from tests.procs import Spawner, spawner
+
+DEADLINE_S = 30.0
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Spawner]:
+    with spawner(str(tmp_path / "relay.db")) as s:
+        yield s
+    for proc in s.procs:
+        proc.wait_exit()
+        if proc.popen.stderr is not None:
+            proc.popen.stderr.close()
+
+
+def finish(service: QueueService, n: int, *, fail: bool = False) -> list[str]:
+    ids = []
+    for i in range(n):
+        service.submit("q", {"i": i})
+        lease = service.claim(["q"], worker_id="w", lease_ms=30_000)[0]
+        args = {"worker_id": "w", "lease_token": lease["lease_token"]}
+        if fail:
+            service.fail(lease["job_id"], error="x", retryable=False, **args)
+        else:
+            service.ack(lease["job_id"], **args)
+        ids.append(lease["job_id"])
+    return ids
+
+
+# ------------------------------------------------------------------ relay prune
+
+
+@pytest.mark.django_db(transaction=True)
+def test_prune_command_counts_then_deletes_old_finished_jobs() -> None:
+    # Jobs finished on a fake clock a day and more before the real one: old enough.
+    past = FakeClock(start_ms=SystemClock().now_ms() - 3 * 86_400_000)
+    old = QueueService(clock=past)
+    done, dead = finish(old, 3), finish(old, 2, fail=True)
+    fresh = finish(QueueService(), 1)
+    out = StringIO()
+    call_command("relay_prune", "--older-than", "1d", "--dry-run", "--json", stdout=out)
+    assert orjson.loads(out.getvalue()) == {"succeeded": 3, "dead": 2, "dry_run": True}
+    out = StringIO()
+    call_command("relay_prune", "--older-than", "1d", "--state", "dead", stdout=out)
+    assert out.getvalue().strip() == "pruned 2 jobs (0 succeeded, 2 dead) finished more than 1d ago"
+    out = StringIO()
+    call_command("relay_prune", "--older-than", "1d", "--batch", "2", "--json", stdout=out)
+    assert orjson.loads(out.getvalue())["succeeded"] == 3
+    service = QueueService()
+    assert [service.get(j)["id"] for j in fresh] == fresh
+    for job_id in done + dead:
+        with pytest.raises(Exception, match=r"NOT_FOUND|no job"):
+            service.get(job_id)
+
+
+@pytest.mark.parametrize("value", ["7", "0", "soon", "-1d"])
+def test_prune_command_refuses_bad_durations(value: str) -> None:
+    with pytest.raises(CommandError, match="INVALID_ARGUMENT: --older-than"):
+        call_command("relay_prune", f"--older-than={value}")
+
+
+# ------------------------------------------------------------------ relay backup
+
+
+@pytest.mark.django_db(transaction=True)
+def test_backup_command_copies_checks_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    ids = finish(QueueService(), 3)
+    copy = tmp_path / "copy.db"
+    out = StringIO()
+    call_command("relay_backup", str(copy), "--json", stdout=out)
+    result = orjson.loads(out.getvalue())
+    assert result["path"] == str(copy) and result["bytes"] == copy.stat().st_size
+    with contextlib.closing(sqlite3.connect(copy)) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        got = {r[0] for r in db.execute("SELECT id FROM relay_job WHERE state = 'succeeded'")}
+    assert got == set(ids)
+    assert not list(tmp_path.glob(".copy.db.partial*"))
+    with pytest.raises(CommandError, match=r"INVALID_ARGUMENT: .* exists"):
+        call_command("relay_backup", str(copy))
+    copy.write_bytes(b"old")
+    call_command("relay_backup", str(copy), "--force", stdout=StringIO())
+    assert copy.read_bytes()[:16] == b"SQLite format 3\x00"
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "postgresql"])
+def test_backup_command_on_postgresql_points_to_pg_dump(tmp_path: Path) -> None:
+    with (
+        override_settings(RELAY_DATABASE="postgresql"),
+        pytest.raises(CommandError, match="pg_dump") as caught,
+    ):
+        call_command("relay_backup", str(tmp_path / "x.db"))
+    assert caught.value.returncode == 1
+    assert not (tmp_path / "x.db").exists()
+
+
+# ------------------------------------------------------------------ a real server
+
+
+def count(db: Path, sql: str, *params: Any) -> int:
+    with contextlib.closing(sqlite3.connect(db, timeout=10)) as conn:
+        return int(conn.execute(sql, params).fetchone()[0])
+
+
+def lease_ack(conn: Conn, n: int) -> list[str]:
+    ids = []
+    for i in range(n):
+        assert conn("submit", queue="q", payload={"i": i})["ok"]
+        job = conn("lease", queues=["q"], worker_id="w")["result"]["jobs"][0]
+        acked = conn("ack", job_id=job["job_id"], worker_id="w", lease_token=job["lease_token"])
+        assert acked["ok"], acked
+        ids.append(job["job_id"])
+    return ids
+
+
+def test_server_prunes_finished_jobs_while_a_worker_goes_on(procs: Spawner, tmp_path: Path) -> None:
+    db = tmp_path / "relay.db"
+    _, port = procs.server(
+        "--db", str(db), RELAY_RETENTION_SUCCEEDED="1s", RELAY_REAPER_INTERVAL_MS="100"
+    )
+    conn = Conn(port)
+    try:
+        first = lease_ack(conn, 20)
+        marks = ",".join("?" * len(first))
+        deadline = time.monotonic() + DEADLINE_S
+        acked = 0
+        while count(db, f"SELECT COUNT(*) FROM relay_job WHERE id IN ({marks})", *first):
+            assert time.monotonic() < deadline, "the server did not prune finished jobs"
+            acked += len(lease_ack(conn, 5))  # the worker goes on meanwhile
+        assert acked > 0
+        assert not count(
+            db, f"SELECT COUNT(*) FROM relay_attempt WHERE job_id IN ({marks})", *first
+        )
+        assert lease_ack(conn, 1)  # still serving
+    finally:
+        conn.close()
+
+
+def test_backup_while_the_server_takes_submits(procs: Spawner, tmp_path: Path) -> None:
+    db = tmp_path / "relay.db"
+    _, port = procs.server("--db", str(db))
+    submitted: list[str] = []
+    stop = threading.Event()
+
+    def produce() -> None:
+        conn = Conn(port)
+        try:
+            for i in range(100_000):  # bounded; stopped long before
+                if stop.is_set():
+                    return
+                reply = conn("submit", queue="p", payload={"i": i, "pad": "x" * 200})
+                submitted.append(reply["result"]["job"]["id"])
+        finally:
+            conn.close()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while len(submitted) < 200:
+            assert time.monotonic() < deadline and producer.is_alive()
+            time.sleep(0.01)  # polling the producer's progress, with a deadline
+        before = len(submitted)
+        copy = tmp_path / "backup.db"
+        out = procs.run("relay_backup", str(copy), RELAY_DB=str(db))
+        after = len(submitted)
+        assert out.returncode == 0, out.stderr
+        while len(submitted) < after + 50:  # the server went on taking submits
+            assert time.monotonic() < deadline and producer.is_alive()
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        producer.join(timeout=DEADLINE_S)
+    assert after > before, "no submit committed while the backup ran"
+    with contextlib.closing(sqlite3.connect(copy)) as backup:
+        assert backup.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        ids = [r[0] for r in backup.execute("SELECT id FROM relay_job ORDER BY id")]
+        counted = backup.execute("SELECT n FROM relay_job_count WHERE queue = 'p'").fetchone()
+    # One instant's snapshot: every submit answered before the copy began, a prefix of the rest.
+    assert before <= len(ids) <= after
+    assert ids == submitted[: len(ids)]
+    assert counted[0] == len(ids)
