@@ -852,7 +852,8 @@ class QueueService:
                             "attempt": row["attempt"],
                             "worker_id": worker_id,
                             "token": row["lease_token"],
-                            "now_ms": now,
+                            # PostgreSQL: never before the job's last change (queries.sql)
+                            "now_ms": row.get("leased_at_ms", now),
                         }
                         for row in rows
                     ],

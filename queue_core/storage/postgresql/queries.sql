@@ -126,8 +126,11 @@ UPDATE relay_job
 -- claims on other servers take other jobs instead of waiting; they are ranked by aged class
 -- (base + one per whole minute waited, capped at CRITICAL = 3), then FIFO, and leased while
 -- their payloads (+ 1024 bytes each) fit the reply (the first always does). Heads locked but
--- not taken stay READY. Params: queues (text[]), limit, now_ms, expires_ms, worker_id,
--- tokens (text[], one per job wanted), room.
+-- not taken stay READY. The lease starts at now_ms, or at the job's last change if another
+-- server's sweep (its own clock, read a moment later) returned the job to READY after this
+-- transaction read now_ms: a delivery never starts before the previous one ended. Params:
+-- queues (text[]), limit, now_ms, expires_ms, worker_id, tokens (text[], one per job wanted),
+-- room.
 WITH heads AS (
     SELECT h.id, h.priority, h.ready_since_ms, h.size
       FROM unnest(%(queues)s::text[]) AS q(name)
@@ -151,11 +154,13 @@ WITH heads AS (
 UPDATE relay_job AS j
    SET state = 'leased', attempt = j.attempt + 1,
        lease_token = (%(tokens)s::text[])[r.n::int], leased_by = %(worker_id)s,
-       leased_at_ms = %(now_ms)s, lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
+       leased_at_ms = GREATEST(%(now_ms)s::bigint, j.updated_at_ms),
+       lease_expires_at_ms = %(expires_ms)s,
+       updated_at_ms = GREATEST(%(now_ms)s::bigint, j.updated_at_ms)
   FROM ranked AS r
  WHERE j.id = r.id AND r.n <= %(limit)s AND (r.n = 1 OR r.bytes <= %(room)s)
 RETURNING j.id, j.queue, j.payload, j.attempt, j.priority, j.failures, j.max_retries,
-          j.created_at_ms, j.lease_token, r.n;
+          j.created_at_ms, j.lease_token, j.leased_at_ms, r.n;
 
 -- name: insert_attempt
 -- Open the history row of a delivery. Params: job_id, attempt, worker_id, token, now_ms.
