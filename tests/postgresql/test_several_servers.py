@@ -124,11 +124,6 @@ def test_a_claim_is_exclusive_across_servers_threads_and_processes(
 ) -> None:
     a, b = servers(2)
     total = 600
-    with RelayClient(a.address) as producer:
-        for start in range(0, total, 200):
-            producer.submit_batch(
-                [{"queue": "excl", "payload": i} for i in range(start, start + 200)]
-            )
     workers = [
         pg_spawn(
             "relay_worker",
@@ -143,6 +138,15 @@ def test_a_claim_is_exclusive_across_servers_threads_and_processes(
         )
         for n, (first, second) in enumerate([(a, b), (b, a)])
     ]
+    # The workers wait, long-polling, before any job exists: on a loaded machine the threads
+    # below once drained all 600 jobs before a worker process had started.
+    for worker in workers:
+        worker.wait_event("worker_ready")
+    with RelayClient(a.address) as producer:
+        for start in range(0, total, 200):
+            producer.submit_batch(
+                [{"queue": "excl", "payload": i} for i in range(start, start + 200)]
+            )
     leased: list[str] = []
     errors_seen: list[BaseException] = []
     lock = threading.Lock()
@@ -172,10 +176,7 @@ def test_a_claim_is_exclusive_across_servers_threads_and_processes(
         thread.join(120)
     assert errors_seen == []
     for worker in workers:
-        # The threads may drain every job before a worker has even started: its SIGTERM
-        # handler is in place once it logs worker_ready (else SIGTERM kills it, exit -15).
-        worker.wait_event("worker_ready")
-        worker.signal(signal.SIGTERM)
+        worker.signal(signal.SIGTERM)  # ready (above): its SIGTERM handler is in place
         assert worker.wait_exit(30) == 0
     assert Job.objects.filter(queue="excl", state="succeeded").count() == total
     # Every job was delivered once: one attempt each, by a thread or by a worker process.
