@@ -10,6 +10,7 @@ psutil.
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import subprocess
 import threading
@@ -106,6 +107,29 @@ class Child:
                     why = "exited" if self._eof else f"timed out after {timeout:g} s"
                     tail = "\n".join(list(self._raw)[-20:])
                     raise LogWaitError(f"{self.name} {why} before {what}:\n{tail}")
+                self._cond.wait(left)
+
+    def wait_line(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+        """Return the match of the first kept stderr line (JSON or plain text) that matches the
+        regular expression ``pattern``, waiting up to ``timeout`` s.
+
+        Raises:
+            LogWaitError: the child's stderr ended first, or ``timeout`` passed.
+        """
+        regex = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self._raw:
+                    if match := regex.search(line):
+                        return match
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    why = "exited" if self._eof else f"timed out after {timeout:g} s"
+                    tail = "\n".join(list(self._raw)[-20:])
+                    raise LogWaitError(
+                        f"{self.name} {why} before a line matching {pattern!r}:\n{tail}"
+                    )
                 self._cond.wait(left)
 
     def wait_event(self, event: str, timeout: float = 30.0) -> dict[str, Any]:

@@ -5,7 +5,6 @@ relay_server and a ``relay_worker --tasks`` from its manage.py, and a transactio
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
@@ -57,18 +56,6 @@ def start(env: dict[str, str], *args: str) -> Proc:
     return Proc(popen, args[0])
 
 
-def wait_line(proc: Proc, pattern: str, timeout_s: float = 30.0) -> re.Match[str]:
-    """Wait for a stderr line matching ``pattern`` (the example logs plain text)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for line in proc.raw:
-            if match := re.search(pattern, line):
-                return match
-        assert proc.popen.poll() is None, proc.stderr_text()
-        assert time.monotonic() < deadline, proc.stderr_text()
-        time.sleep(0.05)
-
-
 def test_example_shop_runs_its_tasks_on_relay(tmp_path: Path) -> None:
     env = example_env(tmp_path / "shop.db")
     manage(env, "migrate", "-v0")
@@ -76,11 +63,11 @@ def test_example_shop_runs_its_tasks_on_relay(tmp_path: Path) -> None:
     try:
         server = start(env, "relay_server", "--address", "127.0.0.1:0")
         procs.append(server)
-        port = wait_line(server, r"event=ready .*port=(\d+)").group(1)
+        port = server.wait_line(r"event=ready .*port=(\d+)").group(1)
         env["RELAY_ADDRESS"] = f"127.0.0.1:{port}"
         worker = start(env, "relay_worker", "--tasks", "--queue", "emails")
         procs.append(worker)
-        wait_line(worker, r"event=worker_ready")
+        worker.wait_line(r"event=worker_ready")
         kept = manage(env, "place_order", "ann@example.com", "1250")
         dropped = manage(env, "place_order", "bob@example.com", "990", "--rollback")
         deadline = time.monotonic() + 60

@@ -16,7 +16,6 @@ import re
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -139,18 +138,6 @@ def tables(db: Path) -> set[str]:
         return {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
 
 
-def wait_line(proc: Proc, pattern: str, timeout_s: float = 30.0) -> re.Match[str]:
-    """Wait for a stderr line of ``proc`` matching ``pattern``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for line in proc.raw:
-            if match := re.search(pattern, line):
-                return match
-        assert proc.popen.poll() is None, proc.stderr_text()
-        assert time.monotonic() < deadline, proc.stderr_text()
-        time.sleep(0.05)
-
-
 def test_relay_runs_on_the_settings_given_by_option_or_environment(tmp_path: Path) -> None:
     project = write_project(tmp_path / "site")
     done = run([str(RELAY), "--settings", "hostproj.settings", "migrate"], project, user_env())
@@ -213,10 +200,10 @@ def test_server_and_worker_log_under_a_project_without_logging(tmp_path: Path) -
 
     try:
         server = start("server", "--address", "127.0.0.1:0")
-        wait_line(server, r"INFO relay.server event=recovered ")
-        port = wait_line(server, r"event=ready .*port=(\d+)").group(1)
+        server.wait_line(r"INFO relay.server event=recovered ")
+        port = server.wait_line(r"event=ready .*port=(\d+)").group(1)
         worker = start("--address", f"127.0.0.1:{port}", "worker", "--tasks")
-        wait_line(worker, r"INFO relay.worker event=worker_ready ")
+        worker.wait_line(r"INFO relay.worker event=worker_ready ")
         for proc in (worker, server):
             assert proc.stop() == 0, proc.stderr_text()  # stop() reads stderr to its end
     finally:
