@@ -34,7 +34,7 @@ from django.urls import URLPattern, path, reverse
 from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from queue_admin import display
+from queue_admin import display, maintenance
 from queue_admin.listing import CappedPaginator, JobChangeList, QueueFilter, StateFilter
 from queue_admin.operations import CHUNK, BulkRunner, Op, describe
 from queue_admin.overview import build_overview
@@ -176,7 +176,12 @@ class JobAdmin(ReadOnlyAdmin):
             self.admin_site.admin_view(self.overview_view),
             name="queue_core_job_overview",
         )
-        return [overview, *urls]
+        tools = path(
+            "maintenance/",
+            self.admin_site.admin_view(self.maintenance_view),
+            name="queue_core_job_maintenance",
+        )
+        return [overview, tools, *urls]
 
     # ------------------------------------------------------------ list columns
 
@@ -519,6 +524,7 @@ class JobAdmin(ReadOnlyAdmin):
         extra = dict(extra_context or {})
         extra.setdefault("title", self.list_title)
         extra["relay_overview_url"] = reverse("admin:queue_core_job_overview")
+        extra["relay_maintenance_url"] = reverse("admin:queue_core_job_maintenance")
         extra["relay_bulk"] = self.bulk_buttons(request)
         return super().changelist_view(request, extra)
 
@@ -542,6 +548,10 @@ class JobAdmin(ReadOnlyAdmin):
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "queue_admin/overview.html", context)
+
+    def maintenance_view(self, request: HttpRequest) -> HttpResponse:
+        """Prune finished jobs by age, back up the database (``queue_admin.maintenance``)."""
+        return maintenance.view(self, request)
 
 
 def _keyset(queryset: QuerySet[Any]) -> Iterator[list[str]]:
@@ -660,7 +670,9 @@ class JobEventAdmin(ReadOnlyAdmin):
 
     @admin.display(description="job")
     def job(self, obj: JobEvent) -> SafeString:
-        """The job, linked unless it was purged."""
+        """The job, linked unless it was purged; a dash for an action on no one job."""
+        if not obj.job_id:
+            return format_html("{}", display.DASH)
         if obj.event == "purged":
             return format_html("{}", obj.job_id)
         url = reverse("admin:queue_core_job_change", args=[obj.job_id])

@@ -397,3 +397,21 @@ class ProblemOut(Schema):
     code: str
     retryable: bool
     details: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------- maintenance
+
+
+class PruneIn(_In):
+    """``POST /prune``: one bounded batch of retention, on demand."""
+
+    older_than_ms: int = Field(..., ge=1, description="Finished more than this long ago (ms).")
+    state: Literal["succeeded", "dead", "all"] = "all"
+    limit: int = Field(100, ge=1, le=10_000, description="The most jobs this call deletes.")
+
+
+class PruneOut(Schema):
+    """Jobs deleted per state; ``more``: the batch was full, call again."""
+
+    deleted: dict[str, int]
+    more: bool

@@ -108,6 +108,12 @@ class RelaySettings:
             middleware, the lease claims) and keep their database connections between
             requests (8, as the gthread worker had; ``queue_api.pool``). Requests beyond
             them wait on the event loop, holding no thread.
+
+        Backups:
+
+        backup_dir: the folder the console's "Back up now" writes SQLite copies to, as
+            ``relay-YYYYmmddTHHMMSSZ.db`` (empty, the default: the console offers none;
+            ``relay backup PATH`` takes any path).
     """
 
     address: str = "127.0.0.1:7400"
@@ -162,6 +168,8 @@ class RelaySettings:
     # Retention (issue 16, item 1).
     retention_succeeded: str = "7d"
     retention_dead: str = "30d"
+    # Console backups (issue 16, item 8).
+    backup_dir: str = ""
 
     def retention_ms(self) -> dict[str, int]:
         """The retention of each finished state in ms, ``{"succeeded": ms, "dead": ms}``;

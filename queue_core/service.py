@@ -234,10 +234,18 @@ class QueueService:
         """The storage's start-up health check; return the problems (``[]`` when healthy)."""
         return self.driver.check(full=full)
 
-    def backup(self, path: str, *, overwrite: bool = False) -> dict[str, Any]:
+    def backup(
+        self, path: str, *, overwrite: bool = False, actor: str | None = None
+    ) -> dict[str, Any]:
         """Copy the database to ``path`` while it serves, and check the copy
-        (``Driver.backup``: its arguments, result and errors)."""
-        return self.driver.backup(path, overwrite=overwrite)
+        (``Driver.backup``: its arguments, result and errors). With ``actor`` (the console),
+        a ``backed_up`` event with no job id records who made which copy."""
+        copy = self.driver.backup(path, overwrite=overwrite)
+        if actor is not None:
+            detail = f"path={copy['path']} bytes={copy['bytes']}"
+            with self.driver.write() as tx:
+                self._operator_event(tx, "backed_up", self._now(), actor, detail)
+        return copy
 
     def close(self) -> None:
         """Close this thread's database connection (threads that used the service, on exit)."""
@@ -1336,6 +1344,7 @@ class QueueService:
         *,
         limit: int = PRUNE_BATCH,
         before_ms: Mapping[str, int] | None = None,
+        actor: str | None = None,
     ) -> dict[str, int]:
         """Delete up to ``limit`` finished jobs past their retention, in one short write
         transaction (SUCCEEDED/DEAD -> deleted), with their attempts, events and, with the
@@ -1350,6 +1359,9 @@ class QueueService:
             limit: the most jobs this call deletes (1..10 000), SUCCEEDED ones first.
             before_ms: ``{state: epoch ms}``: the cutoffs themselves, instead of now minus
                 ``older_than_ms`` (``prune`` passes the ones it computed once).
+            actor: who asked (an operator's prune over TCP, HTTP or the console): when
+                set and jobs went, one ``pruned`` event with no job id records who, when and
+                how many (the jobs' own events go with them). Retention passes none.
         Returns:
             ``{"succeeded": n, "dead": m}``, the jobs deleted.
         Raises:
@@ -1382,6 +1394,8 @@ class QueueService:
                     self._observe("pruned", r["queue"])
                 deleted[state] = len(rows)
                 left -= len(rows)
+            if actor is not None and any(deleted.values()):
+                self._operator_event(tx, "pruned", self._now(), actor, _counts(deleted))
         if any(deleted.values()):
             log.info(
                 "event=pruned succeeded=%s dead=%s",
@@ -1398,6 +1412,7 @@ class QueueService:
         batch: int = PRUNE_BATCH,
         max_batches: int | None = None,
         yield_factor: float = 0.0,
+        actor: str | None = None,
     ) -> dict[str, int]:
         """Delete every finished job past its retention, one ``prune_batch`` transaction of
         at most ``batch`` jobs at a time (other writers get the lock between batches).
@@ -1411,6 +1426,8 @@ class QueueService:
             yield_factor: after each full batch, sleep (on the service's clock) this many
                 times as long as the batch took, so other writers get that share of the
                 write lock (``relay prune`` passes 2: a third of the time for pruning).
+            actor: who asked: when set and jobs went, one ``pruned`` event with no job id
+                records who, when and how many in all (not one per batch).
         Returns:
             ``{"succeeded": n, "dead": m}``, the jobs deleted in all.
         Raises:
@@ -1429,6 +1446,9 @@ class QueueService:
                 break
             if yield_factor > 0:
                 self.clock.sleep(yield_factor * (self.clock.monotonic() - started))
+        if actor is not None and any(total.values()):
+            with self.driver.write() as tx:
+                self._operator_event(tx, "pruned", self._now(), actor, _counts(total))
         return total
 
     def count_prunable(self, older_than_ms: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -1447,6 +1467,22 @@ class QueueService:
                 row = tx.one(f"count_prunable_{state}", {"before_ms": before})
                 counts[state] = int(row["n"]) if row else 0
         return counts
+
+    @staticmethod
+    def _operator_event(tx: Tx, event: str, now: int, actor: str, detail: str) -> None:
+        """Record an operator's action on no one job (``job_id`` empty) in the event log."""
+        tx.run(
+            "insert_event",
+            {
+                "job_id": "",
+                "event": event,
+                "from_state": None,
+                "to_state": None,
+                "now_ms": now,
+                "actor": actor,
+                "detail": detail,
+            },
+        )
 
     @staticmethod
     def _event(
@@ -1471,3 +1507,8 @@ class QueueService:
                 "detail": detail,
             },
         )
+
+
+def _counts(counts: Mapping[str, int]) -> str:
+    """``{"succeeded": 3, "dead": 0}`` -> ``"succeeded=3 dead=0"`` (event details)."""
+    return " ".join(f"{name}={n}" for name, n in counts.items())

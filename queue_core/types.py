@@ -231,3 +231,11 @@ class DeadPurgeResult(TypedDict):
 
     job_id: str
     purged: bool
+
+
+class PruneResult(TypedDict):
+    """``prune``: jobs deleted per state by one bounded transaction, and whether the batch
+    was full (call again: more may be past their age)."""
+
+    deleted: dict[str, int]
+    more: bool

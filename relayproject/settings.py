@@ -246,6 +246,8 @@ RELAY_HTTP_THREADS = _env_int("RELAY_HTTP_THREADS", 8)
 # Retention: how long finished jobs are kept (durations such as 7d, 12h, 30m; 0 keeps forever).
 RELAY_RETENTION_SUCCEEDED = _env("RELAY_RETENTION_SUCCEEDED", "7d")
 RELAY_RETENTION_DEAD = _env("RELAY_RETENTION_DEAD", "30d")
+# Where the console's "Back up now" writes its copies (empty: the console offers no backup).
+RELAY_BACKUP_DIR = _env("RELAY_BACKUP_DIR", "")
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

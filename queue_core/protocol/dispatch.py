@@ -23,7 +23,7 @@ from typing import Any
 from queue_core import auth, errors, metrics
 from queue_core.protocol.codec import Request
 from queue_core.protocol.ops import OPS, Arg, Kind, check_args
-from queue_core.service import QueueService
+from queue_core.service import PRUNABLE_STATES, PRUNE_BATCH, QueueService
 from queue_core.states import JobState
 
 __all__ = [
@@ -223,6 +223,14 @@ def _dead_purge(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcom
     return Outcome({"job_id": out["job_id"], "purged": True})
 
 
+def _prune(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    state, age = args.get("state", "all"), args["older_than_ms"]
+    ages = dict.fromkeys(PRUNABLE_STATES, age) if state == "all" else {state: age}
+    limit = args.get("limit", PRUNE_BATCH)
+    deleted = svc.prune_batch(ages, limit=limit, actor=ctx.actor)
+    return Outcome({"deleted": deleted, "more": sum(deleted.values()) >= limit})
+
+
 # ---------------------------------------------------------------------- the table
 
 
@@ -252,6 +260,7 @@ _HANDLERS: dict[str, Handler] = {
     "dead_list": _dead_list,
     "dead_retry": _dead_retry,
     "dead_purge": _dead_purge,
+    "prune": _prune,
 }
 
 

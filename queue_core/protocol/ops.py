@@ -98,6 +98,10 @@ def _str_list(field: str, value: Any) -> list[str]:
     return value
 
 
+def _age_ms(field: str, value: Any) -> int:
+    return validation.integer(field, value, lo=1)
+
+
 def _wait_ms(field: str, value: Any) -> int:
     return validation.integer(field, value, lo=0, hi=relay_settings().max_wait_ms)
 
@@ -657,6 +661,29 @@ class Ops:
             JobNotFound, InvalidState (not terminal), StoreBusy, RelayConnectionError.
         """
         return Call.of("dead_purge", locals())
+
+    @op(
+        Kind.WRITE,
+        {"older_than_ms": Arg(_age_ms, required=True), "state": Arg(_str), "limit": Arg(_int)},
+        types.PruneResult,
+    )
+    @staticmethod
+    def prune(older_than_ms: int, state: str = "all", limit: int = 100) -> Call[types.PruneResult]:
+        """Delete finished jobs that finished more than ``older_than_ms`` ago, with their
+        attempts, events and task results: one short transaction of at most ``limit`` jobs
+        (1..10 000), so the write lock is never held for long; call again while ``more``.
+        What the server's retention does by itself (``RELAY_RETENTION_SUCCEEDED``/``_DEAD``).
+
+        Args:
+            older_than_ms: age in ms (>= 1) past which finished jobs go.
+            state: ``succeeded``, ``dead`` or ``all``.
+            limit: the most jobs this call deletes.
+        Returns:
+            ``{"deleted": {"succeeded": n, "dead": m}, "more": bool}``.
+        Raises:
+            InvalidArgument, StoreBusy, RelayConnectionError.
+        """
+        return Call.of("prune", locals())
 
 
 class BlockingClient(Ops, Blocking):

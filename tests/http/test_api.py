@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -15,10 +16,12 @@ from django.test import RequestFactory, override_settings
 from queue_api import calls
 from queue_api.middleware import BodyLimitMiddleware
 from queue_core import metrics
-from queue_core.clock import FakeClock
+from queue_core.clock import FakeClock, SystemClock
 from queue_core.models import Job
 from queue_core.service import QueueService
 from tests.http.conftest import Api, problem
+
+DAY_MS = 86_400_000
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -482,3 +485,32 @@ def test_nan_infinity_and_surrogates_are_refused_like_over_tcp(
     response = api.client.post(path, raw, content_type="application/json")
     problem(response, 400, "BAD_FRAME")
     assert Job.objects.count() == 0
+
+
+# ---------------------------------------------------------------------- maintenance
+
+
+def test_prune_one_batch_at_a_time_with_an_operator_key(
+    api: Api, make_key: Callable[..., str]
+) -> None:
+    past = QueueService(clock=FakeClock(start_ms=SystemClock().now_ms() - 3 * DAY_MS))
+    for i in range(3):
+        past.submit("old", {"i": i})
+        held = past.claim(["old"], worker_id="w", lease_ms=30_000)[0]
+        past.ack(held["job_id"], worker_id="w", lease_token=held["lease_token"])
+    fresh = submit(api, {"new": 1}, queue="old")
+    operator, producer = make_key("operator"), make_key("producer")
+    body = {"older_than_ms": DAY_MS, "limit": 2}
+    problem(api.with_key(producer).post("/api/v1/prune", body), 403, "PERMISSION_DENIED")
+    ops = api.with_key(operator)
+    assert ops.post("/api/v1/prune", body).json() == {
+        "deleted": {"succeeded": 2, "dead": 0},
+        "more": True,
+    }
+    assert ops.post("/api/v1/prune", body).json() == {
+        "deleted": {"succeeded": 1, "dead": 0},
+        "more": False,
+    }
+    assert Job.objects.filter(queue="old").values_list("id", flat=True).get() == fresh["id"]
+    problem(ops.post("/api/v1/prune", {"older_than_ms": 0}), 422, "INVALID_ARGUMENT")
+    problem(ops.post("/api/v1/prune", {"older_than_ms": 5, "state": "x"}), 422, "INVALID_ARGUMENT")

@@ -203,3 +203,29 @@ def test_backup_while_the_server_takes_submits(procs: Spawner, tmp_path: Path) -
     assert before <= len(ids) <= after
     assert ids == submitted[: len(ids)]
     assert counted[0] == len(ids)
+
+
+def test_prune_op_over_tcp_deletes_in_bounded_batches_and_says_when_more_remain(
+    procs: Spawner, tmp_path: Path
+) -> None:
+    db = tmp_path / "relay.db"
+    _, port = procs.server("--db", str(db), RELAY_RETENTION_SUCCEEDED="0")
+    conn = Conn(port)
+    try:
+        done = lease_ack(conn, 5)
+        args = {"older_than_ms": 1, "state": "succeeded", "limit": 3}
+        first = conn("prune", **args)["result"]
+        assert first == {"deleted": {"succeeded": 3, "dead": 0}, "more": True}
+        second = conn("prune", **args)["result"]
+        assert second == {"deleted": {"succeeded": 2, "dead": 0}, "more": False}
+        marks = ",".join("?" * len(done))
+        assert not count(db, f"SELECT COUNT(*) FROM relay_job WHERE id IN ({marks})", *done)
+        events = count(db, "SELECT COUNT(*) FROM relay_event WHERE event = 'pruned'")
+        assert events == 2  # one per operator call, each with who asked
+        bad = conn("prune", older_than_ms=0)
+        assert (bad["ok"], bad["error"]["code"]) == (False, "INVALID_ARGUMENT")
+        bad = conn("prune", older_than_ms=5, state="leased")
+        assert (bad["ok"], bad["error"]["code"]) == (False, "INVALID_ARGUMENT")
+        assert lease_ack(conn, 1)  # still serving
+    finally:
+        conn.close()

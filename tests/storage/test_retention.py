@@ -199,3 +199,38 @@ def test_each_pruned_job_is_reported_to_the_observer_after_commit(
     assert seen == [] and Job.objects.count() == 3
     observed.prune_batch({"succeeded": DAY_MS})
     assert sorted(seen) == [("pruned", "a"), ("pruned", "a"), ("pruned", "b")]
+
+
+def test_an_operators_prune_records_one_event_with_the_counts(
+    service: QueueService, clock: FakeClock, leased_job: Factory, dead_job: Factory
+) -> None:
+    for _ in range(3):
+        succeeded_job(service, leased_job)
+    dead_job()
+    clock.advance(ms=2 * DAY_MS)
+    ages = {"succeeded": DAY_MS, "dead": DAY_MS}
+    assert service.prune(ages, batch=2, actor="alice") == {"succeeded": 3, "dead": 1}
+    events = list(JobEvent.objects.filter(event="pruned").values())
+    assert len(events) == 1  # one for the whole run, not one per batch of 2
+    assert events[0]["job_id"] == "" and events[0]["actor"] == "alice"
+    assert events[0]["detail"] == "succeeded=3 dead=1"
+    assert events[0]["at_ms"] == clock.now_ms()
+    assert service.prune(ages, actor="alice") == {"succeeded": 0, "dead": 0}
+    assert JobEvent.objects.filter(event="pruned").count() == 1  # nothing went: no event
+    assert service.prune_batch(ages) == {"succeeded": 0, "dead": 0}
+
+
+def test_one_batch_for_an_operator_records_its_own_event_and_retention_none(
+    service: QueueService, clock: FakeClock, leased_job: Factory
+) -> None:
+    first, second = succeeded_job(service, leased_job), succeeded_job(service, leased_job)
+    clock.advance(ms=DAY_MS + 1)
+    assert service.prune_batch({"succeeded": DAY_MS}, limit=1) == {"succeeded": 1, "dead": 0}
+    assert not JobEvent.objects.filter(event="pruned").exists()  # retention: no actor
+    assert service.prune_batch({"succeeded": DAY_MS}, limit=1, actor="tcp:bob") == {
+        "succeeded": 1,
+        "dead": 0,
+    }
+    (event,) = JobEvent.objects.filter(event="pruned")
+    assert (event.actor, event.detail) == ("tcp:bob", "succeeded=1 dead=0")
+    assert not Job.objects.filter(id__in=[first, second]).exists()

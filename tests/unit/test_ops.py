@@ -27,6 +27,7 @@ SAMPLE = {
     "job_id": "job_1",
     "lease_token": "t",
     "error": "boom",
+    "older_than_ms": 1_000,
 }
 
 
@@ -129,6 +130,7 @@ def _fields(schema: type[Schema]) -> set[str]:
         (schemas.StatsOut, types.StatsResult, set()),
         (schemas.JobPageOut, types.DeadListResult, set()),
         (schemas.PurgeOut, types.DeadPurgeResult, set()),
+        (schemas.PruneOut, types.PruneResult, set()),
     ],
 )
 def test_http_response_schemas_have_the_fields_of_the_wire_types(
@@ -148,6 +150,7 @@ def test_http_response_schemas_have_the_fields_of_the_wire_types(
         (schemas.LeaseIdsIn, "ack", {"job_id"}),
         (schemas.LeaseIdsIn, "release", {"job_id"}),
         (schemas.FailIn, "fail", {"job_id"}),
+        (schemas.PruneIn, "prune", set()),
     ],
 )
 def test_http_request_schemas_take_the_wire_arguments(
