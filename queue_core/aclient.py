@@ -34,18 +34,17 @@ import random
 import socket
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 from queue_core import errors
 from queue_core.client import (
     DEFAULT_ADDRESS,
-    DEFAULT_MAX_FRAME_BYTES,
+    ClientCore,
+    ClientOptions,
     RelayConnectionError,
     RelayUnreachable,
     decode_result,
     format_address,
-    format_addresses,
-    parse_addresses,
     request_frame,
 )
 from queue_core.protocol import codec, ops
@@ -146,7 +145,7 @@ class _Connection:
             await self.writer.wait_closed()
 
 
-class AsyncRelayClient(ops.Ops, ops.Asynchronous):
+class AsyncRelayClient(ClientCore, ops.Ops, ops.Asynchronous):
     """Asyncio client for one Relay server; many tasks may share it (requests are pipelined).
 
     Connects on the first call and again on the call after a broken connection. The op
@@ -157,68 +156,49 @@ class AsyncRelayClient(ops.Ops, ops.Asynchronous):
         address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``), or several
             separated by commas: the client connects to the first that answers and, after a
             broken connection, starts at the next (failover, as ``RelayClient``).
-        timeout_s: how long to wait for a reply, in seconds; a ``lease`` waits this much longer
-            than its ``wait_ms``.
-        connect_timeout_s: how long to wait for each TCP connection attempt, in seconds.
-        max_frame_bytes: the frame size limit in bytes, newline excluded (the server's
-            ``RELAY_MAX_FRAME_BYTES``; 1 MiB); larger requests are refused before sending and
-            a larger reply drops the connection.
         max_in_flight: most requests outstanding on the connection at once (>= 1); further
             calls wait for a free slot.
-        connect_retries: how many more times to try every server when none can be reached
-            (>= 0).
         reconnect_base_ms, reconnect_cap_ms: the pause before the first retry and the cap of
             the doubling pauses, in ms; each is jittered to 50-100%.
-        api_key: an API key (``rk_...``) sent in a ``hello`` first on every new connection, as
-            ``RelayClient`` does; an error reply to it (``UNAUTHENTICATED``) is raised and not
-            retried. None sends no hello.
         rng: randomness for the jitter (default a fresh ``random.Random``).
         sleep: the coroutine that pauses between connection attempts (default
             ``asyncio.sleep``; tests record the pauses).
+        **options: ``ClientOptions`` (reply and connect timeouts, frame size, API key,
+            connect retries; ``connect_retries`` defaults to 3 here). An error reply to the
+            API key's hello (``UNAUTHENTICATED``) is raised and not retried.
     Raises:
         ValueError: ``address`` is malformed or a number is out of range.
     """
+
+    DEFAULT_CONNECT_RETRIES = 3
 
     def __init__(
         self,
         address: str = DEFAULT_ADDRESS,
         *,
-        timeout_s: float = 30.0,
-        connect_timeout_s: float = 5.0,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_in_flight: int = 64,
-        connect_retries: int = 3,
         reconnect_base_ms: int = 100,
         reconnect_cap_ms: int = 2_000,
-        api_key: str | None = None,
         rng: random.Random | None = None,
         sleep: Sleep | None = None,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        self.servers = parse_addresses(address)
-        self.address = format_addresses(self.servers)
+        super().__init__(address, options)
         self._index = 0  # the server in use, or tried next
-        if max_in_flight < 1 or connect_retries < 0:
-            raise ValueError("max_in_flight must be >= 1 and connect_retries >= 0")
-        self.timeout_s = timeout_s
-        self.connect_timeout_s = connect_timeout_s
-        self.max_frame_bytes = max_frame_bytes
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
         self.max_in_flight = max_in_flight
-        self.connect_retries = connect_retries
         self._backoff = RetryPolicy(
             max_retries=0,
             base_ms=reconnect_base_ms,
             cap_ms=max(reconnect_cap_ms, reconnect_base_ms),
             jitter=True,
         )
-        self._hello = (
-            codec.encode_request("hello", "hello", {"api_key": api_key}) if api_key else None
-        )
         self._rng = rng or random.Random()
         self._sleep: Sleep = sleep or asyncio.sleep
         self._conn: _Connection | None = None
         self._connect_lock: asyncio.Lock | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._next_id = 0
         self.connects = 0
         """How many connections this client has opened (a reconnect adds one)."""
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Protocol, Self, TypedDict, Unpack
 
 from queue_core import errors
 from queue_core.protocol import codec, ops
@@ -354,7 +354,55 @@ def _readable(sock: socket.socket) -> bool:
     return bool(readable)
 
 
-class RelayClient(ops.BlockingClient):
+class ClientOptions(TypedDict, total=False):
+    """The keyword options both clients take (``RelayClient``, ``AsyncRelayClient``).
+
+    Attributes:
+        timeout_s: how long to wait for a reply, in seconds (30); a ``lease`` waits this much
+            longer than its ``wait_ms``.
+        connect_timeout_s: how long to wait for each TCP connection attempt, in seconds (5).
+        max_frame_bytes: the frame size limit in bytes, newline excluded (the server's
+            ``RELAY_MAX_FRAME_BYTES``; 1 MiB); larger requests are refused before sending and
+            a larger reply drops the connection.
+        api_key: an API key (``rk_...``) sent in a ``hello`` first on every new connection;
+            needed once the server has keys. None (the default) sends no hello.
+        connect_retries: how many more times to try every server when none can be reached,
+            with jittered backoff (>= 0; ``RelayClient`` 0, ``AsyncRelayClient`` 3).
+    """
+
+    timeout_s: float
+    connect_timeout_s: float
+    max_frame_bytes: int
+    api_key: str | None
+    connect_retries: int
+
+
+class ClientCore:
+    """What both clients share: the servers, the ``ClientOptions`` and the request ids.
+
+    Raises:
+        ValueError: ``address`` is malformed or ``connect_retries`` < 0.
+    """
+
+    DEFAULT_CONNECT_RETRIES = 0
+
+    def __init__(self, address: str, options: ClientOptions) -> None:
+        self.servers = parse_addresses(address)
+        self.address = format_addresses(self.servers)
+        self.timeout_s = options.get("timeout_s", 30.0)
+        self.connect_timeout_s = options.get("connect_timeout_s", 5.0)
+        self.max_frame_bytes = options.get("max_frame_bytes", DEFAULT_MAX_FRAME_BYTES)
+        self.connect_retries = options.get("connect_retries", self.DEFAULT_CONNECT_RETRIES)
+        if self.connect_retries < 0:
+            raise ValueError("connect_retries must be >= 0")
+        api_key = options.get("api_key")
+        self._hello = (
+            codec.encode_request("hello", "hello", {"api_key": api_key}) if api_key else None
+        )
+        self._next_id = 0
+
+
+class RelayClient(ClientCore, ops.BlockingClient):
     """Blocking client for one Relay server; thread-safe, one request in flight at a time.
 
     Connects on the first call and again on the call after a broken connection. The op
@@ -366,49 +414,32 @@ class RelayClient(ops.BlockingClient):
     Args:
         address: ``HOST:PORT`` or ``[IPv6]:PORT`` (default ``127.0.0.1:7400``), or several
             separated by commas (servers of one PostgreSQL database): the client fails over to
-            the next when a connection breaks (``TcpTransport``).
-        timeout_s: how long to wait for a reply, in seconds; a ``lease`` waits this much longer
-            than its ``wait_ms``.
-        connect_timeout_s: how long to wait for the TCP connection, in seconds.
-        max_frame_bytes: the frame size limit in bytes, newline excluded (the server's
-            ``RELAY_MAX_FRAME_BYTES``; 1 MiB); larger requests are refused before sending and
-            larger replies drop the connection.
-        api_key: an API key (``rk_...``) sent in a ``hello`` on every new connection of the
-            default transport; needed once the server has keys. None sends no hello.
-        transport: carry frames some other way (tests); default a ``TcpTransport``.
-        connect_retries: how many more times the default transport tries a connection that
-            cannot be opened, with jittered backoff (100 ms doubling to 2 s); default 0.
+            the next when a connection breaks (``TcpTransport``, whose connection retries
+            pause 100 ms doubling to 2 s).
+        transport: carry frames some other way (tests); default a ``TcpTransport``. The
+            ``api_key`` hello and ``connect_retries`` are the default transport's.
+        **options: ``ClientOptions`` (reply and connect timeouts, frame size, API key,
+            connect retries; ``connect_retries`` defaults to 0 here).
     Raises:
-        ValueError: ``address`` is malformed.
+        ValueError: ``address`` is malformed or an option is out of range.
     """
 
     def __init__(
         self,
         address: str = DEFAULT_ADDRESS,
         *,
-        timeout_s: float = 30.0,
-        connect_timeout_s: float = 5.0,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        api_key: str | None = None,
         transport: Transport | None = None,
-        connect_retries: int = 0,
+        **options: Unpack[ClientOptions],
     ) -> None:
-        servers = parse_addresses(address)
-        self.address = format_addresses(servers)
-        self.timeout_s = timeout_s
-        self.max_frame_bytes = max_frame_bytes
-        handshake = (
-            codec.encode_request("hello", "hello", {"api_key": api_key}) if api_key else None
-        )
+        super().__init__(address, options)
         self._transport: Transport = transport or TcpTransport(
-            servers,
-            connect_timeout_s=connect_timeout_s,
-            max_frame_bytes=max_frame_bytes,
-            handshake=handshake,
-            connect_retries=connect_retries,
+            self.servers,
+            connect_timeout_s=self.connect_timeout_s,
+            max_frame_bytes=self.max_frame_bytes,
+            handshake=self._hello,
+            connect_retries=self.connect_retries,
         )
         self._lock = threading.Lock()
-        self._next_id = 0
 
     def __enter__(self) -> Self:
         return self
