@@ -4,15 +4,30 @@ Input bodies forbid unknown fields and take JSON types strictly (``"5"`` is not 
 ``1`` is not ``true``), as the TCP op table does. Ranges (queue names, lease lengths, payload
 size, ...) are the service's to check, so they are not repeated here. Instants are integer
 epoch milliseconds (``*_at_ms``) with ISO 8601 twins (``*_at``) in job bodies.
+
+Response bodies are not written here: each is built by ``out`` from the op result's
+``TypedDict`` in ``queue_core.types`` (the one declaration of a result's shape), so a field
+added there is in the HTTP API and its OpenAPI document too. Job bodies add the ISO twins.
 """
 
-from __future__ import annotations
-
 import datetime as dt
-from typing import Any, Literal
+import types as pytypes
+from collections.abc import Mapping
+from typing import (
+    Any,
+    Literal,
+    NotRequired,
+    TypedDict,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 from ninja import Schema
-from pydantic import ConfigDict, Field, computed_field
+from pydantic import ConfigDict, Field, computed_field, create_model
+
+from queue_core import types
 
 
 def iso(ms: int | None) -> str | None:
@@ -69,170 +84,111 @@ class BatchIn(_In):
     jobs: list[BatchJobIn]
 
 
-class RetryPolicyOut(Schema):
-    """How a job's failures are retried."""
+# ---------------------------------------------------------------------- responses
 
-    backoff: str
-    base_ms: int
-    cap_ms: int
-    jitter: bool
+_OUT: dict[Any, type[Schema]] = {}  # each TypedDict's response model, for nested fields
 
 
-class JobSummaryOut(Schema):
-    """A job's fields other than its payload (``JobOut`` adds the payload)."""
+def _swap(hint: Any) -> Any:
+    """``hint`` with every TypedDict that has a response model replaced by that model."""
+    if hint in _OUT:
+        return _OUT[hint]
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (list, dict):
+        return origin[tuple(_swap(arg) for arg in args)]
+    if origin in (Union, pytypes.UnionType):
+        return Union[tuple(_swap(arg) for arg in args)]  # noqa: UP007 - built at run time
+    return hint
 
-    id: str
-    queue: str
-    state: str
-    priority: str
-    attempt: int
-    failures: int
-    max_retries: int
-    retry_policy: RetryPolicyOut
-    idempotency_key: str | None
+
+def out(
+    typed: Any,
+    name: str,
+    *,
+    base: type[Schema] = Schema,
+    skip: frozenset[str] = frozenset(),
+    defaults: Mapping[str, Any] | None = None,
+) -> type[Schema]:
+    """The response model of a ``queue_core.types`` TypedDict: its keys as fields (keys
+    marked ``NotRequired`` default to None), nested TypedDicts as their own models.
+
+    Args:
+        typed: the TypedDict.
+        name: the model's name (OpenAPI's component name).
+        base: a model with extra fields (the ISO twins of a job).
+        skip: keys left out.
+        defaults: ``{key: Field(...)}`` for keys with a default or a description.
+    """
+    defaults = defaults or {}
+    fields: dict[str, Any] = {}
+    for key, hint in get_type_hints(typed).items():
+        if key in skip:
+            continue
+        default = defaults.get(key, ... if key in typed.__required_keys__ else None)
+        fields[key] = (_swap(hint), default)
+    model = create_model(name, __base__=base, __module__=__name__, **fields)
+    model.__doc__ = typed.__doc__
+    _OUT.setdefault(typed, model)
+    return model
+
+
+def _iso_twin(ms_field: str) -> Any:
+    """A computed field: ``ms_field`` (epoch ms) as ISO 8601, or None."""
+
+    def twin(self: Schema) -> str | None:
+        return iso(getattr(self, ms_field))
+
+    twin.__doc__ = f"``{ms_field}`` as ISO 8601."
+    return computed_field(property(twin))
+
+
+class _JobTimes(Schema):
+    """The ISO 8601 twins of a job's instants."""
+
     created_at_ms: int
     available_at_ms: int | None
-    ready_since_ms: int | None
-    leased_by: str | None
     lease_expires_at_ms: int | None
     finished_at_ms: int | None
-    last_error: str | None
-    dead_reason: str | None
 
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def created_at(self) -> str | None:
-        """``created_at_ms`` as ISO 8601."""
-        return iso(self.created_at_ms)
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def available_at(self) -> str | None:
-        """``available_at_ms`` as ISO 8601."""
-        return iso(self.available_at_ms)
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def lease_expires_at(self) -> str | None:
-        """``lease_expires_at_ms`` as ISO 8601."""
-        return iso(self.lease_expires_at_ms)
-
-    @computed_field  # type: ignore[prop-decorator]
-    @property
-    def finished_at(self) -> str | None:
-        """``finished_at_ms`` as ISO 8601."""
-        return iso(self.finished_at_ms)
+    created_at = _iso_twin("created_at_ms")
+    available_at = _iso_twin("available_at_ms")
+    lease_expires_at = _iso_twin("lease_expires_at_ms")
+    finished_at = _iso_twin("finished_at_ms")
 
 
-class JobOut(JobSummaryOut):
-    """A job (never its lease token)."""
-
-    payload: Any
-
-
-class AttemptOut(Schema):
-    """One delivery of a job."""
-
-    attempt: int
-    worker_id: str
-    started_at_ms: int
-    ended_at_ms: int | None
-    outcome: str | None
-    error: str | None
-
-
-class EventOut(Schema):
-    """An operator or recovery event (replay, purge, recovery at server start)."""
-
-    event: str
-    from_state: str | None
-    to_state: str | None
-    at_ms: int
-    actor: str | None
-    detail: str | None
-
-
-class JobDetailOut(JobOut):
-    """A job with its delivery history and events (the newest that fit one frame)."""
-
-    history: list[AttemptOut]
-    events: list[EventOut]
-    history_omitted: int = Field(0, description="Older attempts and events left out.")
-
-
-class SubmitOut(Schema):
-    """A submitted job; ``deduplicated`` when an idempotency key matched an existing job."""
-
-    job: JobOut
-    deduplicated: bool
-
-
-class BatchItemOut(Schema):
-    """One job of a batch submit: its id and where it stands (the producer has the rest)."""
-
-    job_id: str
-    queue: str
-    state: str
-    available_at_ms: int | None
-    deduplicated: bool
-
-
-class BatchOut(Schema):
-    """One result per submitted job, in order."""
-
-    results: list[BatchItemOut]
-
-
-class QueueStatsOut(Schema):
-    """Job counts of one queue by state."""
-
-    pending: int
-    ready: int
-    leased: int
-    retrying: int
-    succeeded: int
-    dead: int
-    oldest_ready_age_ms: int | None
-
-
-class TotalsOut(Schema):
-    """Job counts of every queue by state."""
-
-    pending: int
-    ready: int
-    leased: int
-    retrying: int
-    succeeded: int
-    dead: int
-
-
-class ServerOut(Schema):
-    """A live ``relay server`` in the registry (instants in epoch ms)."""
-
-    id: str
-    address: str
-    host: str
-    pid: int
-    started_at_ms: int
-    seen_at_ms: int
-    clock_skew_ms: int = Field(description="The server's clock minus the database's, in ms.")
-
-
-class StatsOut(Schema):
-    """Counts by queue and state, and the live servers."""
-
-    queues: dict[str, QueueStatsOut]
-    totals: TotalsOut
-    server_time_ms: int
-    servers: list[ServerOut]
-    next_after: str | None
-
-
-class JobPageOut(Schema):
-    """One page of jobs in id order; pass ``next_after`` as ``after`` for the next."""
-
-    jobs: list[JobOut]
-    next_after: str | None
+INSPECT_ONLY = frozenset({"history", "events", "history_omitted"})
+RetryPolicyOut = out(types.RetryPolicy, "RetryPolicyOut")
+AttemptOut = out(types.Attempt, "AttemptOut")
+EventOut = out(types.JobEvent, "EventOut")
+JobOut = out(types.Job, "JobOut", base=_JobTimes, skip=INSPECT_ONLY)
+JobDetailOut = out(
+    types.Job,
+    "JobDetailOut",
+    base=_JobTimes,
+    defaults={"history_omitted": Field(0, description="Older attempts and events left out.")},
+)
+SubmitOut = out(types.SubmitResult, "SubmitOut")
+BatchItemOut = out(types.BatchEntry, "BatchItemOut")
+BatchOut = out(types.SubmitBatchResult, "BatchOut")
+ServerOut = out(
+    types.Server,
+    "ServerOut",
+    defaults={
+        "clock_skew_ms": Field(description="The server's clock minus the database's, in ms.")
+    },
+)
+QueueStatsOut = out(types.QueueStats, "QueueStatsOut")
+TotalsOut = out(types.Totals, "TotalsOut")
+StatsOut = out(types.StatsResult, "StatsOut")
+JobPageOut = out(types.DeadListResult, "JobPageOut")
+LeaseOut = out(types.Lease, "LeaseOut")
+LeasesOut = out(types.LeaseResult, "LeasesOut")
+RenewOut = out(types.RenewResult, "RenewOut")
+AckOut = out(types.AckResult, "AckOut")
+FailOut = out(types.FailResult, "FailOut")
+ReleaseOut = out(types.ReleaseResult, "ReleaseOut")
+PurgeOut = out(types.DeadPurgeResult, "PurgeOut")
+PruneOut = out(types.PruneResult, "PruneOut")
 
 
 # ---------------------------------------------------------------------- workers
@@ -252,27 +208,6 @@ class LeaseIn(_In):
     wait_ms: int | None = Field(
         None, description="Long-poll: wait up to this long for a job, 0..RELAY_MAX_WAIT_MS."
     )
-
-
-class LeaseOut(Schema):
-    """A leased job with its fencing token."""
-
-    job_id: str
-    queue: str
-    payload: Any
-    attempt: int
-    priority: str
-    lease_token: str
-    lease_expires_at_ms: int
-    failures: int
-    max_retries: int
-    created_at_ms: int
-
-
-class LeasesOut(Schema):
-    """The leased jobs (empty when none was ready by the end of the wait)."""
-
-    jobs: list[LeaseOut]
 
 
 class LeaseIdsIn(_In):
@@ -295,38 +230,6 @@ class FailIn(LeaseIdsIn):
     retryable: bool | None = Field(None, description="false dead-letters the job at once.")
 
 
-class RenewOut(Schema):
-    """The lease's new expiry."""
-
-    job_id: str
-    lease_expires_at_ms: int
-
-
-class AckOut(Schema):
-    """An acked job; ``duplicate`` when this token's ack had already succeeded."""
-
-    job_id: str
-    state: str
-    duplicate: bool
-
-
-class FailOut(Schema):
-    """A failed attempt: retrying at ``retry_at_ms``, or dead with ``dead_reason``."""
-
-    job_id: str
-    state: str
-    retry_at_ms: int | None
-    dead_reason: str | None
-    duplicate: bool
-
-
-class ReleaseOut(Schema):
-    """A job given back to ready."""
-
-    job_id: str
-    state: str
-
-
 # ---------------------------------------------------------------------- operators
 
 
@@ -336,47 +239,48 @@ class JobIdsIn(_In):
     job_ids: list[str] = Field(..., min_length=1, max_length=1000)
 
 
-class ItemErrorOut(Schema):
+class ItemError(TypedDict):
     """Why one item of a bulk request was refused."""
 
     code: str
     message: str
 
 
-class ReplayItemOut(Schema):
+class ReplayItem(TypedDict):
     """One job of a bulk replay."""
 
     job_id: str
     ok: bool
-    job: JobOut | None = None
-    error: ItemErrorOut | None = None
+    job: NotRequired[types.Job | None]
+    error: NotRequired[ItemError | None]
 
 
-class ReplayManyOut(Schema):
+class ReplayMany(TypedDict):
     """Per-job results of a bulk replay; each job is its own transaction."""
 
-    results: list[ReplayItemOut]
+    results: list[ReplayItem]
 
 
-class PurgeOut(Schema):
-    """A purged job."""
-
-    job_id: str
-    purged: bool
-
-
-class PurgeItemOut(Schema):
+class PurgeItem(TypedDict):
     """One job of a bulk purge."""
 
     job_id: str
     ok: bool
-    error: ItemErrorOut | None = None
+    error: NotRequired[ItemError | None]
 
 
-class PurgeManyOut(Schema):
+class PurgeMany(TypedDict):
     """Per-job results of a bulk purge."""
 
-    results: list[PurgeItemOut]
+    results: list[PurgeItem]
+
+
+# The bulk bodies are the HTTP API's own (TCP has no bulk replay or purge).
+ItemErrorOut = out(ItemError, "ItemErrorOut")
+ReplayItemOut = out(ReplayItem, "ReplayItemOut")
+ReplayManyOut = out(ReplayMany, "ReplayManyOut")
+PurgeItemOut = out(PurgeItem, "PurgeItemOut")
+PurgeManyOut = out(PurgeMany, "PurgeManyOut")
 
 
 class HealthOut(Schema):
@@ -408,10 +312,3 @@ class PruneIn(_In):
     older_than_ms: int = Field(..., ge=1, description="Finished more than this long ago (ms).")
     state: Literal["succeeded", "dead", "all"] = "all"
     limit: int = Field(100, ge=1, le=10_000, description="The most jobs this call deletes.")
-
-
-class PruneOut(Schema):
-    """Jobs deleted per state; ``more``: the batch was full, call again."""
-
-    deleted: dict[str, int]
-    more: bool

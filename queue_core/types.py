@@ -6,9 +6,9 @@ catches a misspelt key. ``AsyncRelayClient`` is annotated with them; ``RelayClie
 the same dicts (annotated ``dict[str, Any]``, which these are assignable from at run time).
 
 Instants are integer epoch milliseconds (``*_at_ms``); durations are milliseconds (``*_ms``).
+Annotations are evaluated (no ``from __future__ import annotations``), so ``__required_keys__``
+tells ``NotRequired`` keys apart, as ``queue_api.schemas`` needs.
 """
-
-from __future__ import annotations
 
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -28,12 +28,16 @@ __all__ = [
     "LeaseResult",
     "PingResult",
     "Priority",
+    "PruneResult",
+    "QueueStats",
     "ReleaseResult",
     "RenewResult",
     "RetryPolicy",
+    "Server",
     "StatsResult",
     "SubmitBatchResult",
     "SubmitResult",
+    "Totals",
 ]
 
 JobState = Literal["pending", "ready", "leased", "retrying", "succeeded", "dead"]
@@ -208,12 +212,30 @@ class Server(TypedDict):
     clock_skew_ms: int
 
 
+class Totals(TypedDict):
+    """Job counts of every queue by state."""
+
+    pending: int
+    ready: int
+    leased: int
+    retrying: int
+    succeeded: int
+    dead: int
+
+
+class QueueStats(Totals):
+    """One queue's job counts by state, and how long its oldest ready job has waited (ms;
+    None when none is ready)."""
+
+    oldest_ready_age_ms: int | None
+
+
 class StatsResult(TypedDict):
     """``stats``: per-queue counts by state plus ``oldest_ready_age_ms`` (None when empty),
     and the live servers."""
 
-    queues: dict[str, dict[str, int | None]]
-    totals: dict[str, int]
+    queues: dict[str, QueueStats]
+    totals: Totals
     server_time_ms: int
     servers: list[Server]
     next_after: str | None  # the next page's cursor; None on the last page
