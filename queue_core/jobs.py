@@ -1,7 +1,7 @@
 """The job's wire shape, built in one place for every surface.
 
 ``job_view`` turns a ``relay_job`` row into the ``types.Job`` object that TCP replies, the
-HTTP API (``queue_api.schemas.JobOut`` is tested against ``types.Job``), the tasks backend and
+HTTP API (``queue_api.schemas.JobOut`` is built from ``types.Job``), the tasks backend and
 the CLI show; the service calls it for every job it returns, a new one included.
 ``JOB_COLUMNS`` are the columns it reads: each driver's ``queries.sql`` writes
 ``{job_columns}`` where a statement selects a job, and ``storage.base.load_queries`` puts

@@ -12,7 +12,8 @@ gives each argument's units and bounds, and it returns the ``Call`` to send. Fro
   (``Blocking``) ``client.ack(...)`` returns the result, on one whose ``send`` is a coroutine
   (``Asynchronous``) it returns an awaitable of the same typed result (``OpMethod``);
   the worker's ``WorkerClient`` is ``BlockingClient``, the same methods;
-* ``queue_api.schemas`` and ``queue_core.types`` are checked against it by
+* ``queue_api.schemas`` builds the HTTP response bodies from the results' ``TypedDict`` classes
+  (``queue_core.types``); its request bodies are checked against the arguments here by
   ``tests/unit/test_ops.py``.
 
 A new op is one method here plus its ``QueueService`` method; ``dispatch`` calls the service
