@@ -51,6 +51,16 @@ class SubmitOptions(_In):
         description="Deduplicate resubmits within RELAY_IDEMPOTENCY_WINDOW_MS; also accepted "
         "as the Idempotency-Key header.",
     )
+    unique: Literal["window", "active"] | None = Field(
+        None,
+        description="window (default): the key stays bound for the window; active: it is "
+        "also freed when the job succeeds or goes dead (needs idempotency_key).",
+    )
+    meta: dict[str, str] | None = Field(
+        None,
+        description="Small map of strings stored with the job and returned with its lease "
+        "(RELAY_MAX_META_KEYS keys, RELAY_MAX_META_BYTES encoded), e.g. a traceparent.",
+    )
 
 
 class SubmitIn(SubmitOptions):
@@ -98,6 +108,8 @@ class JobSummaryOut(Schema):
     finished_at_ms: int | None
     last_error: str | None
     dead_reason: str | None
+    unique: Literal["window", "active"]
+    meta: dict[str, str]
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -267,6 +279,7 @@ class LeaseOut(Schema):
     failures: int
     max_retries: int
     created_at_ms: int
+    meta: dict[str, str]
 
 
 class LeasesOut(Schema):

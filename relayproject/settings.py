@@ -246,6 +246,10 @@ RELAY_HTTP_THREADS = _env_int("RELAY_HTTP_THREADS", 8)
 # Retention: how long finished jobs are kept (durations such as 7d, 12h, 30m; 0 keeps forever).
 RELAY_RETENTION_SUCCEEDED = _env("RELAY_RETENTION_SUCCEEDED", "7d")
 RELAY_RETENTION_DEAD = _env("RELAY_RETENTION_DEAD", "30d")
+# Job metadata: a job's optional meta map of strings (keys, key length and size bounds).
+RELAY_MAX_META_KEYS = _env_int("RELAY_MAX_META_KEYS", 16)
+RELAY_MAX_META_KEY_BYTES = _env_int("RELAY_MAX_META_KEY_BYTES", 64)
+RELAY_MAX_META_BYTES = _env_int("RELAY_MAX_META_BYTES", 1024)
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.
