@@ -39,8 +39,8 @@ PAYLOAD = {"user_id": 42}
 ACTIVE = {"idempotency_key": KEY, "unique": "active"}
 
 
-def direct_submits(n: int) -> list[Answer]:
-    service = QueueService(driver=driver_for("postgresql"))
+def direct_submits(n: int, alias: str) -> list[Answer]:
+    service = QueueService(driver=driver_for(alias))
     try:
         return [
             ("direct", r["job"]["id"], r["deduplicated"])
@@ -58,9 +58,10 @@ def client_submits(address: str, n: int) -> list[Answer]:
         ]
 
 
-def race(addresses: list[str], per_source: int = 3) -> list[Answer]:
-    """Every source submits the key ``per_source`` times, all starting at one barrier."""
-    sources: list[Callable[[], list[Answer]]] = [lambda: direct_submits(per_source)] * 6
+def race(addresses: list[str], per_source: int = 3, alias: str = "postgresql") -> list[Answer]:
+    """Every source submits the key ``per_source`` times, all starting at one barrier: six
+    threads calling the service on database ``alias`` and four clients per server."""
+    sources: list[Callable[[], list[Answer]]] = [lambda: direct_submits(per_source, alias)] * 6
     for address in addresses:
         sources += [lambda a=address: client_submits(a, per_source)] * 4
     barrier = threading.Barrier(len(sources))
@@ -83,11 +84,16 @@ def lease_and_ack(address: str, job_id: str) -> None:
 
 def test_racing_submits_through_two_servers_make_one_active_job(servers: Start) -> None:
     a, b = servers(2)
-    addresses = [a.address, b.address]
+    rounds_make_one_active_job([a.address, b.address], "postgresql")
+    audit(connections["postgresql"], quick_check=False)
+
+
+def rounds_make_one_active_job(addresses: list[str], alias: str) -> None:
+    """Three rounds: racing submits make one job, which is then leased and acked."""
     made: list[str] = []
     for round_ in range(3):
-        answers = race(addresses)
-        assert len(answers) == (6 + 4 * 2) * 3
+        answers = race(addresses, alias=alias)
+        assert len(answers) == (6 + 4 * len(addresses)) * 3
         ids = {job_id for _, job_id, _ in answers}
         assert len(ids) == 1, (round_, sorted(ids))
         assert [dedup for _, _, dedup in answers].count(False) == 1
@@ -95,10 +101,9 @@ def test_racing_submits_through_two_servers_make_one_active_job(servers: Start) 
         assert job_id not in made
         made.append(job_id)
         assert Job.objects.filter(queue=QUEUE).exclude(state="succeeded").count() == 1
-        lease_and_ack(addresses[round_ % 2], job_id)
+        lease_and_ack(addresses[round_ % len(addresses)], job_id)
     rows = {j.id: (j.state, j.idempotency_key) for j in Job.objects.filter(queue=QUEUE)}
     assert rows == {job_id: ("succeeded", None) for job_id in made}
-    audit(connections["postgresql"], quick_check=False)
 
 
 def test_submits_racing_acks_never_make_two_active_jobs(servers: Start) -> None:
