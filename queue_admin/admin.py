@@ -109,7 +109,7 @@ class JobAdmin(ReadOnlyAdmin):
     actions = ("replay_selected", "purge_selected")
     fieldsets = (
         (None, {"fields": ("id", "queue", "state", "priority_name", "idempotency")}),
-        ("Payload", {"fields": ("payload_pretty",)}),
+        ("Payload", {"fields": ("payload_pretty", "meta_pretty")}),
         (
             "Retries",
             {
@@ -130,6 +130,7 @@ class JobAdmin(ReadOnlyAdmin):
         "priority_name",
         "idempotency",
         "payload_pretty",
+        "meta_pretty",
         "retry_policy",
         "failures_of",
         "last_error_full",
@@ -229,11 +230,29 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="idempotency key")
     def idempotency(self, obj: Job) -> str:
-        """The key and how long it stays bound."""
+        """The key and how long it stays bound (``unique: "active"``: also until the job
+        finishes; a finished one has freed its key)."""
+        active = obj.unique_scope == "active"
         if not obj.idempotency_key:
-            return display.DASH
+            return (
+                f"{display.DASH} (unique while active: freed when the job finished)"
+                if active
+                else display.DASH
+            )
         until = display.iso_ms(obj.idempotency_expires_at_ms)
+        if active:
+            return (
+                f"{obj.idempotency_key} (unique while active: bound until the job finishes, "
+                f"at most until {until})"
+            )
         return f"{obj.idempotency_key} (bound until {until})"
+
+    @admin.display(description="meta")
+    def meta_pretty(self, obj: Job) -> SafeString:
+        """The job's meta map (e.g. a ``traceparent``), indented, escaped, in a ``<pre>``."""
+        if not obj.meta:
+            return mark_safe(display.DASH)  # noqa: S308 - a constant
+        return format_html('<pre class="relay-pre">{}</pre>', display.pretty_json(obj.meta))
 
     @admin.display(description="payload")
     def payload_pretty(self, obj: Job) -> SafeString:

@@ -66,6 +66,16 @@ class SubmitOptions(_In):
         description="Deduplicate resubmits within RELAY_IDEMPOTENCY_WINDOW_MS; also accepted "
         "as the Idempotency-Key header.",
     )
+    unique: Literal["window", "active"] | None = Field(
+        None,
+        description="window (default): the key stays bound for the window; active: it is "
+        "also freed when the job succeeds or goes dead (needs idempotency_key).",
+    )
+    meta: dict[str, str] | None = Field(
+        None,
+        description="Small map of strings stored with the job and returned with its lease "
+        "(RELAY_MAX_META_KEYS keys, RELAY_MAX_META_BYTES encoded), e.g. a traceparent.",
+    )
 
 
 class SubmitIn(SubmitOptions):

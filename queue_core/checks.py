@@ -42,6 +42,9 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "metrics_max_queues",
         "clock_step_tolerance_ms",
         "http_threads",
+        "max_meta_keys",
+        "max_meta_key_bytes",
+        "max_meta_bytes",
     ]
     for name in positive:
         if getattr(s, name) <= 0:

@@ -102,6 +102,12 @@ class RelaySettings:
             that is not loopback while no API key exists (False: they refuse to start, exit
             code 5). Only for a network that is private by other means.
 
+        Job metadata (issue 16, item 7): a job's optional ``meta`` map of strings.
+
+        max_meta_keys: keys one job's ``meta`` may have (16).
+        max_meta_key_bytes: longest ``meta`` key, in UTF-8 bytes (64).
+        max_meta_bytes: largest ``meta`` map, as compact JSON bytes (1 024).
+
         HTTP threads (ASGI submit throughput):
 
         http_threads: threads per HTTP worker process that run requests' sync work (views,
@@ -170,6 +176,10 @@ class RelaySettings:
     retention_dead: str = "30d"
     # Console backups (issue 16, item 8).
     backup_dir: str = ""
+    # Job metadata (issue 16, item 7).
+    max_meta_keys: int = 16
+    max_meta_key_bytes: int = 64
+    max_meta_bytes: int = 1024
 
     def retention_ms(self) -> dict[str, int]:
         """The retention of each finished state in ms, ``{"succeeded": ms, "dead": ms}``;

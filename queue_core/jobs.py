@@ -40,6 +40,8 @@ JOB_COLUMNS = (
     "finished_at_ms",
     "last_error",
     "dead_reason",
+    "unique_scope",
+    "meta",
 )
 """The ``relay_job`` columns ``job_view`` reads, in the order the SELECT lists name them."""
 
@@ -60,13 +62,19 @@ _FRESH = {
 }
 
 
+def meta_of(text: str | None) -> dict[str, str]:
+    """A job's ``meta`` map from its stored JSON text (``{}`` when the column is NULL)."""
+    return orjson.loads(text) if text else {}
+
+
 def job_view(row: Mapping[str, Any], *, payload: Any = _DECODE) -> types.Job:
     """Shape a job row as the wire's Job object (never includes the lease token).
 
     Args:
         row: a mapping with every name in ``JOB_COLUMNS``: ``priority`` as its number,
-            ``payload`` as its stored JSON text, ``jitter`` as 0/1 or a bool, instants in
-            epoch ms.
+            ``payload`` and ``meta`` as their stored JSON text (``meta`` may be NULL),
+            ``jitter`` as 0/1 or a bool, ``unique_scope`` as ``"active"`` or NULL, instants
+            in epoch ms.
         payload: the payload already decoded, when the caller has it (a fresh submit);
             by default ``row["payload"]`` is decoded.
     Returns:
@@ -98,6 +106,8 @@ def job_view(row: Mapping[str, Any], *, payload: Any = _DECODE) -> types.Job:
         "finished_at_ms": row["finished_at_ms"],
         "last_error": row["last_error"],
         "dead_reason": row["dead_reason"],
+        "unique": row["unique_scope"] or "window",
+        "meta": meta_of(row["meta"]),
     }
 
 
@@ -106,7 +116,8 @@ def new_job_view(row: Mapping[str, Any], *, created_at_ms: int, payload: Any) ->
 
     Args:
         row: the inserted columns (``id``, ``queue``, ``state``, ``priority``, the retry
-            policy, ``idempotency_key``, ``available_at_ms``, ``ready_since_ms``).
+            policy, ``idempotency_key``, ``unique_scope``, ``meta``, ``available_at_ms``,
+            ``ready_since_ms``).
         created_at_ms: the insert's instant, epoch ms.
         payload: the payload as submitted (not re-decoded from its stored text).
     """
@@ -118,7 +129,8 @@ def lease_view(row: Mapping[str, Any], lease_expires_at_ms: int) -> types.Lease:
 
     Args:
         row: ``id``, ``queue``, ``payload`` (stored JSON text), ``attempt``, ``priority`` (its
-            number), ``lease_token``, ``failures``, ``max_retries``, ``created_at_ms``.
+            number), ``lease_token``, ``failures``, ``max_retries``, ``created_at_ms``,
+            ``meta`` (stored JSON text or NULL; the lease carries it as a map, ``{}`` for none).
         lease_expires_at_ms: the expiry the claim set, epoch ms.
     """
     return {
@@ -132,6 +144,7 @@ def lease_view(row: Mapping[str, Any], lease_expires_at_ms: int) -> types.Lease:
         "failures": row["failures"],
         "max_retries": row["max_retries"],
         "created_at_ms": row["created_at_ms"],
+        "meta": meta_of(row["meta"]),
     }
 
 

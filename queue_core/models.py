@@ -33,6 +33,10 @@ class Job(models.Model):
     payload = models.TextField(help_text="Canonical JSON (sorted keys, compact).")
     idempotency_key = models.CharField(max_length=255, null=True, blank=True)
     idempotency_expires_at_ms = models.BigIntegerField(null=True, blank=True)
+    # "active": the key is freed when the job reaches a terminal state; NULL: "window" (the
+    # key stays bound for RELAY_IDEMPOTENCY_WINDOW_MS whatever the state).
+    unique_scope = models.CharField(max_length=8, null=True, blank=True)
+    meta = models.TextField(null=True, blank=True, help_text="Canonical JSON object of strings.")
     attempt = models.IntegerField(default=0)
     failures = models.IntegerField(default=0)
     max_retries = models.IntegerField()

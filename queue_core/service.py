@@ -42,7 +42,7 @@ from queue_core.errors import (
 from queue_core.jobs import batch_entry, job_view, lease_view, new_job_view
 from queue_core.protocol import ops
 from queue_core.retry import RetryPolicy, decide
-from queue_core.states import JobState, Transition, check
+from queue_core.states import JobState, Transition, check, is_terminal
 from queue_core.storage import Capabilities, ChangeFeed, ClaimRequest, Driver, Tx, driver_for
 from queue_core.storage.base import REPLY_OVERHEAD_BYTES
 
@@ -51,6 +51,8 @@ log = logging.getLogger("relay.service")
 # The names a job's options may have (the op catalogue declares them with their wire types).
 SUBMIT_OPTIONS = frozenset(ops.SUBMIT_OPTIONS)
 SWEEP_LIMIT = 500
+# Inserts of a keyed job tried while other transactions bind and free its key (unique: "active").
+KEYED_INSERT_TRIES = 3
 # Jobs one prune transaction deletes at most, with their attempts, events and task results:
 # about 30 ms of write lock on a 1M-job SQLite file (docs/failure-model.md, "Retention").
 PRUNE_BATCH = 100
@@ -275,11 +277,21 @@ class QueueService:
             **options: ``priority`` (``low|normal|high|critical`` or 0-3), ``max_retries``
                 (0..RELAY_MAX_RETRIES), ``backoff`` (``fixed|exponential``), ``backoff_base_ms``,
                 ``backoff_cap_ms`` (ms), ``jitter`` (bool), ``delay_ms`` (ms from now, >= 0)
-                or ``run_at_ms`` (epoch ms; a past instant is due at once), and
-                ``idempotency_key`` (1..255 characters).
+                or ``run_at_ms`` (epoch ms; a past instant is due at once),
+                ``idempotency_key`` (1..255 characters), ``unique`` (``"window"``, the
+                default, or ``"active"``; see below) and ``meta`` (an object of strings:
+                at most ``RELAY_MAX_META_KEYS`` keys of 1..``RELAY_MAX_META_KEY_BYTES``
+                bytes, ``RELAY_MAX_META_BYTES`` encoded; stored with the job, returned in
+                its view and its lease, e.g. a W3C ``traceparent``).
         Returns:
-            ``{"job": Job, "deduplicated": bool}``; a key already bound in this queue within
-            ``RELAY_IDEMPOTENCY_WINDOW_MS`` returns its job with ``deduplicated: true``.
+            ``{"job": Job, "deduplicated": bool}``; a key already bound in this queue returns
+            its job with ``deduplicated: true``. A key is bound to its job for
+            ``RELAY_IDEMPOTENCY_WINDOW_MS``; with ``unique: "active"`` it is freed sooner,
+            in the transaction that moves the job to a terminal state (``states.is_terminal``:
+            SUCCEEDED, DEAD), so a submit after that makes a new job (unique while active:
+            Sidekiq Enterprise's ``unique_until: :success``, Solid Queue's concurrency keys,
+            PgQueuer's dedupe keys). A job's ``unique`` is its own: the job holding the key
+            decides when the key is freed.
         Raises:
             InvalidArgument, FrameTooLarge, IdempotencyConflict (same key, other payload),
             StoreBusy.
@@ -389,6 +401,7 @@ class QueueService:
                     f"run_at_ms: more than RELAY_MAX_DELAY_MS ({s.max_delay_ms} ms) ahead",
                     field="run_at_ms",
                 )
+        key = v.idempotency_key(opt.get("idempotency_key"))
         return {
             "priority": v.priority(opt.get("priority", "normal")),
             "max_retries": v.integer(
@@ -401,7 +414,9 @@ class QueueService:
             "backoff_base_ms": base_ms,
             "backoff_cap_ms": cap_ms,
             "jitter": v.boolean("jitter", opt.get("jitter", s.default_jitter)),
-            "idempotency_key": v.idempotency_key(opt.get("idempotency_key")),
+            "idempotency_key": key,
+            "unique_scope": v.unique_scope(opt.get("unique"), key),
+            "meta": v.meta(opt.get("meta"), s),
             "_delay_ms": delay_ms,
             "_run_at_ms": run_at_ms,
         }
@@ -452,13 +467,17 @@ class QueueService:
         row["ready_since_ms"] = ready_since_ms
         row["now_ms"] = now
         if key is not None:
-            if tx.one("insert_job_keyed", row) is None:
+            for _ in range(KEYED_INSERT_TRIES):
+                if tx.one("insert_job_keyed", row) is not None:
+                    break
                 # Another transaction (another server) bound the key since we looked: answer
-                # with its job, as if it had been there first.
+                # with its job, as if it had been there first. That job may have freed the
+                # key since (unique: "active", terminal): then insert again.
                 found = self._bound_job(tx, row, key, now, pending)
-                if found is None:  # pragma: no cover - the conflicting row is committed
-                    raise StoreBusy("idempotency key in flux; try again")
-                return found
+                if found is not None:
+                    return found
+            else:  # pragma: no cover - a key taken and freed again at every try
+                raise StoreBusy("idempotency key in flux; try again")
         elif pending is None:
             tx.run("insert_job", row)
         else:
@@ -848,7 +867,7 @@ class QueueService:
                     limit=max_jobs,
                     new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
                     room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
-                    payload_cap_bytes=s.max_payload_bytes,
+                    payload_cap_bytes=s.max_payload_bytes + s.max_meta_bytes,
                 )
             )
             if rows:
@@ -919,6 +938,7 @@ class QueueService:
                     return {"job_id": job_id, "state": "succeeded", "duplicate": True}
                 raise self._rejection(tx, params, "ack")
             self._end_attempt(tx, job_id, row["attempt"], now, "succeeded", None)
+            self._entered(tx, job_id, row["unique_scope"], JobState.SUCCEEDED)
         return {
             "job_id": job_id,
             "state": JobState.SUCCEEDED.value,
@@ -993,6 +1013,7 @@ class QueueService:
             self._end_attempt(
                 tx, job_id, lease["attempt"], now, "failed", error, decision.retry_at_ms
             )
+            self._entered(tx, job_id, lease["unique_scope"], state)
         return {
             "job_id": job_id,
             "state": state.value,
@@ -1200,6 +1221,7 @@ class QueueService:
             self._observe("lease_expired", r["queue"])
             if dead:
                 self._observe("dead", r["queue"])
+                self._entered(tx, r["id"], r["unique_scope"], JobState.DEAD)
             else:
                 queues[r["queue"]] = None
             self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", "lease expired")
@@ -1212,6 +1234,18 @@ class QueueService:
         for queue in queues:
             tx.made_ready(queue)
         return list(queues)
+
+    @staticmethod
+    def _entered(tx: Tx, job_id: str, unique_scope: str | None, state: JobState) -> None:
+        """After a state change in ``tx``: a job submitted with ``unique: "active"`` that has
+        entered a terminal state frees its idempotency key (``release_unique_key``), in the
+        same transaction, so no submit sees the job terminal with its key still bound.
+
+        Every transition into a terminal state calls this (a new terminal state joins
+        ``states.TERMINAL_STATES`` and its transition calls this too).
+        """
+        if unique_scope == "active" and is_terminal(state):
+            tx.run("release_unique_key", {"job_id": job_id})
 
     def _observe(self, event: str, queue: str) -> None:
         if self.observer is not None:

@@ -100,6 +100,16 @@ _ALLOWED = frozenset((t, a, b) for t, moves in TRANSITIONS.items() for a, b in m
 LOGGED_EVENTS = frozenset({Transition.REPLAY, Transition.PURGE, Transition.RECOVER})
 
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.DEAD})
+"""The states a job leaves only by replay or deletion (a new terminal state joins this set)."""
+
+
+def is_terminal(state: JobState | str) -> bool:
+    """Return whether ``state`` (a ``JobState`` or its value) is in ``TERMINAL_STATES``.
+
+    ``QueueService`` asks it after every state change it makes: a job submitted with
+    ``unique: "active"`` frees its idempotency key on entering a terminal state.
+    """
+    return state in TERMINAL_STATES
 
 
 class IllegalTransition(RuntimeError):

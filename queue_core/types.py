@@ -42,6 +42,7 @@ __all__ = [
 
 JobState = Literal["pending", "ready", "leased", "retrying", "succeeded", "dead"]
 Priority = Literal["low", "normal", "high", "critical"]
+Unique = Literal["window", "active"]
 
 
 class RetryPolicy(TypedDict):
@@ -96,6 +97,8 @@ class Job(TypedDict):
     finished_at_ms: int | None
     last_error: str | None
     dead_reason: str | None
+    unique: Unique  # when the idempotency key is freed: after the window, or at a terminal state
+    meta: dict[str, str]  # the submit's meta map ({} when none)
     history: NotRequired[list[Attempt]]  # inspect only
     events: NotRequired[list[JobEvent]]  # inspect only
     history_omitted: NotRequired[int]  # inspect only: older attempts and events left out
@@ -114,6 +117,7 @@ class Lease(TypedDict):
     failures: int
     max_retries: int
     created_at_ms: int
+    meta: dict[str, str]  # the job's meta map ({} when none)
 
 
 class PingResult(TypedDict):

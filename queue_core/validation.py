@@ -291,3 +291,77 @@ def idempotency_key(value: Any) -> str | None:
     if value is None:
         return None
     return text("idempotency_key", value, max_len=255)
+
+
+UNIQUE_SCOPES = ("window", "active")
+"""The values of a submit's ``unique`` option (``QueueService.submit``)."""
+
+
+def unique_scope(value: Any, key: str | None) -> str | None:
+    """Return the stored ``unique_scope`` for a submit's ``unique`` option: ``"active"``, or
+    None for ``"window"`` (the default, also when ``value`` is None).
+
+    Args:
+        value: ``"window"``, ``"active"`` or None.
+        key: the submit's idempotency key (``"active"`` needs one).
+    Raises:
+        InvalidArgument: another value, or ``"active"`` without an idempotency key
+            (``details["field"]`` is ``unique``).
+    """
+    if value is None or value == "window":
+        return None
+    if value != "active":
+        raise _bad("unique", f"must be 'window' or 'active', got {value!r}")
+    if key is None:
+        raise _bad("unique", "'active' needs an idempotency_key")
+    return "active"
+
+
+def meta(value: Any, settings: RelaySettings) -> str | None:
+    """Return a job's ``meta`` as canonical JSON text (sorted keys, compact), or None when
+    ``value`` is None or empty.
+
+    ``meta`` is a flat map of strings carried beside the payload (trace context such as the
+    W3C ``traceparent``, a tenant, a request id), bounded so it cannot grow into a second
+    payload: at most ``max_meta_keys`` keys of 1..``max_meta_key_bytes`` UTF-8 bytes, string
+    values, ``max_meta_bytes`` encoded in all. Neither keys nor values may hold NUL or a lone
+    surrogate (as the other text arguments).
+
+    Raises:
+        InvalidArgument: not an object, too many keys, a bad key (``details["field"]`` is
+            ``meta``), a value that is not a string or holds NUL or a surrogate
+            (``meta.<key>``), or over ``max_meta_bytes`` once encoded (``meta``).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad("meta", f"must be an object of strings, got {type(value).__name__}")
+    if not value:
+        return None
+    if len(value) > settings.max_meta_keys:
+        raise _bad("meta", f"must have at most {settings.max_meta_keys} keys, got {len(value)}")
+    for name, item in value.items():
+        if not isinstance(name, str) or not name:
+            raise _bad("meta", "keys must be non-empty strings")
+        if "\x00" in name or has_lone_surrogate(name):
+            raise _bad("meta", "keys must not contain NUL characters or lone surrogates")
+        if len(name.encode()) > settings.max_meta_key_bytes:
+            raise _bad(
+                "meta",
+                f"key {name[:20]!r}... is longer than {settings.max_meta_key_bytes} bytes",
+            )
+        field = f"meta.{name}"
+        if not isinstance(item, str):
+            raise _bad(field, f"must be a string, got {type(item).__name__}")
+        if "\x00" in item:
+            raise _bad(field, "must not contain NUL characters")
+        if has_lone_surrogate(item):
+            raise _bad(field, _SURROGATE)
+    encoded = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    if len(encoded) > settings.max_meta_bytes:
+        raise _bad(
+            "meta",
+            f"is {len(encoded)} bytes encoded, more than RELAY_MAX_META_BYTES "
+            f"({settings.max_meta_bytes})",
+        )
+    return encoded.decode()

@@ -248,6 +248,10 @@ RELAY_RETENTION_SUCCEEDED = _env("RELAY_RETENTION_SUCCEEDED", "7d")
 RELAY_RETENTION_DEAD = _env("RELAY_RETENTION_DEAD", "30d")
 # Where the console's "Back up now" writes its copies (empty: the console offers no backup).
 RELAY_BACKUP_DIR = _env("RELAY_BACKUP_DIR", "")
+# Job metadata: a job's optional meta map of strings (keys, key length and size bounds).
+RELAY_MAX_META_KEYS = _env_int("RELAY_MAX_META_KEYS", 16)
+RELAY_MAX_META_KEY_BYTES = _env_int("RELAY_MAX_META_KEY_BYTES", 64)
+RELAY_MAX_META_BYTES = _env_int("RELAY_MAX_META_BYTES", 1024)
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

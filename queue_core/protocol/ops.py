@@ -84,6 +84,12 @@ def _any(field: str, value: Any) -> Any:
     return value
 
 
+def _object(field: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _bad(field, f"must be an object, got {type(value).__name__}")
+    return value
+
+
 def _str_or_int(field: str, value: Any) -> str | int:
     if isinstance(value, bool) or not isinstance(value, str | int):
         raise _bad(field, f"must be a string or an integer, got {type(value).__name__}")
@@ -174,6 +180,8 @@ SUBMIT_OPTIONS: dict[str, Arg] = {
     "delay_ms": Arg(_int),
     "run_at_ms": Arg(_int),
     "idempotency_key": Arg(_str),
+    "unique": Arg(_str),
+    "meta": Arg(_object),
 }
 """A job's options (``submit``, each ``submit_batch`` job, ``POST /queues/{queue}/jobs``)."""
 
@@ -414,6 +422,8 @@ class Ops:
         delay_ms: int | None = None,
         run_at_ms: int | None = None,
         idempotency_key: str | None = None,
+        unique: str | None = None,
+        meta: dict[str, str] | None = None,
     ) -> Call[types.SubmitResult]:
         """Enqueue one job (none -> ready, or -> pending when delayed).
 
@@ -433,6 +443,12 @@ class Ops:
             run_at_ms: run no sooner than this epoch-ms instant.
             idempotency_key: deduplicate resubmits with the same key and payload (1..255
                 characters) within ``RELAY_IDEMPOTENCY_WINDOW_MS``.
+            unique: ``"window"`` (default: the key stays bound for the window whatever the
+                job's state) or ``"active"`` (the key is also freed when the job succeeds or
+                goes dead: unique while active, as Sidekiq Enterprise's unique jobs).
+            meta: a small map of strings stored with the job and returned with its lease
+                (``RELAY_MAX_META_KEYS`` keys, ``RELAY_MAX_META_BYTES`` encoded), e.g. the
+                W3C ``traceparent`` of the producer's span.
         Returns:
             ``{"job": Job, "deduplicated": bool}``.
         Raises:

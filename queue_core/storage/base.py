@@ -86,9 +86,10 @@ class ClaimRequest:
         limit: the most jobs to lease (1..``RELAY_MAX_JOBS_PER_LEASE``).
         new_token: returns a fresh fencing token (``secrets``); called once per job leased
             (or, where the claim is one statement, ``limit`` times before it).
-        room_bytes: the reply's budget: jobs are leased while their payloads plus
+        room_bytes: the reply's budget: jobs are leased while their payloads and metas plus
             ``REPLY_OVERHEAD_BYTES`` each fit in it (the first job always is).
-        payload_cap_bytes: the largest payload a job can have (``RELAY_MAX_PAYLOAD_BYTES``).
+        payload_cap_bytes: the most a job's payload and meta can take together
+            (``RELAY_MAX_PAYLOAD_BYTES + RELAY_MAX_META_BYTES``).
     """
 
     queues: Sequence[str]
@@ -133,7 +134,7 @@ class Tx(Protocol):
 
         Returns:
             The leased rows in that order: ``id, queue, payload, attempt, priority,
-            failures, max_retries, created_at_ms, lease_token``.
+            failures, max_retries, created_at_ms, meta, lease_token``.
         """
         ...
 

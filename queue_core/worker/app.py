@@ -15,8 +15,9 @@ ack/fail and bounded shutdown) with a ``Router`` as its handler. ``manage.py rel
 PATH`` runs one from the command line (see ``load_handlers`` for what ``PATH`` must name).
 
 A handler is ``handler(payload, ctx)`` (``ctx`` is a ``JobContext``: job id, attempt, shutdown
-event); an ``async def`` handler is run to completion on its own event loop. Its return value
-is ignored. Delivery is at-least-once, so handlers must be idempotent.
+event, and ``ctx.meta``, the job's metadata map such as a ``traceparent``); an ``async def``
+handler is run to completion on its own event loop. Its return value is ignored. Delivery is
+at-least-once, so handlers must be idempotent.
 """
 
 from __future__ import annotations

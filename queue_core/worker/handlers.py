@@ -97,6 +97,7 @@ class JobContext:
         shutdown: set when the worker is stopping; long handlers should watch it and raise
             ``JobInterrupted`` (or finish quickly).
         lease: the raw lease dict from the server (``docs/protocol.md``, "Lease").
+        meta: (property) the job's ``meta`` map, ``{}`` when it has none.
     """
 
     job_id: str
@@ -105,6 +106,15 @@ class JobContext:
     worker_id: str
     shutdown: threading.Event
     lease: types.Lease
+
+    @property
+    def meta(self) -> dict[str, str]:
+        """The job's ``meta`` map as its producer submitted it (``{}`` when none; a copy).
+
+        Carries context across the queue, such as the W3C ``traceparent`` of the producer's
+        span: a handler continues the trace from it (docs/protocol.md, "Job metadata").
+        """
+        return dict(self.lease.get("meta") or {})
 
 
 Handler = Callable[[Any, JobContext], object]

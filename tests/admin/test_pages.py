@@ -113,6 +113,26 @@ def test_detail_page_is_read_only_and_complete(
     assert 'name="_save"' not in html and 'type="submit" value="Save"' not in html
 
 
+def test_detail_page_shows_meta_and_unique_while_active(
+    alice: Client, service: QueueService, console_clock: FakeClock
+) -> None:
+    """The job page shows the job's meta (escaped) and a unique-while-active key: bound while
+    the job runs, freed once it finished (issue 16, items 6-7)."""
+    meta = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", "x": "<b>"}
+    job_id = service.submit("q", 1, idempotency_key="k-1", unique="active", meta=meta)["job"]["id"]
+    html = alice.get(job_url(job_id)).content.decode()
+    assert "&quot;traceparent&quot;: &quot;00-4bf92f3577b34da6a3ce929d0e0e4736" in html
+    assert "&quot;x&quot;: &quot;&lt;b&gt;&quot;" in html and '"<b>"' not in html
+    assert "k-1 (unique while active: bound until the job finishes, at most until" in html
+    lease = service.claim(["q"], worker_id="w1")[0]
+    service.ack(job_id, worker_id="w1", lease_token=lease["lease_token"])
+    html = alice.get(job_url(job_id)).content.decode()
+    assert "— (unique while active: freed when the job finished)" in html
+    plain = service.submit("q", 2)["job"]["id"]
+    html = alice.get(job_url(plain)).content.decode()
+    assert "traceparent" not in html and "unique while active" not in html
+
+
 def test_detail_page_shows_operator_events(
     alice: Client, service: QueueService, dead_jobs: DeadJobs
 ) -> None:

@@ -32,6 +32,8 @@ JOB_KEYS = {
     "finished_at_ms",
     "last_error",
     "dead_reason",
+    "unique",
+    "meta",
 }
 UNKNOWN_JOB = "job_00000000000000000000000000"
 
@@ -91,6 +93,27 @@ def test_lease_renew_ack_and_stale_tokens(surface: Surface, clock: FakeClock) ->
     assert surface.call("ack", **held(got))["duplicate"] is True
     refused(surface, "STALE_TOKEN", "renew", **held(got))
     refused(surface, "STALE_TOKEN", "release", **held(got))
+
+
+def test_meta_and_unique_while_active(surface: Surface) -> None:
+    """``meta`` goes in with submit and comes back with the job and its lease; a key submitted
+    with ``unique: "active"`` is free again once its job succeeded (issue 16, items 6-7)."""
+    meta = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    args = {"queue": "q", "payload": 1, "idempotency_key": "k", "unique": "active"}
+    made = surface.call("submit", **args, meta=meta)["job"]
+    assert (made["meta"], made["unique"]) == (meta, "active")
+    assert surface.call("inspect", job_id=made["id"])["job"]["meta"] == meta
+    assert surface.call("submit", **args)["deduplicated"] is True
+    got = lease(surface)
+    assert got["meta"] == meta
+    surface.call("ack", **held(got))
+    again = surface.call("submit", **args)
+    assert again["deduplicated"] is False and again["job"]["id"] != made["id"]
+    assert again["job"]["meta"] == {}
+    bad = refused(surface, "INVALID_ARGUMENT", "submit", queue="q", payload=1, meta={"a": 1})
+    assert bad.details["field"] == "meta.a"
+    bad = refused(surface, "INVALID_ARGUMENT", "submit", queue="q", payload=1, unique="active")
+    assert bad.details["field"] == "unique"
 
 
 def test_expired_lease_is_refused(surface: Surface, clock: FakeClock) -> None:

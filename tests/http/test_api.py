@@ -86,6 +86,59 @@ def test_header_and_body_keys_must_agree(api: Api) -> None:
     problem(response, 422, "INVALID_ARGUMENT")
 
 
+def test_meta_and_unique_active_over_http(api: Api) -> None:
+    """``meta`` and ``unique`` in the submit body: the job and its lease carry the meta, the
+    Idempotency-Key header works with ``unique: "active"``, and the key is free again once
+    the job succeeded (issue 16, items 6-7)."""
+    meta = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    body = {"payload": {"a": 1}, "unique": "active", "meta": meta}
+    key = {"Idempotency-Key": "signup-42"}
+    first = api.post(JOBS, body, headers=key)
+    assert first.status_code == 201
+    job = first.json()["job"]
+    assert (job["meta"], job["unique"], job["idempotency_key"]) == (meta, "active", "signup-42")
+    assert api.get(f"/api/v1/jobs/{job['id']}").json()["meta"] == meta
+    again = api.post(JOBS, body, headers=key)
+    assert again.status_code == 200 and again.json()["job"]["id"] == job["id"]
+    held = lease(api)
+    assert held["meta"] == meta
+    ids = {"worker_id": "w1", "lease_token": held["lease_token"]}
+    assert api.post(f"/api/v1/jobs/{job['id']}/ack", ids).status_code == 200
+    after = api.post(JOBS, body, headers=key)
+    assert after.status_code == 201 and after.json()["job"]["id"] != job["id"]
+    batch = api.post(
+        "/api/v1/jobs/batch",
+        {
+            "jobs": [
+                {
+                    "queue": "email",
+                    "payload": {"a": 1},
+                    "idempotency_key": "signup-42",
+                    "unique": "active",
+                    "meta": meta,
+                }
+            ]
+        },
+    )
+    assert batch.status_code == 200 and batch.json()["results"][0]["deduplicated"] is True
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"payload": 1, "meta": {"a": 1}}, "meta.a"),
+        ({"payload": 1, "meta": ["a"]}, "meta"),
+        ({"payload": 1, "meta": {"a": "x" * 2000}}, "meta"),
+        ({"payload": 1, "unique": "active"}, "unique"),
+        ({"payload": 1, "unique": "forever", "idempotency_key": "k"}, "unique"),
+    ],
+)
+def test_bad_meta_and_unique_are_422_problems(api: Api, body: dict[str, Any], field: str) -> None:
+    found = problem(api.post(JOBS, body), 422, "INVALID_ARGUMENT")
+    assert found["details"]["field"] == field
+    assert Job.objects.count() == 0
+
+
 def test_delayed_submit_is_pending(api: Api) -> None:
     job = submit(api, delay_ms=60_000)
     assert job["state"] == "pending"

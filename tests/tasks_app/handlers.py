@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from queue_core.worker import JobContext, NonRetryableError
 
@@ -35,3 +38,13 @@ def hang(payload: Any, ctx: JobContext) -> None:
 
 
 HANDLERS = {"echo": echo, "boom": boom, "refuse": refuse, "async_ok": async_ok, "hang": hang}
+
+
+def record_meta(payload: Any, ctx: JobContext) -> None:
+    """Write the job's ``ctx.meta`` as JSON to ``payload["out"]`` (what a tracing handler
+    would continue its trace from), so a test can see what the handler received."""
+    Path(payload["out"]).write_bytes(orjson.dumps({"meta": ctx.meta, "job_id": ctx.job_id}))
+
+
+META_HANDLERS = {"record_meta": record_meta}
+"""``relay_worker --app tests.tasks_app.handlers.META_HANDLERS``."""

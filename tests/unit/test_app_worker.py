@@ -4,7 +4,7 @@ of ``test_worker`` (no sockets, no database), plus ``load_handlers`` for ``--app
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -131,3 +131,19 @@ def test_router_refuses_django_task_jobs_even_with_a_matching_name() -> None:
     payload = {"task": "app.tasks.send", "args": [1], "kwargs": {}, "backend": "default"}
     with pytest.raises(TaskJobRefused, match="run relay worker --tasks"):
         router(payload, context())
+
+
+def test_context_meta_is_the_leases_meta_or_empty() -> None:
+    meta = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+    ctx = JobContext(
+        job_id="j",
+        queue="q",
+        attempt=1,
+        worker_id="w",
+        shutdown=threading.Event(),
+        lease=cast(Any, {"meta": meta}),
+    )
+    assert ctx.meta == meta
+    ctx.meta["other"] = "x"  # a copy: the lease is untouched
+    assert ctx.meta == meta
+    assert context().meta == {}  # a lease from a server without meta

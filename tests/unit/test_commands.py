@@ -122,6 +122,42 @@ def test_submit_prints_the_job_id_and_sends_the_options(server: Any) -> None:
     }
 
 
+def test_submit_sends_meta_and_unique(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": False}))
+    run(
+        "relay_submit",
+        "q",
+        "--payload",
+        "1",
+        "--idempotency-key",
+        "k",
+        "--unique",
+        "active",
+        "--meta",
+        "traceparent=00-abc-01",
+        "--meta",
+        "query=a=b",
+        "--meta",
+        "empty=",
+        "--address",
+        canned.address,
+    )
+    assert canned.requests[0]["args"] == {
+        "queue": "q",
+        "payload": 1,
+        "idempotency_key": "k",
+        "unique": "active",
+        "meta": {"traceparent": "00-abc-01", "query": "a=b", "empty": ""},
+    }
+
+
+def test_submit_refuses_meta_without_equals_before_sending(server: Any) -> None:
+    canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": False}))
+    with pytest.raises(CommandError, match="INVALID_ARGUMENT: --meta 'oops' is not KEY=VALUE"):
+        run("relay_submit", "q", "--payload", "1", "--meta", "oops", "--address", canned.address)
+    assert canned.requests == []
+
+
 def test_submit_marks_a_duplicate(server: Any) -> None:
     canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": True}))
     out, _ = run("relay_submit", "q", "--payload", "1", "--address", canned.address)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import pytest
 
+from queue_core.service import QueueService
 from queue_core.states import (
     TERMINAL_STATES,
     TRANSITIONS,
@@ -15,6 +19,7 @@ from queue_core.states import (
     check,
     effective_priority,
 )
+from queue_core.storage.base import load_queries
 
 
 def test_every_transition_has_an_entry() -> None:
@@ -70,3 +75,22 @@ def test_priority_parse(raw: object, parsed: int) -> None:
 def test_priority_parse_rejects(raw: object) -> None:
     with pytest.raises(ValueError, match="priority"):
         Priority.parse(raw)
+
+
+# Each statement that moves a job into a terminal state, and the service method that runs it
+# and then calls QueueService._entered (a job submitted with unique: "active" frees its key).
+TERMINAL_STATEMENTS = {"ack": "ack", "fail_dead": "fail", "expire_to_dead": "_expire"}
+
+
+@pytest.mark.parametrize("package", ["queue_core.storage.sqlite", "queue_core.storage.postgresql"])
+def test_every_statement_into_a_terminal_state_frees_unique_active_keys(package: str) -> None:
+    """A new statement that finishes jobs (a new terminal state, say ``cancelled``) must call
+    ``QueueService._entered`` after it, or unique-while-active keys would stay bound: list it
+    in ``TERMINAL_STATEMENTS`` once it does (tests/storage/test_meta_unique.py tests each)."""
+    terminal = "|".join(sorted(s.value for s in TERMINAL_STATES))
+    sets_terminal = re.compile(rf"\bSET\s+state\s*=\s*'({terminal})'", re.IGNORECASE)
+    found = {name for name, sql in load_queries(package).items() if sets_terminal.search(sql)}
+    assert found == set(TERMINAL_STATEMENTS)
+    for statement, method in TERMINAL_STATEMENTS.items():
+        source = inspect.getsource(getattr(QueueService, method))
+        assert f'"{statement}"' in source and "self._entered(" in source, (statement, method)

@@ -55,6 +55,8 @@ def job_renderables(job: Mapping[str, Any]) -> list[Table]:
             f"cap={fmt_duration(policy.get('cap_ms'))} jitter={policy.get('jitter')}",
         ),
         ("idempotency key", str(job.get("idempotency_key") or "-")),
+        ("unique", str(job.get("unique") or "window")),
+        ("meta", compact_json(job.get("meta") or {}, limit=2000)),
         ("created", fmt_ms(job.get("created_at_ms"))),
         ("available at", fmt_ms(job.get("available_at_ms"))),
         ("ready since", fmt_ms(job.get("ready_since_ms"))),

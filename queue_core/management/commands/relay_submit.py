@@ -30,6 +30,28 @@ def parse_run_at(text: str) -> int:
     return round(instant.timestamp() * 1000)
 
 
+def parse_meta(items: list[str] | None) -> dict[str, str] | None:
+    """Turn repeated ``--meta KEY=VALUE`` options into the job's ``meta`` map.
+
+    The value is everything after the first ``=`` (it may hold ``=`` itself, or be empty);
+    the server checks the bounds (``RELAY_MAX_META_*``).
+
+    Raises:
+        CommandError: an item without ``=``, or a key given twice (``INVALID_ARGUMENT``).
+    """
+    if not items:
+        return None
+    meta: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise invalid_argument(f"--meta {item!r} is not KEY=VALUE")
+        if key in meta:
+            raise invalid_argument(f"--meta {key!r} is given twice")
+        meta[key] = value
+    return meta
+
+
 class Command(RelayClientCommand):
     """Submit one job; print its id, with ``(duplicate)`` when an idempotency key matched."""
 
@@ -96,6 +118,20 @@ class Command(RelayClientCommand):
             metavar="KEY",
             help="Deduplicate resubmits of the same payload with this key.",
         )
+        parser.add_argument(
+            "--unique",
+            choices=["window", "active"],
+            help="When the idempotency key is freed: 'window' (default) after "
+            "RELAY_IDEMPOTENCY_WINDOW_MS, 'active' also as soon as the job succeeds or goes "
+            "dead (unique while active).",
+        )
+        parser.add_argument(
+            "--meta",
+            action="append",
+            metavar="KEY=VALUE",
+            help="Metadata stored with the job and handed to its handler (repeatable), "
+            "e.g. --meta traceparent=00-...-01.",
+        )
         super().add_arguments(parser)
 
     def run(self, client: RelayClient, **options: Any) -> None:
@@ -117,6 +153,8 @@ class Command(RelayClientCommand):
             delay_ms=options["delay_ms"],
             run_at_ms=run_at_ms,
             idempotency_key=options["idempotency_key"],
+            unique=options["unique"],
+            meta=parse_meta(options["meta"]),
         )
         if options["json"]:
             self.print_json(result)

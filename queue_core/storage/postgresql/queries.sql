@@ -14,12 +14,12 @@
 INSERT INTO relay_job (
     id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
     attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms, unique_scope, meta)
 VALUES (
     %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
     %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
     %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
-    %(now_ms)s);
+    %(now_ms)s, %(unique_scope)s, %(meta)s);
 
 -- name: insert_job_keyed
 -- Create a job that has an idempotency key, unless another transaction bound the key first
@@ -27,12 +27,12 @@ VALUES (
 INSERT INTO relay_job (
     id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
     attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms, unique_scope, meta)
 VALUES (
     %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
     %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
     %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
-    %(now_ms)s)
+    %(now_ms)s, %(unique_scope)s, %(meta)s)
 ON CONFLICT (queue, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING id;
 
@@ -47,6 +47,15 @@ SELECT id, payload, idempotency_expires_at_ms
 UPDATE relay_job
    SET idempotency_key = NULL, idempotency_expires_at_ms = NULL
  WHERE id = %(job_id)s AND idempotency_expires_at_ms <= %(now_ms)s;
+
+-- name: release_unique_key
+-- Free the idempotency key of a job submitted with unique: "active" that has just reached a
+-- terminal state (QueueService, in the transaction of that change), so a new submit with the
+-- key makes a new job (Sidekiq Enterprise's unique_until: :success, Solid Queue's concurrency
+-- keys). Params: job_id.
+UPDATE relay_job
+   SET idempotency_key = NULL, idempotency_expires_at_ms = NULL
+ WHERE id = %(job_id)s AND unique_scope = 'active';
 
 -- name: get_job
 -- One job with every column the views show. Params: job_id.
@@ -95,7 +104,7 @@ RETURNING queue;
 -- lease whose expiry was set at or before mark_ms (by the old clock) is judged by judge_ms,
 -- the old time (queue_core.clock.StepGuard); mark_ms is -1 and judge_ms = now_ms otherwise.
 -- Params: now_ms, judge_ms, mark_ms, limit.
-SELECT id, queue, attempt, failures, max_retries
+SELECT id, queue, attempt, failures, max_retries, unique_scope
   FROM relay_job
  WHERE state = 'leased' AND lease_expires_at_ms <= %(now_ms)s
    AND (lease_expires_at_ms <= %(judge_ms)s OR updated_at_ms > %(mark_ms)s)
@@ -125,8 +134,8 @@ UPDATE relay_job
 -- index seek each on relay_job_ready (LATERAL, LIMIT), locked with SKIP LOCKED so concurrent
 -- claims on other servers take other jobs instead of waiting; they are ranked by aged class
 -- (base + one per whole minute waited, capped at CRITICAL = 3), then FIFO, and leased while
--- their payloads (+ 1024 bytes each) fit the reply (the first always does). Heads locked but
--- not taken stay READY. The lease starts at now_ms, or at the job's last change if another
+-- their payloads and metas (+ 1024 bytes each) fit the reply (the first always does). Heads locked but
+-- not taken stay READY (a job's size is its payload's plus its meta's). The lease starts at now_ms, or at the job's last change if another
 -- server's sweep (its own clock, read a moment later) returned the job to READY after this
 -- transaction read now_ms: a delivery never starts before the previous one ended. Params:
 -- queues (text[]), limit, now_ms, expires_ms, worker_id, tokens (text[], one per job wanted),
@@ -136,7 +145,8 @@ WITH heads AS (
       FROM unnest(%(queues)s::text[]) AS q(name)
      CROSS JOIN (VALUES (3), (2), (1), (0)) AS c(cls)
      CROSS JOIN LATERAL (
-           SELECT id, priority, ready_since_ms, octet_length(payload) AS size
+           SELECT id, priority, ready_since_ms,
+                  octet_length(payload) + COALESCE(octet_length(meta), 0) AS size
              FROM relay_job
             WHERE state = 'ready' AND queue = q.name AND priority = c.cls
             ORDER BY ready_since_ms, id
@@ -160,7 +170,7 @@ UPDATE relay_job AS j
   FROM ranked AS r
  WHERE j.id = r.id AND r.n <= %(limit)s AND (r.n = 1 OR r.bytes <= %(room)s)
 RETURNING j.id, j.queue, j.payload, j.attempt, j.priority, j.failures, j.max_retries,
-          j.created_at_ms, j.lease_token, j.leased_at_ms, r.n;
+          j.created_at_ms, j.lease_token, j.leased_at_ms, j.meta, r.n;
 
 -- name: insert_attempt
 -- Open the history row of a delivery. Params: job_id, attempt, worker_id, token, now_ms.
@@ -180,7 +190,8 @@ UPDATE relay_attempt
 -- compare-and-set guard, as River guards in the WHERE clause). Locked until COMMIT, so a
 -- sweep on another server cannot expire it between this read and the fail that follows.
 -- Params: job_id, lease_token, worker_id, now_ms, judge_ms, mark_ms (as expired_leases).
-SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter
+SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+       unique_scope
   FROM relay_job
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
    AND leased_by = %(worker_id)s
@@ -202,7 +213,8 @@ RETURNING lease_expires_at_ms, attempt;
 -- name: ack
 -- Leased -> succeeded, guarded like renew. Params: job_id, lease_token, worker_id, now_ms,
 -- judge_ms, mark_ms.
--- Returns the queue too, so counting the ack needs no second read.
+-- Returns the queue too, so counting the ack needs no second read, and unique_scope (an
+-- "active" job's key is freed: release_unique_key).
 UPDATE relay_job
    SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
        lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
@@ -210,7 +222,7 @@ UPDATE relay_job
    AND leased_by = %(worker_id)s
    AND (lease_expires_at_ms > %(now_ms)s
         OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
-RETURNING attempt, queue;
+RETURNING attempt, queue, unique_scope;
 
 -- name: fail_retry
 -- Leased -> retrying; READY again at retry_at_ms. Params: job_id, lease_token, now_ms,

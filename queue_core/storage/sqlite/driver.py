@@ -218,6 +218,11 @@ class _Overflow(Exception):
 # The statements that insert jobs. Beside each, the same transaction adds the new rows to
 # relay_job_count, one upsert per queue and state however many rows (migration 0008: a per-row
 # trigger made batch submits about a third slower); updates and deletes keep their triggers.
+def _size(row: dict[str, Any]) -> int:
+    """The bytes a leased row's payload and meta take in the reply (before the overhead)."""
+    return len(row["payload"].encode()) + (len(row["meta"].encode()) if row["meta"] else 0)
+
+
 _JOB_INSERTS = frozenset({"insert_job", "insert_job_keyed"})
 
 
@@ -299,7 +304,7 @@ class SqliteTx(SqlTx):
                 row = self.one("claim_by_id", params)
             if row is None:  # pragma: no cover - the write lock makes this impossible
                 continue
-            used += len(row["payload"].encode()) + REPLY_OVERHEAD_BYTES
+            used += _size(row) + REPLY_OVERHEAD_BYTES
             row["lease_token"] = token
             rows.append(row)
         return rows
@@ -308,7 +313,7 @@ class SqliteTx(SqlTx):
         try:
             with self._driver.write() as sp:  # nested: a savepoint
                 row = sp.one("claim_by_id", params)
-                if row is not None and len(row["payload"].encode()) + REPLY_OVERHEAD_BYTES > room:
+                if row is not None and _size(row) + REPLY_OVERHEAD_BYTES > room:
                     raise _Overflow
                 return row
         except _Overflow:

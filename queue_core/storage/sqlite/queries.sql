@@ -9,12 +9,12 @@
 INSERT INTO relay_job (
     id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
     attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms, unique_scope, meta)
 VALUES (
     %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
     %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
     %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
-    %(now_ms)s);
+    %(now_ms)s, %(unique_scope)s, %(meta)s);
 
 -- name: insert_job_keyed
 -- Create a job that has an idempotency key, unless another transaction bound the key first
@@ -22,12 +22,12 @@ VALUES (
 INSERT INTO relay_job (
     id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
     attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms)
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms, unique_scope, meta)
 VALUES (
     %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
     %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
     %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
-    %(now_ms)s)
+    %(now_ms)s, %(unique_scope)s, %(meta)s)
 ON CONFLICT (queue, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING id;
 
@@ -42,6 +42,15 @@ SELECT id, payload, idempotency_expires_at_ms
 UPDATE relay_job
    SET idempotency_key = NULL, idempotency_expires_at_ms = NULL
  WHERE id = %(job_id)s AND idempotency_expires_at_ms <= %(now_ms)s;
+
+-- name: release_unique_key
+-- Free the idempotency key of a job submitted with unique: "active" that has just reached a
+-- terminal state (QueueService, in the transaction of that change), so a new submit with the
+-- key makes a new job (Sidekiq Enterprise's unique_until: :success, Solid Queue's concurrency
+-- keys). Params: job_id.
+UPDATE relay_job
+   SET idempotency_key = NULL, idempotency_expires_at_ms = NULL
+ WHERE id = %(job_id)s AND unique_scope = 'active';
 
 -- name: get_job
 -- One job with every column the views show. Params: job_id.
@@ -89,7 +98,7 @@ RETURNING queue;
 -- lease whose expiry was set at or before mark_ms (by the old clock) is judged by judge_ms,
 -- the old time (queue_core.clock.StepGuard); mark_ms is -1 and judge_ms = now_ms otherwise.
 -- Params: now_ms, judge_ms, mark_ms, limit.
-SELECT id, queue, attempt, failures, max_retries
+SELECT id, queue, attempt, failures, max_retries, unique_scope
   FROM relay_job
  WHERE state = 'leased' AND lease_expires_at_ms <= %(now_ms)s
    AND (lease_expires_at_ms <= %(judge_ms)s OR updated_at_ms > %(mark_ms)s)
@@ -141,7 +150,7 @@ UPDATE relay_job
        leased_by = %(worker_id)s, leased_at_ms = %(now_ms)s,
        lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'ready'
-RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms;
+RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms, meta;
 
 -- name: insert_attempt
 -- Open the history row of a delivery. Params: job_id, attempt, worker_id, token, now_ms.
@@ -160,7 +169,8 @@ UPDATE relay_attempt
 -- The lease a renew/ack/fail/release names, if it is the current, unexpired one (the
 -- compare-and-set guard, as River guards in the WHERE clause).
 -- Params: job_id, lease_token, worker_id, now_ms, judge_ms, mark_ms (as expired_leases).
-SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter
+SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+       unique_scope
   FROM relay_job
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
    AND leased_by = %(worker_id)s
@@ -181,7 +191,8 @@ RETURNING lease_expires_at_ms, attempt;
 -- name: ack
 -- Leased -> succeeded, guarded like renew. Params: job_id, lease_token, worker_id, now_ms,
 -- judge_ms, mark_ms.
--- Returns the queue too, so counting the ack needs no second read.
+-- Returns the queue too, so counting the ack needs no second read, and unique_scope (an
+-- "active" job's key is freed: release_unique_key).
 UPDATE relay_job
    SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
        lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
@@ -189,7 +200,7 @@ UPDATE relay_job
    AND leased_by = %(worker_id)s
    AND (lease_expires_at_ms > %(now_ms)s
         OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
-RETURNING attempt, queue;
+RETURNING attempt, queue, unique_scope;
 
 -- name: fail_retry
 -- Leased -> retrying; READY again at retry_at_ms. Params: job_id, lease_token, now_ms,
