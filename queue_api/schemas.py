@@ -160,6 +160,27 @@ class JobDetailOut(JobOut):
     history_omitted: int = Field(0, description="Older attempts and events left out.")
 
 
+class ErrorEntryOut(Schema):
+    """One failed attempt's structured error."""
+
+    attempt: int
+    exception_class: str
+    traceback: str
+
+
+class ResultOut(Schema):
+    """``GET /jobs/{job_id}/result``: the job and what its worker reported."""
+
+    job: JobDetailOut
+    return_value: Any = Field(
+        None, description="The result sent with the ack; null when none was stored."
+    )
+    errors: list[ErrorEntryOut] = Field(
+        description="Structured errors of failed attempts, oldest first (the newest that fit "
+        "RELAY_MAX_RESULT_BYTES)."
+    )
+
+
 class SubmitOut(Schema):
     """A submitted job; ``deduplicated`` when an idempotency key matched an existing job."""
 
@@ -282,6 +303,17 @@ class LeaseIdsIn(_In):
     lease_token: str
 
 
+class AckIn(LeaseIdsIn):
+    """``POST /jobs/{job_id}/ack`` body."""
+
+    result: Any = Field(
+        None,
+        description="The handler's result, any JSON value of at most RELAY_MAX_RESULT_BYTES "
+        "(64 KiB) as compact JSON, stored with the job (GET /jobs/{job_id}/result); null or "
+        "absent stores nothing.",
+    )
+
+
 class RenewIn(LeaseIdsIn):
     """``POST /jobs/{id}/renew``."""
 
@@ -293,6 +325,14 @@ class FailIn(LeaseIdsIn):
 
     error: str
     retryable: bool | None = Field(None, description="false dead-letters the job at once.")
+    exception_class: str | None = Field(
+        None,
+        description="The exception's class path (module.QualName, 1..255 characters); given, "
+        "the error joins the job's stored errors.",
+    )
+    traceback: str | None = Field(
+        None, description="Its traceback, at most RELAY_MAX_RESULT_BYTES UTF-8 bytes."
+    )
 
 
 class RenewOut(Schema):

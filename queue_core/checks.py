@@ -22,6 +22,7 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "max_frame_bytes",
         "max_payload_bytes",
         "max_error_bytes",
+        "max_result_bytes",
         "max_queue_name_length",
         "min_lease_ms",
         "max_queues_per_lease",
@@ -62,6 +63,14 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         errors.append(
             checks.Error(
                 "RELAY_MAX_PAYLOAD_BYTES must be below RELAY_MAX_FRAME_BYTES", id="relay.E005"
+            )
+        )
+    if s.max_result_bytes > s.max_frame_bytes // 8:
+        errors.append(
+            checks.Error(
+                "RELAY_MAX_RESULT_BYTES must be at most an eighth of RELAY_MAX_FRAME_BYTES "
+                "(a result reply carries the job, its return value and its errors)",
+                id="relay.E020",
             )
         )
     if s.sqlite_synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
