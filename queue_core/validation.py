@@ -226,9 +226,7 @@ def traceback_text(value: Any, settings: RelaySettings) -> str:
     except UnicodeEncodeError:
         raise _bad("traceback", _SURROGATE) from None
     if size > settings.max_result_bytes:
-        raise _bad(
-            "traceback", f"is {size} bytes, over the {settings.max_result_bytes}-byte limit"
-        )
+        raise _bad("traceback", f"is {size} bytes, over the {settings.max_result_bytes}-byte limit")
     return value.replace("\x00", "\ufffd")
 
 

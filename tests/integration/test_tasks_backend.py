@@ -36,6 +36,7 @@ from queue_core.tasks_backend import (
     relay_priority,
 )
 from queue_core.worker import JobContext, NonRetryableError
+from queue_core.worker.handlers import reported_error
 from queue_core.worker.runner import error_text, truncate_utf8
 from tests.tasks_app import tasks
 
@@ -70,16 +71,19 @@ def run_next(
     )
     settle = {"worker_id": worker_id, "lease_token": lease["lease_token"]}
     try:
-        execute_task(lease["payload"], ctx)
+        stored = execute_task(lease["payload"], ctx)
     except BaseException as exc:
+        reported = reported_error(exc)  # as the worker reports it
         service.fail(
             lease["job_id"],
-            error=truncate_utf8(error_text(exc), 4096),  # as the worker reports it
+            error=truncate_utf8(error_text(exc), 4096),
             retryable=not isinstance(exc, NonRetryableError),
+            exception_class=reported.exception_class,
+            traceback=reported.traceback,
             **settle,
         )
         return lease, exc
-    service.ack(lease["job_id"], **settle)
+    service.ack(lease["job_id"], result=stored.value, **settle)
     return lease, None
 
 
@@ -243,15 +247,15 @@ def test_lifecycle_ready_running_successful(
 
 
 def test_purging_a_finished_task_job_deletes_its_result(worker_service: QueueService) -> None:
-    from relay_tasks.models import TaskResultRecord
+    from queue_core.models import JobResult
 
     kept, purged = tasks.add.enqueue(1, 2), tasks.add.enqueue(3, 4)
     for _ in range(2):
         _, error = run_next(worker_service)
         assert error is None
-    assert TaskResultRecord.objects.count() == 2
+    assert JobResult.objects.count() == 2
     worker_service.purge(purged.id, actor="test")
-    assert list(TaskResultRecord.objects.values_list("job_id", flat=True)) == [kept.id]
+    assert list(JobResult.objects.values_list("job_id", flat=True)) == [kept.id]
     assert tasks.add.get_result(kept.id).return_value == 3
     with pytest.raises(TaskResultDoesNotExist):
         tasks.add.get_result(purged.id)

@@ -96,9 +96,7 @@ def test_fails_append_structured_errors_per_attempt(
     clock.advance(ms=1000)
     service.promote_due()
     second = service.claim(["default"], worker_id="w2", lease_ms=30_000)[0]
-    service.fail(
-        job_id, worker_id="w2", lease_token=second["lease_token"], error="no class given"
-    )
+    service.fail(job_id, worker_id="w2", lease_token=second["lease_token"], error="no class given")
     third_try = service.result(job_id)
     assert third_try["job"]["state"] == "dead"
     assert third_try["errors"] == [
@@ -147,9 +145,7 @@ def test_stored_errors_keep_the_newest_that_fit(
         kept = service.result(job_id)["errors"]
         assert [e["attempt"] for e in kept] == [2, 3, 4]
         with pytest.raises(errors.InvalidArgument) as refused:
-            token = service.claim(["default"], worker_id=worker, lease_ms=30_000)[0][
-                "lease_token"
-            ]
+            token = service.claim(["default"], worker_id=worker, lease_ms=30_000)[0]["lease_token"]
             service.fail(
                 job_id,
                 worker_id=worker,
