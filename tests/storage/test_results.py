@@ -144,8 +144,8 @@ def test_stored_errors_keep_the_newest_that_fit(
         assert len(row.errors.encode()) == 454  # exactly the limit: kept
         kept = service.result(job_id)["errors"]
         assert [e["attempt"] for e in kept] == [2, 3, 4]
+        token = service.claim(["default"], worker_id=worker, lease_ms=30_000)[0]["lease_token"]
         with pytest.raises(errors.InvalidArgument) as refused:
-            token = service.claim(["default"], worker_id=worker, lease_ms=30_000)[0]["lease_token"]
             service.fail(
                 job_id,
                 worker_id=worker,
