@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -162,6 +163,12 @@ def run(args: list[str | Path], cwd: Path, timeout: float = 180, **env: str) -> 
     return done.stdout
 
 
+def last_json(out: str) -> dict[str, Any]:
+    """The JSON object on the last line of ``out`` (``shell`` may print a banner first)."""
+    value: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return value
+
+
 def start(args: list[str | Path], cwd: Path, name: str, **env: str) -> Proc:
     popen = subprocess.Popen(
         [str(arg) for arg in args],
@@ -271,7 +278,7 @@ def test_a_fresh_postgresql_project_runs_tasks_through_a_networked_relay_service
         run([python, "manage.py", "migrate", "-v0"], project)
         assert "no issues" in run([python, "manage.py", "check"], project)
 
-        ids = json.loads(run([python, "manage.py", "shell", "-c", PLACE_ORDERS], project))
+        ids = last_json(run([python, "manage.py", "shell", "-c", PLACE_ORDERS], project))
         assert ids["kept"].startswith("default/") and ids["cancelled"].startswith("default/")
 
         worker = start(
@@ -284,7 +291,7 @@ def test_a_fresh_postgresql_project_runs_tasks_through_a_networked_relay_service
             [python, "manage.py", "shell", "-c", READ_RESULTS.format(ids=json.dumps(ids))],
             project,
         )
-        seen = json.loads(out)
+        seen = last_json(out)
         assert seen["status"] == "SUCCESSFUL", (seen, worker.stderr_text()[-3000:])
         assert seen["return_value"] == {"total": 12}
         assert seen["attempts"] == 1
