@@ -25,7 +25,8 @@ from django.test import override_settings
 
 from queue_core import tasks_backend
 from queue_core.clock import FakeClock
-from queue_core.errors import LeaseExpired
+from queue_core.conf import relay_settings
+from queue_core.errors import FrameTooLarge, LeaseExpired
 from queue_core.models import Job
 from queue_core.service import QueueService
 from queue_core.tasks_backend import (
@@ -37,7 +38,7 @@ from queue_core.tasks_backend import (
 )
 from queue_core.worker import JobContext, NonRetryableError
 from queue_core.worker.handlers import reported_error
-from queue_core.worker.runner import error_text, truncate_utf8
+from queue_core.worker.runner import error_text, truncate_utf8, truncate_utf8_tail
 from tests.tasks_app import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -79,7 +80,7 @@ def run_next(
             error=truncate_utf8(error_text(exc), 4096),
             retryable=not isinstance(exc, NonRetryableError),
             exception_class=reported.exception_class,
-            traceback=reported.traceback,
+            traceback=truncate_utf8_tail(reported.traceback, relay_settings().max_result_bytes),
             **settle,
         )
         return lease, exc
@@ -611,3 +612,57 @@ def test_immediate_transaction_mode_is_asked_of_sqlite_only(
     monkeypatch.setitem(settings.DATABASES, "pg", postgres)
     backend = RelayBackend("default", {"QUEUES": [], "OPTIONS": {"DATABASE": "pg"}})
     assert [message.id for message in backend.check()] == []
+
+
+# -- results stored by the service, and the networked mode without a server ----------------
+
+
+def test_a_return_value_over_relay_max_result_bytes_fails_at_once(
+    worker_service: QueueService,
+) -> None:
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=3), RELAY_MAX_RESULT_BYTES=100):
+        # {"return_value":"xx…"} is 19 bytes + the text: 81 x's make exactly 100, 82 make 101.
+        fits = tasks.identity.enqueue("x" * 81)
+        over = tasks.identity.enqueue("x" * 82)
+        assert run_next(worker_service)[1] is None
+        _, error = run_next(worker_service)
+    assert isinstance(error, ReturnValueRefused)
+    assert "over RELAY_MAX_RESULT_BYTES (100)" in str(error)
+    assert tasks.identity.get_result(fits.id).return_value == "x" * 81
+    refused = tasks.identity.get_result(over.id)
+    assert refused.status == TaskResultStatus.FAILED
+    assert refused.errors[0].exception_class is ValueError
+
+
+def test_networked_options_are_checked() -> None:
+    good = RelayBackend("net", {"OPTIONS": {"ADDRESS": "127.0.0.1:7400,10.0.0.2:7400"}})
+    assert good.networked and good.check() == []
+    bad = RelayBackend("net", {"OPTIONS": {"ADDRESS": "no-port", "API_KEY": 7, "TIMEOUT": True}})
+    messages = [m.msg for m in bad.check()]
+    assert [m.id for m in bad.check()] == ["relay.E106"] * 3
+    assert "ADDRESS 'no-port'" in messages[0]
+    assert "API_KEY must be a string" in messages[1]
+    assert "TIMEOUT must be a number of seconds > 0, got True" in messages[2]
+
+
+def test_networked_enqueue_waits_for_the_commit_and_a_rollback_never_connects() -> None:
+    # Port 9 (discard) on loopback: nothing listens, so any connection attempt would fail.
+    with override_settings(TASKS=relay_tasks(ADDRESS="127.0.0.1:9", TIMEOUT=1)):
+        sent: list[str] = []
+        task_enqueued.connect(receiver := lambda sender, task_result, **kw: sent.append("x"))
+        try:
+            with transaction.atomic():
+                result = tasks.add.enqueue(1, 2)
+                assert result.id.startswith("default/") and result.enqueued_at is None
+                transaction.set_rollback(True)
+            with (
+                pytest.raises(FrameTooLarge),
+                transaction.atomic(),
+                override_settings(RELAY_MAX_PAYLOAD_BYTES=50),
+            ):
+                tasks.identity.enqueue("x" * 100)  # refused inside the transaction
+        finally:
+            task_enqueued.disconnect(receiver)
+        assert sent == []
+        backend = tasks.add.get_backend()
+        assert isinstance(backend, RelayBackend) and backend._client is None  # never connected
