@@ -62,19 +62,20 @@ def networked(address: str, **options: Any) -> Any:
 
 
 def start(spawn: Spawner) -> tuple[str, Proc]:
-    """A server, and a networked ``--tasks`` worker on it; return the address and worker."""
+    """A server, and a networked ``--tasks`` worker on it (found through its backend's
+    ``ADDRESS``); return the address and worker."""
     _, port = spawn.server()
     address = f"127.0.0.1:{port}"
+    # No --address, and RELAY_ADDRESS left at its default (127.0.0.1:7400, where nothing
+    # listens): the worker leases from its networked backend's ADDRESS.
     worker = spawn(
         "relay_worker",
-        "--address",
-        address,
         "--tasks",
         "--wait-ms",
         "1000",
         name="relay_worker",
         DJANGO_SETTINGS_MODULE="tests.tasks_app.networked_settings",
-        RELAY_ADDRESS=address,
+        RELAY_TASKS_ADDRESS=address,
     )
     worker.wait_event("worker_ready")
     return address, worker
