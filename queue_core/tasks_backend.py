@@ -584,10 +584,36 @@ class RelayBackend(BaseTaskBackend):
             if self.networked:
                 found: dict[str, Any] = dict(self.client.result(**by))
             else:
-                found = self.service.result(**by)
+                found = self._with_legacy_row(self.service.result(**by))
         except (JobNotFound, InvalidArgument):
             raise TaskResultDoesNotExist(result_id) from None
         return self._from_result(result_id, found)
+
+    def _with_legacy_row(self, found: dict[str, Any]) -> dict[str, Any]:
+        """Shared-database mode: for a job finished before results moved to ``relay_result``
+        (migration ``0013_task_results``), the row the worker wrote to ``relay_tasks``' table,
+        in the same shape, while that app is installed."""
+        if (
+            found["return_value"] is not None
+            or found["errors"]
+            or not (apps.is_installed("relay_tasks"))
+        ):
+            return found
+        from relay_tasks.models import TaskResultRecord
+
+        row = TaskResultRecord.objects.using(self.database).filter(pk=found["job"]["id"]).first()
+        if row is None:
+            return found
+        errors = [
+            {
+                "attempt": e["attempt"],
+                "exception_class": e["exception_class_path"],
+                "traceback": e["traceback"],
+            }
+            for e in orjson.loads(row.errors)
+        ]
+        value = None if row.return_value is None else {"return_json": row.return_value}
+        return {**found, "return_value": value, "errors": errors}
 
     async def aget_result(self, result_id: str) -> TaskResult[..., Any]:
         """``get_result`` without blocking the event loop; networked, over an

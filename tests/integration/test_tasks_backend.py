@@ -666,3 +666,27 @@ def test_networked_enqueue_waits_for_the_commit_and_a_rollback_never_connects() 
         assert sent == []
         backend = tasks.add.get_backend()
         assert isinstance(backend, RelayBackend) and backend._client is None  # never connected
+
+
+def test_results_written_before_0013_are_read_from_the_legacy_table(
+    worker_service: QueueService,
+) -> None:
+    from relay_tasks.models import TaskResultRecord
+
+    done, failed = tasks.add.enqueue(1, 2), tasks.add.enqueue(3, 4)
+    for result in (done, failed):
+        (lease,) = worker_service.claim(["default"], worker_id="old-worker")
+        ids = {"worker_id": "old-worker", "lease_token": lease["lease_token"]}
+        if result is done:  # an old worker: it acked without a result
+            worker_service.ack(lease["job_id"], **ids)
+        else:
+            worker_service.fail(lease["job_id"], error="old", retryable=False, **ids)
+    TaskResultRecord.objects.create(job_id=done.id, return_value="3", updated_at_ms=0)
+    TaskResultRecord.objects.create(
+        job_id=failed.id,
+        errors='[{"attempt": 1, "exception_class_path": "builtins.KeyError", "traceback": "tb"}]',
+        updated_at_ms=0,
+    )
+    assert tasks.add.get_result(done.id).return_value == 3
+    (error,) = tasks.add.get_result(failed.id).errors
+    assert (error.exception_class_path, error.traceback) == ("builtins.KeyError", "tb")
