@@ -65,14 +65,6 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
                 "RELAY_MAX_PAYLOAD_BYTES must be below RELAY_MAX_FRAME_BYTES", id="relay.E005"
             )
         )
-    if s.max_result_bytes > s.max_frame_bytes // 8:
-        errors.append(
-            checks.Error(
-                "RELAY_MAX_RESULT_BYTES must be at most an eighth of RELAY_MAX_FRAME_BYTES "
-                "(a result reply carries the job, its return value and its errors)",
-                id="relay.E020",
-            )
-        )
     if s.sqlite_synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
         errors.append(
             checks.Error(

@@ -539,7 +539,8 @@ class QueueService:
             value or None (none stored), "errors": [{"attempt", "exception_class",
             "traceback"}, ...] oldest first}``. The reply fits one frame: the job takes at
             most half (``get``), the return value and the errors at most
-            ``RELAY_MAX_RESULT_BYTES`` each (an eighth of a frame, check ``relay.E020``).
+            ``RELAY_MAX_RESULT_BYTES`` each (never more than an eighth of a frame:
+            ``RelaySettings.result_limit_bytes``).
         Raises:
             InvalidArgument (neither or both ways of naming the job), JobNotFound.
         """
@@ -1089,7 +1090,7 @@ class QueueService:
         size = len(orjson.dumps(entry)) + 2
         for older in reversed(entries):
             size += len(orjson.dumps(older)) + 1
-            if size > self.settings.max_result_bytes:
+            if size > self.settings.result_limit_bytes:
                 break
             kept.append(older)
         kept.reverse()

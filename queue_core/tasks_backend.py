@@ -769,7 +769,7 @@ class RelayBackend(BaseTaskBackend):
             value = _json_round_trip(raw)
             acked = _acked_result(value)
             size = len(orjson.dumps(acked))
-            limit = relay_settings().max_result_bytes
+            limit = relay_settings().result_limit_bytes
             if size > limit:
                 raise ValueError(
                     f"it is {size} bytes as JSON, over RELAY_MAX_RESULT_BYTES ({limit})"

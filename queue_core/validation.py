@@ -202,9 +202,9 @@ def payload(value: Any, settings: RelaySettings) -> str:
 def result(value: Any, settings: RelaySettings) -> str:
     """Return the result an ack carries as canonical JSON text (sorted keys, compact).
 
-    See ``json_text`` (``field`` ``result``, limit ``max_result_bytes``).
+    See ``json_text`` (``field`` ``result``, limit ``result_limit_bytes``).
     """
-    return json_text(value, field="result", limit=settings.max_result_bytes)
+    return json_text(value, field="result", limit=settings.result_limit_bytes)
 
 
 def exception_class(value: Any) -> str:
@@ -213,7 +213,7 @@ def exception_class(value: Any) -> str:
 
 
 def traceback_text(value: Any, settings: RelaySettings) -> str:
-    """Return a traceback of at most ``max_result_bytes`` UTF-8 bytes, NUL characters replaced
+    """Return a traceback of at most ``result_limit_bytes`` UTF-8 bytes, NUL characters replaced
     by U+FFFD (as ``error_text``; the worker cuts a longer one, keeping its end).
 
     Raises:
@@ -225,8 +225,9 @@ def traceback_text(value: Any, settings: RelaySettings) -> str:
         size = len(value.encode("utf-8"))
     except UnicodeEncodeError:
         raise _bad("traceback", _SURROGATE) from None
-    if size > settings.max_result_bytes:
-        raise _bad("traceback", f"is {size} bytes, over the {settings.max_result_bytes}-byte limit")
+    limit = settings.result_limit_bytes
+    if size > limit:
+        raise _bad("traceback", f"is {size} bytes, over the {limit}-byte limit")
     return value.replace("\x00", "\ufffd")
 
 

@@ -210,7 +210,8 @@ class Worker:
         max_error_bytes: failure text is cut to this many UTF-8 bytes (default
             ``RELAY_MAX_ERROR_BYTES``, 4 096).
         max_result_bytes: a failure's traceback is cut to this many UTF-8 bytes, keeping its
-            end (default ``RELAY_MAX_RESULT_BYTES``, 64 KiB).
+            end (default ``RELAY_MAX_RESULT_BYTES``, 64 KiB, capped at an eighth of
+            ``RELAY_MAX_FRAME_BYTES``).
         rng: randomness for reconnect jitter (default a fresh ``random.Random``).
         tick_s: the longest real-time wait before re-reading ``clock`` (a ``FakeClock`` cannot
             wake a sleeping thread, so waits are sliced), in seconds.
@@ -255,7 +256,7 @@ class Worker:
             if max_error_bytes is None:
                 max_error_bytes = settings.max_error_bytes
             if max_result_bytes is None:
-                max_result_bytes = settings.max_result_bytes
+                max_result_bytes = settings.result_limit_bytes
         if lease_ms <= 0:
             raise ValueError("lease_ms must be > 0")
         self._client_factory = client_factory
