@@ -22,6 +22,7 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import orjson
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.views.main import ChangeList
@@ -39,9 +40,10 @@ from queue_admin.listing import CappedPaginator, JobChangeList, QueueFilter, Sta
 from queue_admin.operations import CHUNK, BulkRunner, Op, describe
 from queue_admin.overview import build_overview
 from queue_core.clock import Clock, SystemClock
-from queue_core.models import DeadLetter, Job, JobAttempt, JobEvent
+from queue_core.models import DeadLetter, Job, JobAttempt, JobEvent, JobResult
 from queue_core.service import QueueService
 from queue_core.states import JobState, Priority
+from queue_core.worker.handlers import is_django_task
 
 JOB_ID_RE = re.compile(r"job_[0-9A-Za-z]{1,36}")
 SAMPLE_IDS = 20
@@ -124,6 +126,7 @@ class JobAdmin(ReadOnlyAdmin):
         ),
         ("Lease", {"fields": ("leased_by", "lease_times", "token_status")}),
         ("Timestamps", {"fields": ("created", "available", "ready_since", "updated", "finished")}),
+        ("Result", {"fields": ("result_status", "return_value", "result_errors")}),
         ("History", {"fields": ("history",)}),
     )
     readonly_fields = (
@@ -141,6 +144,9 @@ class JobAdmin(ReadOnlyAdmin):
         "ready_since",
         "updated",
         "finished",
+        "result_status",
+        "return_value",
+        "result_errors",
         "history",
     )
 
@@ -322,6 +328,43 @@ class JobAdmin(ReadOnlyAdmin):
     def finished(self, obj: Job) -> str:
         """When the job succeeded or died."""
         return self._at(obj.finished_at_ms)
+
+    @staticmethod
+    def _stored_result(obj: Job) -> JobResult | None:
+        """The result the job's worker sent (``relay_result``), if any; read once per page."""
+        cached: JobResult | bool | None = getattr(obj, "_relay_result", False)
+        if cached is False:
+            cached = JobResult.objects.filter(job_id=obj.pk).first()
+            obj._relay_result = cached  # type: ignore[attr-defined]
+        return cached if isinstance(cached, JobResult) else None
+
+    @admin.display(description="status")
+    def result_status(self, obj: Job) -> str:
+        """The job's outcome so far, as a task result reads it (django.tasks' statuses for a
+        Django task), with the attempts made."""
+        status = display.result_status(obj.state, is_django_task(_payload_of(obj)))
+        attempts = f"{obj.attempt} attempt{'s' if obj.attempt != 1 else ''}"
+        return f"{status} ({attempts}, {obj.failures} failed)"
+
+    @admin.display(description="return value")
+    def return_value(self, obj: Job) -> SafeString:
+        """The result the worker sent with its ack, indented and escaped (for a Django task,
+        ``{"return_value": ...}`` or ``{"return_json": "..."}``)."""
+        stored = self._stored_result(obj)
+        if stored is None or stored.return_value is None:
+            return mark_safe(display.DASH)  # noqa: S308 - a constant
+        return format_html(
+            '<pre class="relay-pre">{}</pre>', display.pretty_json(stored.return_value)
+        )
+
+    @admin.display(description="errors")
+    def result_errors(self, obj: Job) -> SafeString:
+        """Each failed attempt's exception class and traceback, as the worker sent them."""
+        stored = self._stored_result(obj)
+        entries = display.result_errors(stored.errors if stored else None)
+        return mark_safe(  # noqa: S308 - the template autoescapes every value
+            render_to_string("queue_admin/result_errors.html", {"entries": entries})
+        )
 
     @admin.display(description="history")
     def history(self, obj: Job) -> SafeString:
@@ -571,6 +614,14 @@ class JobAdmin(ReadOnlyAdmin):
     def maintenance_view(self, request: HttpRequest) -> HttpResponse:
         """Prune finished jobs by age, back up the database (``queue_admin.maintenance``)."""
         return maintenance.view(self, request)
+
+
+def _payload_of(obj: Job) -> Any:
+    """A job's payload, decoded (None when the stored text is not JSON)."""
+    try:
+        return orjson.loads(obj.payload)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _keyset(queryset: QuerySet[Any]) -> Iterator[list[str]]:

@@ -8,6 +8,7 @@ characters are ever rendered.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import orjson
 
@@ -92,3 +93,46 @@ def pretty_json(raw: str | None) -> str:
     except orjson.JSONDecodeError:
         return raw
     return orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+
+
+# A job's state as a task result reads it: django.tasks' TaskResultStatus names for a Django
+# task (queue_core.tasks_backend.STATUS_OF_STATE), the job state for any other job.
+_TASK_STATUS = {
+    "pending": "READY",
+    "ready": "READY",
+    "retrying": "READY",
+    "leased": "RUNNING",
+    "succeeded": "SUCCESSFUL",
+    "dead": "FAILED",
+}
+
+
+def result_status(state: str, django_task: bool) -> str:
+    """``"SUCCESSFUL (succeeded)"`` for a Django task's job, else the state itself."""
+    if django_task and state in _TASK_STATUS:
+        return f"{_TASK_STATUS[state]} ({state})"
+    return state
+
+
+def result_errors(raw: str | None) -> list[dict[str, Any]]:
+    """The stored errors (``relay_result.errors``) as rows to show, newest attempt first:
+    ``{"attempt", "exception_class", "traceback"}``; [] for none or unreadable text."""
+    if not raw:
+        return []
+    try:
+        entries = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return []
+    if not isinstance(entries, list):
+        return []
+    rows = [
+        {
+            "attempt": entry.get("attempt"),
+            "exception_class": entry.get("exception_class", ""),
+            "traceback": entry.get("traceback", ""),
+        }
+        for entry in entries
+        if isinstance(entry, dict)
+    ]
+    rows.reverse()
+    return rows

@@ -118,6 +118,7 @@ def out(
     base: type[Schema] = Schema,
     skip: frozenset[str] = frozenset(),
     defaults: Mapping[str, Any] | None = None,
+    hints: Mapping[str, Any] | None = None,
 ) -> type[Schema]:
     """The response model of a ``queue_core.types`` TypedDict: its keys as fields (keys
     marked ``NotRequired`` default to None), nested TypedDicts as their own models.
@@ -128,14 +129,16 @@ def out(
         base: a model with extra fields (the ISO twins of a job).
         skip: keys left out.
         defaults: ``{key: Field(...)}`` for keys with a default or a description.
+        hints: ``{key: type}`` for keys whose model is not the TypedDict's own (a job with
+            its history).
     """
-    defaults = defaults or {}
+    defaults, hints = defaults or {}, hints or {}
     fields: dict[str, Any] = {}
     for key, hint in get_type_hints(typed).items():
         if key in skip:
             continue
         default = defaults.get(key, ... if key in typed.__required_keys__ else None)
-        fields[key] = (_swap(hint), default)
+        fields[key] = (hints.get(key) or _swap(hint), default)
     model = create_model(name, __base__=base, __module__=__name__, **fields)
     model.__doc__ = typed.__doc__
     _OUT.setdefault(typed, model)
@@ -199,6 +202,21 @@ FailOut = out(types.FailResult, "FailOut")
 ReleaseOut = out(types.ReleaseResult, "ReleaseOut")
 PurgeOut = out(types.DeadPurgeResult, "PurgeOut")
 PruneOut = out(types.PruneResult, "PruneOut")
+ErrorEntryOut = out(types.ErrorEntry, "ErrorEntryOut")
+ResultOut = out(
+    types.ResultResult,
+    "ResultOut",
+    hints={"job": JobDetailOut},
+    defaults={
+        "return_value": Field(
+            None, description="The result sent with the ack; null when none was stored."
+        ),
+        "errors": Field(
+            description="Structured errors of failed attempts, oldest first (the newest that "
+            "fit RELAY_MAX_RESULT_BYTES)."
+        ),
+    },
+)
 
 
 # ---------------------------------------------------------------------- workers
@@ -227,6 +245,17 @@ class LeaseIdsIn(_In):
     lease_token: str
 
 
+class AckIn(LeaseIdsIn):
+    """``POST /jobs/{job_id}/ack`` body."""
+
+    result: Any = Field(
+        None,
+        description="The handler's result, any JSON value of at most RELAY_MAX_RESULT_BYTES "
+        "(64 KiB) as compact JSON, stored with the job (GET /jobs/{job_id}/result); null or "
+        "absent stores nothing.",
+    )
+
+
 class RenewIn(LeaseIdsIn):
     """``POST /jobs/{id}/renew``."""
 
@@ -238,6 +267,14 @@ class FailIn(LeaseIdsIn):
 
     error: str
     retryable: bool | None = Field(None, description="false dead-letters the job at once.")
+    exception_class: str | None = Field(
+        None,
+        description="The exception's class path (module.QualName, 1..255 characters); given, "
+        "the error joins the job's stored errors.",
+    )
+    traceback: str | None = Field(
+        None, description="Its traceback, at most RELAY_MAX_RESULT_BYTES UTF-8 bytes."
+    )
 
 
 # ---------------------------------------------------------------------- operators

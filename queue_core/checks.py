@@ -22,6 +22,7 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "max_frame_bytes",
         "max_payload_bytes",
         "max_error_bytes",
+        "max_result_bytes",
         "max_queue_name_length",
         "min_lease_ms",
         "max_queues_per_lease",

@@ -29,6 +29,11 @@ class RelaySettings:
         max_frame_bytes: largest NDJSON frame in bytes, newline excluded (1 MiB).
         max_payload_bytes: largest job payload, as compact JSON bytes (256 KiB, as SQS).
         max_error_bytes: longest failure text in UTF-8 bytes (4096).
+        max_result_bytes: largest result a worker sends with an ack (compact JSON), and
+            largest traceback it sends with a fail (UTF-8), in bytes (64 KiB); a job's stored
+            errors keep the newest that fit this too. The limit applied is
+            ``result_limit_bytes``: never more than an eighth of ``max_frame_bytes``, so a
+            ``result`` reply fits one frame.
         max_queue_name_length: longest queue name in characters (128).
         visibility_timeout_ms: default lease length in ms (30 000).
         min_lease_ms / max_lease_ms: bounds for a requested lease in ms (1 000 / 12 h, as SQS).
@@ -127,6 +132,7 @@ class RelaySettings:
     max_frame_bytes: int = 1024 * 1024
     max_payload_bytes: int = 256 * 1024
     max_error_bytes: int = 4096
+    max_result_bytes: int = 64 * 1024
     max_queue_name_length: int = 128
     visibility_timeout_ms: int = 30_000
     min_lease_ms: int = 1_000
@@ -180,6 +186,13 @@ class RelaySettings:
     max_meta_keys: int = 16
     max_meta_key_bytes: int = 64
     max_meta_bytes: int = 1024
+
+    @property
+    def result_limit_bytes(self) -> int:
+        """The result bound in force, in bytes: ``max_result_bytes``, capped at an eighth of
+        ``max_frame_bytes`` (a ``result`` reply holds the job, up to half a frame, its return
+        value and its errors)."""
+        return min(self.max_result_bytes, self.max_frame_bytes // 8)
 
     def retention_ms(self) -> dict[str, int]:
         """The retention of each finished state in ms, ``{"succeeded": ms, "dead": ms}``;

@@ -161,6 +161,43 @@ class JobAttempt(models.Model):
         return f"{self.job_id}#{self.attempt}"
 
 
+class JobResult(models.Model):
+    """What the worker reported about a job beyond its state: the result it sent with its ack,
+    and the structured errors (exception class, traceback) it sent with its fails.
+
+    Written only by ``QueueService.ack`` / ``QueueService.fail`` in the transaction that ends
+    the attempt, read by the ``result`` op (``QueueService.result``), deleted with the job
+    (purge and retention prune). One row per job, created by the first ack or fail that
+    carries something; a job whose worker sent nothing has none. After Celery's result
+    backend (``celery_taskmeta``: result, traceback) and django-tasks' ``DBTaskResult``
+    (return value, per-attempt ``TaskError``s), but stored by the queue service itself.
+    """
+
+    job = models.OneToOneField(
+        Job,
+        primary_key=True,
+        on_delete=models.CASCADE,
+        related_name="result",
+        db_column="job_id",
+    )
+    return_value = models.TextField(
+        null=True,
+        blank=True,
+        help_text="The result sent with the ack, as canonical JSON text; NULL when none was.",
+    )
+    errors = models.TextField(
+        help_text='JSON list of {"attempt", "exception_class", "traceback"}, oldest first: '
+        "the newest that fit RELAY_MAX_RESULT_BYTES."
+    )
+    updated_at_ms = models.BigIntegerField(help_text="When the row was last written, epoch ms.")
+
+    class Meta:
+        db_table = "relay_result"
+
+    def __str__(self) -> str:
+        return f"result of {self.job_id}"
+
+
 class JobEvent(models.Model):
     """Append-only record of transitions outside a delivery (replay, purge, recovery).
 

@@ -547,6 +547,60 @@ class QueueService:
         view["history_omitted"] = omitted
         return view
 
+    def result(
+        self,
+        job_id: str | None = None,
+        *,
+        queue: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Return a job (as ``get``, with history and events) and what its worker reported:
+        the result sent with its ack and the structured errors sent with its fails.
+
+        Name the job by ``job_id``, or by ``queue`` and ``idempotency_key`` (the key it was
+        submitted with, while it stays bound: a producer that picked the key before submitting,
+        such as ``RelayBackend`` enqueueing on commit, finds the job without knowing its id).
+
+        Returns:
+            ``{"job": Job (with history, events, history_omitted), "return_value": any JSON
+            value or None (none stored), "errors": [{"attempt", "exception_class",
+            "traceback"}, ...] oldest first}``. The reply fits one frame: the job takes at
+            most half (``get``), the return value and the errors at most
+            ``RELAY_MAX_RESULT_BYTES`` each (never more than an eighth of a frame:
+            ``RelaySettings.result_limit_bytes``).
+        Raises:
+            InvalidArgument (neither or both ways of naming the job), JobNotFound.
+        """
+        if (job_id is None) == (queue is None and idempotency_key is None):
+            raise InvalidArgument(
+                "result: give job_id, or queue and idempotency_key", field="job_id"
+            )
+        if job_id is None:
+            if queue is None or idempotency_key is None:
+                field = "queue" if queue is None else "idempotency_key"
+                raise InvalidArgument(f"{field}: is required with the other", field=field)
+            queue = v.queue_name(queue, self.settings)
+            key = v.idempotency_key(idempotency_key)
+            with self.driver.read() as tx:
+                bound = tx.one("find_idempotent", {"queue": queue, "key": key})
+            if bound is None:
+                raise JobNotFound(f"no job in {queue} has idempotency key {key!r}")
+            job_id = str(bound["id"])
+        job = self.get(job_id, history=True)
+        # Read after the job: an ack stores its result in the transaction that made the job
+        # succeeded, so a succeeded job read here always finds its result.
+        with self.driver.read() as tx:
+            row = tx.one("result_of", {"job_id": job["id"]})
+        return {
+            "job": job,
+            "return_value": (
+                orjson.loads(row["return_value"])
+                if row and row["return_value"] is not None
+                else None
+            ),
+            "errors": orjson.loads(row["errors"]) if row else [],
+        }
+
     @staticmethod
     def _newest(tx: Tx, name: str, job_id: str, limit: int) -> tuple[list[dict[str, Any]], int]:
         """The newest ``limit`` rows of a job's ``attempts`` or ``events``, oldest first, and
@@ -913,20 +967,32 @@ class QueueService:
                 raise self._rejection(tx, params, "renew")
         return {"job_id": job_id, "lease_expires_at_ms": row["lease_expires_at_ms"]}
 
-    def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+    def ack(
+        self, job_id: str, *, worker_id: str, lease_token: str, result: Any = None
+    ) -> dict[str, Any]:
         """Mark a leased job done (LEASED -> SUCCEEDED).
 
         Repeating an ack with the token of an attempt that already succeeded answers success
-        again with ``duplicate: true`` (a worker whose reply was lost may retry).
+        again with ``duplicate: true`` (a worker whose reply was lost may retry); a repeat
+        stores nothing.
 
+        Args:
+            result: the handler's result, any JSON value of at most ``RELAY_MAX_RESULT_BYTES``
+                as compact JSON, stored with the job in the same transaction (``relay_result``;
+                read by ``result``). None stores nothing (JSON ``null`` cannot be told from
+                "no result" on the wire). Celery's result backend stores a task's return
+                value the same way, beside its state.
         Returns:
             ``{"job_id", "state": "succeeded", "queue", "duplicate": false}``, or
             ``{"job_id", "state": "succeeded", "duplicate": true}`` for a repeat.
         Raises:
-            InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
+            InvalidArgument (also for a result JSON cannot carry faithfully: NaN, ±Infinity,
+            lone surrogates), FrameTooLarge (a result over ``RELAY_MAX_RESULT_BYTES``; nothing
+            changed, the lease is still held), JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
+        stored = None if result is None else v.result(result, self.settings)
         with self.driver.write() as tx:
             at = self._read()
             now = at.now_ms
@@ -939,6 +1005,8 @@ class QueueService:
                 raise self._rejection(tx, params, "ack")
             self._end_attempt(tx, job_id, row["attempt"], now, "succeeded", None)
             self._entered(tx, job_id, row["unique_scope"], JobState.SUCCEEDED)
+            if stored is not None:
+                tx.run("store_result", {"job_id": job_id, "return_value": stored, "now_ms": now})
         return {
             "job_id": job_id,
             "state": JobState.SUCCEEDED.value,
@@ -954,6 +1022,8 @@ class QueueService:
         lease_token: str,
         error: str,
         retryable: bool = True,
+        exception_class: str | None = None,
+        traceback: str | None = None,
     ) -> dict[str, Any]:
         """Record a failed attempt (LEASED -> RETRYING, or LEASED -> DEAD).
 
@@ -964,6 +1034,12 @@ class QueueService:
             error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes, without lone
                 surrogates (no UTF-8 form; refused).
             retryable: False dead-letters the job at once.
+            exception_class: the exception's class (``module.QualName``, 1..255 characters);
+                given, ``{"attempt", "exception_class", "traceback"}`` joins the job's stored
+                errors (``relay_result``, read by ``result``), which keep the newest entries
+                that fit ``RELAY_MAX_RESULT_BYTES`` (django-tasks' ``TaskError``).
+            traceback: its formatted traceback, at most ``RELAY_MAX_RESULT_BYTES`` UTF-8
+                bytes (only stored with ``exception_class``; default ``""``).
         Returns:
             ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``, plus ``queue``
             when not a duplicate.
@@ -974,6 +1050,10 @@ class QueueService:
         job_id = guard["job_id"]
         error = v.error_text(error, self.settings)
         retryable = v.boolean("retryable", retryable)
+        if exception_class is not None:
+            exception_class = v.exception_class(exception_class)
+        if traceback is not None:
+            traceback = v.traceback_text(traceback, self.settings)
         with self.driver.write() as tx:
             at = self._read()
             now = at.now_ms
@@ -1014,6 +1094,13 @@ class QueueService:
                 tx, job_id, lease["attempt"], now, "failed", error, decision.retry_at_ms
             )
             self._entered(tx, job_id, lease["unique_scope"], state)
+            if exception_class is not None:
+                entry = {
+                    "attempt": lease["attempt"],
+                    "exception_class": exception_class,
+                    "traceback": traceback or "",
+                }
+                self._store_error(tx, job_id, entry, now)
         return {
             "job_id": job_id,
             "state": state.value,
@@ -1022,6 +1109,24 @@ class QueueService:
             "queue": lease["queue"],
             "duplicate": False,
         }
+
+    def _store_error(self, tx: Tx, job_id: str, entry: dict[str, Any], now: int) -> None:
+        """Append ``entry`` to the job's stored errors, dropping the oldest until the list
+        fits ``RELAY_MAX_RESULT_BYTES`` as JSON (the newest entry always stays)."""
+        row = tx.one("result_of", {"job_id": job_id})
+        entries: list[dict[str, Any]] = orjson.loads(row["errors"]) if row else []
+        kept = [entry]
+        size = len(orjson.dumps(entry)) + 2
+        for older in reversed(entries):
+            size += len(orjson.dumps(older)) + 1
+            if size > self.settings.result_limit_bytes:
+                break
+            kept.append(older)
+        kept.reverse()
+        tx.run(
+            "store_errors",
+            {"job_id": job_id, "errors": orjson.dumps(kept).decode("utf-8"), "now_ms": now},
+        )
 
     def _repeated_fail(self, tx: Tx, job_id: str, attempt: Mapping[str, Any]) -> dict[str, Any]:
         """Answer a fail repeated with the token of an attempt that already failed: say what
@@ -1342,6 +1447,7 @@ class QueueService:
             # Checked once the row says what it was; raising here rolls the delete back.
             check(Transition.PURGE, JobState(row["state"]), None)
             tx.run("delete_attempts", {"job_id": job_id})
+            tx.run("delete_result", {"job_id": job_id})
             if apps.is_installed("relay_tasks"):
                 tx.run("delete_task_result", {"job_id": job_id})
             self._event(tx, job_id, Transition.PURGE, row["state"], None, now, actor)
@@ -1422,6 +1528,7 @@ class QueueService:
                 ids = [{"job_id": r["id"]} for r in rows]
                 tx.many("delete_attempts", ids)
                 tx.many("delete_events", ids)
+                tx.many("delete_result", ids)
                 if apps.is_installed("relay_tasks"):
                     tx.many("delete_task_result", ids)
                 for r in rows:

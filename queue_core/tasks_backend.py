@@ -2,10 +2,29 @@
 
 Django 6's Tasks framework defines ``@task``, ``.enqueue()`` and ``TaskResult`` but ships no
 production backend. ``RelayBackend`` enqueues each task as a Relay job, and ``manage.py
-relay_worker --tasks`` runs them (``execute_task``). The producing project and the worker
-**share Relay's database** (``queue_core`` and ``relay_tasks`` in ``INSTALLED_APPS``, the same
-SQLite file): enqueue goes through ``QueueService`` (so it can follow the caller's transaction,
-see below), and ``get_result`` reads the job and the result row the worker wrote.
+relay_worker --tasks`` runs them (``execute_task``). Two modes:
+
+* **Networked** (``OPTIONS["ADDRESS"]`` set): the backend talks to a Relay service over TCP
+  (``RelayClient``; ``AsyncRelayClient`` for ``aget_result``); the producing project may use
+  any database of its own, and Relay's tables need not be in it. Enqueue submits with an
+  idempotency key the backend picks (a UUID), so it can return the ``TaskResult`` at once,
+  before the job exists: the result id is ``"<queue>/<key>"``, and ``get_result`` finds the
+  job by queue and key (the ``result`` op). Inside ``transaction.atomic()`` on
+  ``OPTIONS["DATABASE"]`` (the caller's database) the submit is sent on commit
+  (``transaction.on_commit``), so a rolled-back transaction never enqueues; a submit that
+  fails then raises from the commit (the transaction itself is committed).
+* **Shared database** (no ``ADDRESS``): the producing project uses Relay's own database
+  (``queue_core`` in ``INSTALLED_APPS``, the same SQLite file or PostgreSQL database):
+  enqueue goes through ``QueueService``, inside the caller's transaction (see below); result
+  ids are Relay job ids (``job_…``).
+
+Results (both modes): the worker sends the task's return value with its ack and each
+failure's exception class and traceback with its fail; the service stores them with the job
+(``relay_result``, bounded by ``RELAY_MAX_RESULT_BYTES``, deleted with the job) and
+``get_result`` reads them back with the job (``QueueService.result``, or the ``result`` op
+over TCP): one shape in both modes. The acked result is ``{"return_value": value}``, or
+``{"return_json": text}`` for a value Relay's JSON cannot hold faithfully (NaN, ±Infinity,
+integers beyond 64 bits), as ``call_json`` does for arguments.
 
 Mapping (see ``docs/django.md``):
 
@@ -24,7 +43,10 @@ Mapping (see ``docs/django.md``):
   ``RELAY_MAX_DELAY_MS`` (30 days) ahead (``InvalidTask`` beyond).
 * **Times** are aware (UTC) under ``USE_TZ = True`` and naive local time otherwise, as Django's
   own backends give them.
-* **Result ids** are Relay job ids (``job_…``), so ``relay inspect <id>`` shows the job.
+* **Result ids** are Relay job ids (``job_…``) in the shared-database mode, so ``relay inspect
+  <id>`` shows the job; ``"<queue>/<uuid>"`` in the networked mode (the job's queue and
+  idempotency key; ``TaskResult`` has no other place for the job id until it exists). Both
+  modes' ``get_result`` accept both forms.
 * **Status**: pending, ready and retrying are READY; leased is RUNNING; succeeded is
   SUCCESSFUL; dead is FAILED. A failed attempt with retries left goes back to READY (Django's
   "ready to be executed again"); ``OPTIONS["MAX_RETRIES"]`` (default
@@ -32,8 +54,9 @@ Mapping (see ``docs/django.md``):
 * ``worker_ids`` has one entry per delivery, so ``TaskResult.attempts`` and
   ``TaskContext.attempt`` count deliveries, like Relay's ``attempt``.
 
-Transactions: inside ``transaction.atomic()`` on Relay's database, ``enqueue`` joins the
-caller's transaction (the driver's write transaction becomes a savepoint there): the job
+Transactions (shared-database mode): inside ``transaction.atomic()`` on Relay's database,
+``enqueue`` joins the caller's transaction (the driver's write transaction becomes a
+savepoint there): the job
 becomes visible to workers when that transaction commits, and never exists if it rolls back;
 ``task_enqueued`` is sent on commit. Set ``"transaction_mode": "IMMEDIATE"`` on that database (check
 ``relay.W106``) so such a transaction takes SQLite's write lock when it begins rather than
@@ -46,7 +69,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import threading
 import time
+import uuid
 from traceback import format_exception
 from typing import Any, ParamSpec, Protocol, TypeVar
 
@@ -57,7 +82,6 @@ from django.core import checks
 from django.core.exceptions import ImproperlyConfigured
 from django.db import (
     DatabaseError,
-    IntegrityError,
     close_old_connections,
     connections,
     transaction,
@@ -76,7 +100,13 @@ from queue_core.conf import relay_settings
 from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired, RelayError
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
-from queue_core.worker.handlers import JobContext, JobInterrupted, NonRetryableError
+from queue_core.worker.handlers import (
+    JobContext,
+    JobInterrupted,
+    NonRetryableError,
+    ReportedError,
+    StoredResult,
+)
 
 __all__ = [
     "PRIORITY_CLASSES",
@@ -108,7 +138,7 @@ STATUS_OF_STATE: dict[str, TaskResultStatus] = {
     "dead": TaskResultStatus.FAILED,
 }
 
-_OPTIONS = frozenset({"DATABASE", "MAX_RETRIES"})
+_OPTIONS = frozenset({"DATABASE", "MAX_RETRIES", "ADDRESS", "API_KEY", "TIMEOUT"})
 
 
 _P = ParamSpec("_P")
@@ -195,6 +225,48 @@ def _task_error(exc: BaseException) -> TaskError:
     )
 
 
+def _reporting(exc: BaseException, error: TaskError) -> BaseException:
+    """``exc`` marked to be reported with ``error``'s class and traceback (the worker sends
+    them with its fail: ``handlers.reported_error``)."""
+    exc.reported_error = ReportedError(  # type: ignore[attr-defined]
+        exception_class=error.exception_class_path, traceback=error.traceback
+    )
+    return exc
+
+
+def _acked_result(value: Any) -> dict[str, Any]:
+    """The result the worker acks a task's (round-tripped) return value with:
+    ``{"return_value": value}`` when Relay's JSON holds it faithfully, else
+    ``{"return_json": json text}``."""
+    wrapped = {"return_value": value}
+    try:
+        orjson.dumps(wrapped)  # raises on an integer beyond 64 bits or a lone surrogate
+    except TypeError:
+        pass
+    else:
+        if validation.unfaithful(wrapped, encoded=True) is None:  # NaN, ±Infinity
+            return wrapped
+    return {"return_json": json.dumps(value)}
+
+
+def _return_value_of(stored: Any) -> tuple[bool, Any]:
+    """``(found, value)`` from an acked result (``_acked_result``'s shapes)."""
+    if isinstance(stored, dict):
+        if "return_value" in stored:
+            return True, stored["return_value"]
+        if isinstance(stored.get("return_json"), str):
+            return True, json.loads(stored["return_json"])
+    return False, None
+
+
+def _split_result_id(result_id: str) -> tuple[str, str] | None:
+    """``(queue, key)`` of a networked result id ``"<queue>/<key>"``; None for a job id."""
+    if not isinstance(result_id, str) or "/" not in result_id:
+        return None
+    queue, _, key = result_id.rpartition("/")
+    return (queue, key) if queue and key else None
+
+
 class RelayBackend(BaseTaskBackend):
     """Run Django tasks on Relay.
 
@@ -204,26 +276,67 @@ class RelayBackend(BaseTaskBackend):
             "default": {
                 "BACKEND": "queue_core.tasks_backend.RelayBackend",
                 "QUEUES": ["default", "emails"],  # optional; empty list: any valid name
-                "OPTIONS": {"DATABASE": "default", "MAX_RETRIES": 3},
+                "OPTIONS": {
+                    "ADDRESS": "relay-1:7400,relay-2:7400",  # networked mode; omit: shared DB
+                    "API_KEY": "rk_...",  # networked mode, when the server has keys
+                    "TIMEOUT": 10,  # networked mode: seconds per request
+                    "DATABASE": "default",
+                    "MAX_RETRIES": 3,
+                },
             }
         }
 
     OPTIONS:
-        DATABASE: the alias of Relay's database (default ``"default"``).
+        ADDRESS: the Relay server(s), ``HOST:PORT`` or several comma-separated (as
+            ``RELAY_ADDRESS``; the client fails over between servers of one PostgreSQL
+            database). Given, the backend is networked (see the module docstring).
+        API_KEY: the key (``rk_...``) the networked backend sends; it needs the ``producer``
+            scope (``submit``, ``result``). Default none.
+        TIMEOUT: the networked backend's reply timeout per request, in seconds (default 10).
+        DATABASE: networked: the alias of the caller's database whose transactions an
+            enqueue follows (``on_commit``); shared: the alias of Relay's database. Default
+            ``"default"``.
         MAX_RETRIES: failures retried before a task is FAILED (0..``RELAY_MAX_RETRIES``;
             default ``RELAY_DEFAULT_MAX_RETRIES``, 3).
     """
 
     supports_defer = True  # run_after -> run_at_ms
     supports_async_task = True  # the worker runs coroutines with async_to_sync
-    supports_get_result = True  # from any process that shares Relay's database
+    supports_get_result = True  # from the service (networked) or Relay's database (shared)
     supports_priority = True  # onto Relay's four classes, see relay_priority
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
         self.database: str = self.options.get("DATABASE", "default")
         self.max_retries: int | None = self.options.get("MAX_RETRIES")
+        self.address: str | None = self.options.get("ADDRESS") or None
+        self.api_key: str | None = self.options.get("API_KEY") or None
+        self.timeout_s: Any = self.options.get("TIMEOUT", 10)
         self._service: QueueService | None = None
+        self._client: Any = None
+        self._client_lock = threading.Lock()
+
+    @property
+    def networked(self) -> bool:
+        """Whether this backend talks to a Relay service over TCP (``OPTIONS["ADDRESS"]``)."""
+        return self.address is not None
+
+    @property
+    def client(self) -> Any:
+        """The networked backend's ``RelayClient`` (created on first use; thread-safe, one
+        request at a time)."""
+        with self._client_lock:
+            if self._client is None:
+                from queue_core.client import RelayClient
+
+                self._client = RelayClient(
+                    str(self.address),
+                    timeout_s=float(self.timeout_s),
+                    connect_timeout_s=min(5.0, float(self.timeout_s)),
+                    max_frame_bytes=relay_settings().max_frame_bytes,
+                    api_key=self.api_key,
+                )
+            return self._client
 
     @property
     def service(self) -> QueueService:
@@ -238,7 +351,8 @@ class RelayBackend(BaseTaskBackend):
         """System checks ``relay.E101``...: apps installed, database alias and its
         transaction mode (``relay.W106``), options, queue names."""
         messages: list[checks.CheckMessage] = []
-        for app in ("queue_core", "relay_tasks"):
+        needed = () if self.networked else ("queue_core",)
+        for app in needed:
             if not apps.is_installed(app):
                 messages.append(
                     checks.Error(
@@ -259,7 +373,8 @@ class RelayBackend(BaseTaskBackend):
             database: dict[str, Any] = settings.DATABASES[self.database]
             mode = database.get("OPTIONS", {}).get("transaction_mode")
             sqlite = database.get("ENGINE") == "django.db.backends.sqlite3"
-            if sqlite and str(mode).upper() != "IMMEDIATE":  # a SQLite-only option
+            shared = not self.networked  # only then does Relay write the caller's database
+            if shared and sqlite and str(mode).upper() != "IMMEDIATE":  # SQLite-only option
                 messages.append(
                     checks.Warning(
                         f"DATABASES[{self.database!r}] has no 'transaction_mode': 'IMMEDIATE' "
@@ -278,6 +393,8 @@ class RelayBackend(BaseTaskBackend):
                     id="relay.E103",
                 )
             )
+        if self.networked:
+            messages.extend(self._check_network_options())
         if self.max_retries is not None:
             try:
                 validation.integer(
@@ -298,6 +415,25 @@ class RelayBackend(BaseTaskBackend):
                     )
                 )
         return messages
+
+    def _check_network_options(self) -> list[checks.CheckMessage]:
+        """``relay.E106``: ADDRESS, API_KEY and TIMEOUT of the networked mode."""
+        from queue_core.client import parse_addresses
+
+        problems: list[str] = []
+        try:
+            parse_addresses(str(self.address))
+        except ValueError as exc:
+            problems.append(f"ADDRESS {self.address!r}: {exc}")
+        if self.api_key is not None and not isinstance(self.api_key, str):
+            problems.append("API_KEY must be a string")
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            problems.append(f"TIMEOUT must be a number of seconds > 0, got {timeout!r}")
+        return [
+            checks.Error(f"TASKS[{self.alias!r}]['OPTIONS']: {problem}", id="relay.E106")
+            for problem in problems
+        ]
 
     def validate_task(self, task: Task[..., Any]) -> None:
         """Django's checks, plus: ``queue_name`` must be a valid Relay queue name, and
@@ -327,8 +463,9 @@ class RelayBackend(BaseTaskBackend):
     def enqueue(self, task: Task[_P, _R], args: Any, kwargs: Any) -> TaskResult[_P, _R]:
         """Submit ``task(*args, **kwargs)`` as a Relay job (∅ -> ready, or pending if deferred).
 
-        Inside ``transaction.atomic()`` on Relay's database the job is written in the
-        caller's transaction: workers see it once that commits, and never if it rolls back.
+        Shared-database mode: inside ``transaction.atomic()`` on Relay's database the job is
+        written in the caller's transaction: workers see it once that commits, and never if it
+        rolls back. Networked mode: see ``_enqueue_over_network``.
 
         Raises:
             InvalidTask: the task does not fit this backend.
@@ -351,6 +488,8 @@ class RelayBackend(BaseTaskBackend):
         if task.run_after is not None:
             run_at_ms = _epoch_ms(task.run_after)
             payload["run_after_ms"] = options["run_at_ms"] = run_at_ms
+        if self.networked:
+            return self._enqueue_over_network(task, args, kwargs, payload, options)
         job = self.service.submit(task.queue_name, payload, **options)["job"]
         result = self._new_result(
             task, job["id"], args, kwargs, enqueued_at=_instant(job["created_at_ms"])
@@ -362,6 +501,44 @@ class RelayBackend(BaseTaskBackend):
             )
         else:
             task_enqueued.send(type(self), task_result=result)
+        return result
+
+    def _enqueue_over_network(
+        self,
+        task: Task[_P, _R],
+        args: list[Any],
+        kwargs: dict[str, Any],
+        payload: dict[str, Any],
+        options: dict[str, Any],
+    ) -> TaskResult[_P, _R]:
+        """Submit over TCP with a fresh UUID idempotency key; the result id is
+        ``"<queue>/<key>"``. Inside ``transaction.atomic()`` on ``OPTIONS["DATABASE"]`` the
+        submit is sent when that transaction commits (``on_commit``), never if it rolls back;
+        the payload is checked against ``RELAY_MAX_PAYLOAD_BYTES`` here, so an oversized one
+        fails inside the transaction. A submit repeated after a lost reply is safe (same key,
+        same payload: the same job). The ``enqueued_at`` of the returned result is filled in
+        when the submit is answered.
+
+        Raises:
+            FrameTooLarge: the payload is over ``RELAY_MAX_PAYLOAD_BYTES``.
+            RelayError, ConnectionError: the server refused or could not be reached (outside a
+                transaction here; inside one, from the commit).
+        """
+        validation.payload(payload, relay_settings())
+        key = str(uuid.uuid4())
+        options = {k: v for k, v in options.items() if v is not None}
+        result = self._new_result(task, f"{task.queue_name}/{key}", args, kwargs, enqueued_at=None)
+
+        def submit() -> None:
+            reply = self.client.submit(task.queue_name, payload, idempotency_key=key, **options)
+            enqueued = _instant(reply["job"]["created_at_ms"])
+            object.__setattr__(result, "enqueued_at", enqueued)
+            task_enqueued.send(type(self), task_result=result)
+
+        if connections[self.database].in_atomic_block:
+            transaction.on_commit(submit, using=self.database)
+        else:
+            submit()
         return result
 
     def _new_result(
@@ -391,23 +568,88 @@ class RelayBackend(BaseTaskBackend):
     # -- results --------------------------------------------------------------------------
 
     def get_result(self, result_id: str) -> TaskResult[..., Any]:
-        """Read a task's result: the job's state, history, and the worker's result row.
+        """Read a task's result: the job's state and history, and the return value and
+        errors the worker sent (``QueueService.result``, or the ``result`` op when networked).
 
+        Args:
+            result_id: a job id (``job_…``), or a networked result id ``"<queue>/<key>"``.
         Raises:
-            TaskResultDoesNotExist: no job has this id (never enqueued, rolled back, purged),
-                or the job is not a Django task.
+            TaskResultDoesNotExist: no job has this id (never enqueued, rolled back, not yet
+                committed, purged), or the job is not a Django task.
             ImportError: the task's module path cannot be imported here.
+            RelayError, ConnectionError: networked: the server refused or is unreachable.
         """
+        by = self._lookup(result_id)
         try:
-            job = self.service.get(result_id, history=True)
+            if self.networked:
+                found: dict[str, Any] = dict(self.client.result(**by))
+            else:
+                found = self._with_legacy_row(self.service.result(**by))
         except (JobNotFound, InvalidArgument):
-            job = None
-        if job is None or not _is_task_payload(job["payload"]):
-            raise TaskResultDoesNotExist(result_id)
+            raise TaskResultDoesNotExist(result_id) from None
+        return self._from_result(result_id, found)
+
+    def _with_legacy_row(self, found: dict[str, Any]) -> dict[str, Any]:
+        """Shared-database mode: for a job finished before results moved to ``relay_result``
+        (migration ``0013_task_results``), the row the worker wrote to ``relay_tasks``' table,
+        in the same shape, while that app is installed."""
+        if (
+            found["return_value"] is not None
+            or found["errors"]
+            or not (apps.is_installed("relay_tasks"))
+        ):
+            return found
         from relay_tasks.models import TaskResultRecord
 
-        record = TaskResultRecord.objects.using(self.database).filter(pk=job["id"]).first()
-        return self._build_result(result_id, job, record)
+        row = TaskResultRecord.objects.using(self.database).filter(pk=found["job"]["id"]).first()
+        if row is None:
+            return found
+        errors = [
+            {
+                "attempt": e["attempt"],
+                "exception_class": e["exception_class_path"],
+                "traceback": e["traceback"],
+            }
+            for e in orjson.loads(row.errors)
+        ]
+        value = None if row.return_value is None else {"return_json": row.return_value}
+        return {**found, "return_value": value, "errors": errors}
+
+    async def aget_result(self, result_id: str) -> TaskResult[..., Any]:
+        """``get_result`` without blocking the event loop; networked, over an
+        ``AsyncRelayClient`` (one connection per call)."""
+        if not self.networked:
+            return await super().aget_result(result_id)
+        from queue_core.aclient import AsyncRelayClient
+
+        by = self._lookup(result_id)
+        client = AsyncRelayClient(
+            str(self.address),
+            timeout_s=float(self.timeout_s),
+            max_frame_bytes=relay_settings().max_frame_bytes,
+            api_key=self.api_key,
+        )
+        try:
+            found: dict[str, Any] = dict(await client.result(**by))
+        except (JobNotFound, InvalidArgument):
+            raise TaskResultDoesNotExist(result_id) from None
+        finally:
+            await client.close()
+        return self._from_result(result_id, found)
+
+    @staticmethod
+    def _lookup(result_id: str) -> dict[str, Any]:
+        """The ``result`` op's arguments naming the job of ``result_id``."""
+        split = _split_result_id(result_id)
+        if split is None:
+            return {"job_id": result_id}
+        return {"queue": split[0], "idempotency_key": split[1]}
+
+    def _from_result(self, result_id: str, found: dict[str, Any]) -> TaskResult[..., Any]:
+        job = found["job"]
+        if not _is_task_payload(job["payload"]):
+            raise TaskResultDoesNotExist(result_id)
+        return self._build_result(result_id, job, found)
 
     def _task_of(self, payload: dict[str, Any], job: dict[str, Any]) -> Task[..., Any]:
         task = import_string(payload["task"])
@@ -430,12 +672,12 @@ class RelayBackend(BaseTaskBackend):
         return alias if isinstance(alias, str) and alias in configured else self.alias
 
     def _build_result(
-        self, result_id: str, job: dict[str, Any], record: Any
+        self, result_id: str, job: dict[str, Any], found: dict[str, Any]
     ) -> TaskResult[..., Any]:
         payload = job["payload"]
         status = STATUS_OF_STATE[job["state"]]
         history: list[dict[str, Any]] = job.get("history", [])
-        recorded = {e["attempt"]: e for e in orjson.loads(record.errors)} if record else {}
+        recorded = {e["attempt"]: e for e in found.get("errors") or []}
         task_errors: list[TaskError] = []
         for attempt in history:
             if attempt["outcome"] not in ("failed", "lease_expired"):
@@ -443,7 +685,7 @@ class RelayBackend(BaseTaskBackend):
             entry = recorded.get(attempt["attempt"])
             if entry is not None:
                 error = TaskError(
-                    exception_class_path=entry["exception_class_path"],
+                    exception_class_path=entry["exception_class"],
                     traceback=entry["traceback"],
                 )
             elif attempt["outcome"] == "lease_expired":
@@ -474,20 +716,22 @@ class RelayBackend(BaseTaskBackend):
             errors=task_errors,
             worker_ids=[attempt["worker_id"] for attempt in history],
         )
-        if status == TaskResultStatus.SUCCESSFUL and record and record.return_value is not None:
-            object.__setattr__(result, "_return_value", json.loads(record.return_value))
+        has_value, value = _return_value_of(found.get("return_value"))
+        if status == TaskResultStatus.SUCCESSFUL and has_value:
+            object.__setattr__(result, "_return_value", value)
         return result
 
     # -- running (the relay_worker --tasks side) -----------------------------------------
 
-    def run(self, ctx: JobContext) -> None:
-        """Run the task of leased job ``ctx.job_id`` and record its outcome.
+    def run(self, ctx: JobContext) -> StoredResult:
+        """Run the task of leased job ``ctx.job_id``.
 
         Called by ``execute_task`` in a worker handler thread. Sends ``task_started`` and
         ``task_finished`` (once per attempt, with status SUCCESSFUL or FAILED for that
-        attempt), writes the return value or the error to ``relay_tasks``, then returns (the
-        worker acks) or re-raises (the worker fails the job: retried while the budget lasts,
-        at once dead for a ``NonRetryableError``).
+        attempt), then returns the return value as a ``StoredResult`` (the worker acks with
+        it, ``_acked_result``'s shape) or re-raises (the worker fails the job with the
+        exception's class and traceback: retried while the budget lasts, at once dead for a
+        ``NonRetryableError``). The service stores either with the job.
 
         Raises:
             Whatever the task raised.
@@ -495,14 +739,17 @@ class RelayBackend(BaseTaskBackend):
                 loaded (``ImportError``, ``InvalidTask``) that error's class and traceback are
                 recorded as the attempt's error.
             ReturnValueRefused: the task returned a value ``normalize_json`` refuses (the
-                ``TypeError``/``ValueError`` is recorded); the body ran once, and the task is
-                FAILED without a retry.
+                ``TypeError``/``ValueError`` is recorded), or one over ``RELAY_MAX_RESULT_BYTES``
+                once encoded (as this process's settings say); the body ran once, and the task
+                is FAILED without a retry.
         """
         try:
             result = self.get_result(ctx.job_id)
         except (ImportError, InvalidTask) as exc:
-            self._record_error(ctx.job_id, ctx.attempt, _task_error(exc))
-            raise NonRetryableError(f"cannot load the task of {ctx.job_id}: {exc}") from exc
+            raise _reporting(
+                NonRetryableError(f"cannot load the task of {ctx.job_id}: {exc}"),
+                _task_error(exc),
+            ) from exc
         except TaskResultDoesNotExist as exc:
             raise NonRetryableError(f"cannot load the task of {ctx.job_id}: {exc}") from exc
         task = result.task
@@ -515,58 +762,41 @@ class RelayBackend(BaseTaskBackend):
                 raw = task.call(*result.args, **result.kwargs)
         except JobInterrupted:
             raise
-        except BaseException as exc:  # any task failure is recorded, then re-raised
-            self._finish_failed(ctx, result, exc)
+        except BaseException as exc:  # any task failure is reported, then re-raised
+            self._finish_failed(result, exc)
             raise
         try:
             value = _json_round_trip(raw)
+            acked = _acked_result(value)
+            size = len(orjson.dumps(acked))
+            limit = relay_settings().result_limit_bytes
+            if size > limit:
+                raise ValueError(
+                    f"it is {size} bytes as JSON, over RELAY_MAX_RESULT_BYTES ({limit})"
+                )
         except (TypeError, ValueError, RecursionError) as exc:
-            self._finish_failed(ctx, result, exc)
-            raise ReturnValueRefused(f"the return value cannot be stored: {exc}") from exc
-        self._record(ctx.job_id, return_value=json.dumps(value))
+            error = self._finish_failed(result, exc)
+            refused = ReturnValueRefused(f"the return value cannot be stored: {exc}")
+            raise _reporting(refused, error) from exc
         object.__setattr__(result, "_return_value", value)
         object.__setattr__(result, "status", TaskResultStatus.SUCCESSFUL)
         object.__setattr__(result, "finished_at", timezone.now())
         task_finished.send(type(self), task_result=result)
+        return StoredResult(acked)
 
-    def _finish_failed(
-        self, ctx: JobContext, result: TaskResult[..., Any], exc: BaseException
-    ) -> None:
-        """Record ``exc`` as the attempt's error and send ``task_finished`` (FAILED)."""
+    def _finish_failed(self, result: TaskResult[..., Any], exc: BaseException) -> TaskError:
+        """Mark ``exc`` as the attempt's reported error and send ``task_finished`` (FAILED).
+
+        Returns:
+            The ``TaskError`` the worker reports (the exception's class and traceback).
+        """
         error = _task_error(exc)
-        self._record_error(ctx.job_id, ctx.attempt, error)
+        _reporting(exc, error)
         result.errors.append(error)
         object.__setattr__(result, "status", TaskResultStatus.FAILED)
         object.__setattr__(result, "finished_at", timezone.now())
         task_finished.send(type(self), task_result=result)
-
-    def _record_error(self, job_id: str, attempt: int, error: TaskError) -> None:
-        from relay_tasks.models import TaskResultRecord
-
-        row = TaskResultRecord.objects.using(self.database).filter(pk=job_id).first()
-        entries = [e for e in orjson.loads(row.errors) if e["attempt"] != attempt] if row else []
-        entries.append(
-            {
-                "attempt": attempt,
-                "exception_class_path": error.exception_class_path,
-                "traceback": error.traceback,
-            }
-        )
-        self._record(job_id, errors=orjson.dumps(entries).decode())
-
-    def _record(self, job_id: str, **fields: str) -> None:
-        """Write result fields with single autocommit statements (no read-then-write
-        transaction, which SQLite could refuse to upgrade while the server writes)."""
-        from relay_tasks.models import TaskResultRecord
-
-        now_ms = time.time_ns() // 1_000_000
-        rows = TaskResultRecord.objects.using(self.database)
-        if rows.filter(pk=job_id).update(updated_at_ms=now_ms, **fields):
-            return
-        try:
-            rows.create(job_id=job_id, updated_at_ms=now_ms, **fields)
-        except IntegrityError:  # written meanwhile by an overlapping attempt
-            rows.filter(pk=job_id).update(updated_at_ms=now_ms, **fields)
+        return error
 
 
 def _epoch_ms(instant: dt.datetime) -> int:
@@ -580,7 +810,7 @@ def _utf8(text: str) -> str:
     return text.encode("utf-8", errors="backslashreplace").decode("utf-8")
 
 
-def execute_task(payload: Any, ctx: JobContext) -> None:
+def execute_task(payload: Any, ctx: JobContext) -> StoredResult:
     """The ``relay_worker --tasks`` handler: run the Django task a job carries.
 
     Looks up the backend named by the payload (it must be a ``RelayBackend``) and calls its
@@ -602,7 +832,7 @@ def execute_task(payload: Any, ctx: JobContext) -> None:
         raise NonRetryableError(f"task backend {alias!r} is not a RelayBackend")
     close_old_connections()
     try:
-        backend.run(ctx)
+        return backend.run(ctx)
     finally:
         close_old_connections()
 
@@ -635,10 +865,11 @@ class _StatsClient(Protocol):
 def check_worker_setup(backends: list[RelayBackend], client: _StatsClient) -> list[str]:
     """Check, before ``relay_worker --tasks`` leases, that it can run what the server hands it.
 
-    For each backend's ``DATABASE``: ``relay_tasks``' table must be readable there (migrated),
-    and the server's registry of live servers (``stats``) must share a server id with the one
-    this database holds, or the server and this worker use different databases: every job
-    leased would fail to load.
+    For each shared-database backend's ``DATABASE``: Relay's results table must be readable
+    there (migrated), and the server's registry of live servers (``stats``) must share a server
+    id with the one this database holds, or the server and this worker use different
+    databases: every job leased would fail to load. Networked backends read results over TCP
+    and need no database of Relay's here.
 
     Args:
         backends: the ``RelayBackend``s (``relay_backends()``), at least one.
@@ -649,17 +880,20 @@ def check_worker_setup(backends: list[RelayBackend], client: _StatsClient) -> li
     Raises:
         ImproperlyConfigured: a database is unreadable or is not the server's (one line).
     """
-    from relay_tasks.models import TaskResultRecord
+    from queue_core.models import JobResult
 
     warnings: list[str] = []
+    shared = sorted({backend.database for backend in backends if not backend.networked})
+    if not shared:
+        return warnings
     try:
         served = {str(server["id"]) for server in client.stats(limit=1)["servers"]}
     except (ConnectionError, RelayError) as exc:
         served = set()
         warnings.append(f"could not ask the server for its database's servers ({exc})")
-    for database in sorted({backend.database for backend in backends}):
+    for database in shared:
         try:
-            TaskResultRecord.objects.using(database).exists()
+            JobResult.objects.using(database).exists()
             service = QueueService(driver=driver_for(database))
             here = {str(server["id"]) for server in service.servers()}
         except DatabaseError as exc:

@@ -18,6 +18,7 @@ __all__ = [
     "BatchEntry",
     "DeadListResult",
     "DeadPurgeResult",
+    "ErrorEntry",
     "FailResult",
     "HelloResult",
     "Job",
@@ -32,6 +33,7 @@ __all__ = [
     "QueueStats",
     "ReleaseResult",
     "RenewResult",
+    "ResultResult",
     "RetryPolicy",
     "Server",
     "StatsResult",
@@ -202,6 +204,22 @@ class JobResult(TypedDict):
     """``inspect`` and ``dead_retry``: one job."""
 
     job: Job
+
+
+class ErrorEntry(TypedDict):
+    """One failed attempt's structured error, as a ``fail`` with ``exception_class`` sent it."""
+
+    attempt: int
+    exception_class: str
+    traceback: str
+
+
+class ResultResult(TypedDict):
+    """``result``: the job (as ``inspect``) and what its worker reported."""
+
+    job: Job
+    return_value: Any  # the result sent with the ack; None when none was stored
+    errors: list[ErrorEntry]  # oldest first; the newest that fit RELAY_MAX_RESULT_BYTES
 
 
 class Server(TypedDict):

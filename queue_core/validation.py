@@ -194,6 +194,46 @@ def _suspect(value: Any, max_depth: int | None) -> bool:
 def payload(value: Any, settings: RelaySettings) -> str:
     """Return the payload as canonical JSON text (sorted keys, compact).
 
+    See ``json_text`` (``field`` ``payload``, limit ``max_payload_bytes``).
+    """
+    return json_text(value, field="payload", limit=settings.max_payload_bytes)
+
+
+def result(value: Any, settings: RelaySettings) -> str:
+    """Return the result an ack carries as canonical JSON text (sorted keys, compact).
+
+    See ``json_text`` (``field`` ``result``, limit ``result_limit_bytes``).
+    """
+    return json_text(value, field="result", limit=settings.result_limit_bytes)
+
+
+def exception_class(value: Any) -> str:
+    """Return an exception class name (``module.QualName``, 1..255 characters)."""
+    return text("exception_class", value, max_len=255)
+
+
+def traceback_text(value: Any, settings: RelaySettings) -> str:
+    """Return a traceback of at most ``result_limit_bytes`` UTF-8 bytes, NUL characters replaced
+    by U+FFFD (as ``error_text``; the worker cuts a longer one, keeping its end).
+
+    Raises:
+        InvalidArgument: not a string, over the limit, or holding a lone surrogate.
+    """
+    if not isinstance(value, str):
+        raise _bad("traceback", f"must be a string, got {type(value).__name__}")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise _bad("traceback", _SURROGATE) from None
+    limit = settings.result_limit_bytes
+    if size > limit:
+        raise _bad("traceback", f"is {size} bytes, over the {limit}-byte limit")
+    return value.replace("\x00", "\ufffd")
+
+
+def json_text(value: Any, *, field: str, limit: int) -> str:
+    """Return ``value`` as canonical JSON text (sorted keys, compact).
+
     JSON numbers follow the codec (orjson): integers within 64 bits stay exact; a larger
     integer arriving in a frame has already been read as a double, as JavaScript reads it.
 
@@ -201,30 +241,30 @@ def payload(value: Any, settings: RelaySettings) -> str:
         InvalidArgument: not JSON-serialisable (e.g. a Python int beyond 64 bits, a string or
             key with a lone surrogate), holding a float that is NaN or ±Infinity (orjson
             would store it as ``null``), or nested deeper than ``MAX_PAYLOAD_DEPTH``;
-            ``details["field"]`` is ``payload`` or the path below it (``payload.a[2]``).
-        FrameTooLarge: over ``max_payload_bytes`` once encoded.
+            ``details["field"]`` is ``field`` or the path below it (``payload.a[2]``).
+        FrameTooLarge: over ``limit`` bytes once encoded.
     """
     try:
         encoded = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except (TypeError, orjson.JSONEncodeError) as exc:
-        found = unfaithful(value, root="payload")
+        found = unfaithful(value, root=field)
         if found is not None:
             raise InvalidArgument(": ".join(found), field=found[0]) from exc
-        raise _bad("payload", f"is not encodable as JSON: {exc}") from exc
+        raise _bad(field, f"is not encodable as JSON: {exc}") from exc
     # Walk the value (in Python: slow) only when the encoding shows it may be needed: nesting
     # cannot exceed the number of brackets, and NaN or ±Infinity come out as null, so the
     # value then differs from its decoding (decoded and compared in C, ~20x quicker).
     deep = encoded.count(b"[") + encoded.count(b"{") > MAX_PAYLOAD_DEPTH
     if deep or (encoded.find(b"null") >= 0 and orjson.loads(encoded) != value):
-        limit = MAX_PAYLOAD_DEPTH if deep else None
-        found = unfaithful(value, max_depth=limit, root="payload", encoded=True)
+        depth = MAX_PAYLOAD_DEPTH if deep else None
+        found = unfaithful(value, max_depth=depth, root=field, encoded=True)
         if found is not None:
             raise InvalidArgument(": ".join(found), field=found[0])
-    if len(encoded) > settings.max_payload_bytes:
+    if len(encoded) > limit:
         raise FrameTooLarge(
-            f"payload is {len(encoded)} bytes, over the {settings.max_payload_bytes}-byte limit",
-            field="payload",
-            limit=settings.max_payload_bytes,
+            f"{field} is {len(encoded)} bytes, over the {limit}-byte limit",
+            field=field,
+            limit=limit,
         )
     return encoded.decode("utf-8")
 

@@ -15,6 +15,7 @@ from queue_api.schemas import (
     BatchOut,
     JobDetailOut,
     JobPageOut,
+    ResultOut,
     StatsOut,
     SubmitIn,
     SubmitOut,
@@ -93,6 +94,30 @@ def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     """Return the job: state, attempts, lease holder and expiry, history with errors, events."""
     job: dict[str, Any] = calls.run(request, "inspect", {"job_id": job_id})["job"]
     return job
+
+
+@router.get(
+    "/jobs/{job_id}/result",
+    response={200: ResultOut, **ERRORS},
+    auth=ApiKey("result"),
+    summary="Read a job with its result",
+)
+def get_result(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    """Return the job (as ``GET /jobs/{job_id}``), the result its worker sent with the ack
+    (``return_value``) and the structured errors sent with its fails (``errors``)."""
+    return calls.run(request, "result", {"job_id": job_id})
+
+
+@router.get(
+    "/queues/{queue}/result",
+    response={200: ResultOut, **ERRORS},
+    auth=ApiKey("result"),
+    summary="Read a job with its result, by its idempotency key",
+)
+def get_result_by_key(request: HttpRequest, queue: str, idempotency_key: str) -> dict[str, Any]:
+    """As ``GET /jobs/{job_id}/result``, for the job submitted to ``queue`` with
+    ``idempotency_key`` (a query parameter), while the key stays bound to it."""
+    return calls.run(request, "result", {"queue": queue, "idempotency_key": idempotency_key})
 
 
 @router.get(

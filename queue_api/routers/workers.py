@@ -27,6 +27,7 @@ from ninja import Router
 from queue_api import calls, pool
 from queue_api.routers._common import ERRORS
 from queue_api.schemas import (
+    AckIn,
     AckOut,
     FailIn,
     FailOut,
@@ -114,8 +115,11 @@ def renew(request: HttpRequest, job_id: str, body: RenewIn) -> dict[str, Any]:
     auth=ApiKey("ack"),
     summary="Acknowledge a leased job",
 )
-def ack(request: HttpRequest, job_id: str, body: LeaseIdsIn) -> dict[str, Any]:
-    """Mark a leased job done (leased -> succeeded); a repeat answers ``duplicate: true``."""
+def ack(request: HttpRequest, job_id: str, body: AckIn) -> dict[str, Any]:
+    """Mark a leased job done (leased -> succeeded); a repeat answers ``duplicate: true``.
+
+    A ``result`` is stored with the job (413 ``FRAME_TOO_LARGE`` over
+    ``RELAY_MAX_RESULT_BYTES``: nothing changed, the lease is still held)."""
     return _lease_op(request, "ack", job_id, body)
 
 

@@ -153,7 +153,7 @@ def _renew(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 
 
 def _ack(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
-    out = svc.ack(args["job_id"], **_lease_ids(args))
+    out = svc.ack(args["job_id"], **_lease_ids(args), result=args.get("result"))
     events = () if out["duplicate"] else (metrics.Event("acked", _queue(out)),)
     return Outcome({k: out[k] for k in ("job_id", "state", "duplicate")}, events=events)
 
@@ -170,6 +170,8 @@ def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
         **_lease_ids(args),
         error=args["error"],
         retryable=args.get("retryable", True),
+        exception_class=args.get("exception_class"),
+        traceback=args.get("traceback"),
     )
     result = {k: out[k] for k in ("job_id", "state", "retry_at_ms", "dead_reason", "duplicate")}
     due = out["retry_at_ms"] if out["state"] == JobState.RETRYING else None

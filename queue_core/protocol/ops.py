@@ -545,23 +545,36 @@ class Ops:
         """
         return Call.of("renew", locals())
 
-    @op(Kind.WRITE, _LEASE_IDS, types.AckResult, scopes=WORKER)
+    @op(Kind.WRITE, {**_LEASE_IDS, "result": Arg(_any)}, types.AckResult, scopes=WORKER)
     @staticmethod
-    def ack(job_id: str, *, worker_id: str, lease_token: str) -> Call[types.AckResult]:
+    def ack(
+        job_id: str, *, worker_id: str, lease_token: str, result: Any = None
+    ) -> Call[types.AckResult]:
         """Mark a leased job as done (leased -> succeeded). Safe to repeat.
 
         Args:
             job_id, worker_id, lease_token: as for ``renew``.
+            result: the handler's result, any JSON value of at most
+                ``RELAY_MAX_RESULT_BYTES`` (64 KiB) as compact JSON, stored with the job
+                (``result`` reads it back); None stores nothing. A repeat stores nothing.
         Returns:
             ``{"job_id", "state": "succeeded", "duplicate": bool}``.
         Raises:
-            JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
+            JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError;
+            FrameTooLarge (a result over the limit) or InvalidArgument (NaN, ±Infinity, a
+            lone surrogate in it): nothing changed, the lease is still held.
         """
         return Call.of("ack", locals())
 
     @op(
         Kind.WRITE,
-        {**_LEASE_IDS, "error": Arg(_str, required=True), "retryable": Arg(_bool)},
+        {
+            **_LEASE_IDS,
+            "error": Arg(_str, required=True),
+            "retryable": Arg(_bool),
+            "exception_class": Arg(_str),
+            "traceback": Arg(_str),
+        },
         types.FailResult,
         scopes=WORKER,
         readying=True,
@@ -574,6 +587,8 @@ class Ops:
         lease_token: str,
         error: str,
         retryable: bool = True,
+        exception_class: str | None = None,
+        traceback: str | None = None,
     ) -> Call[types.FailResult]:
         """Record a failed attempt (leased -> retrying, or -> dead). Safe to repeat.
 
@@ -581,6 +596,10 @@ class Ops:
             job_id, worker_id, lease_token: as for ``renew``.
             error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes.
             retryable: False dead-letters the job at once.
+            exception_class: the exception's class path (``module.QualName``, 1..255
+                characters); given, the error joins the job's stored errors (``result``).
+            traceback: its formatted traceback, at most ``RELAY_MAX_RESULT_BYTES`` UTF-8
+                bytes (stored only with ``exception_class``).
         Returns:
             ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``.
         Raises:
@@ -615,6 +634,34 @@ class Ops:
             JobNotFound, RelayConnectionError.
         """
         return Call.of("inspect", locals())
+
+    @op(
+        Kind.READ,
+        {"job_id": Arg(_str), "queue": Arg(_str), "idempotency_key": Arg(_str)},
+        types.ResultResult,
+        scopes=PRODUCER | WORKER,
+    )
+    @staticmethod
+    def result(
+        job_id: str | None = None,
+        *,
+        queue: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> Call[types.ResultResult]:
+        """Read a job with its result: the value its worker sent with the ack and the
+        structured errors (exception class, traceback) sent with its fails.
+
+        Args:
+            job_id: the job; or, instead,
+            queue, idempotency_key: the queue and the idempotency key it was submitted with.
+        Returns:
+            ``{"job": Job (as inspect), "return_value": any | None, "errors":
+            [{"attempt", "exception_class", "traceback"}, ...]}``.
+        Raises:
+            InvalidArgument (neither or both ways of naming the job), JobNotFound,
+            RelayConnectionError.
+        """
+        return Call.of("result", locals())
 
     @op(Kind.READ, _PAGE, types.StatsResult, scopes=PRODUCER)
     @staticmethod

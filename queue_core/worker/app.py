@@ -16,8 +16,9 @@ PATH`` runs one from the command line (see ``load_handlers`` for what ``PATH`` m
 
 A handler is ``handler(payload, ctx)`` (``ctx`` is a ``JobContext``: job id, attempt, shutdown
 event, and ``ctx.meta``, the job's metadata map such as a ``traceparent``); an ``async def``
-handler is run to completion on its own event loop. Its return value is ignored. Delivery is
-at-least-once, so handlers must be idempotent.
+handler is run to completion on its own event loop. Its return value is ignored unless it is a
+``StoredResult``, whose value the worker sends with its ack (stored with the job; the
+``result`` op reads it). Delivery is at-least-once, so handlers must be idempotent.
 """
 
 from __future__ import annotations

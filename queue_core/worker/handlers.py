@@ -8,6 +8,11 @@ at-least-once, so a handler may run twice for one job and must make its effects 
 Raise ``NonRetryableError`` for failures a retry cannot fix (the job goes straight to dead), and
 ``JobInterrupted`` to give the job back untouched when ``ctx.shutdown`` is set.
 
+Results: a handler that returns ``StoredResult(value)`` has the worker send ``value`` with its
+ack, and the service stores it with the job (the ``result`` op reads it); any other return
+value is ignored. A failure is sent with its exception's class and traceback
+(``reported_error``), which the service keeps per attempt beside the error text.
+
 A job enqueued through ``django.tasks`` (``is_django_task``) runs only under ``relay worker
 --tasks``: the demonstration handler and application routers refuse it (``TaskJobRefused``)
 rather than ack a task whose body never ran.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
+from traceback import format_exception
 from typing import Any
 
 from queue_core import types
@@ -28,10 +34,13 @@ __all__ = [
     "JobContext",
     "JobInterrupted",
     "NonRetryableError",
+    "ReportedError",
+    "StoredResult",
     "TaskJobRefused",
     "demo_handler",
     "is_django_task",
     "refuse_django_task",
+    "reported_error",
 ]
 
 
@@ -79,6 +88,47 @@ def refuse_django_task(payload: Any) -> None:
         raise TaskJobRefused(
             f"Django task {payload['task']} needs the task runner: run relay worker --tasks"
         )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredResult:
+    """What a handler returns to have ``value`` stored with its job: the worker sends it with
+    the ack (``result``), at most ``RELAY_MAX_RESULT_BYTES`` as compact JSON. A value the
+    server refuses (too large, or NaN, ±Infinity, a lone surrogate in it) fails the attempt
+    non-retryably instead: another run would return the same kind of value.
+
+    Attributes:
+        value: any JSON value (dicts, lists, strings, numbers, booleans, None).
+    """
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReportedError:
+    """The exception a failed attempt is stored with (the ``fail`` op's ``exception_class``
+    and ``traceback``).
+
+    Attributes:
+        exception_class: ``module.QualName`` of the exception.
+        traceback: its formatted traceback (the worker keeps the end of a long one).
+    """
+
+    exception_class: str
+    traceback: str
+
+
+def reported_error(exc: BaseException) -> ReportedError:
+    """The class and traceback a failure is reported with: the exception's own, unless it
+    carries a ``reported_error`` attribute holding a ``ReportedError`` (the Django task runner
+    reports the task's exception, not the ``NonRetryableError`` that wraps it)."""
+    own = getattr(exc, "reported_error", None)
+    if isinstance(own, ReportedError):
+        return own
+    return ReportedError(
+        exception_class=f"{type(exc).__module__}.{type(exc).__qualname__}",
+        traceback="".join(format_exception(exc)),
+    )
 
 
 class DemoFailure(RuntimeError):

@@ -38,7 +38,10 @@ from queue_core.worker.handlers import (
     JobContext,
     JobInterrupted,
     NonRetryableError,
+    ReportedError,
+    StoredResult,
     demo_handler,
+    reported_error,
 )
 
 logger = logging.getLogger("relay.worker")
@@ -93,6 +96,15 @@ def truncate_utf8(text: str, max_bytes: int) -> str:
     return data[:max_bytes].decode("utf-8", errors="ignore")
 
 
+def truncate_utf8_tail(text: str, max_bytes: int) -> str:
+    """Keep the last ``max_bytes`` UTF-8 bytes of ``text`` (a traceback's end names the
+    exception), without splitting a character; lone surrogates escaped as ``truncate_utf8``."""
+    data = text.encode("utf-8", errors="backslashreplace")
+    if len(data) <= max_bytes:
+        return data.decode("utf-8")
+    return data[len(data) - max_bytes :].decode("utf-8", errors="ignore")
+
+
 def error_text(exc: BaseException) -> str:
     """The text a failed handler's exception is reported with: its message, or its type's
     name when the message is empty or cannot be read (a ``__str__`` that raises)."""
@@ -103,6 +115,15 @@ def error_text(exc: BaseException) -> str:
 
 
 _Status = Literal["running", "settling", "released"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What an ack or fail carries besides the lease ids: the handler's ``StoredResult``
+    value, or the failure's class and traceback."""
+
+    result: Any = None
+    reported: ReportedError | None = None
 
 
 class _ClientPool:
@@ -188,6 +209,9 @@ class Worker:
         worker_id: id sent with every lease (default ``"{hostname}:{pid}"``).
         max_error_bytes: failure text is cut to this many UTF-8 bytes (default
             ``RELAY_MAX_ERROR_BYTES``, 4 096).
+        max_result_bytes: a failure's traceback is cut to this many UTF-8 bytes, keeping its
+            end (default ``RELAY_MAX_RESULT_BYTES``, 64 KiB, capped at an eighth of
+            ``RELAY_MAX_FRAME_BYTES``).
         rng: randomness for reconnect jitter (default a fresh ``random.Random``).
         tick_s: the longest real-time wait before re-reading ``clock`` (a ``FakeClock`` cannot
             wake a sleeping thread, so waits are sliced), in seconds.
@@ -214,6 +238,7 @@ class Worker:
         clock: Clock | None = None,
         worker_id: str | None = None,
         max_error_bytes: int | None = None,
+        max_result_bytes: int | None = None,
         rng: random.Random | None = None,
         tick_s: float = 0.1,
     ) -> None:
@@ -223,13 +248,15 @@ class Worker:
             raise ValueError("concurrency must be >= 1")
         if wait_ms < 0 or shutdown_timeout_ms < 0:
             raise ValueError("wait_ms and shutdown_timeout_ms must be >= 0")
-        if lease_ms is None or max_error_bytes is None:
+        if lease_ms is None or max_error_bytes is None or max_result_bytes is None:
             from queue_core.conf import relay_settings  # Django settings, only when needed
 
             settings = relay_settings()
             lease_ms = settings.visibility_timeout_ms if lease_ms is None else lease_ms
             if max_error_bytes is None:
                 max_error_bytes = settings.max_error_bytes
+            if max_result_bytes is None:
+                max_result_bytes = settings.result_limit_bytes
         if lease_ms <= 0:
             raise ValueError("lease_ms must be > 0")
         self._client_factory = client_factory
@@ -242,6 +269,7 @@ class Worker:
         self._clock: Clock = clock or SystemClock()
         self.worker_id = worker_id or default_worker_id()
         self.max_error_bytes = max_error_bytes
+        self.max_result_bytes = max_result_bytes
         self._rng = rng or random.Random()
         self._tick_s = tick_s
         self._renew_interval_s = lease_ms / 3000
@@ -453,14 +481,18 @@ class Worker:
         action: Literal["ack", "fail", "release"] = "ack"
         error = ""
         retryable = True
+        outcome = _Outcome()
         try:
-            self._handler(job.payload, ctx)
+            returned = self._handler(job.payload, ctx)
+            if isinstance(returned, StoredResult):
+                outcome = _Outcome(result=returned.value)
         except JobInterrupted:
             action = "release"
         except BaseException as exc:  # noqa: BLE001 - any handler failure, even SystemExit, fails the job
             action = "fail"
             error = truncate_utf8(error_text(exc), self.max_error_bytes)
             retryable = not isinstance(exc, NonRetryableError)
+            outcome = _Outcome(reported=self._reported(exc))
             _log(
                 logging.WARNING,
                 "handler_failed",
@@ -477,15 +509,32 @@ class Worker:
                 return
             job.status = "settling"
         try:
-            self._settle(job, action, error, retryable)
+            self._settle(job, action, error, retryable, outcome)
         finally:
             with self._cond:
                 self._held.pop(job.job_id, None)
                 self._cond.notify_all()
 
+    def _reported(self, exc: BaseException) -> ReportedError | None:
+        """The class and traceback a failure is sent with, the traceback cut to fit."""
+        try:
+            found = reported_error(exc)
+        except Exception:  # noqa: BLE001 - a traceback that cannot be formatted is left out
+            return None
+        return ReportedError(
+            exception_class=truncate_utf8(found.exception_class, 255) or "Exception",
+            traceback=truncate_utf8_tail(found.traceback, self.max_result_bytes),
+        )
+
     def _settle(
-        self, job: _HeldJob, action: Literal["ack", "fail", "release"], error: str, retryable: bool
+        self,
+        job: _HeldJob,
+        action: Literal["ack", "fail", "release"],
+        error: str,
+        retryable: bool,
+        outcome: _Outcome | None = None,
     ) -> None:
+        outcome = outcome or _Outcome()
         if action == "release":
             # Hold the job until our own lease call in flight returns: released now, it could
             # be handed straight back to that call (one more delivery for nothing).
@@ -501,21 +550,33 @@ class Worker:
                     result: Mapping[str, Any]
                     if action == "ack":
                         result = client.ack(
-                            job.job_id, worker_id=self.worker_id, lease_token=job.lease_token
+                            job.job_id,
+                            worker_id=self.worker_id,
+                            lease_token=job.lease_token,
+                            result=outcome.result,
                         )
                     else:
+                        reported = outcome.reported
                         result = client.fail(
                             job.job_id,
                             worker_id=self.worker_id,
                             lease_token=job.lease_token,
                             error=error,
                             retryable=retryable,
+                            exception_class=reported.exception_class if reported else None,
+                            traceback=reported.traceback if reported else None,
                         )
             except _LEASE_GONE as exc:
                 # At-least-once: the lease expired or moved on, so another worker may run the
                 # job again. Nothing to undo here.
                 _log(logging.WARNING, f"{action}_rejected", job_id=job.job_id, code=exc.code)
                 return
+            except (errors.FrameTooLarge, errors.InvalidArgument) as exc:
+                if action == "ack" and str(exc.details.get("field", "")).startswith("result"):
+                    self._refused_result(job, exc)
+                    return
+                _log(logging.WARNING, f"{action}_error", job_id=job.job_id, error=_describe(exc))
+                return  # refused: the same request would be refused again
             except (ConnectionError, errors.RelayError) as exc:
                 _log(
                     logging.WARNING,
@@ -542,6 +603,23 @@ class Worker:
                 duplicate=result.get("duplicate", False),
             )
             return
+
+    def _refused_result(self, job: _HeldJob, exc: errors.RelayError) -> None:
+        """The server cannot store the handler's result (too large, or not faithful JSON):
+        fail the attempt for good, since another run would return the same kind of value."""
+        _log(logging.WARNING, "result_refused", job_id=job.job_id, code=exc.code)
+        refused = ReportedError(
+            exception_class=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            traceback=truncate_utf8_tail(exc.message, self.max_result_bytes),
+        )
+        message = f"the result cannot be stored: {exc.message}"
+        self._settle(
+            job,
+            "fail",
+            truncate_utf8(message, self.max_error_bytes),
+            False,
+            _Outcome(reported=refused),
+        )
 
     def _release(self, job: _HeldJob, *, reason: str) -> None:
         try:

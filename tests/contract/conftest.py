@@ -90,6 +90,8 @@ class HttpSurface:
     def _route(op: str, args: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
         """The method, path and body (or query) of ``op``; path arguments leave ``args``."""
         method, template = ROUTES[op]
+        if op == "result" and "job_id" not in args:  # by queue and idempotency key
+            template = "/queues/{queue}/result"
         names = [name for name in ("queue", "job_id") if "{" + name + "}" in template]
         path = "/api/v1" + template.format(**{name: args.pop(name) for name in names})
         return method, path, args
@@ -105,6 +107,7 @@ ROUTES = {
     "fail": ("POST", "/jobs/{job_id}/fail"),
     "release": ("POST", "/jobs/{job_id}/release"),
     "inspect": ("GET", "/jobs/{job_id}"),
+    "result": ("GET", "/jobs/{job_id}/result"),
     "stats": ("GET", "/stats"),
     "dead_list": ("GET", "/dead"),
     "dead_retry": ("POST", "/dead/{job_id}/replay"),

@@ -145,6 +145,30 @@ def test_fail_then_release(surface: Surface, clock: FakeClock) -> None:
     refused(surface, "STALE_TOKEN", "fail", **held(again), error="late")
 
 
+def test_results_sent_with_ack_and_fail_are_read_back(surface: Surface) -> None:
+    done = surface.call("submit", queue="q", payload=1, idempotency_key="k-1")["job"]["id"]
+    got = lease(surface)
+    assert surface.call("ack", **held(got), result={"rows": [1, 2], "ok": True})["state"] == (
+        "succeeded"
+    )
+    failed = surface.call("submit", queue="q", payload=2, max_retries=0)["job"]["id"]
+    got = lease(surface)
+    surface.call(
+        "fail", **held(got), error="boom", exception_class="app.Boom", traceback="app.Boom\n"
+    )
+    by_id = surface.call("result", job_id=done)
+    assert by_id["return_value"] == {"rows": [1, 2], "ok": True} and by_id["errors"] == []
+    assert (by_id["job"]["id"], by_id["job"]["state"]) == (done, "succeeded")
+    by_key = surface.call("result", queue="q", idempotency_key="k-1")
+    assert by_key["job"]["id"] == done and by_key["return_value"] == by_id["return_value"]
+    dead = surface.call("result", job_id=failed)
+    assert dead["return_value"] is None
+    assert dead["errors"] == [
+        {"attempt": 1, "exception_class": "app.Boom", "traceback": "app.Boom\n"}
+    ]
+    refused(surface, "NOT_FOUND", "result", queue="q", idempotency_key="nope")
+
+
 def test_dead_list_pages(surface: Surface) -> None:
     dead = []
     for n in range(3):
@@ -221,6 +245,7 @@ def test_invalid_arguments_name_the_field(
     ("op", "args"),
     [
         ("inspect", {}),
+        ("result", {}),
         ("ack", {"worker_id": "w1", "lease_token": "t"}),
         ("renew", {"worker_id": "w1", "lease_token": "t"}),
         ("fail", {"worker_id": "w1", "lease_token": "t", "error": "x"}),

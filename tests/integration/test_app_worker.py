@@ -69,6 +69,7 @@ def test_app_worker_routes_jobs_to_handlers(spawn: Spawner) -> None:
             name: client.submit("default", payload, max_retries=1, **fixed)["job"]["id"]
             for name, payload in {
                 "echo": {"task": "echo", "n": 1},
+                "stored": {"task": "stored", "n": 21},
                 "async_ok": {"task": "async_ok"},
                 "boom": {"task": "boom", "message": "smtp down"},
                 "refuse": {"task": "refuse"},
@@ -79,6 +80,13 @@ def test_app_worker_routes_jobs_to_handlers(spawn: Spawner) -> None:
             name: wait_for(lambda job_id=job_id: settled(client, job_id), name)
             for name, job_id in ids.items()
         }
+        results = {name: client.result(job_id) for name, job_id in ids.items()}
+    assert results["stored"]["return_value"] == {"doubled": 42}
+    assert results["echo"]["return_value"] is None  # a plain return value is not sent
+    assert [e["exception_class"] for e in results["boom"]["errors"]] == [
+        "builtins.RuntimeError"
+    ] * 2
+    assert "RuntimeError: smtp down" in results["boom"]["errors"][1]["traceback"]
     assert jobs["echo"]["state"] == "succeeded"
     assert jobs["async_ok"]["state"] == "succeeded"
     assert jobs["boom"]["state"] == "dead"
@@ -88,7 +96,7 @@ def test_app_worker_routes_jobs_to_handlers(spawn: Spawner) -> None:
     assert jobs["refuse"]["attempt"] == 1
     assert jobs["unknown"]["dead_reason"] == (
         "non-retryable: unknown task 'nope'; this worker handles: "
-        "async_ok, boom, echo, hang, refuse"
+        "async_ok, boom, echo, hang, refuse, stored"
     )
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit() == 0

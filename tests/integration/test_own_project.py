@@ -150,7 +150,7 @@ def test_relay_runs_on_the_settings_given_by_option_or_environment(tmp_path: Pat
         user_env(DJANGO_SETTINGS_MODULE="hostproj.settings", HOST_DB=str(other)),
     )
     assert done.returncode == 0, done.stderr
-    assert "relay_task_result" in tables(other)
+    assert "relay_result" in tables(other)
     assert sorted(p.name for p in project.iterdir()) == ["host.db", "hostproj"]  # no relay.db
 
 
@@ -162,10 +162,13 @@ def test_standalone_relay_keeps_relay_db_in_the_current_directory(tmp_path: Path
 
 def test_manage_py_check_runs_relays_tasks_checks(tmp_path: Path) -> None:
     project = write_project(tmp_path / "site", tasks_app=False)
+    with (project / "hostproj" / "settings.py").open("a") as settings:
+        settings.write('TASKS["default"]["OPTIONS"] = {"ADDRESS": "no-port-here", "TIMEOUT": 0}\n')
     args = [sys.executable, "-m", "django", "check", "--settings", "hostproj.settings"]
     done = run(args, project, user_env(PYTHONPATH=str(project)))
     assert done.returncode == 1
-    assert "relay.E101" in done.stderr and "'relay_tasks'" in done.stderr
+    assert "relay.E106" in done.stderr and "'no-port-here'" in done.stderr
+    assert "TIMEOUT must be a number of seconds > 0" in done.stderr
 
 
 def test_queue_admin_leaves_the_projects_admin_site_unbranded(tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ from django.test import override_settings
 
 from queue_core import tasks_backend
 from queue_core.clock import FakeClock
-from queue_core.errors import LeaseExpired
+from queue_core.conf import relay_settings
+from queue_core.errors import FrameTooLarge, LeaseExpired
 from queue_core.models import Job
 from queue_core.service import QueueService
 from queue_core.tasks_backend import (
@@ -36,7 +37,8 @@ from queue_core.tasks_backend import (
     relay_priority,
 )
 from queue_core.worker import JobContext, NonRetryableError
-from queue_core.worker.runner import error_text, truncate_utf8
+from queue_core.worker.handlers import reported_error
+from queue_core.worker.runner import error_text, truncate_utf8, truncate_utf8_tail
 from tests.tasks_app import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -70,16 +72,19 @@ def run_next(
     )
     settle = {"worker_id": worker_id, "lease_token": lease["lease_token"]}
     try:
-        execute_task(lease["payload"], ctx)
+        stored = execute_task(lease["payload"], ctx)
     except BaseException as exc:
+        reported = reported_error(exc)  # as the worker reports it
         service.fail(
             lease["job_id"],
-            error=truncate_utf8(error_text(exc), 4096),  # as the worker reports it
+            error=truncate_utf8(error_text(exc), 4096),
             retryable=not isinstance(exc, NonRetryableError),
+            exception_class=reported.exception_class,
+            traceback=truncate_utf8_tail(reported.traceback, relay_settings().max_result_bytes),
             **settle,
         )
         return lease, exc
-    service.ack(lease["job_id"], **settle)
+    service.ack(lease["job_id"], result=stored.value, **settle)
     return lease, None
 
 
@@ -243,15 +248,15 @@ def test_lifecycle_ready_running_successful(
 
 
 def test_purging_a_finished_task_job_deletes_its_result(worker_service: QueueService) -> None:
-    from relay_tasks.models import TaskResultRecord
+    from queue_core.models import JobResult
 
     kept, purged = tasks.add.enqueue(1, 2), tasks.add.enqueue(3, 4)
     for _ in range(2):
         _, error = run_next(worker_service)
         assert error is None
-    assert TaskResultRecord.objects.count() == 2
+    assert JobResult.objects.count() == 2
     worker_service.purge(purged.id, actor="test")
-    assert list(TaskResultRecord.objects.values_list("job_id", flat=True)) == [kept.id]
+    assert list(JobResult.objects.values_list("job_id", flat=True)) == [kept.id]
     assert tasks.add.get_result(kept.id).return_value == 3
     with pytest.raises(TaskResultDoesNotExist):
         tasks.add.get_result(purged.id)
@@ -607,3 +612,81 @@ def test_immediate_transaction_mode_is_asked_of_sqlite_only(
     monkeypatch.setitem(settings.DATABASES, "pg", postgres)
     backend = RelayBackend("default", {"QUEUES": [], "OPTIONS": {"DATABASE": "pg"}})
     assert [message.id for message in backend.check()] == []
+
+
+# -- results stored by the service, and the networked mode without a server ----------------
+
+
+def test_a_return_value_over_relay_max_result_bytes_fails_at_once(
+    worker_service: QueueService,
+) -> None:
+    with override_settings(TASKS=relay_tasks(MAX_RETRIES=3), RELAY_MAX_RESULT_BYTES=100):
+        # {"return_value":"xx…"} is 19 bytes + the text: 81 x's make exactly 100, 82 make 101.
+        fits = tasks.identity.enqueue("x" * 81)
+        over = tasks.identity.enqueue("x" * 82)
+        assert run_next(worker_service)[1] is None
+        _, error = run_next(worker_service)
+    assert isinstance(error, ReturnValueRefused)
+    assert "over RELAY_MAX_RESULT_BYTES (100)" in str(error)
+    assert tasks.identity.get_result(fits.id).return_value == "x" * 81
+    refused = tasks.identity.get_result(over.id)
+    assert refused.status == TaskResultStatus.FAILED
+    assert refused.errors[0].exception_class is ValueError
+
+
+def test_networked_options_are_checked() -> None:
+    good = RelayBackend("net", {"OPTIONS": {"ADDRESS": "127.0.0.1:7400,10.0.0.2:7400"}})
+    assert good.networked and good.check() == []
+    bad = RelayBackend("net", {"OPTIONS": {"ADDRESS": "no-port", "API_KEY": 7, "TIMEOUT": True}})
+    messages = [m.msg for m in bad.check()]
+    assert [m.id for m in bad.check()] == ["relay.E106"] * 3
+    assert "ADDRESS 'no-port'" in messages[0]
+    assert "API_KEY must be a string" in messages[1]
+    assert "TIMEOUT must be a number of seconds > 0, got True" in messages[2]
+
+
+def test_networked_enqueue_waits_for_the_commit_and_a_rollback_never_connects() -> None:
+    # Port 9 (discard) on loopback: nothing listens, so any connection attempt would fail.
+    with override_settings(TASKS=relay_tasks(ADDRESS="127.0.0.1:9", TIMEOUT=1)):
+        sent: list[str] = []
+        task_enqueued.connect(receiver := lambda sender, task_result, **kw: sent.append("x"))
+        try:
+            with transaction.atomic():
+                result = tasks.add.enqueue(1, 2)
+                assert result.id.startswith("default/") and result.enqueued_at is None
+                transaction.set_rollback(True)
+            with (
+                pytest.raises(FrameTooLarge),
+                transaction.atomic(),
+                override_settings(RELAY_MAX_PAYLOAD_BYTES=50),
+            ):
+                tasks.identity.enqueue("x" * 100)  # refused inside the transaction
+        finally:
+            task_enqueued.disconnect(receiver)
+        assert sent == []
+        backend = tasks.add.get_backend()
+        assert isinstance(backend, RelayBackend) and backend._client is None  # never connected
+
+
+def test_results_written_before_0013_are_read_from_the_legacy_table(
+    worker_service: QueueService,
+) -> None:
+    from relay_tasks.models import TaskResultRecord
+
+    done, failed = tasks.add.enqueue(1, 2), tasks.add.enqueue(3, 4)
+    for result in (done, failed):
+        (lease,) = worker_service.claim(["default"], worker_id="old-worker")
+        ids = {"worker_id": "old-worker", "lease_token": lease["lease_token"]}
+        if result is done:  # an old worker: it acked without a result
+            worker_service.ack(lease["job_id"], **ids)
+        else:
+            worker_service.fail(lease["job_id"], error="old", retryable=False, **ids)
+    TaskResultRecord.objects.create(job_id=done.id, return_value="3", updated_at_ms=0)
+    TaskResultRecord.objects.create(
+        job_id=failed.id,
+        errors='[{"attempt": 1, "exception_class_path": "builtins.KeyError", "traceback": "tb"}]',
+        updated_at_ms=0,
+    )
+    assert tasks.add.get_result(done.id).return_value == 3
+    (error,) = tasks.add.get_result(failed.id).errors
+    assert (error.exception_class_path, error.traceback) == ("builtins.KeyError", "tb")

@@ -9,12 +9,17 @@ from typing import Any
 
 import orjson
 
-from queue_core.worker import JobContext, NonRetryableError
+from queue_core.worker import JobContext, NonRetryableError, StoredResult
 
 
 def echo(payload: Any, ctx: JobContext) -> dict[str, Any]:
     """Succeed (the return value is ignored by the worker)."""
     return {"echo": payload, "attempt": ctx.attempt}
+
+
+def stored(payload: Any, ctx: JobContext) -> StoredResult:
+    """Succeed with a result the worker sends with its ack."""
+    return StoredResult({"doubled": payload["n"] * 2})
 
 
 def boom(payload: Any, ctx: JobContext) -> None:
@@ -37,7 +42,14 @@ def hang(payload: Any, ctx: JobContext) -> None:
     threading.Event().wait(float(payload.get("seconds", 60)))
 
 
-HANDLERS = {"echo": echo, "boom": boom, "refuse": refuse, "async_ok": async_ok, "hang": hang}
+HANDLERS = {
+    "echo": echo,
+    "stored": stored,
+    "boom": boom,
+    "refuse": refuse,
+    "async_ok": async_ok,
+    "hang": hang,
+}
 
 
 def record_meta(payload: Any, ctx: JobContext) -> None:

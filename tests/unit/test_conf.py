@@ -6,7 +6,7 @@ import pytest
 from django.core import checks
 from django.test.utils import override_settings
 
-from queue_core.conf import parse_duration_ms, relay_settings
+from queue_core.conf import RelaySettings, parse_duration_ms, relay_settings
 
 
 def test_defaults() -> None:
@@ -80,3 +80,9 @@ def test_checks_catch_bad_retention() -> None:
         assert "relay.E010" in ids()
     with override_settings(RELAY_RETENTION_DEAD="forever"):
         assert "relay.E010" in ids()
+
+
+def test_the_result_limit_is_capped_at_an_eighth_of_a_frame() -> None:
+    assert RelaySettings().result_limit_bytes == 64 * 1024
+    assert RelaySettings(max_frame_bytes=4096).result_limit_bytes == 512
+    assert RelaySettings(max_frame_bytes=4096, max_result_bytes=100).result_limit_bytes == 100

@@ -63,8 +63,16 @@ def test_the_server_table_and_the_auth_and_drain_sets_follow_the_catalogue() -> 
     for name, verb in dispatch.VERBS.items():
         assert verb.args is ops.OPS[name].args and verb.kind is ops.OPS[name].kind
     assert {"ping", "hello"} == auth.OPEN_OPS
-    assert auth.SCOPE_OPS["producer"] == {"submit", "submit_batch", "inspect", "stats"}
-    assert auth.SCOPE_OPS["worker"] == {"lease", "renew", "ack", "fail", "release", "inspect"}
+    assert auth.SCOPE_OPS["producer"] == {"submit", "submit_batch", "inspect", "result", "stats"}
+    assert auth.SCOPE_OPS["worker"] == {
+        "lease",
+        "renew",
+        "ack",
+        "fail",
+        "release",
+        "inspect",
+        "result",
+    }
     assert {"submit", "submit_batch", "lease"} == dispatch.REFUSED_WHILE_DRAINING
     assert {"submit", "submit_batch", "fail", "release", "dead_retry"} == calls.READYING_OPS
     assert set(ops.SUBMIT_OPTIONS) == SUBMIT_OPTIONS
@@ -126,6 +134,8 @@ def _fields(schema: type[Schema]) -> set[str]:
         (schemas.AckOut, types.AckResult, set()),
         (schemas.FailOut, types.FailResult, set()),
         (schemas.ReleaseOut, types.ReleaseResult, set()),
+        (schemas.ErrorEntryOut, types.ErrorEntry, set()),
+        (schemas.ResultOut, types.ResultResult, set()),
         (schemas.ServerOut, types.Server, set()),
         (schemas.StatsOut, types.StatsResult, set()),
         (schemas.JobPageOut, types.DeadListResult, set()),
@@ -147,7 +157,7 @@ def test_http_response_schemas_have_the_fields_of_the_wire_types(
         (schemas.BatchIn, "submit_batch", set()),
         (schemas.LeaseIn, "lease", set()),
         (schemas.RenewIn, "renew", {"job_id"}),
-        (schemas.LeaseIdsIn, "ack", {"job_id"}),
+        (schemas.AckIn, "ack", {"job_id"}),
         (schemas.LeaseIdsIn, "release", {"job_id"}),
         (schemas.FailIn, "fail", {"job_id"}),
         (schemas.PruneIn, "prune", set()),

@@ -21,6 +21,7 @@ from queue_core.worker import (
     JobContext,
     JobInterrupted,
     NonRetryableError,
+    StoredResult,
     TaskJobRefused,
     Worker,
     demo_handler,
@@ -43,6 +44,7 @@ class FakeRelay:
         self.lease_errors: list[BaseException] = []
         self.renew_errors: dict[str, BaseException] = {}
         self.lease_gate: threading.Event | None = None
+        self.refuse_result: errors.RelayError | None = None  # raised by an ack with a result
         self.clients = 0
         self._seq = 0
 
@@ -132,10 +134,17 @@ class FakeClient:
                 raise relay.renew_errors[job_id]
             return {"job_id": job_id, "lease_expires_at_ms": 0}
 
-    def ack(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
-        return self.relay.settle(
-            "ack", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
-        )
+    def ack(
+        self, job_id: str, *, worker_id: str, lease_token: str, result: Any = None
+    ) -> dict[str, Any]:
+        args = {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
+        if result is not None:
+            args["result"] = result
+            if self.relay.refuse_result is not None:
+                with self.relay.cond:
+                    self.relay.record("ack", args)
+                raise self.relay.refuse_result
+        return self.relay.settle("ack", args)
 
     def fail(
         self,
@@ -145,6 +154,8 @@ class FakeClient:
         lease_token: str,
         error: str,
         retryable: bool = True,
+        exception_class: str | None = None,
+        traceback: str | None = None,
     ) -> dict[str, Any]:
         return self.relay.settle(
             "fail",
@@ -154,6 +165,8 @@ class FakeClient:
                 "lease_token": lease_token,
                 "error": error,
                 "retryable": retryable,
+                "exception_class": exception_class,
+                "traceback": traceback,
             },
         )
 
@@ -215,6 +228,7 @@ def make_worker(relay: FakeRelay, clock: FakeClock) -> Iterator[Callable[..., Ru
             "clock": clock,
             "worker_id": "w1:1",
             "max_error_bytes": 4096,
+            "max_result_bytes": 65536,
             "rng": random.Random(7),
             "tick_s": 0.005,
         }
@@ -301,6 +315,50 @@ def test_fails_with_the_error_cut_to_max_error_bytes(relay: FakeRelay, make_work
     assert call["lease_token"] == "tok-job_1"
     assert running.worker.failed == 1
     assert relay.calls_of("ack") == []
+
+
+def test_a_stored_result_is_sent_with_the_ack(relay: FakeRelay, make_worker: Any) -> None:
+    relay.add({}, {})
+    answers = iter([StoredResult({"n": 1}), "ignored: not a StoredResult"])
+    running = make_worker(lambda payload, ctx: next(answers), concurrency=1)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "two acks")
+    running.stop()
+    first, second = relay.calls_of("ack")
+    assert first["result"] == {"n": 1}
+    assert "result" not in second
+
+
+def test_a_failure_is_sent_with_its_class_and_the_end_of_its_traceback(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    def handler(payload: Any, ctx: JobContext) -> None:
+        raise ValueError("x" * 500)
+
+    relay.add({})
+    running = make_worker(handler, max_result_bytes=300)
+    relay.wait_for(lambda: bool(relay.calls_of("fail")), "the fail")
+    running.stop()
+    (call,) = relay.calls_of("fail")
+    assert call["exception_class"] == "builtins.ValueError"
+    assert len(call["traceback"].encode()) == 300
+    assert call["traceback"] == "x" * 299 + "\n"  # the end: where the message is
+
+
+def test_a_result_the_server_refuses_fails_the_job_for_good(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    relay.refuse_result = errors.FrameTooLarge(
+        "result is 70000 bytes, over the 65536-byte limit", field="result", limit=65536
+    )
+    relay.add({})
+    running = make_worker(lambda payload, ctx: StoredResult("big"))
+    relay.wait_for(lambda: bool(relay.calls_of("fail")), "the fail")
+    running.stop()
+    (call,) = relay.calls_of("fail")
+    assert call["retryable"] is False
+    assert call["error"].startswith("the result cannot be stored: result is 70000 bytes")
+    assert call["exception_class"] == "queue_core.errors.FrameTooLarge"
+    assert running.worker.failed == 1 and running.worker.acked == 0
 
 
 def test_non_retryable_error_fails_without_retry(relay: FakeRelay, make_worker: Any) -> None:

@@ -3,9 +3,11 @@
 ``--app package.module.HANDLERS`` runs an application's handlers instead, routed by the
 payload's ``task`` field (``queue_core.worker.app``); ``--tasks`` runs Django tasks enqueued
 through ``queue_core.tasks_backend.RelayBackend``: without ``--queue`` it serves every queue in
-the backends' ``QUEUES`` (``worker_queues``), and before leasing it checks that its database is
-the server's (``check_worker_setup``), exiting 1 with one line when not. The other two refuse
-Django tasks' jobs (``handlers.TaskJobRefused``).
+the backends' ``QUEUES`` (``worker_queues``), and before leasing it checks that a
+shared-database backend's database is the server's (``check_worker_setup``), exiting 1 with one
+line when not. When every backend is networked with one ``ADDRESS``, that is the default
+``--address`` (before ``RELAY_ADDRESS``). The other two refuse Django tasks' jobs
+(``handlers.TaskJobRefused``).
 
 SIGTERM or SIGINT stops it gracefully (``Worker.stop``): no new leases, running jobs get
 ``--shutdown-timeout-ms`` to finish, the rest are released back to ready. A second signal exits
@@ -103,8 +105,9 @@ class Command(RelayBaseCommand):
         executor.add_argument(
             "--tasks",
             action="store_true",
-            help="Run Django tasks enqueued with queue_core.tasks_backend.RelayBackend "
-            "(this project must share Relay's database).",
+            help="Run Django tasks enqueued with queue_core.tasks_backend.RelayBackend (a "
+            "shared-database backend needs this project to share Relay's database; networked "
+            "backends read over TCP, and their common ADDRESS is the default --address).",
         )
         add_connection_arguments(
             parser, json_help="On exit, print the worker's counters as JSON on stdout."
@@ -113,7 +116,10 @@ class Command(RelayBaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         """Run the worker until a signal stops it."""
         ensure_log_output()
-        address = resolve_address(options["address"])
+        given = options["address"]
+        if not given and options.get("tasks"):
+            given = _networked_address()
+        address = resolve_address(given)
 
         def client_factory() -> WorkerClient:
             return make_client(address, api_key=options.get("api_key"))
@@ -169,6 +175,21 @@ def _handler(options: dict[str, Any]) -> Handler:
             raise ValueError("TASKS has no queue_core.tasks_backend.RelayBackend")
         return execute_task
     return demo_handler
+
+
+def _networked_address() -> str | None:
+    """The ``ADDRESS`` every ``RelayBackend`` names when all are networked and agree (the
+    ``--tasks`` worker's default before ``RELAY_ADDRESS``), else None."""
+    from queue_core.tasks_backend import relay_backends
+
+    try:
+        backends = relay_backends()
+    except Exception:  # noqa: BLE001 - a bad TASKS setting is reported by _handler
+        return None
+    addresses = {backend.address for backend in backends}
+    if len(addresses) == 1 and backends and backends[0].networked:
+        return backends[0].address
+    return None
 
 
 def _check_tasks_setup(client: RelayClient) -> list[str]:

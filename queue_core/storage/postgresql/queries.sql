@@ -341,6 +341,30 @@ SELECT COUNT(*) AS n FROM relay_job
 -- Retention, part two: a pruned job's events (purge keeps them; prune does not). Params: job_id.
 DELETE FROM relay_event WHERE job_id = %(job_id)s;
 
+-- name: store_result
+-- The result a worker sent with its ack (service results, migration 0013_task_results).
+-- Params: job_id, return_value (canonical JSON text), now_ms.
+INSERT INTO relay_result (job_id, return_value, errors, updated_at_ms)
+VALUES (%(job_id)s, %(return_value)s, '[]', %(now_ms)s)
+ON CONFLICT (job_id) DO UPDATE
+   SET return_value = excluded.return_value, updated_at_ms = excluded.updated_at_ms;
+
+-- name: store_errors
+-- A job's structured errors, the newest that fit (written by a fail that sent an exception
+-- class). Params: job_id, errors (JSON list text), now_ms.
+INSERT INTO relay_result (job_id, return_value, errors, updated_at_ms)
+VALUES (%(job_id)s, NULL, %(errors)s, %(now_ms)s)
+ON CONFLICT (job_id) DO UPDATE
+   SET errors = excluded.errors, updated_at_ms = excluded.updated_at_ms;
+
+-- name: result_of
+-- The stored result of a job, if any. Params: job_id.
+SELECT return_value, errors, updated_at_ms FROM relay_result WHERE job_id = %(job_id)s;
+
+-- name: delete_result
+-- Purge and prune: the job's stored result goes with it. Params: job_id.
+DELETE FROM relay_result WHERE job_id = %(job_id)s;
+
 -- name: delete_task_result
 -- Purge, part three, when the relay_tasks app is installed: the Django task's result row.
 -- Params: job_id.

@@ -1,0 +1,143 @@
+"""The networked ``RelayBackend`` (``OPTIONS["ADDRESS"]``) against real processes: a
+``relay_server`` and a ``relay_worker --tasks`` whose backend is networked too
+(``tests.tasks_app.networked_settings``).
+
+The producer is this test process: Django's task API over TCP. Its own database (the test
+database) only decides transactions: inside ``transaction.atomic()`` the submit waits for the
+commit (``on_commit``), and a rolled-back transaction never reaches the server. Results come
+back through the ``result`` op, stored by the service from the worker's ack and fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.tasks import TaskResultStatus
+from django.tasks.exceptions import TaskResultDoesNotExist
+from django.test import override_settings
+
+from queue_core.client import RelayClient
+from queue_core.tasks_backend import RelayBackend
+from tests.procs import Proc, Spawner
+from tests.tasks_app import tasks
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+WAIT_S = 60.0
+BACKEND = "queue_core.tasks_backend.RelayBackend"
+RESULT_ID = re.compile(r"default/[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
+    """Poll ``predicate`` until it is truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def finished(result: Any) -> bool:
+    result.refresh()
+    return bool(result.is_finished)
+
+
+def networked(address: str, **options: Any) -> Any:
+    """``override_settings`` with one networked RelayBackend on ``address``."""
+    tasks_setting = {
+        "default": {
+            "BACKEND": BACKEND,
+            "QUEUES": [],
+            "OPTIONS": {"ADDRESS": address, "TIMEOUT": 10, **options},
+        }
+    }
+    return override_settings(TASKS=tasks_setting)
+
+
+def start(spawn: Spawner) -> tuple[str, Proc]:
+    """A server, and a networked ``--tasks`` worker on it (found through its backend's
+    ``ADDRESS``); return the address and worker."""
+    _, port = spawn.server()
+    address = f"127.0.0.1:{port}"
+    # No --address, and RELAY_ADDRESS left at its default (127.0.0.1:7400, where nothing
+    # listens): the worker leases from its networked backend's ADDRESS.
+    worker = spawn(
+        "relay_worker",
+        "--tasks",
+        "--wait-ms",
+        "1000",
+        name="relay_worker",
+        DJANGO_SETTINGS_MODULE="tests.tasks_app.networked_settings",
+        RELAY_TASKS_ADDRESS=address,
+    )
+    worker.wait_event("worker_ready")
+    return address, worker
+
+
+def test_networked_backend_runs_tasks_and_reads_results_over_tcp(spawn: Spawner) -> None:
+    address, worker = start(spawn)
+    with networked(address):
+        backend = tasks.add.get_backend()
+        assert isinstance(backend, RelayBackend) and backend.networked
+        added = tasks.add.enqueue(2, 3)
+        assert RESULT_ID.fullmatch(added.id), added.id
+        assert added.enqueued_at is not None  # outside a transaction: submitted at once
+        nan = tasks.identity.enqueue(float("nan"))
+        big = tasks.identity.enqueue(2**70)
+        failing = tasks.refuse.enqueue("no thanks")
+        for result in (added, nan, big, failing):
+            wait_for(lambda result=result: finished(result), result.id)
+        assert added.status == TaskResultStatus.SUCCESSFUL
+        assert added.return_value == 5
+        assert added.attempts == 1 and len(added.worker_ids) == 1
+        assert added.started_at is not None and added.finished_at is not None
+        assert big.return_value == 2**70  # beyond 64 bits: acked as return_json
+        assert nan.return_value != nan.return_value  # NaN
+        assert failing.status == TaskResultStatus.FAILED
+        (error,) = failing.errors
+        assert error.exception_class_path == "queue_core.worker.handlers.NonRetryableError"
+        assert "NonRetryableError: no thanks" in error.traceback
+        again = asyncio.run(backend.aget_result(added.id))
+        assert again.return_value == 5 and again.status == TaskResultStatus.SUCCESSFUL
+        with RelayClient(address) as client:  # the job id works too, as in relay inspect
+            job_id = client.result(queue="default", idempotency_key=added.id.split("/")[1])
+            assert backend.get_result(job_id["job"]["id"]).return_value == 5
+        with pytest.raises(TaskResultDoesNotExist):
+            backend.get_result("default/no-such-key")
+        with pytest.raises(TaskResultDoesNotExist):
+            asyncio.run(backend.aget_result("job_nope"))
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit() == 0
+
+
+def test_networked_enqueue_in_a_transaction_is_sent_on_commit_and_never_on_rollback(
+    spawn: Spawner,
+) -> None:
+    address, _ = start(spawn)
+    with networked(address):
+        with transaction.atomic():
+            rolled_back = tasks.add.enqueue(100, 1)
+            transaction.set_rollback(True)
+        with transaction.atomic():
+            committed = tasks.add.enqueue(1, 1)
+            # Not sent yet: the server has no such job until the commit.
+            assert committed.enqueued_at is None
+            with pytest.raises(TaskResultDoesNotExist):
+                committed.refresh()
+        assert committed.enqueued_at is not None
+        wait_for(lambda: finished(committed), "the committed task")
+        assert committed.status == TaskResultStatus.SUCCESSFUL
+        assert committed.return_value == 2
+        with pytest.raises(TaskResultDoesNotExist):
+            rolled_back.refresh()
+    with RelayClient(address) as client:
+        totals = client.stats()["totals"]
+    assert sum(totals.values()) == 1  # only the committed task ever reached the server
+    assert totals["succeeded"] == 1
