@@ -131,27 +131,21 @@ def sections(doc: dict[str, Any]) -> list[Section]:
             row = _floor_row(doc, kind, key)
             if row is None:
                 continue
-            lean = _floor_row(doc, "lean", key) or {}
             cells = [
                 f"{label}: {what}",
                 "1",
                 _num(row["per_s"]),
                 _span(row),
-                _ratio(row["per_s"] / lean["per_s"] if lean.get("per_s") else None),
+                _ratio(1.0 if kind == "lean" else row.get("ratio_to_floor")),
                 "-",
                 *_lat(row.get(lat_keys.get(key, "claim_latency_ms"))),
                 "-",
             ]
             for _, part in others:
                 orow = _floor_row(part, kind, key) or {}
-                olean = _floor_row(part, "lean", key) or {}
                 cells += [
                     _num(orow.get("per_s")),
-                    _ratio(
-                        orow["per_s"] / olean["per_s"]
-                        if orow.get("per_s") and olean.get("per_s")
-                        else None
-                    ),
+                    _ratio(1.0 if kind == "lean" and orow else orow.get("ratio_to_floor")),
                 ]
             rows.append(cells)
 

@@ -126,7 +126,8 @@ def ratios(part: dict[str, Any]) -> None:
     """Add to one run's part each row's ratio to the lean floor (``ratio_to_floor``) and to the
     schema floor (``ratio_to_schema_floor``) measured in the same run at the same level:
     single submissions against ``insert_one``, batches against ``insert_batch100``, lease+ack
-    and the ``relay_worker`` process against ``claim_ack``."""
+    and the ``relay_worker`` process against ``claim_ack``; and each schema floor's ratio to
+    the lean floor of the same loop."""
     fl = part["floor"]
 
     def floors(key: str) -> tuple[float | None, float | None]:
@@ -150,6 +151,10 @@ def ratios(part: dict[str, Any]) -> None:
         row["floor"] = "claim_ack"
         row["ratio_to_floor"] = ratio(row["per_s"], lean)
         row["ratio_to_schema_floor"] = ratio(row["per_s"], schema)
+    for key in FLOOR_KEYS:  # the schema's cost: the schema floor over the lean one
+        found = fl.get("schema", {}).get(key)
+        if found:
+            found["ratio_to_floor"] = ratio(found["per_s"], floors(key)[0])
 
 
 def level(doc: dict[str, Any], name: str) -> dict[str, Any] | None:

@@ -234,3 +234,14 @@ def test_synchronous_option_parses_levels() -> None:
         _synchronous("fast")
     with pytest.raises(argparse.ArgumentTypeError):
         _synchronous(",")
+
+
+def test_the_schema_floor_gets_its_ratio_to_the_lean_floor_of_its_run() -> None:
+    part = _part(lean=1000, schema=400, submit=600, lease16=2500, cpu=90, worker=1600)
+    runs.ratios(part)
+    assert {k: part["floor"]["schema"][k]["ratio_to_floor"] for k in runs.FLOOR_KEYS} == {
+        "insert_one": 0.4,
+        "insert_batch100": 0.4,
+        "claim_ack": 0.4,
+    }
+    assert "ratio_to_floor" not in part["floor"]["lean"]["insert_one"]
