@@ -5,9 +5,12 @@ Pure functions on hand-made documents: nothing is timed."""
 from __future__ import annotations
 
 import argparse
+import io
 from typing import Any
 
 import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
 
 from queue_core.management.commands.relay_bench import _synchronous
 from relay_bench import runs
@@ -245,3 +248,18 @@ def test_the_schema_floor_gets_its_ratio_to_the_lean_floor_of_its_run() -> None:
         "claim_ack": 0.4,
     }
     assert "ratio_to_floor" not in part["floor"]["lean"]["insert_one"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--runs", "0"], "--runs must be 1..20"),
+        (["--runs", "21"], "--runs must be 1..20"),
+        (["--database-url", "postgresql://x@127.0.0.1/y", "--runs", "3"], "apply to SQLite"),
+        (["--database-url", "postgresql://x@127.0.0.1/y", "--synchronous", "normal"], "SQLite"),
+        (["--address", "127.0.0.1:1", "--synchronous", "full,normal"], "one --synchronous"),
+    ],
+)
+def test_bench_refuses_runs_and_levels_it_cannot_honour(args: list[str], message: str) -> None:
+    with pytest.raises(CommandError, match=message):
+        call_command("relay_bench", *args, "--no-progress", stdout=io.StringIO())
