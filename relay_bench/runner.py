@@ -229,7 +229,7 @@ class Bench(Steps):
             document's top level; the floors always run at ``FULL`` and ``NORMAL`` too.
 
     Raises:
-        ValueError: ``runs`` out of range, no level, or several levels with ``address``.
+        ValueError: ``runs`` out of range, or several levels with ``address``.
     """
 
     def __init__(
