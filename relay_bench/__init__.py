@@ -7,9 +7,12 @@ dependencies, not modules: this package is in every wheel of relay-queue.
 
 Modules:
 
-* ``stats``: percentiles and throughput arithmetic (pure).
-* ``floor``: the raw SQLite floor, a plain ``sqlite3`` loop doing the same inserts and
-  claim+ack transactions with the same pragmas.
+* ``stats``: percentiles, throughput, medians and spread, target judging (pure).
+* ``floor``: the raw SQLite floors, plain ``sqlite3`` loops doing the same inserts and
+  claim+ack transactions: the lean floor (a minimal table with one ready index) and the
+  schema floor (Relay's own table and statements), at any ``synchronous`` level.
+* ``runs``: repeated runs merged into medians with their spread, the ratios to the floors
+  and the targets (pure).
 * ``load``: the client side of a measurement; runs in child processes
   (``python -m relay_bench.load``) so the load generator's GIL does not cap the server.
 * ``child``: a child process whose stderr JSON log is read as it comes, so a caller waits for
@@ -18,7 +21,8 @@ Modules:
   subprocess, peak RSS and CPU time (psutil), the backlog fill.
 * ``http``: the HTTP submission scenario when the HTTP API and gunicorn are available.
 * ``scenarios``: each measurement, built from the above.
-* ``runner``: sizes (full, ``--quick``, tiny), the order of scenarios, the progress bar.
+* ``runner``: sizes (full, ``--quick``, tiny), the order of scenarios over ``--runs`` and
+  ``--synchronous`` levels, the progress bar.
 * ``report``: the terminal table, the JSON document and the PNG plot.
 
 Nothing in the product (server, worker, HTTP API, admin) imports this package

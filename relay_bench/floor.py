@@ -1,20 +1,31 @@
-"""The raw SQLite floor: what a plain ``sqlite3`` loop achieves for the same work.
+"""The raw SQLite floors: what a plain ``sqlite3`` loop achieves for the same work.
 
-Same file layout (a copy of a freshly migrated database, so the same table, indexes and CHECK
-constraints), same pragmas as the server (WAL, ``synchronous`` from
-``RELAY_SQLITE_SYNCHRONOUS``, ``busy_timeout``, foreign keys), and the same statements as
-``queue_core/storage/sqlite/queries.sql`` (``insert_job``, ``claim_by_id``, ``ack``), one
-process, one connection, no network, no Python per-request work beyond the loop:
+Two floors, each measured at the ``synchronous`` level it is compared with (``FULL`` and
+``NORMAL``), one process, one connection, WAL, ``busy_timeout``, no network, no Python
+per-request work beyond the loop:
+
+* **the lean floor** (``kind="lean"``, issue 15): a minimal jobs table (``LEAN_SCHEMA``: id,
+  queue, state, priority, payload, timestamps, the lease's token and expiry) with one partial
+  ready index and nothing else. What a job queue on SQLite could reach with no attempt
+  history, no idempotency, no counters, no CHECK constraints; the targets are judged
+  against it.
+* **the schema floor** (``kind="schema"``): Relay's own table (a copy of a freshly migrated
+  database: its 25 columns, indexes, triggers and CHECK constraints, foreign keys on) and the
+  statements of ``queue_core/storage/sqlite/queries.sql`` (``insert_job``, ``claim_by_id``,
+  ``ack``). What Relay's schema alone costs, beside the lean floor.
+
+Each does the same three loops:
 
 * insert one job per transaction: ``BEGIN IMMEDIATE; INSERT; COMMIT``;
-* insert in batches of 100: ``BEGIN IMMEDIATE; 100 x INSERT; COMMIT``;
-* claim + ack: ``BEGIN IMMEDIATE; SELECT id ... ORDER BY ready_since_ms, id LIMIT 1`` (one
-  seek on the ``relay_job_ready`` index) ``; UPDATE (claim_by_id); COMMIT``, then
-  ``BEGIN IMMEDIATE; UPDATE (ack); COMMIT``. Two fsyncs per job, as in Relay.
+* insert in batches of 100: ``BEGIN IMMEDIATE; executemany(INSERT, 100 rows); COMMIT`` (one
+  ``executemany``, as the server's batch submit does);
+* claim + ack: ``BEGIN IMMEDIATE;`` one seek on the ready index and the claim ``UPDATE;
+  COMMIT``, then ``BEGIN IMMEDIATE; UPDATE (ack); COMMIT``. One transaction each, so two
+  commits per job, as in Relay.
 
 Relay does more per job than this (the attempt history row, the four class heads and aging,
 idempotency, validation, the reply), so a ratio below 1 is expected for one client; group
-commit is what lets many concurrent clients beat one fsync per request.
+commit is what lets many concurrent clients beat one commit per request.
 """
 
 from __future__ import annotations
@@ -22,12 +33,49 @@ from __future__ import annotations
 import secrets
 import sqlite3
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 from relay_bench.stats import rate, summarize
 
 Tick = Callable[[int], None]
+Kind = Literal["lean", "schema"]
+KINDS: tuple[Kind, ...] = ("lean", "schema")
+
+# The lean floor's whole schema: the columns a queue cannot do without, one partial index for
+# the claim's seek (the same shape as relay_job_ready), the primary key's own index.
+LEAN_SCHEMA = """
+CREATE TABLE job (
+    id TEXT PRIMARY KEY,
+    queue TEXT NOT NULL,
+    state TEXT NOT NULL,
+    priority INTEGER NOT NULL,
+    payload TEXT NOT NULL,
+    created_at_ms INTEGER NOT NULL,
+    updated_at_ms INTEGER NOT NULL,
+    ready_since_ms INTEGER,
+    lease_token TEXT,
+    lease_expires_at_ms INTEGER
+);
+CREATE INDEX job_ready ON job (queue, priority, ready_since_ms, id) WHERE state = 'ready';
+"""
+
+_LEAN_INSERT = (
+    "INSERT INTO job (id, queue, state, priority, payload, created_at_ms, updated_at_ms, "
+    "ready_since_ms) VALUES (:id, :queue, :state, :priority, :payload, :now_ms, :now_ms, "
+    ":ready_since_ms)"
+)
+_LEAN_CLAIM = (
+    "UPDATE job SET state = 'leased', lease_token = :token, lease_expires_at_ms = :expires_ms, "
+    "updated_at_ms = :now_ms WHERE id = (SELECT id FROM job WHERE state = 'ready' "
+    "AND queue = :queue AND priority = 1 ORDER BY ready_since_ms, id LIMIT 1) "
+    "RETURNING id, payload"
+)
+_LEAN_ACK = (
+    "UPDATE job SET state = 'succeeded', lease_token = NULL, lease_expires_at_ms = NULL, "
+    "updated_at_ms = :now_ms WHERE id = :job_id AND state = 'leased' AND lease_token = :token "
+    "AND lease_expires_at_ms > :now_ms"
+)
 
 
 def _queries() -> dict[str, str]:
@@ -37,13 +85,29 @@ def _queries() -> dict[str, str]:
 
 
 def connect(path: str, synchronous: str, busy_timeout_ms: int = 5000) -> sqlite3.Connection:
-    """Open ``path`` in autocommit with the server's pragmas."""
+    """Open ``path`` in autocommit with the server's pragmas (WAL, ``synchronous``, ``busy_timeout``
+    in ms, foreign keys on)."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute(f"PRAGMA synchronous={synchronous}")
     conn.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
     conn.execute("PRAGMA foreign_keys=ON")
     return conn
+
+
+def create_lean(path: str) -> str:
+    """Create the lean floor's database at ``path`` (a new file: ``LEAN_SCHEMA`` in WAL mode)
+    and return ``path``.
+
+    Raises:
+        sqlite3.OperationalError: ``path`` already holds a ``job`` table.
+    """
+    conn = connect(path, "OFF")
+    try:
+        conn.executescript(LEAN_SCHEMA)
+    finally:
+        conn.close()
+    return path
 
 
 def job_row(n: int, now_ms: int, payload: str, queue: str = "bench") -> dict[str, Any]:
@@ -67,6 +131,19 @@ def job_row(n: int, now_ms: int, payload: str, queue: str = "bench") -> dict[str
     }
 
 
+def lean_row(n: int, now_ms: int, payload: str, queue: str = "bench") -> dict[str, Any]:
+    """The lean floor's insert parameters of a READY job (same id shape as ``job_row``)."""
+    return {
+        "id": f"job_{now_ms:013d}{n:013d}",
+        "queue": queue,
+        "state": "ready",
+        "priority": 1,
+        "payload": payload,
+        "now_ms": now_ms,
+        "ready_since_ms": now_ms,
+    }
+
+
 def ack_params(job_id: str, token: str) -> dict[str, Any]:
     """The named ``ack`` statement's parameters for a lease the floor took just now (no
     clock step outstanding: ``judge_ms`` is now, ``mark_ms`` -1; ``queue_core.clock.Reading``)."""
@@ -85,11 +162,27 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def _insert(kind: Kind) -> tuple[str, Callable[..., dict[str, Any]]]:
+    """The insert statement and row builder of a floor."""
+    if kind == "lean":
+        return _LEAN_INSERT, lean_row
+    return _queries()["insert_job"], job_row
+
+
 def insert_one(
-    path: str, count: int, payload: str, synchronous: str, tick: Tick | None = None
+    path: str,
+    count: int,
+    payload: str,
+    synchronous: str,
+    tick: Tick | None = None,
+    *,
+    kind: Kind = "schema",
 ) -> dict[str, Any]:
-    """Insert ``count`` jobs, one transaction each; return the rate and per-txn latency."""
-    sql = _queries()["insert_job"]
+    """Insert ``count`` jobs, one transaction each; return the rate and per-txn latency (ms).
+
+    ``path`` is a copy of the migrated template (``kind="schema"``) or a ``create_lean`` file.
+    """
+    sql, row = _insert(kind)
     conn = connect(path, synchronous)
     lat: list[float] = []
     try:
@@ -97,7 +190,7 @@ def insert_one(
         for n in range(count):
             t0 = time.perf_counter()
             conn.execute("BEGIN IMMEDIATE")
-            conn.execute(sql, job_row(n, _now_ms(), payload))
+            conn.execute(sql, row(n, _now_ms(), payload))
             conn.execute("COMMIT")
             lat.append((time.perf_counter() - t0) * 1000)
             if tick is not None:
@@ -114,22 +207,34 @@ def insert_one(
 
 
 def insert_batches(
-    path: str, batches: int, batch: int, payload: str, synchronous: str, tick: Tick | None = None
+    path: str,
+    batches: int,
+    batch: int,
+    payload: str,
+    synchronous: str,
+    tick: Tick | None = None,
+    *,
+    kind: Kind = "schema",
 ) -> dict[str, Any]:
-    """Insert ``batches`` x ``batch`` jobs, one transaction per batch; return jobs/s."""
-    sql = _queries()["insert_job"]
+    """Insert ``batches`` x ``batch`` jobs, one transaction and one ``executemany`` per batch;
+    return jobs/s and the per-transaction latency (ms)."""
+    sql, row = _insert(kind)
     conn = connect(path, synchronous)
     lat: list[float] = []
+    n = 0
+
+    def rows(now: int) -> Iterator[dict[str, Any]]:
+        nonlocal n
+        for _ in range(batch):
+            yield row(n, now, payload)
+            n += 1
+
     try:
         start = time.perf_counter()
-        n = 0
         for _ in range(batches):
             t0 = time.perf_counter()
-            now = _now_ms()
             conn.execute("BEGIN IMMEDIATE")
-            for _ in range(batch):
-                conn.execute(sql, job_row(n, now, payload))
-                n += 1
+            conn.executemany(sql, rows(_now_ms()))
             conn.execute("COMMIT")
             lat.append((time.perf_counter() - t0) * 1000)
             if tick is not None:
@@ -146,14 +251,16 @@ def insert_batches(
     }
 
 
-def prefill(path: str, count: int, payload: str, queue: str = "bench") -> None:
+def prefill(
+    path: str, count: int, payload: str, queue: str = "bench", *, kind: Kind = "schema"
+) -> None:
     """Insert ``count`` READY jobs in one unsynchronised transaction (set-up, not measured)."""
-    sql = _queries()["insert_job"]
+    sql, row = _insert(kind)
     conn = connect(path, "OFF")
     try:
         now = _now_ms()
         conn.execute("BEGIN IMMEDIATE")
-        conn.executemany(sql, (job_row(n, now, payload, queue) for n in range(count)))
+        conn.executemany(sql, (row(n, now, payload, queue) for n in range(count)))
         conn.execute("COMMIT")
     finally:
         conn.close()
@@ -165,12 +272,63 @@ _PICK = (
 )
 
 
+def _claim_schema(conn: sqlite3.Connection, q: dict[str, str]) -> tuple[str, str] | None:
+    """One claim transaction on Relay's table: the ready seek, then ``claim_by_id``."""
+    now = _now_ms()
+    token = secrets.token_urlsafe(24)
+    conn.execute("BEGIN IMMEDIATE")
+    row = conn.execute(_PICK, {"queue": "bench"}).fetchone()
+    if row is None:
+        conn.execute("COMMIT")
+        return None
+    params = {
+        "job_id": row[0],
+        "token": token,
+        "worker_id": "floor",
+        "now_ms": now,
+        "expires_ms": now + 30_000,
+    }
+    conn.execute(q["claim_by_id"], params).fetchall()
+    conn.execute("COMMIT")
+    return row[0], token
+
+
+def _ack_schema(conn: sqlite3.Connection, q: dict[str, str], job_id: str, token: str) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute(q["ack"], ack_params(job_id, token)).fetchall()
+    conn.execute("COMMIT")
+
+
+def _claim_lean(conn: sqlite3.Connection) -> tuple[str, str] | None:
+    """One claim transaction on the lean table: one ``UPDATE`` whose subquery seeks the index."""
+    now = _now_ms()
+    token = secrets.token_urlsafe(24)
+    conn.execute("BEGIN IMMEDIATE")
+    params = {"token": token, "expires_ms": now + 30_000, "now_ms": now, "queue": "bench"}
+    row = conn.execute(_LEAN_CLAIM, params).fetchone()
+    conn.execute("COMMIT")
+    return None if row is None else (row[0], token)
+
+
+def _ack_lean(conn: sqlite3.Connection, job_id: str, token: str) -> None:
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute(_LEAN_ACK, {"job_id": job_id, "token": token, "now_ms": _now_ms()})
+    conn.execute("COMMIT")
+
+
 def claim_ack(
-    path: str, count: int, payload: str, synchronous: str, tick: Tick | None = None
+    path: str,
+    count: int,
+    payload: str,
+    synchronous: str,
+    tick: Tick | None = None,
+    *,
+    kind: Kind = "schema",
 ) -> dict[str, Any]:
-    """Prefill ``count`` jobs, then claim (one txn) and ack (one txn) each; return jobs/s."""
-    prefill(path, count, payload)
-    q = _queries()
+    """Prefill ``count`` jobs, then claim (one txn) and ack (one txn) each; return jobs/s and
+    the claim and ack latencies (ms)."""
+    prefill(path, count, payload, kind=kind)
+    q = _queries() if kind == "schema" else {}
     conn = connect(path, synchronous)
     claim_lat: list[float] = []
     ack_lat: list[float] = []
@@ -179,29 +337,14 @@ def claim_ack(
         start = time.perf_counter()
         for _ in range(count):
             t0 = time.perf_counter()
-            now = _now_ms()
-            token = secrets.token_urlsafe(24)
-            conn.execute("BEGIN IMMEDIATE")
-            row = conn.execute(_PICK, {"queue": "bench"}).fetchone()
-            if row is None:
-                conn.execute("COMMIT")
+            got = _claim_lean(conn) if kind == "lean" else _claim_schema(conn, q)
+            if got is None:
                 break
-            params = {
-                "job_id": row[0],
-                "token": token,
-                "worker_id": "floor",
-                "now_ms": now,
-                "expires_ms": now + 30_000,
-            }
-            conn.execute(q["claim_by_id"], params).fetchall()
-            conn.execute("COMMIT")
             t1 = time.perf_counter()
-            conn.execute("BEGIN IMMEDIATE")
-            conn.execute(
-                q["ack"],
-                ack_params(row[0], token),
-            ).fetchall()
-            conn.execute("COMMIT")
+            if kind == "lean":
+                _ack_lean(conn, *got)
+            else:
+                _ack_schema(conn, q, *got)
             t2 = time.perf_counter()
             claim_lat.append((t1 - t0) * 1000)
             ack_lat.append((t2 - t1) * 1000)

@@ -1,10 +1,17 @@
 """Present a benchmark document: rich tables for people, JSON for machines, a PNG plot.
 
-The JSON document's keys: ``meta`` (machine, load averages, sizes, pragmas), ``floor``
-(``insert_one``, ``insert_batch100``, ``claim_ack``), ``submit`` (one row per transport, mode
-and concurrency), ``lease_ack`` (one row per worker concurrency), ``submit_to_start``,
-``worker`` (a real ``relay_worker`` process), ``server`` (peak RSS), ``http`` (status),
-``backlog`` (``status``, ``sizes``: one row per backlog size) and ``targets``.
+The JSON document's keys: ``meta`` (machine, sizes, ``runs``, ``synchronous`` (the first
+level), ``synchronous_levels``, ``floor_synchronous_levels``, load averages at start and end
+and ``loadavg_runs``: each run's), then, at the first ``synchronous`` level and merged over the
+runs (``relay_bench.runs``): ``floor`` (``lean`` and ``schema``, each ``insert_one``,
+``insert_batch100``, ``claim_ack``), ``submit`` (one row per transport, mode and concurrency),
+``lease_ack`` (one row per worker concurrency), ``submit_to_start``, ``worker`` (a real
+``relay_worker`` process), ``server`` (peak RSS); ``other_synchronous`` (the same keys for each
+other level: always the floors at ``FULL`` and ``NORMAL``, the Relay scenarios when asked);
+``http`` (status; its rows are in ``submit``, run once), ``backlog`` (``status``, ``sizes``:
+one row per backlog size, run once) and ``targets``. A merged figure is the median over the
+runs; its row's ``spread`` gives ``{"median", "min", "max", "runs"}`` for ``per_s``, the
+ratios, the server's CPU per job and the least-served share.
 """
 
 from __future__ import annotations
@@ -32,90 +39,163 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _lat(summary: dict[str, Any] | None) -> list[str]:
+def _lat(summary: dict[str, Any] | None, keys: tuple[str, ...] = ("p50", "p99")) -> list[str]:
     if not summary or not summary.get("n"):
-        return ["-"] * 4
-    return [_num(summary[k], 2) for k in ("p50", "p95", "p99", "max")]
+        return ["-"] * len(keys)
+    return [_num(summary[k], 2) for k in keys]
 
 
-Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows (None row: a rule)
+def _span(row: dict[str, Any] | None, key: str = "per_s", digits: int = 0) -> str:
+    """``min-max`` of a merged figure over the runs, or ``-`` (one run, or not measured)."""
+    sp = (row or {}).get("spread", {}).get(key)
+    if not sp or sp.get("min") is None or len([v for v in sp["runs"] if v is not None]) < 2:
+        return "-"
+    if key.startswith("ratio"):
+        return f"{sp['min']:.2f}-{sp['max']:.2f}"
+    return f"{_num(sp['min'], digits)}-{_num(sp['max'], digits)}"
+
+
+Section = tuple[str, list[str], list[list[str]]]  # title, headers, rows
 
 
 def headline(doc: dict[str, Any]) -> str:
-    """One line: machine, versions, pragmas, load averages and duration of the run."""
+    """Machine, versions, runs, pragmas and the load averages (start, per run, end)."""
     meta = doc["meta"]
     m = meta["machine"]
+    n = meta.get("runs", 1)
+    levels = ", ".join(meta.get("synchronous_levels") or [meta["synchronous"]])
+    floors = ", ".join(meta.get("floor_synchronous_levels") or [meta["synchronous"]])
+    per_run = "; ".join(
+        f"run {r['run']} {r['start']} -> {r['end']}" for r in meta.get("loadavg_runs", [])
+    )
     return (
-        f"relay_bench ({meta['sizes']}) on {m['cores']} cores, {m['cpu_model']}, Python "
-        f"{m['python']}, SQLite {m['sqlite']}, synchronous={meta['synchronous']}, WAL; load "
-        f"average {meta.get('loadavg_start')} -> {meta.get('loadavg_end')}; "
-        f"{meta.get('duration_s', '?')} s"
+        f"relay_bench ({meta['sizes']}, {n} run{'s' if n != 1 else ''}: "
+        f"{'medians' if n > 1 else 'one run, no spread'}) on {m['cores']} cores, "
+        f"{m['cpu_model']}, Python {m['python']}, SQLite {m['sqlite']}, WAL; Relay at "
+        f"synchronous={levels}, floors at {floors}; load average {meta.get('loadavg_start')} "
+        f"-> {meta.get('loadavg_end')}"
+        + (f" ({per_run})" if per_run else "")
+        + f"; {meta.get('duration_s', '?')} s"
     )
 
 
+def _others(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The other ``synchronous`` levels of the run: ``[(name, part)]``."""
+    return list(doc.get("other_synchronous", {}).items())
+
+
+def _floor_row(part: dict[str, Any] | None, kind: str, key: str) -> dict[str, Any] | None:
+    row: dict[str, Any] | None = ((part or {}).get("floor", {}).get(kind) or {}).get(key)
+    return row
+
+
+def _match(part: dict[str, Any], section: str, row: dict[str, Any]) -> dict[str, Any] | None:
+    other: dict[str, Any]
+    for other in part.get(section, []):
+        if all(other.get(k) == row.get(k) for k in ("transport", "mode", "concurrency")):
+            return other
+    return None
+
+
 def sections(doc: dict[str, Any]) -> list[Section]:
-    """The run as titled tables of strings (shared by the terminal and the Markdown output)."""
+    """The run as titled tables of strings (shared by the terminal and the Markdown output).
+
+    Figures are medians over the runs with their min-max; ratios are medians of each run's
+    ratio to the floor of the same run and level (``relay_bench.runs``). The first level's
+    columns come first, then for each other level its jobs/s and ratio to its lean floor.
+    """
     out: list[Section] = []
+    primary = doc["meta"]["synchronous"]
+    others = _others(doc)
     head = [
         "scenario",
         "clients",
-        "jobs/s",
-        "vs floor",
+        f"{primary} jobs/s",
+        "min-max",
+        "vs lean floor",
+        "vs schema floor",
         "p50 ms",
-        "p95 ms",
         "p99 ms",
-        "max ms",
         "server CPU µs/job",
     ]
+    for name, _ in others:
+        head += [f"{name} jobs/s", f"{name} vs lean"]
     rows: list[list[str]] = []
-    fl = doc["floor"]
-    for label, key, lat in (
-        ("raw SQLite: insert, 1 per txn", "insert_one", "latency_ms"),
-        ("raw SQLite: insert, 100 per txn", "insert_batch100", "latency_ms"),
-        ("raw SQLite: claim txn + ack txn", "claim_ack", "claim_latency_ms"),
-    ):
-        if key in fl:
-            rows.append([label, "1", _num(fl[key]["per_s"]), "1.00x", *_lat(fl[key][lat]), "-"])
+    lat_keys = {"insert_one": "latency_ms", "insert_batch100": "latency_ms"}
+    for kind, label in (("lean", "lean floor"), ("schema", "schema floor")):
+        for key, what in (
+            ("insert_one", "insert, 1 per txn"),
+            ("insert_batch100", "insert, 100 per txn (executemany)"),
+            ("claim_ack", "claim txn + ack txn"),
+        ):
+            row = _floor_row(doc, kind, key)
+            if row is None:
+                continue
+            cells = [
+                f"{label}: {what}",
+                "1",
+                _num(row["per_s"]),
+                _span(row),
+                _ratio(1.0 if kind == "lean" else row.get("ratio_to_floor")),
+                "-",
+                *_lat(row.get(lat_keys.get(key, "claim_latency_ms"))),
+                "-",
+            ]
+            for _, part in others:
+                orow = _floor_row(part, kind, key) or {}
+                cells += [
+                    _num(orow.get("per_s")),
+                    _ratio(1.0 if kind == "lean" and orow else orow.get("ratio_to_floor")),
+                ]
+            rows.append(cells)
+
+    def relay_row(label: str, clients: str, row: dict[str, Any], section: str) -> list[str]:
+        lat = row.get("latency_ms", {})
+        summary = lat.get("submit") or lat.get("submit_batch") or lat.get("lease")
+        cells = [
+            label,
+            clients,
+            _num(row.get("per_s")),
+            _span(row),
+            _ratio(row.get("ratio_to_floor")),
+            _ratio(row.get("ratio_to_schema_floor")),
+            *_lat(summary),
+            _num(row.get("server_cpu_us_per_job")),
+        ]
+        for _, part in others:
+            other = _match(part, section, row) if section else part.get("worker")
+            other = other if other and "per_s" in other else None
+            cells += [
+                _num(other.get("per_s")) if other else "-",
+                _ratio(other.get("ratio_to_floor")) if other else "-",
+            ]
+        return cells
+
     for row in doc.get("submit", []):
         mode = "1 job/request" if row["mode"] == "single" else "100 jobs/request"
-        lat = row["latency_ms"].get("submit") or row["latency_ms"].get("submit_batch")
         rows.append(
-            [
+            relay_row(
                 f"submit {row['transport'].upper()}, {mode}",
                 f"{row['concurrency']} ({row['processes']}p)",
-                _num(row["per_s"]),
-                _ratio(row.get("ratio_to_floor")),
-                *_lat(lat),
-                _num(row.get("server_cpu_us_per_job")),
-            ]
+                row,
+                "submit",
+            )
         )
     for row in doc.get("lease_ack", []):
-        clients = f"{row['concurrency']} ({row['processes']}p)"
         rows.append(
-            [
-                "lease+ack: lease",
-                clients,
-                _num(row["per_s"]),
-                _ratio(row.get("ratio_to_floor")),
-                *_lat(row["latency_ms"].get("lease")),
-                _num(row.get("server_cpu_us_per_job")),
-            ]
+            relay_row(
+                "lease+ack (lease latency)",
+                f"{row['concurrency']} ({row['processes']}p)",
+                row,
+                "lease_ack",
+            )
         )
-        rows.append(["lease+ack: ack", "", "", "", *_lat(row["latency_ms"].get("ack")), ""])
     worker = doc.get("worker", {})
     if "per_s" in worker:
         rows.append(
-            [
-                f"relay_worker process, --concurrency {worker['concurrency']}",
-                "1p",
-                _num(worker["per_s"]),
-                "-",
-                "-",
-                "-",
-                "-",
-                "-",
-                "-",
-            ]
+            relay_row(
+                f"relay_worker process, --concurrency {worker['concurrency']}", "1p", worker, ""
+            )
         )
     s2s = doc.get("submit_to_start")
     if s2s:
@@ -125,9 +205,12 @@ def sections(doc: dict[str, Any]) -> list[Section]:
                 "1",
                 "-",
                 "-",
+                "-",
+                "-",
                 *_lat(s2s["latency_ms"]),
                 "-",
             ]
+            + ["-", "-"] * len(others)
         )
     out.append(("Throughput and request latency", head, rows))
 
@@ -137,7 +220,7 @@ def sections(doc: dict[str, Any]) -> list[Section]:
             _num(r["ready_jobs"]),
             _num(r["fill_s"], 1),
             _num(r["server_startup_s"], 1),
-            *_lat(r["lease_latency_ms"]),
+            *_lat(r["lease_latency_ms"], ("p50", "p95", "p99", "max")),
             _num(r["lease_ack_per_s"]),
             _num(r["server_peak_rss_mb"], 1),
         ]
@@ -163,11 +246,11 @@ def sections(doc: dict[str, Any]) -> list[Section]:
 
     rows = [
         [
-            "relay_server, through the TCP scenarios",
+            "relay_server, through the TCP scenarios (highest of the runs)",
             _num(doc.get("server", {}).get("peak_rss_mb"), 1),
         ],
         [
-            f"relay_worker --concurrency {worker.get('concurrency', 16)}",
+            f"relay_worker --concurrency {worker.get('concurrency', 16)} (median)",
             _num(worker.get("worker_peak_rss_mb"), 1),
         ],
     ]
@@ -187,12 +270,20 @@ def sections(doc: dict[str, Any]) -> list[Section]:
             t["name"],
             t["target"],
             _num(t["value"], 2),
+            "-"
+            if t.get("min") is None or t.get("runs", 0) < 2
+            else f"{_num(t['min'], 2)}-{_num(t['max'], 2)}",
+            str(t.get("runs", "-")),
             {True: "yes", False: "NO", None: "not measured"}[t["met"]],
         ]
         for t in doc.get("targets", [])
     ]
     out.append(
-        ("Targets (ratios measured in this run)", ["target", "goal", "measured", "met"], rows)
+        (
+            "Targets (median over the runs; ratios to the lean floor of the same run)",
+            ["target", "goal", "median", "min-max", "runs", "met"],
+            rows,
+        )
     )
     return out
 
@@ -244,7 +335,7 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
         return PLOT_MISSING
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.6))
-    fl = doc["floor"]
+    fl = doc["floor"]["lean"]
     sub = [r for r in doc.get("submit", []) if r["transport"] == "tcp"]
     for mode, label, floor_key, color in (
         ("single", "submit, 1 job/request", "insert_one", "tab:blue"),
@@ -264,7 +355,7 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
                 color=color,
                 ls="--",
                 lw=1,
-                label=f"raw SQLite {floor_key.replace('_', ' ')}",
+                label=f"lean floor {floor_key.replace('_', ' ')}",
             )
     http_rows = sorted(
         (r for r in doc.get("submit", []) if r["transport"] == "http"),
@@ -304,7 +395,7 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
             color="tab:orange",
             ls="--",
             lw=1,
-            label="raw SQLite claim txn + ack txn",
+            label="lean floor: claim txn + ack txn",
         )
     ax2.set(xscale="log", xlabel="concurrent workers", ylabel="jobs/s", title="Lease + ack")
     ax2.set_xticks([1, 4, 16, 64], ["1", "4", "16", "64"])
@@ -330,7 +421,8 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
 
     m = doc["meta"]["machine"]
     fig.suptitle(
-        f"relay_bench ({doc['meta']['sizes']}): {m['cores']} cores, {m['cpu_model']}, "
+        f"relay_bench ({doc['meta']['sizes']}, medians of {doc['meta'].get('runs', 1)} runs): "
+        f"{m['cores']} cores, {m['cpu_model']}, "
         f"SQLite {m['sqlite']} WAL synchronous={doc['meta']['synchronous']}",
         fontsize=10,
     )

@@ -31,7 +31,9 @@ class Env:
     Attributes:
         workdir: a temporary directory for database files (removed by the runner).
         template: a migrated empty database to copy.
-        synchronous: the ``synchronous`` pragma the server uses (the floor uses the same).
+        synchronous: the ``synchronous`` pragma of this part of the run (``FULL``,
+            ``NORMAL``...): the servers the scenarios start get it as
+            ``RELAY_SQLITE_SYNCHRONOUS``, and the floors use it.
         run_id: a short id that makes queue names unique to this run.
         deadline_s: the most any one load phase may take.
     """
@@ -80,31 +82,45 @@ def _measured(server_pid: int | None, run: Callable[[], dict[str, Any]]) -> dict
 # ------------------------------------------------------------------------------ the floor
 
 
-def floor_inserts(env: Env, one: int, batches: int, tick: Tick) -> dict[str, Any]:
-    """The raw floor for inserts: one per transaction, and 100 per transaction."""
+def _floor_db(env: Env, kind: floor.Kind, name: str) -> str:
+    """A fresh file for one floor loop: a copy of the migrated template (``schema``) or a new
+    ``floor.LEAN_SCHEMA`` file (``lean``)."""
+    if kind == "schema":
+        return str(procs.fresh_db(env.template, env.workdir, name))
+    path = env.workdir / f"{name}.db"
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            Path(f"{path}{suffix}").unlink()
+    return floor.create_lean(str(path))
+
+
+def floor_inserts(
+    env: Env, one: int, batches: int, tick: Tick, *, kind: floor.Kind = "schema"
+) -> dict[str, Any]:
+    """A floor for inserts at ``env.synchronous``: one per transaction, and 100 per
+    transaction (one ``executemany``); ``kind`` is ``lean`` or ``schema`` (see ``floor``)."""
     body = _payload_text()
     single = floor.insert_one(
-        str(procs.fresh_db(env.template, env.workdir, "floor-one")),
-        one,
-        body,
-        env.synchronous,
-        tick,
+        _floor_db(env, kind, f"floor-{kind}-one"), one, body, env.synchronous, tick, kind=kind
     )
     batch = floor.insert_batches(
-        str(procs.fresh_db(env.template, env.workdir, "floor-batch")),
+        _floor_db(env, kind, f"floor-{kind}-batch"),
         batches,
         100,
         body,
         env.synchronous,
         tick,
+        kind=kind,
     )
     return {"insert_one": single, "insert_batch100": batch}
 
 
-def floor_claim_ack(env: Env, count: int, tick: Tick) -> dict[str, Any]:
-    """The raw floor for claim (one transaction) + ack (one transaction)."""
-    path = str(procs.fresh_db(env.template, env.workdir, "floor-claim"))
-    return floor.claim_ack(path, count, _payload_text(), env.synchronous, tick)
+def floor_claim_ack(
+    env: Env, count: int, tick: Tick, *, kind: floor.Kind = "schema"
+) -> dict[str, Any]:
+    """A floor for claim (one transaction) + ack (one transaction) at ``env.synchronous``."""
+    path = _floor_db(env, kind, f"floor-{kind}-claim")
+    return floor.claim_ack(path, count, _payload_text(), env.synchronous, tick, kind=kind)
 
 
 def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,9 +184,16 @@ def prefill(address: str, queue: str, count: int) -> None:
 
 
 def lease_ack(
-    env: Env, address: str, *, concurrency: int, jobs: int, server_pid: int | None = None
+    env: Env,
+    address: str,
+    *,
+    concurrency: int,
+    jobs: int,
+    server_pid: int | None = None,
+    processes: int | None = None,
 ) -> dict[str, Any]:
-    """``concurrency`` workers doing lease(max_jobs=1) -> ack until ``jobs`` are drained."""
+    """``concurrency`` workers doing lease(max_jobs=1) -> ack until ``jobs`` are drained, in
+    ``processes`` client processes (default ``_processes(concurrency)``)."""
     queue = f"bench-{env.run_id}-lease{concurrency}"
     prefill(address, queue, jobs)
     out = _measured(
@@ -179,7 +202,7 @@ def lease_ack(
             address,
             "lease_ack",
             concurrency=concurrency,
-            processes=_processes(concurrency),
+            processes=processes or _processes(concurrency),
             ops_per_thread=jobs,
             deadline_s=env.deadline_s,
             queue=queue,
@@ -315,7 +338,7 @@ def backlog(env: Env, size: int, *, claims: int, worker_jobs: int, tick: Tick) -
     db_path = procs.fresh_db(env.template, env.workdir, f"backlog-{size}")
     fill_s = procs.fill_backlog(db_path, size, tick=tick)
     t0 = time.perf_counter()
-    server = procs.ServerProcess(db_path)
+    server = procs.ServerProcess(db_path, RELAY_SQLITE_SYNCHRONOUS=env.synchronous)
     startup_s = time.perf_counter() - t0
     try:
         rss_idle = server.peak_rss_mb()
@@ -380,7 +403,9 @@ def prune_under_load(
     fill_s = procs.fill_finished(db_path, finished, finished_at_ms=_now_ms() - 2 * day_ms)
     ready = finished // 2 + claims_after + 10_000  # more than the worker can drain meanwhile
     fill_s += procs.fill_backlog(db_path, ready)
-    server = procs.ServerProcess(db_path, RELAY_RETENTION_SUCCEEDED="1d")
+    server = procs.ServerProcess(
+        db_path, RELAY_RETENTION_SUCCEEDED="1d", RELAY_SQLITE_SYNCHRONOUS=env.synchronous
+    )
     cutoff = _now_ms() - day_ms
     left = [finished]
     stop = threading.Event()

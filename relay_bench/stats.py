@@ -52,3 +52,52 @@ def ratio(value: float | None, floor: float | None) -> float | None:
     if not value or not floor:
         return None
     return round(value / floor, 3)
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    """Return the median of the values that are not None (the mean of the middle two for an
+    even count), or None when there are none."""
+    present = sorted(v for v in values if v is not None)
+    if not present:
+        return None
+    mid = len(present) // 2
+    if len(present) % 2:
+        return float(present[mid])
+    return (present[mid - 1] + present[mid]) / 2
+
+
+def spread(values: Sequence[float | None], digits: int = 3) -> dict[str, Any]:
+    """Summarise one figure over repeated runs: ``{"median", "min", "max", "runs"}``.
+
+    ``runs`` keeps every run's value in run order (None where a run did not measure it);
+    ``median``, ``min`` and ``max`` ignore the Nones (all None: all three None). Rounded to
+    ``digits`` decimals. Published figures are medians with their spread, never a best run
+    (issue 15).
+    """
+    present = [v for v in values if v is not None]
+    mid = median(present)
+    return {
+        "median": None if mid is None else round(mid, digits),
+        "min": round(min(present), digits) if present else None,
+        "max": round(max(present), digits) if present else None,
+        "runs": list(values),
+    }
+
+
+def judge(value: float | None, op: str, goal: float) -> bool | None:
+    """Whether ``value op goal`` holds (``op`` one of ``>=``, ``<=``, ``<``, ``>``), or None
+    when ``value`` was not measured.
+
+    Raises:
+        ValueError: ``op`` is not one of the four.
+    """
+    if op not in (">=", "<=", "<", ">"):
+        raise ValueError(f"unknown comparison {op!r}")
+    if value is None:
+        return None
+    return {
+        ">=": value >= goal,
+        "<=": value <= goal,
+        "<": value < goal,
+        ">": value > goal,
+    }[op]

@@ -30,6 +30,7 @@ TOP_KEYS = {
     "http",
     "backlog",
     "targets",
+    "other_synchronous",
 }
 
 
@@ -43,6 +44,10 @@ def test_bench_command_runs_end_to_end_and_reports_json(tmp_path: Path) -> None:
         "--json",
         "--scale",
         "0.01",
+        "--runs",
+        "2",
+        "--synchronous",
+        "full,normal",
         "--producers",
         "1,2",
         "--workers",
@@ -52,6 +57,8 @@ def test_bench_command_runs_end_to_end_and_reports_json(tmp_path: Path) -> None:
         "--no-progress",
         "--json-out",
         str(tmp_path / "bench.json"),
+        "--markdown-out",
+        str(tmp_path / "bench.md"),
         "--plot",
         str(plot),
         stdout=out,
@@ -60,29 +67,72 @@ def test_bench_command_runs_end_to_end_and_reports_json(tmp_path: Path) -> None:
     doc = orjson.loads(out.getvalue())
     assert set(doc) >= TOP_KEYS
     assert doc == orjson.loads((tmp_path / "bench.json").read_bytes())
-    assert {"insert_one", "insert_batch100", "claim_ack"} <= set(doc["floor"])
-    assert doc["meta"]["machine"]["cores"] >= 1
-    assert doc["meta"]["synchronous"] == "FULL"
-    assert {(r["mode"], r["concurrency"]) for r in doc["submit"]} == {
-        ("single", 1),
-        ("single", 2),
-        ("batch100", 1),
-        ("batch100", 2),
-    }
-    for row in doc["submit"] + doc["lease_ack"]:
-        assert row["errors"] == 0, row["error_sample"]
-        assert row["ops"] > 0
-        assert row["ratio_to_floor"] is not None
-        assert {"p50", "p95", "p99", "max"} <= set(next(iter(row["latency_ms"].values())))
-    assert [r["concurrency"] for r in doc["lease_ack"]] == [1, 2]
-    assert doc["submit_to_start"]["samples"] > 0
-    assert doc["worker"]["jobs"] > 0
-    assert doc["server"]["peak_rss_mb"] > 0
+    meta = doc["meta"]
+    assert meta["machine"]["cores"] >= 1
+    assert (meta["synchronous"], meta["synchronous_levels"], meta["runs"]) == (
+        "FULL",
+        ["FULL", "NORMAL"],
+        2,
+    )
+    assert [r["run"] for r in meta["loadavg_runs"]] == [1, 2]
+    normal = doc["other_synchronous"]["NORMAL"]
+    for part in (doc, normal):
+        for kind in ("lean", "schema"):
+            assert {"insert_one", "insert_batch100", "claim_ack"} <= set(part["floor"][kind])
+            assert len(part["floor"][kind]["claim_ack"]["spread"]["per_s"]["runs"]) == 2
+        assert {(r["mode"], r["concurrency"]) for r in part["submit"]} == {
+            ("single", 1),
+            ("single", 2),
+            ("batch100", 1),
+            ("batch100", 2),
+        }
+        for row in part["submit"] + part["lease_ack"]:
+            assert row["errors"] == 0, row["error_sample"]
+            assert row["ops"] > 0 and row["runs"] == 2
+            assert row["ratio_to_floor"] is not None
+            assert row["ratio_to_schema_floor"] is not None
+            assert len(row["spread"]["per_s"]["runs"]) == 2
+            assert {"p50", "p95", "p99", "max"} <= set(next(iter(row["latency_ms"].values())))
+        assert [r["concurrency"] for r in part["lease_ack"]] == [1, 2]
+        assert part["submit_to_start"]["samples"] > 0
+        assert part["worker"]["jobs"] > 0 and part["worker"]["ratio_to_floor"] is not None
+        assert part["server"]["peak_rss_mb"] > 0
     assert doc["backlog"]["status"].startswith("skipped")
     assert doc["http"]["status"].startswith("skipped")
     assert [t["name"] for t in doc["targets"]] == [t["name"] for t in targets(doc)]
+    judged = {t["name"]: t for t in doc["targets"]}
+    assert judged["NORMAL: lease+ack, 16 workers, vs lean NORMAL claim+ack floor"]["met"] is None
+    assert judged["lease+ack, 1 worker, vs lean claim+ack floor"]["runs"] == 2
+    table = (tmp_path / "bench.md").read_text()
+    assert "NORMAL jobs/s" in table and "lean floor: insert, 100 per txn" in table
     # The plot is drawn when matplotlib is installed (the dev lock pins it).
     assert plot.exists() or "matplotlib" in doc["meta"]["plot"]
+
+
+@pytest.mark.slow
+def test_bench_quick_defaults_to_one_run_at_the_configured_level(tmp_path: Path) -> None:
+    out = io.StringIO()
+    call_command(
+        "relay_bench",
+        "--quick",
+        "--json",
+        "--scale",
+        "0.005",
+        "--producers",
+        "1",
+        "--workers",
+        "1",
+        "--no-backlog",
+        "--no-http",
+        "--no-progress",
+        stdout=out,
+        stderr=io.StringIO(),
+    )
+    doc = orjson.loads(out.getvalue())
+    assert (doc["meta"]["runs"], doc["meta"]["synchronous_levels"]) == (1, ["FULL"])
+    # The floors run at NORMAL all the same; the Relay scenarios do not.
+    assert set(doc["other_synchronous"]) == {"NORMAL"}
+    assert set(doc["other_synchronous"]["NORMAL"]) == {"floor"}
 
 
 def test_backlog_fill_writes_ready_jobs_over_classes(tmp_path: Path) -> None:
@@ -101,6 +151,35 @@ def test_backlog_fill_writes_ready_jobs_over_classes(tmp_path: Path) -> None:
     batch = floor.insert_batches(path, 2, 100, '{"n":1}', "FULL")
     claim = floor.claim_ack(str(procs.fresh_db(template, tmp_path, "claim")), 5, "{}", "FULL")
     assert (one["jobs"], batch["jobs"], claim["jobs"]) == (5, 200, 5)
+    assert procs.count_state(Path(path), "ready") == 205
+    assert procs.count_state(tmp_path / "claim.db", "succeeded") == 5
+
+
+@pytest.mark.parametrize("synchronous", ["FULL", "NORMAL"])
+def test_lean_floor_inserts_claims_and_acks_every_job_at_a_tiny_scale(
+    tmp_path: Path, synchronous: str
+) -> None:
+    one = floor.insert_one(
+        floor.create_lean(str(tmp_path / "one.db")), 7, '{"n":1}', synchronous, kind="lean"
+    )
+    path = floor.create_lean(str(tmp_path / "batch.db"))
+    ticks: list[int] = []
+    batch = floor.insert_batches(path, 3, 100, '{"n":1}', synchronous, ticks.append, kind="lean")
+    claim_path = floor.create_lean(str(tmp_path / "claim.db"))
+    claim = floor.claim_ack(claim_path, 9, "{}", synchronous, kind="lean")
+    assert (one["jobs"], batch["jobs"], claim["jobs"]) == (7, 300, 9)
+    assert ticks == [100, 100, 100]
+    assert batch["latency_ms"]["n"] == 3 and claim["ack_latency_ms"]["n"] == 9
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT COUNT(DISTINCT id), MIN(state), MAX(state) FROM job")
+        assert rows.fetchone() == (300, "ready", "ready")
+        indexes = {r[1] for r in conn.execute("PRAGMA index_list(job)")}
+    assert indexes == {"job_ready", "sqlite_autoindex_job_1"}  # one ready index + the key
+    with contextlib.closing(sqlite3.connect(claim_path)) as conn:
+        states = dict(conn.execute("SELECT state, COUNT(*) FROM job GROUP BY state"))
+        tokens = conn.execute("SELECT COUNT(*) FROM job WHERE lease_token IS NOT NULL")
+        assert tokens.fetchone() == (0,)
+    assert states == {"succeeded": 9}
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""``relay bench``: a real Relay server measured against the raw SQLite floor, or with
+"""``relay bench``: a real Relay server measured against the raw SQLite floors (lean and
+schema, ``relay_bench.floor``), medians of ``--runs`` runs, or with
 ``--database-url`` on PostgreSQL against a raw psycopg floor.
 
 The benchmark itself is the ``relay_bench`` package, which needs the ``bench`` extra (psutil):
@@ -46,6 +47,20 @@ def _bench_extra() -> Iterator[None]:
         raise CommandError(NEEDS_EXTRA, returncode=EXIT_ERROR) from None
 
 
+SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+def _synchronous(text: str) -> tuple[str, ...]:
+    """Parse ``"full,normal"`` into ``("FULL", "NORMAL")`` (each a ``RELAY_SQLITE_SYNCHRONOUS``
+    value: OFF, NORMAL, FULL or EXTRA, any case; duplicates dropped)."""
+    levels = tuple(dict.fromkeys(part.strip().upper() for part in text.split(",") if part.strip()))
+    if not levels or not all(level in SYNCHRONOUS_LEVELS for level in levels):
+        raise argparse.ArgumentTypeError(
+            f"expected levels from {','.join(SYNCHRONOUS_LEVELS).lower()}, got {text!r}"
+        )
+    return levels
+
+
 def _levels(text: str) -> tuple[int, ...]:
     """Parse ``"1,4,16"`` into ``(1, 4, 16)`` (each 1..256)."""
     try:
@@ -67,8 +82,8 @@ class Command(RelayBaseCommand):
 
     help = (
         "Measure submit and lease+ack throughput, latency percentiles, backlog scaling and "
-        "peak RSS of a real relay_server, each as a ratio to a raw SQLite loop measured in "
-        "the same run."
+        "peak RSS of a real relay_server, each as a ratio to a lean SQLite floor and to the "
+        "schema floor measured in the same run, at FULL and NORMAL; medians of --runs runs."
     )
     requires_system_checks: list[str] = []
 
@@ -89,9 +104,28 @@ class Command(RelayBaseCommand):
             "raw psycopg floor, with two servers against one; the run creates and drops a "
             "database of its own there (docs/benchmarking.md).",
         )
+        parser.add_argument(
+            "--runs",
+            type=int,
+            default=None,
+            metavar="N",
+            help="Run every floor and Relay scenario N times (1..20) and report medians with "
+            "their min-max (default 3; 1 with --quick). SQLite only.",
+        )
+        parser.add_argument(
+            "--synchronous",
+            type=_synchronous,
+            default=None,
+            metavar="LEVEL,...",
+            help="Run the Relay scenarios at these RELAY_SQLITE_SYNCHRONOUS levels, e.g. "
+            "full,normal (default: the configured one). The floors always run at FULL and "
+            "NORMAL. SQLite only.",
+        )
         parser.add_argument("--json", action="store_true", help="Print JSON instead of tables.")
         parser.add_argument(
-            "--quick", action="store_true", help="Smaller counts, no 1M backlog: under a minute."
+            "--quick",
+            action="store_true",
+            help="Smaller counts, no 1M backlog, one run: under a minute.",
         )
         parser.add_argument(
             "--scale",
@@ -173,8 +207,20 @@ class Command(RelayBaseCommand):
             self.stdout.write(text)
             return
         if options["database_url"]:
+            if options["runs"] is not None or options["synchronous"] is not None:
+                raise CommandError(
+                    "INVALID_ARGUMENT: --runs and --synchronous apply to SQLite, "
+                    "not to --database-url"
+                )
             self._postgresql(options, sizes, bar)
             return
+        runs = options["runs"] if options["runs"] is not None else (1 if options["quick"] else 3)
+        if not 1 <= runs <= runner.MAX_RUNS:
+            raise CommandError(f"INVALID_ARGUMENT: --runs must be 1..{runner.MAX_RUNS}")
+        if address is not None and len(options["synchronous"] or ()) > 1:
+            raise CommandError(
+                "INVALID_ARGUMENT: --address measures one server: one --synchronous level"
+            )
         bench = runner.Bench(
             sizes,
             address=address,
@@ -183,6 +229,8 @@ class Command(RelayBaseCommand):
             backlog_enabled=not options["no_backlog"],
             producers=options["producers"] or runner.SUBMIT_CONCURRENCY,
             workers=options["workers"] or runner.LEASE_CONCURRENCY,
+            runs=runs,
+            synchronous=options["synchronous"] or (),
         )
         try:
             with bar:
