@@ -110,9 +110,14 @@ def create_lean(path: str) -> str:
     return path
 
 
+# insert_job's parameters that a plain submit binds to NULL (its later, optional columns).
+_UNSET: dict[str, Any] = {"unique_scope": None, "meta": None}
+
+
 def job_row(n: int, now_ms: int, payload: str, queue: str = "bench") -> dict[str, Any]:
-    """The ``insert_job`` parameters of a READY job like the ones the server creates."""
-    return {
+    """The ``insert_job`` parameters of a READY job like the ones the server creates (the
+    options a plain submit leaves unset, such as ``meta``, as NULL: ``_UNSET``)."""
+    return _UNSET | {
         "id": f"job_{now_ms:013d}{n:013d}",
         "queue": queue,
         "state": "ready",
