@@ -22,7 +22,7 @@ from django.test import override_settings
 
 from queue_core.models import Job
 from queue_core.protocol import dispatch
-from queue_core.protocol import server as server_mod
+from queue_core.protocol import connection
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 
@@ -839,7 +839,7 @@ def test_jobs_claimed_for_a_client_that_closed_during_the_claim_go_back(
 def test_client_that_never_reads_is_cut_off_and_others_are_served(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(connection, "SEND_TIMEOUT_S", 0.5)
     running = start()
     producer = Client(running.port)
     job_id = producer.ok("submit", queue="big", payload={"blob": "x" * 200_000})["job"]["id"]
@@ -878,7 +878,7 @@ def test_writer_that_never_reads_its_replies_is_bounded_and_cut_off(
     # Submits are answered without a task per request; their unread replies must still pin
     # at most max_inflight_per_connection frames (the server stops reading from that client),
     # and the silent reader is still cut off.
-    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(connection, "SEND_TIMEOUT_S", 1.0)
     running = start()
     producer = Client(running.port)
     assert producer.ok("ping")["pong"] is True
@@ -1056,7 +1056,7 @@ def test_shutdown_answers_every_write_it_committed(start: Callable[..., Running]
 def test_shutdown_is_not_held_by_a_client_that_never_reads(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(connection, "SEND_TIMEOUT_S", 60.0)
     running = start(shutdown_grace_ms=200)
     producer = Client(running.port)
     job_id = producer.ok("submit", queue="big", payload={"blob": "y" * 200_000})["job"]["id"]
