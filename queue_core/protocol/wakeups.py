@@ -210,9 +210,10 @@ class ProcessWakeups:
     async def start(self) -> None:
         """Follow the feed if not yet; wait (up to ``START_TIMEOUT_S``) for the first
         position, after which every commit elsewhere wakes the waiters it concerns."""
+        service = self._service()
         with self._lock:
-            if self._follower is None:
-                self._follower = FeedFollower(self._service(), self._on_commit)
+            if self._follower is None or self._follower.service is not service:
+                self._follower = FeedFollower(service, self._on_commit)
             if self._follower.push():
                 return
             if self._thread is None:
@@ -245,7 +246,6 @@ class ProcessWakeups:
             self.wakeups.wake([queue])
 
     def _run(self, follower: FeedFollower) -> None:
-        service = self._service()
         try:
             while not self._stopping.is_set():
                 follower.forget()
@@ -257,4 +257,4 @@ class ProcessWakeups:
                 self._stopping.wait(RETRY_S)  # the feed failed (logged): again in a while
         finally:
             follower.forget()
-            service.close()
+            follower.service.close()
