@@ -20,9 +20,9 @@ import orjson
 import pytest
 from django.test import override_settings
 
+from queue_core import auth
 from queue_core.models import Job
-from queue_core.protocol import dispatch
-from queue_core.protocol import connection
+from queue_core.protocol import connection, dispatch
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 
@@ -280,6 +280,28 @@ def test_group_commit_isolates_a_failing_request(
     assert all(replies[f"ok{n}"]["ok"] for n in range(60))
     assert {replies[f"bad{n}"]["error"]["code"] for n in range(60)} == {"IDEMPOTENCY_CONFLICT"}
     assert c.ok("stats", queue="g")["queues"]["g"]["ready"] == 61
+
+
+def test_a_write_whose_key_table_must_be_read_first_takes_the_same_path(
+    connect: Callable[[], Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the key table's snapshot expired (here: always), a write reads it in the reader
+    pool first, then runs as every write does (``Requests.start_write``): the same replies,
+    refusals included, in-flight slots given back (3x as many writes as slots, pipelined)."""
+    monkeypatch.setattr(auth, "cached_ring", lambda: None)
+    c = connect()
+    with override_settings(RELAY_MAX_INFLIGHT_PER_CONNECTION=4):
+        frames = [
+            {"id": n, "op": "submit", "args": {"queue": "kr", "payload": n}} for n in range(12)
+        ]
+        frames.append({"id": "bad", "op": "submit", "args": {"queue": "", "payload": 1}})
+        c.send_raw(b"".join(orjson.dumps(f) + b"\n" for f in frames))
+        replies = {r["id"]: r for r in (c.recv() for _ in frames)}
+    assert all(replies[n]["ok"] for n in range(12)), replies
+    assert replies["bad"]["error"]["code"] == "INVALID_ARGUMENT"
+    job_id = replies[0]["result"]["job"]["id"]
+    assert c.ok("inspect", job_id=job_id)["job"]["state"] == "ready"
+    assert Job.objects.filter(queue="kr").count() == 12
 
 
 def test_group_commit_shares_commits_between_requests(server: Running) -> None:
