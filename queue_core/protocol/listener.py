@@ -55,7 +55,7 @@ class Listener:
         # Connections close gracefully (``close_gracefully``, at most LINGER_S). Then abort
         # what is left (a client that reads nothing must not hold the shutdown), until every
         # transport is gone: one accepted just before close() may only now reach
-        # _on_connect. (Server._active_count counts them; wait_closed() can miss a late one.)
+        # on_connect. (Server._active_count counts them; wait_closed() can miss a late one.)
         loop = asyncio.get_running_loop()
         abort_at = loop.time() + LINGER_S + 0.1
         deadline = abort_at + CLOSE_WAIT_S
@@ -68,6 +68,7 @@ class Listener:
             await asyncio.sleep(0.01)
 
     async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one connection from accept to close (asyncio's ``start_server`` callback)."""
         s = relay_settings()
         peername = writer.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
@@ -157,7 +158,7 @@ class Listener:
             victim.writer.transport.close()  # at once (after that line), no lingering
         victim.hang_up()
         assert victim.read_task is not None
-        victim.read_task.cancel()  # its _on_connect then lets it go
+        victim.read_task.cancel()  # its on_connect then lets it go
         return True
 
     def over_address_cap(self, peername: object) -> bool:
