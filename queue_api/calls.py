@@ -13,10 +13,10 @@ from typing import Any
 
 from django.http import HttpRequest
 
-from queue_api.longpoll import CommitWatch
 from queue_api.security import peer_of
 from queue_core import auth, errors, metrics
 from queue_core.protocol import dispatch, ops
+from queue_core.protocol.wakeups import ProcessWakeups
 from queue_core.service import QueueService
 
 
@@ -27,9 +27,10 @@ def service() -> QueueService:
 
 
 @functools.cache
-def commit_watch() -> CommitWatch:
-    """The process's ``CommitWatch`` (long-poll wake-ups), following ``service()``'s feed."""
-    return CommitWatch(service)
+def wakeups() -> ProcessWakeups:
+    """The process's long-poll wake-ups (the TCP server's ``Wakeups`` and ``FeedFollower``),
+    following ``service()``'s change feed."""
+    return ProcessWakeups(service)
 
 
 # Ops whose commit may make a job ready: waiting long-polls of this process look again.
@@ -67,7 +68,7 @@ def call(request: HttpRequest, verb: dispatch.Verb, args: dict[str, Any]) -> dis
         raise
     metrics.record(outcome.events)  # the service committed before returning
     if verb.op in READYING_OPS:
-        commit_watch().poke()
+        wakeups().poke()
     return outcome
 
 

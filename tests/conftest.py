@@ -46,13 +46,13 @@ def django_db_modify_db_settings() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _stop_commit_watch() -> Iterator[None]:
-    """After each test, stop the HTTP API's long-poll watcher thread if a test started it (it
-    polls the test database, which closes to other threads between tests)."""
+def _stop_http_wakeups() -> Iterator[None]:
+    """After each test, stop the HTTP API's change-feed polling thread if a test started it
+    (it polls the test database, which closes to other threads between tests)."""
     yield
     from queue_api import calls
 
-    calls.commit_watch().stop()
+    calls.wakeups().stop()
 
 
 @pytest.fixture(autouse=True)

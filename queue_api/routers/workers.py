@@ -6,12 +6,13 @@ lease token, and is fenced exactly as over TCP: a lost lease answers 409 ``LEASE
 
 Long-poll: ``lease`` is an async view. Each claim (a write transaction) runs on the HTTP
 side's database threads (``queue_api.pool.run``, connections kept); between claims the request
-waits on the event loop, holding no thread, for ``queue_api.longpoll.CommitWatch`` to report a
-commit (one process-wide watcher of the service's change feed, the same feed the TCP server
-uses), for the next instant a job falls due or a lease expires, or for ``wait_ms`` (at most
-``RELAY_MAX_WAIT_MS``) to pass. Under the ASGI worker (``gunicorn.conf.py``) many long-polls
-thus cost no worker threads; under WSGI (Django's test client) the same view runs through
-``async_to_sync``.
+waits on the event loop, holding no thread, for a wake-up (the TCP server's long-poll design,
+``queue_core.protocol.wakeups``: a waiter subscribed to its queues before each claim, woken by
+this process's commits and, through the process's one follower of the service's change feed,
+by commits made elsewhere), for the next instant a job falls due or a lease expires, or for
+``wait_ms`` (at most ``RELAY_MAX_WAIT_MS``) to pass. Under the ASGI worker
+(``gunicorn.conf.py``) many long-polls thus cost no worker threads; under WSGI (Django's test
+client) the same view runs through ``async_to_sync``.
 A client that disconnects mid-wait is not noticed before the next claim; a job leased to it
 returns when its lease expires.
 """
@@ -63,15 +64,19 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
         args["worker_id"] = f"http:{request.META.get('REMOTE_ADDR') or 'unknown'}"
     verb, checked = calls.check("lease", args)
     deadline = time.monotonic() + checked.get("wait_ms", 0) / 1000
-    watch = calls.commit_watch()
+    process = calls.wakeups()
     if checked.get("wait_ms", 0) > 0:
-        await watch.start()
+        await process.start()
     while True:
-        generation = watch.generation  # before the claim: a commit after it wakes the wait
-        result, wake_at = await pool.run(_claim, request, verb, checked, deadline)
-        if result["jobs"] or time.monotonic() >= deadline:
-            return result
-        await watch.wait(generation, wake_at - time.monotonic())
+        # Subscribe before the claim: a commit after it wakes the wait.
+        waiter = process.wakeups.subscribe(checked["queues"])
+        try:
+            result, wake_at = await pool.run(_claim, request, verb, checked, deadline)
+            if result["jobs"] or time.monotonic() >= deadline:
+                return result
+            await waiter.wait(wake_at - time.monotonic())
+        finally:
+            process.wakeups.unsubscribe(waiter)
 
 
 def _claim(

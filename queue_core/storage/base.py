@@ -160,21 +160,14 @@ class Tx(Protocol):
 class ChangeFeed(Protocol):
     """Commits made elsewhere (another process, another server), for long-poll wake-ups.
 
-    One design for every long-poll, TCP and HTTP: take a ``token()``, try the claim, then
-    ``wait(token, timeout_s)``. Commits made by this process never count: its own waiters are
-    woken directly.
+    Followed by ``queue_core.protocol.wakeups.FeedFollower``, the one long-poll design of
+    the TCP server and the HTTP API: ``subscribe`` where the feed pushes, else ``token()``
+    polled from one thread, each change a commit elsewhere. Commits made by this process
+    never count: its own waiters are woken directly.
     """
 
     def token(self) -> int:
-        """Return the feed's current position."""
-        ...
-
-    def wait(self, token: int, timeout_s: float) -> int | None:
-        """Block up to ``timeout_s`` (0: just look) for a commit elsewhere after ``token``.
-
-        Returns:
-            The new position when something committed, None on timeout.
-        """
+        """Return the feed's current position (on SQLite, the calling thread's connection's)."""
         ...
 
     def subscribe(self, fn: Callable[[str | None], None]) -> bool:

@@ -20,9 +20,9 @@ import orjson
 import pytest
 from django.test import override_settings
 
+from queue_core import auth
 from queue_core.models import Job
-from queue_core.protocol import dispatch
-from queue_core.protocol import server as server_mod
+from queue_core.protocol import connection, dispatch
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 
@@ -280,6 +280,28 @@ def test_group_commit_isolates_a_failing_request(
     assert all(replies[f"ok{n}"]["ok"] for n in range(60))
     assert {replies[f"bad{n}"]["error"]["code"] for n in range(60)} == {"IDEMPOTENCY_CONFLICT"}
     assert c.ok("stats", queue="g")["queues"]["g"]["ready"] == 61
+
+
+def test_a_write_whose_key_table_must_be_read_first_takes_the_same_path(
+    connect: Callable[[], Client], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the key table's snapshot expired (here: always), a write reads it in the reader
+    pool first, then runs as every write does (``Requests.start_write``): the same replies,
+    refusals included, in-flight slots given back (3x as many writes as slots, pipelined)."""
+    monkeypatch.setattr(auth, "cached_ring", lambda: None)
+    c = connect()
+    with override_settings(RELAY_MAX_INFLIGHT_PER_CONNECTION=4):
+        frames = [
+            {"id": n, "op": "submit", "args": {"queue": "kr", "payload": n}} for n in range(12)
+        ]
+        frames.append({"id": "bad", "op": "submit", "args": {"queue": "", "payload": 1}})
+        c.send_raw(b"".join(orjson.dumps(f) + b"\n" for f in frames))
+        replies = {r["id"]: r for r in (c.recv() for _ in frames)}
+    assert all(replies[n]["ok"] for n in range(12)), replies
+    assert replies["bad"]["error"]["code"] == "INVALID_ARGUMENT"
+    job_id = replies[0]["result"]["job"]["id"]
+    assert c.ok("inspect", job_id=job_id)["job"]["state"] == "ready"
+    assert Job.objects.filter(queue="kr").count() == 12
 
 
 def test_group_commit_shares_commits_between_requests(server: Running) -> None:
@@ -839,7 +861,7 @@ def test_jobs_claimed_for_a_client_that_closed_during_the_claim_go_back(
 def test_client_that_never_reads_is_cut_off_and_others_are_served(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(connection, "SEND_TIMEOUT_S", 0.5)
     running = start()
     producer = Client(running.port)
     job_id = producer.ok("submit", queue="big", payload={"blob": "x" * 200_000})["job"]["id"]
@@ -878,7 +900,7 @@ def test_writer_that_never_reads_its_replies_is_bounded_and_cut_off(
     # Submits are answered without a task per request; their unread replies must still pin
     # at most max_inflight_per_connection frames (the server stops reading from that client),
     # and the silent reader is still cut off.
-    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(connection, "SEND_TIMEOUT_S", 1.0)
     running = start()
     producer = Client(running.port)
     assert producer.ok("ping")["pong"] is True
@@ -1056,7 +1078,7 @@ def test_shutdown_answers_every_write_it_committed(start: Callable[..., Running]
 def test_shutdown_is_not_held_by_a_client_that_never_reads(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(server_mod, "SEND_TIMEOUT_S", 60.0)
+    monkeypatch.setattr(connection, "SEND_TIMEOUT_S", 60.0)
     running = start(shutdown_grace_ms=200)
     producer = Client(running.port)
     job_id = producer.ok("submit", queue="big", payload={"blob": "y" * 200_000})["job"]["id"]

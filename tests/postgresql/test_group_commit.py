@@ -17,7 +17,7 @@ from django.test.utils import CaptureQueriesContext
 from queue_core import errors
 from queue_core.models import Job
 from queue_core.protocol import dispatch
-from queue_core.protocol.server import _Call, _Writer
+from queue_core.protocol.writer import Call, Writer
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from tests.postgresql.conftest import DATABASES
@@ -36,14 +36,12 @@ def run_batch(service: QueueService, fns: list[Callable[[], Any]]) -> tuple[list
     loop = asyncio.new_event_loop()
     try:
         futures = [loop.create_future() for _ in fns]
-        calls = [_Call(fn, future, loop) for fn, future in zip(fns, futures, strict=True)]
-        writer = _Writer(
+        calls = [Call(fn, future, loop) for fn, future in zip(fns, futures, strict=True)]
+        writer = Writer(
             queue.SimpleQueue(),
             service,
             sweep=lambda: set(service.sweep()),
             on_ready=lambda queues: None,
-            on_foreign_commit=lambda: None,
-            poll=False,
         )
         assert writer.flat
         with CaptureQueriesContext(connections["postgresql"]) as sent:

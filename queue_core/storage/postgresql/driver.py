@@ -197,7 +197,7 @@ class PostgresChangeFeed:
 
     def __init__(self, driver: PostgresDriver) -> None:
         self._driver = driver
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._position = 0
         self._subscribers: list[Callable[[str | None], None]] = []
         self._stopped = False
@@ -208,20 +208,13 @@ class PostgresChangeFeed:
 
     def token(self) -> int:
         """Return the count of foreign commits seen so far."""
-        with self._cond:
+        with self._lock:
             return self._position
-
-    def wait(self, token: int, timeout_s: float) -> int | None:
-        """Block up to ``timeout_s`` for a foreign commit after ``token``."""
-        with self._cond:
-            if self._cond.wait_for(lambda: self._position != token, max(0.0, timeout_s)):
-                return self._position
-            return None
 
     def subscribe(self, fn: Callable[[str | None], None]) -> bool:
         """Call ``fn(queue)`` from the listener thread on each foreign commit (``queue`` None:
         any queue); True (it pushes)."""
-        with self._cond:
+        with self._lock:
             self._subscribers.append(fn)
         return True
 
@@ -231,9 +224,8 @@ class PostgresChangeFeed:
         self._thread.join(timeout_s)
 
     def _moved(self, queue: str | None = None) -> None:
-        with self._cond:
+        with self._lock:
             self._position += 1
-            self._cond.notify_all()
             subscribers = list(self._subscribers)
         for fn in subscribers:
             try:

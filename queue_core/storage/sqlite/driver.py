@@ -61,7 +61,6 @@ def named_style(sql: str) -> str:
 
 # The same statements in sqlite3's own parameter style, for the raw cursor.
 NAMED_QUERIES = {name: named_style(sql) for name, sql in QUERIES.items()}
-WATCH_INTERVAL_S = 0.05  # how often a waiting feed reads PRAGMA data_version
 MAINTAIN_EVERY_S = 0.25  # how often maintain() looks at the write-ahead log's size
 MAX_CHECKPOINT_BACKOFF_S = 2.0  # the longest pause between checkpoints readers held up
 
@@ -335,7 +334,7 @@ class SqliteTx(SqlTx):
 class SqliteChangeFeed:
     """Commits by other connections, from ``PRAGMA data_version`` on the calling thread's
     connection (it changes only when *another* connection commits, so this thread's own
-    commits never count). Polled every ``WATCH_INTERVAL_S``; it cannot push."""
+    commits never count). It cannot push: ``queue_core.protocol.wakeups.FeedFollower`` polls it."""
 
     def __init__(self, alias: str) -> None:
         self.alias = alias
@@ -345,18 +344,6 @@ class SqliteChangeFeed:
         with connections[self.alias].cursor() as cursor:
             cursor.execute("PRAGMA data_version")
             return int(cursor.fetchone()[0])
-
-    def wait(self, token: int, timeout_s: float) -> int | None:
-        """Poll ``data_version`` until it differs from ``token`` or ``timeout_s`` passes."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            now = self.token()
-            if now != token:
-                return now
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            time.sleep(min(WATCH_INTERVAL_S, left))
 
     def subscribe(self, fn: Callable[[str | None], None]) -> bool:
         """SQLite cannot push: always False (poll ``wait`` instead)."""

@@ -1,0 +1,232 @@
+"""One client connection: its state, reply sending with back-pressure, and reply lines.
+
+``Conn`` is touched by the event-loop thread only. Replies go out one at a time, each after
+the previous one drained, so a client that reads nothing pins at most
+``max_inflight_per_connection`` replies (each at most a frame), counted in the server's
+``ReplyBudget``, and is cut off after ``SEND_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from queue_core import auth, errors, metrics
+from queue_core.conf import relay_settings
+from queue_core.protocol import codec
+from queue_core.protocol.budget import ReplyBudget
+
+log = logging.getLogger("relay.server")
+
+CLOSE_WAIT_S = 2.0  # how long a closing connection waits for its in-flight requests
+LINGER_S = 1.0  # how long input is discarded after FRAME_TOO_LARGE before closing
+# A client that reads no reply for this long is cut off: its unread replies are the only
+# memory a connection can pin (at most max_inflight_per_connection of them, each <= 1 frame).
+SEND_TIMEOUT_S = 30.0
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Conn:
+    """One client connection (event-loop thread only)."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    peer: str
+    slots: asyncio.Semaphore  # in-flight requests left
+    budget: ReplyBudget  # the server's reply-byte budget
+    # Its requests in progress (tasks, or the writer futures of writes) and reply sends.
+    tasks: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)
+    waiting: set[asyncio.Event] = dataclasses.field(default_factory=set)  # its long-polls
+    read_task: asyncio.Task[None] | None = None
+    gone: bool = False  # the client closed its side: long-polls stop waiting
+    eof_sent: bool = False  # we closed our side (after FRAME_TOO_LARGE): nothing more to send
+    principal: auth.Principal | None = None  # set by a successful hello
+    send_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    unsent: int = 0  # reply bytes reserved or not yet taken by the kernel (ReplyBudget)
+    drained_at: float = 0.0  # loop time it last held nothing or gave bytes back
+    cut_off: bool = False  # cut by the reply budget
+    bad_frames: int = 0  # malformed lines so far
+    opened: float = dataclasses.field(default_factory=time.monotonic)
+    evicted: bool = False  # closed to make room for a newcomer (never authenticated)
+
+    async def send(self, line: bytes) -> bool:
+        """Write one reply line and wait until the socket buffer drains; return whether sent.
+
+        Replies go out one at a time, each after the previous one drained, so at most one
+        frame sits in the socket buffer. A client that reads nothing for ``SEND_TIMEOUT_S`` is
+        disconnected (``abort``), which frees what its replies hold.
+        """
+        async with self.send_lock:
+            if self.writer.is_closing() or self.eof_sent:
+                return False
+            self.writer.write(line)
+            if not self.writer.transport.get_write_buffer_size():
+                # The kernel took the whole line (the usual case): nothing to wait for. A
+                # failed write closes the transport, so it is reported as not sent.
+                return not self.writer.is_closing()
+            return await self._drained()
+
+    async def _drained(self) -> bool:
+        """Wait (holding the send turn) for the socket buffer to drain; False if the reader
+        was cut off after ``SEND_TIMEOUT_S`` or the connection failed."""
+        try:
+            await asyncio.wait_for(self.writer.drain(), SEND_TIMEOUT_S)
+        except TimeoutError:
+            log.info(
+                "event=slow_reader_cut peer=%s",
+                self.peer,
+                extra={"event": "slow_reader_cut", "peer": self.peer},
+            )
+            self.abort()
+            return False
+        except ConnectionError as exc:
+            log.debug("event=send_failed peer=%s error=%r", self.peer, exc)
+            self.gone = True
+            return False
+        return True
+
+    def reply_soon(self, line: bytes) -> None:
+        """Send a write's reply, and free its in-flight slot once the kernel has it.
+
+        Written at once when no reply is queued before it (the usual case); otherwise, or for
+        the part the kernel did not take, a task waits its turn and the drain as ``send``
+        does, so a connection still pins at most ``max_inflight_per_connection`` replies and
+        a reader silent for ``SEND_TIMEOUT_S`` is cut off.
+        """
+        task: asyncio.Future[Any]
+        if self.send_lock.locked() or self.writer.transport.get_write_buffer_size():
+            task = asyncio.ensure_future(self.send(line))
+        elif self.writer.is_closing() or self.eof_sent:  # dropped, as send() drops it
+            self.slots.release()
+            return
+        else:
+            self.writer.write(line)
+            if not self.writer.transport.get_write_buffer_size():
+                self.slots.release()
+                return
+            task = asyncio.ensure_future(self._drain())
+        self.budget.take(self, len(line))  # held until sent or dropped
+        self.tasks.add(task)
+        task.add_done_callback(self.done)
+        task.add_done_callback(lambda _: self.budget.give(self, len(line)))
+
+    async def _drain(self) -> None:
+        """Wait, holding the send turn, until a line written by ``reply_soon`` has gone out."""
+        async with self.send_lock:
+            await self._drained()
+
+    async def close_gracefully(self) -> None:
+        """Close our side (FIN), discard what the client still sends for up to ``LINGER_S``,
+        then close.
+
+        Closing a socket with unread input makes the kernel send a reset, which also destroys
+        replies the client has not read yet (a shutdown while it pipelines requests, an
+        oversize frame behind its requests); a client still sending its oversize frame would
+        see "connection reset" instead of the error. So the rest is read and thrown away first.
+        """
+        with contextlib.suppress(Exception):
+            if not self.eof_sent and self.writer.can_write_eof():
+                self.eof_sent = True
+                self.writer.write_eof()
+            async with asyncio.timeout(LINGER_S):
+                while await self.reader.read(65536):
+                    pass
+        self.writer.close()
+
+    def abort(self) -> None:
+        """Drop the connection at once, unsent replies included."""
+        self.hang_up()
+        self.writer.transport.abort()
+
+    def done(self, task: asyncio.Future[Any]) -> None:
+        """Forget a finished request and free its in-flight slot."""
+        self.tasks.discard(task)
+        self.slots.release()
+
+    def hang_up(self) -> None:
+        """The connection ends: its long-polls stop waiting (a claim that lands now is given
+        back, ``requests.Requests.lease``)."""
+        self.gone = True
+        for event in self.waiting:
+            event.set()
+
+    async def flush(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the connection's write buffer to empty."""
+        transport = self.writer.transport
+        if transport.is_closing():
+            return
+        transport.set_write_buffer_limits(high=0)  # drain() now waits for an empty buffer
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            await asyncio.wait_for(self.writer.drain(), timeout_s)
+
+    async def first_byte(self, timeout_s: float) -> bytes | None:
+        """Read the connection's first byte; None (after an error line, or at EOF) when it
+        cannot begin a JSON request: an HTTP request line or a TLS hello ends here, before
+        anything runs (a browser's cross-origin POST must not reach the NDJSON body)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                head = await self.reader.readexactly(1)
+        except TimeoutError:
+            await self.send(codec.encode_error(None, errors.Timeout()))
+            return None
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.gone = True
+            return None
+        if head not in b"{ \t\r":
+            log.debug("event=not_ndjson peer=%s first_byte=%r", self.peer, head)
+            refusal = errors.BadFrame("not an NDJSON request: a line must be a JSON object")
+            await self.send(codec.encode_error(None, refusal))
+            return None
+        return head
+
+
+async def until_idle(conns: Iterable[Conn], timeout_s: float | None) -> None:
+    """Wait until ``conns`` have no request or reply send in progress, or ``timeout_s`` passes.
+
+    The set is read again after each wait: a write's reply may start a send task
+    only as its request finishes, and that reply must go out too.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout_s is None else loop.time() + timeout_s
+    while True:
+        # Done ones too: a request is only over once its callbacks (the reply) have run, and
+        # they take it out of the set.
+        pending = {task for conn in conns for task in conn.tasks}
+        remaining = None if deadline is None else deadline - loop.time()
+        if not pending or (remaining is not None and remaining <= 0):
+            return
+        await asyncio.wait(pending, timeout=remaining)
+
+
+def reply_line(request: codec.Request, result: dict[str, Any]) -> bytes:
+    """The ok reply line of ``request``.
+
+    Raises:
+        FrameTooLarge: the reply would not fit a frame (writes keep theirs small by
+            construction and a lease is capped to a frame; a read that grew too large is
+            refused: nothing changed).
+    """
+    line = codec.encode_ok(request.id, result)
+    limit = relay_settings().max_frame_bytes
+    if len(line) - 1 > limit:
+        log.error("event=reply_too_large op=%s bytes=%d", request.op, len(line))
+        raise errors.FrameTooLarge(
+            f"the reply would be {len(line) - 1} bytes, over the {limit}-byte frame "
+            "limit; narrow the request (a queue, a smaller limit)",
+            limit_bytes=limit,
+        )
+    return line
+
+
+def error_line(request: codec.Request, exc: BaseException) -> bytes:
+    """The error reply line of ``request`` (a bug is logged and answered ``INTERNAL``)."""
+    if isinstance(exc, errors.RelayError):
+        metrics.rejected(request.op, exc)
+        return codec.encode_error(request.id, exc)
+    log.error("event=internal_error op=%s", request.op, exc_info=exc)
+    return codec.encode_error(request.id, errors.Internal())

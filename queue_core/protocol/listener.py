@@ -1,0 +1,278 @@
+"""Accepting TCP connections and reading their frames.
+
+``Listener.on_connect`` (asyncio's ``start_server`` callback) admits a connection or refuses
+it (``TOO_MANY_CONNECTIONS``: over ``RELAY_MAX_CONNECTIONS``, where with API keys on a
+newcomer takes the slot of the oldest connection that never said hello, or over
+``RELAY_MAX_CONNECTIONS_PER_ADDRESS``; ``UNAVAILABLE`` while draining), then runs its
+``read_loop``: bounded lines, decoded, each handed to ``requests.Requests.start`` once the
+connection has an in-flight slot (at most ``RELAY_MAX_INFLIGHT_PER_CONNECTION``). The loop
+enforces the idle, auth and bad-frame limits and the reply budget's back-pressure; it never
+touches the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from queue_core import auth, errors
+from queue_core.conf import relay_settings
+from queue_core.protocol import codec, connection, limits
+from queue_core.protocol.budget import ReplyBudget
+from queue_core.protocol.connection import CLOSE_WAIT_S, LINGER_S, Conn, until_idle
+from queue_core.protocol.requests import Requests
+
+log = logging.getLogger("relay.server")
+
+
+class Listener:
+    """The open connections of one server and their read loops (event-loop thread only).
+
+    Args:
+        requests: serves each decoded request.
+        budget: the server's reply-byte budget.
+        conns: the set of open connections (shared with the server).
+        max_connections: ``RELAY_MAX_CONNECTIONS`` capped to the fd limit.
+    """
+
+    def __init__(
+        self, requests: Requests, budget: ReplyBudget, conns: set[Conn], max_connections: int
+    ) -> None:
+        self.requests = requests
+        self.budget = budget
+        self.conns = conns
+        self.max_connections = max_connections
+        self.evictions = limits.Every(limits.FAILURE_LOG_EVERY_S)
+
+    async def close_all(self, server: asyncio.Server) -> None:
+        """Stop reading, let requests in progress answer (up to ``CLOSE_WAIT_S``), close."""
+        conns = list(self.conns)
+        for conn in conns:
+            if conn.read_task is not None:
+                conn.read_task.cancel()
+        await until_idle(conns, CLOSE_WAIT_S)
+        # Connections close gracefully (``close_gracefully``, at most LINGER_S). Then abort
+        # what is left (a client that reads nothing must not hold the shutdown), until every
+        # transport is gone: one accepted just before close() may only now reach
+        # on_connect. (Server._active_count counts them; wait_closed() can miss a late one.)
+        loop = asyncio.get_running_loop()
+        abort_at = loop.time() + LINGER_S + 0.1
+        deadline = abort_at + CLOSE_WAIT_S
+        while loop.time() < deadline:
+            if loop.time() >= abort_at:
+                for conn in list(self.conns):
+                    conn.abort()
+            if not self.conns and not getattr(server, "_active_count", 0):
+                break
+            await asyncio.sleep(0.01)
+
+    async def on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one connection from accept to close (asyncio's ``start_server`` callback)."""
+        s = relay_settings()
+        peername = writer.get_extra_info("peername")
+        peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
+        conn = Conn(
+            reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection), self.budget
+        )
+        full = len(self.conns) >= self.max_connections
+        if full and not self.requests.draining:
+            with contextlib.suppress(errors.RelayError):  # no key table now: refuse
+                if self.evict_unauthenticated(await self.requests.key_ring()):
+                    full = False  # the newcomer takes the slot of one that never said hello
+        over_limit = full or self.over_address_cap(peername)
+        self.conns.add(conn)  # tracked from the start, so a shutdown can always close it
+        try:
+            if self.requests.draining or over_limit:
+                refusal: errors.RelayError = (
+                    errors.Unavailable() if self.requests.draining else errors.TooManyConnections()
+                )
+                log.debug("event=connection_refused peer=%s code=%s", peer, refusal.code)
+                await conn.send(codec.encode_error(None, refusal))
+                return
+            log.debug("event=connected peer=%s", peer)
+            conn.read_task = asyncio.create_task(self.read_loop(conn))
+            await asyncio.wait([conn.read_task])
+            # Let pipelined requests answer before closing.
+            await until_idle([conn], CLOSE_WAIT_S if self.requests.draining else None)
+        except Exception:
+            log.exception("event=connection_failed peer=%s", peer)
+        finally:
+            for task in conn.tasks:
+                task.cancel()
+            if writer.transport.get_write_buffer_size():
+                # A reply's tail may still be buffered (drain() returns at the low-water mark,
+                # not at empty), and a client that half-closed is still reading it: give it
+                # until the buffer empties, as long as a slow reader gets. What is left then
+                # has no reader: drop it.
+                await conn.flush(
+                    CLOSE_WAIT_S if self.requests.draining else connection.SEND_TIMEOUT_S
+                )
+            if writer.transport.get_write_buffer_size():
+                conn.abort()
+            elif conn.read_task is not None:
+                await conn.close_gracefully()
+            else:
+                writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+            self.conns.discard(conn)  # only now: until closed, a shutdown must see it
+            log.debug("event=disconnected peer=%s", peer)
+
+    def evict_unauthenticated(self, ring: auth.KeyRing) -> bool:
+        """With API keys on and every slot taken, close the oldest connection that has not
+        completed a ``hello`` (it gets ``TOO_MANY_CONNECTIONS``); return whether one was.
+
+        Such a connection can only ping, so holding slots without a key buys nothing: a
+        client with a key always gets in, however many keyless connections wait for their
+        hello deadline. Authenticated connections are never closed for a newcomer.
+        """
+        if not ring.required:
+            return False
+        waiting = [
+            c
+            for c in self.conns
+            if c.read_task is not None
+            and not c.gone
+            and not c.evicted
+            and (c.principal is None or not c.principal.authenticated)
+        ]
+        if not waiting:
+            return False
+        victim = min(waiting, key=lambda c: c.opened)
+        victim.evicted = True
+        held = self.evictions.due("evicted")
+        if held is not None:  # one line per 10 s under a flood
+            log.info(
+                "event=connection_evicted peer=%s held_back=%d",
+                victim.peer,
+                held,
+                extra={"event": "connection_evicted", "peer": victim.peer, "held_back": held},
+            )
+        refusal = errors.TooManyConnections(
+            "the server is at its connection limit and this connection has not authenticated"
+        )
+        with contextlib.suppress(Exception):
+            if not victim.writer.is_closing():
+                victim.writer.write(codec.encode_error(None, refusal))
+            victim.writer.transport.close()  # at once (after that line), no lingering
+        victim.hang_up()
+        assert victim.read_task is not None
+        victim.read_task.cancel()  # its on_connect then lets it go
+        return True
+
+    def over_address_cap(self, peername: object) -> bool:
+        """Whether the peer's address already holds ``RELAY_MAX_CONNECTIONS_PER_ADDRESS``
+        connections (0: no cap)."""
+        cap = relay_settings().max_connections_per_address
+        if not cap or not isinstance(peername, tuple):
+            return False
+        host = peername[0]
+        held = sum(
+            1
+            for c in self.conns
+            if (p := c.writer.get_extra_info("peername")) and isinstance(p, tuple) and p[0] == host
+        )
+        return held >= cap  # this connection is not in the set yet
+
+    async def read_loop(self, conn: Conn) -> None:
+        """Read frames until EOF, a timeout or an abuse; serve each one.
+
+        The connection ends (after an error line) when: its first byte cannot begin a JSON
+        request (an HTTP request line, a TLS hello: nothing after it runs) or its first line
+        is not a request; it sent ``RELAY_MAX_BAD_FRAMES`` malformed lines; no valid request
+        came for ``RELAY_IDLE_TIMEOUT_MS`` while none was in progress (malformed lines do
+        not count as activity); with API keys on, no successful ``hello`` came within
+        ``RELAY_AUTH_TIMEOUT_MS``; or a frame was too large. While it holds more reply bytes
+        than its budget (``ReplyBudget``), its next frame is not read.
+        """
+        s = relay_settings()
+        loop = asyncio.get_running_loop()
+        idle_s = s.idle_timeout_ms / 1000
+        active_at = loop.time()  # the last valid request, or the connect
+        try:
+            required = (await self.requests.key_ring()).required
+        except errors.RelayError:  # the table cannot be read now: requests will say so
+            required = False
+        auth_by = loop.time() + s.auth_timeout_ms / 1000 if required else None
+        head = await conn.first_byte(idle_s if auth_by is None else auth_by - loop.time())
+        if head is None:
+            return
+        while True:
+            if self.budget.over(conn):
+                await self.budget.room(conn)
+            authed = auth_by is None or (
+                conn.principal is not None and conn.principal.authenticated
+            )
+            wait_s = active_at + idle_s - loop.time()
+            if not authed:
+                assert auth_by is not None
+                wait_s = min(wait_s, auth_by - loop.time())
+            try:
+                async with asyncio.timeout(max(wait_s, 0.0)):
+                    line = head + await conn.reader.readuntil(b"\n")
+            except TimeoutError:
+                authed = auth_by is None or (
+                    conn.principal is not None and conn.principal.authenticated
+                )
+                if not authed and loop.time() >= auth_by:  # type: ignore[operator]
+                    log.debug("event=auth_timeout peer=%s", conn.peer)
+                    refusal: errors.RelayError = errors.Unauthenticated(
+                        f"no successful hello within {s.auth_timeout_ms} ms"
+                    )
+                    await conn.send(codec.encode_error(None, refusal))
+                    return
+                if loop.time() < active_at + idle_s:  # woken for the hello deadline only
+                    continue
+                if conn.tasks:  # a request in progress (a long-poll) is not idleness
+                    active_at = loop.time()
+                    continue
+                log.debug("event=idle_timeout peer=%s", conn.peer)
+                await conn.send(codec.encode_error(None, errors.Timeout()))
+                return
+            except asyncio.LimitOverrunError:
+                # The reader holds at most the limit: reply and close without reading on.
+                limit = s.max_frame_bytes
+                exc = errors.FrameTooLarge(
+                    f"frame is over the {limit}-byte limit", limit_bytes=limit
+                )
+                await self.refuse_frame(conn, exc)
+                return
+            except (asyncio.IncompleteReadError, ConnectionError) as exc:
+                log.debug("event=eof peer=%s error=%r", conn.peer, exc)
+                conn.hang_up()
+                return
+            first, head = bool(head), b""
+            try:
+                request = codec.decode_request(line, s.max_frame_bytes)
+            except errors.FrameTooLarge as exc:
+                await self.refuse_frame(conn, exc)
+                return
+            except errors.BadFrame as exc:
+                conn.bad_frames += 1
+                log.debug("event=bad_frame peer=%s error=%s", conn.peer, exc.message)
+                if first or conn.bad_frames >= s.max_bad_frames:
+                    why = "the first line" if first else f"{conn.bad_frames} malformed lines"
+                    exc = errors.BadFrame(f"{exc.message}; closing after {why}")
+                    await conn.send(codec.encode_error(codec.request_id_of(line), exc))
+                    return
+                await conn.send(codec.encode_error(codec.request_id_of(line), exc))
+                continue
+            active_at = loop.time()
+            await conn.slots.acquire()  # at most max_inflight per connection: else stop reading
+            task = self.requests.start(conn, request)  # its reply frees the slot
+            if request.op == "hello":
+                # What follows a hello, even in the same write, runs as the hello leaves the
+                # connection: read on only once it is decided.
+                await asyncio.wait([task])
+
+    async def refuse_frame(self, conn: Conn, exc: errors.FrameTooLarge) -> None:
+        """Reply FRAME_TOO_LARGE and answer the requests before it; the connection then
+        closes gracefully (``Conn.close_gracefully``: the rest of the frame is thrown away,
+        never buffered)."""
+        log.debug("event=frame_too_large peer=%s", conn.peer)
+        # The connection ends here: its long-polls stop waiting (a claim that lands now is
+        # given back), and the requests it sent before the oversize frame are answered first.
+        conn.hang_up()
+        await conn.send(codec.encode_error(None, exc))
+        await until_idle([conn], CLOSE_WAIT_S)

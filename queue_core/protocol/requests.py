@@ -1,0 +1,319 @@
+"""Serving one request of a TCP connection: admit, run, answer.
+
+``Requests.start(conn, request)`` is the one entry (the read loop calls it for each decoded
+request, holding one of the connection's in-flight slots). By the op's kind
+(``queue_core.protocol.ops.Kind``):
+
+* **WRITE** (submit, renew, ack, fail, release, dead_retry, dead_purge): ``start_write`` is
+  the one place that runs a write and answers it. It admits the request (``admit``: session,
+  scope, arguments, draining), queues the handler for the writer's next group commit
+  (``writer.Database.put_write``) and answers from the future's done-callback
+  (``answer_write``: wake the queues it made ready, count its metrics, send the reply with
+  ``Conn.reply_soon``). No task and no coroutine per write (16 single-job producers: 123-138
+  -> 109-120 us of server CPU per job, docs/benchmarking.md). Only when the key table must
+  be re-read first does a small task read it, then call ``start_write`` the same way.
+* **READ** (ping, inspect, stats, dead_list) and **hello**: a task (``serve``) runs the
+  handler in the reader pool and sends the reply.
+* **LEASE**: a task (``serve``) that claims on the writer, and with ``wait_ms`` waits for a
+  wake-up (``wakeups.Wakeups``) and claims again (``lease``).
+
+Every reply reserves bytes of the server's ``ReplyBudget`` until the kernel has it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from queue_core import auth, errors, metrics
+from queue_core.conf import relay_settings
+from queue_core.protocol import codec, dispatch
+from queue_core.protocol.budget import ReplyBudget
+from queue_core.protocol.connection import Conn, error_line, reply_line
+from queue_core.protocol.wakeups import Wakeups
+from queue_core.protocol.writer import Database
+from queue_core.service import QueueService
+
+log = logging.getLogger("relay.server")
+
+
+class Requests:
+    """Runs the requests of every connection of one server (event-loop thread only).
+
+    Args:
+        service: the queue service.
+        db: the server's database threads.
+        wakeups: the server's long-poll waiters.
+        budget: the server's reply-byte budget.
+        on_due: called with an epoch-ms instant a request scheduled a job for (the reaper
+            promotes it then).
+
+    Attributes:
+        draining: set by the server at shutdown: submit and lease are refused
+            (``UNAVAILABLE``) and waiting long-polls answer ``{"jobs": []}``.
+    """
+
+    def __init__(
+        self,
+        service: QueueService,
+        db: Database,
+        wakeups: Wakeups,
+        budget: ReplyBudget,
+        on_due: Callable[[int], None],
+    ) -> None:
+        self.service = service
+        self.db = db
+        self.wakeups = wakeups
+        self.budget = budget
+        self.on_due = on_due
+        self.draining = False
+
+    def start(self, conn: Conn, request: codec.Request) -> asyncio.Future[Any]:
+        """Start serving ``request`` (its in-flight slot is held); return what answers it,
+        tracked in ``conn.tasks`` (the slot is freed once its reply is with the kernel)."""
+        verb = dispatch.VERBS.get(request.op)
+        if verb is not None and verb.kind is dispatch.Kind.WRITE:
+            ring = auth.cached_ring()
+            if ring is not None:
+                return self.start_write(conn, request, verb, ring)
+            waiting = asyncio.ensure_future(self._write_after_ring(conn, request, verb))
+            conn.tasks.add(waiting)
+            waiting.add_done_callback(conn.tasks.discard)
+            return waiting
+        task = asyncio.create_task(self.serve(conn, request))
+        conn.tasks.add(task)
+        task.add_done_callback(conn.done)
+        return task
+
+    # ------------------------------------------------------------------ writes
+
+    def start_write(
+        self, conn: Conn, request: codec.Request, verb: dispatch.Verb, ring: auth.KeyRing
+    ) -> asyncio.Future[Any]:
+        """Admit a write and queue it for the next group commit; return its future, whose
+        done-callback (``answer_write``) sends the reply (a refusal is answered the same way)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        try:
+            args, ctx = self.admit(conn, verb, request.args, ring)
+        except errors.RelayError as exc:  # refused here (counted and logged once), answered below
+            future.set_exception(exc)
+        else:
+            self.db.put_write(functools.partial(verb.handler, self.service, args, ctx), future)
+        future.add_done_callback(functools.partial(self.answer_write, conn, request))
+        conn.tasks.add(future)
+        future.add_done_callback(conn.tasks.discard)
+        return future
+
+    async def _write_after_ring(
+        self, conn: Conn, request: codec.Request, verb: dispatch.Verb
+    ) -> None:
+        """Read the key table (not cached), then run the write as ``start_write`` does."""
+        try:
+            ring = await self.key_ring()
+        except asyncio.CancelledError:
+            conn.slots.release()  # the connection is closing
+            raise
+        except Exception as exc:  # noqa: BLE001 - answered as any refusal
+            conn.reply_soon(error_line(request, exc))
+            return
+        await asyncio.wait([self.start_write(conn, request, verb, ring)])
+
+    def answer_write(self, conn: Conn, request: codec.Request, future: asyncio.Future[Any]) -> None:
+        """Answer a write once its commit is durable (event-loop thread)."""
+        if future.cancelled():  # the connection is closing
+            conn.slots.release()
+            return
+        try:
+            exc = future.exception()
+            if exc is None:
+                outcome: dispatch.Outcome = future.result()
+                self.apply(outcome)
+                metrics.record(outcome.events)  # committed by now
+                line = reply_line(request, outcome.result)
+            else:
+                line = error_line(request, exc)
+        except Exception as failure:  # noqa: BLE001 - still answer, and free the slot
+            line = error_line(request, failure)
+        conn.reply_soon(line)
+
+    def apply(self, outcome: dispatch.Outcome) -> None:
+        """Wake the long-polls of the queues a commit made ready; schedule a due instant."""
+        if outcome.ready_queues:
+            self.wakeups.wake(outcome.ready_queues)
+        if outcome.due_at_ms is not None:
+            self.on_due(outcome.due_at_ms)
+
+    # ------------------------------------------------------------------ reads, hello, lease
+
+    async def serve(self, conn: Conn, request: codec.Request) -> None:
+        """Run one read, hello or lease and send its reply.
+
+        A read reserves a frame of the reply budget before it runs, a lease each time it
+        claims (``lease``); the hold shrinks to the reply's size once it is made, and ends
+        when the kernel has it.
+        """
+        result: dict[str, Any] | None = None
+        verb = dispatch.VERBS.get(request.op)
+        frame = relay_settings().max_frame_bytes
+        held = 0
+        try:
+            try:
+                if verb is not None and verb.kind is dispatch.Kind.READ:
+                    await self.budget.reserve(conn, frame)
+                    held = frame
+                result = await self.execute(conn, request)
+                if verb is not None and verb.kind is dispatch.Kind.LEASE and result["jobs"]:
+                    held = frame  # lease kept its claim's hold
+                line = reply_line(request, result)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
+                line = error_line(request, exc)
+            self.budget.give(conn, held - len(line))
+            held = len(line)
+            sent = await conn.send(line)
+        finally:
+            self.budget.give(conn, held)
+        if not sent and request.op == "lease" and result and result.get("jobs"):
+            # Never leave jobs leased to a socket that is gone: give them back at once.
+            await self.release_unsent(result["jobs"], request.args.get("worker_id") or conn.peer)
+
+    async def execute(self, conn: Conn, request: codec.Request) -> dict[str, Any]:
+        """Run a read, hello or lease; return its wire result.
+
+        Raises:
+            RelayError: refused (``admit``) or failed.
+        """
+        verb = dispatch.lookup(request.op)
+        if verb.op == "hello":
+            return await self.hello(conn, dispatch.validate(verb, request.args))
+        ring = None if verb.op in auth.OPEN_OPS else await self.key_ring()
+        args, ctx = self.admit(conn, verb, request.args, ring)
+        if verb.kind is dispatch.Kind.READ:
+            outcome: dispatch.Outcome = await self.db.read(
+                lambda: verb.handler(self.service, args, ctx)
+            )
+        else:
+            outcome = await self.lease(conn, verb, args, ctx)
+        metrics.record(outcome.events)  # committed by now
+        return outcome.result
+
+    def admit(
+        self,
+        conn: Conn,
+        verb: dispatch.Verb,
+        raw_args: dict[str, Any],
+        ring: auth.KeyRing | None,
+    ) -> tuple[dict[str, Any], dispatch.Context]:
+        """Check that the connection may run ``verb`` and its arguments; return them cleaned,
+        with the request's context. ``ring`` is the key table (None for ping and hello).
+
+        Raises:
+            Unauthenticated, PermissionDenied, InvalidArgument, Unavailable (draining).
+        """
+        if ring is None:
+            principal = conn.principal or auth.ANONYMOUS
+        else:
+            principal = auth.check_session(conn.principal, ring, surface="tcp", peer=conn.peer)
+            auth.authorize(principal, verb.op, surface="tcp", peer=conn.peer)
+        args = dispatch.validate(verb, raw_args)
+        if self.draining and verb.op in dispatch.REFUSED_WHILE_DRAINING:
+            raise errors.Unavailable()
+        actor = f"tcp:{conn.peer}"
+        if principal.authenticated:
+            actor = f"{actor} {principal.actor}"[:150]
+        return args, dispatch.Context(peer=conn.peer, actor=actor)
+
+    async def key_ring(self) -> auth.KeyRing:
+        """The key table snapshot; a stale one is re-read in the reader pool, never here.
+
+        Raises:
+            Unavailable, StoreBusy: the table could not be read (mapped by the driver, as any
+                read: a terminated PostgreSQL connection is not an ``INTERNAL``).
+        """
+        ring = auth.cached_ring()
+        if ring is None:
+            ring = await self.db.read(self._load_ring)
+        return ring
+
+    def _load_ring(self) -> auth.KeyRing:
+        """Reader thread: read the key table through the driver's read (its error mapping,
+        and on PostgreSQL a fresh connection after one was terminated)."""
+        with self.service.driver.read():
+            return auth.load_ring()
+
+    async def hello(self, conn: Conn, args: dict[str, Any]) -> dict[str, Any]:
+        """Check an API key and tie it to this connection (a refused key unties the old one)."""
+        ring = await self.key_ring()
+        conn.principal = None
+        principal: auth.Principal = await self.db.read(
+            lambda: auth.authenticate(args["api_key"], surface="tcp", peer=conn.peer, ring=ring)
+        )
+        conn.principal = principal
+        log.debug("event=hello peer=%s prefix=%s", conn.peer, principal.prefix)
+        return {**principal.describe(), "server_time_ms": self.service.clock.now_ms()}
+
+    async def lease(
+        self, conn: Conn, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context
+    ) -> dispatch.Outcome:
+        """Claim; when nothing is ready, wait for a wake-up or ``wait_ms``, and claim again.
+
+        Each claim first reserves a frame of the connection's reply budget; an outcome with
+        jobs returns still holding it (``serve`` ends the hold).
+        """
+        loop = asyncio.get_running_loop()
+        frame = relay_settings().max_frame_bytes
+        deadline = loop.time() + args.get("wait_ms", 0) / 1000
+        while True:
+            if conn.gone:  # never lease to a closed socket
+                return dispatch.Outcome({"jobs": []})
+            # Subscribe before claiming, so a commit between the claim and the wait wakes us.
+            waiter = self.wakeups.subscribe(args["queues"])
+            conn.waiting.add(waiter.event)
+            try:
+                await self.budget.reserve(conn, frame)
+                started = loop.time()
+                try:
+                    outcome: dispatch.Outcome = await self.db.write(
+                        lambda: verb.handler(self.service, args, ctx), claims=True
+                    )
+                except BaseException:
+                    self.budget.give(conn, frame)
+                    raise
+                if not outcome.result["jobs"]:
+                    self.budget.give(conn, frame)
+                metrics.CLAIM_SECONDS.observe(loop.time() - started)
+                if conn.gone and outcome.result["jobs"]:
+                    # The client closed (EOF) while the claim ran: a normal close still lets
+                    # the reply into the kernel, so give the jobs back rather than lease them
+                    # to a socket nobody reads.
+                    self.budget.give(conn, frame)
+                    worker_id = args.get("worker_id") or conn.peer
+                    await self.release_unsent(outcome.result["jobs"], worker_id)
+                    return dispatch.Outcome({"jobs": []})
+                remaining = deadline - loop.time()
+                if outcome.result["jobs"] or remaining <= 0 or self.draining or conn.gone:
+                    return outcome
+                await waiter.wait(remaining)
+                if self.draining or conn.gone:
+                    return dispatch.Outcome({"jobs": []})
+            finally:
+                conn.waiting.discard(waiter.event)
+                self.wakeups.unsubscribe(waiter)
+
+    async def release_unsent(self, leases: list[dict[str, Any]], worker_id: str) -> None:
+        """Give back jobs leased to a connection that is gone, and wake their queues."""
+        for lease in leases:
+            release = functools.partial(
+                self.service.release,
+                lease["job_id"],
+                worker_id=worker_id,
+                lease_token=lease["lease_token"],
+            )
+            try:
+                await self.db.write(release)
+            except errors.RelayError as exc:
+                log.info("event=release_unsent_failed job_id=%s code=%s", lease["job_id"], exc.code)
+            else:
+                self.wakeups.wake([lease["queue"]])

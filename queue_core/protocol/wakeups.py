@@ -1,0 +1,260 @@
+"""Long-poll wake-ups: the one design both the TCP server and the HTTP API use.
+
+A long-poll lease (TCP ``lease`` with ``wait_ms``, HTTP ``POST /api/v1/leases``) does:
+
+1. ``waiter = wakeups.subscribe(queues)`` *before* each claim, so a commit between the claim
+   and the wait is not missed;
+2. the claim;
+3. when it found nothing, ``await waiter.wait(timeout_s)`` (or ``waiter.event``), then
+   ``wakeups.unsubscribe(waiter)`` and round again until ``wait_ms`` has passed.
+
+``Wakeups.wake(queues)`` / ``wake_all()`` set the waiters of those queues; they are safe from
+any thread (a waiter is set on its own event loop: directly from that loop's thread, else by
+one ``call_soon_threadsafe`` per loop and wake). Who wakes:
+
+* the process's own commits: the TCP server wakes the queues a request made READY
+  (``dispatch.Outcome.ready_queues``) and those its reaper swept; the HTTP views wake every
+  waiter after an op that can make a job ready (``queue_api.calls.READYING_OPS``);
+* commits made elsewhere (another process, another server), through one ``FeedFollower``
+  per process following the service's change feed (``queue_core.storage.base.ChangeFeed``):
+  on PostgreSQL the feed pushes (LISTEN/NOTIFY: ``FeedFollower.push``, the queue named when
+  known); on SQLite it is polled (``FeedFollower.poll``) from one thread whose connection
+  never writes for this process's waiters' sake: the TCP server's first writer between
+  batches (its own commits do not move its ``data_version``), the HTTP API's
+  ``ProcessWakeups`` thread (a connection of its own, so the HTTP side's commits count too,
+  which is harmless: a waiter looks again).
+
+There is no fixed-sleep polling on the lease path. (The shape follows River's producer:
+a LISTEN-driven fetch with a bounded fallback poll, here the TCP reaper's ``ready_queues``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+from queue_core.service import QueueService
+from queue_core.storage import ChangeFeed
+
+log = logging.getLogger("relay.server")
+
+POLL_INTERVAL_S = 0.05  # how often ProcessWakeups polls a change feed that cannot push
+RETRY_S = 0.5  # ProcessWakeups' pause after the feed failed (database down), before again
+START_TIMEOUT_S = 10.0  # how long the first waiter waits for ProcessWakeups' first position
+
+
+class Waiter:
+    """One long-poll round's wake-up, bound to the event loop that made it.
+
+    Attributes:
+        queues: the queues it waits on.
+        event: set when one of them may have a READY job (or the wait must end).
+    """
+
+    __slots__ = ("event", "loop", "queues")
+
+    def __init__(self, queues: Iterable[str]) -> None:
+        self.queues = tuple(queues)
+        self.loop = asyncio.get_running_loop()
+        self.event = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` (seconds, 0 or less: just look); return whether woken."""
+        if self.event.is_set():
+            return True
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await self.event.wait()
+        except TimeoutError:
+            return False
+        return True
+
+
+def _set_all(waiters: list[Waiter]) -> None:
+    for waiter in waiters:
+        waiter.event.set()
+
+
+class Wakeups:
+    """The waiting long-polls of one process (or one server), by queue; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[Waiter]] = {}
+
+    def subscribe(self, queues: Iterable[str]) -> Waiter:
+        """Return a waiter set when any of ``queues`` may have a READY job (event loop only)."""
+        waiter = Waiter(queues)
+        with self._lock:
+            for name in waiter.queues:
+                self._waiters.setdefault(name, set()).add(waiter)
+        return waiter
+
+    def unsubscribe(self, waiter: Waiter) -> None:
+        """Forget ``waiter``."""
+        with self._lock:
+            for name in waiter.queues:
+                waiters = self._waiters.get(name)
+                if waiters is not None:
+                    waiters.discard(waiter)
+                    if not waiters:
+                        del self._waiters[name]
+
+    def wake(self, queues: Iterable[str]) -> None:
+        """Wake every waiter of ``queues`` (any thread)."""
+        with self._lock:
+            found = {w for name in queues for w in self._waiters.get(name, ())}
+        self._set(found)
+
+    def wake_all(self) -> None:
+        """Wake every waiter (any thread)."""
+        with self._lock:
+            found = {w for waiters in self._waiters.values() for w in waiters}
+        self._set(found)
+
+    def queues(self) -> list[str]:
+        """The queues somebody waits on."""
+        with self._lock:
+            return list(self._waiters)
+
+    @staticmethod
+    def _set(found: set[Waiter]) -> None:
+        if not found:
+            return
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        by_loop: dict[asyncio.AbstractEventLoop, list[Waiter]] = {}
+        for waiter in found:
+            if waiter.loop is here:
+                waiter.event.set()
+            else:
+                by_loop.setdefault(waiter.loop, []).append(waiter)
+        for loop, waiters in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits there
+                loop.call_soon_threadsafe(_set_all, waiters)
+
+
+class FeedFollower:
+    """Turns a service's change feed into ``on_commit(queue)`` calls (``queue`` None: any).
+
+    Args:
+        service: whose ``changes()`` feed to follow.
+        on_commit: called on each commit elsewhere (from the feed's listener thread when it
+            pushes, else from the thread calling ``poll``); must be thread-safe and quick.
+    """
+
+    def __init__(self, service: QueueService, on_commit: Callable[[str | None], None]) -> None:
+        self.service = service
+        self.on_commit = on_commit
+        self.pushed = False
+        self._feed: ChangeFeed | None = None
+        self._token: int | None = None
+
+    def push(self) -> bool:
+        """Subscribe to a feed that pushes (once); return whether it does (else ``poll``)."""
+        if not self.pushed and self.service.capabilities.push_changes:
+            self.pushed = self.service.changes().subscribe(self.on_commit)
+        return self.pushed
+
+    def poll(self) -> bool:
+        """Look at the feed once from this thread (always the same one: a SQLite position
+        belongs to the thread's connection) and report a move; the first look takes the
+        position only. Return False when the feed failed (logged; the position is kept and
+        a broken connection closed, so the next look reconnects)."""
+        if self._feed is None:
+            self._feed = self.service.changes()
+        try:
+            token = self._feed.token()
+        except Exception:
+            log.exception("event=change_feed_failed")
+            with contextlib.suppress(Exception):
+                self.service.heal()
+            return False
+        if self._token is not None and token != self._token:
+            self.on_commit(None)
+        self._token = token
+        return True
+
+    def forget(self) -> None:
+        """Forget the position (after a failure, or on another thread): ``poll`` starts over."""
+        self._feed = self._token = None
+
+
+class ProcessWakeups:
+    """A process's ``Wakeups`` fed by its ``FeedFollower`` without a server's writer to poll
+    it: the HTTP API's long-polls (``queue_api.calls.wakeups``).
+
+    Where the feed pushes, ``start()`` subscribes once; where it must be polled, a daemon
+    thread (``relay-http-wakeups``) polls it every ``POLL_INTERVAL_S`` on a connection of its
+    own until ``stop()``. Each (re)start of that thread wakes every waiter: commits made
+    while it was away were not seen.
+
+    Args:
+        service: returns the ``QueueService`` whose change feed to follow.
+    """
+
+    def __init__(self, service: Callable[[], QueueService]) -> None:
+        self._service = service
+        self.wakeups = Wakeups()
+        self._lock = threading.Lock()
+        self._follower: FeedFollower | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._stopping = threading.Event()
+
+    async def start(self) -> None:
+        """Follow the feed if not yet; wait (up to ``START_TIMEOUT_S``) for the first
+        position, after which every commit elsewhere wakes the waiters it concerns."""
+        service = self._service()
+        with self._lock:
+            if self._follower is None or self._follower.service is not service:
+                self._follower = FeedFollower(service, self._on_commit)
+            if self._follower.push():
+                return
+            if self._thread is None:
+                self._stopping.clear()
+                self._started.clear()
+                self._thread = threading.Thread(
+                    target=self._run, args=(self._follower,), name="relay-http-wakeups", daemon=True
+                )
+                self._thread.start()
+            started = self._started
+        if not started.is_set():
+            await asyncio.to_thread(started.wait, START_TIMEOUT_S)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the polling thread (it closes its connection); ``start()`` makes a new one."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._stopping.set()
+            thread.join(timeout_s)
+
+    def poke(self) -> None:
+        """This process committed something that may make a job ready: wake every waiter."""
+        self.wakeups.wake_all()
+
+    def _on_commit(self, queue: str | None) -> None:
+        if queue is None:
+            self.wakeups.wake_all()
+        else:
+            self.wakeups.wake([queue])
+
+    def _run(self, follower: FeedFollower) -> None:
+        try:
+            while not self._stopping.is_set():
+                follower.forget()
+                if follower.poll():  # the position
+                    self.wakeups.wake_all()  # what committed before it was not seen
+                    self._started.set()
+                    while not self._stopping.wait(POLL_INTERVAL_S) and follower.poll():
+                        pass
+                self._stopping.wait(RETRY_S)  # the feed failed (logged): again in a while
+        finally:
+            follower.forget()
+            follower.service.close()

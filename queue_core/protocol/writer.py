@@ -1,0 +1,349 @@
+"""The server's database threads: the writer(s) with group commit, and the reader pool.
+
+* One **writer thread** (SQLite: one writer per file; on PostgreSQL ``SHARED_WRITERS``, each
+  with its own connection, taking calls from the same queue) runs every state-changing call
+  (submit, lease claims, renew, ack, fail, release, replay, purge, the reaper's sweeps). It
+  takes the first queued call, drains up to ``GROUP_COMMIT_MAX - 1`` more, and runs them all
+  inside ONE ``service.transaction()`` (the storage driver's write transaction): each call
+  gets its own SAVEPOINT (the service's own transactions nest too), so one call's error rolls
+  back only that call. The batch then COMMITs once, one fsync for all of them (SQLite at
+  ``synchronous=FULL``; PostgreSQL at its ``synchronous_commit``), and only then are the
+  callers' futures resolved. If the commit fails, every call in the batch gets that error.
+  With several writers, two calls in flight at once (from two connections, or pipelined on
+  one) may commit in either order; with one, they commit in the order they were read.
+* Where the change feed cannot push (SQLite), the first writer polls it between batches (or
+  every ``WATCH_INTERVAL_S`` when idle) through ``wakeups.FeedFollower.poll`` on its own
+  connection, whose ``PRAGMA data_version`` changes only when *another* connection commits,
+  so the server's own commits never count as foreign.
+* A small **reader pool** runs read-only calls (ping, inspect, stats, dead_list, the key
+  table); each thread has its own connection and WAL lets them read while the writer writes.
+
+``Database`` is what the rest of the server sees: ``write(fn)`` / ``read(fn)`` from the event
+loop, ``put_write`` for a write whose future is answered by a callback (the request path,
+``requests.Requests.start_write``), ``start`` and ``stop``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from queue_core import errors
+from queue_core.protocol import limits
+from queue_core.protocol.wakeups import FeedFollower
+from queue_core.service import QueueService
+
+log = logging.getLogger("relay.server")
+
+GROUP_COMMIT_MAX = 256  # calls per writer transaction
+WATCH_INTERVAL_S = 0.05  # how often the writer polls a change feed that cannot push
+READER_THREADS = 4
+# Writer threads (each its own connection and group commit) where the database takes
+# concurrent writers (PostgreSQL); SQLite has one.
+SHARED_WRITERS = 4
+
+
+@dataclasses.dataclass(slots=True)
+class Call:
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+    claims: bool = False  # a lease claim: its batch sweeps due jobs first
+
+
+def settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if future.done():  # the caller went away (cancelled)
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def resolve(call: Call, ok: bool, value: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is already closed
+        call.loop.call_soon_threadsafe(settle, call.future, ok, value)
+
+
+def settle_all(settled: list[tuple[asyncio.Future[Any], bool, Any]]) -> None:
+    for future, ok, value in settled:
+        settle(future, ok, value)
+
+
+def resolve_all(calls: list[Call], outcomes: list[tuple[bool, Any]]) -> None:
+    """Resolve a batch's futures with one wake-up per event loop, not one per call.
+
+    Each ``call_soon_threadsafe`` writes to the loop's self-pipe and makes the writer wait
+    for the GIL the woken loop now holds; per call, that was 15% of the writer's time with
+    16 workers (py-spy, docs/benchmarking.md).
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], bool, Any]]] = {}
+    for call, (ok, value) in zip(calls, outcomes, strict=True):
+        by_loop.setdefault(call.loop, []).append((call.future, ok, value))
+    for loop, settled in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop is already closed
+            loop.call_soon_threadsafe(settle_all, settled)
+
+
+STOP = object()
+
+
+class _Redo(Exception):
+    """A flat group commit must be rolled back and run again with savepoints."""
+
+
+class DbThread(threading.Thread):
+    """A thread that runs calls from a queue and closes its DB connection on exit."""
+
+    def __init__(self, name: str, calls: queue.SimpleQueue[Any], service: QueueService) -> None:
+        super().__init__(name=name, daemon=True)
+        self.calls = calls
+        self.service = service
+
+    def run(self) -> None:
+        try:
+            self.serve()
+        finally:
+            with contextlib.suppress(Exception):
+                self.service.close()
+
+    def serve(self) -> None:
+        while (call := self.calls.get()) is not STOP:
+            try:
+                resolve(call, True, call.fn())
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller's coroutine
+                resolve(call, False, exc)
+                with contextlib.suppress(Exception):
+                    self.service.heal()  # a lost connection: the next call opens a new one
+
+
+class Writer(DbThread):
+    """A thread that writes: group commit, plus polling a change feed that cannot push.
+
+    Args:
+        calls: the queue ``Call``s arrive on (``STOP`` ends the thread after earlier calls).
+        service: the service (its ``transaction()`` gives the transaction and savepoints).
+        sweep: expires leases and promotes due jobs, returning the queues that got READY
+            jobs. Run first in a batch that holds a claim: ``claim`` sweeps too, but does not
+            say which queues it made ready, and their waiters must be woken.
+        on_ready: called (on this thread) with the queues ``sweep`` made ready, after commit.
+        follower: the feed to poll every ``WATCH_INTERVAL_S`` on this thread's connection
+            (``FeedFollower.poll``); None when it pushes by itself or another writer polls.
+    """
+
+    def __init__(
+        self,
+        calls: queue.SimpleQueue[Any],
+        service: QueueService,
+        *,
+        sweep: Callable[[], set[str]],
+        on_ready: Callable[[set[str]], None],
+        follower: FeedFollower | None = None,
+        name: str = "relay-writer",
+        failures: limits.Every | None = None,
+    ) -> None:
+        super().__init__(name, calls, service)
+        # Where a SAVEPOINT costs round trips (several writers: PostgreSQL), a batch runs
+        # without one per call first (``_commit``, ``_guarded``).
+        self.flat = not service.capabilities.single_writer
+        self.commits = 0  # transactions committed (each holds one or more calls)
+        self.failures = failures or limits.Every(limits.FAILURE_LOG_EVERY_S)
+        self.sweep = sweep
+        self.on_ready = on_ready
+        self.follower = follower
+
+    def serve(self) -> None:
+        follower = self.follower
+        if follower is not None:
+            follower.poll()  # the starting position
+        next_watch = time.monotonic() + WATCH_INTERVAL_S if follower else None
+        while True:
+            try:
+                # Without a feed to poll, wait for the next call however long it takes.
+                wait = None if next_watch is None else max(0.0, next_watch - time.monotonic())
+                first = self.calls.get(timeout=wait)
+            except queue.Empty:
+                first = None
+            if first is STOP:
+                return
+            if first is not None:
+                batch = [first]
+                while len(batch) < GROUP_COMMIT_MAX:
+                    try:
+                        nxt = self.calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is STOP:
+                        self.calls.put(STOP)  # finish this batch, then stop
+                        break
+                    batch.append(nxt)
+                self._commit(batch)
+            if follower is not None and next_watch is not None and time.monotonic() >= next_watch:
+                follower.poll()
+                next_watch = time.monotonic() + WATCH_INTERVAL_S
+
+    def _commit(self, batch: list[Call]) -> None:
+        """Run ``batch`` in one transaction and answer every call once it has committed.
+
+        Where a SAVEPOINT costs round trips (``self.flat``: PostgreSQL) the batch first runs
+        without one per call; if a call fails in a way that cannot be set apart
+        (``_guarded``), that round is rolled back and the batch runs again with savepoints.
+        Nothing is visible before the COMMIT, so running the calls again is safe."""
+        if self.flat:
+            try:
+                self._run(batch, flat=True)
+                return
+            except _Redo:
+                pass
+        self._run(batch, flat=False)
+
+    def _run(self, batch: list[Call], *, flat: bool) -> None:
+        outcomes: list[tuple[bool, Any]] = []
+        ready: set[str] = set()
+        try:
+            with self.service.transaction(savepoints=not flat):
+                if any(call.claims for call in batch):
+                    swept, value = self._guarded(self.sweep, flat=flat)
+                    if swept:
+                        ready = value
+                    else:
+                        log.error("event=sweep_failed", exc_info=value)
+                outcomes = [self._guarded(call.fn, flat=flat) for call in batch]
+            self.commits += 1
+        except _Redo:
+            raise
+        except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
+            limits.log_failure(self.failures, "group_commit_failed", exc)
+            outcomes, ready = [(False, exc)] * len(batch), set()
+            with contextlib.suppress(Exception):
+                self.service.heal()
+        if ready:
+            self.on_ready(ready)
+        resolve_all(batch, outcomes)
+
+    def _guarded(self, fn: Callable[[], Any], *, flat: bool) -> tuple[bool, Any]:
+        """Run one call of a batch; return ``(True, result)`` or ``(False, exception)``.
+
+        With savepoints it runs in its own and rolls back alone. Flat (no SAVEPOINT, two
+        round trips saved per call), a call that fails without having changed a row on an
+        intact transaction (a stale token, a bad argument) is set apart and the others go on.
+
+        Raises:
+            _Redo: flat, the call failed after writing or on a statement the database
+                refused: the whole round must be rolled back.
+        """
+        if not flat:
+            try:
+                with self.service.transaction():  # a SAVEPOINT: it rolls back alone
+                    return True, fn()
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller
+                return False, exc
+        mark = self.service.mark()
+        try:
+            return True, fn()
+        except Exception as exc:
+            if not self.service.forgive(mark):
+                raise _Redo from exc
+            return False, exc
+
+
+class Database:
+    """The server's database threads and how the event loop hands them calls.
+
+    Args:
+        service: the queue service every thread calls (each thread its own connection).
+        failures: the rate limit of failure log lines, shared with the server.
+    """
+
+    def __init__(self, service: QueueService, failures: limits.Every) -> None:
+        self.service = service
+        self.failures = failures
+        self.write_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.writers: list[Writer] = []
+        self.threads: list[DbThread] = []
+
+    @property
+    def commits(self) -> int:
+        """Write transactions committed so far (group commit: usually fewer than writes)."""
+        return sum(writer.commits for writer in self.writers)
+
+    def start(
+        self,
+        *,
+        sweep: Callable[[], set[str]],
+        on_ready: Callable[[set[str]], None],
+        follower: FeedFollower | None,
+    ) -> None:
+        """Start the writer(s) (one on SQLite, ``SHARED_WRITERS`` where the database takes
+        concurrent writers) and ``READER_THREADS`` readers; the first writer polls
+        ``follower`` (None: the feed pushes). ``sweep``, ``on_ready``: as ``Writer``'s."""
+        count = 1 if self.service.capabilities.single_writer else SHARED_WRITERS
+        self.writers = [
+            Writer(
+                self.write_calls,
+                self.service,
+                name="relay-writer" if count == 1 else f"relay-writer-{n}",
+                sweep=sweep,
+                on_ready=on_ready,
+                follower=follower if n == 0 else None,
+                failures=self.failures,
+            )
+            for n in range(count)
+        ]
+        readers = [
+            DbThread(f"relay-reader-{n}", self.read_calls, self.service)
+            for n in range(READER_THREADS)
+        ]
+        self.threads = [*self.writers, *readers]
+        for thread in self.threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Let the threads finish the calls queued so far, join them, and answer what is
+        still queued ``UNAVAILABLE`` (blocking: run it in a thread)."""
+        for _ in self.writers:
+            self.write_calls.put(STOP)
+        for thread in self.threads:
+            if not isinstance(thread, Writer):
+                self.read_calls.put(STOP)
+        for thread in self.threads:
+            thread.join()
+        for calls in (self.write_calls, self.read_calls):  # normally empty by now
+            while not calls.empty():
+                call = calls.get()
+                if call is not STOP:
+                    resolve(call, False, errors.Unavailable())
+
+    def put_write(self, fn: Callable[[], Any], future: asyncio.Future[Any]) -> None:
+        """Queue ``fn`` for the next group commit; ``future`` gets its result after COMMIT
+        (event-loop thread: the future's loop is the running one)."""
+        self.write_calls.put(Call(fn, future, future.get_loop()))
+
+    async def write(self, fn: Callable[[], Any], *, claims: bool = False) -> Any:
+        """Run ``fn`` on a writer thread, in the next group commit; return after COMMIT.
+
+        Args:
+            claims: ``fn`` is a lease claim (its batch sweeps due jobs first).
+        """
+        return await self._call(self.write_calls, fn, claims=claims)
+
+    async def read(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the reader pool."""
+        return await self._call(self.read_calls, fn)
+
+    @staticmethod
+    async def _call(
+        calls: queue.SimpleQueue[Any], fn: Callable[[], Any], *, claims: bool = False
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        calls.put(Call(fn, future, loop, claims))
+        return await future
