@@ -38,6 +38,7 @@ from queue_core.service import QueueService
 from queue_core.storage.base import load_queries
 from queue_core.storage.sqlite import driver as sqlite_driver
 from queue_core.storage.sqlite.driver import SqliteDriver
+from relay_bench import floor
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -117,24 +118,9 @@ def test_counts_follow_every_transition(service: QueueService, clock: FakeClock)
     assert stats_counts(service) == raw_counts()
     # Inserts rolled back, by a whole transaction and by a savepoint inside one that commits.
     now = clock.now_ms()
+    # insert_job's parameters as the bench's schema floor binds them (every column).
     rows = [
-        {
-            "id": f"job_rolledback{i:012d}",
-            "queue": "q0",
-            "state": "ready",
-            "priority": 1,
-            "payload": "{}",
-            "idempotency_key": None,
-            "idempotency_expires_at_ms": None,
-            "max_retries": 0,
-            "backoff": "fixed",
-            "backoff_base_ms": 1000,
-            "backoff_cap_ms": 1000,
-            "jitter": False,
-            "now_ms": now,
-            "available_at_ms": None,
-            "ready_since_ms": now,
-        }
+        floor.job_row(i, now, "{}", queue="q0") | {"id": f"job_rolledback{i:012d}"}
         for i in range(3)
     ]
 
