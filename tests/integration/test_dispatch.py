@@ -23,7 +23,7 @@ def run(service: QueueService, op: str, **args: Any) -> dispatch.Outcome:
 def test_every_documented_op_is_in_the_table() -> None:
     assert set(dispatch.VERBS) == {
         "ping", "hello", "submit", "submit_batch", "lease", "renew", "ack", "fail", "release",
-        "inspect", "result", "stats", "dead_list", "dead_retry", "dead_purge",
+        "inspect", "result", "stats", "dead_list", "dead_retry", "dead_purge", "prune",
     }  # fmt: skip
     reads = {op for op, v in dispatch.VERBS.items() if v.kind is dispatch.Kind.READ}
     assert reads == {"ping", "hello", "inspect", "result", "stats", "dead_list"}
