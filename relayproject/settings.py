@@ -246,6 +246,9 @@ RELAY_HTTP_THREADS = _env_int("RELAY_HTTP_THREADS", 8)
 # Retention: how long finished jobs are kept (durations such as 7d, 12h, 30m; 0 keeps forever).
 RELAY_RETENTION_SUCCEEDED = _env("RELAY_RETENTION_SUCCEEDED", "7d")
 RELAY_RETENTION_DEAD = _env("RELAY_RETENTION_DEAD", "30d")
+# Time limits: per-queue default maximum run time of one attempt, "queue=5m,other=2h" (a job's
+# own time_limit_ms wins; queues not named have none).
+RELAY_QUEUE_TIME_LIMITS = _env("RELAY_QUEUE_TIME_LIMITS", "")
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.
