@@ -40,6 +40,8 @@ JOB_COLUMNS = (
     "finished_at_ms",
     "last_error",
     "dead_reason",
+    "cancel_requested_at_ms",
+    "time_limit_ms",
 )
 """The ``relay_job`` columns ``job_view`` reads, in the order the SELECT lists name them."""
 
@@ -57,6 +59,7 @@ _FRESH = {
     "finished_at_ms": None,
     "last_error": None,
     "dead_reason": None,
+    "cancel_requested_at_ms": None,
 }
 
 
@@ -98,6 +101,8 @@ def job_view(row: Mapping[str, Any], *, payload: Any = _DECODE) -> types.Job:
         "finished_at_ms": row["finished_at_ms"],
         "last_error": row["last_error"],
         "dead_reason": row["dead_reason"],
+        "cancel_requested_at_ms": row["cancel_requested_at_ms"],
+        "time_limit_ms": row["time_limit_ms"],
     }
 
 
@@ -106,7 +111,8 @@ def new_job_view(row: Mapping[str, Any], *, created_at_ms: int, payload: Any) ->
 
     Args:
         row: the inserted columns (``id``, ``queue``, ``state``, ``priority``, the retry
-            policy, ``idempotency_key``, ``available_at_ms``, ``ready_since_ms``).
+            policy, ``idempotency_key``, ``available_at_ms``, ``ready_since_ms``,
+            ``time_limit_ms``).
         created_at_ms: the insert's instant, epoch ms.
         payload: the payload as submitted (not re-decoded from its stored text).
     """
@@ -118,7 +124,8 @@ def lease_view(row: Mapping[str, Any], lease_expires_at_ms: int) -> types.Lease:
 
     Args:
         row: ``id``, ``queue``, ``payload`` (stored JSON text), ``attempt``, ``priority`` (its
-            number), ``lease_token``, ``failures``, ``max_retries``, ``created_at_ms``.
+            number), ``lease_token``, ``failures``, ``max_retries``, ``created_at_ms``,
+            ``time_limit_ms`` (ms, or None).
         lease_expires_at_ms: the expiry the claim set, epoch ms.
     """
     return {
@@ -132,6 +139,7 @@ def lease_view(row: Mapping[str, Any], lease_expires_at_ms: int) -> types.Lease:
         "failures": row["failures"],
         "max_retries": row["max_retries"],
         "created_at_ms": row["created_at_ms"],
+        "time_limit_ms": row["time_limit_ms"],
     }
 
 

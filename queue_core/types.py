@@ -16,6 +16,7 @@ __all__ = [
     "AckResult",
     "Attempt",
     "BatchEntry",
+    "CancelResult",
     "DeadListResult",
     "DeadPurgeResult",
     "FailResult",
@@ -36,7 +37,7 @@ __all__ = [
     "SubmitResult",
 ]
 
-JobState = Literal["pending", "ready", "leased", "retrying", "succeeded", "dead"]
+JobState = Literal["pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"]
 Priority = Literal["low", "normal", "high", "critical"]
 
 
@@ -56,12 +57,15 @@ class Attempt(TypedDict):
     worker_id: str
     started_at_ms: int
     ended_at_ms: int | None
-    outcome: str | None  # "succeeded", "failed", "released", "lease_expired", None
+    # "succeeded", "failed", "released", "lease_expired", "recovered", "cancelled",
+    # "timeout", or None while it runs
+    outcome: str | None
     error: str | None
 
 
 class JobEvent(TypedDict):
-    """An operator or recovery event (replay, purge, lease released at restart)."""
+    """An operator or recovery event (replay, purge, cancel, a cancel requested, lease released
+    at restart)."""
 
     event: str
     from_state: str | None
@@ -92,6 +96,8 @@ class Job(TypedDict):
     finished_at_ms: int | None
     last_error: str | None
     dead_reason: str | None
+    cancel_requested_at_ms: int | None  # when a cancel was asked for (leased or cancelled)
+    time_limit_ms: int | None  # the most one attempt may run, in ms; None: no limit
     history: NotRequired[list[Attempt]]  # inspect only
     events: NotRequired[list[JobEvent]]  # inspect only
     history_omitted: NotRequired[int]  # inspect only: older attempts and events left out
@@ -110,6 +116,7 @@ class Lease(TypedDict):
     failures: int
     max_retries: int
     created_at_ms: int
+    time_limit_ms: int | None  # abandon the handler this many ms after the lease; None: never
 
 
 class PingResult(TypedDict):
@@ -159,10 +166,14 @@ class LeaseResult(TypedDict):
 
 
 class RenewResult(TypedDict):
-    """``renew``."""
+    """``renew``: ``stop`` tells the worker to stop the handler: ``"cancelled"`` (a cancel was
+    asked for; the lease was renewed so the handler can stop cleanly) or ``"timeout"`` (the
+    attempt ran past its time limit: it was failed, nothing was renewed, and
+    ``lease_expires_at_ms`` is None); None to carry on."""
 
     job_id: str
-    lease_expires_at_ms: int
+    lease_expires_at_ms: int | None
+    stop: Literal["cancelled", "timeout"] | None
 
 
 class AckResult(TypedDict):
@@ -174,26 +185,35 @@ class AckResult(TypedDict):
 
 
 class FailResult(TypedDict):
-    """``fail``: ``state`` is ``"retrying"`` (with ``retry_at_ms``) or ``"dead"``."""
+    """``fail``: ``state`` is ``"retrying"`` (with ``retry_at_ms``) or ``"dead"``, or
+    ``"cancelled"`` when a cancel had been asked for."""
 
     job_id: str
-    state: Literal["retrying", "dead"]
+    state: Literal["retrying", "dead", "cancelled"]
     retry_at_ms: int | None
     dead_reason: str | None
     duplicate: bool
 
 
 class ReleaseResult(TypedDict):
-    """``release``."""
+    """``release``: ``state`` is ``"cancelled"`` when a cancel had been asked for."""
 
     job_id: str
-    state: Literal["ready"]
+    state: Literal["ready", "cancelled"]
 
 
 class JobResult(TypedDict):
     """``inspect`` and ``dead_retry``: one job."""
 
     job: Job
+
+
+class CancelResult(TypedDict):
+    """``cancel``: the job after it (``cancelled``, or still ``leased`` with
+    ``cancel_requested_at_ms`` set until its worker stops), and whether it is cancelled now."""
+
+    job: Job
+    cancelled: bool
 
 
 class Server(TypedDict):

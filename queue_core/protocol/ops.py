@@ -169,6 +169,7 @@ SUBMIT_OPTIONS: dict[str, Arg] = {
     "delay_ms": Arg(_int),
     "run_at_ms": Arg(_int),
     "idempotency_key": Arg(_str),
+    "time_limit_ms": Arg(_int),
 }
 """A job's options (``submit``, each ``submit_batch`` job, ``POST /queues/{queue}/jobs``)."""
 
@@ -409,6 +410,7 @@ class Ops:
         delay_ms: int | None = None,
         run_at_ms: int | None = None,
         idempotency_key: str | None = None,
+        time_limit_ms: int | None = None,
     ) -> Call[types.SubmitResult]:
         """Enqueue one job (none -> ready, or -> pending when delayed).
 
@@ -428,6 +430,10 @@ class Ops:
             run_at_ms: run no sooner than this epoch-ms instant.
             idempotency_key: deduplicate resubmits with the same key and payload (1..255
                 characters) within ``RELAY_IDEMPOTENCY_WINDOW_MS``.
+            time_limit_ms: the most one attempt may run, in ms from its lease
+                (1..``RELAY_MAX_DELAY_MS``); past it renew stops extending the lease and the
+                attempt fails with reason ``timeout``. Default: the queue's
+                ``RELAY_QUEUE_TIME_LIMITS`` entry, else no limit.
         Returns:
             ``{"job": Job, "deduplicated": bool}``.
         Raises:
@@ -518,7 +524,11 @@ class Ops:
             lease_ms: new lease length from now, in ms (server default: the visibility
                 timeout; never past ``RELAY_MAX_LEASE_MS``).
         Returns:
-            ``{"job_id", "lease_expires_at_ms"}``.
+            ``{"job_id", "lease_expires_at_ms", "stop"}``: ``stop`` is None, or tells the
+            worker to stop the handler: ``"cancelled"`` (a cancel was asked for; the lease
+            was renewed; fail or release the job to end it cancelled) or ``"timeout"`` (past
+            the time limit: the attempt was failed, ``lease_expires_at_ms`` is None and the
+            token is spent).
         Raises:
             JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
         """
@@ -561,7 +571,8 @@ class Ops:
             error: failure text, at most ``RELAY_MAX_ERROR_BYTES`` UTF-8 bytes.
             retryable: False dead-letters the job at once.
         Returns:
-            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``.
+            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``; ``state`` is
+            ``"cancelled"`` when a cancel had been asked for.
         Raises:
             JobNotFound, StaleToken, LeaseExpired, InvalidArgument, StoreBusy,
             RelayConnectionError.
@@ -576,7 +587,8 @@ class Ops:
         Args:
             job_id, worker_id, lease_token: as for ``renew``.
         Returns:
-            ``{"job_id", "state": "ready"}``.
+            ``{"job_id", "state": "ready"}``, or ``"cancelled"`` when a cancel had been asked
+            for.
         Raises:
             JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
         """
@@ -637,26 +649,44 @@ class Ops:
     @op(Kind.WRITE, _JOB_ID, types.JobResult, readying=True)
     @staticmethod
     def dead_retry(job_id: str) -> Call[types.JobResult]:
-        """Replay a dead job (dead -> ready); its history is kept.
+        """Replay a dead or cancelled job (dead/cancelled -> ready); its history is kept.
 
         Returns:
             ``{"job": Job}``.
         Raises:
-            JobNotFound, InvalidState (not dead), StoreBusy, RelayConnectionError.
+            JobNotFound, InvalidState (neither dead nor cancelled), StoreBusy,
+            RelayConnectionError.
         """
         return Call.of("dead_retry", locals())
 
     @op(Kind.WRITE, _JOB_ID, types.DeadPurgeResult)
     @staticmethod
     def dead_purge(job_id: str) -> Call[types.DeadPurgeResult]:
-        """Delete a dead job for good.
+        """Delete a dead (or cancelled) job for good.
 
         Returns:
             ``{"job_id", "purged": true}``.
         Raises:
-            JobNotFound, InvalidState (not terminal), StoreBusy, RelayConnectionError.
+            JobNotFound, InvalidState (not dead or cancelled), StoreBusy,
+            RelayConnectionError.
         """
         return Call.of("dead_purge", locals())
+
+    @op(Kind.WRITE, _JOB_ID, types.CancelResult)
+    @staticmethod
+    def cancel(job_id: str) -> Call[types.CancelResult]:
+        """Cancel a job: ready, pending or retrying -> cancelled at once; a leased job is
+        marked, and its worker is told to stop at its next renew (then it ends cancelled,
+        unless the handler finishes and acks first).
+
+        Returns:
+            ``{"job": Job, "cancelled": bool}`` (``cancelled`` false while a leased job's
+            worker has yet to stop).
+        Raises:
+            JobNotFound, JobFinished (succeeded, dead or cancelled already), StoreBusy,
+            RelayConnectionError.
+        """
+        return Call.of("cancel", locals())
 
 
 class BlockingClient(Ops, Blocking):
