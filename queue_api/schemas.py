@@ -51,6 +51,11 @@ class SubmitOptions(_In):
         description="Deduplicate resubmits within RELAY_IDEMPOTENCY_WINDOW_MS; also accepted "
         "as the Idempotency-Key header.",
     )
+    time_limit_ms: int | None = Field(
+        None,
+        description="The most one attempt may run, in ms from its lease (1..RELAY_MAX_DELAY_MS); "
+        "default: the queue's RELAY_QUEUE_TIME_LIMITS entry, else none.",
+    )
 
 
 class SubmitIn(SubmitOptions):
@@ -98,6 +103,10 @@ class JobSummaryOut(Schema):
     finished_at_ms: int | None
     last_error: str | None
     dead_reason: str | None
+    cancel_requested_at_ms: int | None = Field(
+        description="When a cancel was asked for (a leased job stops at its next renew)."
+    )
+    time_limit_ms: int | None = Field(description="The most one attempt may run, in ms.")
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -192,6 +201,7 @@ class QueueStatsOut(Schema):
     retrying: int
     succeeded: int
     dead: int
+    cancelled: int = 0
     oldest_ready_age_ms: int | None
 
 
@@ -204,6 +214,7 @@ class TotalsOut(Schema):
     retrying: int
     succeeded: int
     dead: int
+    cancelled: int = 0
 
 
 class ServerOut(Schema):
@@ -267,6 +278,9 @@ class LeaseOut(Schema):
     failures: int
     max_retries: int
     created_at_ms: int
+    time_limit_ms: int | None = Field(
+        description="Abandon the handler this many ms after the lease; null: no limit."
+    )
 
 
 class LeasesOut(Schema):
@@ -296,10 +310,13 @@ class FailIn(LeaseIdsIn):
 
 
 class RenewOut(Schema):
-    """The lease's new expiry."""
+    """The lease's new expiry, and whether to stop the handler: ``stop`` is ``cancelled`` (a
+    cancel was asked for; the lease was renewed) or ``timeout`` (past the time limit: the
+    attempt was failed and ``lease_expires_at_ms`` is null)."""
 
     job_id: str
-    lease_expires_at_ms: int
+    lease_expires_at_ms: int | None
+    stop: Literal["cancelled", "timeout"] | None
 
 
 class AckOut(Schema):
@@ -321,13 +338,21 @@ class FailOut(Schema):
 
 
 class ReleaseOut(Schema):
-    """A job given back to ready."""
+    """A job given back to ready (or cancelled, when a cancel had been asked for)."""
 
     job_id: str
     state: str
 
 
 # ---------------------------------------------------------------------- operators
+
+
+class CancelOut(Schema):
+    """``POST /jobs/{id}/cancel``: the job after it; ``cancelled`` is false while a leased job
+    waits for its worker to stop."""
+
+    job: JobOut
+    cancelled: bool
 
 
 class JobIdsIn(_In):

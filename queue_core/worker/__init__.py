@@ -10,6 +10,7 @@ from queue_core.worker.handlers import (
     JobContext,
     JobInterrupted,
     NonRetryableError,
+    StopSignal,
     TaskJobRefused,
     demo_handler,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "JobContext",
     "JobInterrupted",
     "NonRetryableError",
+    "StopSignal",
     "TaskJobRefused",
     "Worker",
     "WorkerClient",

@@ -63,10 +63,17 @@ def test_prune_command_counts_then_deletes_old_finished_jobs() -> None:
     fresh = finish(QueueService(), 1)
     out = StringIO()
     call_command("relay_prune", "--older-than", "1d", "--dry-run", "--json", stdout=out)
-    assert orjson.loads(out.getvalue()) == {"succeeded": 3, "dead": 2, "dry_run": True}
+    assert orjson.loads(out.getvalue()) == {
+        "succeeded": 3,
+        "dead": 2,
+        "cancelled": 0,
+        "dry_run": True,
+    }
     out = StringIO()
     call_command("relay_prune", "--older-than", "1d", "--state", "dead", stdout=out)
-    assert out.getvalue().strip() == "pruned 2 jobs (0 succeeded, 2 dead) finished more than 1d ago"
+    assert out.getvalue().strip() == (
+        "pruned 2 jobs (0 succeeded, 2 dead, 0 cancelled) finished more than 1d ago"
+    )
     out = StringIO()
     call_command("relay_prune", "--older-than", "1d", "--batch", "2", "--json", stdout=out)
     assert orjson.loads(out.getvalue())["succeeded"] == 3

@@ -70,9 +70,17 @@ def test_bad_durations_are_refused(text: str) -> None:
 
 
 def test_retention_defaults_and_zero() -> None:
-    assert relay_settings().retention_ms() == {"succeeded": 7 * 86_400_000, "dead": 30 * 86_400_000}
+    assert relay_settings().retention_ms() == {
+        "succeeded": 7 * 86_400_000,
+        "dead": 30 * 86_400_000,
+        "cancelled": 30 * 86_400_000,
+    }
     with override_settings(RELAY_RETENTION_SUCCEEDED="0", RELAY_RETENTION_DEAD="12h"):
-        assert relay_settings().retention_ms() == {"succeeded": 0, "dead": 43_200_000}
+        assert relay_settings().retention_ms() == {
+            "succeeded": 0,
+            "dead": 43_200_000,
+            "cancelled": 43_200_000,
+        }
 
 
 def test_checks_catch_bad_retention() -> None:
