@@ -16,7 +16,7 @@ jobs are not counted: they pile up until purged and a scrape must not cost more 
 (the counter ``relay_jobs_acked_total`` counts them as they happen).
 
 Labels are bounded: ``queue`` (at most ``RELAY_METRICS_MAX_QUEUES`` names, then
-``OTHER_QUEUES``), ``state`` (six), ``op`` (the op table) and error ``code`` (the error
+``OTHER_QUEUES``), ``state`` (seven), ``op`` (the op table) and error ``code`` (the error
 table). Never a job id or an error text. With 10,000 queues ``/metrics`` had 80,041 series
 (12.7 MB); the counters now give their own series to the first queues they see, and the
 gauges to the deepest queues, and fold the rest into ``queue="_other"`` (a name no queue can

@@ -96,6 +96,12 @@ class Command(RelayClientCommand):
             metavar="KEY",
             help="Deduplicate resubmits of the same payload with this key.",
         )
+        parser.add_argument(
+            "--time-limit-ms",
+            type=int,
+            metavar="MS",
+            help="The most one attempt may run, in ms (default: the queue's, else none).",
+        )
         super().add_arguments(parser)
 
     def run(self, client: RelayClient, **options: Any) -> None:
@@ -117,6 +123,7 @@ class Command(RelayClientCommand):
             delay_ms=options["delay_ms"],
             run_at_ms=run_at_ms,
             idempotency_key=options["idempotency_key"],
+            time_limit_ms=options["time_limit_ms"],
         )
         if options["json"]:
             self.print_json(result)
