@@ -229,6 +229,7 @@ class DeadLetter(Job):
         permissions = [
             ("replay_job", "Can replay dead-lettered jobs"),
             ("purge_job", "Can purge terminal jobs"),
+            ("cancel_job", "Can cancel jobs"),
         ]
 
 

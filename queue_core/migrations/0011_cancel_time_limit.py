@@ -5,6 +5,7 @@
 * ``time_limit_ms``: the most one attempt may run, in ms from its lease (NULL: no limit).
 * ``relay_job_state_known`` admits ``cancelled``; ``relay_job_cancelled_done`` lets retention
   seek to the oldest cancelled jobs, as ``relay_job_dead_done`` does for dead ones.
+* The ``queue_core.cancel_job`` permission (the admin's cancel action).
 
 Both columns are nullable without a default, so they are added in place (``ALTER TABLE ...
 ADD COLUMN``) on both databases. The CHECK constraint is rebuilt: cheap DDL on PostgreSQL, but
@@ -91,4 +92,16 @@ class Migration(migrations.Migration):
             ),
         ),
         migrations.RunPython(restore_triggers, migrations.RunPython.noop),
+        # The admin's cancel action needs its own permission.
+        migrations.AlterModelOptions(
+            name="deadletter",
+            options={
+                "permissions": [
+                    ("replay_job", "Can replay dead-lettered jobs"),
+                    ("purge_job", "Can purge terminal jobs"),
+                    ("cancel_job", "Can cancel jobs"),
+                ],
+                "verbose_name": "dead letter",
+            },
+        ),
     ]
