@@ -508,7 +508,13 @@ class Worker:
         with self._cond:
             if job.status != "running" or job.timed_out:
                 # Released at the shutdown deadline, or failed by the server at its time limit.
-                _log(logging.INFO, "result_discarded", job_id=job.job_id, action=action)
+                _log(
+                    logging.INFO,
+                    "result_discarded",
+                    job_id=job.job_id,
+                    attempt=job.attempt,
+                    action=action,
+                )
                 self._held.pop(job.job_id, None)
                 self._cond.notify_all()
                 return

@@ -10,14 +10,16 @@ variable, never with sleeps.
 
 from __future__ import annotations
 
+import random
 import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from queue_core.clock import FakeClock
-from queue_core.worker import JobContext, JobInterrupted
-from tests.unit.test_worker import WAIT_S, FakeClient, FakeRelay, make_worker  # noqa: F401
+from queue_core.worker import JobContext, JobInterrupted, Worker
+from tests.unit.test_worker import WAIT_S, FakeClient, FakeRelay, Running
 
 
 @pytest.fixture
@@ -47,6 +49,34 @@ def relay() -> FakeRelay:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture
+def make_worker(relay: FakeRelay, clock: FakeClock) -> Iterator[Callable[..., Running]]:
+    """As test_worker's: a worker on the fake with a 3 s lease (renewed every second)."""
+    started: list[Running] = []
+
+    def make(handler: Any, **kwargs: Any) -> Running:
+        options: dict[str, Any] = {
+            "concurrency": 2,
+            "lease_ms": 3_000,
+            "wait_ms": 100,
+            "shutdown_timeout_ms": 5_000,
+            "clock": clock,
+            "worker_id": "w1:1",
+            "rng": random.Random(7),
+            "tick_s": 0.005,
+        }
+        options.update(kwargs)
+        running = Running(Worker(relay.connect, ["q"], handler=handler, **options))
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:  # a failed test must not leave a worker polling
+        running.worker.stop()
+        clock.advance(seconds=3600)
+        running.thread.join(WAIT_S)
 
 
 class Waiter:
