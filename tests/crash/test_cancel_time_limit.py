@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from queue_core.client import RelayClient
@@ -97,7 +98,12 @@ def test_relay_cancel_stops_a_running_job_and_cancels_a_waiting_one(
         waiting = client.submit("long", {"n": 1}, delay_ms=60_000)["job"]["id"]
         out = relay_cli(spawn, address, "--json", "cancel", waiting)
         assert out.returncode == 0, out.stderr
-        assert '"cancelled":true' in out.stdout
+        [result] = orjson.loads(out.stdout)["results"]
+        assert (result["ok"], result["cancelled"], result["job"]["state"]) == (
+            True,
+            True,
+            "cancelled",
+        )
         assert client.inspect(waiting)["job"]["state"] == "cancelled"
         # Replayed like a dead letter: it runs (and is cancelled again while it runs).
         out = relay_cli(spawn, address, "dead", "retry", running)
