@@ -64,6 +64,7 @@ def job_row(n: int, now_ms: int, payload: str, queue: str = "bench") -> dict[str
         "now_ms": now_ms,
         "available_at_ms": None,
         "ready_since_ms": now_ms,
+        "time_limit_ms": None,
     }
 
 

@@ -134,6 +134,7 @@ def test_counts_follow_every_transition(service: QueueService, clock: FakeClock)
             "now_ms": now,
             "available_at_ms": None,
             "ready_since_ms": now,
+            "time_limit_ms": None,
         }
         for i in range(3)
     ]
