@@ -918,7 +918,8 @@ class QueueService:
 
         Returns:
             ``{"job_id", "lease_expires_at_ms", "stop"}``; ``stop`` is None,
-            ``"cancelled"`` or ``"timeout"`` (then with the job's ``queue`` too).
+            ``"cancelled"`` or ``"timeout"`` (then with the job's ``queue`` and its new
+            ``state`` too, for the surfaces' metrics).
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
@@ -936,12 +937,13 @@ class QueueService:
                 lease = tx.one("live_lease", params)
                 if lease is None or not self._timed_out(lease, now):
                     raise self._rejection(tx, params, "renew")
-                self._end_lease(tx, params, lease, TIMEOUT_REASON, True, now, "timeout")
+                ended = self._end_lease(tx, params, lease, TIMEOUT_REASON, True, now, "timeout")
                 return {
                     "job_id": job_id,
                     "lease_expires_at_ms": None,
                     "stop": "timeout",
                     "queue": lease["queue"],
+                    "state": ended["state"],
                 }
         stop = "cancelled" if row["cancel_requested_at_ms"] is not None else None
         return {"job_id": job_id, "lease_expires_at_ms": row["lease_expires_at_ms"], "stop": stop}

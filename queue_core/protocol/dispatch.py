@@ -153,7 +153,12 @@ def _renew(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     events: tuple[metrics.Event, ...] = ()
     if out["stop"] == "timeout":
         queue = _queue(out)
-        events = (metrics.Event("failed", queue), metrics.Event("timed_out", queue))
+        ended = {
+            JobState.RETRYING: ("failed",),
+            JobState.DEAD: ("failed", "dead"),
+            JobState.CANCELLED: ("cancelled",),
+        }[out["state"]]
+        events = tuple(metrics.Event(e, queue) for e in ("timed_out", *ended))
     # A timed-out attempt goes to RETRYING (the reaper's sweep promotes it) or DEAD: nothing
     # to wake.
     return Outcome({k: out[k] for k in ("job_id", "lease_expires_at_ms", "stop")}, events=events)
