@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 import pytest
+from django.contrib.auth.models import User
+from django.test import Client, override_settings
 
 from queue_core.client import RelayClient
 from tests.procs import ROOT, Proc, Spawner, command_env
@@ -141,16 +143,17 @@ def test_the_worker_stops_a_job_at_its_time_limit_and_it_fails_with_timeout(
         # The queue's default (800 ms) applies; no retries left: DEAD with reason timeout.
         once = client.submit("limited", LONG, max_retries=0)["job"]
         assert once["time_limit_ms"] == 800
-        # Its own limit, one retry: times out twice, then DEAD.
-        twice = client.submit(
-            "limited",
-            LONG,
-            time_limit_ms=1_000,
-            max_retries=1,
-            backoff="fixed",
-            backoff_base_ms=10,
-            jitter=False,
-        )["job"]
+        # Its own limit, given on the CLI, one retry: times out twice, then DEAD.
+        out = relay_cli(
+            spawn,
+            address,
+            *("submit", "limited", "--payload", orjson.dumps(LONG).decode()),
+            *("--time-limit-ms", "1000", "--retries", "1", "--backoff", "fixed"),
+            *("--backoff-base-ms", "10", "--no-jitter"),
+        )
+        assert out.returncode == 0, out.stderr
+        twice = client.inspect(out.stdout.strip())["job"]
+        assert twice["time_limit_ms"] == 1_000
         for job_id, deliveries in ((once["id"], 1), (twice["id"], 2)):
             for attempt in range(1, deliveries + 1):
                 stopped = worker.wait_for(
@@ -186,5 +189,42 @@ def test_the_worker_stops_a_job_at_its_time_limit_and_it_fails_with_timeout(
             for a in history:  # stopped at its limit, not after its two-minute sleep
                 assert a["outcome"] in ("failed", "timeout") and a["error"] == "timeout"
                 assert limit <= a["ended_at_ms"] - a["started_at_ms"] < limit + 10_000
+    stop(worker)
+    relay_db.audit()
+
+
+def test_admin_cancel_stops_a_job_a_real_worker_runs(spawn: Spawner, relay_db: RelayDb) -> None:
+    address, worker = start(spawn, "long")
+    User.objects.create_superuser("ops", "ops@example.com", "pw")
+    admin = Client()
+    admin.force_login(User.objects.get(username="ops"))
+    alias = "default" if relay_db.backend == "sqlite" else "postgresql"
+    with RelayClient(address) as client, override_settings(RELAY_DATABASE=alias):
+        job_id = client.submit("long", LONG)["job"]["id"]
+        event_for(worker, "leased", job_id)
+        page = f"/admin/queue_core/job/{job_id}/change/"
+        assert "Cancel…" in admin.get(page).content.decode()
+        ask = {"action": "cancel_selected", "index": "0", "select_across": "0"}
+        confirmation = admin.post(
+            "/admin/queue_core/job/", {**ask, "_selected_action": [job_id], "_from_detail": "1"}
+        )
+        assert confirmation.context["will"] == 1
+        done = admin.post(
+            "/admin/queue_core/job/",
+            {**ask, "_selected_action": [job_id], "_from_detail": "1", "post": "yes"},
+            follow=True,
+        )
+        assert done.redirect_chain[-1][0] == page
+        assert "the worker stops it at its next renew" in done.content.decode()
+        assert event_for(worker, "handler_stop", job_id)["reason"] == "cancelled"
+        event_for(worker, "released", job_id)
+        job = client.inspect(job_id)["job"]
+        assert job["state"] == "cancelled"
+        assert [(e["event"], e["actor"]) for e in job["events"]] == [
+            ("cancel_requested", "ops"),
+            ("cancelled", None),
+        ]
+        audit_log = admin.get("/admin/queue_core/jobevent/", {"q": job_id}).content.decode()
+        assert "cancel_requested" in audit_log and "ops" in audit_log
     stop(worker)
     relay_db.audit()
