@@ -125,10 +125,11 @@ UPDATE relay_job
  WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
 
 -- name: expire_to_cancelled
--- A lost lease of a job whose cancel was requested: the job is cancelled, not retried (no
--- failure is counted). Params: job_id, attempt, now_ms.
+-- A lost lease of a job whose cancel was requested: the job is cancelled, not retried. As
+-- every lost lease, it counts a failed attempt. Params: job_id, attempt, now_ms, reason.
 UPDATE relay_job
-   SET state = 'cancelled', finished_at_ms = %(now_ms)s, lease_token = NULL,
+   SET state = 'cancelled', failures = failures + 1, last_error = %(reason)s,
+       finished_at_ms = %(now_ms)s, lease_token = NULL,
        leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
 
