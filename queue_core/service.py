@@ -150,7 +150,8 @@ def new_server_id() -> str:
 
 
 class QueueService:
-    """Submit, lease, renew, ack, fail, release, replay, purge, prune, expire and recover jobs.
+    """Submit, lease, renew, ack, fail, release, cancel, replay, purge, prune, expire and recover
+    jobs.
 
     Args:
         driver: the storage driver (default: the process's driver for ``RELAY_DATABASE``,
