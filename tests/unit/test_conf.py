@@ -88,3 +88,22 @@ def test_checks_catch_bad_retention() -> None:
         assert "relay.E010" in ids()
     with override_settings(RELAY_RETENTION_DEAD="forever"):
         assert "relay.E010" in ids()
+
+
+def test_queue_time_limits_from_text_or_a_mapping() -> None:
+    assert relay_settings().time_limits_ms() == {}
+    with override_settings(RELAY_QUEUE_TIME_LIMITS=" reports=2h, emails=30s,idle=0 ,"):
+        assert relay_settings().time_limits_ms() == {"reports": 7_200_000, "emails": 30_000}
+        assert "relay.E011" not in ids()
+    with override_settings(RELAY_QUEUE_TIME_LIMITS={"reports": "1m"}):
+        assert relay_settings().time_limits_ms() == {"reports": 60_000}
+
+
+@pytest.mark.parametrize(
+    "value", ["reports", "reports=2 h", "bad queue=1m", "=1m", "reports=-1s", 5, {"q": "x"}]
+)
+def test_checks_catch_bad_queue_time_limits(value: object) -> None:
+    with override_settings(RELAY_QUEUE_TIME_LIMITS=value):
+        with pytest.raises(ValueError):
+            relay_settings().time_limits_ms()
+        assert "relay.E011" in ids()
