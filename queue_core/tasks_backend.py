@@ -26,9 +26,10 @@ Mapping (see ``docs/django.md``):
   own backends give them.
 * **Result ids** are Relay job ids (``job_…``), so ``relay inspect <id>`` shows the job.
 * **Status**: pending, ready and retrying are READY; leased is RUNNING; succeeded is
-  SUCCESSFUL; dead and cancelled (``relay cancel``) are FAILED. A failed attempt with retries left goes back to READY (Django's
-  "ready to be executed again"); ``OPTIONS["MAX_RETRIES"]`` (default
-  ``RELAY_DEFAULT_MAX_RETRIES``) sets the budget, 0 fails a task on its first exception.
+  SUCCESSFUL; dead and cancelled (``relay cancel``) are FAILED. A failed attempt with retries
+  left goes back to READY (Django's "ready to be executed again"); ``OPTIONS["MAX_RETRIES"]``
+  (default ``RELAY_DEFAULT_MAX_RETRIES``) sets the budget, 0 fails a task on its first
+  exception.
 * ``worker_ids`` has one entry per delivery, so ``TaskResult.attempts`` and
   ``TaskContext.attempt`` count deliveries, like Relay's ``attempt``.
 

@@ -104,6 +104,6 @@ def test_queue_time_limits_from_text_or_a_mapping() -> None:
 )
 def test_checks_catch_bad_queue_time_limits(value: object) -> None:
     with override_settings(RELAY_QUEUE_TIME_LIMITS=value):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"duration|queue"):
             relay_settings().time_limits_ms()
         assert "relay.E011" in ids()
