@@ -1,7 +1,7 @@
 """The operator console: jobs, dead letters, the audit log and the queue overview.
 
 No side doors: every list and detail page here is read-only (no add, change or delete), and
-the only writes are the replay and purge actions, which call ``QueueService`` per job with
+the only writes are the replay, purge and cancel actions, which call ``QueueService`` per job with
 the operator's username as the actor, so each job's events say who did it and when. Each
 action shows a confirmation page (like Django's ``delete_selected``) that states how many
 jobs it will touch; on the dead-letter list the same actions also apply to everything that
@@ -42,10 +42,12 @@ from queue_admin.overview import build_overview
 from queue_core.clock import Clock, SystemClock
 from queue_core.models import DeadLetter, Job, JobAttempt, JobEvent, JobResult
 from queue_core.service import QueueService
-from queue_core.states import JobState, Priority
+from queue_core.states import WAITING_STATES, JobState, Priority
 from queue_core.worker.handlers import is_django_task
 
 JOB_ID_RE = re.compile(r"job_[0-9A-Za-z]{1,36}")
+# The states a cancel applies to: waiting ones (cancelled at once) and leased ones (marked).
+CANCELLABLE = (*sorted(WAITING_STATES), JobState.LEASED)
 SAMPLE_IDS = 20
 # Query parameters of the changelist that do not narrow which jobs match.
 NON_FILTER_PARAMS = frozenset({"p", "o", "all", "e", "_facets"})
@@ -108,7 +110,7 @@ class JobAdmin(ReadOnlyAdmin):
     search_help_text = "A job id, an idempotency key, or words from the last error."
     ordering = ("-id",)
     sortable_by = ("id",)
-    actions = ("replay_selected", "purge_selected")
+    actions: tuple[str, ...] = ("replay_selected", "purge_selected", "cancel_selected")
     fieldsets = (
         (None, {"fields": ("id", "queue", "state", "priority_name", "idempotency")}),
         ("Payload", {"fields": ("payload_pretty", "meta_pretty")}),
@@ -124,7 +126,10 @@ class JobAdmin(ReadOnlyAdmin):
                 )
             },
         ),
-        ("Lease", {"fields": ("leased_by", "lease_times", "token_status")}),
+        (
+            "Lease",
+            {"fields": ("leased_by", "lease_times", "token_status", "time_limit", "cancel")},
+        ),
         ("Timestamps", {"fields": ("created", "available", "ready_since", "updated", "finished")}),
         ("Result", {"fields": ("result_status", "return_value", "result_errors")}),
         ("History", {"fields": ("history",)}),
@@ -139,6 +144,8 @@ class JobAdmin(ReadOnlyAdmin):
         "last_error_full",
         "lease_times",
         "token_status",
+        "time_limit",
+        "cancel",
         "created",
         "available",
         "ready_since",
@@ -299,6 +306,23 @@ class JobAdmin(ReadOnlyAdmin):
             obj.state, obj.lease_token, obj.lease_expires_at_ms, self.now_ms()
         )
 
+    @admin.display(description="time limit")
+    def time_limit(self, obj: Job) -> str:
+        """The most one attempt may run (``time_limit_ms``), or a dash for none."""
+        if obj.time_limit_ms is None:
+            return display.DASH
+        return display.span_ms(obj.time_limit_ms)
+
+    @admin.display(description="cancel requested")
+    def cancel(self, obj: Job) -> str:
+        """When a cancel was asked for: a leased job stops at its worker's next renew."""
+        if obj.cancel_requested_at_ms is None:
+            return display.DASH
+        when = self._at(obj.cancel_requested_at_ms)
+        if obj.state == JobState.LEASED:
+            return f"{when} (the worker stops it at its next renew)"
+        return when
+
     def _at(self, ms: int | None) -> str:
         if ms is None:
             return display.DASH
@@ -412,12 +436,23 @@ class JobAdmin(ReadOnlyAdmin):
         """May purge finished jobs (``queue_core.purge_job``)."""
         return request.user.has_perm("queue_core.purge_job")
 
+    def has_cancel_permission(self, request: HttpRequest) -> bool:
+        """May cancel jobs (``queue_core.cancel_job``)."""
+        return request.user.has_perm("queue_core.cancel_job")
+
     # ----------------------------------------------------------------- actions
 
-    @admin.action(permissions=["replay"], description="Replay selected dead letters")
+    @admin.action(permissions=["replay"], description="Replay selected dead or cancelled jobs")
     def replay_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> HttpResponse | None:
-        """Redrive the selected DEAD jobs to READY (confirmation page first)."""
+        """Redrive the selected DEAD (or CANCELLED) jobs to READY (confirmation page first)."""
         return self._confirm_or_run(request, queryset, Op.REPLAY)
+
+    @admin.action(permissions=["cancel"], description="Cancel selected jobs")
+    def cancel_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> HttpResponse | None:
+        """Cancel the selected unfinished jobs (confirmation page first): waiting ones at once,
+        running ones at their worker's next renew (``QueueService.cancel``; Oban's
+        ``cancel_job``). Each cancel is an event in the audit log with the operator's name."""
+        return self._confirm_or_run(request, queryset, Op.CANCEL)
 
     @admin.action(permissions=["purge"], description="Purge selected finished jobs")
     def purge_selected(self, request: HttpRequest, queryset: QuerySet[Any]) -> HttpResponse | None:
@@ -426,9 +461,13 @@ class JobAdmin(ReadOnlyAdmin):
 
     def eligible_states(self, op: Op) -> list[str]:
         """States ``op`` applies to from this list."""
-        if op is Op.REPLAY or self.purge_dead_only:
+        if op is Op.CANCEL:
+            return [s.value for s in CANCELLABLE]
+        if self.purge_dead_only:
             return [JobState.DEAD.value]
-        return [JobState.DEAD.value, JobState.SUCCEEDED.value]
+        if op is Op.REPLAY:
+            return [JobState.DEAD.value, JobState.CANCELLED.value]
+        return [JobState.DEAD.value, JobState.SUCCEEDED.value, JobState.CANCELLED.value]
 
     def _confirm_or_run(
         self, request: HttpRequest, queryset: QuerySet[Any], op: Op
@@ -532,11 +571,17 @@ class JobAdmin(ReadOnlyAdmin):
             except ValueError:
                 confirmed_at = self.now_ms()
             # Only jobs that were finished when the operator confirmed: a job that dies
-            # after the confirmation page was shown is not swept up unseen.
+            # after the confirmation page was shown is not swept up unseen (for a cancel:
+            # only jobs submitted by then).
             states = self.eligible_states(op)
             # One state as "=" rather than "IN (...)", so SQLite can pick its partial index.
             in_state = {"state": states[0]} if len(states) == 1 else {"state__in": states}
-            base = queryset.order_by().filter(**in_state, finished_at_ms__lte=confirmed_at)
+            seen = (
+                {"created_at_ms__lte": confirmed_at}
+                if op is Op.CANCEL
+                else {"finished_at_ms__lte": confirmed_at}
+            )
+            base = queryset.order_by().filter(**in_state, **seen)
             total = base.count()
             outcome = runner.run(op, _keyset(base), dead_only=dead_only, total=total)
         else:
@@ -564,11 +609,17 @@ class JobAdmin(ReadOnlyAdmin):
         form_url: str = "",
         obj: Any = None,
     ) -> HttpResponse:
-        """Add replay/purge buttons for what this job and this operator allow."""
+        """Add replay/purge/cancel buttons for what this job and this operator allow."""
         buttons = []
         if obj is not None:
-            if obj.state == JobState.DEAD and self.has_replay_permission(request):
+            if obj.state in self.eligible_states(Op.REPLAY) and self.has_replay_permission(request):
                 buttons.append(("replay_selected", "Replay…"))
+            if (
+                obj.state in self.eligible_states(Op.CANCEL)
+                and obj.cancel_requested_at_ms is None
+                and self.has_cancel_permission(request)
+            ):
+                buttons.append(("cancel_selected", "Cancel…"))
             if obj.state in self.eligible_states(Op.PURGE) and self.has_purge_permission(request):
                 buttons.append(("purge_selected", "Purge…"))
         opts = self.opts
@@ -657,7 +708,7 @@ class DeadLetterAdmin(JobAdmin):
         "age",
     )
     list_filter = (QueueFilter, "priority")
-    actions = ("replay_selected", "purge_selected")
+    actions = ("replay_selected", "purge_selected")  # nothing to cancel: dead jobs are finished
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
         """DEAD jobs only (the relay_job_dead partial index)."""
@@ -696,7 +747,9 @@ class EventFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         """The events operators and recovery record."""
-        return [(e, e) for e in ("replayed", "purged", "recovered")]
+        return [
+            (e, e) for e in ("replayed", "purged", "recovered", "cancelled", "cancel_requested")
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         """Events of the chosen kind."""
@@ -706,7 +759,7 @@ class EventFilter(admin.SimpleListFilter):
 
 @admin.register(JobEvent)
 class JobEventAdmin(ReadOnlyAdmin):
-    """The audit log: who replayed or purged what, and when (outlives purged jobs)."""
+    """The audit log: who replayed, purged or cancelled what, and when (outlives purged jobs)."""
 
     list_display = ("at", "job", "event", "transition", "actor", "detail")
     list_filter = (EventFilter,)

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("relay.admin")
 
 MAX_BATCHES = 200
-STATE_CHOICES = [("all", "succeeded and dead"), *((s, s) for s in PRUNABLE_STATES)]
+STATE_CHOICES = [("all", "succeeded, dead and cancelled"), *((s, s) for s in PRUNABLE_STATES)]
 
 
 def _ages(request: HttpRequest) -> tuple[dict[str, int], str, str]:

@@ -1,6 +1,7 @@
-"""Replay and purge many jobs from the console, through ``QueueService`` one job at a time.
+"""Replay, purge and cancel many jobs from the console, through ``QueueService`` one job at a
+time.
 
-Every change goes through ``QueueService.replay`` / ``QueueService.purge``, which guard the
+Every change goes through ``QueueService.replay`` / ``purge`` / ``cancel``, which guard the
 state (compare-and-set) and record who did it in the job's events. For speed, ``BulkRunner``
 groups ``CHUNK`` calls into one ``QueueService.transaction()``: each call becomes a
 SAVEPOINT that rolls back alone when the service refuses it, the group commit the TCP server
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from queue_admin.display import iso_ms
-from queue_core.errors import InvalidArgument, InvalidState, JobNotFound, StoreBusy
+from queue_core.errors import InvalidArgument, InvalidState, JobFinished, JobNotFound, StoreBusy
 from queue_core.models import JobEvent
 from queue_core.service import QueueService
 from queue_core.states import JobState
@@ -36,15 +37,16 @@ EXAMPLES = 5
 
 
 class Op(enum.StrEnum):
-    """The two operator transitions."""
+    """The operator transitions."""
 
     REPLAY = "replay"
     PURGE = "purge"
+    CANCEL = "cancel"
 
     @property
     def past(self) -> str:
-        """``replayed`` / ``purged``."""
-        return "replayed" if self is Op.REPLAY else "purged"
+        """``replayed`` / ``purged`` / ``cancelled``."""
+        return {"replay": "replayed", "purge": "purged", "cancel": "cancelled"}[self.value]
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Outcome:
     # Not in a state this operation applies to (e.g. replay of a READY job).
     refused: list[Skipped] = field(default_factory=list)
     missing: list[Skipped] = field(default_factory=list)
+    # Cancel of a LEASED job: marked, its worker stops it at its next renew (also in ``done``).
+    requested: list[str] = field(default_factory=list)
     # Stopped by the time budget or a busy database before reaching these.
     remaining: int = 0
     busy: bool = False
@@ -142,6 +146,7 @@ class BulkRunner:
                 outcome.remaining = max(total - outcome.attempted, len(chunk))
                 break
             outcome.done += part.done
+            outcome.requested += part.requested
             outcome.raced += part.raced
             outcome.refused += part.refused
             outcome.missing += part.missing
@@ -162,8 +167,14 @@ class BulkRunner:
         try:
             if op is Op.REPLAY:
                 self.service.replay(job_id, actor=self.actor)
+            elif op is Op.CANCEL:
+                if not self.service.cancel(job_id, actor=self.actor)["cancelled"]:
+                    outcome.requested.append(job_id)
             else:
                 self.service.purge(job_id, actor=self.actor, dead_only=dead_only)
+        except JobFinished as exc:
+            outcome.refused.append(Skipped(job_id, f"it is {exc.details.get('state', '?')}"))
+            return
         except InvalidState as exc:
             state = str(exc.details.get("state", "?"))
             if op is Op.REPLAY and state != JobState.DEAD:
@@ -184,8 +195,11 @@ class BulkRunner:
 
         A replay refused because the job is no longer DEAD is a race only when someone
         replayed it; otherwise it is a plain refusal (it was never dead). A purge of a job
-        that no longer exists is a race when a ``purged`` event names who did it.
+        that no longer exists is a race when a ``purged`` event names who did it. A cancel
+        refused because the job had finished is a plain refusal.
         """
+        if outcome.op is Op.CANCEL:
+            return
         event = "replayed" if outcome.op is Op.REPLAY else "purged"
         pool = outcome.raced if outcome.op is Op.REPLAY else outcome.missing
         latest: dict[str, dict[str, Any]] = {}
@@ -229,7 +243,22 @@ def describe(outcome: Outcome, noun: str = "job") -> list[tuple[str, str]]:
         more = len(items) - EXAMPLES
         return shown + (f"; and {more:,} more" if more > 0 else "")
 
-    if outcome.done:
+    if op is Op.CANCEL and outcome.done:
+        now = len(outcome.done) - len(outcome.requested)
+        if now:
+            messages.append(("success", f"Cancelled {plural(now)}."))
+        if outcome.requested:
+            n = len(outcome.requested)
+            messages.append(
+                (
+                    "success",
+                    f"Asked the workers of {plural(n)} to stop: "
+                    f"{'it is' if n == 1 else 'they are'} running, and "
+                    f"end{'s' if n == 1 else ''} cancelled at the worker's next lease renewal "
+                    "(or succeeded, if the handler finishes first).",
+                )
+            )
+    elif outcome.done:
         messages.append(("success", f"{op.past.capitalize()} {plural(len(outcome.done))}."))
     elif not outcome.remaining:
         messages.append(("warning", f"Nothing was {op.past}."))
@@ -244,7 +273,11 @@ def describe(outcome: Outcome, noun: str = "job") -> list[tuple[str, str]]:
         )
     if outcome.refused:
         n = len(outcome.refused)
-        what = "not dead" if op is Op.REPLAY else "not finished (or not dead)"
+        what = {
+            Op.REPLAY: "not dead or cancelled",
+            Op.PURGE: "not finished (or not dead)",
+            Op.CANCEL: "finished already",
+        }[op]
         verb = "is" if n == 1 else "are"
         messages.append(
             (

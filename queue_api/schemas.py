@@ -76,6 +76,11 @@ class SubmitOptions(_In):
         description="Small map of strings stored with the job and returned with its lease "
         "(RELAY_MAX_META_KEYS keys, RELAY_MAX_META_BYTES encoded), e.g. a traceparent.",
     )
+    time_limit_ms: int | None = Field(
+        None,
+        description="The most one attempt may run, in ms from its lease (1..RELAY_MAX_DELAY_MS); "
+        "default: the queue's RELAY_QUEUE_TIME_LIMITS entry, else none.",
+    )
 
 
 class SubmitIn(SubmitOptions):
@@ -217,6 +222,7 @@ ResultOut = out(
         ),
     },
 )
+CancelOut = out(types.CancelResult, "CancelOut")
 
 
 # ---------------------------------------------------------------------- workers
@@ -357,5 +363,5 @@ class PruneIn(_In):
     """``POST /prune``: one bounded batch of retention, on demand."""
 
     older_than_ms: int = Field(..., ge=1, description="Finished more than this long ago (ms).")
-    state: Literal["succeeded", "dead", "all"] = "all"
+    state: Literal["succeeded", "dead", "cancelled", "all"] = "all"
     limit: int = Field(100, ge=1, le=10_000, description="The most jobs this call deletes.")

@@ -83,6 +83,10 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
             parse_duration_ms(getattr(s, name))
         except ValueError as exc:
             errors.append(checks.Error(f"RELAY_{name.upper()}: {exc}", id="relay.E010"))
+    try:
+        s.time_limits_ms()
+    except ValueError as exc:
+        errors.append(checks.Error(f"RELAY_QUEUE_TIME_LIMITS: {exc}", id="relay.E011"))
     engine = settings.DATABASES.get(s.database, {}).get("ENGINE")
     if engine is None:
         errors.append(

@@ -81,10 +81,16 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "submit": Subcommand("relay_submit", "submit a job: QUEUE --payload JSON [options]"),
     "inspect": Subcommand("relay_inspect", "show a job with its attempt history: JOB_ID"),
     "stats": Subcommand("relay_stats", "show job counts by state per queue"),
-    "dead": Subcommand("relay_dead", "dead letters: list | retry JOB_ID... | purge JOB_ID..."),
+    "dead": Subcommand(
+        "relay_dead", "dead letters: list | retry JOB_ID... | purge JOB_ID... (cancelled jobs too)"
+    ),
+    "cancel": Subcommand(
+        "relay_cancel", "cancel jobs: JOB_ID... (a running one stops at its next renew)"
+    ),
     "prune": Subcommand(
         "relay_prune",
-        "delete finished jobs by age now: --older-than 7d [--state succeeded|dead] [--dry-run]",
+        "delete finished jobs by age now: --older-than 7d [--state succeeded|dead|cancelled] "
+        "[--dry-run]",
         takes_api_key=False,
     ),
     "backup": Subcommand(

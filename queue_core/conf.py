@@ -125,6 +125,10 @@ class RelaySettings:
         backup_dir: the folder the console's "Back up now" writes SQLite copies to, as
             ``relay-YYYYmmddTHHMMSSZ.db`` (empty, the default: the console offers none;
             ``relay backup PATH`` takes any path).
+        Time limits (issue 16, item 4):
+
+        queue_time_limits: each queue's default maximum run time of one attempt
+            (``time_limits_ms``); a job's own ``time_limit_ms`` wins. Empty: no limits.
     """
 
     address: str = "127.0.0.1:7400"
@@ -194,18 +198,62 @@ class RelaySettings:
         value and its errors)."""
         return min(self.max_result_bytes, self.max_frame_bytes // 8)
 
+    # Time limits (issue 16, item 4): {queue: duration}, or "queue=5m,other=2h".
+    queue_time_limits: Any = ""
+
     def retention_ms(self) -> dict[str, int]:
-        """The retention of each finished state in ms, ``{"succeeded": ms, "dead": ms}``;
-        0 keeps that state forever.
+        """The retention of each finished state in ms, ``{"succeeded": ms, "dead": ms,
+        "cancelled": ms}``; 0 keeps that state forever. Cancelled jobs are kept as long as
+        dead ones (``RELAY_RETENTION_DEAD``): both are jobs that did not succeed, which an
+        operator may still want to replay.
 
         Raises:
             ValueError: a retention setting is not a duration (the system check
                 ``relay.E010`` reports it at start).
         """
+        dead = parse_duration_ms(self.retention_dead)
         return {
             "succeeded": parse_duration_ms(self.retention_succeeded),
-            "dead": parse_duration_ms(self.retention_dead),
+            "dead": dead,
+            "cancelled": dead,
         }
+
+    def time_limits_ms(self) -> dict[str, int]:
+        """The per-queue default time limits (``RELAY_QUEUE_TIME_LIMITS``) in ms.
+
+        The setting is a mapping ``{"reports": "2h", "emails": "30s"}`` or, as the environment
+        gives it, the text ``"reports=2h,emails=30s"``; each duration as ``parse_duration_ms``
+        reads it, and 0 means "no limit" for that queue.
+
+        Returns:
+            ``{queue: ms}`` (queues with 0 left out).
+        Raises:
+            ValueError: not a mapping or such a text, or a duration that is not one (the
+                system check ``relay.E011`` reports it at start).
+        """
+        raw = self.queue_time_limits
+        items: list[tuple[Any, Any]]
+        if isinstance(raw, dict):
+            items = list(raw.items())
+        elif isinstance(raw, str):
+            items = []
+            for part in raw.split(","):
+                if not part.strip():
+                    continue
+                name, sep, value = part.partition("=")
+                if not sep:
+                    raise ValueError(f"{part.strip()!r} is not queue=duration")
+                items.append((name.strip(), value.strip()))
+        else:
+            raise ValueError("must be a mapping of queue names to durations")
+        limits: dict[str, int] = {}
+        for name, value in items:
+            if not isinstance(name, str) or not QUEUE_NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a queue name")
+            ms = parse_duration_ms(value)
+            if ms:
+                limits[name] = ms
+        return limits
 
     @classmethod
     def from_django(cls) -> RelaySettings:

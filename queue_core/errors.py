@@ -115,6 +115,18 @@ class InvalidState(RelayError):
     retryable = False
 
 
+class JobFinished(InvalidState):
+    """The job has finished (succeeded, dead or cancelled): there is nothing to cancel.
+
+    A subclass of ``InvalidState`` with a code of its own, so a caller can tell "too late" from
+    other refusals (Oban's ``cancel_job`` leaves completed jobs alone; Relay says so).
+    """
+
+    code = "JOB_FINISHED"
+    http_status = 409
+    retryable = False
+
+
 class LeaseExpired(RelayError):
     """The lease expired before this request; the job may be delivered again."""
 

@@ -42,6 +42,8 @@ JOB_COLUMNS = (
     "dead_reason",
     "unique_scope",
     "meta",
+    "cancel_requested_at_ms",
+    "time_limit_ms",
 )
 """The ``relay_job`` columns ``job_view`` reads, in the order the SELECT lists name them."""
 
@@ -59,6 +61,7 @@ _FRESH = {
     "finished_at_ms": None,
     "last_error": None,
     "dead_reason": None,
+    "cancel_requested_at_ms": None,
 }
 
 
@@ -108,6 +111,8 @@ def job_view(row: Mapping[str, Any], *, payload: Any = _DECODE) -> types.Job:
         "dead_reason": row["dead_reason"],
         "unique": row["unique_scope"] or "window",
         "meta": meta_of(row["meta"]),
+        "cancel_requested_at_ms": row["cancel_requested_at_ms"],
+        "time_limit_ms": row["time_limit_ms"],
     }
 
 
@@ -117,7 +122,7 @@ def new_job_view(row: Mapping[str, Any], *, created_at_ms: int, payload: Any) ->
     Args:
         row: the inserted columns (``id``, ``queue``, ``state``, ``priority``, the retry
             policy, ``idempotency_key``, ``unique_scope``, ``meta``, ``available_at_ms``,
-            ``ready_since_ms``).
+            ``ready_since_ms``, ``time_limit_ms``).
         created_at_ms: the insert's instant, epoch ms.
         payload: the payload as submitted (not re-decoded from its stored text).
     """
@@ -131,6 +136,7 @@ def lease_view(row: Mapping[str, Any], lease_expires_at_ms: int) -> types.Lease:
         row: ``id``, ``queue``, ``payload`` (stored JSON text), ``attempt``, ``priority`` (its
             number), ``lease_token``, ``failures``, ``max_retries``, ``created_at_ms``,
             ``meta`` (stored JSON text or NULL; the lease carries it as a map, ``{}`` for none).
+            ``time_limit_ms`` (ms, or None).
         lease_expires_at_ms: the expiry the claim set, epoch ms.
     """
     return {
@@ -145,6 +151,7 @@ def lease_view(row: Mapping[str, Any], lease_expires_at_ms: int) -> types.Lease:
         "max_retries": row["max_retries"],
         "created_at_ms": row["created_at_ms"],
         "meta": meta_of(row["meta"]),
+        "time_limit_ms": row["time_limit_ms"],
     }
 
 

@@ -16,7 +16,7 @@ jobs are not counted: they pile up until purged and a scrape must not cost more 
 (the counter ``relay_jobs_acked_total`` counts them as they happen).
 
 Labels are bounded: ``queue`` (at most ``RELAY_METRICS_MAX_QUEUES`` names, then
-``OTHER_QUEUES``), ``state`` (six), ``op`` (the op table) and error ``code`` (the error
+``OTHER_QUEUES``), ``state`` (seven), ``op`` (the op table) and error ``code`` (the error
 table). Never a job id or an error text. With 10,000 queues ``/metrics`` had 80,041 series
 (12.7 MB); the counters now give their own series to the first queues they see, and the
 gauges to the deepest queues, and fold the rest into ``queue="_other"`` (a name no queue can
@@ -79,7 +79,20 @@ JOBS_PRUNED = Counter(
     "Finished jobs deleted by retention (RELAY_RETENTION_SUCCEEDED / _DEAD, relay prune).",
     ["queue"],
 )
-JOBS_REPLAYED = Counter("relay_jobs_replayed", "Dead letters replayed to ready.", ["queue"])
+JOBS_REPLAYED = Counter(
+    "relay_jobs_replayed", "Dead letters and cancelled jobs replayed to ready.", ["queue"]
+)
+JOBS_CANCELLED = Counter(
+    "relay_jobs_cancelled",
+    "Jobs that entered CANCELLED: cancelled while waiting, or stopped by their worker (or "
+    "their lease expired) after a cancel was requested.",
+    ["queue"],
+)
+JOBS_TIMED_OUT = Counter(
+    "relay_jobs_timed_out",
+    "Attempts that ran past their time limit (renew refused, or the lease ran out past it).",
+    ["queue"],
+)
 LEASE_EXPIRATIONS = Counter(
     "relay_lease_expirations",
     "Leases that expired before their worker acked, failed or released them.",
@@ -119,6 +132,8 @@ _COUNTERS: dict[str, Counter] = {
     "replayed": JOBS_REPLAYED,
     "lease_expired": LEASE_EXPIRATIONS,
     "pruned": JOBS_PRUNED,
+    "cancelled": JOBS_CANCELLED,
+    "timed_out": JOBS_TIMED_OUT,
 }
 
 

@@ -55,6 +55,13 @@ class Job(models.Model):
     updated_at_ms = models.BigIntegerField()
     last_error = models.TextField(null=True, blank=True)
     dead_reason = models.TextField(null=True, blank=True)
+    # Cancel (issue 16, item 3): when a cancel was asked for. A LEASED job with it set has its
+    # worker told to stop at the next renew; a CANCELLED job keeps it (when it was cancelled).
+    cancel_requested_at_ms = models.BigIntegerField(null=True, blank=True)
+    # Time limit (issue 16, item 4): the most one attempt may run, in ms from its lease; NULL
+    # for none. The effective limit (the job's own, or its queue's RELAY_QUEUE_TIME_LIMITS
+    # default) is stored at submit.
+    time_limit_ms = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         db_table = "relay_job"
@@ -85,6 +92,11 @@ class Job(models.Model):
             ),
             models.Index(
                 fields=["finished_at_ms"], name="relay_job_dead_done", condition=Q(state="dead")
+            ),
+            models.Index(
+                fields=["finished_at_ms"],
+                name="relay_job_cancelled_done",
+                condition=Q(state="cancelled"),
             ),
         ]
         constraints = [
@@ -145,7 +157,8 @@ class JobAttempt(models.Model):
     lease_token = models.CharField(max_length=64)
     started_at_ms = models.BigIntegerField()
     ended_at_ms = models.BigIntegerField(null=True, blank=True)
-    # succeeded | failed | lease_expired | released | recovered; NULL while running.
+    # succeeded | failed | lease_expired | released | recovered | cancelled | timeout; NULL
+    # while running.
     outcome = models.CharField(max_length=16, null=True, blank=True)
     error = models.TextField(null=True, blank=True)
     # A failed attempt's decision: when the retry was due, or NULL when it dead-lettered the job.
@@ -199,7 +212,7 @@ class JobResult(models.Model):
 
 
 class JobEvent(models.Model):
-    """Append-only record of transitions outside a delivery (replay, purge, recovery).
+    """Append-only record of transitions outside a delivery (replay, purge, recovery, cancel).
 
     ``job_id`` is plain text, not a foreign key, so a purge record outlives the job.
     """
@@ -257,6 +270,7 @@ class DeadLetter(Job):
         permissions = [
             ("replay_job", "Can replay dead-lettered jobs"),
             ("purge_job", "Can purge terminal jobs"),
+            ("cancel_job", "Can cancel jobs"),
         ]
 
 

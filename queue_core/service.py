@@ -34,6 +34,7 @@ from queue_core.errors import (
     IdempotencyConflict,
     InvalidArgument,
     InvalidState,
+    JobFinished,
     JobNotFound,
     LeaseExpired,
     StaleToken,
@@ -42,7 +43,14 @@ from queue_core.errors import (
 from queue_core.jobs import batch_entry, job_view, lease_view, new_job_view
 from queue_core.protocol import ops
 from queue_core.retry import RetryPolicy, decide
-from queue_core.states import JobState, Transition, check, is_terminal
+from queue_core.states import (
+    TERMINAL_STATES,
+    WAITING_STATES,
+    JobState,
+    Transition,
+    check,
+    is_terminal,
+)
 from queue_core.storage import Capabilities, ChangeFeed, ClaimRequest, Driver, Tx, driver_for
 from queue_core.storage.base import REPLY_OVERHEAD_BYTES
 
@@ -56,10 +64,16 @@ KEYED_INSERT_TRIES = 3
 # Jobs one prune transaction deletes at most, with their attempts, events and task results:
 # about 30 ms of write lock on a 1M-job SQLite file (docs/failure-model.md, "Retention").
 PRUNE_BATCH = 100
-PRUNABLE_STATES = ("succeeded", "dead")
+PRUNABLE_STATES = ("succeeded", "dead", "cancelled")
 SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.
 TOKEN_BYTES = 24
+# The failure text (and dead reason) of an attempt that ran past its time limit.
+TIMEOUT_REASON = "timeout"
+LEASE_EXPIRED_REASON = "lease expired"
+# How often cancel re-reads a job that changed state between its read and its guarded UPDATE
+# (another server's claim or sweep) before answering BUSY.
+CANCEL_TRIES = 5
 
 
 class _MonotonicUlid:
@@ -145,7 +159,8 @@ def new_server_id() -> str:
 
 
 class QueueService:
-    """Submit, lease, renew, ack, fail, release, replay, purge, prune, expire and recover jobs.
+    """Submit, lease, renew, ack, fail, release, cancel, replay, purge, prune, expire and recover
+    jobs.
 
     Args:
         driver: the storage driver (default: the process's driver for ``RELAY_DATABASE``,
@@ -174,6 +189,7 @@ class QueueService:
         self.rng = rng or random.Random()
         self.observer = observer
         self._defaults: tuple[RelaySettings, dict[str, Any]] | None = None
+        self._limits: tuple[RelaySettings, dict[str, int]] | None = None
 
     @property
     def settings(self) -> RelaySettings:
@@ -279,10 +295,12 @@ class QueueService:
                 ``backoff_cap_ms`` (ms), ``jitter`` (bool), ``delay_ms`` (ms from now, >= 0)
                 or ``run_at_ms`` (epoch ms; a past instant is due at once),
                 ``idempotency_key`` (1..255 characters), ``unique`` (``"window"``, the
-                default, or ``"active"``; see below) and ``meta`` (an object of strings:
+                default, or ``"active"``; see below), ``meta`` (an object of strings:
                 at most ``RELAY_MAX_META_KEYS`` keys of 1..``RELAY_MAX_META_KEY_BYTES``
                 bytes, ``RELAY_MAX_META_BYTES`` encoded; stored with the job, returned in
-                its view and its lease, e.g. a W3C ``traceparent``).
+                its view and its lease, e.g. a W3C ``traceparent``) and ``time_limit_ms`` (1..
+                RELAY_MAX_DELAY_MS: the most one attempt may run, from its lease; default the
+                queue's ``RELAY_QUEUE_TIME_LIMITS`` entry, else none).
         Returns:
             ``{"job": Job, "deduplicated": bool}``; a key already bound in this queue returns
             its job with ``deduplicated: true``. A key is bound to its job for
@@ -361,6 +379,8 @@ class QueueService:
             opt = {}
         row = self._default_options(s) if not opt else self._options(opt, s, self._now())
         row["queue"] = v.queue_name(queue, s)
+        if row["time_limit_ms"] is None:
+            row["time_limit_ms"] = self._queue_limits(s).get(row["queue"])
         row["payload"] = v.payload(payload, s)
         row["_payload"] = payload
         return row
@@ -371,6 +391,18 @@ class QueueService:
         if cached is None or cached[0] is not s:
             cached = self._defaults = (s, self._options({}, s))
         return dict(cached[1])
+
+    def _queue_limits(self, s: RelaySettings) -> dict[str, int]:
+        """``s.time_limits_ms()`` (``RELAY_QUEUE_TIME_LIMITS``), parsed once per settings
+        object; a malformed setting (system check ``relay.E011``) counts as none."""
+        cached = self._limits
+        if cached is None or cached[0] is not s:
+            try:
+                limits = s.time_limits_ms()
+            except ValueError:
+                limits = {}
+            cached = self._limits = (s, limits)
+        return cached[1]
 
     @staticmethod
     def _options(opt: Mapping[str, Any], s: RelaySettings, now_ms: int = 0) -> dict[str, Any]:
@@ -417,6 +449,11 @@ class QueueService:
             "idempotency_key": key,
             "unique_scope": v.unique_scope(opt.get("unique"), key),
             "meta": v.meta(opt.get("meta"), s),
+            "time_limit_ms": (
+                None
+                if opt.get("time_limit_ms") is None
+                else v.integer("time_limit_ms", opt["time_limit_ms"], lo=1, hi=s.max_delay_ms)
+            ),
             "_delay_ms": delay_ms,
             "_run_at_ms": run_at_ms,
         }
@@ -796,7 +833,8 @@ class QueueService:
 
         Args:
             queue: the queue.
-            state: ``pending|ready|leased|retrying|succeeded|dead``, or None for every state.
+            state: ``pending|ready|leased|retrying|succeeded|dead|cancelled``, or None for
+                every state.
             limit: page size, 1..``PAGE_MAX_JOBS`` (1000); a page also stops before its JSON
                 would pass one frame (``RELAY_MAX_FRAME_BYTES``).
             after: the previous page's ``next_after`` (a job id), or None for the first page.
@@ -945,13 +983,32 @@ class QueueService:
     def renew(
         self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
     ) -> dict[str, Any]:
-        """Extend a live lease to now + ``lease_ms`` (LEASED -> LEASED).
+        """Extend a live lease to now + ``lease_ms`` (LEASED -> LEASED), and tell the worker
+        whether to stop.
 
         The new expiry is never more than ``RELAY_MAX_LEASE_MS`` ahead (``lease_ms`` is
         bounded by it).
 
+        * A cancel was requested (``cancel``): the lease is renewed as usual, so the handler
+          has time to stop cleanly, and the reply says ``stop: "cancelled"``; the worker then
+          fails or releases the job, which ends it CANCELLED (an ack still succeeds it).
+        * The attempt reached its time limit (``now >= leased_at + time_limit_ms``: at the
+          limit exactly, the lease is no longer extended): nothing is renewed, the attempt is
+          failed with the reason ``"timeout"`` as ``fail`` would (the retry policy applies:
+          RETRYING, or DEAD once the budget is spent; CANCELLED when a cancel was requested),
+          and the reply says ``stop: "timeout"`` with ``lease_expires_at_ms: None``. The
+          token is spent: the worker's later ack or fail gets ``LEASE_EXPIRED``. Celery's
+          ``time_limit`` and Oban's ``timeout/1`` end a run the same way, counted as a failed
+          attempt; here the server can only refuse to extend, so the worker abandons the
+          handler itself (it knows the limit from the lease).
+
+        Fencing is unchanged: the renew is guarded by the job id, worker id and token, and an
+        expired lease is not revived.
+
         Returns:
-            ``{"job_id", "lease_expires_at_ms"}``.
+            ``{"job_id", "lease_expires_at_ms", "stop"}``; ``stop`` is None,
+            ``"cancelled"`` or ``"timeout"`` (then with the job's ``queue`` and its new
+            ``state`` too, for the surfaces' metrics).
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
@@ -960,12 +1017,32 @@ class QueueService:
         length = v.lease_ms(lease_ms, self.settings)
         with self.driver.write() as tx:
             at = self._read()
-            params = guard | self._judging(at) | {"expires_ms": at.now_ms + length}
+            now = at.now_ms
+            params = guard | self._judging(at) | {"expires_ms": now + length}
             check(Transition.RENEW, JobState.LEASED, JobState.LEASED)
             row = tx.one("renew", params)
             if row is None:
-                raise self._rejection(tx, params, "renew")
-        return {"job_id": job_id, "lease_expires_at_ms": row["lease_expires_at_ms"]}
+                # The guard missed: a lost lease, or a live one past its time limit.
+                lease = tx.one("live_lease", params)
+                if lease is None or not self._timed_out(lease, now):
+                    raise self._rejection(tx, params, "renew")
+                ended = self._end_lease(tx, params, lease, TIMEOUT_REASON, True, now, "timeout")
+                return {
+                    "job_id": job_id,
+                    "lease_expires_at_ms": None,
+                    "stop": "timeout",
+                    "queue": lease["queue"],
+                    "state": ended["state"],
+                }
+        stop = "cancelled" if row["cancel_requested_at_ms"] is not None else None
+        return {"job_id": job_id, "lease_expires_at_ms": row["lease_expires_at_ms"], "stop": stop}
+
+    @staticmethod
+    def _timed_out(lease: Mapping[str, Any], now: int) -> bool:
+        """Whether a lease row (``leased_at_ms``, ``time_limit_ms``) is at or past its
+        attempt's time limit at ``now`` (epoch ms)."""
+        limit = lease["time_limit_ms"]
+        return limit is not None and now >= lease["leased_at_ms"] + limit
 
     def ack(
         self, job_id: str, *, worker_id: str, lease_token: str, result: Any = None
@@ -1060,40 +1137,11 @@ class QueueService:
             params: dict[str, Any] = guard | self._judging(at)
             lease = tx.one("live_lease", params)
             if lease is None:
-                ended = self._ended_attempt(tx, params, ("failed",))
+                ended = self._ended_attempt(tx, params, ("failed", "cancelled"))
                 if ended is not None:
                     return self._repeated_fail(tx, job_id, ended)
                 raise self._rejection(tx, params, "fail")
-            policy = RetryPolicy(
-                max_retries=lease["max_retries"],
-                backoff=lease["backoff"],
-                base_ms=lease["backoff_base_ms"],
-                cap_ms=lease["backoff_cap_ms"],
-                jitter=bool(lease["jitter"]),
-            )
-            decision = decide(
-                policy,
-                failures=lease["failures"] + 1,
-                retryable=retryable,
-                now_ms=now,
-                rng=self.rng,
-                error=error,
-            )
-            params["error"] = error
-            if decision.retry_at_ms is not None:
-                params["retry_at_ms"] = decision.retry_at_ms
-                check(Transition.FAIL_RETRY, JobState.LEASED, JobState.RETRYING)
-                tx.run("fail_retry", params)
-                state = JobState.RETRYING
-            else:
-                params["reason"] = decision.dead_reason
-                check(Transition.FAIL_DEAD, JobState.LEASED, JobState.DEAD)
-                tx.run("fail_dead", params)
-                state = JobState.DEAD
-            self._end_attempt(
-                tx, job_id, lease["attempt"], now, "failed", error, decision.retry_at_ms
-            )
-            self._entered(tx, job_id, lease["unique_scope"], state)
+            out = self._end_lease(tx, params, lease, error, retryable, now, "failed")
             if exception_class is not None:
                 entry = {
                     "attempt": lease["attempt"],
@@ -1101,6 +1149,74 @@ class QueueService:
                     "traceback": traceback or "",
                 }
                 self._store_error(tx, job_id, entry, now)
+            return out
+
+    def _end_lease(
+        self,
+        tx: Tx,
+        params: dict[str, Any],
+        lease: Mapping[str, Any],
+        error: str,
+        retryable: bool,
+        now: int,
+        outcome: str,
+    ) -> dict[str, Any]:
+        """Fail a live lease (``live_lease`` row) in ``tx``: RETRYING or DEAD by its retry
+        policy, or CANCELLED when a cancel was requested; close its attempt with ``outcome``
+        (``"failed"``, or ``"timeout"`` for a renew past the time limit). Returns ``fail``'s
+        result."""
+        job_id = params["job_id"]
+        if lease["cancel_requested_at_ms"] is not None:
+            check(Transition.CANCEL, JobState.LEASED, JobState.CANCELLED)
+            tx.run("finish_cancelled", params | {"now_ms": now, "error": error})
+            self._end_attempt(tx, job_id, lease["attempt"], now, "cancelled", error)
+            self._event(
+                tx,
+                job_id,
+                Transition.CANCEL,
+                JobState.LEASED,
+                JobState.CANCELLED,
+                now,
+                None,
+                f"worker stopped: {error}"[:500],
+            )
+            self._entered(tx, job_id, lease["unique_scope"], JobState.CANCELLED)
+            return {
+                "job_id": job_id,
+                "state": JobState.CANCELLED.value,
+                "retry_at_ms": None,
+                "dead_reason": None,
+                "queue": lease["queue"],
+                "duplicate": False,
+            }
+        policy = RetryPolicy(
+            max_retries=lease["max_retries"],
+            backoff=lease["backoff"],
+            base_ms=lease["backoff_base_ms"],
+            cap_ms=lease["backoff_cap_ms"],
+            jitter=bool(lease["jitter"]),
+        )
+        decision = decide(
+            policy,
+            failures=lease["failures"] + 1,
+            retryable=retryable,
+            now_ms=now,
+            rng=self.rng,
+            error=error,
+        )
+        params["error"] = error
+        if decision.retry_at_ms is not None:
+            params["retry_at_ms"] = decision.retry_at_ms
+            check(Transition.FAIL_RETRY, JobState.LEASED, JobState.RETRYING)
+            tx.run("fail_retry", params)
+            state = JobState.RETRYING
+        else:
+            params["reason"] = decision.dead_reason
+            check(Transition.FAIL_DEAD, JobState.LEASED, JobState.DEAD)
+            tx.run("fail_dead", params)
+            state = JobState.DEAD
+        self._end_attempt(tx, job_id, lease["attempt"], now, outcome, error, decision.retry_at_ms)
+        self._entered(tx, job_id, lease["unique_scope"], state)
         return {
             "job_id": job_id,
             "state": state.value,
@@ -1132,6 +1248,14 @@ class QueueService:
         """Answer a fail repeated with the token of an attempt that already failed: say what
         that failure did (its attempt row keeps the decision), whatever happened since."""
         row = self._job(tx, job_id)
+        if attempt["outcome"] == "cancelled":
+            return {
+                "job_id": job_id,
+                "state": JobState.CANCELLED.value,
+                "retry_at_ms": None,
+                "dead_reason": None,
+                "duplicate": True,
+            }
         dead = attempt["retry_at_ms"] is None
         still = row["attempt"] == attempt["attempt"] and row["state"] in (
             JobState.RETRYING,
@@ -1146,13 +1270,15 @@ class QueueService:
         }
 
     def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
-        """Give a leased job back without counting a failure (LEASED -> READY).
+        """Give a leased job back without counting a failure (LEASED -> READY), or, when a
+        cancel was requested, end it (LEASED -> CANCELLED: a worker that stopped its handler
+        because the renew said ``stop: "cancelled"``).
 
         For a worker that shuts down before finishing (beanstalkd's ``release``; an SQS
         visibility timeout of 0).
 
         Returns:
-            ``{"job_id", "state": "ready", "queue"}``.
+            ``{"job_id", "state": "ready" | "cancelled", "queue"}``.
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
@@ -1162,9 +1288,15 @@ class QueueService:
             at = self._read()
             now = at.now_ms
             params = guard | self._judging(at)
+            lease = tx.one("live_lease", params)
+            if lease is None:
+                raise self._rejection(tx, params, "release")
+            if lease["cancel_requested_at_ms"] is not None:
+                out = self._end_lease(tx, params, lease, "cancelled", False, now, "cancelled")
+                return {"job_id": job_id, "state": out["state"], "queue": out["queue"]}
             check(Transition.RELEASE, JobState.LEASED, JobState.READY)
             row = tx.one("release", params)
-            if row is None:
+            if row is None:  # pragma: no cover - live_lease read it in this transaction
                 raise self._rejection(tx, params, "release")
             self._end_attempt(tx, job_id, row["attempt"], now, "released", None)
             tx.made_ready(row["queue"])
@@ -1209,6 +1341,16 @@ class QueueService:
             )
         if not current:
             attempt = tx.one("attempt_by_token", params)
+            if (
+                attempt is not None
+                and attempt["worker_id"] == params["worker_id"]
+                and attempt["outcome"] == "timeout"
+            ):
+                return LeaseExpired(
+                    f"cannot {verb} {job_id}: the attempt ran past its time limit",
+                    job_id=job_id,
+                    reason="timeout",
+                )
             if (
                 attempt is not None
                 and attempt["worker_id"] == params["worker_id"]
@@ -1317,19 +1459,45 @@ class QueueService:
         now = at.now_ms
         queues: dict[str, None] = {}
         for r in tx.all("expired_leases", self._judging(at) | {"limit": SWEEP_LIMIT}):
-            params = {"job_id": r["id"], "attempt": r["attempt"], "now_ms": now}
+            # A lease that ran out at or past its attempt's time limit (a hung worker that
+            # stopped renewing) counts as a timeout.
+            timed_out = r["time_limit_ms"] is not None and (
+                r["lease_expires_at_ms"] >= r["leased_at_ms"] + r["time_limit_ms"]
+            )
+            reason = TIMEOUT_REASON if timed_out else LEASE_EXPIRED_REASON
+            params = {"job_id": r["id"], "attempt": r["attempt"], "now_ms": now, "reason": reason}
+            if r["cancel_requested_at_ms"] is not None:
+                check(Transition.CANCEL, JobState.LEASED, JobState.CANCELLED)
+                if tx.run("expire_to_cancelled", params):
+                    self._observe("lease_expired", r["queue"])
+                    self._observe("cancelled", r["queue"])
+                    self._entered(tx, r["id"], r["unique_scope"], JobState.CANCELLED)
+                    self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", reason)
+                    self._event(
+                        tx,
+                        r["id"],
+                        Transition.CANCEL,
+                        JobState.LEASED,
+                        JobState.CANCELLED,
+                        now,
+                        None,
+                        "cancel requested; lease expired",
+                    )
+                continue
             dead = r["failures"] + 1 > r["max_retries"]
             check(Transition.EXPIRE, JobState.LEASED, JobState.DEAD if dead else JobState.READY)
             # Guarded by state and attempt: a lease acked meanwhile is left alone.
             if not tx.run("expire_to_dead" if dead else "expire_to_ready", params):
                 continue
             self._observe("lease_expired", r["queue"])
+            if timed_out:
+                self._observe("timed_out", r["queue"])
             if dead:
                 self._observe("dead", r["queue"])
                 self._entered(tx, r["id"], r["unique_scope"], JobState.DEAD)
             else:
                 queues[r["queue"]] = None
-            self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", "lease expired")
+            self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", reason)
             log.info(
                 "event=lease_expired job_id=%s attempt=%s",
                 r["id"],
@@ -1374,6 +1542,10 @@ class QueueService:
             now = self._now()
             check(Transition.RECOVER, JobState.LEASED, JobState.READY)
             tx.run("recover_attempts", {"now_ms": now})
+            # A lease whose cancel was requested ends CANCELLED instead.
+            if tx.run("recover_cancel_events", {"now_ms": now}):
+                check(Transition.CANCEL, JobState.LEASED, JobState.CANCELLED)
+                tx.run("recover_cancelled", {"now_ms": now})
             tx.run("recover_events", {"now_ms": now})
             released = tx.run("recover_jobs", {"now_ms": now})
             if released:
@@ -1383,51 +1555,129 @@ class QueueService:
     # -------------------------------------------------------------- operators
 
     def replay(self, job_id: str, *, actor: str | None = None) -> dict[str, Any]:
-        """Redrive a dead letter (DEAD -> READY) with a fresh retry budget.
+        """Redrive a dead letter or a cancelled job (DEAD/CANCELLED -> READY) with a fresh
+        retry budget (Oban's ``retry_job`` takes cancelled and discarded jobs alike).
 
         Keeps the job id, the delivery counter ``attempt`` (a fencing epoch never goes back)
-        and the history; clears the lease fields and the dead reason; records who did it.
+        and the history; clears the lease fields, the dead reason and the cancel request;
+        records who did it.
 
         Args:
             actor: who asked (a username of 1..150 characters, or None for the CLI).
         Returns:
             The job after the transition.
         Raises:
-            InvalidArgument, JobNotFound, InvalidState (not DEAD, e.g. replayed by someone
-            else already), StoreBusy.
+            InvalidArgument, JobNotFound, InvalidState (neither DEAD nor CANCELLED, e.g.
+            replayed by someone else already), StoreBusy.
         """
         job_id = v.job_id(job_id)
         actor = v.actor(actor)
         with self.driver.write() as tx:
             now = self._now()
-            check(Transition.REPLAY, JobState.DEAD, JobState.READY)
-            row = tx.one("replay", {"job_id": job_id, "now_ms": now})
+            state = self._job(tx, job_id)["state"]
+            row = None
+            if state in (JobState.DEAD, JobState.CANCELLED):
+                check(Transition.REPLAY, JobState(state), JobState.READY)
+                params = {"job_id": job_id, "from_state": state, "now_ms": now}
+                row = tx.one("replay", params)
             if row is None:
                 current = self._job(tx, job_id)
                 raise InvalidState(
-                    f"cannot replay {job_id}: it is {current['state']}, not dead",
+                    f"cannot replay {job_id}: it is {current['state']}, not dead or cancelled",
                     job_id=job_id,
                     state=current["state"],
                 )
-            self._event(tx, job_id, Transition.REPLAY, JobState.DEAD, JobState.READY, now, actor)
+            self._event(tx, job_id, Transition.REPLAY, state, JobState.READY, now, actor)
             tx.made_ready(row["queue"])
             return self._job(tx, job_id)
+
+    def cancel(self, job_id: str, *, actor: str | None = None) -> dict[str, Any]:
+        """Cancel a job: a waiting one at once, a running one at its worker's next renew.
+
+        * READY, PENDING or RETRYING -> CANCELLED: terminal, never leased again, purgeable
+          and prunable (``RELAY_RETENTION_DEAD``), replayable like a dead letter.
+        * LEASED: marked for cancellation (``cancel_requested_at_ms``; LEASED -> LEASED).
+          The next renew answers ``stop: "cancelled"``; when the worker then fails or
+          releases the job it ends CANCELLED, and if its lease expires first, too. If the
+          handler finishes anyway, its ack is accepted and the job SUCCEEDED: the work ran,
+          and a cancel never fences out the token (the ack still needs the live lease). A
+          second cancel of the job changes nothing.
+        * SUCCEEDED, DEAD, CANCELLED: refused with ``JOB_FINISHED``.
+
+        After Oban's ``cancel_job`` (cancels available/scheduled/retryable jobs at once, and
+        an executing one through its node) and Celery's ``revoke`` (a running task only stops
+        when its worker acts on it). Records a ``cancelled`` or ``cancel_requested`` event
+        with the actor.
+
+        Args:
+            job_id: the job.
+            actor: who asked (a username of 1..150 characters, or None for the CLI).
+        Returns:
+            ``{"job": Job, "cancelled": bool}``: ``cancelled`` is false while a leased job
+            waits for its worker to stop.
+        Raises:
+            InvalidArgument, JobNotFound, JobFinished (SUCCEEDED, DEAD or CANCELLED already),
+            StoreBusy (the job kept changing state under other servers' claims).
+        """
+        job_id = v.job_id(job_id)
+        actor = v.actor(actor)
+        with self.driver.write() as tx:
+            now = self._now()
+            for _ in range(CANCEL_TRIES):
+                job = self._job(tx, job_id)
+                state = JobState(job["state"])
+                if state in TERMINAL_STATES:
+                    raise JobFinished(
+                        f"cannot cancel {job_id}: it is {state.value} already",
+                        job_id=job_id,
+                        state=state.value,
+                    )
+                if state in WAITING_STATES:
+                    check(Transition.CANCEL, state, JobState.CANCELLED)
+                    params = {"job_id": job_id, "from_state": state.value, "now_ms": now}
+                    if tx.one("cancel_waiting", params) is None:
+                        continue  # claimed or promoted meanwhile (another server): look again
+                    self._event(
+                        tx, job_id, Transition.CANCEL, state, JobState.CANCELLED, now, actor
+                    )
+                    scope = "active" if job["unique"] == "active" else None
+                    self._entered(tx, job_id, scope, JobState.CANCELLED)
+                    return {"job": self._job(tx, job_id), "cancelled": True}
+                check(Transition.REQUEST_CANCEL, JobState.LEASED, JobState.LEASED)
+                params = {"job_id": job_id, "attempt": job["attempt"], "now_ms": now}
+                if tx.one("request_cancel", params) is None:
+                    continue  # the lease ended meanwhile: look again
+                if job["cancel_requested_at_ms"] is None:
+                    self._event(
+                        tx,
+                        job_id,
+                        Transition.REQUEST_CANCEL,
+                        JobState.LEASED,
+                        JobState.LEASED,
+                        now,
+                        actor,
+                        f"attempt {job['attempt']} held by {job['leased_by']}",
+                    )
+                return {"job": self._job(tx, job_id), "cancelled": False}
+        raise StoreBusy(f"{job_id} kept changing state; try the cancel again")
 
     def purge(
         self, job_id: str, *, actor: str | None = None, dead_only: bool = False
     ) -> dict[str, Any]:
-        """Delete a terminal job and its history, keeping a ``purged`` event (who, when).
+        """Delete a terminal job (SUCCEEDED, DEAD, CANCELLED) and its history, keeping a
+        ``purged`` event (who, when).
 
         With the ``relay_tasks`` app installed, the Django task result stored for the job goes
         too (``relay_task_result``), so purging keeps the database from growing.
 
         Args:
             actor: who asked (as for ``replay``).
-            dead_only: refuse SUCCEEDED jobs too (the ``dead_purge`` op).
+            dead_only: refuse SUCCEEDED jobs too (the ``dead_purge`` op): only DEAD and
+                CANCELLED jobs, the ones that did not succeed, go.
         Returns:
             ``{"job_id", "purged": true}``.
         Raises:
-            InvalidArgument, JobNotFound, InvalidState (not terminal, or not DEAD with
+            InvalidArgument, JobNotFound, InvalidState (not terminal, or SUCCEEDED with
             ``dead_only``), StoreBusy.
         """
         job_id = v.job_id(job_id)
@@ -1468,7 +1718,8 @@ class QueueService:
         for state, age in older_than_ms.items():
             if state not in PRUNABLE_STATES:
                 raise InvalidArgument(
-                    f"prune: state must be succeeded or dead, got {state!r}", field="state"
+                    f"prune: state must be succeeded, dead or cancelled, got {state!r}",
+                    field="state",
                 )
             if isinstance(age, bool) or not isinstance(age, int) or age < 0:
                 raise InvalidArgument(
@@ -1487,15 +1738,16 @@ class QueueService:
         actor: str | None = None,
     ) -> dict[str, int]:
         """Delete up to ``limit`` finished jobs past their retention, in one short write
-        transaction (SUCCEEDED/DEAD -> deleted), with their attempts, events and, with the
+        transaction (SUCCEEDED/DEAD/CANCELLED -> deleted), with their attempts, events and, with the
         ``relay_tasks`` app, task results. No ``purged`` event is kept: the job's whole
         history goes. A job that finished exactly its retention ago is kept; 1 ms earlier, it
         goes. Its idempotency key is free again (a new submit with it makes a new job).
 
         Args:
-            older_than_ms: ``{"succeeded": ms, "dead": ms}``: delete jobs of that state that
-                finished more than this long ago; a state absent or 0 is kept forever.
-                Default: ``RELAY_RETENTION_SUCCEEDED`` / ``RELAY_RETENTION_DEAD``.
+            older_than_ms: ``{"succeeded": ms, "dead": ms, "cancelled": ms}``: delete jobs of
+                that state that finished (or were cancelled) more than this long ago; a state
+                absent or 0 is kept forever. Default: ``RELAY_RETENTION_SUCCEEDED`` /
+                ``RELAY_RETENTION_DEAD`` (for dead and cancelled jobs alike).
             limit: the most jobs this call deletes (1..10 000), SUCCEEDED ones first.
             before_ms: ``{state: epoch ms}``: the cutoffs themselves, instead of now minus
                 ``older_than_ms`` (``prune`` passes the ones it computed once).
@@ -1503,7 +1755,7 @@ class QueueService:
                 set and jobs went, one ``pruned`` event with no job id records who, when and
                 how many (the jobs' own events go with them). Retention passes none.
         Returns:
-            ``{"succeeded": n, "dead": m}``, the jobs deleted.
+            ``{"succeeded": n, "dead": m, "cancelled": c}``, the jobs deleted.
         Raises:
             InvalidArgument, StoreBusy.
         """
@@ -1539,9 +1791,10 @@ class QueueService:
                 self._operator_event(tx, "pruned", self._now(), actor, _counts(deleted))
         if any(deleted.values()):
             log.info(
-                "event=pruned succeeded=%s dead=%s",
+                "event=pruned succeeded=%s dead=%s cancelled=%s",
                 deleted["succeeded"],
                 deleted["dead"],
+                deleted["cancelled"],
                 extra={"event": "pruned", **deleted},
             )
         return deleted
@@ -1570,7 +1823,7 @@ class QueueService:
             actor: who asked: when set and jobs went, one ``pruned`` event with no job id
                 records who, when and how many in all (not one per batch).
         Returns:
-            ``{"succeeded": n, "dead": m}``, the jobs deleted in all.
+            ``{"succeeded": n, "dead": m, "cancelled": c}``, the jobs deleted in all.
         Raises:
             InvalidArgument, StoreBusy (the batches committed before it stay committed).
         """
@@ -1598,7 +1851,7 @@ class QueueService:
         Args:
             older_than_ms: as for ``prune_batch``.
         Returns:
-            ``{"succeeded": n, "dead": m}``.
+            ``{"succeeded": n, "dead": m, "cancelled": c}``.
         Raises:
             InvalidArgument.
         """

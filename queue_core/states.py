@@ -9,7 +9,16 @@ makes against ``TRANSITIONS`` (``check``), and is the only code that makes one.
            | READY (lease lost with retries left, released, or recovered at a server start)
            | RETRYING (retryable failure) -> READY (retry due)
            | DEAD (retries exhausted, non-retryable, or lease lost with no budget left)
-    DEAD -> READY (replay); SUCCEEDED and DEAD may be purged (the row is deleted).
+    READY | PENDING | RETRYING -> CANCELLED (cancel)
+    LEASED -> LEASED (cancel requested: the next renew tells the worker to stop)
+           -> CANCELLED (its worker fails or releases it, or the lease expires)
+    DEAD | CANCELLED -> READY (replay); SUCCEEDED, DEAD and CANCELLED may be purged (the row
+    is deleted).
+
+Cancelling follows Oban's ``cancel_job`` (a waiting job is cancelled at once, an executing one
+is told to stop) and Celery's ``revoke`` (a running task is only interrupted when its worker
+learns of it); a cancelled job may be replayed like a dead letter (Oban's ``retry_job`` of a
+cancelled job).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ class JobState(enum.StrEnum):
     RETRYING = "retrying"
     SUCCEEDED = "succeeded"
     DEAD = "dead"
+    CANCELLED = "cancelled"
 
 
 class Priority(enum.IntEnum):
@@ -56,8 +66,9 @@ class Priority(enum.IntEnum):
 class Transition(enum.StrEnum):
     """The named state changes ``QueueService`` makes (``TRANSITIONS`` lists each one's moves).
 
-    Three names are also the ``event`` the job's event log (``relay_event``) records:
-    ``replayed``, ``purged`` and ``recovered`` (``LOGGED_EVENTS``). The others leave no event:
+    Five names are also the ``event`` the job's event log (``relay_event``) records:
+    ``replayed``, ``purged``, ``recovered``, ``cancelled`` and ``cancel_requested``
+    (``LOGGED_EVENTS``). The others leave no event:
     a claim opens a delivery row (``relay_attempt``), which ack, fail, release, expiry and
     recovery close with an outcome (``succeeded``, ``failed``, ``released``,
     ``lease_expired``, ``recovered``); submit, promote and renew change only the job row.
@@ -75,6 +86,8 @@ class Transition(enum.StrEnum):
     RECOVER = "recovered"
     REPLAY = "replayed"
     PURGE = "purged"
+    CANCEL = "cancelled"
+    REQUEST_CANCEL = "cancel_requested"
 
 
 S = JobState
@@ -90,17 +103,34 @@ TRANSITIONS: dict[Transition, frozenset[tuple[JobState | None, JobState | None]]
     Transition.EXPIRE: frozenset({(S.LEASED, S.READY), (S.LEASED, S.DEAD)}),
     Transition.RELEASE: frozenset({(S.LEASED, S.READY)}),
     Transition.RECOVER: frozenset({(S.LEASED, S.READY)}),
-    Transition.REPLAY: frozenset({(S.DEAD, S.READY)}),
-    Transition.PURGE: frozenset({(S.SUCCEEDED, None), (S.DEAD, None)}),
+    Transition.REPLAY: frozenset({(S.DEAD, S.READY), (S.CANCELLED, S.READY)}),
+    Transition.PURGE: frozenset({(S.SUCCEEDED, None), (S.DEAD, None), (S.CANCELLED, None)}),
+    # A waiting job at once; a leased one when its worker gives it up (fail, release) or its
+    # lease expires after a cancel was requested.
+    Transition.CANCEL: frozenset(
+        {(S.READY, S.CANCELLED), (S.PENDING, S.CANCELLED), (S.RETRYING, S.CANCELLED)}
+        | {(S.LEASED, S.CANCELLED)}
+    ),
+    Transition.REQUEST_CANCEL: frozenset({(S.LEASED, S.LEASED)}),
 }
 _ALLOWED = frozenset((t, a, b) for t, moves in TRANSITIONS.items() for a, b in moves)
 
 # The transitions whose name ``relay_event.event`` records (``QueueService._event`` and the
 # ``recover_events`` statement write them).
-LOGGED_EVENTS = frozenset({Transition.REPLAY, Transition.PURGE, Transition.RECOVER})
+LOGGED_EVENTS = frozenset(
+    {
+        Transition.REPLAY,
+        Transition.PURGE,
+        Transition.RECOVER,
+        Transition.CANCEL,
+        Transition.REQUEST_CANCEL,
+    }
+)
 
-TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.DEAD})
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.DEAD, JobState.CANCELLED})
 """The states a job leaves only by replay or deletion (a new terminal state joins this set)."""
+# The states a cancel moves straight to CANCELLED (nothing runs them now).
+WAITING_STATES = frozenset({JobState.READY, JobState.PENDING, JobState.RETRYING})
 
 
 def is_terminal(state: JobState | str) -> bool:

@@ -48,9 +48,10 @@ Mapping (see ``docs/django.md``):
   idempotency key; ``TaskResult`` has no other place for the job id until it exists). Both
   modes' ``get_result`` accept both forms.
 * **Status**: pending, ready and retrying are READY; leased is RUNNING; succeeded is
-  SUCCESSFUL; dead is FAILED. A failed attempt with retries left goes back to READY (Django's
-  "ready to be executed again"); ``OPTIONS["MAX_RETRIES"]`` (default
-  ``RELAY_DEFAULT_MAX_RETRIES``) sets the budget, 0 fails a task on its first exception.
+  SUCCESSFUL; dead and cancelled (``relay cancel``) are FAILED. A failed attempt with retries
+  left goes back to READY (Django's "ready to be executed again"); ``OPTIONS["MAX_RETRIES"]``
+  (default ``RELAY_DEFAULT_MAX_RETRIES``) sets the budget, 0 fails a task on its first
+  exception.
 * ``worker_ids`` has one entry per delivery, so ``TaskResult.attempts`` and
   ``TaskContext.attempt`` count deliveries, like Relay's ``attempt``.
 
@@ -136,6 +137,8 @@ STATUS_OF_STATE: dict[str, TaskResultStatus] = {
     "leased": TaskResultStatus.RUNNING,
     "succeeded": TaskResultStatus.SUCCESSFUL,
     "dead": TaskResultStatus.FAILED,
+    # Django's tasks have no cancelled status: a cancelled task did not succeed.
+    "cancelled": TaskResultStatus.FAILED,
 }
 
 _OPTIONS = frozenset({"DATABASE", "MAX_RETRIES", "ADDRESS", "API_KEY", "TIMEOUT"})

@@ -16,6 +16,7 @@ __all__ = [
     "AckResult",
     "Attempt",
     "BatchEntry",
+    "CancelResult",
     "DeadListResult",
     "DeadPurgeResult",
     "ErrorEntry",
@@ -42,7 +43,7 @@ __all__ = [
     "Totals",
 ]
 
-JobState = Literal["pending", "ready", "leased", "retrying", "succeeded", "dead"]
+JobState = Literal["pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"]
 Priority = Literal["low", "normal", "high", "critical"]
 Unique = Literal["window", "active"]
 
@@ -63,12 +64,15 @@ class Attempt(TypedDict):
     worker_id: str
     started_at_ms: int
     ended_at_ms: int | None
-    outcome: str | None  # "succeeded", "failed", "released", "lease_expired", None
+    # "succeeded", "failed", "released", "lease_expired", "recovered", "cancelled",
+    # "timeout", or None while it runs
+    outcome: str | None
     error: str | None
 
 
 class JobEvent(TypedDict):
-    """An operator or recovery event (replay, purge, lease released at restart)."""
+    """An operator or recovery event (replay, purge, cancel, a cancel requested, lease released
+    at restart)."""
 
     event: str
     from_state: str | None
@@ -101,6 +105,8 @@ class Job(TypedDict):
     dead_reason: str | None
     unique: Unique  # when the idempotency key is freed: after the window, or at a terminal state
     meta: dict[str, str]  # the submit's meta map ({} when none)
+    cancel_requested_at_ms: int | None  # when a cancel was asked for (leased or cancelled)
+    time_limit_ms: int | None  # the most one attempt may run, in ms; None: no limit
     history: NotRequired[list[Attempt]]  # inspect only
     events: NotRequired[list[JobEvent]]  # inspect only
     history_omitted: NotRequired[int]  # inspect only: older attempts and events left out
@@ -120,6 +126,7 @@ class Lease(TypedDict):
     max_retries: int
     created_at_ms: int
     meta: dict[str, str]  # the job's meta map ({} when none)
+    time_limit_ms: int | None  # abandon the handler this many ms after the lease; None: never
 
 
 class PingResult(TypedDict):
@@ -169,10 +176,14 @@ class LeaseResult(TypedDict):
 
 
 class RenewResult(TypedDict):
-    """``renew``."""
+    """``renew``: ``stop`` tells the worker to stop the handler: ``"cancelled"`` (a cancel was
+    asked for; the lease was renewed so the handler can stop cleanly) or ``"timeout"`` (the
+    attempt ran past its time limit: it was failed, nothing was renewed, and
+    ``lease_expires_at_ms`` is None); None to carry on."""
 
     job_id: str
-    lease_expires_at_ms: int
+    lease_expires_at_ms: int | None
+    stop: Literal["cancelled", "timeout"] | None
 
 
 class AckResult(TypedDict):
@@ -184,20 +195,21 @@ class AckResult(TypedDict):
 
 
 class FailResult(TypedDict):
-    """``fail``: ``state`` is ``"retrying"`` (with ``retry_at_ms``) or ``"dead"``."""
+    """``fail``: ``state`` is ``"retrying"`` (with ``retry_at_ms``) or ``"dead"``, or
+    ``"cancelled"`` when a cancel had been asked for."""
 
     job_id: str
-    state: Literal["retrying", "dead"]
+    state: Literal["retrying", "dead", "cancelled"]
     retry_at_ms: int | None
     dead_reason: str | None
     duplicate: bool
 
 
 class ReleaseResult(TypedDict):
-    """``release``."""
+    """``release``: ``state`` is ``"cancelled"`` when a cancel had been asked for."""
 
     job_id: str
-    state: Literal["ready"]
+    state: Literal["ready", "cancelled"]
 
 
 class JobResult(TypedDict):
@@ -222,6 +234,14 @@ class ResultResult(TypedDict):
     errors: list[ErrorEntry]  # oldest first; the newest that fit RELAY_MAX_RESULT_BYTES
 
 
+class CancelResult(TypedDict):
+    """``cancel``: the job after it (``cancelled``, or still ``leased`` with
+    ``cancel_requested_at_ms`` set until its worker stops), and whether it is cancelled now."""
+
+    job: Job
+    cancelled: bool
+
+
 class Server(TypedDict):
     """A live ``relay server`` in the registry (instants in epoch ms)."""
 
@@ -243,6 +263,7 @@ class Totals(TypedDict):
     retrying: int
     succeeded: int
     dead: int
+    cancelled: int
 
 
 class QueueStats(Totals):

@@ -111,7 +111,7 @@ def create_lean(path: str) -> str:
 
 
 # insert_job's parameters that a plain submit binds to NULL (its later, optional columns).
-_UNSET: dict[str, Any] = {"unique_scope": None, "meta": None}
+_UNSET: dict[str, Any] = {"unique_scope": None, "meta": None, "time_limit_ms": None}
 
 
 def job_row(n: int, now_ms: int, payload: str, queue: str = "bench") -> dict[str, Any]:

@@ -253,6 +253,9 @@ RELAY_BACKUP_DIR = _env("RELAY_BACKUP_DIR", "")
 RELAY_MAX_META_KEYS = _env_int("RELAY_MAX_META_KEYS", 16)
 RELAY_MAX_META_KEY_BYTES = _env_int("RELAY_MAX_META_KEY_BYTES", 64)
 RELAY_MAX_META_BYTES = _env_int("RELAY_MAX_META_BYTES", 1024)
+# Time limits: per-queue default maximum run time of one attempt, "queue=5m,other=2h" (a job's
+# own time_limit_ms wins; queues not named have none).
+RELAY_QUEUE_TIME_LIMITS = _env("RELAY_QUEUE_TIME_LIMITS", "")
 
 # The HTTP API refuses larger bodies with 413 (queue_api.middleware); Django's own limit is a
 # second fence at the same size.

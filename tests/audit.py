@@ -32,8 +32,16 @@ import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any
 
-TERMINAL = ("succeeded", "dead")
-OUTCOMES = ("succeeded", "failed", "lease_expired", "released", "recovered")
+TERMINAL = ("succeeded", "dead", "cancelled")
+OUTCOMES = (
+    "succeeded",
+    "failed",
+    "lease_expired",
+    "released",
+    "recovered",
+    "cancelled",
+    "timeout",
+)
 
 # name -> query returning one row per violation (first column: the job id or a description).
 CHECKS: dict[str, str] = {
@@ -51,7 +59,7 @@ CHECKS: dict[str, str] = {
         SELECT id FROM relay_job WHERE state = 'ready' AND ready_since_ms IS NULL""",
     "finished_at_ms set iff terminal": """
         SELECT id, state, finished_at_ms FROM relay_job
-         WHERE (state IN ('succeeded', 'dead')) != (finished_at_ms IS NOT NULL)""",
+         WHERE (state IN ('succeeded', 'dead', 'cancelled')) != (finished_at_ms IS NOT NULL)""",
     "dead_reason set iff dead": """
         SELECT id, state, dead_reason FROM relay_job
          WHERE (state = 'dead') != (dead_reason IS NOT NULL)""",
@@ -111,12 +119,12 @@ CHECKS: dict[str, str] = {
         SELECT j.id, a.outcome FROM relay_job j
           LEFT JOIN relay_attempt a ON a.job_id = j.id AND a.attempt = j.attempt
          WHERE j.state = 'dead' AND (a.outcome IS NULL
-                                     OR a.outcome NOT IN ('failed', 'lease_expired'))""",
+                                     OR a.outcome NOT IN ('failed', 'lease_expired', 'timeout'))""",
     "failures match failed and expired attempts (jobs never replayed)": """
         SELECT id, failures, counted FROM (
             SELECT j.id, j.failures,
                    (SELECT COUNT(*) FROM relay_attempt a WHERE a.job_id = j.id
-                       AND a.outcome IN ('failed', 'lease_expired')) AS counted
+                       AND a.outcome IN ('failed', 'lease_expired', 'timeout')) AS counted
               FROM relay_job j
              WHERE NOT EXISTS (SELECT 1 FROM relay_event e
                                 WHERE e.job_id = j.id AND e.event = 'replayed')) AS s
@@ -201,7 +209,7 @@ def find_violations(db: Db, *, quick_check: bool = True) -> dict[str, list[tuple
 
 def counts(db: str | os.PathLike[str]) -> dict[str, int]:
     """Return the number of jobs in each state (every state present, 0 when none)."""
-    states = ("pending", "ready", "leased", "retrying", "succeeded", "dead")
+    states = ("pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled")
     with _snapshot(db) as conn:
         rows = dict(conn.execute("SELECT state, COUNT(*) FROM relay_job GROUP BY state"))
     return {state: int(rows.get(state, 0)) for state in states}

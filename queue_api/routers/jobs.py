@@ -1,4 +1,5 @@
-"""Producer and read endpoints: submit, batch submit, read a job, list jobs, stats."""
+"""Producer and read endpoints: submit, batch submit, read a job, list jobs, stats; and the
+operator's cancel of one job."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from queue_api.routers._common import ERRORS
 from queue_api.schemas import (
     BatchIn,
     BatchOut,
+    CancelOut,
     JobDetailOut,
     JobPageOut,
     ResultOut,
@@ -94,6 +96,19 @@ def get_job(request: HttpRequest, job_id: str) -> dict[str, Any]:
     """Return the job: state, attempts, lease holder and expiry, history with errors, events."""
     job: dict[str, Any] = calls.run(request, "inspect", {"job_id": job_id})["job"]
     return job
+
+
+@router.post(
+    "/jobs/{job_id}/cancel",
+    response={200: CancelOut, **ERRORS},
+    auth=ApiKey("cancel"),
+    summary="Cancel a job",
+)
+def cancel(request: HttpRequest, job_id: str) -> dict[str, Any]:
+    """Cancel a job: ready, pending or retrying ones at once (``cancelled: true``); a leased
+    one is marked and its worker stops it at its next renew (``cancelled: false``). A finished
+    job answers 409 ``JOB_FINISHED``. The cancel is recorded with who asked."""
+    return calls.run(request, "cancel", {"job_id": job_id})
 
 
 @router.get(

@@ -26,7 +26,7 @@ router = Router(tags=["maintenance"])
     summary="Prune finished jobs by age (one batch)",
 )
 def prune(request: HttpRequest, body: PruneIn) -> dict[str, Any]:
-    """Delete up to ``limit`` SUCCEEDED and/or DEAD jobs that finished more than
+    """Delete up to ``limit`` SUCCEEDED, DEAD and/or CANCELLED jobs that finished more than
     ``older_than_ms`` ago, with their history, in one short transaction; repeat while
     ``more``. The server's retention does the same by itself (``RELAY_RETENTION_*``)."""
     result: dict[str, Any] = calls.run(request, "prune", body.model_dump())

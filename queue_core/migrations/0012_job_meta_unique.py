@@ -13,7 +13,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("queue_core", "0009_retention_indexes"),
+        ("queue_core", "0011_cancel_time_limit"),
     ]
 
     operations = [

@@ -47,7 +47,8 @@ class Context:
     Attributes:
         peer: the connection's peer address (``host:port``); the default ``worker_id`` of
             ``lease``.
-        actor: recorded as the actor of ``dead_retry`` / ``dead_purge`` (None when unknown).
+        actor: recorded as the actor of ``dead_retry`` / ``dead_purge`` / ``cancel`` (None
+            when unknown).
     """
 
     peer: str = "local"
@@ -149,7 +150,18 @@ def _lease_ids(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def _renew(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.renew(args["job_id"], **_lease_ids(args), lease_ms=args.get("lease_ms"))
-    return Outcome({"job_id": out["job_id"], "lease_expires_at_ms": out["lease_expires_at_ms"]})
+    events: tuple[metrics.Event, ...] = ()
+    if out["stop"] == "timeout":
+        queue = _queue(out)
+        ended = {
+            JobState.RETRYING: ("failed",),
+            JobState.DEAD: ("failed", "dead"),
+            JobState.CANCELLED: ("cancelled",),
+        }[out["state"]]
+        events = tuple(metrics.Event(e, queue) for e in ("timed_out", *ended))
+    # A timed-out attempt goes to RETRYING (the reaper's sweep promotes it) or DEAD: nothing
+    # to wake.
+    return Outcome({k: out[k] for k in ("job_id", "lease_expires_at_ms", "stop")}, events=events)
 
 
 def _ack(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -178,7 +190,10 @@ def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     events: tuple[metrics.Event, ...] = ()
     if not out["duplicate"]:
         queue = _queue(out)
-        events = (metrics.Event("failed", queue),)
+        if out["state"] == JobState.CANCELLED:
+            events = (metrics.Event("cancelled", queue),)
+        else:
+            events = (metrics.Event("failed", queue),)
         if out["state"] == JobState.DEAD:
             events += (metrics.Event("dead", queue),)
     return Outcome(result, due_at_ms=due, events=events)
@@ -186,6 +201,11 @@ def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 
 def _release(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.release(args["job_id"], **_lease_ids(args))
+    if out["state"] == JobState.CANCELLED:
+        return Outcome(
+            {"job_id": out["job_id"], "state": out["state"]},
+            events=(metrics.Event("cancelled", out["queue"]),),
+        )
     return Outcome(
         {"job_id": out["job_id"], "state": out["state"]},
         frozenset({out["queue"]}),
@@ -218,6 +238,13 @@ def _dead_retry(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcom
     return Outcome(
         {"job": job}, frozenset(queues), events=(metrics.Event("replayed", job["queue"]),)
     )
+
+
+def _cancel(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    out = svc.cancel(args["job_id"], actor=ctx.actor)
+    job = out["job"]
+    events = (metrics.Event("cancelled", job["queue"]),) if out["cancelled"] else ()
+    return Outcome({"job": job, "cancelled": out["cancelled"]}, events=events)
 
 
 def _dead_purge(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -263,6 +290,7 @@ _HANDLERS: dict[str, Handler] = {
     "dead_retry": _dead_retry,
     "dead_purge": _dead_purge,
     "prune": _prune,
+    "cancel": _cancel,
 }
 
 

@@ -182,6 +182,7 @@ SUBMIT_OPTIONS: dict[str, Arg] = {
     "idempotency_key": Arg(_str),
     "unique": Arg(_str),
     "meta": Arg(_object),
+    "time_limit_ms": Arg(_int),
 }
 """A job's options (``submit``, each ``submit_batch`` job, ``POST /queues/{queue}/jobs``)."""
 
@@ -424,6 +425,7 @@ class Ops:
         idempotency_key: str | None = None,
         unique: str | None = None,
         meta: dict[str, str] | None = None,
+        time_limit_ms: int | None = None,
     ) -> Call[types.SubmitResult]:
         """Enqueue one job (none -> ready, or -> pending when delayed).
 
@@ -449,6 +451,10 @@ class Ops:
             meta: a small map of strings stored with the job and returned with its lease
                 (``RELAY_MAX_META_KEYS`` keys, ``RELAY_MAX_META_BYTES`` encoded), e.g. the
                 W3C ``traceparent`` of the producer's span.
+            time_limit_ms: the most one attempt may run, in ms from its lease
+                (1..``RELAY_MAX_DELAY_MS``); past it renew stops extending the lease and the
+                attempt fails with reason ``timeout``. Default: the queue's
+                ``RELAY_QUEUE_TIME_LIMITS`` entry, else no limit.
         Returns:
             ``{"job": Job, "deduplicated": bool}``.
         Raises:
@@ -539,7 +545,11 @@ class Ops:
             lease_ms: new lease length from now, in ms (server default: the visibility
                 timeout; never past ``RELAY_MAX_LEASE_MS``).
         Returns:
-            ``{"job_id", "lease_expires_at_ms"}``.
+            ``{"job_id", "lease_expires_at_ms", "stop"}``: ``stop`` is None, or tells the
+            worker to stop the handler: ``"cancelled"`` (a cancel was asked for; the lease
+            was renewed; fail or release the job to end it cancelled) or ``"timeout"`` (past
+            the time limit: the attempt was failed, ``lease_expires_at_ms`` is None and the
+            token is spent).
         Raises:
             JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
         """
@@ -601,7 +611,8 @@ class Ops:
             traceback: its formatted traceback, at most ``RELAY_MAX_RESULT_BYTES`` UTF-8
                 bytes (stored only with ``exception_class``).
         Returns:
-            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``.
+            ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``; ``state`` is
+            ``"cancelled"`` when a cancel had been asked for.
         Raises:
             JobNotFound, StaleToken, LeaseExpired, InvalidArgument, StoreBusy,
             RelayConnectionError.
@@ -616,7 +627,8 @@ class Ops:
         Args:
             job_id, worker_id, lease_token: as for ``renew``.
         Returns:
-            ``{"job_id", "state": "ready"}``.
+            ``{"job_id", "state": "ready"}``, or ``"cancelled"`` when a cancel had been asked
+            for.
         Raises:
             JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError.
         """
@@ -705,24 +717,26 @@ class Ops:
     @op(Kind.WRITE, _JOB_ID, types.JobResult, readying=True)
     @staticmethod
     def dead_retry(job_id: str) -> Call[types.JobResult]:
-        """Replay a dead job (dead -> ready); its history is kept.
+        """Replay a dead or cancelled job (dead/cancelled -> ready); its history is kept.
 
         Returns:
             ``{"job": Job}``.
         Raises:
-            JobNotFound, InvalidState (not dead), StoreBusy, RelayConnectionError.
+            JobNotFound, InvalidState (neither dead nor cancelled), StoreBusy,
+            RelayConnectionError.
         """
         return Call.of("dead_retry", locals())
 
     @op(Kind.WRITE, _JOB_ID, types.DeadPurgeResult)
     @staticmethod
     def dead_purge(job_id: str) -> Call[types.DeadPurgeResult]:
-        """Delete a dead job for good.
+        """Delete a dead (or cancelled) job for good.
 
         Returns:
             ``{"job_id", "purged": true}``.
         Raises:
-            JobNotFound, InvalidState (not terminal), StoreBusy, RelayConnectionError.
+            JobNotFound, InvalidState (not dead or cancelled), StoreBusy,
+            RelayConnectionError.
         """
         return Call.of("dead_purge", locals())
 
@@ -736,18 +750,35 @@ class Ops:
         """Delete finished jobs that finished more than ``older_than_ms`` ago, with their
         attempts, events and task results: one short transaction of at most ``limit`` jobs
         (1..10 000), so the write lock is never held for long; call again while ``more``.
-        What the server's retention does by itself (``RELAY_RETENTION_SUCCEEDED``/``_DEAD``).
+        What the server's retention does by itself (``RELAY_RETENTION_SUCCEEDED``/``_DEAD``;
+        cancelled jobs are kept as long as dead ones).
 
         Args:
             older_than_ms: age in ms (>= 1) past which finished jobs go.
-            state: ``succeeded``, ``dead`` or ``all``.
+            state: ``succeeded``, ``dead``, ``cancelled`` or ``all``.
             limit: the most jobs this call deletes.
         Returns:
-            ``{"deleted": {"succeeded": n, "dead": m}, "more": bool}``.
+            ``{"deleted": {"succeeded": n, "dead": m, "cancelled": k}, "more": bool}``.
         Raises:
             InvalidArgument, StoreBusy, RelayConnectionError.
         """
         return Call.of("prune", locals())
+
+    @op(Kind.WRITE, _JOB_ID, types.CancelResult)
+    @staticmethod
+    def cancel(job_id: str) -> Call[types.CancelResult]:
+        """Cancel a job: ready, pending or retrying -> cancelled at once; a leased job is
+        marked, and its worker is told to stop at its next renew (then it ends cancelled,
+        unless the handler finishes and acks first).
+
+        Returns:
+            ``{"job": Job, "cancelled": bool}`` (``cancelled`` false while a leased job's
+            worker has yet to stop).
+        Raises:
+            JobNotFound, JobFinished (succeeded, dead or cancelled already), StoreBusy,
+            RelayConnectionError.
+        """
+        return Call.of("cancel", locals())
 
 
 class BlockingClient(Ops, Blocking):

@@ -13,6 +13,16 @@ ack, and the service stores it with the job (the ``result`` op reads it); any ot
 value is ignored. A failure is sent with its exception's class and traceback
 (``reported_error``), which the service keeps per attempt beside the error text.
 
+``ctx.stop`` (a ``StopSignal``) is set when the handler should stop now, with its ``reason``:
+``"cancelled"`` (an operator cancelled the job: the worker learned it at a renew),
+``"timeout"`` (the attempt reached its time limit) or ``"shutdown"`` (the worker is stopping).
+Stopping is cooperative, as with Celery's soft time limit and Oban's cancellation: a thread
+cannot be killed, so a long handler should wait on ``ctx.stop`` (or check it) and raise
+``JobInterrupted``. The worker then ends the job as the reason says: a cancelled job becomes
+CANCELLED, a timed-out attempt is failed with reason ``timeout`` (the retry policy applies),
+a shut-down job is released. A handler that ignores it runs on; past a time limit the server
+stops renewing its lease and its late result is refused.
+
 A job enqueued through ``django.tasks`` (``is_django_task``) runs only under ``relay worker
 --tasks``: the demonstration handler and application routers refuse it (``TaskJobRefused``)
 rather than ack a task whose body never ran.
@@ -35,6 +45,7 @@ __all__ = [
     "JobInterrupted",
     "NonRetryableError",
     "ReportedError",
+    "StopSignal",
     "StoredResult",
     "TaskJobRefused",
     "demo_handler",
@@ -49,10 +60,39 @@ class NonRetryableError(Exception):
 
 
 class JobInterrupted(Exception):
-    """The handler stopped early because the worker is shutting down.
+    """The handler stopped early because ``ctx.stop`` or ``ctx.shutdown`` was set.
 
-    The worker releases the job (back to ready, no failure counted) instead of failing it.
+    The worker releases the job (back to ready, no failure counted) instead of failing it;
+    after a cancel the release ends it CANCELLED, and past its time limit the worker fails it
+    with reason ``timeout`` instead.
     """
+
+
+class StopSignal:
+    """Tells a running handler to stop, and why (``reason``): ``"cancelled"``, ``"timeout"``
+    or ``"shutdown"``. Set once; the first reason stays. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self.reason: str | None = None
+
+    def set(self, reason: str) -> bool:
+        """Ask the handler to stop for ``reason``; True when this call set it (first time)."""
+        with self._lock:
+            if self.reason is not None:
+                return False
+            self.reason = reason
+        self._event.set()
+        return True
+
+    def is_set(self) -> bool:
+        """Whether the handler was asked to stop."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: forever) for a stop; True if asked to."""
+        return self._event.wait(timeout)
 
 
 class TaskJobRefused(NonRetryableError):
@@ -146,7 +186,10 @@ class JobContext:
         worker_id: the id this worker leases with.
         shutdown: set when the worker is stopping; long handlers should watch it and raise
             ``JobInterrupted`` (or finish quickly).
-        lease: the raw lease dict from the server (``docs/protocol.md``, "Lease").
+        lease: the raw lease dict from the server (``docs/protocol.md``, "Lease"); its
+            ``time_limit_ms`` is the attempt's time limit (None: none).
+        stop: set when this handler should stop now: cancelled, past its time limit, or the
+            worker shutting down (``StopSignal.reason`` says which).
         meta: (property) the job's ``meta`` map, ``{}`` when it has none.
     """
 
@@ -156,6 +199,7 @@ class JobContext:
     worker_id: str
     shutdown: threading.Event
     lease: types.Lease
+    stop: StopSignal = dataclasses.field(default_factory=StopSignal)
 
     @property
     def meta(self) -> dict[str, str]:
@@ -175,7 +219,8 @@ def demo_handler(payload: Any, ctx: JobContext) -> None:
     """Run the seed's demonstration job; safe to point at any queue.
 
     * ``{"sleep_ms": N}`` waits N ms, or raises ``JobInterrupted`` as soon as the worker
-      starts shutting down (so a stop never waits on a demo sleep).
+      starts shutting down, or the job is cancelled or reaches its time limit (``ctx.stop``),
+      so a stop never waits on a demo sleep.
     * ``{"fail": true, "error": "demo", "retryable": false}`` raises ``DemoFailure("demo")``,
       or ``NonRetryableError("demo")`` when ``retryable`` is false; ``error`` defaults to
       ``"demo failure"``.
@@ -184,7 +229,7 @@ def demo_handler(payload: Any, ctx: JobContext) -> None:
 
     Args:
         payload: the job's payload.
-        ctx: the job context; only ``ctx.shutdown`` is used.
+        ctx: the job context; only ``ctx.shutdown`` and ``ctx.stop`` are used.
     Raises:
         JobInterrupted, DemoFailure, NonRetryableError, TaskJobRefused.
     """
@@ -199,5 +244,6 @@ def demo_handler(payload: Any, ctx: JobContext) -> None:
     sleep_ms = payload.get("sleep_ms")
     if not isinstance(sleep_ms, int | float) or isinstance(sleep_ms, bool) or sleep_ms <= 0:
         return
-    if ctx.shutdown.wait(sleep_ms / 1000):
-        raise JobInterrupted(f"stopped after less than {sleep_ms} ms of sleep")
+    if ctx.shutdown.is_set() or ctx.stop.wait(sleep_ms / 1000):
+        why = ctx.stop.reason or "shutdown"
+        raise JobInterrupted(f"stopped ({why}) after less than {sleep_ms} ms of sleep")

@@ -14,6 +14,17 @@ Threads, and why:
 
 Delivery is at-least-once: when a renew or an ack is rejected (the lease expired or was taken
 over), the worker logs it and moves on; another worker may run the job again.
+
+Cancel and time limits (issue 16): the renewer reads each renew's ``stop``. On ``"cancelled"``
+it sets the job's ``ctx.stop`` (reason ``cancelled``) and keeps renewing until the handler
+returns; a handler that then raises (``JobInterrupted`` or anything) has its job released or
+failed, which the server turns into CANCELLED, while one that returns normally is acked
+(SUCCEEDED: the work ran). A lease with a ``time_limit_ms`` has a local deadline too: at it
+(or at a renew answering ``"timeout"``, whichever comes first) ``ctx.stop`` is set with reason
+``timeout`` and the handler's stop is reported as a failure with the error ``timeout`` (never a
+release, which would hand out a free retry); when the server already failed the attempt, the
+result is dropped. Celery's soft time limit and Oban's cancellation work the same way: the
+handler is told, and stops itself.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from queue_core.worker.handlers import (
     JobInterrupted,
     NonRetryableError,
     ReportedError,
+    StopSignal,
     StoredResult,
     demo_handler,
     reported_error,
@@ -170,6 +182,11 @@ class _HeldJob:
     # shutdown while the handler still ran (its result is discarded).
     status: _Status = "running"
     lost: bool = False  # a renew was rejected: the lease is gone
+    # Why the handler should stop (cancelled, timeout, shutdown); its ctx.stop.
+    stop: StopSignal = dataclasses.field(default_factory=StopSignal)
+    # clock.monotonic() seconds at which the attempt reaches its time limit, or None.
+    deadline: float | None = None
+    timed_out: bool = False  # the server failed the attempt for its time limit (renew said so)
 
 
 def _log(level: int, event: str, *, exc_info: bool = False, **fields: Any) -> None:
@@ -221,6 +238,8 @@ class Worker:
     Attributes:
         leased, acked, failed, released, renewed, lost: counters (``lost``: leases found gone
             by a rejected renew).
+        cancelled, timed_out: handlers told to stop because their job was cancelled, or
+            because their attempt reached its time limit.
         ready: set once ``run()`` has started its threads.
         shutdown_event: set by ``stop()``; handed to handlers as ``ctx.shutdown``.
     """
@@ -292,6 +311,8 @@ class Worker:
         self.released = 0
         self.renewed = 0
         self.lost = 0
+        self.cancelled = 0
+        self.timed_out = 0
 
     # -- public ---------------------------------------------------------------------------
 
@@ -302,7 +323,8 @@ class Worker:
             return len(self._held)
 
     def counters(self) -> dict[str, int]:
-        """Return a snapshot ``{"leased", "acked", "failed", "released", "renewed", "lost"}``."""
+        """Return a snapshot ``{"leased", "acked", "failed", "released", "renewed", "lost",
+        "cancelled", "timed_out"}``."""
         with self._cond:
             return {
                 "leased": self.leased,
@@ -311,6 +333,8 @@ class Worker:
                 "released": self.released,
                 "renewed": self.renewed,
                 "lost": self.lost,
+                "cancelled": self.cancelled,
+                "timed_out": self.timed_out,
             }
 
     def stop(self) -> None:
@@ -323,6 +347,8 @@ class Worker:
         self._stop.set()
         self.shutdown_event.set()
         with self._cond:  # an RLock: re-entrant if the signal lands inside the worker's code
+            for job in self._held.values():
+                job.stop.set("shutdown")
             self._cond.notify_all()
 
     def run(self) -> None:
@@ -426,6 +452,8 @@ class Worker:
                 self._accept(lease)
 
     def _accept(self, lease: types.Lease) -> None:
+        now = self._clock.monotonic()
+        limit_ms = lease.get("time_limit_ms")
         job = _HeldJob(
             job_id=str(lease["job_id"]),
             lease_token=str(lease["lease_token"]),
@@ -433,7 +461,9 @@ class Worker:
             attempt=int(lease.get("attempt", 0)),
             payload=lease.get("payload"),
             lease=lease,
-            renew_at=self._clock.monotonic() + self._renew_interval_s,
+            renew_at=now + self._renew_interval_s,
+            # Counted from the lease's arrival: no later than the server's own deadline.
+            deadline=now + limit_ms / 1000 if isinstance(limit_ms, int) and limit_ms > 0 else None,
         )
         with self._cond:
             self.leased += 1
@@ -477,6 +507,7 @@ class Worker:
             worker_id=self.worker_id,
             shutdown=self.shutdown_event,
             lease=job.lease,
+            stop=job.stop,
         )
         action: Literal["ack", "fail", "release"] = "ack"
         error = ""
@@ -503,9 +534,21 @@ class Worker:
                 error=error,
                 exc_info=logger.isEnabledFor(logging.DEBUG),  # tracebacks with RELAY_LOG=debug
             )
+        if job.stop.reason == "timeout" and action != "ack":
+            # A stop at the time limit is a failed attempt (reason "timeout"), never a release.
+            action, error, retryable = "fail", "timeout", True
         with self._cond:
-            if job.status != "running":  # released at the shutdown deadline
-                _log(logging.INFO, "result_discarded", job_id=job.job_id, action=action)
+            if job.status != "running" or job.timed_out:
+                # Released at the shutdown deadline, or failed by the server at its time limit.
+                _log(
+                    logging.INFO,
+                    "result_discarded",
+                    job_id=job.job_id,
+                    attempt=job.attempt,
+                    action=action,
+                )
+                self._held.pop(job.job_id, None)
+                self._cond.notify_all()
                 return
             job.status = "settling"
         try:
@@ -642,18 +685,34 @@ class Worker:
             now = self._clock.monotonic()
             with self._cond:
                 live = [j for j in self._held.values() if not j.lost and j.status != "released"]
+            for job in live:
+                if job.deadline is not None and job.deadline <= now:
+                    self._stop_handler(job, "timeout")
             due = [job for job in live if job.renew_at <= now]
             for job in due:
                 self._renew(job)
             if due:
                 continue
-            next_at = min((job.renew_at for job in live), default=now + self._tick_s)
+            times = [job.renew_at for job in live]
+            times += [j.deadline for j in live if j.deadline is not None and not j.stop.is_set()]
+            next_at = min(times, default=now + self._tick_s)
             self._renew_stop.wait(min(max(next_at - now, 0.0), self._tick_s))
+
+    def _stop_handler(self, job: _HeldJob, reason: str) -> None:
+        """Set the job's ``ctx.stop`` for ``reason`` (``cancelled`` or ``timeout``), once."""
+        if not job.stop.set(reason):
+            return
+        with self._cond:
+            if reason == "cancelled":
+                self.cancelled += 1
+            else:
+                self.timed_out += 1
+        _log(logging.INFO, "handler_stop", job_id=job.job_id, attempt=job.attempt, reason=reason)
 
     def _renew(self, job: _HeldJob) -> None:
         try:
             with self._clients.client() as client:
-                client.renew(
+                result: Mapping[str, Any] = client.renew(
                     job.job_id,
                     worker_id=self.worker_id,
                     lease_token=job.lease_token,
@@ -672,10 +731,20 @@ class Worker:
             job.renew_at = self._clock.monotonic() + min(self._renew_interval_s, _RENEW_RETRY_S)
             _log(logging.WARNING, "renew_error", job_id=job.job_id, error=_describe(exc))
         else:
+            stop = result.get("stop")
+            if stop == "timeout":
+                # The server failed the attempt: nothing left to renew, ack or fail.
+                with self._cond:
+                    job.timed_out = True
+                    job.lost = True
+                self._stop_handler(job, "timeout")
+                return
             job.renew_at = self._clock.monotonic() + self._renew_interval_s
             with self._cond:
                 self.renewed += 1
             _log(logging.DEBUG, "renewed", job_id=job.job_id, lease_ms=self.lease_ms)
+            if stop == "cancelled":
+                self._stop_handler(job, "cancelled")
 
     # -- stopping -------------------------------------------------------------------------
 

@@ -88,7 +88,7 @@ def test_replaying_a_job_that_is_not_dead_changes_nothing_and_says_so(
     done = confirm(alice, JOB_LIST, page)
     assert messages_of(done) == [
         "Replayed 1 job.",
-        f"1 job is not dead and is left alone: {ready} (it is ready).",
+        f"1 job is not dead or cancelled and is left alone: {ready} (it is ready).",
     ]
     assert states([ready, dead]) == {ready: "ready", dead: "ready"}
     assert not JobEvent.objects.filter(job_id=ready).exists()

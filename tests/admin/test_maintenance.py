@@ -55,13 +55,17 @@ def test_prune_confirms_the_count_then_deletes_and_records_who(
             {"action": "prune", "older_than": "1ms", "state": "succeeded", "post": "yes"},
             follow=True,
         )
-        assert messages_of(page) == ["Pruned 4 succeeded, 0 dead jobs."]
+        assert messages_of(page) == ["Pruned 4 succeeded, 0 dead, 0 cancelled jobs."]
         assert not Job.objects.filter(id__in=done).exists()
         assert Job.objects.filter(id__in=dead).count() == 2  # not asked for
         (event,) = JobEvent.objects.filter(event="pruned")
-        assert (event.job_id, event.actor, event.detail) == ("", "alice", "succeeded=4 dead=0")
+        assert (event.job_id, event.actor, event.detail) == (
+            "",
+            "alice",
+            "succeeded=4 dead=0 cancelled=0",
+        )
         audit = alice.get("/admin/queue_core/jobevent/")
-        assert audit.status_code == 200 and b"succeeded=4 dead=0" in audit.content
+        assert audit.status_code == 200 and b"succeeded=4 dead=0 cancelled=0" in audit.content
         assert finish(conn, 1)  # the server went on serving
     finally:
         conn.close()

@@ -112,6 +112,7 @@ ROUTES = {
     "dead_list": ("GET", "/dead"),
     "dead_retry": ("POST", "/dead/{job_id}/replay"),
     "dead_purge": ("DELETE", "/dead/{job_id}"),
+    "cancel": ("POST", "/jobs/{job_id}/cancel"),
 }
 
 

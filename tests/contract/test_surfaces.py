@@ -34,6 +34,8 @@ JOB_KEYS = {
     "dead_reason",
     "unique",
     "meta",
+    "cancel_requested_at_ms",
+    "time_limit_ms",
 }
 UNKNOWN_JOB = "job_00000000000000000000000000"
 
@@ -87,7 +89,11 @@ def test_lease_renew_ack_and_stale_tokens(surface: Surface, clock: FakeClock) ->
     refused(surface, "STALE_TOKEN", "ack", **{**held(got), "worker_id": "w2"})
     clock.advance(ms=1_000)
     renewed = surface.call("renew", **held(got), lease_ms=20_000)
-    assert renewed == {"job_id": job_id, "lease_expires_at_ms": clock.now_ms() + 20_000}
+    assert renewed == {
+        "job_id": job_id,
+        "lease_expires_at_ms": clock.now_ms() + 20_000,
+        "stop": None,
+    }
     acked = surface.call("ack", **held(got))
     assert acked == {"job_id": job_id, "state": "succeeded", "duplicate": False}
     assert surface.call("ack", **held(got))["duplicate"] is True
@@ -197,7 +203,7 @@ def test_stats_shape(surface: Surface, clock: FakeClock) -> None:
     clock.advance(ms=2_500)
     stats = surface.call("stats")
     assert set(stats) == {"queues", "totals", "server_time_ms", "servers", "next_after"}
-    states = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
+    states = {"pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"}
     assert stats["totals"] == dict.fromkeys(states, 0) | {"pending": 1, "ready": 1}
     assert stats["queues"]["a"] == dict.fromkeys(states, 0) | {
         "ready": 1,
@@ -216,6 +222,7 @@ def test_stats_shape(surface: Surface, clock: FakeClock) -> None:
         ("submit", {"queue": "q", "payload": 1, "max_retries": "3"}, "max_retries"),
         ("submit", {"queue": "q", "payload": 1, "delay_ms": -1}, "delay_ms"),
         ("submit", {"queue": "bad queue", "payload": 1}, "queue"),
+        ("submit", {"queue": "q", "payload": 1, "time_limit_ms": 0}, "time_limit_ms"),
         (
             "submit_batch",
             {"jobs": [{"queue": "q", "payload": 1}, {"queue": 1, "payload": 1}]},
@@ -252,8 +259,41 @@ def test_invalid_arguments_name_the_field(
         ("release", {"worker_id": "w1", "lease_token": "t"}),
         ("dead_retry", {}),
         ("dead_purge", {}),
+        ("cancel", {}),
     ],
 )
 def test_unknown_job(surface: Surface, op: str, args: dict[str, Any]) -> None:
     err = refused(surface, "NOT_FOUND", op, job_id=UNKNOWN_JOB, **args)
     assert err.details["job_id"] == UNKNOWN_JOB
+
+
+def test_cancel_and_time_limit(surface: Surface, clock: FakeClock) -> None:
+    waiting = surface.call("submit", queue="w", payload=1)["job"]["id"]
+    out = surface.call("cancel", job_id=waiting)
+    assert set(out) == {"job", "cancelled"} and out["cancelled"] is True
+    assert set(out["job"]) == JOB_KEYS | surface.job_extras
+    assert out["job"]["state"] == "cancelled"
+    err = refused(surface, "JOB_FINISHED", "cancel", job_id=waiting)
+    assert err.details == {"job_id": waiting, "state": "cancelled"}
+    # A leased job: marked; the renew says stop; the release ends it cancelled.
+    running = surface.call("submit", queue="q", payload=1)["job"]["id"]
+    got = lease(surface, lease_ms=10_000)
+    out = surface.call("cancel", job_id=running)
+    assert out["cancelled"] is False and out["job"]["state"] == "leased"
+    assert out["job"]["cancel_requested_at_ms"] == clock.now_ms()
+    assert surface.call("renew", **held(got))["stop"] == "cancelled"
+    assert surface.call("release", **held(got)) == {"job_id": running, "state": "cancelled"}
+    # dead_retry replays a cancelled job.
+    assert surface.call("dead_retry", job_id=running)["job"]["state"] == "ready"
+    # A time limit: the lease carries it; a renew at the limit fails the attempt.
+    timed = surface.call("submit", queue="t", payload=1, time_limit_ms=2_000, max_retries=0)
+    assert timed["job"]["time_limit_ms"] == 2_000
+    got = lease(surface, queue="t", lease_ms=10_000)
+    assert got["time_limit_ms"] == 2_000
+    clock.advance(ms=2_000)
+    stopped = surface.call("renew", **held(got))
+    assert stopped == {"job_id": got["job_id"], "lease_expires_at_ms": None, "stop": "timeout"}
+    err = refused(surface, "LEASE_EXPIRED", "ack", **held(got))
+    assert err.details["reason"] == "timeout"
+    job = surface.call("inspect", job_id=got["job_id"])["job"]
+    assert (job["state"], job["last_error"]) == ("dead", "timeout")

@@ -557,11 +557,11 @@ def test_prune_one_batch_at_a_time_with_an_operator_key(
     problem(api.with_key(producer).post("/api/v1/prune", body), 403, "PERMISSION_DENIED")
     ops = api.with_key(operator)
     assert ops.post("/api/v1/prune", body).json() == {
-        "deleted": {"succeeded": 2, "dead": 0},
+        "deleted": {"succeeded": 2, "dead": 0, "cancelled": 0},
         "more": True,
     }
     assert ops.post("/api/v1/prune", body).json() == {
-        "deleted": {"succeeded": 1, "dead": 0},
+        "deleted": {"succeeded": 1, "dead": 0, "cancelled": 0},
         "more": False,
     }
     assert Job.objects.filter(queue="old").values_list("id", flat=True).get() == fresh["id"]

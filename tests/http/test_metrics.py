@@ -207,3 +207,47 @@ def test_metrics_server_serves_the_same_text(transactional_db: None) -> None:
         server.stop()
     assert samples(text, "relay_queue_jobs")[(("queue", "s1"), ("state", "ready"))] == 1
     assert "relay_jobs_submitted" in families(text)
+
+
+def test_cancels_and_timeouts_are_counted(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    svc = QueueService(observer=metrics.observe, clock=clock)
+    monkeypatch.setattr(calls, "service", lambda: svc)
+    names = (
+        "relay_jobs_cancelled_total",
+        "relay_jobs_timed_out_total",
+        "relay_jobs_failed_total",
+        "relay_jobs_dead_total",
+        "relay_jobs_released_total",
+    )
+    before = {name: metric(name, queue="m2") for name in names}
+
+    def delta(name: str) -> float:
+        return metric(name, queue="m2") - before[name]
+
+    jobs = "/api/v1/queues/m2/jobs"
+    waiting = api.post(jobs, {"payload": 1}).json()["job"]["id"]
+    assert api.post(f"/api/v1/jobs/{waiting}/cancel", {}).json()["cancelled"] is True
+    assert delta("relay_jobs_cancelled_total") == 1
+    # A leased job: the cancel only marks it; its worker's release ends it (counted then).
+    running = api.post(jobs, {"payload": 2}).json()["job"]["id"]
+    [lease] = api.post("/api/v1/leases", {"queues": ["m2"], "worker_id": "w"}).json()["jobs"]
+    assert api.post(f"/api/v1/jobs/{running}/cancel", {}).json()["cancelled"] is False
+    assert delta("relay_jobs_cancelled_total") == 1
+    ids = {"worker_id": "w", "lease_token": lease["lease_token"]}
+    assert api.post(f"/api/v1/jobs/{running}/release", ids).json()["state"] == "cancelled"
+    assert delta("relay_jobs_cancelled_total") == 2 and delta("relay_jobs_released_total") == 0
+    # A renew at the time limit: a timeout, a failed attempt and (no retries left) a dead job.
+    api.post(jobs, {"payload": 3, "time_limit_ms": 1_000, "max_retries": 0})
+    [lease] = api.post("/api/v1/leases", {"queues": ["m2"], "worker_id": "w"}).json()["jobs"]
+    clock.advance(ms=1_000)
+    ids = {"worker_id": "w", "lease_token": lease["lease_token"]}
+    assert api.post(f"/api/v1/jobs/{lease['job_id']}/renew", ids).json()["stop"] == "timeout"
+    assert delta("relay_jobs_timed_out_total") == 1
+    assert delta("relay_jobs_failed_total") == 1 and delta("relay_jobs_dead_total") == 1
+    # A lease that ran out past its limit (a hung worker): counted by the sweep's observer.
+    api.post(jobs, {"payload": 4, "time_limit_ms": 1_000, "max_retries": 1})
+    svc.claim(["m2"], worker_id="w", lease_ms=1_000)
+    clock.advance(ms=1_000)
+    assert svc.expire_leases() == ["m2"]
+    assert delta("relay_jobs_timed_out_total") == 2

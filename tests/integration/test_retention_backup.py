@@ -63,10 +63,17 @@ def test_prune_command_counts_then_deletes_old_finished_jobs() -> None:
     fresh = finish(QueueService(), 1)
     out = StringIO()
     call_command("relay_prune", "--older-than", "1d", "--dry-run", "--json", stdout=out)
-    assert orjson.loads(out.getvalue()) == {"succeeded": 3, "dead": 2, "dry_run": True}
+    assert orjson.loads(out.getvalue()) == {
+        "succeeded": 3,
+        "dead": 2,
+        "cancelled": 0,
+        "dry_run": True,
+    }
     out = StringIO()
     call_command("relay_prune", "--older-than", "1d", "--state", "dead", stdout=out)
-    assert out.getvalue().strip() == "pruned 2 jobs (0 succeeded, 2 dead) finished more than 1d ago"
+    assert out.getvalue().strip() == (
+        "pruned 2 jobs (0 succeeded, 2 dead, 0 cancelled) finished more than 1d ago"
+    )
     out = StringIO()
     call_command("relay_prune", "--older-than", "1d", "--batch", "2", "--json", stdout=out)
     assert orjson.loads(out.getvalue())["succeeded"] == 3
@@ -215,9 +222,9 @@ def test_prune_op_over_tcp_deletes_in_bounded_batches_and_says_when_more_remain(
         done = lease_ack(conn, 5)
         args = {"older_than_ms": 1, "state": "succeeded", "limit": 3}
         first = conn("prune", **args)["result"]
-        assert first == {"deleted": {"succeeded": 3, "dead": 0}, "more": True}
+        assert first == {"deleted": {"succeeded": 3, "dead": 0, "cancelled": 0}, "more": True}
         second = conn("prune", **args)["result"]
-        assert second == {"deleted": {"succeeded": 2, "dead": 0}, "more": False}
+        assert second == {"deleted": {"succeeded": 2, "dead": 0, "cancelled": 0}, "more": False}
         marks = ",".join("?" * len(done))
         assert not count(db, f"SELECT COUNT(*) FROM relay_job WHERE id IN ({marks})", *done)
         events = count(db, "SELECT COUNT(*) FROM relay_event WHERE event = 'pruned'")

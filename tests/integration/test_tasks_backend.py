@@ -182,6 +182,14 @@ def test_run_after_defers_the_job() -> None:
     assert abs(fetched.task.run_after - run_after) < dt.timedelta(milliseconds=1)
 
 
+def test_a_cancelled_task_is_failed() -> None:
+    result = tasks.add.enqueue(1, 1)
+    QueueService().cancel(result.id)
+    fetched = default_task_backend.get_result(result.id)
+    assert fetched.status == TaskResultStatus.FAILED
+    assert fetched.finished_at is not None
+
+
 @pytest.mark.parametrize("queue_name", ["bad queue", "-leading", "x" * 129])
 def test_queue_name_must_be_a_relay_queue(queue_name: str) -> None:
     with pytest.raises(InvalidTask, match="not a Relay queue name"):

@@ -136,6 +136,9 @@ def test_the_gauges_count_live_jobs_without_reading_finished_ones() -> None:
         ("Index Scan", "relay_job_dead"),
         # Retention's index of DEAD jobs (migration 0009): partial on state = 'dead' too.
         ("Index Scan", "relay_job_dead_done"),
+        # CANCELLED jobs: retention's index of them (migration 0011), partial on their state.
+        ("Index Scan", "relay_job_cancelled_done"),
+        ("Bitmap Index Scan", "relay_job_cancelled_done"),
         ("Index Only Scan", "relay_job_ready"),
         ("Bitmap Index Scan", "relay_job_ready"),
     }, scans

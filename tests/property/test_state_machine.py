@@ -1,13 +1,15 @@
 """Terminal-state invariants: a hypothesis state machine against QueueService on a real SQLite file.
 
-Random sequences of submit / claim / renew / ack / fail / release / advance the FakeClock /
-expire (``service.expire_leases()``) / replay / purge / restart (``service.recover()`` on a new
-``QueueService``) run against the service, next to a plain dict model of what the documented
-semantics (docs/failure-model.md, docs/protocol.md) say must happen. After every step:
+Random sequences of submit (some with a time limit) / claim / renew / ack / fail / release /
+cancel / advance the FakeClock / expire (``service.expire_leases()``) / replay / purge / restart
+(``service.recover()`` on a new ``QueueService``) run against the service, next to a plain
+dict model of what the documented semantics (docs/failure-model.md, docs/protocol.md) say must
+happen. After every step:
 
 * every job row and every attempt row equals the model (state, attempt, failures, lease holder
   and expiry, due time, ready time, outcomes), and ``tests.audit.audit`` finds nothing;
-* no transition out of SUCCEEDED; DEAD is left only by replay or purge; ``attempt`` never
+* no transition out of SUCCEEDED; DEAD and CANCELLED are left only by replay or purge; a
+  cancelled job is never leased again; ``attempt`` never
   decreases (it counts deliveries and survives replay, which resets ``failures``);
 * at most one live lease per job; an accepted ack, fail, renew or release carried the job's
   latest token and a lease that had not expired; every rejection has the documented code.
@@ -58,6 +60,7 @@ JOB_SPECS = st.tuples(
     st.booleans(),
 )
 HOW = st.sampled_from(["latest", "latest", "drawn", "intruder"])
+TIME_LIMITS = st.sampled_from([None, None, 1_000, 3_000])  # a job's time_limit_ms
 ADVANCE_MS = st.sampled_from([1, 499, 500, 999, 1_000, 2_000, 3_000, 60_000, 120_000])
 
 
@@ -69,8 +72,9 @@ class Token:
     token: str
     attempt: int
     worker: str
-    outcome: str | None = None  # succeeded | failed | lease_expired | released | recovered
-    failed_to: str | None = None  # what an accepted fail did: retrying | dead
+    # succeeded | failed | lease_expired | released | recovered | cancelled | timeout
+    outcome: str | None = None
+    failed_to: str | None = None  # what an accepted fail did: retrying | dead | cancelled
     started_at: int = 0
 
 
@@ -95,6 +99,9 @@ class ModelJob:
     finished: bool = False
     purged: bool = False
     replays: list[int] = dataclasses.field(default_factory=list)  # when it was replayed
+    time_limit: int | None = None  # ms one attempt may run
+    leased_at: int | None = None
+    cancel_requested: bool = False  # cancel_requested_at_ms is set
 
 
 def bounded_backoff_ms(job: ModelJob, failure: int) -> int:
@@ -140,9 +147,17 @@ class QueueMachine(RuleBasedStateMachine):
             if job.state == "leased" and job.expires is not None and job.expires <= self.now():
                 assert job.token is not None
                 self.leases[job.token].outcome = "lease_expired"
-                job.failures += 1
+                job.failures += 1  # a lost lease counts a failure, cancelled or not
+                if job.cancel_requested:  # ends CANCELLED
+                    job.state, job.finished = "cancelled", True
+                    job.token = job.worker = job.expires = None
+                    continue
+                timed_out = job.time_limit is not None and (
+                    job.leased_at is not None and job.expires >= job.leased_at + job.time_limit
+                )
+                reason = "timeout" if timed_out else "lease expired"
                 if job.failures > job.max_retries:
-                    job.state, job.dead_reason, job.finished = "dead", "lease expired", True
+                    job.state, job.dead_reason, job.finished = "dead", reason, True
                 else:
                     job.state, job.ready_since, back = "ready", job.expires, True
                 job.token = job.worker = job.expires = None
@@ -160,6 +175,8 @@ class QueueMachine(RuleBasedStateMachine):
         current = job.state == "leased" and job.token == tok.token
         if current and job.worker == worker:
             return errors.LeaseExpired  # right lease, but its time is up
+        if not current and tok.worker == worker and tok.outcome == "timeout":
+            return errors.LeaseExpired  # a renew found it past its time limit
         if (
             not current
             and tok.worker == worker
@@ -204,7 +221,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    def _submit(self, spec: tuple[str, int, int, str, bool]) -> str:
+    def _submit(self, spec: tuple[str, int, int, str, bool], limit: int | None = None) -> str:
         priority, max_retries, delay_ms, backoff, jitter = spec
         job = self.service.submit(
             QUEUE,
@@ -216,6 +233,7 @@ class QueueMachine(RuleBasedStateMachine):
             backoff_base_ms=BACKOFF_BASE_MS,
             backoff_cap_ms=BACKOFF_CAP_MS,
             jitter=jitter,
+            time_limit_ms=limit,
         )["job"]
         delayed = delay_ms > 0
         self.model[job["id"]] = ModelJob(
@@ -227,17 +245,26 @@ class QueueMachine(RuleBasedStateMachine):
             state="pending" if delayed else "ready",
             ready_since=None if delayed else self.now(),
             available_at=self.now() + delay_ms if delayed else None,
+            time_limit=limit,
         )
         assert job["state"] == self.model[job["id"]].state
+        assert job["time_limit_ms"] == limit
         return str(job["id"])
 
-    @initialize(target=jobs, specs=st.lists(JOB_SPECS, min_size=1, max_size=4))
-    def first_jobs(self, specs: list[tuple[str, int, int, str, bool]]) -> Any:
-        return multiple(*(self._submit(spec) for spec in specs))
+    @initialize(
+        target=jobs,
+        specs=st.lists(JOB_SPECS, min_size=1, max_size=4),
+        limits=st.lists(TIME_LIMITS, min_size=4, max_size=4),
+    )
+    def first_jobs(
+        self, specs: list[tuple[str, int, int, str, bool]], limits: list[int | None]
+    ) -> Any:
+        pairs = zip(specs, limits[: len(specs)], strict=True)
+        return multiple(*(self._submit(spec, limit) for spec, limit in pairs))
 
-    @rule(target=jobs, spec=JOB_SPECS)
-    def submit(self, spec: tuple[str, int, int, str, bool]) -> str:
-        return self._submit(spec)
+    @rule(target=jobs, spec=JOB_SPECS, limit=TIME_LIMITS)
+    def submit(self, spec: tuple[str, int, int, str, bool], limit: int | None) -> str:
+        return self._submit(spec, limit)
 
     @rule(
         target=tokens,
@@ -258,7 +285,10 @@ class QueueMachine(RuleBasedStateMachine):
             job.attempt += 1
             job.state, job.worker = "leased", worker
             job.token, job.expires = lease["lease_token"], self.now() + lease_ms
+            job.leased_at = self.now()
+            assert not job.cancel_requested  # a cancelled job is never leased again
             assert lease["attempt"] == job.attempt
+            assert lease["time_limit_ms"] == job.time_limit
             assert lease["lease_expires_at_ms"] == job.expires
             assert job.token not in self.leases  # a fresh token every time
             tok = Token(job.id, lease["lease_token"], job.attempt, worker, started_at=self.now())
@@ -284,8 +314,17 @@ class QueueMachine(RuleBasedStateMachine):
                 tok.job_id, worker_id=worker, lease_token=tok.token, lease_ms=lease_ms
             )
             self.accepted_with_latest_token(tok)
-            self.model[tok.job_id].expires = self.now() + lease_ms
+            job = self.model[tok.job_id]
+            assert job.leased_at is not None
+            if job.time_limit is not None and self.now() >= job.leased_at + job.time_limit:
+                # At the limit: not renewed; the attempt fails with "timeout" (or ends
+                # CANCELLED when a cancel was requested).
+                assert result["stop"] == "timeout" and result["lease_expires_at_ms"] is None
+                self.end_lease(tok, "timeout", retryable=True, outcome="timeout")
+                return
+            job.expires = self.now() + lease_ms
             assert result["lease_expires_at_ms"] == self.now() + lease_ms
+            assert result["stop"] == ("cancelled" if job.cancel_requested else None)
             return
         with pytest.raises(self.rejection(tok, worker)):
             self.service.renew(
@@ -322,26 +361,21 @@ class QueueMachine(RuleBasedStateMachine):
         if self.live(tok, worker):
             result = self.service.fail(tok.job_id, retryable=retryable, **call)
             self.accepted_with_latest_token(tok)
-            tok.outcome = "failed"
-            job.failures += 1
-            job.token = job.worker = job.expires = None
             assert result["duplicate"] is False
-            if not retryable or job.failures > job.max_retries:
-                job.state, job.finished = "dead", True
-                job.dead_reason = (
-                    "non-retryable: boom" if not retryable else "attempts exhausted: boom"
-                )
-                assert result["retry_at_ms"] is None and result["dead_reason"] == job.dead_reason
-            else:
-                bounded = bounded_backoff_ms(job, job.failures)
-                delay = result["retry_at_ms"] - self.now()
-                if job.jitter:
-                    assert 0.5 * bounded - 0.5 <= delay <= bounded
-                else:
-                    assert delay == bounded
-                job.state, job.available_at = "retrying", result["retry_at_ms"]
+            retry_at = self.end_lease(tok, "boom", retryable=retryable, outcome="failed")
+            assert result["retry_at_ms"] == retry_at
+            assert result["dead_reason"] == (job.dead_reason if job.state == "dead" else None)
             assert result["state"] == job.state
-            tok.failed_to = job.state
+        elif not job.purged and tok.outcome == "cancelled" and worker == tok.worker:
+            # A repeat of the fail (or release) that ended a cancelled job: said again.
+            result = self.service.fail(tok.job_id, retryable=retryable, **call)
+            assert result == {
+                "job_id": tok.job_id,
+                "state": "cancelled",
+                "retry_at_ms": None,
+                "dead_reason": None,
+                "duplicate": True,
+            }
         elif not job.purged and tok.outcome == "failed" and worker == tok.worker:
             # A repeat says again what that failure did, whatever happened to the job since;
             # the retry time and reason only while the job still stands where it left it.
@@ -362,16 +396,68 @@ class QueueMachine(RuleBasedStateMachine):
         tok, worker = self.pick(tok, how)
         job = self.model[tok.job_id]
         if self.live(tok, worker):
-            assert self.service.release(tok.job_id, worker_id=worker, lease_token=tok.token)[
-                "state"
-            ] == ("ready")
+            result = self.service.release(tok.job_id, worker_id=worker, lease_token=tok.token)
             self.accepted_with_latest_token(tok)
+            if job.cancel_requested:
+                self.end_lease(tok, "cancelled", retryable=False, outcome="cancelled")
+                assert result["state"] == "cancelled"
+                return
+            assert result["state"] == "ready"
             tok.outcome = "released"
             job.state, job.ready_since = "ready", self.now()
             job.token = job.worker = job.expires = None
         else:
             with pytest.raises(self.rejection(tok, worker)):
                 self.service.release(tok.job_id, worker_id=worker, lease_token=tok.token)
+
+    def end_lease(self, tok: Token, error: str, *, retryable: bool, outcome: str) -> int | None:
+        """The model of ``QueueService._end_lease``: a live lease failed (fail, or a renew
+        past the time limit): CANCELLED when a cancel was requested, else RETRYING or DEAD by
+        the job's policy. Returns the retry time (read back: jitter is the service's)."""
+        job = self.model[tok.job_id]
+        job.token = job.worker = job.expires = None
+        if job.cancel_requested:
+            tok.outcome = tok.failed_to = "cancelled"
+            job.state, job.finished = "cancelled", True
+            return None
+        tok.outcome = outcome
+        job.failures += 1
+        if not retryable or job.failures > job.max_retries:
+            job.state, job.finished = "dead", True
+            kind = "non-retryable" if not retryable else "attempts exhausted"
+            job.dead_reason = f"{kind}: {error}"
+            tok.failed_to = "dead"
+            return None
+        retry_at = self.service.get(job.id, history=False)["available_at_ms"]
+        assert retry_at is not None
+        bounded = bounded_backoff_ms(job, job.failures)
+        delay = retry_at - self.now()
+        if job.jitter:
+            assert 0.5 * bounded - 0.5 <= delay <= bounded
+        else:
+            assert delay == bounded
+        job.state, job.available_at = "retrying", retry_at
+        tok.failed_to = "retrying"
+        return int(retry_at)
+
+    @rule(job_id=jobs)
+    def cancel(self, job_id: str) -> None:
+        job = self.model[job_id]
+        if job.purged:
+            with pytest.raises(errors.JobNotFound):
+                self.service.cancel(job_id)
+        elif job.state in ("succeeded", "dead", "cancelled"):
+            with pytest.raises(errors.JobFinished):
+                self.service.cancel(job_id)
+        elif job.state == "leased":
+            out = self.service.cancel(job_id, actor="ops")
+            assert out["cancelled"] is False and out["job"]["state"] == "leased"
+            job.cancel_requested = True
+        else:
+            out = self.service.cancel(job_id, actor="ops")
+            assert out["cancelled"] is True and out["job"]["state"] == "cancelled"
+            job.state, job.available_at, job.finished = "cancelled", None, True
+            job.cancel_requested = True
 
     @rule(ms=ADVANCE_MS)
     def advance(self, ms: int) -> None:
@@ -391,11 +477,11 @@ class QueueMachine(RuleBasedStateMachine):
         if job.purged:
             with pytest.raises(errors.JobNotFound):
                 self.service.replay(job_id)
-        elif job.state == "dead":
+        elif job.state in ("dead", "cancelled"):
             self.allowed_exits.add(job_id)
             replayed = self.service.replay(job_id, actor="ops")
             job.state, job.failures, job.ready_since = "ready", 0, self.now()
-            job.dead_reason, job.finished = None, False
+            job.dead_reason, job.finished, job.cancel_requested = None, False, False
             job.replays.append(self.now())
             assert replayed["state"] == "ready" and replayed["attempt"] == job.attempt
         else:
@@ -405,7 +491,7 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(job_id=consumes(jobs), dead_only=st.booleans())
     def purge(self, job_id: str, dead_only: bool) -> None:
         job = self.model[job_id]
-        allowed = ("dead",) if dead_only else ("dead", "succeeded")
+        allowed = ("dead", "cancelled") if dead_only else ("dead", "cancelled", "succeeded")
         if job.purged:
             with pytest.raises(errors.JobNotFound):
                 self.service.purge(job_id, dead_only=dead_only)
@@ -424,11 +510,15 @@ class QueueMachine(RuleBasedStateMachine):
         self.clock.advance(ms=downtime_ms)
         self.service = QueueService(clock=self.clock, rng=self.rng)
         leased = [j for j in self.model.values() if j.state == "leased" and not j.purged]
-        assert self.service.recover() == len(leased)
+        # A lease whose cancel was requested ends CANCELLED; the others go back to READY.
+        assert self.service.recover() == sum(not j.cancel_requested for j in leased)
         for job in leased:
             assert job.token is not None
             self.leases[job.token].outcome = "recovered"
-            job.state, job.ready_since = "ready", self.now()
+            if job.cancel_requested:
+                job.state, job.finished = "cancelled", True
+            else:
+                job.state, job.ready_since = "ready", self.now()
             job.token = job.worker = job.expires = None
 
     @precondition(lambda self: any(j.state == "leased" for j in self.model.values()))
@@ -439,6 +529,31 @@ class QueueMachine(RuleBasedStateMachine):
         if soonest > self.now():
             self.clock.set_ms(soonest)
 
+    @precondition(lambda self: any(j.state == "leased" for j in self.model.values()))
+    @rule(data=st.data())
+    def cancel_a_running_job(self, data: st.DataObject) -> None:
+        """Cancel a leased job (the ``cancel`` rule draws any job; this one a running one)."""
+        leased = sorted(j.id for j in self.model.values() if j.state == "leased")
+        self.cancel(data.draw(st.sampled_from(leased)))
+
+    @precondition(
+        lambda self: any(
+            j.state == "leased" and j.time_limit is not None for j in self.model.values()
+        )
+    )
+    @rule(early=st.booleans())
+    def renew_at_the_time_limit(self, early: bool) -> None:
+        """Move the clock to a leased job's time limit (or 1 ms before it) and renew it."""
+        limited = [
+            j for j in self.model.values() if j.state == "leased" and j.time_limit is not None
+        ]
+        job = min(limited, key=lambda j: (j.leased_at or 0) + (j.time_limit or 0))
+        assert job.leased_at is not None and job.time_limit is not None and job.token
+        at = job.leased_at + job.time_limit - (1 if early else 0)
+        if at > self.now():
+            self.clock.set_ms(at)
+        self.renew(self.leases[job.token], "latest", 1_000)
+
     # ------------------------------------------------------------------ invariants
 
     @invariant()
@@ -447,7 +562,7 @@ class QueueMachine(RuleBasedStateMachine):
             cursor.execute(
                 "SELECT id, state, attempt, failures, lease_token, leased_by, "
                 "lease_expires_at_ms, available_at_ms, ready_since_ms, dead_reason, "
-                "finished_at_ms FROM relay_job"
+                "finished_at_ms, cancel_requested_at_ms FROM relay_job"
             )
             rows = {r[0]: r[1:] for r in cursor.fetchall()}
             cursor.execute(
@@ -457,9 +572,20 @@ class QueueMachine(RuleBasedStateMachine):
         live_jobs = {j.id: j for j in self.model.values() if not j.purged}
         assert set(rows) == set(live_jobs)
         for job_id, job in live_jobs.items():
-            state, attempt, failures, token, worker, expires, available, ready, reason, fin = rows[
-                job_id
-            ]
+            (
+                state,
+                attempt,
+                failures,
+                token,
+                worker,
+                expires,
+                available,
+                ready,
+                reason,
+                fin,
+                cancel,
+            ) = rows[job_id]
+            assert (cancel is not None) == job.cancel_requested, job
             assert (state, attempt, failures) == (job.state, job.attempt, job.failures), job
             assert (token, worker, expires) == (job.token, job.worker, job.expires), job
             assert available == job.available_at, job
@@ -487,8 +613,8 @@ class QueueMachine(RuleBasedStateMachine):
             if before == "succeeded" and state != "succeeded":
                 # Purge deletes a terminal job; nothing else moves a succeeded one.
                 assert state == "purged" and job_id in self.allowed_exits, (job_id, state)
-            if before == "dead" and state != "dead":
-                assert job_id in self.allowed_exits, f"{job_id}: dead -> {state} on its own"
+            if before in ("dead", "cancelled") and state != before:
+                assert job_id in self.allowed_exits, f"{job_id}: {before} -> {state} on its own"
             assert attempt >= self.seen_attempt.get(job_id, 0), job_id
             self.seen_state[job_id] = state
             self.seen_attempt[job_id] = attempt

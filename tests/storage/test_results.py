@@ -195,7 +195,11 @@ def test_purge_and_prune_delete_the_result_with_the_job(
     service.purge(purged["job_id"])
     assert not JobResult.objects.filter(job_id=purged["job_id"]).exists()
     clock.advance(ms=DAY_MS + 1)
-    assert service.prune({"succeeded": 0, "dead": DAY_MS}) == {"succeeded": 0, "dead": 1}
+    assert service.prune({"succeeded": 0, "dead": DAY_MS}) == {
+        "succeeded": 0,
+        "dead": 1,
+        "cancelled": 0,
+    }
     assert not Job.objects.filter(id=pruned["job_id"]).exists()
     assert list(JobResult.objects.values_list("job_id", flat=True)) == [kept["job_id"]]
     assert orjson.loads(JobResult.objects.get().return_value or "null") == 2

@@ -36,10 +36,10 @@ def test_boundary_exactly_retention_ago_is_kept_one_ms_more_is_pruned(
 ) -> None:
     job_id = succeeded_job(service, leased_job)
     clock.advance(ms=DAY_MS)
-    assert service.prune({"succeeded": DAY_MS}) == {"succeeded": 0, "dead": 0}
+    assert service.prune({"succeeded": DAY_MS}) == {"succeeded": 0, "dead": 0, "cancelled": 0}
     assert Job.objects.filter(id=job_id).exists()
     clock.advance(ms=1)
-    assert service.prune({"succeeded": DAY_MS}) == {"succeeded": 1, "dead": 0}
+    assert service.prune({"succeeded": DAY_MS}) == {"succeeded": 1, "dead": 0, "cancelled": 0}
     assert not Job.objects.filter(id=job_id).exists()
 
 
@@ -49,9 +49,17 @@ def test_each_state_has_its_own_retention_and_zero_keeps_forever(
     done = succeeded_job(service, leased_job)
     dead = dead_job()["id"]
     clock.advance(ms=10 * DAY_MS)
-    assert service.prune({"succeeded": 0, "dead": DAY_MS}) == {"succeeded": 0, "dead": 1}
+    assert service.prune({"succeeded": 0, "dead": DAY_MS}) == {
+        "succeeded": 0,
+        "dead": 1,
+        "cancelled": 0,
+    }
     assert Job.objects.filter(id=done).exists() and not Job.objects.filter(id=dead).exists()
-    assert service.prune({"dead": DAY_MS}) == {"succeeded": 0, "dead": 0}  # absent: kept
+    assert service.prune({"dead": DAY_MS}) == {
+        "succeeded": 0,
+        "dead": 0,
+        "cancelled": 0,
+    }  # absent: kept
     assert Job.objects.filter(id=done).exists()
 
 
@@ -61,9 +69,9 @@ def test_default_retention_comes_from_the_settings(
     done = succeeded_job(service, leased_job)
     dead = dead_job()["id"]
     clock.advance(ms=7 * DAY_MS + 1)  # defaults: 7d succeeded, 30d dead
-    assert service.prune() == {"succeeded": 1, "dead": 0}
+    assert service.prune() == {"succeeded": 1, "dead": 0, "cancelled": 0}
     clock.advance(ms=23 * DAY_MS)
-    assert service.prune() == {"succeeded": 0, "dead": 1}
+    assert service.prune() == {"succeeded": 0, "dead": 1, "cancelled": 0}
     assert not Job.objects.filter(id__in=[done, dead]).exists()
 
 
@@ -74,7 +82,7 @@ def test_live_jobs_are_never_pruned(
     ready = service.submit("default", {"n": 2})["job"]["id"]
     pending = service.submit("default", {"n": 3}, delay_ms=30 * DAY_MS)["job"]["id"]
     clock.advance(ms=2 * DAY_MS)
-    assert service.prune({"succeeded": 1, "dead": 1}) == {"succeeded": 0, "dead": 0}
+    assert service.prune({"succeeded": 1, "dead": 1}) == {"succeeded": 0, "dead": 0, "cancelled": 0}
     assert Job.objects.filter(id__in=[leased, ready, pending]).count() == 3
 
 
@@ -91,7 +99,7 @@ def test_history_and_task_results_go_with_their_jobs(
     assert JobEvent.objects.filter(job_id=dead).exists()
     assert JobAttempt.objects.filter(job_id=dead).count() == 2
     clock.advance(ms=DAY_MS + 1)
-    assert service.prune({"dead": DAY_MS}) == {"succeeded": 0, "dead": 1}
+    assert service.prune({"dead": DAY_MS}) == {"succeeded": 0, "dead": 1, "cancelled": 0}
     assert not JobAttempt.objects.filter(job_id=dead).exists()
     assert not JobEvent.objects.filter(job_id=dead).exists()
     assert not TaskResultRecord.objects.filter(job_id=dead).exists()
@@ -107,10 +115,18 @@ def test_batches_are_bounded_and_oldest_go_first(
         ids.append(succeeded_job(service, leased_job))
         clock.advance(ms=1)
     clock.advance(ms=DAY_MS)
-    assert service.prune_batch({"succeeded": DAY_MS}, limit=3) == {"succeeded": 3, "dead": 0}
+    assert service.prune_batch({"succeeded": DAY_MS}, limit=3) == {
+        "succeeded": 3,
+        "dead": 0,
+        "cancelled": 0,
+    }
     assert set(Job.objects.values_list("id", flat=True)) == set(ids[3:])
     # prune loops over batches until one comes back short: 3 + 1.
-    assert service.prune({"succeeded": DAY_MS}, batch=3) == {"succeeded": 4, "dead": 0}
+    assert service.prune({"succeeded": DAY_MS}, batch=3) == {
+        "succeeded": 4,
+        "dead": 0,
+        "cancelled": 0,
+    }
     assert not Job.objects.exists()
 
 
@@ -134,6 +150,7 @@ def test_batch_limit_is_shared_between_states(
     assert service.prune_batch({"succeeded": DAY_MS, "dead": DAY_MS}, limit=3) == {
         "succeeded": 2,
         "dead": 1,
+        "cancelled": 0,
     }
 
 
@@ -148,6 +165,7 @@ def test_stats_count_right_after_pruning(
     assert service.count_prunable({"succeeded": DAY_MS, "dead": DAY_MS}) == {
         "succeeded": 3,
         "dead": 1,
+        "cancelled": 0,
     }
     service.prune({"succeeded": DAY_MS, "dead": DAY_MS})
     counts = service.stats("q")["queues"]["q"]
@@ -155,6 +173,7 @@ def test_stats_count_right_after_pruning(
     assert service.count_prunable({"succeeded": DAY_MS, "dead": DAY_MS}) == {
         "succeeded": 0,
         "dead": 0,
+        "cancelled": 0,
     }
 
 
@@ -209,15 +228,19 @@ def test_an_operators_prune_records_one_event_with_the_counts(
     dead_job()
     clock.advance(ms=2 * DAY_MS)
     ages = {"succeeded": DAY_MS, "dead": DAY_MS}
-    assert service.prune(ages, batch=2, actor="alice") == {"succeeded": 3, "dead": 1}
+    assert service.prune(ages, batch=2, actor="alice") == {
+        "succeeded": 3,
+        "dead": 1,
+        "cancelled": 0,
+    }
     events = list(JobEvent.objects.filter(event="pruned").values())
     assert len(events) == 1  # one for the whole run, not one per batch of 2
     assert events[0]["job_id"] == "" and events[0]["actor"] == "alice"
-    assert events[0]["detail"] == "succeeded=3 dead=1"
+    assert events[0]["detail"] == "succeeded=3 dead=1 cancelled=0"
     assert events[0]["at_ms"] == clock.now_ms()
-    assert service.prune(ages, actor="alice") == {"succeeded": 0, "dead": 0}
+    assert service.prune(ages, actor="alice") == {"succeeded": 0, "dead": 0, "cancelled": 0}
     assert JobEvent.objects.filter(event="pruned").count() == 1  # nothing went: no event
-    assert service.prune_batch(ages) == {"succeeded": 0, "dead": 0}
+    assert service.prune_batch(ages) == {"succeeded": 0, "dead": 0, "cancelled": 0}
 
 
 def test_one_batch_for_an_operator_records_its_own_event_and_retention_none(
@@ -225,12 +248,17 @@ def test_one_batch_for_an_operator_records_its_own_event_and_retention_none(
 ) -> None:
     first, second = succeeded_job(service, leased_job), succeeded_job(service, leased_job)
     clock.advance(ms=DAY_MS + 1)
-    assert service.prune_batch({"succeeded": DAY_MS}, limit=1) == {"succeeded": 1, "dead": 0}
+    assert service.prune_batch({"succeeded": DAY_MS}, limit=1) == {
+        "succeeded": 1,
+        "dead": 0,
+        "cancelled": 0,
+    }
     assert not JobEvent.objects.filter(event="pruned").exists()  # retention: no actor
     assert service.prune_batch({"succeeded": DAY_MS}, limit=1, actor="tcp:bob") == {
         "succeeded": 1,
         "dead": 0,
+        "cancelled": 0,
     }
     (event,) = JobEvent.objects.filter(event="pruned")
-    assert (event.actor, event.detail) == ("tcp:bob", "succeeded=1 dead=0")
+    assert (event.actor, event.detail) == ("tcp:bob", "succeeded=1 dead=0 cancelled=0")
     assert not Job.objects.filter(id__in=[first, second]).exists()

@@ -689,6 +689,7 @@ def test_stats_counts_by_state_and_oldest_ready_age(
         "retrying": 0,
         "succeeded": 0,
         "dead": 0,
+        "cancelled": 0,
     }
     assert list(service.stats("a")["queues"]) == ["a"]
 

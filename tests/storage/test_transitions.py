@@ -133,6 +133,29 @@ def test_every_state_change_is_checked_and_the_whole_table_is_used(
     assert len(dead) == 1
     moves.step(lambda: service.purge(dead[0]["id"]), (D, None))
     moves.step(lambda: service.purge(acked["job_id"]), (S, None))
+    # cancel: a ready, a pending and a retrying job at once; a leased one is marked, then
+    # ends cancelled when its worker gives it up; a cancelled job is replayed and purged
+    C = JobState.CANCELLED
+    ready = service.submit("x", 1)["job"]["id"]
+    moves.step(lambda: service.cancel(ready), (R, C))
+    pending = service.submit("x", 2, delay_ms=60_000)["job"]["id"]
+    moves.step(lambda: service.cancel(pending), (P, C))
+    service.submit("y", 3, **retry)
+    retried = lease_one(service, "y")
+    service.fail(retried["job_id"], **ids(retried), error="x")
+    moves.step(lambda: service.cancel(retried["job_id"]), (T, C))
+    service.submit("z", 4)
+    stopping = lease_one(service, "z")
+    # LEASED -> LEASED: neither state nor expiry change (the snapshot sees nothing), so the
+    # check and the cancel_requested_at_ms it set are asserted here.
+    moves.checked.clear()
+    service.cancel(stopping["job_id"])
+    assert moves.checked == [(Transition.REQUEST_CANCEL, L, L)]
+    assert Job.objects.get(id=stopping["job_id"]).cancel_requested_at_ms == clock.now_ms()
+    moves.made.add((Transition.REQUEST_CANCEL, L, L))
+    moves.step(lambda: service.release(stopping["job_id"], **ids(stopping)), (L, C))
+    moves.step(lambda: service.replay(ready), (C, R))
+    moves.step(lambda: service.purge(pending), (C, None))
     # recovery at a server start: only where one server serves the database
     lease_one(service, "b")
     table = {(t, a, b) for t, pairs in states.TRANSITIONS.items() for a, b in pairs}

@@ -376,6 +376,8 @@ def test_worker_runs_jobs_and_stops_gracefully_on_sigterm(server: Any) -> None:
         "released": 0,
         "renewed": 0,
         "lost": 0,
+        "cancelled": 0,
+        "timed_out": 0,
     }
     ack = next(r for r in canned.requests if r["op"] == "ack")
     assert ack["args"]["lease_token"] == "t"

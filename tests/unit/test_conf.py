@@ -70,9 +70,17 @@ def test_bad_durations_are_refused(text: str) -> None:
 
 
 def test_retention_defaults_and_zero() -> None:
-    assert relay_settings().retention_ms() == {"succeeded": 7 * 86_400_000, "dead": 30 * 86_400_000}
+    assert relay_settings().retention_ms() == {
+        "succeeded": 7 * 86_400_000,
+        "dead": 30 * 86_400_000,
+        "cancelled": 30 * 86_400_000,
+    }
     with override_settings(RELAY_RETENTION_SUCCEEDED="0", RELAY_RETENTION_DEAD="12h"):
-        assert relay_settings().retention_ms() == {"succeeded": 0, "dead": 43_200_000}
+        assert relay_settings().retention_ms() == {
+            "succeeded": 0,
+            "dead": 43_200_000,
+            "cancelled": 43_200_000,
+        }
 
 
 def test_checks_catch_bad_retention() -> None:
@@ -86,3 +94,22 @@ def test_the_result_limit_is_capped_at_an_eighth_of_a_frame() -> None:
     assert RelaySettings().result_limit_bytes == 64 * 1024
     assert RelaySettings(max_frame_bytes=4096).result_limit_bytes == 512
     assert RelaySettings(max_frame_bytes=4096, max_result_bytes=100).result_limit_bytes == 100
+
+
+def test_queue_time_limits_from_text_or_a_mapping() -> None:
+    assert relay_settings().time_limits_ms() == {}
+    with override_settings(RELAY_QUEUE_TIME_LIMITS=" reports=2h, emails=30s,idle=0 ,"):
+        assert relay_settings().time_limits_ms() == {"reports": 7_200_000, "emails": 30_000}
+        assert "relay.E011" not in ids()
+    with override_settings(RELAY_QUEUE_TIME_LIMITS={"reports": "1m"}):
+        assert relay_settings().time_limits_ms() == {"reports": 60_000}
+
+
+@pytest.mark.parametrize(
+    "value", ["reports", "reports=2 h", "bad queue=1m", "=1m", "reports=-1s", 5, {"q": "x"}]
+)
+def test_checks_catch_bad_queue_time_limits(value: object) -> None:
+    with override_settings(RELAY_QUEUE_TIME_LIMITS=value):
+        with pytest.raises(ValueError, match=r"duration|queue"):
+            relay_settings().time_limits_ms()
+        assert "relay.E011" in ids()

@@ -141,6 +141,7 @@ def _fields(schema: type[Schema]) -> set[str]:
         (schemas.JobPageOut, types.DeadListResult, set()),
         (schemas.PurgeOut, types.DeadPurgeResult, set()),
         (schemas.PruneOut, types.PruneResult, set()),
+        (schemas.CancelOut, types.CancelResult, set()),
     ],
 )
 def test_http_response_schemas_have_the_fields_of_the_wire_types(

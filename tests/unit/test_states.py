@@ -79,7 +79,16 @@ def test_priority_parse_rejects(raw: object) -> None:
 
 # Each statement that moves a job into a terminal state, and the service method that runs it
 # and then calls QueueService._entered (a job submitted with unique: "active" frees its key).
-TERMINAL_STATEMENTS = {"ack": "ack", "fail_dead": "fail", "expire_to_dead": "_expire"}
+TERMINAL_STATEMENTS = {
+    "ack": "ack",
+    "fail_dead": "_end_lease",
+    "expire_to_dead": "_expire",
+    "expire_to_cancelled": "_expire",
+    "finish_cancelled": "_end_lease",
+    "cancel_waiting": "cancel",
+}
+# Bulk statements that free the key in their own SET (SQLite's restart recovery).
+SELF_FREEING = {"recover_cancelled"}
 
 
 @pytest.mark.parametrize("package", ["queue_core.storage.sqlite", "queue_core.storage.postgresql"])
@@ -89,8 +98,11 @@ def test_every_statement_into_a_terminal_state_frees_unique_active_keys(package:
     in ``TERMINAL_STATEMENTS`` once it does (tests/storage/test_meta_unique.py tests each)."""
     terminal = "|".join(sorted(s.value for s in TERMINAL_STATES))
     sets_terminal = re.compile(rf"\bSET\s+state\s*=\s*'({terminal})'", re.IGNORECASE)
-    found = {name for name, sql in load_queries(package).items() if sets_terminal.search(sql)}
-    assert found == set(TERMINAL_STATEMENTS)
+    queries = load_queries(package)
+    found = {name for name, sql in queries.items() if sets_terminal.search(sql)}
+    assert found - SELF_FREEING == set(TERMINAL_STATEMENTS)
+    for statement in found & SELF_FREEING:
+        assert "THEN NULL" in queries[statement] and "unique_scope = 'active'" in queries[statement]
     for statement, method in TERMINAL_STATEMENTS.items():
         source = inspect.getsource(getattr(QueueService, method))
         assert f'"{statement}"' in source and "self._entered(" in source, (statement, method)

@@ -1,4 +1,5 @@
-"""``relay dead list|retry|purge``: browse, replay and delete dead-lettered jobs."""
+"""``relay dead list|retry|purge``: browse, replay and delete dead-lettered jobs (``retry``
+and ``purge`` take cancelled jobs too)."""
 
 from __future__ import annotations
 
@@ -112,9 +113,10 @@ class Command(RelayClientCommand):
             try:
                 if dry_run:
                     job = client.inspect(job_id)["job"]
-                    if job.get("state") != "dead":
+                    if job.get("state") not in ("dead", "cancelled"):
                         raise errors.InvalidState(
-                            f"cannot {action} {job_id}: it is {job.get('state')}, not dead",
+                            f"cannot {action} {job_id}: it is {job.get('state')}, "
+                            "not dead or cancelled",
                             job_id=job_id,
                             state=job.get("state"),
                         )

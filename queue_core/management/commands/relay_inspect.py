@@ -65,6 +65,8 @@ def job_renderables(job: Mapping[str, Any]) -> list[Table]:
         ("finished", fmt_ms(job.get("finished_at_ms"))),
         ("last error", str(job.get("last_error") or "-")),
         ("dead reason", str(job.get("dead_reason") or "-")),
+        ("cancel requested", fmt_ms(job.get("cancel_requested_at_ms"))),
+        ("time limit", fmt_duration(job.get("time_limit_ms"))),
         ("payload", compact_json(job.get("payload"), limit=2000)),
     ]
     for name, value in rows:

@@ -1,5 +1,5 @@
-"""``relay prune --older-than 7d [--state succeeded|dead|all] [--dry-run]``: delete finished
-jobs by age now, as the server's retention does (docs/failure-model.md, "Retention").
+"""``relay prune --older-than 7d [--state succeeded|dead|cancelled|all] [--dry-run]``: delete
+finished jobs by age now, as the server's retention does (docs/failure-model.md, "Retention").
 
 A local command: it opens the database itself (``RELAY_DB`` / ``RELAY_DATABASE_URL``, or the
 global ``--db`` / ``--database-url``) through ``QueueService.prune``, in the same bounded
@@ -41,7 +41,7 @@ class Command(RelayBaseCommand):
             "--state",
             choices=[*PRUNABLE_STATES, "all"],
             default="all",
-            help="which finished jobs (default: all, i.e. succeeded and dead).",
+            help="which finished jobs (default: all: succeeded, dead and cancelled).",
         )
         parser.add_argument(
             "--batch",
@@ -99,6 +99,6 @@ class Command(RelayBaseCommand):
         verb = "would prune" if options["dry_run"] else "pruned"
         total = sum(counts.values())
         self.stdout.write(
-            f"{verb} {total} jobs ({counts['succeeded']} succeeded, {counts['dead']} dead) "
-            f"finished more than {options['older_than']} ago"
+            f"{verb} {total} jobs ({counts['succeeded']} succeeded, {counts['dead']} dead, "
+            f"{counts['cancelled']} cancelled) finished more than {options['older_than']} ago"
         )

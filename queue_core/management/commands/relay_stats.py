@@ -12,7 +12,7 @@ from rich.table import Table
 from queue_core.client import RelayClient
 from queue_core.management.relay_command import RelayClientCommand, fmt_duration, fmt_ms
 
-STATES = ("pending", "ready", "leased", "retrying", "succeeded", "dead")
+STATES = ("pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled")
 
 
 class Command(RelayClientCommand):

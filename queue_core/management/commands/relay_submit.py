@@ -132,6 +132,12 @@ class Command(RelayClientCommand):
             help="Metadata stored with the job and handed to its handler (repeatable), "
             "e.g. --meta traceparent=00-...-01.",
         )
+        parser.add_argument(
+            "--time-limit-ms",
+            type=int,
+            metavar="MS",
+            help="The most one attempt may run, in ms (default: the queue's, else none).",
+        )
         super().add_arguments(parser)
 
     def run(self, client: RelayClient, **options: Any) -> None:
@@ -155,6 +161,7 @@ class Command(RelayClientCommand):
             idempotency_key=options["idempotency_key"],
             unique=options["unique"],
             meta=parse_meta(options["meta"]),
+            time_limit_ms=options["time_limit_ms"],
         )
         if options["json"]:
             self.print_json(result)

@@ -9,12 +9,13 @@
 INSERT INTO relay_job (
     id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
     attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms, unique_scope, meta)
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms, unique_scope, meta,
+    time_limit_ms)
 VALUES (
     %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
     %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
     %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
-    %(now_ms)s, %(unique_scope)s, %(meta)s);
+    %(now_ms)s, %(unique_scope)s, %(meta)s, %(time_limit_ms)s);
 
 -- name: insert_job_keyed
 -- Create a job that has an idempotency key, unless another transaction bound the key first
@@ -22,12 +23,13 @@ VALUES (
 INSERT INTO relay_job (
     id, queue, state, priority, payload, idempotency_key, idempotency_expires_at_ms,
     attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms, unique_scope, meta)
+    created_at_ms, available_at_ms, ready_since_ms, updated_at_ms, unique_scope, meta,
+    time_limit_ms)
 VALUES (
     %(id)s, %(queue)s, %(state)s, %(priority)s, %(payload)s, %(idempotency_key)s,
     %(idempotency_expires_at_ms)s, 0, 0, %(max_retries)s, %(backoff)s, %(backoff_base_ms)s,
     %(backoff_cap_ms)s, %(jitter)s, %(now_ms)s, %(available_at_ms)s, %(ready_since_ms)s,
-    %(now_ms)s, %(unique_scope)s, %(meta)s)
+    %(now_ms)s, %(unique_scope)s, %(meta)s, %(time_limit_ms)s)
 ON CONFLICT (queue, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING id;
 
@@ -97,8 +99,11 @@ RETURNING queue;
 -- Leases whose expiry has passed, oldest first. After a forward step of the wall clock, a
 -- lease whose expiry was set at or before mark_ms (by the old clock) is judged by judge_ms,
 -- the old time (queue_core.clock.StepGuard); mark_ms is -1 and judge_ms = now_ms otherwise.
+-- A lease past its attempt's time limit is expired with reason 'timeout', and one whose
+-- cancel was requested ends CANCELLED (the service decides from the columns returned).
 -- Params: now_ms, judge_ms, mark_ms, limit.
-SELECT id, queue, attempt, failures, max_retries, unique_scope
+SELECT id, queue, attempt, failures, max_retries, unique_scope, lease_expires_at_ms,
+       leased_at_ms, time_limit_ms, cancel_requested_at_ms
   FROM relay_job
  WHERE state = 'leased' AND lease_expires_at_ms <= %(now_ms)s
    AND (lease_expires_at_ms <= %(judge_ms)s OR updated_at_ms > %(mark_ms)s)
@@ -107,18 +112,28 @@ SELECT id, queue, attempt, failures, max_retries, unique_scope
 
 -- name: expire_to_ready
 -- A lost lease returns the job to READY and counts a failure; aging counts from the expiry.
--- Params: job_id, attempt, now_ms.
+-- Params: job_id, attempt, now_ms, reason ('lease expired', or 'timeout' past the time limit).
 UPDATE relay_job
    SET state = 'ready', failures = failures + 1, ready_since_ms = lease_expires_at_ms,
-       last_error = 'lease expired', lease_token = NULL, leased_by = NULL,
+       last_error = %(reason)s, lease_token = NULL, leased_by = NULL,
        lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
 
 -- name: expire_to_dead
--- A lost lease with no retry budget left dead-letters the job. Params: job_id, attempt, now_ms.
+-- A lost lease with no retry budget left dead-letters the job. Params: job_id, attempt,
+-- now_ms, reason (as expire_to_ready).
 UPDATE relay_job
-   SET state = 'dead', failures = failures + 1, last_error = 'lease expired',
-       dead_reason = 'lease expired', finished_at_ms = %(now_ms)s, lease_token = NULL,
+   SET state = 'dead', failures = failures + 1, last_error = %(reason)s,
+       dead_reason = %(reason)s, finished_at_ms = %(now_ms)s, lease_token = NULL,
+       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
+
+-- name: expire_to_cancelled
+-- A lost lease of a job whose cancel was requested: the job is cancelled, not retried. As
+-- every lost lease, it counts a failed attempt. Params: job_id, attempt, now_ms, reason.
+UPDATE relay_job
+   SET state = 'cancelled', failures = failures + 1, last_error = %(reason)s,
+       finished_at_ms = %(now_ms)s, lease_token = NULL,
        leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
 
@@ -150,7 +165,8 @@ UPDATE relay_job
        leased_by = %(worker_id)s, leased_at_ms = %(now_ms)s,
        lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'ready'
-RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms, meta;
+RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms, meta,
+          time_limit_ms;
 
 -- name: insert_attempt
 -- Open the history row of a delivery. Params: job_id, attempt, worker_id, token, now_ms.
@@ -170,7 +186,7 @@ UPDATE relay_attempt
 -- compare-and-set guard, as River guards in the WHERE clause).
 -- Params: job_id, lease_token, worker_id, now_ms, judge_ms, mark_ms (as expired_leases).
 SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
-       unique_scope
+       unique_scope, leased_at_ms, time_limit_ms, cancel_requested_at_ms
   FROM relay_job
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
    AND leased_by = %(worker_id)s
@@ -178,15 +194,18 @@ SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_
         OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s));
 
 -- name: renew
--- Move a live lease's expiry. Params: job_id, lease_token, worker_id, now_ms, judge_ms,
--- mark_ms (as expired_leases), expires_ms.
+-- Move a live lease's expiry, unless the attempt reached its time limit (then no row: the
+-- service reads live_lease and fails the attempt with reason 'timeout'). Returns whether a
+-- cancel was requested (the worker is told to stop). Params: job_id, lease_token, worker_id,
+-- now_ms, judge_ms, mark_ms (as expired_leases), expires_ms.
 UPDATE relay_job
    SET lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
    AND leased_by = %(worker_id)s
    AND (lease_expires_at_ms > %(now_ms)s
         OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
-RETURNING lease_expires_at_ms, attempt;
+   AND (time_limit_ms IS NULL OR leased_at_ms + time_limit_ms > %(now_ms)s)
+RETURNING lease_expires_at_ms, attempt, cancel_requested_at_ms;
 
 -- name: ack
 -- Leased -> succeeded, guarded like renew. Params: job_id, lease_token, worker_id, now_ms,
@@ -231,6 +250,35 @@ UPDATE relay_job
         OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
 RETURNING attempt, queue;
 
+-- name: finish_cancelled
+-- Leased -> cancelled: the worker of a job whose cancel was requested failed or released it
+-- (after live_lease, in the same transaction). No failure is counted; a fail's text is kept.
+-- Params: job_id, lease_token, now_ms, error (or NULL).
+UPDATE relay_job
+   SET state = 'cancelled', finished_at_ms = %(now_ms)s,
+       last_error = COALESCE(%(error)s, last_error), lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
+RETURNING attempt, queue;
+
+-- name: cancel_waiting
+-- Ready, pending or retrying -> cancelled, guarded by the state the service read (it names
+-- the move it checked). Params: job_id, from_state, now_ms.
+UPDATE relay_job
+   SET state = 'cancelled', cancel_requested_at_ms = %(now_ms)s, finished_at_ms = %(now_ms)s,
+       available_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = %(from_state)s
+RETURNING queue;
+
+-- name: request_cancel
+-- A leased job is marked for cancellation; its worker learns it at the next renew. The lease
+-- and updated_at_ms are left alone (the clock-step guard reads updated_at_ms as the lease's
+-- last change). A second request keeps the first instant. Params: job_id, attempt, now_ms.
+UPDATE relay_job
+   SET cancel_requested_at_ms = COALESCE(cancel_requested_at_ms, %(now_ms)s)
+ WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s
+RETURNING queue;
+
 -- name: lease_state
 -- What a rejected renew/ack/fail/release is explained from. Params: job_id.
 SELECT state, lease_token, leased_by, lease_expires_at_ms
@@ -250,6 +298,26 @@ UPDATE relay_attempt
  WHERE (job_id, attempt) IN (SELECT id, attempt FROM relay_job WHERE state = 'leased')
    AND ended_at_ms IS NULL;
 
+-- name: recover_cancel_events
+-- Server start: record the cancel of every lease whose cancel was requested. Params: now_ms.
+INSERT INTO relay_event (job_id, event, from_state, to_state, at_ms, actor, detail)
+SELECT id, 'cancelled', 'leased', 'cancelled', %(now_ms)s, NULL,
+       'cancel requested; lease ended at server start'
+  FROM relay_job
+ WHERE state = 'leased' AND cancel_requested_at_ms IS NOT NULL;
+
+-- name: recover_cancelled
+-- Server start: a lease whose cancel was requested ends CANCELLED, not READY (after
+-- recover_attempts closed its delivery); a unique-while-active key is freed with it, as
+-- release_unique_key frees it on every other way into a terminal state. Params: now_ms.
+UPDATE relay_job
+   SET state = 'cancelled', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s,
+       idempotency_key = CASE WHEN unique_scope = 'active' THEN NULL ELSE idempotency_key END,
+       idempotency_expires_at_ms = CASE WHEN unique_scope = 'active' THEN NULL
+                                        ELSE idempotency_expires_at_ms END
+ WHERE state = 'leased' AND cancel_requested_at_ms IS NOT NULL;
+
 -- name: recover_events
 -- Server start: record the release of every lease. Params: now_ms.
 INSERT INTO relay_event (job_id, event, from_state, to_state, at_ms, actor, detail)
@@ -266,12 +334,13 @@ UPDATE relay_job
  WHERE state = 'leased';
 
 -- name: replay
--- Dead -> ready: a fresh retry budget; the delivery counter and history are kept.
--- Params: job_id, now_ms.
+-- Dead or cancelled -> ready: a fresh retry budget, the cancel request cleared; the delivery
+-- counter and history are kept. Guarded by the state the service read. Params: job_id,
+-- from_state, now_ms.
 UPDATE relay_job
    SET state = 'ready', failures = 0, ready_since_ms = %(now_ms)s, dead_reason = NULL,
-       finished_at_ms = NULL, updated_at_ms = %(now_ms)s
- WHERE id = %(job_id)s AND state = 'dead'
+       finished_at_ms = NULL, cancel_requested_at_ms = NULL, updated_at_ms = %(now_ms)s
+ WHERE id = %(job_id)s AND state = %(from_state)s AND state IN ('dead', 'cancelled')
 RETURNING queue;
 
 -- name: insert_event
@@ -287,12 +356,12 @@ DELETE FROM relay_attempt WHERE job_id = %(job_id)s;
 -- name: delete_terminal_job
 -- Purge, part one: only a terminal job is ever deleted (its attempts go next, in the same
 -- transaction: the foreign key is checked at COMMIT). Params: job_id.
-DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead')
+DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead', 'cancelled')
 RETURNING state;
 
 -- name: delete_dead_job
--- Purge of a dead letter only (the dead_purge op). Params: job_id.
-DELETE FROM relay_job WHERE id = %(job_id)s AND state = 'dead'
+-- Purge of a job that did not succeed: dead or cancelled (the dead_purge op). Params: job_id.
+DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('dead', 'cancelled')
 RETURNING state;
 
 -- name: prune_succeeded
@@ -330,6 +399,24 @@ RETURNING id, queue;
 -- What prune_dead would delete in all (relay prune --dry-run). Params: before_ms.
 SELECT COUNT(*) AS n FROM relay_job
  WHERE state = 'dead' AND finished_at_ms < %(before_ms)s;
+
+-- name: prune_cancelled
+-- Retention, part one: delete up to `limit` CANCELLED jobs that finished before before_ms,
+-- oldest first (a seek on relay_job_cancelled_done; the state is spelled out, not a parameter,
+-- so the partial index applies). Their attempts, events and task result go next, in the same
+-- transaction. Params: before_ms, limit.
+DELETE FROM relay_job
+ WHERE id IN (
+     SELECT id FROM relay_job
+      WHERE state = 'cancelled' AND finished_at_ms < %(before_ms)s
+      ORDER BY finished_at_ms
+      LIMIT %(limit)s)
+RETURNING id, queue;
+
+-- name: count_prunable_cancelled
+-- What prune_cancelled would delete in all (relay prune --dry-run). Params: before_ms.
+SELECT COUNT(*) AS n FROM relay_job
+ WHERE state = 'cancelled' AND finished_at_ms < %(before_ms)s;
 
 -- name: delete_events
 -- Retention, part two: a pruned job's events (purge keeps them; prune does not). Params: job_id.
