@@ -30,6 +30,8 @@ Examples::
     relay --address 10.0.0.5:7400 submit email --payload '{"user_id":42}' --priority high
     relay --json stats
     relay dead retry job_01J...
+    relay pause email
+    relay queue-limits email --max-leased 10 --rate 5 --burst 5
     relay prune --older-than 7d --dry-run
     relay --db relay.db backup /backups/relay-2026-01-01.db
 """
@@ -82,6 +84,14 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "inspect": Subcommand("relay_inspect", "show a job with its attempt history: JOB_ID"),
     "stats": Subcommand("relay_stats", "show job counts by state per queue"),
     "dead": Subcommand("relay_dead", "dead letters: list | retry JOB_ID... | purge JOB_ID..."),
+    "pause": Subcommand(
+        "relay_pause", "stop leasing from queues (submits still accepted): QUEUE..."
+    ),
+    "resume": Subcommand("relay_resume", "lease from paused queues again: QUEUE..."),
+    "queue-limits": Subcommand(
+        "relay_queue_limits",
+        "show or set a queue's limits: QUEUE [--max-leased N] [--rate R] [--burst B]",
+    ),
     "prune": Subcommand(
         "relay_prune",
         "delete finished jobs by age now: --older-than 7d [--state succeeded|dead] [--dry-run]",

@@ -155,7 +155,18 @@ def _renew(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 def _ack(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.ack(args["job_id"], **_lease_ids(args))
     events = () if out["duplicate"] else (metrics.Event("acked", _queue(out)),)
-    return Outcome({k: out[k] for k in ("job_id", "state", "duplicate")}, events=events)
+    return Outcome(
+        {k: out[k] for k in ("job_id", "state", "duplicate")}, _freed(svc, out), events=events
+    )
+
+
+def _freed(svc: QueueService, out: Mapping[str, Any]) -> frozenset[str]:
+    """The queue an ack or fail freed a slot in, when a claim left jobs there for its cap
+    (``QueueService.held_back``): its long-polls look again."""
+    queue = out.get("queue")
+    if queue is not None and not out["duplicate"] and svc.held_back(queue):
+        return frozenset({queue})
+    return frozenset()
 
 
 def _queue(out: Mapping[str, Any]) -> str:
@@ -179,7 +190,7 @@ def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
         events = (metrics.Event("failed", queue),)
         if out["state"] == JobState.DEAD:
             events += (metrics.Event("dead", queue),)
-    return Outcome(result, due_at_ms=due, events=events)
+    return Outcome(result, _freed(svc, out), due_at_ms=due, events=events)
 
 
 def _release(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -218,6 +229,23 @@ def _dead_retry(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcom
     )
 
 
+def _pause(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    return Outcome(svc.pause(args["queue"], actor=ctx.actor))
+
+
+def _resume(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    # The queue's waiting long-polls look again (the service marks it ready for other servers).
+    out = svc.resume(args["queue"], actor=ctx.actor)
+    return Outcome(out, frozenset({out["queue"]}))
+
+
+def _set_queue_limits(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    limits = {k: args[k] for k in ("max_leased", "rate_per_s", "burst") if k in args}
+    out = svc.set_queue_limits(args["queue"], actor=ctx.actor, **limits)
+    # A raised cap or rate may let a waiting long-poll claim: it looks again either way.
+    return Outcome(out, frozenset({out["queue"]}))
+
+
 def _dead_purge(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.purge(args["job_id"], actor=ctx.actor, dead_only=True)
     return Outcome({"job_id": out["job_id"], "purged": True})
@@ -252,6 +280,9 @@ _HANDLERS: dict[str, Handler] = {
     "dead_list": _dead_list,
     "dead_retry": _dead_retry,
     "dead_purge": _dead_purge,
+    "pause": _pause,
+    "resume": _resume,
+    "set_queue_limits": _set_queue_limits,
 }
 
 

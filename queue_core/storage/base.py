@@ -89,6 +89,9 @@ class ClaimRequest:
         room_bytes: the reply's budget: jobs are leased while their payloads plus
             ``REPLY_OVERHEAD_BYTES`` each fit in it (the first job always is).
         payload_cap_bytes: the largest payload a job can have (``RELAY_MAX_PAYLOAD_BYTES``).
+        queue_limits: the most jobs to lease from each queue (1..``limit``), one per name of
+            ``queues``: the room under a queue's cap and its rate's tokens
+            (``QueueService.claim``); None: ``limit`` for every queue.
     """
 
     queues: Sequence[str]
@@ -99,6 +102,7 @@ class ClaimRequest:
     new_token: Callable[[], str]
     room_bytes: int
     payload_cap_bytes: int
+    queue_limits: Sequence[int] | None = None
 
 
 class Tx(Protocol):

@@ -139,6 +139,7 @@ class PostgresTx(SqlTx):
             "claim",
             {
                 "queues": list(request.queues),
+                "limits": list(request.queue_limits or [request.limit] * len(request.queues)),
                 "limit": request.limit,
                 "now_ms": request.now_ms,
                 "expires_ms": request.expires_ms,

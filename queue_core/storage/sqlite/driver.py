@@ -272,15 +272,22 @@ class SqliteTx(SqlTx):
         """
         limit = request.limit
         now = request.now_ms
-        heads: list[tuple[int, int, str]] = []
-        for name in request.queues:
-            for r in self.all("ready_heads", {"queue": name, "limit": limit}):
+        limits = request.queue_limits or [limit] * len(request.queues)
+        heads: list[tuple[int, int, str, str]] = []
+        for name, most in zip(request.queues, limits, strict=True):
+            for r in self.all("ready_heads", {"queue": name, "limit": most}):
                 eff = effective_priority(r["priority"], r["ready_since_ms"], now)
-                heads.append((-eff, r["ready_since_ms"], r["id"]))
+                heads.append((-eff, r["ready_since_ms"], r["id"], name))
         heads.sort()
+        room = dict(zip(request.queues, limits, strict=True))
         rows: list[dict[str, Any]] = []
         used = 0
-        for _, _, job_id in heads[:limit]:
+        for _, _, job_id, name in heads:
+            if len(rows) >= limit:
+                break
+            if room[name] <= 0:  # this queue gave what its cap and rate allow
+                continue
+            room[name] -= 1
             token = request.new_token()  # only for jobs there are: an empty claim makes none
             params = {
                 "job_id": job_id,
