@@ -218,14 +218,41 @@ class ServerOut(Schema):
     clock_skew_ms: int = Field(description="The server's clock minus the database's, in ms.")
 
 
+class QueueControlsOut(Schema):
+    """One queue's controls: paused, its cap on leased jobs, its start rate."""
+
+    queue: str
+    paused: bool
+    max_leased: int | None = Field(description="Most jobs leased at once, all workers; null: none.")
+    rate_per_s: float | None = Field(description="Jobs started per second; null: no rate.")
+    burst: int = Field(description="Jobs that may start at once after a quiet spell.")
+    updated_at_ms: int | None
+    updated_by: str | None
+
+
+class QueueControlsListOut(Schema):
+    """Queue controls by queue name."""
+
+    queues: dict[str, QueueControlsOut]
+
+
+class QueueLimitsIn(Schema):
+    """New limits; a field left out (or null) keeps its value, 0 removes a cap or rate."""
+
+    max_leased: int | None = Field(None, ge=0, le=1_000_000)
+    rate_per_s: float | None = Field(None, ge=0, le=1_000_000)
+    burst: int | None = Field(None, ge=1, le=1_000_000)
+
+
 class StatsOut(Schema):
-    """Counts by queue and state, and the live servers."""
+    """Counts by queue and state, the live servers, and the controlled queues."""
 
     queues: dict[str, QueueStatsOut]
     totals: TotalsOut
     server_time_ms: int
     servers: list[ServerOut]
     next_after: str | None
+    controls: dict[str, QueueControlsOut]
 
 
 class JobPageOut(Schema):

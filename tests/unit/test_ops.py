@@ -62,10 +62,24 @@ def test_the_server_table_and_the_auth_and_drain_sets_follow_the_catalogue() -> 
     for name, verb in dispatch.VERBS.items():
         assert verb.args is ops.OPS[name].args and verb.kind is ops.OPS[name].kind
     assert {"ping", "hello"} == auth.OPEN_OPS
-    assert auth.SCOPE_OPS["producer"] == {"submit", "submit_batch", "inspect", "stats"}
+    assert auth.SCOPE_OPS["producer"] == {
+        "submit",
+        "submit_batch",
+        "inspect",
+        "stats",
+        "queue_controls",
+    }
     assert auth.SCOPE_OPS["worker"] == {"lease", "renew", "ack", "fail", "release", "inspect"}
     assert {"submit", "submit_batch", "lease"} == dispatch.REFUSED_WHILE_DRAINING
-    assert {"submit", "submit_batch", "fail", "release", "dead_retry"} == calls.READYING_OPS
+    assert {
+        "submit",
+        "submit_batch",
+        "fail",
+        "release",
+        "dead_retry",
+        "resume",
+        "set_queue_limits",
+    } == calls.READYING_OPS
     assert set(ops.SUBMIT_OPTIONS) == SUBMIT_OPTIONS
 
 
@@ -129,6 +143,8 @@ def _fields(schema: type[Schema]) -> set[str]:
         (schemas.StatsOut, types.StatsResult, set()),
         (schemas.JobPageOut, types.DeadListResult, set()),
         (schemas.PurgeOut, types.DeadPurgeResult, set()),
+        (schemas.QueueControlsOut, types.QueueControls, set()),
+        (schemas.QueueControlsListOut, types.QueueControlsResult, set()),
     ],
 )
 def test_http_response_schemas_have_the_fields_of_the_wire_types(
@@ -148,6 +164,7 @@ def test_http_response_schemas_have_the_fields_of_the_wire_types(
         (schemas.LeaseIdsIn, "ack", {"job_id"}),
         (schemas.LeaseIdsIn, "release", {"job_id"}),
         (schemas.FailIn, "fail", {"job_id"}),
+        (schemas.QueueLimitsIn, "set_queue_limits", {"queue"}),
     ],
 )
 def test_http_request_schemas_take_the_wire_arguments(

@@ -1,0 +1,59 @@
+"""Queue controls over the HTTP API: pause, resume, limits and reading them; operator keys
+only; the same errors as TCP."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import orjson
+import pytest
+
+from queue_core.models import JobEvent
+from tests.http.conftest import Api, problem
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def put(api: Api, path: str, body: object, key: str | None = None) -> object:
+    headers = api.headers(key, None)
+    return api.client.put(
+        path, orjson.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+def test_pause_resume_and_limits_over_http(api: Api) -> None:
+    api.post("/api/v1/queues/email/jobs", {"payload": 1})
+    paused = api.post("/api/v1/queues/email/pause")
+    assert paused.status_code == 200, paused.content
+    assert paused.json()["paused"] is True
+    leased = api.post("/api/v1/leases", {"queues": ["email"], "worker_id": "w"})
+    assert leased.json()["jobs"] == []
+    stats = api.get("/api/v1/stats").json()
+    assert stats["controls"]["email"]["paused"] is True
+    assert api.post("/api/v1/queues/email/resume").json()["paused"] is False
+    limited = put(api, "/api/v1/queues/email/limits", {"max_leased": 2, "rate_per_s": 0.5})
+    assert limited.status_code == 200, limited.content  # type: ignore[attr-defined]
+    body = limited.json()  # type: ignore[attr-defined]
+    assert (body["max_leased"], body["rate_per_s"], body["burst"]) == (2, 0.5, 1)
+    one = api.get("/api/v1/queues/email/controls").json()
+    assert one["max_leased"] == 2
+    assert set(api.get("/api/v1/queues/controls").json()["queues"]) == {"email"}
+    assert api.get("/api/v1/queues/other/controls").json()["paused"] is False
+    events = JobEvent.objects.filter(job_id="queue:email").values_list("event", flat=True)
+    assert list(events.order_by("id")) == ["paused", "resumed", "limits_set"]
+
+
+def test_bad_limits_and_names_are_problems(api: Api) -> None:
+    problem(put(api, "/api/v1/queues/email/limits", {"burst": 0}), 422, "INVALID_ARGUMENT")
+    problem(put(api, "/api/v1/queues/email/limits", {"max_leased": -1}), 422, "INVALID_ARGUMENT")
+    problem(api.post("/api/v1/queues/bad%20name/pause"), 422, "INVALID_ARGUMENT")
+
+
+def test_only_operator_keys_change_controls(api: Api, make_key: Callable[..., str]) -> None:
+    producer, operator = make_key("producer"), make_key("operator")
+    problem(api.post("/api/v1/queues/q/pause", key=producer), 403, "PERMISSION_DENIED")
+    problem(
+        put(api, "/api/v1/queues/q/limits", {"max_leased": 1}, producer), 403, "PERMISSION_DENIED"
+    )
+    assert api.get("/api/v1/queues/q/controls", key=producer).status_code == 200
+    assert api.post("/api/v1/queues/q/pause", key=operator).status_code == 200
