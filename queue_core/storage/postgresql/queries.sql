@@ -127,7 +127,9 @@ UPDATE relay_job
 -- (base + one per whole minute waited, capped at CRITICAL = 3), then FIFO, and leased while
 -- their payloads (+ 1024 bytes each) fit the reply (the first always does). Each queue gives
 -- at most its own limit (the room under its cap and its tokens, which the service computed
--- with the queue's relay_queue row locked; the claim's limit for a queue without controls).
+-- with the queue's relay_queue row locked; the claim's limit for a queue without controls),
+-- applied after the seeks: a LIMIT taken from q.lim is one the planner cannot see, and it
+-- then costs the lateral as the whole table and joins the UPDATE by a sequential scan.
 -- Heads locked but not taken stay READY. The lease starts at now_ms, or at the job's last
 -- change if another server's sweep (its own clock, read a moment later) returned the job to
 -- READY after this transaction read now_ms: a delivery never starts before the previous one
@@ -144,7 +146,7 @@ WITH heads AS (
              FROM relay_job
             WHERE state = 'ready' AND queue = q.name AND priority = c.cls
             ORDER BY ready_since_ms, id
-            LIMIT q.lim
+            LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED) AS h
 ), capped AS (
     SELECT id, eff, ready_since_ms, size, lim,
