@@ -10,6 +10,7 @@ import pytest
 
 from queue_core.models import JobEvent
 from tests.http.conftest import Api, problem
+from tests.http.test_metrics import samples
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -57,3 +58,15 @@ def test_only_operator_keys_change_controls(api: Api, make_key: Callable[..., st
     )
     assert api.get("/api/v1/queues/q/controls", key=producer).status_code == 200
     assert api.post("/api/v1/queues/q/pause", key=operator).status_code == 200
+
+
+def test_metrics_show_paused_and_limited_queues(api: Api) -> None:
+    api.post("/api/v1/queues/m/pause")
+    put(api, "/api/v1/queues/n/limits", {"max_leased": 3, "rate_per_s": 2})
+    text = api.get("/metrics").content.decode()
+    assert samples(text, "relay_queue_paused") == {
+        (("queue", "m"),): 1.0,
+        (("queue", "n"),): 0.0,
+    }
+    assert samples(text, "relay_queue_max_leased") == {(("queue", "n"),): 3.0}
+    assert samples(text, "relay_queue_rate_per_second") == {(("queue", "n"),): 2.0}
