@@ -905,7 +905,12 @@ class QueueService:
             now = at.now_ms
             self._sweep(tx, at)
             check(Transition.CLAIM, JobState.READY, JobState.LEASED)
+            planned = now
             open_names, limits, buckets = self._claim_plan(tx, names, max_jobs, now)
+            if limits is not None and not self.capabilities.single_writer:
+                # The controls' row locks may have waited for other servers' claims and the
+                # acks they saw: the lease starts now, after them, not when this call began.
+                now = max(now, self._now())
             rows = (
                 tx.claim(
                     ClaimRequest(
@@ -924,7 +929,7 @@ class QueueService:
                 else []
             )
             if buckets:
-                self._take_tokens(tx, buckets, rows, now)
+                self._take_tokens(tx, buckets, rows, planned)
             if rows:
                 tx.many(
                     "insert_attempt",
