@@ -11,7 +11,6 @@ before; stats, the protocol ops and the audit log show it all."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -198,7 +197,7 @@ def test_threads_leasing_a_capped_queue_never_pass_the_cap(
                         worker, job = held.pop(0)
                         svc.ack(job["job_id"], worker_id=worker, lease_token=job["lease_token"])
                         acked[0] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             failures.append(exc)
         finally:
             svc.close()
