@@ -16,6 +16,7 @@ Results are plain JSON-ready dicts in the shapes ``docs/protocol.md`` documents.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -905,29 +906,37 @@ class QueueService:
             now = at.now_ms
             self._sweep(tx, at)
             check(Transition.CLAIM, JobState.READY, JobState.LEASED)
-            planned = now
-            open_names, limits, buckets = self._claim_plan(tx, names, max_jobs, now)
-            if limits is not None and not self.capabilities.single_writer:
-                # The controls' row locks may have waited for other servers' claims and the
-                # acks they saw: the lease starts now, after them, not when this call began.
-                now = max(now, self._now())
-            rows = (
-                tx.claim(
-                    ClaimRequest(
-                        queues=open_names,
-                        worker_id=worker_id,
-                        now_ms=now,
-                        expires_ms=now + length,
-                        limit=max_jobs,
-                        new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
-                        room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
-                        payload_cap_bytes=s.max_payload_bytes,
-                        queue_limits=limits,
-                    )
-                )
-                if open_names
-                else []
+            request = ClaimRequest(
+                queues=names,
+                worker_id=worker_id,
+                now_ms=now,
+                expires_ms=now + length,
+                limit=max_jobs,
+                new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
+                room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
+                payload_cap_bytes=s.max_payload_bytes,
             )
+            planned = now
+            buckets: dict[str, tuple[float, float]] = {}
+            found = tx.claim_unless_controlled(request)
+            if found is not None:
+                rows = found
+            else:
+                # A queue it names is paused, capped or rate-limited: read the controls and
+                # claim from the queues they leave open, each at most its room.
+                open_names, limits, buckets = self._claim_plan(tx, names, max_jobs, now)
+                if not self.capabilities.single_writer:
+                    # The controls' row locks may have waited for other servers' claims and
+                    # the acks they saw: the lease starts now, after them.
+                    now = max(now, self._now())
+                request = dataclasses.replace(
+                    request,
+                    queues=open_names,
+                    now_ms=now,
+                    expires_ms=now + length,
+                    queue_limits=limits,
+                )
+                rows = tx.claim(request) if open_names else []
             if buckets:
                 self._take_tokens(tx, buckets, rows, planned)
             if rows:

@@ -141,6 +141,16 @@ class Tx(Protocol):
         """
         ...
 
+    def claim_unless_controlled(self, request: ClaimRequest) -> list[dict[str, Any]] | None:
+        """``claim`` (``request.queue_limits`` is None), unless a queue of ``request.queues``
+        has controls (a ``relay_queue`` row: paused, capped or rate-limited): then lease
+        nothing and return None, and the caller reads the controls and claims with limits.
+
+        The claim path of queues nobody controls: it costs no more than ``claim``
+        (PostgreSQL: the same statement with the check inside; SQLite: one seek per queue).
+        """
+        ...
+
     def sweep_lock(self) -> bool:
         """Take the sweep lock for the rest of the transaction; False when another server's
         sweep holds it, or when this transaction swept already (skip this sweep: that one

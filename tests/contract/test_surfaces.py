@@ -149,7 +149,7 @@ def test_stats_shape(surface: Surface, clock: FakeClock) -> None:
     surface.call("submit", queue="b", payload=1, delay_ms=60_000)
     clock.advance(ms=2_500)
     stats = surface.call("stats")
-    assert set(stats) == {"queues", "totals", "server_time_ms", "servers", "next_after"}
+    assert set(stats) == {"queues", "totals", "server_time_ms", "servers", "next_after", "controls"}
     states = {"pending", "ready", "leased", "retrying", "succeeded", "dead"}
     assert stats["totals"] == dict.fromkeys(states, 0) | {"pending": 1, "ready": 1}
     assert stats["queues"]["a"] == dict.fromkeys(states, 0) | {
@@ -160,6 +160,7 @@ def test_stats_shape(surface: Surface, clock: FakeClock) -> None:
     assert stats["server_time_ms"] == clock.now_ms() and stats["next_after"] is None
     page = surface.call("stats", limit=1)
     assert list(page["queues"]) == ["a"] and page["next_after"] == "a"
+    assert stats["controls"] == {}
 
 
 @pytest.mark.parametrize(

@@ -133,18 +133,23 @@ UPDATE relay_job
 -- Heads locked but not taken stay READY. The lease starts at now_ms, or at the job's last
 -- change if another server's sweep (its own clock, read a moment later) returned the job to
 -- READY after this transaction read now_ms: a delivery never starts before the previous one
--- ended. Params: queues (text[]), limits (int[], one per queue), limit, now_ms, expires_ms,
--- worker_id, tokens (text[], one per job wanted), room.
+-- ended. With guard true, it leases nothing when any of the queues has a relay_queue row
+-- (controls), checked once for the statement (claim_unless_controlled). Params: guard (bool),
+-- queues (text[]), limits (int[], one per queue), limit, now_ms, expires_ms, worker_id,
+-- tokens (text[], one per job wanted), room.
 WITH heads AS (
     SELECT q.name, q.lim, h.id, h.priority, h.ready_since_ms, h.size,
            LEAST(3, h.priority + GREATEST(0, %(now_ms)s::bigint - h.ready_since_ms) / 60000)
                AS eff
       FROM unnest(%(queues)s::text[], %(limits)s::int[]) AS q(name, lim)
      CROSS JOIN (VALUES (3), (2), (1), (0)) AS c(cls)
+     CROSS JOIN (SELECT NOT (%(guard)s::boolean
+                             AND EXISTS (SELECT 1 FROM relay_queue
+                                          WHERE name = ANY(%(queues)s::text[])))) AS g(go)
      CROSS JOIN LATERAL (
            SELECT id, priority, ready_since_ms, octet_length(payload) AS size
              FROM relay_job
-            WHERE state = 'ready' AND queue = q.name AND priority = c.cls
+            WHERE g.go AND state = 'ready' AND queue = q.name AND priority = c.cls
             ORDER BY ready_since_ms, id
             LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED) AS h
@@ -459,9 +464,16 @@ SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms
  ORDER BY name
    FOR UPDATE;
 
+-- name: queue_controlled
+-- Whether any of a claim's queues has controls (after a guarded claim leased nothing).
+-- Params: queues (text[]).
+SELECT EXISTS (SELECT 1 FROM relay_queue WHERE name = ANY(%(queues)s::text[])) AS controlled;
+
 -- name: queue_leased
 -- How many jobs of a queue are leased now, for its cap. PostgreSQL: a seek on
--- relay_job_queue_state over the queue's leased jobs (at most about its cap), run as its own
+-- relay_job_queue_state over the queue's leased jobs (at most about its cap), or a read of the
+-- partial relay_job_leased (every leased job): either way bounded by the leases, not by the
+-- backlog. Run as its own
 -- statement after queue_controls_for_claim locked the row, so its snapshot sees the leases of
 -- the claim it waited for (READ COMMITTED takes a snapshot per statement). Params: queue.
 SELECT count(*) AS n FROM relay_job WHERE queue = %(queue)s AND state = 'leased';

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
 from django.db import DatabaseError, OperationalError, connections, transaction
 from django.db.backends.signals import connection_created
 
@@ -310,6 +311,14 @@ class SqliteTx(SqlTx):
             row["lease_token"] = token
             rows.append(row)
         return rows
+
+    def claim_unless_controlled(self, request: ClaimRequest) -> list[dict[str, Any]] | None:
+        """``claim``, unless a queue it names has controls (None): one primary-key seek per
+        queue on relay_queue first, in this process (cheaper than a second claim path)."""
+        queues = orjson.dumps(list(request.queues)).decode()
+        if self.all("queue_controls_for_claim", {"queues": queues}):
+            return None
+        return self.claim(request)
 
     def _claim_if_fits(self, params: dict[str, Any], room: int) -> dict[str, Any] | None:
         try:
