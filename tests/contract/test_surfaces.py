@@ -163,6 +163,22 @@ def test_stats_shape(surface: Surface, clock: FakeClock) -> None:
     assert stats["controls"] == {}
 
 
+def test_pause_resume_and_a_cap_behave_alike_on_every_surface(surface: Surface) -> None:
+    for i in range(3):
+        surface.call("submit", queue="ctl", payload=i)
+    paused = surface.call("pause", queue="ctl")
+    assert paused["paused"] is True and paused["queue"] == "ctl"
+    assert surface.call("lease", queues=["ctl"], worker_id="w")["jobs"] == []
+    assert surface.call("stats")["controls"]["ctl"]["paused"] is True
+    assert surface.call("resume", queue="ctl")["paused"] is False
+    limited = surface.call("set_queue_limits", queue="ctl", max_leased=2)
+    assert (limited["max_leased"], limited["rate_per_s"], limited["burst"]) == (2, None, 1)
+    got = surface.call("lease", queues=["ctl"], worker_id="w", max_jobs=3)["jobs"]
+    assert len(got) == 2
+    with pytest.raises(errors.InvalidArgument):
+        surface.call("set_queue_limits", queue="ctl", burst=0)
+
+
 @pytest.mark.parametrize(
     ("op", "args", "field"),
     [
