@@ -231,6 +231,7 @@ class QueueService:
         # hints for waking long-polls only: the claim itself always reads relay_queue.
         self._capped: set[str] = set()
         self._throttled: dict[str, int] = {}
+        self._controlled: set[str] = set()  # queues the last claim naming them found controlled
         self._hints = threading.Lock()
 
     @property
@@ -918,7 +919,11 @@ class QueueService:
             )
             planned = now
             buckets: dict[str, tuple[float, float]] = {}
-            found = tx.claim_unless_controlled(request)
+            # Queues a claim here last found controlled go straight to their controls (the
+            # guarded claim would lease nothing and cost two round trips on PostgreSQL).
+            found = (
+                tx.claim_unless_controlled(request) if self._controlled.isdisjoint(names) else None
+            )
             if found is not None:
                 rows = found
             else:
@@ -974,6 +979,9 @@ class QueueService:
             r["name"]: r
             for r in tx.all("queue_controls_for_claim", {"queues": orjson.dumps(names).decode()})
         }
+        with self._hints:
+            self._controlled.difference_update(names)
+            self._controlled.update(controls)
         if not controls:
             return names, None, {}
         kept: list[str] = []
@@ -1033,6 +1041,13 @@ class QueueService:
         at = now + max(1, math.ceil((1 - tokens - TOKEN_EPSILON) * 1000 / rate))
         with self._hints:
             self._throttled[queue] = min(at, self._throttled.get(queue, at))
+
+    def next_token_ms(self, queues: Iterable[str]) -> int | None:
+        """When the first of ``queues`` that a claim here found out of rate tokens gets its
+        next one (epoch ms), or None: the instant a long-poll on them may claim again."""
+        with self._hints:
+            times = [self._throttled[q] for q in queues if q in self._throttled]
+        return min(times, default=None)
 
     def held_back(self, queue: str) -> bool:
         """Whether a claim in this process left READY jobs of ``queue`` because of its cap:

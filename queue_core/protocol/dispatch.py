@@ -140,7 +140,10 @@ def _lease(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
             if lease["attempt"] == 1:
                 delay_s = (now - lease["created_at_ms"]) / 1000
                 events.append(metrics.Event("start_delay", lease["queue"], delay_s))
-    return Outcome({"jobs": leases}, events=tuple(events))
+    # Nothing leased and a queue out of rate tokens: when its next one comes (the server's
+    # reaper wakes its long-polls then; ``QueueService.sweep``).
+    due = None if leases else svc.next_token_ms(args["queues"])
+    return Outcome({"jobs": leases}, due_at_ms=due, events=tuple(events))
 
 
 def _lease_ids(args: Mapping[str, Any]) -> dict[str, Any]:

@@ -167,6 +167,12 @@ def test_the_ops_run_through_dispatch_and_wake_the_queue(service: QueueService) 
     acked = run("ack", job_id=job["job_id"], worker_id="w", lease_token=job["lease_token"])
     assert acked.ready_queues == {"q"}  # a slot freed under the cap: waiters look again
     assert JobEvent.objects.filter(job_id="queue:q", actor="tcp:p").count() == 3
+    # Out of tokens (1 per second, the bucket spent by the first lease): the lease outcome says
+    # when the next one comes, so a server can wake the queue's long-polls then.
+    run("ack", job_id=job["job_id"], worker_id="w", lease_token=job["lease_token"])
+    submit(service, "q", 1)
+    empty = run("lease", queues=["q"], worker_id="w")
+    assert empty.result["jobs"] == [] and empty.due_at_ms == service.clock.now_ms() + 1_000
 
 
 def test_threads_leasing_a_capped_queue_never_pass_the_cap(
