@@ -266,8 +266,10 @@ class QueueSettings(models.Model):
 
     The token bucket (``tokens`` at ``tokens_at_ms``) refills at ``rate_per_s`` up to
     ``burst``; each job a claim starts takes one token (Sidekiq Enterprise's bucket limiter,
-    Oban Pro's ``rate_limit``; Oban's and River's own queues cap only one node's
-    concurrency, here ``max_leased`` holds across every server and worker).
+    Oban Pro's ``rate_limit``). ``max_leased`` holds across every server and worker, where
+    Oban's queue ``limit`` and River's ``MaxWorkers`` bound one node's concurrency. The
+    table is River's ``river_queue`` (a paused queue stays paused across restarts) plus
+    the limits.
     """
 
     name = models.CharField(primary_key=True, max_length=128)

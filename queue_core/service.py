@@ -1442,9 +1442,12 @@ class QueueService:
         fail, renew, expiry), but no claim leases from it until ``resume``; long-polls on it
         wait. Kept in ``relay_queue``, so it survives restarts and holds on every server.
 
-        Oban's ``Oban.pause_queue/2`` and Sidekiq Enterprise's pausing stop the fetch of one
-        queue the same way (there per node or per process; here in the claim, everywhere).
-        Pausing a paused queue changes nothing (and records nothing).
+        River's ``Client.QueuePause`` is the closest: kept in its ``river_queue`` table, so it
+        outlives restarts and holds for every client. Oban's ``Oban.pause_queue/2`` stops
+        each node's producer (in memory: a restart runs the queue again unless configured
+        ``paused``), Sidekiq Pro's ``Sidekiq::Queue#pause!`` marks the queue in Redis for its
+        fetchers, Faktory's ``QUEUE PAUSE`` makes the server skip the queue when fetching, as
+        this claim does. Pausing a paused queue changes nothing (and records nothing).
 
         Args:
             queue: the queue name (it need not have jobs yet).
@@ -1486,11 +1489,15 @@ class QueueService:
 
         The cap counts the queue's LEASED jobs across every worker and server, inside the
         claim (a claim takes at most ``max_leased`` minus those); the rate is a token bucket
-        of ``burst`` tokens refilled at ``rate_per_s``, one taken per job a claim starts
-        (Sidekiq Enterprise's bucket and concurrent limiters, Oban Pro's ``global_limit`` and
-        ``rate_limit``; Faktory Enterprise's queue throttles). A queue at its cap or without a
-        token is skipped by the claim, which takes from the other queues it names. Raising
-        the cap or the rate wakes the queue's long-polls.
+        of ``burst`` tokens refilled at ``rate_per_s``, one taken per job a claim starts.
+        Oban's queue ``limit`` and River's ``MaxWorkers`` bound one node's (one client's)
+        concurrency only; the global forms are paid add-ons: Oban Pro's ``global_limit`` and
+        ``rate_limit`` (jobs per period), River Pro's concurrency limits, Sidekiq
+        Enterprise's concurrent and bucket rate limiters (taken by the job's own code, not
+        the fetch), Faktory Enterprise's queue throttles. Here both live in the claim, so a
+        worker is never handed a job it would have to give back. A queue at its cap or
+        without a token is skipped by the claim, which takes from the other queues it names.
+        Raising the cap or the rate wakes the queue's long-polls.
 
         Args:
             queue: the queue name.
