@@ -921,9 +921,9 @@ class QueueService:
             buckets: dict[str, tuple[float, float]] = {}
             # Queues a claim here last found controlled go straight to their controls (the
             # guarded claim would lease nothing and cost two round trips on PostgreSQL).
-            found = (
-                tx.claim_unless_controlled(request) if self._controlled.isdisjoint(names) else None
-            )
+            with self._hints:
+                uncontrolled = self._controlled.isdisjoint(names)
+            found = tx.claim_unless_controlled(request) if uncontrolled else None
             if found is not None:
                 rows = found
             else:
