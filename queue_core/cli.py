@@ -129,7 +129,8 @@ class Invocation:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser for the global options and the subcommand name."""
-    lines = [f"  {name:<8} {sub.summary}" for name, sub in SUBCOMMANDS.items()]
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = [f"  {name:<{width}} {sub.summary}" for name, sub in SUBCOMMANDS.items()]
     parser = argparse.ArgumentParser(
         prog="relay",
         usage="relay [--address HOST:PORT[,HOST:PORT...]] [--api-key KEY] [--db PATH] "
