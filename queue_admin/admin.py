@@ -1,8 +1,12 @@
 """The operator console: jobs, dead letters, the audit log and the queue overview.
 
 No side doors: every list and detail page here is read-only (no add, change or delete), and
-the only writes are the replay, purge and cancel actions, which call ``QueueService`` per job with
-the operator's username as the actor, so each job's events say who did it and when. Each
+the only writes are the replay, purge and cancel actions, which call ``QueueService`` per job
+with the operator's username as the actor, so each job's events say who did it and when, the
+queue controls on the overview (pause, resume, limits: ``QueueService.pause`` / ``resume`` /
+``set_queue_limits``, each behind a confirmation page and its permission, recorded in the
+audit log as ``queue:<name>`` events) and the Maintenance page (prune, backup:
+``queue_admin.maintenance``). Each
 action shows a confirmation page (like Django's ``delete_selected``) that states how many
 jobs it will touch; on the dead-letter list the same actions also apply to everything that
 matches the current filters.
@@ -23,12 +27,13 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
+from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, QuerySet
-from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path, reverse
@@ -40,6 +45,7 @@ from queue_admin.listing import CappedPaginator, JobChangeList, QueueFilter, Sta
 from queue_admin.operations import CHUNK, BulkRunner, Op, describe
 from queue_admin.overview import build_overview
 from queue_core.clock import Clock, SystemClock
+from queue_core.errors import RelayError
 from queue_core.models import DeadLetter, Job, JobAttempt, JobEvent, JobResult
 from queue_core.service import QueueService
 from queue_core.states import WAITING_STATES, JobState, Priority
@@ -195,7 +201,12 @@ class JobAdmin(ReadOnlyAdmin):
             self.admin_site.admin_view(self.maintenance_view),
             name="queue_core_job_maintenance",
         )
-        return [overview, tools, *urls]
+        control = path(
+            "overview/queue/<str:queue>/<str:action>/",
+            self.admin_site.admin_view(self.queue_control_view),
+            name="queue_core_job_queue_control",
+        )
+        return [overview, tools, control, *urls]
 
     # ------------------------------------------------------------ list columns
 
@@ -440,6 +451,14 @@ class JobAdmin(ReadOnlyAdmin):
         """May cancel jobs (``queue_core.cancel_job``)."""
         return request.user.has_perm("queue_core.cancel_job")
 
+    def has_pause_permission(self, request: HttpRequest) -> bool:
+        """May pause and resume queues (``queue_core.pause_queue``)."""
+        return request.user.has_perm("queue_core.pause_queue")
+
+    def has_limit_permission(self, request: HttpRequest) -> bool:
+        """May set queue limits (``queue_core.limit_queue``)."""
+        return request.user.has_perm("queue_core.limit_queue")
+
     # ----------------------------------------------------------------- actions
 
     @admin.action(permissions=["replay"], description="Replay selected dead or cancelled jobs")
@@ -658,6 +677,8 @@ class JobAdmin(ReadOnlyAdmin):
             "opts": self.opts,
             "overview": data,
             "media": self.media,
+            "can_pause": self.has_pause_permission(request),
+            "can_limit": self.has_limit_permission(request),
         }
         request.current_app = self.admin_site.name
         return TemplateResponse(request, "queue_admin/overview.html", context)
@@ -666,6 +687,74 @@ class JobAdmin(ReadOnlyAdmin):
         """Prune finished jobs by age, back up the database (``queue_admin.maintenance``)."""
         return maintenance.view(self, request)
 
+    def queue_control_view(self, request: HttpRequest, queue: str, action: str) -> HttpResponse:
+        """Pause, resume or set the limits of one queue: a confirmation page (GET, or a POST
+        that failed validation), then the change through ``QueueService`` with the operator
+        as the actor (POST with ``post=yes``), then back to the overview with a message.
+
+        Raises:
+            PermissionDenied: without ``queue_core.pause_queue`` (pause, resume) or
+                ``queue_core.limit_queue`` (limits). Http404: an unknown action.
+        """
+        allowed = {
+            "pause": self.has_pause_permission,
+            "resume": self.has_pause_permission,
+            "limits": self.has_limit_permission,
+        }
+        if action not in allowed:
+            raise Http404(f"no queue action {action!r}")
+        if not allowed[action](request):
+            raise PermissionDenied
+        service = self.service()
+        back = reverse("admin:queue_core_job_overview")
+        try:
+            current = service.queue_controls(queue)["queues"][queue]
+        except RelayError as exc:
+            messages.error(request, f"{exc.code}: {exc.message}")
+            return HttpResponseRedirect(back)
+        form = QueueLimitsForm(request.POST or None, initial=_limits_initial(current))
+        if request.method == "POST" and request.POST.get("post") == "yes":
+            actor = request.user.get_username()
+            try:
+                if action == "pause":
+                    service.pause(queue, actor=actor)
+                    messages.success(request, f"Queue {queue} paused: nothing new is leased.")
+                elif action == "resume":
+                    service.resume(queue, actor=actor)
+                    messages.success(request, f"Queue {queue} resumed.")
+                elif form.is_valid():
+                    out = service.set_queue_limits(queue, actor=actor, **form.limits())
+                    messages.success(request, f"Queue {queue}: {_describe_limits(out)}.")
+                else:
+                    return self._control_page(request, queue, action, current, form)
+            except RelayError as exc:
+                messages.error(request, f"{exc.code}: {exc.message}")
+            return HttpResponseRedirect(back)
+        return self._control_page(request, queue, action, current, form)
+
+    def _control_page(
+        self,
+        request: HttpRequest,
+        queue: str,
+        action: str,
+        current: dict[str, Any],
+        form: QueueLimitsForm,
+    ) -> TemplateResponse:
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{action.capitalize()} queue {queue}",
+            "opts": self.opts,
+            "media": self.media,
+            "queue": queue,
+            "action": action,
+            "current": current,
+            "current_limits": _describe_limits(current),
+            "form": form,
+            "back_url": reverse("admin:queue_core_job_overview"),
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "queue_admin/queue_control.html", context)
+
 
 def _payload_of(obj: Job) -> Any:
     """A job's payload, decoded (None when the stored text is not JSON)."""
@@ -673,6 +762,45 @@ def _payload_of(obj: Job) -> Any:
         return orjson.loads(obj.payload)
     except orjson.JSONDecodeError:
         return None
+
+
+class QueueLimitsForm(forms.Form):
+    """The limits page's fields: empty means no cap / no rate."""
+
+    max_leased = forms.IntegerField(
+        required=False, min_value=1, max_value=1_000_000, label="Most jobs leased at once"
+    )
+    rate_per_s = forms.FloatField(
+        required=False, min_value=0, max_value=1_000_000, label="Jobs started per second"
+    )
+    burst = forms.IntegerField(
+        required=False, min_value=1, max_value=1_000_000, label="Burst (jobs at once)"
+    )
+
+    def limits(self) -> dict[str, Any]:
+        """The ``set_queue_limits`` arguments: an empty field removes that limit."""
+        data = self.cleaned_data
+        return {
+            "max_leased": data.get("max_leased") or 0,
+            "rate_per_s": data.get("rate_per_s") or 0,
+            "burst": data.get("burst") or 1,
+        }
+
+
+def _limits_initial(controls: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "max_leased": controls.get("max_leased"),
+        "rate_per_s": controls.get("rate_per_s"),
+        "burst": controls.get("burst"),
+    }
+
+
+def _describe_limits(controls: dict[str, Any]) -> str:
+    cap = controls.get("max_leased")
+    rate = controls.get("rate_per_s")
+    parts = [f"at most {cap} leased" if cap else "no cap"]
+    parts.append(f"{rate:g} started/s (burst {controls.get('burst')})" if rate else "no rate")
+    return ", ".join(parts)
 
 
 def _keyset(queryset: QuerySet[Any]) -> Iterator[list[str]]:
@@ -748,7 +876,19 @@ class EventFilter(admin.SimpleListFilter):
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
         """The events operators and recovery record."""
         return [
-            (e, e) for e in ("replayed", "purged", "recovered", "cancelled", "cancel_requested")
+            (e, e)
+            for e in (
+                "replayed",
+                "purged",
+                "recovered",
+                "cancelled",
+                "cancel_requested",
+                "paused",
+                "resumed",
+                "limits_set",
+                "pruned",
+                "backed_up",
+            )
         ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
@@ -778,11 +918,12 @@ class JobEventAdmin(ReadOnlyAdmin):
     def get_search_results(
         self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
     ) -> tuple[QuerySet[Any], bool]:
-        """A job id is an index seek on (job_id, id); anything else is an operator name."""
+        """A job id (or ``queue:<name>``) is an index seek on (job_id, id); anything else is
+        an operator name."""
         term = search_term.strip()
         if not term:
             return queryset, False
-        if JOB_ID_RE.fullmatch(term):
+        if JOB_ID_RE.fullmatch(term) or term.startswith("queue:"):
             return queryset.filter(job_id=term), False
         return queryset.filter(actor=term), False
 
@@ -796,8 +937,8 @@ class JobEventAdmin(ReadOnlyAdmin):
         """The job, linked unless it was purged; a dash for an action on no one job."""
         if not obj.job_id:
             return format_html("{}", display.DASH)
-        if obj.event == "purged":
-            return format_html("{}", obj.job_id)
+        if obj.event == "purged" or not obj.job_id.startswith("job_"):
+            return format_html("{}", obj.job_id)  # gone, or a queue's control (queue:<name>)
         url = reverse("admin:queue_core_job_change", args=[obj.job_id])
         return format_html('<a href="{}">{}</a>', url, obj.job_id)
 

@@ -1,5 +1,5 @@
 """The queue overview: per queue the counts by state, oldest ready age, who holds leases now,
-the latest failures, and the live servers.
+its controls (paused, cap, rate), the latest failures, and the live servers.
 
 Four reads, each bounded by an index rather than by the size of the table:
 
@@ -38,6 +38,9 @@ class QueueRow:
     oldest_ready_age_ms: int | None
     leases: list[dict[str, Any]] = field(default_factory=list)
     last_failure_at_ms: int | None = None
+    # The queue's controls (``QueueService.queue_controls``) when it is paused, capped or
+    # rate-limited; None when it runs with none.
+    controls: dict[str, Any] | None = None
 
     @property
     def state_cells(self) -> list[tuple[str, int]]:
@@ -105,6 +108,14 @@ def build_overview(service: QueueService) -> Overview:
             total=sum(counts.values()),
             oldest_ready_age_ms=q.get("oldest_ready_age_ms"),
         )
+    # A paused or limited queue is listed even with no jobs, so it can be resumed from here.
+    for name, controls in stats.get("controls", {}).items():
+        if name not in rows:
+            rows[name] = QueueRow(
+                name=name, counts=dict.fromkeys(STATES, 0), total=0, oldest_ready_age_ms=None
+            )
+        rows[name].controls = dict(controls)
+    rows = dict(sorted(rows.items()))
     for lease in leases:
         row = rows.get(lease["queue"])
         if row is not None:

@@ -21,7 +21,7 @@ from ninja.parser import Parser
 from ninja.renderers import BaseRenderer
 
 from queue_api.problems import problem_response
-from queue_api.routers import dead, jobs, maintenance, workers
+from queue_api.routers import dead, jobs, maintenance, queues, workers
 from queue_api.schemas import HealthOut
 from queue_core import errors
 from queue_core.conf import relay_settings
@@ -76,6 +76,7 @@ api.add_router("", jobs.router)
 api.add_router("", workers.router)
 api.add_router("", dead.router)
 api.add_router("", maintenance.router)
+api.add_router("", queues.router)
 
 
 # ---------------------------------------------------------------------- errors -> problems

@@ -67,7 +67,8 @@ def call(request: HttpRequest, verb: dispatch.Verb, args: dict[str, Any]) -> dis
         metrics.rejected(verb.op, exc)
         raise
     metrics.record(outcome.events)  # the service committed before returning
-    if verb.op in READYING_OPS:
+    if verb.op in READYING_OPS or outcome.ready_queues:
+        # (ready_queues: also an ack that freed a slot under a queue's cap)
         wakeups().poke()
     return outcome
 

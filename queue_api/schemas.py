@@ -197,6 +197,16 @@ ServerOut = out(
 )
 QueueStatsOut = out(types.QueueStats, "QueueStatsOut")
 TotalsOut = out(types.Totals, "TotalsOut")
+QueueControlsOut = out(
+    types.QueueControls,
+    "QueueControlsOut",
+    defaults={
+        "max_leased": Field(description="Most jobs leased at once, all workers; null: none."),
+        "rate_per_s": Field(description="Jobs started per second; null: no rate."),
+        "burst": Field(description="Jobs that may start at once after a quiet spell."),
+    },
+)
+QueueControlsListOut = out(types.QueueControlsResult, "QueueControlsListOut")
 StatsOut = out(types.StatsResult, "StatsOut")
 JobPageOut = out(types.DeadListResult, "JobPageOut")
 LeaseOut = out(types.Lease, "LeaseOut")
@@ -223,6 +233,14 @@ ResultOut = out(
     },
 )
 CancelOut = out(types.CancelResult, "CancelOut")
+
+
+class QueueLimitsIn(Schema):
+    """New limits; a field left out (or null) keeps its value, 0 removes a cap or rate."""
+
+    max_leased: int | None = Field(None, ge=0, le=1_000_000)
+    rate_per_s: float | None = Field(None, ge=0, le=1_000_000)
+    burst: int | None = Field(None, ge=1, le=1_000_000)
 
 
 # ---------------------------------------------------------------------- workers

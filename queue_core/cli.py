@@ -30,6 +30,8 @@ Examples::
     relay --address 10.0.0.5:7400 submit email --payload '{"user_id":42}' --priority high
     relay --json stats
     relay dead retry job_01J...
+    relay pause email
+    relay queue-limits email --max-leased 10 --rate 5 --burst 5
     relay prune --older-than 7d --dry-run
     relay --db relay.db backup /backups/relay-2026-01-01.db
 """
@@ -87,6 +89,14 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "cancel": Subcommand(
         "relay_cancel", "cancel jobs: JOB_ID... (a running one stops at its next renew)"
     ),
+    "pause": Subcommand(
+        "relay_pause", "stop leasing from queues (submits still accepted): QUEUE..."
+    ),
+    "resume": Subcommand("relay_resume", "lease from paused queues again: QUEUE..."),
+    "queue-limits": Subcommand(
+        "relay_queue_limits",
+        "show or set a queue's limits: QUEUE [--max-leased N] [--rate R] [--burst B]",
+    ),
     "prune": Subcommand(
         "relay_prune",
         "delete finished jobs by age now: --older-than 7d [--state succeeded|dead|cancelled] "
@@ -125,7 +135,8 @@ class Invocation:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser for the global options and the subcommand name."""
-    lines = [f"  {name:<8} {sub.summary}" for name, sub in SUBCOMMANDS.items()]
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = [f"  {name:<{width}} {sub.summary}" for name, sub in SUBCOMMANDS.items()]
     parser = argparse.ArgumentParser(
         prog="relay",
         usage="relay [--address HOST:PORT[,HOST:PORT...]] [--api-key KEY] [--db PATH] "

@@ -219,6 +219,27 @@ class RelayCollector(Collector):
     def describe(self) -> Iterator[Metric]:
         """Name the families without reading the database (the registry calls this)."""
         yield from self._families()
+        yield from self._controls()
+
+    @staticmethod
+    def _controls() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        paused = GaugeMetricFamily(
+            "relay_queue_paused",
+            "1 for each paused queue (relay pause), 0 for a controlled queue that runs; the sum "
+            "is the number of paused queues (read at scrape).",
+            labels=["queue"],
+        )
+        cap = GaugeMetricFamily(
+            "relay_queue_max_leased",
+            "The cap on a queue's leased jobs across all workers, for each capped queue.",
+            labels=["queue"],
+        )
+        rate = GaugeMetricFamily(
+            "relay_queue_rate_per_second",
+            "The most jobs a queue starts per second, for each rate-limited queue.",
+            labels=["queue"],
+        )
+        return paused, cap, rate
 
     @staticmethod
     def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
@@ -236,8 +257,10 @@ class RelayCollector(Collector):
         return jobs, age, up
 
     def collect(self) -> Iterator[Metric]:
-        """Yield ``relay_queue_jobs``, ``relay_queue_oldest_ready_age_seconds`` and
-        ``relay_database_up``."""
+        """Yield ``relay_queue_jobs``, ``relay_queue_oldest_ready_age_seconds``,
+        ``relay_database_up``, and the controls of paused, capped and rate-limited queues
+        (``relay_queue_paused``, ``relay_queue_max_leased``, ``relay_queue_rate_per_second``;
+        a series per controlled queue, at most ``RELAY_METRICS_MAX_QUEUES`` of them)."""
         from queue_core.conf import relay_settings
         from queue_core.service import QueueService
 
@@ -256,9 +279,20 @@ class RelayCollector(Collector):
             ms = counts.get("oldest_ready_age_ms")
             age.add_metric([queue], 0.0 if ms is None else ms / 1000)
         up.add_metric([], 1)
+        paused, cap, rate = self._controls()
+        controls = sorted(stats.get("controls", {}).items())
+        for queue, c in controls[: relay_settings().metrics_max_queues]:
+            paused.add_metric([queue], 1 if c["paused"] else 0)
+            if c["max_leased"] is not None:
+                cap.add_metric([queue], c["max_leased"])
+            if c["rate_per_s"] is not None:
+                rate.add_metric([queue], c["rate_per_s"])
         yield jobs
         yield age
         yield up
+        yield paused
+        yield cap
+        yield rate
 
 
 def _fold(queues: dict[str, dict[str, Any]], keep: int) -> list[tuple[str, dict[str, Any]]]:

@@ -309,3 +309,57 @@ class ApiKey(models.Model):
     def is_active(self) -> bool:
         """Whether the key is not revoked."""
         return self.revoked_at_ms is None
+
+
+class QueueSettings(models.Model):
+    """An operator's controls on one queue: paused, a cap on leased jobs, a start rate.
+
+    A row exists only while some control differs from the default (running, no cap, no
+    rate): ``QueueService.resume`` and clearing the limits delete it, so a claim on a queue
+    nobody controls finds no row to read or lock. Written only by ``QueueService.pause``,
+    ``resume`` and ``set_queue_limits``; read by every claim that names the queue.
+
+    The token bucket (``tokens`` at ``tokens_at_ms``) refills at ``rate_per_s`` up to
+    ``burst``; each job a claim starts takes one token (Sidekiq Enterprise's bucket limiter,
+    Oban Pro's ``rate_limit``). ``max_leased`` holds across every server and worker, where
+    Oban's queue ``limit`` and River's ``MaxWorkers`` bound one node's concurrency. The
+    table is River's ``river_queue`` (a paused queue stays paused across restarts) plus
+    the limits.
+    """
+
+    name = models.CharField(primary_key=True, max_length=128)
+    paused = models.BooleanField(default=False)
+    max_leased = models.IntegerField(
+        null=True, blank=True, help_text="Most jobs leased at once, all workers; null: no cap."
+    )
+    rate_per_s = models.FloatField(
+        null=True, blank=True, help_text="Jobs started per second (token bucket); null: no rate."
+    )
+    burst = models.IntegerField(default=1, help_text="Tokens the bucket holds at most.")
+    tokens = models.FloatField(default=0.0)
+    tokens_at_ms = models.BigIntegerField(default=0)
+    updated_at_ms = models.BigIntegerField()
+    updated_by = models.CharField(max_length=150, null=True, blank=True)
+
+    class Meta:
+        db_table = "relay_queue"
+        verbose_name = "queue settings"
+        verbose_name_plural = "queue settings"
+        permissions = [
+            ("pause_queue", "Can pause and resume queues"),
+            ("limit_queue", "Can set queue limits"),
+        ]
+        constraints = [
+            models.CheckConstraint(
+                condition=Q(max_leased__isnull=True) | Q(max_leased__gte=1),
+                name="relay_queue_max_leased_positive",
+            ),
+            models.CheckConstraint(
+                condition=Q(rate_per_s__isnull=True) | Q(rate_per_s__gt=0),
+                name="relay_queue_rate_positive",
+            ),
+            models.CheckConstraint(condition=Q(burst__gte=1), name="relay_queue_burst_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name

@@ -16,8 +16,10 @@ Results are plain JSON-ready dicts in the shapes ``docs/protocol.md`` documents.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
+import math
 import random
 import secrets
 import threading
@@ -74,6 +76,12 @@ LEASE_EXPIRED_REASON = "lease expired"
 # How often cancel re-reads a job that changed state between its read and its guarded UPDATE
 # (another server's claim or sweep) before answering BUSY.
 CANCEL_TRIES = 5
+# Queue controls (``pause``, ``set_queue_limits``): the bounds of their values.
+MAX_LEASED_MAX = 1_000_000
+RATE_PER_S_MAX = 1_000_000.0
+BURST_MAX = 1_000_000
+# Tokens a float sum may miss by (a refill of exactly one token must count as one).
+TOKEN_EPSILON = 1e-9
 
 
 class _MonotonicUlid:
@@ -158,6 +166,51 @@ def new_server_id() -> str:
     return f"srv_{secrets.token_hex(8)}"
 
 
+def queue_event_id(queue: str) -> str:
+    """The audit log's ``job_id`` for a change of ``queue``'s controls: ``queue:<name>``,
+    cut to the column's 40 characters (the event's detail names the queue in full)."""
+    return f"queue:{queue}"[:40]
+
+
+def _controls_view(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``QueueControls`` dict from a ``relay_queue`` row (or the defaults: ``{"name"}``)."""
+    rate = row.get("rate_per_s")
+    return {
+        "queue": row["name"],
+        "paused": bool(row.get("paused", False)),
+        "max_leased": row.get("max_leased"),
+        "rate_per_s": float(rate) if rate is not None else None,
+        "burst": int(row.get("burst") or 1),
+        "updated_at_ms": row.get("updated_at_ms"),
+        "updated_by": row.get("updated_by"),
+    }
+
+
+def _loosened(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether claims may take more under ``new`` than under ``old``: resumed, a cap raised
+    or removed, a rate or burst raised or removed (then the queue's long-polls look again)."""
+    if old["paused"] and not new["paused"]:
+        return True
+
+    def more(a: Any, b: Any) -> bool:  # None is no limit
+        return a is not None and (b is None or b > a)
+
+    return (
+        more(old["max_leased"], new["max_leased"])
+        or more(old["rate_per_s"], new["rate_per_s"])
+        or new["burst"] > old["burst"]
+    )
+
+
+def _refill(control: Mapping[str, Any], now: int) -> float:
+    """The tokens in a queue's bucket at ``now`` (epoch ms): what it held at
+    ``tokens_at_ms`` plus ``rate_per_s`` per second since, at most ``burst`` (a clock read
+    before ``tokens_at_ms`` refills nothing)."""
+    elapsed_ms = max(0, now - int(control["tokens_at_ms"]))
+    earned = float(control["tokens"]) + elapsed_ms * float(control["rate_per_s"]) / 1000
+    return min(float(control["burst"]), earned)
+
+
 class QueueService:
     """Submit, lease, renew, ack, fail, release, cancel, replay, purge, prune, expire and recover
     jobs.
@@ -190,6 +243,14 @@ class QueueService:
         self.observer = observer
         self._defaults: tuple[RelaySettings, dict[str, Any]] | None = None
         self._limits: tuple[RelaySettings, dict[str, int]] | None = None
+        # Queues a claim left jobs in because of their cap (an ack or fail there frees a slot:
+        # ``held_back``), and queues out of tokens with when the next one comes (epoch ms;
+        # ``sweep`` hands them to the reaper then, ``next_due_ms`` says when). In-process
+        # hints for waking long-polls only: the claim itself always reads relay_queue.
+        self._capped: set[str] = set()
+        self._throttled: dict[str, int] = {}
+        self._controlled: set[str] = set()  # queues the last claim naming them found controlled
+        self._hints = threading.Lock()
 
     @property
     def settings(self) -> RelaySettings:
@@ -677,9 +738,11 @@ class QueueService:
         Returns:
             ``{"queues": {name: {state: n, ..., "oldest_ready_age_ms": int | None}},
             "totals": {state: n}, "server_time_ms": int, "servers": [Server, ...],
-            "next_after": str | None}``: totals always count every queue; ``next_after``
-            names the page's last queue when more follow. The servers are as
-            ``servers()`` gives them.
+            "next_after": str | None, "controls": {name: QueueControls}}``: totals always
+            count every queue; ``next_after`` names the page's last queue when more follow.
+            The servers are as ``servers()`` gives them. ``controls`` holds every paused,
+            capped or rate-limited queue (``queue_controls``; all of them on every page, with
+            jobs or not: there are few).
         Raises:
             InvalidArgument: a bad queue name, limit or cursor.
         """
@@ -694,6 +757,11 @@ class QueueService:
             counts = tx.all("counts" if finished else "counts_live")
             oldest = {r["queue"]: r["oldest"] for r in tx.all("oldest_ready")}
             servers = self._live_servers(tx, now)
+            controls = {
+                r["name"]: _controls_view(r)
+                for r in tx.all("queue_controls_all")
+                if queue is None or r["name"] == queue
+            }
         blank = {s.value: 0 for s in JobState if finished or s is not JobState.SUCCEEDED}
         queues: dict[str, dict[str, Any]] = {}
         totals = dict(blank)
@@ -715,6 +783,7 @@ class QueueService:
             "server_time_ms": now,
             "servers": servers,
             "next_after": next_after,
+            "controls": controls,
         }
 
     def _stats_page(
@@ -899,17 +968,24 @@ class QueueService:
             queues: queue names (already valid: the names long-polls wait on).
         """
         with self.driver.read() as tx:
+            # A paused queue's READY jobs wake nobody: its long-polls would claim nothing.
+            paused = {r["name"] for r in tx.all("queue_controls_all") if r["paused"]}
             return [
                 q
                 for q in queues
-                if (row := tx.one("queue_has_ready", {"queue": q})) and row["ready"]
+                if q not in paused
+                and (row := tx.one("queue_has_ready", {"queue": q}))
+                and row["ready"]
             ]
 
     def next_due_ms(self) -> int | None:
-        """Return the earliest future instant (epoch ms) a job becomes due or a lease expires."""
+        """Return the earliest future instant (epoch ms) a job becomes due, a lease expires,
+        or a rate-limited queue that a claim here found without a token gets its next one."""
         with self.driver.read() as tx:
             due = [tx.one("next_scheduled"), tx.one("next_expiry")]
         times = [r["at_ms"] for r in due if r and r["at_ms"] is not None]
+        with self._hints:
+            times.extend(self._throttled.values())  # a rate-limited queue's next token
         return min(times) if times else None
 
     # ------------------------------------------------------------------ lease
@@ -950,18 +1026,43 @@ class QueueService:
             now = at.now_ms
             self._sweep(tx, at)
             check(Transition.CLAIM, JobState.READY, JobState.LEASED)
-            rows = tx.claim(
-                ClaimRequest(
-                    queues=names,
-                    worker_id=worker_id,
+            request = ClaimRequest(
+                queues=names,
+                worker_id=worker_id,
+                now_ms=now,
+                expires_ms=now + length,
+                limit=max_jobs,
+                new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
+                room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
+                payload_cap_bytes=s.max_payload_bytes + s.max_meta_bytes,
+            )
+            planned = now
+            buckets: dict[str, tuple[float, float]] = {}
+            # Queues a claim here last found controlled go straight to their controls (the
+            # guarded claim would lease nothing and cost two round trips on PostgreSQL).
+            with self._hints:
+                uncontrolled = self._controlled.isdisjoint(names)
+            found = tx.claim_unless_controlled(request) if uncontrolled else None
+            if found is not None:
+                rows = found
+            else:
+                # A queue it names is paused, capped or rate-limited: read the controls and
+                # claim from the queues they leave open, each at most its room.
+                open_names, limits, buckets = self._claim_plan(tx, names, max_jobs, now)
+                if not self.capabilities.single_writer:
+                    # The controls' row locks may have waited for other servers' claims and
+                    # the acks they saw: the lease starts now, after them.
+                    now = max(now, self._now())
+                request = dataclasses.replace(
+                    request,
+                    queues=open_names,
                     now_ms=now,
                     expires_ms=now + length,
-                    limit=max_jobs,
-                    new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
-                    room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
-                    payload_cap_bytes=s.max_payload_bytes + s.max_meta_bytes,
+                    queue_limits=limits,
                 )
-            )
+                rows = tx.claim(request) if open_names else []
+            if buckets:
+                self._take_tokens(tx, buckets, rows, planned)
             if rows:
                 tx.many(
                     "insert_attempt",
@@ -979,6 +1080,99 @@ class QueueService:
                 )
         expires_at_ms = now + length
         return [cast(dict[str, Any], lease_view(row, expires_at_ms)) for row in rows]
+
+    def _claim_plan(
+        self, tx: Tx, names: list[str], max_jobs: int, now: int
+    ) -> tuple[list[str], list[int] | None, dict[str, tuple[float, float]]]:
+        """Filter a claim's queues by their controls (``relay_queue``), inside the claim's
+        transaction: paused queues, queues at their cap and queues without a token are left
+        out (the claim takes from the others: a held queue never starves them, as a paused
+        Oban or Sidekiq queue only stops its own fetch).
+
+        Returns:
+            ``(names, limits, buckets)``: the queues to claim from, each one's most jobs
+            (None: ``max_jobs`` for all, no queue has controls), and for each rated queue
+            ``(tokens now, rate_per_s)``.
+        """
+        controls = {
+            r["name"]: r
+            for r in tx.all("queue_controls_for_claim", {"queues": orjson.dumps(names).decode()})
+        }
+        with self._hints:
+            self._controlled.difference_update(names)
+            self._controlled.update(controls)
+        if not controls:
+            return names, None, {}
+        kept: list[str] = []
+        limits: list[int] = []
+        buckets: dict[str, tuple[float, float]] = {}
+        for name in names:
+            c = controls.get(name)
+            room = max_jobs
+            if c is not None:
+                if c["paused"]:
+                    continue
+                if c["max_leased"] is not None:
+                    row = tx.one("queue_leased", {"queue": name})
+                    room = min(room, c["max_leased"] - int(row["n"] if row else 0))
+                    self._hint_capped(name, room <= 0)
+                if c["rate_per_s"] is not None and room > 0:
+                    tokens = _refill(c, now)
+                    buckets[name] = (tokens, float(c["rate_per_s"]))
+                    room = min(room, math.floor(tokens + TOKEN_EPSILON))
+                    if room <= 0:
+                        self._hint_throttled(name, tokens, float(c["rate_per_s"]), now)
+            if room > 0:
+                kept.append(name)
+                limits.append(room)
+        return kept, limits, buckets
+
+    def _take_tokens(
+        self,
+        tx: Tx,
+        buckets: Mapping[str, tuple[float, float]],
+        rows: list[dict[str, Any]],
+        now: int,
+    ) -> None:
+        """Take one token per job started from each rated queue's bucket (a claim that
+        started none leaves the row alone: its refill is computed from the older instant)."""
+        started: dict[str, int] = {}
+        for row in rows:
+            started[row["queue"]] = started.get(row["queue"], 0) + 1
+        for name, (tokens, rate) in buckets.items():
+            taken = started.get(name, 0)
+            if not taken:
+                continue
+            left = max(0.0, tokens - taken)
+            tx.run("queue_take_tokens", {"name": name, "tokens": left, "at_ms": now})
+            if left + TOKEN_EPSILON < 1:
+                self._hint_throttled(name, left, rate, now)
+
+    def _hint_capped(self, queue: str, capped: bool) -> None:
+        with self._hints:
+            if capped:
+                self._capped.add(queue)
+            else:
+                self._capped.discard(queue)
+
+    def _hint_throttled(self, queue: str, tokens: float, rate: float, now: int) -> None:
+        """Remember when ``queue``'s next token comes (``tokens`` held at ``now``)."""
+        at = now + max(1, math.ceil((1 - tokens - TOKEN_EPSILON) * 1000 / rate))
+        with self._hints:
+            self._throttled[queue] = min(at, self._throttled.get(queue, at))
+
+    def next_token_ms(self, queues: Iterable[str]) -> int | None:
+        """When the first of ``queues`` that a claim here found out of rate tokens gets its
+        next one (epoch ms), or None: the instant a long-poll on them may claim again."""
+        with self._hints:
+            times = [self._throttled[q] for q in queues if q in self._throttled]
+        return min(times, default=None)
+
+    def held_back(self, queue: str) -> bool:
+        """Whether a claim in this process left READY jobs of ``queue`` because of its cap:
+        an ack, fail or release there frees a slot, so its long-polls should look again (the
+        dispatch wakes them). A hint only; a long-poll woken for nothing claims nothing."""
+        return queue in self._capped
 
     def renew(
         self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
@@ -1442,11 +1636,19 @@ class QueueService:
         once it commits, run the storage's upkeep (``maintain``).
 
         Returns:
-            The queues that got READY jobs; ``[]`` when another server is sweeping.
+            The queues that got READY jobs (``[]`` when another server is sweeping), and the
+            rate-limited queues whose next token has come since a claim here found none.
         """
         with self.driver.write() as tx:
             self.driver.after_commit(self.maintain)
-            return self._sweep(tx, self._read())
+            at = self._read()
+            queues = self._sweep(tx, at)
+        # Rate-limited queues whose next token has come: their long-polls look again.
+        with self._hints:
+            due = [q for q, when in self._throttled.items() if when <= at.now_ms]
+            for q in due:
+                del self._throttled[q]
+        return list(dict.fromkeys([*queues, *due]))
 
     def maintain(self) -> None:
         """Storage upkeep outside a transaction (``Driver.maintain``: on SQLite, keep the
@@ -1551,6 +1753,189 @@ class QueueService:
             if released:
                 tx.made_ready()
             return released
+
+    # --------------------------------------------------------- queue controls
+
+    def pause(self, queue: str, *, actor: str | None = None) -> dict[str, Any]:
+        """Pause a queue: it still accepts submits and its leased jobs still finish (ack,
+        fail, renew, expiry), but no claim leases from it until ``resume``; long-polls on it
+        wait. Kept in ``relay_queue``, so it survives restarts and holds on every server.
+
+        River's ``Client.QueuePause`` is the closest: kept in its ``river_queue`` table, so it
+        outlives restarts and holds for every client. Oban's ``Oban.pause_queue/2`` stops
+        each node's producer (in memory: a restart runs the queue again unless configured
+        ``paused``), Sidekiq Pro's ``Sidekiq::Queue#pause!`` marks the queue in Redis for its
+        fetchers, Faktory's ``QUEUE PAUSE`` makes the server skip the queue when fetching, as
+        this claim does. Pausing a paused queue changes nothing (and records nothing).
+
+        Args:
+            queue: the queue name (it need not have jobs yet).
+            actor: who asked (a username or ``tcp:``/``http:`` peer, 1..150 characters),
+                recorded with the change and in the audit log (``relay_event``, job id
+                ``queue:<name>``).
+        Returns:
+            The queue's controls (``QueueControls``: ``queue``, ``paused``, ``max_leased``,
+            ``rate_per_s``, ``burst``, ``updated_at_ms``, ``updated_by``).
+        Raises:
+            InvalidArgument, StoreBusy.
+        """
+        return self._control(queue, actor, "paused", paused=True)
+
+    def resume(self, queue: str, *, actor: str | None = None) -> dict[str, Any]:
+        """Resume a paused queue: claims lease from it again, and its waiting long-polls are
+        woken (the transaction marks the queue ready, so other servers wake theirs too).
+
+        Args:
+            queue, actor: as for ``pause``.
+        Returns:
+            The queue's controls (as ``pause``).
+        Raises:
+            InvalidArgument, StoreBusy.
+        """
+        return self._control(queue, actor, "resumed", paused=False)
+
+    def set_queue_limits(
+        self,
+        queue: str,
+        *,
+        max_leased: int | None = None,
+        rate_per_s: float | None = None,
+        burst: int | None = None,
+        actor: str | None = None,
+    ) -> dict[str, Any]:
+        """Set a queue's cap on leased jobs and its start rate; arguments left None keep
+        their current value.
+
+        The cap counts the queue's LEASED jobs across every worker and server, inside the
+        claim (a claim takes at most ``max_leased`` minus those); the rate is a token bucket
+        of ``burst`` tokens refilled at ``rate_per_s``, one taken per job a claim starts.
+        Oban's queue ``limit`` and River's ``MaxWorkers`` bound one node's (one client's)
+        concurrency only; the global forms are paid add-ons: Oban Pro's ``global_limit`` and
+        ``rate_limit`` (jobs per period), River Pro's concurrency limits, Sidekiq
+        Enterprise's concurrent and bucket rate limiters (taken by the job's own code, not
+        the fetch), Faktory Enterprise's queue throttles. Here both live in the claim, so a
+        worker is never handed a job it would have to give back. A queue at its cap or
+        without a token is skipped by the claim, which takes from the other queues it names.
+        Raising the cap or the rate wakes the queue's long-polls.
+
+        Args:
+            queue: the queue name.
+            max_leased: 1..1 000 000 jobs leased at once; 0 removes the cap.
+            rate_per_s: jobs started per second, > 0 and <= 1 000 000 (fractions allowed:
+                0.5 is one job every 2 s); 0 removes the rate.
+            burst: 1..1 000 000 tokens the bucket holds (jobs that may start at once after a
+                quiet spell); default 1. A new rate starts with a full bucket.
+            actor: as for ``pause``.
+        Returns:
+            The queue's controls (as ``pause``).
+        Raises:
+            InvalidArgument, StoreBusy.
+        """
+        changes: dict[str, Any] = {}
+        if max_leased is not None:
+            n = v.integer("max_leased", max_leased, lo=0, hi=MAX_LEASED_MAX)
+            changes["max_leased"] = n or None
+        if rate_per_s is not None:
+            if isinstance(rate_per_s, bool) or not isinstance(rate_per_s, int | float):
+                raise InvalidArgument("rate_per_s: must be a number", field="rate_per_s")
+            if not 0 <= rate_per_s <= RATE_PER_S_MAX or math.isnan(rate_per_s):
+                raise InvalidArgument(
+                    f"rate_per_s: must be 0..{RATE_PER_S_MAX:g} (0 removes the rate)",
+                    field="rate_per_s",
+                )
+            changes["rate_per_s"] = float(rate_per_s) or None
+        if burst is not None:
+            changes["burst"] = v.integer("burst", burst, lo=1, hi=BURST_MAX)
+        return self._control(queue, actor, "limits_set", **changes)
+
+    def queue_controls(self, queue: str | None = None) -> dict[str, Any]:
+        """Read the queues' controls.
+
+        Args:
+            queue: one queue (its defaults when nobody controls it), or None for every
+                controlled queue.
+        Returns:
+            ``{"queues": {name: QueueControls}}``.
+        Raises:
+            InvalidArgument.
+        """
+        if queue is not None:
+            queue = v.queue_name(queue, self.settings)
+        with self.driver.read() as tx:
+            rows = tx.all("queue_controls_all")
+        found = {r["name"]: _controls_view(r) for r in rows}
+        if queue is None:
+            return {"queues": found}
+        return {"queues": {queue: found.get(queue) or _controls_view({"name": queue})}}
+
+    def _control(self, queue: str, actor: str | None, event: str, **changes: Any) -> dict[str, Any]:
+        """Apply ``changes`` to a queue's controls in one transaction; record ``event`` in
+        the audit log when something changed, and wake the queue's long-polls when the
+        change can let claims take more."""
+        queue = v.queue_name(queue, self.settings)
+        actor = v.actor(actor)
+        with self.driver.write() as tx:
+            now = self._now()
+            row = tx.one("queue_get", {"name": queue})
+            old = _controls_view(row or {"name": queue})
+            new = {**old, **changes}
+            tokens = float(row["tokens"]) if row else 0.0
+            tokens_at_ms = int(row["tokens_at_ms"]) if row else now
+            if new["rate_per_s"] is not None:
+                if old["rate_per_s"] is None:
+                    tokens = float(new["burst"])  # a new rate starts with a full bucket
+                elif row is not None:
+                    tokens = _refill(row, now)  # refilled at the old rate up to now
+                tokens, tokens_at_ms = min(tokens, float(new["burst"])), now
+            if new == old:
+                return old
+            view = {**new, "updated_at_ms": now, "updated_by": actor}
+            if not new["paused"] and new["max_leased"] is None and new["rate_per_s"] is None:
+                tx.run("queue_delete", {"name": queue})  # back to the defaults: no row
+            else:
+                tx.run(
+                    "queue_put",
+                    {
+                        "name": queue,
+                        "paused": new["paused"],
+                        "max_leased": new["max_leased"],
+                        "rate_per_s": new["rate_per_s"],
+                        "burst": new["burst"],
+                        "tokens": tokens,
+                        "tokens_at_ms": tokens_at_ms,
+                        "now_ms": now,
+                        "actor": actor,
+                    },
+                )
+            detail = " ".join(
+                f"{k}={new[k]}" for k in ("paused", "max_leased", "rate_per_s", "burst")
+            )
+            tx.run(
+                "insert_event",
+                {
+                    "job_id": queue_event_id(queue),
+                    "event": event,
+                    "from_state": None,
+                    "to_state": None,
+                    "now_ms": now,
+                    "actor": actor,
+                    "detail": f"queue={queue} {detail}",
+                },
+            )
+            if _loosened(old, new):
+                tx.made_ready(queue)
+        with self._hints:
+            self._capped.discard(queue)
+            self._throttled.pop(queue, None)
+        log.info(
+            "event=queue_%s queue=%s %s actor=%s",
+            event,
+            queue,
+            detail,
+            actor,
+            extra={"event": f"queue_{event}", "queue": queue},
+        )
+        return view
 
     # -------------------------------------------------------------- operators
 

@@ -273,15 +273,34 @@ class QueueStats(Totals):
     oldest_ready_age_ms: int | None
 
 
+class QueueControls(TypedDict):
+    """``pause``, ``resume``, ``set_queue_limits``: one queue's controls (``relay_queue``)."""
+
+    queue: str
+    paused: bool
+    max_leased: int | None  # most jobs leased at once, all workers; None: no cap
+    rate_per_s: float | None  # jobs started per second (token bucket); None: no rate
+    burst: int  # tokens the bucket holds at most
+    updated_at_ms: int | None  # None: never controlled (the defaults)
+    updated_by: str | None
+
+
+class QueueControlsResult(TypedDict):
+    """``queue_controls``: the controls of one queue, or of every controlled queue."""
+
+    queues: dict[str, QueueControls]
+
+
 class StatsResult(TypedDict):
     """``stats``: per-queue counts by state plus ``oldest_ready_age_ms`` (None when empty),
-    and the live servers."""
+    the live servers, and every paused, capped or rate-limited queue's controls."""
 
     queues: dict[str, QueueStats]
     totals: Totals
     server_time_ms: int
     servers: list[Server]
     next_after: str | None  # the next page's cursor; None on the last page
+    controls: dict[str, QueueControls]
 
 
 class DeadListResult(TypedDict):

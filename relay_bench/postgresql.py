@@ -132,7 +132,9 @@ def floor_claim_ack(url: str, count: int, payload: str, tick: Tick) -> dict[str,
             now = _now_ms()
             token = secrets.token_urlsafe(24)
             params = {
+                "guard": True,  # the path of a queue without controls (relay_queue)
                 "queues": [queue],
+                "limits": [1],
                 "limit": 1,
                 "now_ms": now,
                 "expires_ms": now + 30_000,

@@ -52,7 +52,7 @@ STATES_AFTER = [*STATES_BEFORE, "cancelled"]
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("queue_core", "0009_retention_indexes"),
+        ("queue_core", "0010_queue_controls"),
     ]
 
     operations = [

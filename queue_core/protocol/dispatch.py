@@ -141,7 +141,10 @@ def _lease(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
             if lease["attempt"] == 1:
                 delay_s = (now - lease["created_at_ms"]) / 1000
                 events.append(metrics.Event("start_delay", lease["queue"], delay_s))
-    return Outcome({"jobs": leases}, events=tuple(events))
+    # Nothing leased and a queue out of rate tokens: when its next one comes (the server's
+    # reaper wakes its long-polls then; ``QueueService.sweep``).
+    due = None if leases else svc.next_token_ms(args["queues"])
+    return Outcome({"jobs": leases}, due_at_ms=due, events=tuple(events))
 
 
 def _lease_ids(args: Mapping[str, Any]) -> dict[str, Any]:
@@ -167,7 +170,18 @@ def _renew(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 def _ack(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.ack(args["job_id"], **_lease_ids(args), result=args.get("result"))
     events = () if out["duplicate"] else (metrics.Event("acked", _queue(out)),)
-    return Outcome({k: out[k] for k in ("job_id", "state", "duplicate")}, events=events)
+    return Outcome(
+        {k: out[k] for k in ("job_id", "state", "duplicate")}, _freed(svc, out), events=events
+    )
+
+
+def _freed(svc: QueueService, out: Mapping[str, Any]) -> frozenset[str]:
+    """The queue an ack or fail freed a slot in, when a claim left jobs there for its cap
+    (``QueueService.held_back``): its long-polls look again."""
+    queue = out.get("queue")
+    if queue is not None and not out["duplicate"] and svc.held_back(queue):
+        return frozenset({queue})
+    return frozenset()
 
 
 def _queue(out: Mapping[str, Any]) -> str:
@@ -196,7 +210,7 @@ def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
             events = (metrics.Event("failed", queue),)
         if out["state"] == JobState.DEAD:
             events += (metrics.Event("dead", queue),)
-    return Outcome(result, due_at_ms=due, events=events)
+    return Outcome(result, _freed(svc, out), due_at_ms=due, events=events)
 
 
 def _release(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -247,6 +261,23 @@ def _cancel(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     return Outcome({"job": job, "cancelled": out["cancelled"]}, events=events)
 
 
+def _pause(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    return Outcome(svc.pause(args["queue"], actor=ctx.actor))
+
+
+def _resume(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    # The queue's waiting long-polls look again (the service marks it ready for other servers).
+    out = svc.resume(args["queue"], actor=ctx.actor)
+    return Outcome(out, frozenset({out["queue"]}))
+
+
+def _set_queue_limits(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    limits = {k: args[k] for k in ("max_leased", "rate_per_s", "burst") if k in args}
+    out = svc.set_queue_limits(args["queue"], actor=ctx.actor, **limits)
+    # A raised cap or rate may let a waiting long-poll claim: it looks again either way.
+    return Outcome(out, frozenset({out["queue"]}))
+
+
 def _dead_purge(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.purge(args["job_id"], actor=ctx.actor, dead_only=True)
     return Outcome({"job_id": out["job_id"], "purged": True})
@@ -291,6 +322,9 @@ _HANDLERS: dict[str, Handler] = {
     "dead_purge": _dead_purge,
     "prune": _prune,
     "cancel": _cancel,
+    "pause": _pause,
+    "resume": _resume,
+    "set_queue_limits": _set_queue_limits,
 }
 
 

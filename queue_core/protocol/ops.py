@@ -96,6 +96,12 @@ def _str_or_int(field: str, value: Any) -> str | int:
     return value
 
 
+def _number(field: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(field, f"must be a number, got {type(value).__name__}")
+    return float(value)
+
+
 def _str_list(field: str, value: Any) -> list[str]:
     if not isinstance(value, list):
         raise _bad(field, f"must be a list of strings, got {type(value).__name__}")
@@ -779,6 +785,86 @@ class Ops:
             RelayConnectionError.
         """
         return Call.of("cancel", locals())
+
+    @op(Kind.WRITE, {"queue": Arg(_str, required=True)}, types.QueueControls)
+    @staticmethod
+    def pause(queue: str) -> Call[types.QueueControls]:
+        """Pause a queue: submits are still accepted and leased jobs finish, but nothing new
+        is leased from it (long-polls on it wait) until ``resume``; survives restarts.
+
+        Args:
+            queue: the queue name.
+        Returns:
+            ``{"queue", "paused": true, "max_leased", "rate_per_s", "burst",
+            "updated_at_ms", "updated_by"}``.
+        Raises:
+            InvalidArgument, StoreBusy, RelayConnectionError.
+        """
+        return Call.of("pause", locals())
+
+    @op(Kind.WRITE, {"queue": Arg(_str, required=True)}, types.QueueControls, readying=True)
+    @staticmethod
+    def resume(queue: str) -> Call[types.QueueControls]:
+        """Resume a paused queue; its waiting long-polls wake.
+
+        Args:
+            queue: the queue name.
+        Returns:
+            The queue's controls, as ``pause``.
+        Raises:
+            InvalidArgument, StoreBusy, RelayConnectionError.
+        """
+        return Call.of("resume", locals())
+
+    @op(
+        Kind.WRITE,
+        {
+            "queue": Arg(_str, required=True),
+            "max_leased": Arg(_int),
+            "rate_per_s": Arg(_number),
+            "burst": Arg(_int),
+        },
+        types.QueueControls,
+        readying=True,
+    )
+    @staticmethod
+    def set_queue_limits(
+        queue: str,
+        *,
+        max_leased: int | None = None,
+        rate_per_s: float | None = None,
+        burst: int | None = None,
+    ) -> Call[types.QueueControls]:
+        """Cap a queue's leased jobs across every worker, and/or limit how many start per
+        second (a token bucket); an argument left out keeps its value.
+
+        Args:
+            queue: the queue name.
+            max_leased: 1..1 000 000 jobs leased at once; 0 removes the cap.
+            rate_per_s: jobs started per second (> 0, fractions allowed); 0 removes the rate.
+            burst: 1..1 000 000 jobs that may start at once after a quiet spell (default 1).
+        Returns:
+            The queue's controls, as ``pause``.
+        Raises:
+            InvalidArgument, StoreBusy, RelayConnectionError.
+        """
+        return Call.of("set_queue_limits", locals())
+
+    @op(Kind.READ, {"queue": Arg(_str)}, types.QueueControlsResult, scopes=PRODUCER)
+    @staticmethod
+    def queue_controls(queue: str | None = None) -> Call[types.QueueControlsResult]:
+        """Read one queue's controls (its defaults when nobody set any), or every paused,
+        capped or rate-limited queue's.
+
+        Args:
+            queue: one queue (default: every controlled queue).
+        Returns:
+            ``{"queues": {name: {"queue", "paused", "max_leased", "rate_per_s", "burst",
+            "updated_at_ms", "updated_by"}}}``.
+        Raises:
+            InvalidArgument, RelayConnectionError.
+        """
+        return Call.of("queue_controls", locals())
 
 
 class BlockingClient(Ops, Blocking):

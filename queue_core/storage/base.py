@@ -90,6 +90,9 @@ class ClaimRequest:
             ``REPLY_OVERHEAD_BYTES`` each fit in it (the first job always is).
         payload_cap_bytes: the most a job's payload and meta can take together
             (``RELAY_MAX_PAYLOAD_BYTES + RELAY_MAX_META_BYTES``).
+        queue_limits: the most jobs to lease from each queue (1..``limit``), one per name of
+            ``queues``: the room under a queue's cap and its rate's tokens
+            (``QueueService.claim``); None: ``limit`` for every queue.
     """
 
     queues: Sequence[str]
@@ -100,6 +103,7 @@ class ClaimRequest:
     new_token: Callable[[], str]
     room_bytes: int
     payload_cap_bytes: int
+    queue_limits: Sequence[int] | None = None
 
 
 class Tx(Protocol):
@@ -135,6 +139,16 @@ class Tx(Protocol):
         Returns:
             The leased rows in that order: ``id, queue, payload, attempt, priority,
             failures, max_retries, created_at_ms, meta, lease_token``.
+        """
+        ...
+
+    def claim_unless_controlled(self, request: ClaimRequest) -> list[dict[str, Any]] | None:
+        """``claim`` (``request.queue_limits`` is None), unless a queue of ``request.queues``
+        has controls (a ``relay_queue`` row: paused, capped or rate-limited): then lease
+        nothing and return None, and the caller reads the controls and claims with limits.
+
+        The claim path of queues nobody controls: it costs no more than ``claim``
+        (PostgreSQL: the same statement with the check inside; SQLite: one seek per queue).
         """
         ...
 

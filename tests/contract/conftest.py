@@ -74,6 +74,8 @@ class HttpSurface:
             response = self.client.get(f"{path}?{urlencode(query)}" if query else path)
         elif method == "DELETE":
             response = self.client.delete(path)
+        elif method == "PUT":
+            response = self.client.put(path, orjson.dumps(body), content_type="application/json")
         else:
             response = self.client.post(path, orjson.dumps(body), content_type="application/json")
         data: dict[str, Any] = orjson.loads(response.content)
@@ -113,6 +115,9 @@ ROUTES = {
     "dead_retry": ("POST", "/dead/{job_id}/replay"),
     "dead_purge": ("DELETE", "/dead/{job_id}"),
     "cancel": ("POST", "/jobs/{job_id}/cancel"),
+    "pause": ("POST", "/queues/{queue}/pause"),
+    "resume": ("POST", "/queues/{queue}/resume"),
+    "set_queue_limits": ("PUT", "/queues/{queue}/limits"),
 }
 
 

@@ -202,7 +202,7 @@ def test_stats_shape(surface: Surface, clock: FakeClock) -> None:
     surface.call("submit", queue="b", payload=1, delay_ms=60_000)
     clock.advance(ms=2_500)
     stats = surface.call("stats")
-    assert set(stats) == {"queues", "totals", "server_time_ms", "servers", "next_after"}
+    assert set(stats) == {"queues", "totals", "server_time_ms", "servers", "next_after", "controls"}
     states = {"pending", "ready", "leased", "retrying", "succeeded", "dead", "cancelled"}
     assert stats["totals"] == dict.fromkeys(states, 0) | {"pending": 1, "ready": 1}
     assert stats["queues"]["a"] == dict.fromkeys(states, 0) | {
@@ -213,6 +213,23 @@ def test_stats_shape(surface: Surface, clock: FakeClock) -> None:
     assert stats["server_time_ms"] == clock.now_ms() and stats["next_after"] is None
     page = surface.call("stats", limit=1)
     assert list(page["queues"]) == ["a"] and page["next_after"] == "a"
+    assert stats["controls"] == {}
+
+
+def test_pause_resume_and_a_cap_behave_alike_on_every_surface(surface: Surface) -> None:
+    for i in range(3):
+        surface.call("submit", queue="ctl", payload=i)
+    paused = surface.call("pause", queue="ctl")
+    assert paused["paused"] is True and paused["queue"] == "ctl"
+    assert surface.call("lease", queues=["ctl"], worker_id="w")["jobs"] == []
+    assert surface.call("stats")["controls"]["ctl"]["paused"] is True
+    assert surface.call("resume", queue="ctl")["paused"] is False
+    limited = surface.call("set_queue_limits", queue="ctl", max_leased=2)
+    assert (limited["max_leased"], limited["rate_per_s"], limited["burst"]) == (2, None, 1)
+    got = surface.call("lease", queues=["ctl"], worker_id="w", max_jobs=3)["jobs"]
+    assert len(got) == 2
+    with pytest.raises(errors.InvalidArgument):
+        surface.call("set_queue_limits", queue="ctl", burst=0)
 
 
 @pytest.mark.parametrize(

@@ -24,9 +24,10 @@ def test_every_documented_op_is_in_the_table() -> None:
     assert set(dispatch.VERBS) == {
         "ping", "hello", "submit", "submit_batch", "lease", "renew", "ack", "fail", "release",
         "inspect", "result", "stats", "dead_list", "dead_retry", "dead_purge", "prune",
+        "cancel", "pause", "resume", "set_queue_limits", "queue_controls",
     }  # fmt: skip
     reads = {op for op, v in dispatch.VERBS.items() if v.kind is dispatch.Kind.READ}
-    assert reads == {"ping", "hello", "inspect", "result", "stats", "dead_list"}
+    assert reads == {"ping", "hello", "inspect", "result", "stats", "dead_list", "queue_controls"}
 
 
 def test_unknown_op() -> None:

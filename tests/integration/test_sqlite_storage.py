@@ -95,6 +95,19 @@ def test_stats_statements_never_scan_the_job_table() -> None:
             assert [step for step in plan if "relay_job_count" in step or "SEARCH" in step]
 
 
+def test_the_claims_queue_control_reads_are_seeks() -> None:
+    # What a claim adds when queues are paused, capped or rate-limited: one seek per named
+    # queue on relay_queue's primary key, and one relay_job_count row per capped queue.
+    params = {"queues": '["a", "b"]', "queue": "a"}
+    with connection.cursor() as cursor:
+        for name, table in (("queue_controls_for_claim", "relay_queue"), ("queue_leased", "")):
+            cursor.execute("EXPLAIN QUERY PLAN " + QUERIES[name], params)
+            plan = [str(row[3]) for row in cursor.fetchall()]
+            assert not [step for step in plan if re.match(r"SCAN (relay_\w+)( |$)", step)], plan
+            assert [step for step in plan if step.startswith("SEARCH")], plan
+            assert table in " ".join(plan)
+
+
 def test_counts_follow_every_transition(service: QueueService, clock: FakeClock) -> None:
     rnd = random.Random(7)
     for i in range(60):

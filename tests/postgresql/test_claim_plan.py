@@ -41,15 +41,18 @@ def fill(n: int, queue: str) -> None:
         cursor.execute("ANALYZE relay_job")
 
 
-def explain(queue: str, *, analyze: bool) -> dict[str, Any]:
-    """EXPLAIN the real claim statement for one job of ``queue`` (rolled back)."""
+def explain(queue: str, *, analyze: bool, limit: int = 1, cap: int | None = None) -> dict[str, Any]:
+    """EXPLAIN the real claim statement for ``limit`` jobs of ``queue`` (rolled back), that
+    queue giving at most ``cap`` (its room under a cap or its tokens; default ``limit``)."""
     params = {
+        "guard": cap is None,
         "queues": [queue],
-        "limit": 1,
+        "limits": [cap or limit],
+        "limit": limit,
         "now_ms": NOW_MS,
         "expires_ms": NOW_MS + 30_000,
         "worker_id": "plan",
-        "tokens": ["t"],
+        "tokens": [f"t{i}" for i in range(limit)],
         "room": 1 << 20,
     }
     options = "ANALYZE, BUFFERS, FORMAT JSON" if analyze else "FORMAT JSON"
@@ -96,6 +99,66 @@ def test_the_claim_touches_as_many_pages_at_100k_ready_as_at_1k() -> None:
     small = buffers(explain("small", analyze=True))
     large = buffers(explain("large", analyze=True))
     assert large <= 2 * small + 8, (small, large)
+
+
+def explain_named(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """EXPLAIN (ANALYZE, BUFFERS) one named statement in a transaction rolled back."""
+    conn = connections["postgresql"]
+    with conn.cursor() as cursor:
+        cursor.execute("BEGIN")
+        try:
+            cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {QUERIES[name]}", params)
+            (plan,) = cursor.fetchone()
+        finally:
+            cursor.execute("ROLLBACK")
+    doc = plan if isinstance(plan, list) else orjson.loads(plan)
+    return dict(doc[0])
+
+
+def lease_some(queue: str, n: int) -> None:
+    """Lease ``n`` of ``queue``'s jobs by hand (what a cap counts), then ANALYZE."""
+    with connections["postgresql"].cursor() as cursor:
+        cursor.execute(
+            """
+            UPDATE relay_job SET state = 'leased', attempt = 1, lease_token = id,
+                   leased_by = 'w', leased_at_ms = %(now)s, lease_expires_at_ms = %(exp)s
+             WHERE id IN (SELECT id FROM relay_job WHERE queue = %(queue)s AND state = 'ready'
+                          ORDER BY id LIMIT %(n)s)
+            """,
+            {"queue": queue, "n": n, "now": NOW_MS, "exp": NOW_MS + 60_000},
+        )
+        cursor.execute("ANALYZE relay_job")
+
+
+def test_with_a_cap_and_a_pause_in_force_the_claim_stays_indexed_and_flat() -> None:
+    # Two capped queues with 3 jobs leased each, one with 1,000 ready jobs and one with
+    # 100,000, and a paused queue: the service reads the controls (relay_queue), counts each
+    # capped queue's leases, then claims with that queue's room as its limit.
+    fill(1_000, "small")
+    fill(100_000, "large")
+    lease_some("small", 3)
+    lease_some("large", 3)
+    svc = QueueService(driver=driver_for("postgresql"))
+    svc.set_queue_limits("small", max_leased=5, rate_per_s=100, burst=10)
+    svc.set_queue_limits("large", max_leased=5, rate_per_s=100, burst=10)
+    svc.pause("paused")
+    pages = {}
+    for queue in ("small", "large"):
+        controls = explain_named(
+            "queue_controls_for_claim", {"queues": orjson.dumps([queue, "paused"]).decode()}
+        )
+        leased = explain_named("queue_leased", {"queue": queue})
+        claim = explain(queue, analyze=True, limit=10, cap=2)
+        for plan in (controls, leased, claim):
+            scans = [n for n in nodes(plan["Plan"]) if n.get("Relation Name") == "relay_job"]
+            assert not [n for n in scans if n["Node Type"] == "Seq Scan"], scans
+        # The lease count reads leased jobs only: those of the queue on relay_job_queue_state,
+        # or every leased job on the partial relay_job_leased (the planner picks either).
+        names = {n.get("Index Name") for n in nodes(leased["Plan"])}
+        assert names & {"relay_job_queue_state", "relay_job_leased"}, names
+        pages[queue] = buffers(controls) + buffers(leased) + buffers(claim)
+    explain("small", analyze=True, limit=10, cap=2)  # warm caches alike
+    assert pages["large"] <= 2 * pages["small"] + 8, pages
 
 
 def counts_plan(*, seqscan: bool) -> dict[str, Any]:

@@ -346,10 +346,10 @@ def test_claim_rejects_bad_arguments(
 
 def test_claim_cost_does_not_depend_on_backlog(service: QueueService, assert_queries: Any) -> None:
     service.submit_batch([{"queue": "q", "payload": i} for i in range(200)])
-    # SQLite: BEGIN, expired, promote, heads, claim by id, attempt, COMMIT. PostgreSQL:
-    # BEGIN, the sweep lock with "anything due?" (nothing is), the one-statement claim,
-    # attempt, COMMIT.
-    with assert_queries(sqlite=7, postgresql=5):
+    # SQLite: BEGIN, expired, promote, the queue's controls (none), heads, claim by id,
+    # attempt, COMMIT. PostgreSQL: BEGIN, the sweep lock with "anything due?" (nothing is),
+    # the one-statement claim (which checks for controls itself), attempt, COMMIT.
+    with assert_queries(sqlite=8, postgresql=5):
         service.claim(["q"], worker_id="w")
 
 

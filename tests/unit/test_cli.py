@@ -167,7 +167,8 @@ def test_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
         cli.translate(["--help"])
     assert caught.value.code == 0
     out = capsys.readouterr().out
-    for name in ("server", "worker", "submit", "inspect", "stats", "dead", "bench"):
+    names = ("server", "worker", "submit", "inspect", "stats", "dead", "bench", "pause", "resume")
+    for name in (*names, "queue-limits"):
         assert f"  {name} " in out
     assert "--address HOST:PORT" in out
 

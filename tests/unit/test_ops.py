@@ -63,7 +63,14 @@ def test_the_server_table_and_the_auth_and_drain_sets_follow_the_catalogue() -> 
     for name, verb in dispatch.VERBS.items():
         assert verb.args is ops.OPS[name].args and verb.kind is ops.OPS[name].kind
     assert {"ping", "hello"} == auth.OPEN_OPS
-    assert auth.SCOPE_OPS["producer"] == {"submit", "submit_batch", "inspect", "result", "stats"}
+    assert auth.SCOPE_OPS["producer"] == {
+        "submit",
+        "submit_batch",
+        "inspect",
+        "result",
+        "stats",
+        "queue_controls",
+    }
     assert auth.SCOPE_OPS["worker"] == {
         "lease",
         "renew",
@@ -74,7 +81,15 @@ def test_the_server_table_and_the_auth_and_drain_sets_follow_the_catalogue() -> 
         "result",
     }
     assert {"submit", "submit_batch", "lease"} == dispatch.REFUSED_WHILE_DRAINING
-    assert {"submit", "submit_batch", "fail", "release", "dead_retry"} == calls.READYING_OPS
+    assert {
+        "submit",
+        "submit_batch",
+        "fail",
+        "release",
+        "dead_retry",
+        "resume",
+        "set_queue_limits",
+    } == calls.READYING_OPS
     assert set(ops.SUBMIT_OPTIONS) == SUBMIT_OPTIONS
 
 
@@ -142,6 +157,8 @@ def _fields(schema: type[Schema]) -> set[str]:
         (schemas.PurgeOut, types.DeadPurgeResult, set()),
         (schemas.PruneOut, types.PruneResult, set()),
         (schemas.CancelOut, types.CancelResult, set()),
+        (schemas.QueueControlsOut, types.QueueControls, set()),
+        (schemas.QueueControlsListOut, types.QueueControlsResult, set()),
     ],
 )
 def test_http_response_schemas_have_the_fields_of_the_wire_types(
@@ -162,6 +179,7 @@ def test_http_response_schemas_have_the_fields_of_the_wire_types(
         (schemas.LeaseIdsIn, "release", {"job_id"}),
         (schemas.FailIn, "fail", {"job_id"}),
         (schemas.PruneIn, "prune", set()),
+        (schemas.QueueLimitsIn, "set_queue_limits", {"queue"}),
     ],
 )
 def test_http_request_schemas_take_the_wire_arguments(

@@ -31,11 +31,14 @@ class Command(RelayClientCommand):
         while result.get("next_after"):  # thousands of queues come a page at a time
             page = client.stats(options["queue"], after=result["next_after"])
             result["queues"].update(page["queues"])
+            result["controls"] = page.get("controls", result.get("controls"))
             result["next_after"] = page["next_after"]
         if options["json"]:
             self.print_json(result)
             return
         self._queues(result, options["queue"])
+        if result.get("controls"):
+            self._controls(result["controls"])
         if result.get("servers"):
             self._servers(result["servers"])
 
@@ -72,6 +75,23 @@ class Command(RelayClientCommand):
                 *(str(totals.get(state, 0)) for state in STATES),
                 fmt_duration(oldest),
                 style="bold",
+            )
+        self.print_rich(table)
+
+    def _controls(self, controls: Mapping[str, Mapping[str, Any]]) -> None:
+        """Print the paused, capped and rate-limited queues."""
+        table = Table(title="Queue controls", title_justify="left")
+        for column in ("queue", "state", "max leased", "rate/s", "burst", "set"):
+            table.add_column(column, justify="left" if column in ("queue", "state") else "right")
+        for name in sorted(controls):
+            c = controls[name]
+            table.add_row(
+                name,
+                "paused" if c.get("paused") else "running",
+                str(c.get("max_leased") or "-"),
+                f"{c['rate_per_s']:g}" if c.get("rate_per_s") else "-",
+                str(c.get("burst")) if c.get("rate_per_s") else "-",
+                fmt_ms(c.get("updated_at_ms")),
             )
         self.print_rich(table)
 

@@ -135,10 +135,25 @@ class PostgresTx(SqlTx):
 
     def claim(self, request: ClaimRequest) -> list[dict[str, Any]]:
         """Lease the best READY jobs in one statement (``claim`` in queries.sql)."""
+        return self._claim(request, guard=False)
+
+    def claim_unless_controlled(self, request: ClaimRequest) -> list[dict[str, Any]] | None:
+        """The claim statement, guarded so that it leases nothing when a queue it names has
+        controls: no round trip beyond the claim itself while no queue is controlled. Only
+        an empty answer asks whether controls were the reason (``queue_controlled``)."""
+        rows = self._claim(request, guard=True)
+        if rows:
+            return rows
+        row = self.one("queue_controlled", {"queues": list(request.queues)})
+        return None if row and row["controlled"] else []
+
+    def _claim(self, request: ClaimRequest, *, guard: bool) -> list[dict[str, Any]]:
         rows = self.all(
             "claim",
             {
+                "guard": guard,
                 "queues": list(request.queues),
+                "limits": list(request.queue_limits or [request.limit] * len(request.queues)),
                 "limit": request.limit,
                 "now_ms": request.now_ms,
                 "expires_ms": request.expires_ms,

@@ -149,32 +149,46 @@ UPDATE relay_job
 -- index seek each on relay_job_ready (LATERAL, LIMIT), locked with SKIP LOCKED so concurrent
 -- claims on other servers take other jobs instead of waiting; they are ranked by aged class
 -- (base + one per whole minute waited, capped at CRITICAL = 3), then FIFO, and leased while
--- their payloads and metas (+ 1024 bytes each) fit the reply (the first always does). Heads locked but
--- not taken stay READY (a job's size is its payload's plus its meta's). The lease starts at now_ms, or at the job's last change if another
--- server's sweep (its own clock, read a moment later) returned the job to READY after this
--- transaction read now_ms: a delivery never starts before the previous one ended. Params:
--- queues (text[]), limit, now_ms, expires_ms, worker_id, tokens (text[], one per job wanted),
--- room.
+-- their payloads and metas (+ 1024 bytes each) fit the reply (the first always does; a job's
+-- size is its payload's plus its meta's). Each queue gives at most its own limit (the room
+-- under its cap and its tokens, which the service computed with the queue's relay_queue row
+-- locked; the claim's limit for a queue without controls), applied after the seeks: a LIMIT
+-- taken from q.lim is one the planner cannot see, and it then costs the lateral as the whole
+-- table and joins the UPDATE by a sequential scan. Heads locked but not taken stay READY. The
+-- lease starts at now_ms, or at the job's last change if another server's sweep (its own
+-- clock, read a moment later) returned the job to READY after this transaction read now_ms: a
+-- delivery never starts before the previous one ended. With guard true, it leases nothing
+-- when any of the queues has a relay_queue row (controls), checked once for the statement
+-- (claim_unless_controlled). Params: guard (bool), queues (text[]), limits (int[], one per
+-- queue), limit, now_ms, expires_ms, worker_id, tokens (text[], one per job wanted), room.
 WITH heads AS (
-    SELECT h.id, h.priority, h.ready_since_ms, h.size
-      FROM unnest(%(queues)s::text[]) AS q(name)
+    SELECT q.name, q.lim, h.id, h.priority, h.ready_since_ms, h.size,
+           LEAST(3, h.priority + GREATEST(0, %(now_ms)s::bigint - h.ready_since_ms) / 60000)
+               AS eff
+      FROM unnest(%(queues)s::text[], %(limits)s::int[]) AS q(name, lim)
      CROSS JOIN (VALUES (3), (2), (1), (0)) AS c(cls)
+     CROSS JOIN (SELECT NOT (%(guard)s::boolean
+                             AND EXISTS (SELECT 1 FROM relay_queue
+                                          WHERE name = ANY(%(queues)s::text[])))) AS g(go)
      CROSS JOIN LATERAL (
            SELECT id, priority, ready_since_ms,
                   octet_length(payload) + COALESCE(octet_length(meta), 0) AS size
              FROM relay_job
-            WHERE state = 'ready' AND queue = q.name AND priority = c.cls
+            WHERE g.go AND state = 'ready' AND queue = q.name AND priority = c.cls
             ORDER BY ready_since_ms, id
             LIMIT %(limit)s
               FOR UPDATE SKIP LOCKED) AS h
+), capped AS (
+    SELECT id, eff, ready_since_ms, size, lim,
+           row_number() OVER (PARTITION BY name ORDER BY eff DESC, ready_since_ms, id) AS qn
+      FROM heads
 ), ranked AS (
     SELECT id,
            row_number() OVER w AS n,
            sum(size + 1024) OVER w AS bytes
-      FROM heads
-    WINDOW w AS (ORDER BY LEAST(3, priority + GREATEST(0, %(now_ms)s::bigint - ready_since_ms)
-                                              / 60000) DESC,
-                          ready_since_ms, id)
+      FROM capped
+     WHERE qn <= lim
+    WINDOW w AS (ORDER BY eff DESC, ready_since_ms, id)
 )
 UPDATE relay_job AS j
    SET state = 'leased', attempt = j.attempt + 1,
@@ -546,3 +560,65 @@ SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
   FROM relay_server
  WHERE seen_at_ms >= %(since_ms)s
  ORDER BY started_at_ms, id;
+
+-- name: queue_controls_for_claim
+-- The controls of the queues a claim names (one primary-key seek each on relay_queue; a queue
+-- without a row runs unlimited). PostgreSQL: the rows are locked until COMMIT, in name order
+-- (no deadlock between two claims), so a claim on another server waits here and then counts
+-- the leases this one made: a cap holds across servers. Params: queues (a JSON array of names).
+SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms
+  FROM relay_queue
+ WHERE name IN (SELECT jsonb_array_elements_text(%(queues)s::jsonb))
+ ORDER BY name
+   FOR UPDATE;
+
+-- name: queue_controlled
+-- Whether any of a claim's queues has controls (after a guarded claim leased nothing).
+-- Params: queues (text[]).
+SELECT EXISTS (SELECT 1 FROM relay_queue WHERE name = ANY(%(queues)s::text[])) AS controlled;
+
+-- name: queue_leased
+-- How many jobs of a queue are leased now, for its cap. PostgreSQL: a seek on
+-- relay_job_queue_state over the queue's leased jobs (at most about its cap), or a read of the
+-- partial relay_job_leased (every leased job): either way bounded by the leases, not by the
+-- backlog. Run as its own
+-- statement after queue_controls_for_claim locked the row, so its snapshot sees the leases of
+-- the claim it waited for (READ COMMITTED takes a snapshot per statement). Params: queue.
+SELECT count(*) AS n FROM relay_job WHERE queue = %(queue)s AND state = 'leased';
+
+-- name: queue_get
+-- One queue's controls, before changing them. PostgreSQL: locked until COMMIT, so a claim's
+-- token bucket update and an operator's change do not overwrite each other. Params: name.
+SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms, updated_at_ms,
+       updated_by
+  FROM relay_queue
+ WHERE name = %(name)s
+   FOR UPDATE;
+
+-- name: queue_controls_all
+-- Every controlled queue (few rows: one per queue an operator paused or limited). Params: none.
+SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms, updated_at_ms,
+       updated_by
+  FROM relay_queue
+ ORDER BY name;
+
+-- name: queue_put
+-- Set a queue's controls. Params: name, paused, max_leased, rate_per_s, burst, tokens,
+-- tokens_at_ms, now_ms, actor.
+INSERT INTO relay_queue (name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms,
+                         updated_at_ms, updated_by)
+VALUES (%(name)s, %(paused)s, %(max_leased)s, %(rate_per_s)s, %(burst)s, %(tokens)s,
+        %(tokens_at_ms)s, %(now_ms)s, %(actor)s)
+ON CONFLICT (name) DO UPDATE
+   SET paused = excluded.paused, max_leased = excluded.max_leased,
+       rate_per_s = excluded.rate_per_s, burst = excluded.burst, tokens = excluded.tokens,
+       tokens_at_ms = excluded.tokens_at_ms, updated_at_ms = excluded.updated_at_ms,
+       updated_by = excluded.updated_by;
+
+-- name: queue_delete
+-- A queue back to its defaults (running, no cap, no rate) keeps no row. Params: name.
+DELETE FROM relay_queue WHERE name = %(name)s;
+
+-- name: queue_take_tokens
+-- The token bucket after a claim started jobs. Params: name, tokens, at_ms.
+UPDATE relay_queue SET tokens = %(tokens)s, tokens_at_ms = %(at_ms)s WHERE name = %(name)s;

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
 from django.db import DatabaseError, OperationalError, connections, transaction
 from django.db.backends.signals import connection_created
 
@@ -276,15 +277,22 @@ class SqliteTx(SqlTx):
         """
         limit = request.limit
         now = request.now_ms
-        heads: list[tuple[int, int, str]] = []
-        for name in request.queues:
-            for r in self.all("ready_heads", {"queue": name, "limit": limit}):
+        limits = request.queue_limits or [limit] * len(request.queues)
+        heads: list[tuple[int, int, str, str]] = []
+        for name, most in zip(request.queues, limits, strict=True):
+            for r in self.all("ready_heads", {"queue": name, "limit": most}):
                 eff = effective_priority(r["priority"], r["ready_since_ms"], now)
-                heads.append((-eff, r["ready_since_ms"], r["id"]))
+                heads.append((-eff, r["ready_since_ms"], r["id"], name))
         heads.sort()
+        room = dict(zip(request.queues, limits, strict=True))
         rows: list[dict[str, Any]] = []
         used = 0
-        for _, _, job_id in heads[:limit]:
+        for _, _, job_id, name in heads:
+            if len(rows) >= limit:
+                break
+            if room[name] <= 0:  # this queue gave what its cap and rate allow
+                continue
+            room[name] -= 1
             token = request.new_token()  # only for jobs there are: an empty claim makes none
             params = {
                 "job_id": job_id,
@@ -307,6 +315,14 @@ class SqliteTx(SqlTx):
             row["lease_token"] = token
             rows.append(row)
         return rows
+
+    def claim_unless_controlled(self, request: ClaimRequest) -> list[dict[str, Any]] | None:
+        """``claim``, unless a queue it names has controls (None): one primary-key seek per
+        queue on relay_queue first, in this process (cheaper than a second claim path)."""
+        queues = orjson.dumps(list(request.queues)).decode()
+        if self.all("queue_controls_for_claim", {"queues": queues}):
+            return None
+        return self.claim(request)
 
     def _claim_if_fits(self, params: dict[str, Any], room: int) -> dict[str, Any] | None:
         try:

@@ -542,3 +542,51 @@ SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
   FROM relay_server
  WHERE seen_at_ms >= %(since_ms)s
  ORDER BY started_at_ms, id;
+
+-- name: queue_controls_for_claim
+-- The controls of the queues a claim names (one primary-key seek each on relay_queue; a queue
+-- without a row runs unlimited). Params: queues (a JSON array of names).
+SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms
+  FROM relay_queue
+ WHERE name IN (SELECT value FROM json_each(%(queues)s));
+
+-- name: queue_leased
+-- How many jobs of a queue are leased now, for its cap: one row of relay_job_count.
+-- Params: queue.
+SELECT COALESCE((SELECT n FROM relay_job_count
+                  WHERE queue = %(queue)s AND state = 'leased'), 0) AS n;
+
+-- name: queue_get
+-- One queue's controls. Params: name.
+SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms, updated_at_ms,
+       updated_by
+  FROM relay_queue
+ WHERE name = %(name)s;
+
+-- name: queue_controls_all
+-- Every controlled queue (few rows: one per queue an operator paused or limited). Params: none.
+SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms, updated_at_ms,
+       updated_by
+  FROM relay_queue
+ ORDER BY name;
+
+-- name: queue_put
+-- Set a queue's controls. Params: name, paused, max_leased, rate_per_s, burst, tokens,
+-- tokens_at_ms, now_ms, actor.
+INSERT INTO relay_queue (name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms,
+                         updated_at_ms, updated_by)
+VALUES (%(name)s, %(paused)s, %(max_leased)s, %(rate_per_s)s, %(burst)s, %(tokens)s,
+        %(tokens_at_ms)s, %(now_ms)s, %(actor)s)
+ON CONFLICT (name) DO UPDATE
+   SET paused = excluded.paused, max_leased = excluded.max_leased,
+       rate_per_s = excluded.rate_per_s, burst = excluded.burst, tokens = excluded.tokens,
+       tokens_at_ms = excluded.tokens_at_ms, updated_at_ms = excluded.updated_at_ms,
+       updated_by = excluded.updated_by;
+
+-- name: queue_delete
+-- A queue back to its defaults (running, no cap, no rate) keeps no row. Params: name.
+DELETE FROM relay_queue WHERE name = %(name)s;
+
+-- name: queue_take_tokens
+-- The token bucket after a claim started jobs. Params: name, tokens, at_ms.
+UPDATE relay_queue SET tokens = %(tokens)s, tokens_at_ms = %(at_ms)s WHERE name = %(name)s;

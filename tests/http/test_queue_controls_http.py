@@ -1,0 +1,105 @@
+"""Queue controls over the HTTP API: pause, resume, limits and reading them; operator keys
+only; the same errors as TCP."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from queue_api import calls
+from queue_core.models import JobEvent
+from tests.http.conftest import Api, problem
+from tests.http.test_metrics import samples
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def put(api: Api, path: str, body: object, key: str | None = None) -> object:
+    headers = api.headers(key, None)
+    return api.client.put(
+        path, orjson.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+def test_pause_resume_and_limits_over_http(api: Api) -> None:
+    api.post("/api/v1/queues/email/jobs", {"payload": 1})
+    paused = api.post("/api/v1/queues/email/pause")
+    assert paused.status_code == 200, paused.content
+    assert paused.json()["paused"] is True
+    leased = api.post("/api/v1/leases", {"queues": ["email"], "worker_id": "w"})
+    assert leased.json()["jobs"] == []
+    stats = api.get("/api/v1/stats").json()
+    assert stats["controls"]["email"]["paused"] is True
+    assert api.post("/api/v1/queues/email/resume").json()["paused"] is False
+    limited = put(api, "/api/v1/queues/email/limits", {"max_leased": 2, "rate_per_s": 0.5})
+    assert limited.status_code == 200, limited.content  # type: ignore[attr-defined]
+    body = limited.json()  # type: ignore[attr-defined]
+    assert (body["max_leased"], body["rate_per_s"], body["burst"]) == (2, 0.5, 1)
+    one = api.get("/api/v1/queues/email/controls").json()
+    assert one["max_leased"] == 2
+    assert set(api.get("/api/v1/queues/controls").json()["queues"]) == {"email"}
+    assert api.get("/api/v1/queues/other/controls").json()["paused"] is False
+    events = JobEvent.objects.filter(job_id="queue:email").values_list("event", flat=True)
+    assert list(events.order_by("id")) == ["paused", "resumed", "limits_set"]
+
+
+def test_bad_limits_and_names_are_problems(api: Api) -> None:
+    problem(put(api, "/api/v1/queues/email/limits", {"burst": 0}), 422, "INVALID_ARGUMENT")
+    problem(put(api, "/api/v1/queues/email/limits", {"max_leased": -1}), 422, "INVALID_ARGUMENT")
+    problem(api.post("/api/v1/queues/bad%20name/pause"), 422, "INVALID_ARGUMENT")
+
+
+def test_only_operator_keys_change_controls(api: Api, make_key: Callable[..., str]) -> None:
+    producer, operator = make_key("producer"), make_key("operator")
+    problem(api.post("/api/v1/queues/q/pause", key=producer), 403, "PERMISSION_DENIED")
+    problem(
+        put(api, "/api/v1/queues/q/limits", {"max_leased": 1}, producer), 403, "PERMISSION_DENIED"
+    )
+    assert api.get("/api/v1/queues/q/controls", key=producer).status_code == 200
+    assert api.post("/api/v1/queues/q/pause", key=operator).status_code == 200
+
+
+def test_metrics_show_paused_and_limited_queues(api: Api) -> None:
+    api.post("/api/v1/queues/m/pause")
+    put(api, "/api/v1/queues/n/limits", {"max_leased": 3, "rate_per_s": 2})
+    text = api.get("/metrics").content.decode()
+    assert samples(text, "relay_queue_paused") == {
+        (("queue", "m"),): 1.0,
+        (("queue", "n"),): 0.0,
+    }
+    assert samples(text, "relay_queue_max_leased") == {(("queue", "n"),): 3.0}
+    assert samples(text, "relay_queue_rate_per_second") == {(("queue", "n"),): 2.0}
+
+
+def test_an_http_long_poll_on_a_paused_queue_waits_and_resume_wakes_it(api: Api) -> None:
+    api.post("/api/v1/queues/held/jobs", {"payload": 1})
+    api.post("/api/v1/queues/held/pause")
+    result: dict[str, Any] = {}
+
+    def poll() -> None:
+        from django.db import connection
+
+        try:
+            started = time.monotonic()
+            response = Api().post("/api/v1/leases", {"queues": ["held"], "wait_ms": 15_000})
+            result["elapsed"] = time.monotonic() - started
+            result["jobs"] = response.json()["jobs"]
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    # Resume only once the long-poll waits (it claimed nothing from the paused queue).
+    deadline = time.monotonic() + 10
+    while not calls.commit_watch()._waiters:
+        assert time.monotonic() < deadline and thread.is_alive(), result
+        time.sleep(0.005)
+    assert api.post("/api/v1/queues/held/resume").status_code == 200
+    thread.join(20)
+    assert len(result["jobs"]) == 1
+    assert result["elapsed"] < 10  # woken by the resume, not by its deadline

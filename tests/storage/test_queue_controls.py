@@ -1,0 +1,218 @@
+"""Queue controls (``pause``/``resume``, ``set_queue_limits``) at the service layer, with the
+fake clock, once per storage driver.
+
+The rules under test: a paused queue accepts submits and lets leased jobs finish but leases
+nothing, and says so to every later service (the state is in the database); ``resume`` and a
+raised limit mark the queue ready (its long-polls wake); a cap counts the queue's leased jobs
+across workers and a claim never passes it, while other queues named by the same claim are
+served; a rate's token bucket refills exactly at the instant a token is due, not 1 ms
+before; stats, the protocol ops and the audit log show it all."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from queue_core import errors
+from queue_core.clock import FakeClock
+from queue_core.models import JobEvent
+from queue_core.protocol import codec, dispatch
+from queue_core.service import QueueService
+from queue_core.storage import Driver
+from tests.storage.conftest import DATABASES
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
+
+
+def submit(service: QueueService, queue: str, n: int = 1) -> list[str]:
+    return [str(service.submit(queue, {"i": i})["job"]["id"]) for i in range(n)]
+
+
+def lease(service: QueueService, queues: list[str], n: int = 10, worker: str = "w1") -> list[Any]:
+    return service.claim(queues, worker_id=worker, max_jobs=n)
+
+
+def test_a_paused_queue_takes_submits_and_finishes_leases_but_leases_nothing(
+    service: QueueService, driver: Driver, clock: FakeClock
+) -> None:
+    submit(service, "q", 3)
+    (held,) = lease(service, ["q"], 1)
+    out = service.pause("q", actor="alice")
+    assert out["paused"] is True and out["updated_by"] == "alice"
+    assert out["updated_at_ms"] == clock.now_ms()
+    submit(service, "q")  # still accepted
+    assert lease(service, ["q"]) == []
+    ack = service.ack(held["job_id"], worker_id="w1", lease_token=held["lease_token"])
+    assert ack["state"] == "succeeded"
+    # The state is in the database: a new service (a restarted server) sees it.
+    assert lease(QueueService(driver=driver, clock=clock), ["q"]) == []
+    stats = service.stats()
+    assert stats["controls"]["q"]["paused"] is True
+    assert stats["queues"]["q"]["ready"] == 3
+    out = service.resume("q", actor="bob")
+    assert out["paused"] is False
+    assert len(lease(service, ["q"])) == 3
+    assert service.stats()["controls"] == {}  # back to the defaults: no row
+
+
+def test_a_paused_queue_never_starves_the_others_of_one_claim(service: QueueService) -> None:
+    submit(service, "paused", 2)
+    submit(service, "open", 2)
+    service.pause("paused")
+    got = lease(service, ["paused", "open"])
+    assert {j["queue"] for j in got} == {"open"} and len(got) == 2
+
+
+def test_pause_and_resume_are_recorded_in_the_audit_log_once(service: QueueService) -> None:
+    service.pause("q", actor="alice")
+    service.pause("q", actor="alice")  # no change: nothing recorded
+    service.resume("q", actor="bob")
+    events = list(JobEvent.objects.filter(job_id="queue:q").order_by("id"))
+    assert [(e.event, e.actor) for e in events] == [("paused", "alice"), ("resumed", "bob")]
+    assert events[0].detail is not None and "queue=q paused=True" in events[0].detail
+
+
+def test_the_cap_holds_across_workers_and_an_ack_frees_a_slot(service: QueueService) -> None:
+    submit(service, "capped", 10)
+    submit(service, "free", 5)
+    service.set_queue_limits("capped", max_leased=3)
+    first = lease(service, ["capped"], 2, worker="w1")
+    second = lease(service, ["capped", "free"], 10, worker="w2")
+    assert len(first) == 2
+    assert [j["queue"] for j in second].count("capped") == 1  # 3 in all
+    assert [j["queue"] for j in second].count("free") == 5  # the other queue is served
+    assert lease(service, ["capped"], 10, worker="w3") == []
+    assert service.held_back("capped")
+    service.ack(first[0]["job_id"], worker_id="w1", lease_token=first[0]["lease_token"])
+    again = lease(service, ["capped"], 10, worker="w3")
+    assert len(again) == 1
+    service.set_queue_limits("capped", max_leased=0)  # 0 removes the cap
+    assert len(lease(service, ["capped"], 10, worker="w3")) == 10 - 4
+
+
+def test_an_expired_lease_frees_its_slot_in_the_same_claim(
+    service: QueueService, clock: FakeClock
+) -> None:
+    submit(service, "capped", 2)
+    service.set_queue_limits("capped", max_leased=1)
+    service.claim(["capped"], worker_id="w1", lease_ms=1_000)
+    assert lease(service, ["capped"]) == []
+    clock.advance(ms=1_000)  # the claim's sweep expires it first, then counts
+    assert len(lease(service, ["capped"])) == 1
+
+
+def test_the_rate_refills_exactly_when_a_token_is_due(
+    service: QueueService, clock: FakeClock
+) -> None:
+    submit(service, "rated", 20)
+    service.set_queue_limits("rated", rate_per_s=4, burst=2)  # one token per 250 ms
+    assert len(lease(service, ["rated"])) == 2  # a full bucket: the burst
+    assert lease(service, ["rated"]) == []
+    clock.advance(ms=249)
+    assert lease(service, ["rated"]) == []
+    assert service.next_due_ms() == clock.now_ms() + 1  # the reaper wakes then
+    clock.advance(ms=1)
+    assert service.sweep() == ["rated"]  # its long-polls look again
+    assert len(lease(service, ["rated"])) == 1
+    clock.advance(ms=10_000)  # refills to the burst, no further
+    assert len(lease(service, ["rated"])) == 2
+
+
+def test_a_fractional_rate_starts_one_job_every_two_seconds(
+    service: QueueService, clock: FakeClock
+) -> None:
+    submit(service, "slow", 5)
+    service.set_queue_limits("slow", rate_per_s=0.5)
+    assert len(lease(service, ["slow"])) == 1
+    clock.advance(ms=1_999)
+    assert lease(service, ["slow"]) == []
+    clock.advance(ms=1)
+    assert len(lease(service, ["slow"])) == 1
+
+
+def test_limits_keep_what_is_not_given_and_are_validated(service: QueueService) -> None:
+    service.set_queue_limits("q", max_leased=5)
+    out = service.set_queue_limits("q", rate_per_s=2.5, burst=3)
+    assert (out["max_leased"], out["rate_per_s"], out["burst"]) == (5, 2.5, 3)
+    for bad in ({"max_leased": -1}, {"rate_per_s": -1}, {"burst": 0}, {"rate_per_s": "x"}):
+        with pytest.raises(errors.InvalidArgument):
+            service.set_queue_limits("q", **bad)
+    with pytest.raises(errors.InvalidArgument):
+        service.pause("bad name!")
+    assert service.queue_controls("other")["queues"]["other"]["paused"] is False
+    assert set(service.queue_controls()["queues"]) == {"q"}
+
+
+def test_the_ops_run_through_dispatch_and_wake_the_queue(service: QueueService) -> None:
+    ctx = dispatch.Context(peer="p", actor="tcp:p")
+
+    def run(op: str, **args: Any) -> dispatch.Outcome:
+        request = codec.Request(id="1", op=op, args=args)
+        verb = dispatch.lookup(request.op)
+        return verb.handler(service, dispatch.validate(verb, request.args), ctx)
+
+    paused = run("pause", queue="q")
+    assert paused.result["paused"] is True and paused.ready_queues == frozenset()
+    assert run("resume", queue="q").ready_queues == {"q"}
+    limits = run("set_queue_limits", queue="q", max_leased=1, rate_per_s=1)
+    assert limits.result["max_leased"] == 1 and limits.ready_queues == {"q"}
+    assert run("queue_controls", queue="q").result["queues"]["q"]["rate_per_s"] == 1.0
+    with pytest.raises(errors.InvalidArgument):
+        run("set_queue_limits", queue="q", rate_per_s=True)
+    submit(service, "q", 2)
+    (job,) = run("lease", queues=["q"], worker_id="w", max_jobs=5).result["jobs"]
+    assert run("lease", queues=["q"], worker_id="w").result["jobs"] == []
+    acked = run("ack", job_id=job["job_id"], worker_id="w", lease_token=job["lease_token"])
+    assert acked.ready_queues == {"q"}  # a slot freed under the cap: waiters look again
+    assert JobEvent.objects.filter(job_id="queue:q", actor="tcp:p").count() == 3
+    # Out of tokens (1 per second, the bucket spent by the first lease): the lease outcome says
+    # when the next one comes, so a server can wake the queue's long-polls then.
+    run("ack", job_id=job["job_id"], worker_id="w", lease_token=job["lease_token"])
+    submit(service, "q", 1)
+    empty = run("lease", queues=["q"], worker_id="w")
+    assert empty.result["jobs"] == [] and empty.due_at_ms == service.clock.now_ms() + 1_000
+
+
+def test_threads_leasing_a_capped_queue_never_pass_the_cap(
+    service: QueueService, driver: Driver, clock: FakeClock, backend: str
+) -> None:
+    cap = 4
+    submit(service, "hot", 60)
+    service.set_queue_limits("hot", max_leased=cap)
+    held: list[tuple[str, dict[str, Any]]] = []
+    most = [0]
+    acked = [0]
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def work(n: int) -> None:
+        svc = QueueService(driver=driver, clock=clock)
+        try:
+            for _ in range(40):
+                try:
+                    got = svc.claim(["hot"], worker_id=f"w{n}", max_jobs=3)
+                except errors.StoreBusy:
+                    continue
+                # Acks run under the lock, so ``held`` is never more than the leased jobs.
+                with lock:
+                    held.extend((f"w{n}", job) for job in got)
+                    most[0] = max(most[0], len(held))
+                    if held:
+                        worker, job = held.pop(0)
+                        svc.ack(job["job_id"], worker_id=worker, lease_token=job["lease_token"])
+                        acked[0] += 1
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            svc.close()
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    assert 0 < most[0] <= cap
+    assert acked[0] > cap
