@@ -96,7 +96,7 @@ def test_an_http_long_poll_on_a_paused_queue_waits_and_resume_wakes_it(api: Api)
     thread.start()
     # Resume only once the long-poll waits (it claimed nothing from the paused queue).
     deadline = time.monotonic() + 10
-    while not calls.commit_watch()._waiters:
+    while not calls.wakeups().wakeups.queues():
         assert time.monotonic() < deadline and thread.is_alive(), result
         time.sleep(0.005)
     assert api.post("/api/v1/queues/held/resume").status_code == 200
