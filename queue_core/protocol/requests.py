@@ -283,6 +283,9 @@ class Requests:
                     raise
                 if not outcome.result["jobs"]:
                     self.budget.give(conn, frame)
+                    if outcome.due_at_ms is not None:
+                        # A rate-limited queue's next token: the reaper wakes its waiters then.
+                        self.on_due(outcome.due_at_ms)
                 metrics.CLAIM_SECONDS.observe(loop.time() - started)
                 if conn.gone and outcome.result["jobs"]:
                     # The client closed (EOF) while the claim ran: a normal close still lets

@@ -183,3 +183,20 @@ def test_worker_processes_on_a_capped_queue_never_pass_the_cap(
         worker.signal(15)
         assert worker.wait_exit(30) == 0
     relay_db.audit()
+
+
+def test_a_rate_limited_long_poll_wakes_when_its_next_token_is_due(
+    spawn: Spawner, relay_db: RelayDb
+) -> None:
+    # The reaper's own pass is 30 s away: only the token's due time can wake the poll sooner.
+    _, port = spawn.server(RELAY_REAPER_INTERVAL_MS="30000")
+    address = f"127.0.0.1:{port}"
+    with RelayClient(address) as client:
+        client.set_queue_limits("slow", rate_per_s=2.0, burst=1)
+        for i in range(2):
+            client.submit("slow", {"i": i})
+        assert len(client.lease(["slow"], worker_id="w")) == 1  # the one token
+    poll = LongPoll(address, "slow", wait_ms=20_000)
+    jobs = poll.result(30)
+    assert len(jobs) == 1, "the second job never came"
+    assert poll.took_s < 10, poll.took_s  # at the next token (~0.5 s), not at wait_ms's end
