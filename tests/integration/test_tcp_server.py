@@ -187,7 +187,7 @@ def test_replies_follow_the_protocol_shapes(connect: Callable[[], Client]) -> No
     assert sorted(x["job_id"] for x in leases) == sorted(ids)
     tok = {x["job_id"]: x["lease_token"] for x in leases}
     renewed = c.ok("renew", job_id=ids[0], worker_id="w", lease_token=tok[ids[0]], lease_ms=5000)
-    assert set(renewed) == {"job_id", "lease_expires_at_ms"}
+    assert set(renewed) == {"job_id", "lease_expires_at_ms", "stop"} and renewed["stop"] is None
     released = c.ok("release", job_id=ids[1], worker_id="w", lease_token=tok[ids[1]])
     assert released == {"job_id": ids[1], "state": "ready"}
     failed = c.ok(
