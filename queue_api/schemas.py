@@ -235,12 +235,14 @@ ResultOut = out(
 CancelOut = out(types.CancelResult, "CancelOut")
 
 
-class QueueLimitsIn(Schema):
+class QueueLimitsIn(_In):
     """New limits; a field left out (or null) keeps its value, 0 removes a cap or rate."""
 
-    max_leased: int | None = Field(None, ge=0, le=1_000_000)
-    rate_per_s: float | None = Field(None, ge=0, le=1_000_000)
-    burst: int | None = Field(None, ge=1, le=1_000_000)
+    max_leased: int | None = Field(None, description="0..1000000 jobs leased at once; 0: no cap.")
+    rate_per_s: float | None = Field(
+        None, description="Jobs started per second, 0.0001..1000000; 0: no rate."
+    )
+    burst: int | None = Field(None, description="1..1000000 jobs that may start at once.")
 
 
 # ---------------------------------------------------------------------- workers

@@ -79,6 +79,9 @@ CANCEL_TRIES = 5
 # Queue controls (``pause``, ``set_queue_limits``): the bounds of their values.
 MAX_LEASED_MAX = 1_000_000
 RATE_PER_S_MAX = 1_000_000.0
+# The slowest rate: one job every 10^4 s (2.8 h). Far slower ones overflow the next token's due
+# time (a float of ms), and at 10^-6/s one ms refills only TOKEN_EPSILON of a token.
+RATE_PER_S_MIN = 1e-4
 BURST_MAX = 1_000_000
 # Tokens a float sum may miss by (a refill of exactly one token must count as one).
 TOKEN_EPSILON = 1e-9
@@ -1821,7 +1824,7 @@ class QueueService:
         Args:
             queue: the queue name.
             max_leased: 1..1 000 000 jobs leased at once; 0 removes the cap.
-            rate_per_s: jobs started per second, > 0 and <= 1 000 000 (fractions allowed:
+            rate_per_s: jobs started per second, 0.0001..1 000 000 (fractions allowed:
                 0.5 is one job every 2 s); 0 removes the rate.
             burst: 1..1 000 000 tokens the bucket holds (jobs that may start at once after a
                 quiet spell); default 1. A new rate starts with a full bucket.
@@ -1838,9 +1841,14 @@ class QueueService:
         if rate_per_s is not None:
             if isinstance(rate_per_s, bool) or not isinstance(rate_per_s, int | float):
                 raise InvalidArgument("rate_per_s: must be a number", field="rate_per_s")
-            if not 0 <= rate_per_s <= RATE_PER_S_MAX or math.isnan(rate_per_s):
+            if (
+                math.isnan(rate_per_s)
+                or not 0 <= rate_per_s <= RATE_PER_S_MAX
+                or 0 < rate_per_s < RATE_PER_S_MIN
+            ):
                 raise InvalidArgument(
-                    f"rate_per_s: must be 0..{RATE_PER_S_MAX:g} (0 removes the rate)",
+                    f"rate_per_s: must be {RATE_PER_S_MIN:g}..{RATE_PER_S_MAX:g} "
+                    "(0 removes the rate)",
                     field="rate_per_s",
                 )
             changes["rate_per_s"] = float(rate_per_s) or None

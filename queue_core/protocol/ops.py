@@ -841,7 +841,7 @@ class Ops:
         Args:
             queue: the queue name.
             max_leased: 1..1 000 000 jobs leased at once; 0 removes the cap.
-            rate_per_s: jobs started per second (> 0, fractions allowed); 0 removes the rate.
+            rate_per_s: jobs started per second (10^-4..10^6, fractions allowed); 0 removes it.
             burst: 1..1 000 000 jobs that may start at once after a quiet spell (default 1).
         Returns:
             The queue's controls, as ``pause``.

@@ -54,6 +54,26 @@ def test_bad_limits_and_names_are_problems(api: Api) -> None:
     problem(api.post("/api/v1/queues/bad%20name/pause"), 422, "INVALID_ARGUMENT")
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_leased": True},
+        {"max_leased": "5"},
+        {"rate_per_s": "2"},
+        {"rate_per_s": True},
+        {"burst": 1.0},
+        {"bogus": 1},
+        "x",
+        5,
+        [1],
+        {"rate_per_s": 1e-310},  # too slow: its next token's due time would overflow
+    ],
+)
+def test_limits_bodies_are_strict_json_as_on_tcp(api: Api, body: object) -> None:
+    problem(put(api, "/api/v1/queues/email/limits", body), 422, "INVALID_ARGUMENT")
+    assert api.get("/api/v1/queues/email/controls").json()["updated_at_ms"] is None
+
+
 def test_only_operator_keys_change_controls(api: Api, make_key: Callable[..., str]) -> None:
     producer, operator = make_key("producer"), make_key("operator")
     problem(api.post("/api/v1/queues/q/pause", key=producer), 403, "PERMISSION_DENIED")

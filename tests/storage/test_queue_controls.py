@@ -136,13 +136,34 @@ def test_limits_keep_what_is_not_given_and_are_validated(service: QueueService) 
     service.set_queue_limits("q", max_leased=5)
     out = service.set_queue_limits("q", rate_per_s=2.5, burst=3)
     assert (out["max_leased"], out["rate_per_s"], out["burst"]) == (5, 2.5, 3)
-    for bad in ({"max_leased": -1}, {"rate_per_s": -1}, {"burst": 0}, {"rate_per_s": "x"}):
+    bads: list[dict[str, Any]] = [
+        {"max_leased": -1},
+        {"rate_per_s": -1},
+        {"burst": 0},
+        {"rate_per_s": "x"},
+        {"rate_per_s": 1e-310},  # its next token's due time would overflow
+        {"rate_per_s": 9e-5},
+    ]
+    for bad in bads:
         with pytest.raises(errors.InvalidArgument):
             service.set_queue_limits("q", **bad)
     with pytest.raises(errors.InvalidArgument):
         service.pause("bad name!")
     assert service.queue_controls("other")["queues"]["other"]["paused"] is False
     assert set(service.queue_controls()["queues"]) == {"q"}
+
+
+def test_the_slowest_rate_leases_and_then_throttles_without_overflow(
+    service: QueueService, clock: FakeClock
+) -> None:
+    service.set_queue_limits("glacial", rate_per_s=1e-4)
+    submit(service, "glacial", 2)
+    assert len(lease(service, ["glacial"])) == 1  # the full bucket's one token
+    assert lease(service, ["glacial"]) == []
+    clock.advance(ms=10_000_000 - 1)
+    assert lease(service, ["glacial"]) == []
+    clock.advance(ms=1)
+    assert len(lease(service, ["glacial"])) == 1
 
 
 def test_the_ops_run_through_dispatch_and_wake_the_queue(service: QueueService) -> None:
