@@ -295,6 +295,8 @@ class Driver(Protocol):
             ``{"path": str, "bytes": int, "pages": int}`` of the copy.
         Raises:
             FileExistsError: ``path`` exists and ``overwrite`` is False.
+            InvalidArgument: there is no database to copy (a mistyped path), or ``path`` is
+                the live database or one of its ``-wal``/``-shm``/``-journal`` files.
             ValueError: the copy failed its integrity check (it is deleted; the message
                 names the problems).
             NotImplementedError: the database has no such backup (PostgreSQL: use

@@ -236,3 +236,34 @@ def test_prune_op_over_tcp_deletes_in_bounded_batches_and_says_when_more_remain(
         assert lease_ack(conn, 1)  # still serving
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm", "-journal"])
+def test_backup_refuses_the_live_database_and_its_files_even_with_force(
+    procs: Spawner, tmp_path: Path, suffix: str
+) -> None:
+    db = tmp_path / "live.db"
+    _, port = procs.server("--db", str(db))
+    conn = Conn(port)
+    try:
+        done = lease_ack(conn, 5)
+        before = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+        out = procs.run("relay_backup", f"{db}{suffix}", "--force", RELAY_DB=str(db))
+        assert out.returncode == 1, out.stdout
+        assert "INVALID_ARGUMENT" in out.stderr and "live database" in out.stderr
+        assert {p.name for p in tmp_path.iterdir()} == set(before)  # nothing written
+        assert lease_ack(conn, 1)  # the server still serves, its jobs intact
+        marks = ",".join("?" * len(done))
+        assert count(db, f"SELECT COUNT(*) FROM relay_job WHERE id IN ({marks})", *done) == 5
+    finally:
+        conn.close()
+
+
+def test_backup_of_a_database_that_does_not_exist_is_refused(
+    procs: Spawner, tmp_path: Path
+) -> None:
+    missing, copy = tmp_path / "typo.db", tmp_path / "copy.db"
+    out = procs.run("relay_backup", str(copy), RELAY_DB=str(missing))
+    assert out.returncode == 1, out.stdout
+    assert "INVALID_ARGUMENT: there is no database at" in out.stderr
+    assert not missing.exists() and not copy.exists()

@@ -37,7 +37,14 @@ from django.db.backends.signals import connection_created
 
 from queue_core.clock import Clock, SystemClock
 from queue_core.conf import relay_settings
-from queue_core.errors import RelayError, StorageFull, StorageIO, StorageLost, StoreBusy
+from queue_core.errors import (
+    InvalidArgument,
+    RelayError,
+    StorageFull,
+    StorageIO,
+    StorageLost,
+    StoreBusy,
+)
 from queue_core.states import effective_priority
 from queue_core.storage.base import (
     REPLY_OVERHEAD_BYTES,
@@ -676,6 +683,18 @@ class SqliteDriver:
         write-ahead log may grow meanwhile: a checkpoint cannot pass the snapshot.
         """
         target = Path(path)
+        source = Path(self._path())
+        if not source.is_file():
+            # sqlite3.connect would create it: a mistyped --db must not make an empty "backup".
+            raise InvalidArgument(f"there is no database at {source}", field="db")
+        live = {os.path.realpath(f"{source}{end}") for end in ("", "-wal", "-shm", "-journal")}
+        if os.path.realpath(target) in live or (
+            target.exists() and any(target.samefile(p) for p in live if os.path.exists(p))
+        ):
+            raise InvalidArgument(
+                f"{path} is the live database or one of its files; back up to another path",
+                field="path",
+            )
         if target.exists() and not overwrite:
             raise FileExistsError(f"{path} exists (--force replaces it)")
         partial = target.with_name(f".{target.name}.partial")
