@@ -228,7 +228,8 @@ class RelaySettings:
         Returns:
             ``{queue: ms}`` (queues with 0 left out).
         Raises:
-            ValueError: not a mapping or such a text, or a duration that is not one (the
+            ValueError: not a mapping or such a text, a duration that is not one, or one
+                over ``RELAY_MAX_DELAY_MS`` as a job's own ``time_limit_ms`` would be (the
                 system check ``relay.E011`` reports it at start).
         """
         raw = self.queue_time_limits
@@ -251,6 +252,9 @@ class RelaySettings:
             if not isinstance(name, str) or not QUEUE_NAME_RE.fullmatch(name):
                 raise ValueError(f"{name!r} is not a queue name")
             ms = parse_duration_ms(value)
+            if ms > self.max_delay_ms:
+                # As a job's own time_limit_ms: at most RELAY_MAX_DELAY_MS.
+                raise ValueError(f"{name}: {value} is over RELAY_MAX_DELAY_MS")
             if ms:
                 limits[name] = ms
         return limits

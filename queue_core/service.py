@@ -66,6 +66,8 @@ KEYED_INSERT_TRIES = 3
 # Jobs one prune transaction deletes at most, with their attempts, events and task results:
 # about 30 ms of write lock on a 1M-job SQLite file (docs/failure-model.md, "Retention").
 PRUNE_BATCH = 100
+# The oldest age a prune takes, in ms (100 years): beyond it now - age leaves int64 on SQLite.
+PRUNE_MAX_AGE_MS = 100 * 365 * 86_400_000
 PRUNABLE_STATES = ("succeeded", "dead", "cancelled")
 SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.
@@ -2102,8 +2104,8 @@ class QueueService:
         """``{state: before_ms}`` for each state to prune (0 or absent: that state is kept).
 
         Raises:
-            InvalidArgument: a state other than succeeded/dead, or an age that is not a
-                whole number of ms >= 0.
+            InvalidArgument: a state other than succeeded/dead/cancelled, or an age that is
+                not a whole number of ms in 0..``PRUNE_MAX_AGE_MS`` (100 years).
         """
         if older_than_ms is None:
             older_than_ms = self.settings.retention_ms()
@@ -2114,9 +2116,14 @@ class QueueService:
                     f"prune: state must be succeeded, dead or cancelled, got {state!r}",
                     field="state",
                 )
-            if isinstance(age, bool) or not isinstance(age, int) or age < 0:
+            if (
+                isinstance(age, bool)
+                or not isinstance(age, int)
+                or not 0 <= age <= PRUNE_MAX_AGE_MS
+            ):
                 raise InvalidArgument(
-                    f"prune: {state} age must be a whole number of ms >= 0", field="older_than_ms"
+                    f"prune: {state} age must be a whole number of ms, 0..{PRUNE_MAX_AGE_MS}",
+                    field="older_than_ms",
                 )
             if age:
                 cutoffs[state] = now - age

@@ -566,4 +566,5 @@ def test_prune_one_batch_at_a_time_with_an_operator_key(
     }
     assert Job.objects.filter(queue="old").values_list("id", flat=True).get() == fresh["id"]
     problem(ops.post("/api/v1/prune", {"older_than_ms": 0}), 422, "INVALID_ARGUMENT")
+    problem(ops.post("/api/v1/prune", {"older_than_ms": 2**63 - 1}), 422, "INVALID_ARGUMENT")
     problem(ops.post("/api/v1/prune", {"older_than_ms": 5, "state": "x"}), 422, "INVALID_ARGUMENT")

@@ -90,6 +90,13 @@ def test_prune_command_refuses_bad_durations(value: str) -> None:
         call_command("relay_prune", f"--older-than={value}")
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_prune_command_refuses_an_age_past_a_century(dry_run: list[str]) -> None:
+    with pytest.raises(CommandError, match="INVALID_ARGUMENT: prune: .* age must be"):
+        call_command("relay_prune", "--older-than=99999999999999d", *dry_run)
+
+
 # ------------------------------------------------------------------ relay backup
 
 
@@ -232,6 +239,8 @@ def test_prune_op_over_tcp_deletes_in_bounded_batches_and_says_when_more_remain(
         bad = conn("prune", older_than_ms=0)
         assert (bad["ok"], bad["error"]["code"]) == (False, "INVALID_ARGUMENT")
         bad = conn("prune", older_than_ms=5, state="leased")
+        assert (bad["ok"], bad["error"]["code"]) == (False, "INVALID_ARGUMENT")
+        bad = conn("prune", older_than_ms=2**64 - 1)  # now - age would leave SQLite's int64
         assert (bad["ok"], bad["error"]["code"]) == (False, "INVALID_ARGUMENT")
         assert lease_ack(conn, 1)  # still serving
     finally:

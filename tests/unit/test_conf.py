@@ -106,10 +106,21 @@ def test_queue_time_limits_from_text_or_a_mapping() -> None:
 
 
 @pytest.mark.parametrize(
-    "value", ["reports", "reports=2 h", "bad queue=1m", "=1m", "reports=-1s", 5, {"q": "x"}]
+    "value",
+    [
+        "reports",
+        "reports=2 h",
+        "bad queue=1m",
+        "=1m",
+        "reports=-1s",
+        5,
+        {"q": "x"},
+        "big=999999999d",  # over RELAY_MAX_DELAY_MS, as a job's own time_limit_ms would be
+        "huge=99999999999999999d",
+    ],
 )
 def test_checks_catch_bad_queue_time_limits(value: object) -> None:
     with override_settings(RELAY_QUEUE_TIME_LIMITS=value):
-        with pytest.raises(ValueError, match=r"duration|queue"):
+        with pytest.raises(ValueError, match=r"duration|queue|RELAY_MAX_DELAY_MS"):
             relay_settings().time_limits_ms()
         assert "relay.E011" in ids()
