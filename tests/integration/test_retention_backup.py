@@ -93,7 +93,7 @@ def test_prune_command_refuses_bad_durations(value: str) -> None:
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
 def test_prune_command_refuses_an_age_past_a_century(dry_run: list[str]) -> None:
-    with pytest.raises(CommandError, match="INVALID_ARGUMENT: prune: .* age must be"):
+    with pytest.raises(CommandError, match=r"INVALID_ARGUMENT: prune: .* age must be"):
         call_command("relay_prune", "--older-than=99999999999999d", *dry_run)
 
 
