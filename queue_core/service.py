@@ -745,9 +745,10 @@ class QueueService:
             "totals": {state: n}, "server_time_ms": int, "servers": [Server, ...],
             "next_after": str | None, "controls": {name: QueueControls}}``: totals always
             count every queue; ``next_after`` names the page's last queue when more follow.
-            The servers are as ``servers()`` gives them. ``controls`` holds every paused,
-            capped or rate-limited queue (``queue_controls``; all of them on every page, with
-            jobs or not: there are few).
+            The servers are as ``servers()`` gives them. ``controls`` holds the paused,
+            capped or rate-limited queues' controls (``queue_controls``): all of them
+            without ``limit``; with it, those of the page's queues, where a controlled queue
+            with no jobs has a row of zero counts (so 6,000 controlled queues page too).
         Raises:
             InvalidArgument: a bad queue name, limit or cursor.
         """
@@ -778,7 +779,10 @@ class QueueService:
             totals[r["state"]] += r["n"]
         next_after = None
         if limit is not None:
-            queues, next_after = self._stats_page(queues, limit, after, servers)
+            for name in controls:
+                queues.setdefault(name, dict(blank))
+            queues, next_after = self._stats_page(queues, limit, after, servers, controls)
+            controls = {name: controls[name] for name in queues if name in controls}
         for name, q in queues.items():
             since = oldest.get(name)
             q["oldest_ready_age_ms"] = max(0, now - since) if since is not None else None
@@ -797,14 +801,17 @@ class QueueService:
         limit: int,
         after: str | None,
         servers: list[dict[str, Any]],
+        controls: Mapping[str, Any],
     ) -> tuple[dict[str, dict[str, Any]], str | None]:
-        """The queues after ``after`` in name order, at most ``limit`` and one frame's worth;
-        with the cursor of the next page (None at the end)."""
+        """The queues after ``after`` in name order, at most ``limit`` and one frame's worth
+        with their ``controls``; with the cursor of the next page (None at the end)."""
         names = sorted(name for name in queues if after is None or name > after)
         room = self.settings.max_frame_bytes - REPLY_OVERHEAD_BYTES - _encoded_len(servers)
         page: dict[str, dict[str, Any]] = {}
         for name in names[:limit]:
             room -= _encoded_len({name: queues[name]}) + 24  # the age key it gets
+            if name in controls:
+                room -= _encoded_len({name: controls[name]})
             if room < 0 and page:
                 return page, name_before(page)
             page[name] = queues[name]
@@ -1858,25 +1865,46 @@ class QueueService:
             changes["burst"] = v.integer("burst", burst, lo=1, hi=BURST_MAX)
         return self._control(queue, actor, "limits_set", **changes)
 
-    def queue_controls(self, queue: str | None = None) -> dict[str, Any]:
+    def queue_controls(
+        self, queue: str | None = None, *, limit: int | None = None, after: str | None = None
+    ) -> dict[str, Any]:
         """Read the queues' controls.
 
         Args:
-            queue: one queue (its defaults when nobody controls it), or None for every
-                controlled queue.
+            queue: one queue (its defaults when nobody controls it), or None for the
+                controlled queues.
+            limit: without ``queue``: at most this many (1..1000), in name order after
+                ``after``, and no more than fit one frame; None for all (in-process).
+            after: the previous page's ``next_after``.
         Returns:
-            ``{"queues": {name: QueueControls}}``.
+            ``{"queues": {name: QueueControls}, "next_after": str | None}``.
         Raises:
             InvalidArgument.
         """
         if queue is not None:
             queue = v.queue_name(queue, self.settings)
+        if limit is not None:
+            limit = v.integer("limit", limit, lo=1, hi=1000)
+        if after is not None:
+            after = v.queue_name(after, self.settings, field="after")
         with self.driver.read() as tx:
             rows = tx.all("queue_controls_all")
         found = {r["name"]: _controls_view(r) for r in rows}
-        if queue is None:
-            return {"queues": found}
-        return {"queues": {queue: found.get(queue) or _controls_view({"name": queue})}}
+        if queue is not None:
+            view = found.get(queue) or _controls_view({"name": queue})
+            return {"queues": {queue: view}, "next_after": None}
+        names = [name for name in found if after is None or name > after]  # in name order
+        if limit is None:
+            return {"queues": {name: found[name] for name in names}, "next_after": None}
+        room = self.settings.max_frame_bytes - REPLY_OVERHEAD_BYTES
+        page: dict[str, Any] = {}
+        for name in names[:limit]:
+            room -= _encoded_len({name: found[name]})
+            if room < 0 and page:
+                break
+            page[name] = found[name]
+        more = len(names) > len(page)
+        return {"queues": page, "next_after": name_before(page) if more and page else None}
 
     def _control(self, queue: str, actor: str | None, event: str, **changes: Any) -> dict[str, Any]:
         """Apply ``changes`` to a queue's controls in one transaction; record ``event`` in

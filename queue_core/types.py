@@ -286,9 +286,11 @@ class QueueControls(TypedDict):
 
 
 class QueueControlsResult(TypedDict):
-    """``queue_controls``: the controls of one queue, or of every controlled queue."""
+    """``queue_controls``: the controls of one queue, or a page of the controlled queues';
+    pass ``next_after`` as ``after`` for the next page (None on the last)."""
 
     queues: dict[str, QueueControls]
+    next_after: str | None
 
 
 class StatsResult(TypedDict):

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.http import HttpRequest
 from ninja import Router
+from ninja.params import P, QueryEx
 
 from queue_api import calls
 from queue_api.routers._common import ERRORS
@@ -22,9 +23,14 @@ router = Router(tags=["queues"])
     auth=ApiKey("queue_controls"),
     summary="List controlled queues",
 )
-def controls(request: HttpRequest) -> dict[str, Any]:
-    """Every paused, capped or rate-limited queue's controls."""
-    return calls.run(request, "queue_controls", {})
+def controls(
+    request: HttpRequest,
+    limit: QueryEx[int, P(ge=1, le=1000)] = 1000,
+    after: str | None = None,
+) -> dict[str, Any]:
+    """The paused, capped or rate-limited queues' controls, a page in name order; pass
+    ``next_after`` as ``after`` for the next."""
+    return calls.run(request, "queue_controls", {"limit": limit, "after": after})
 
 
 @router.get(

@@ -240,6 +240,13 @@ def _stats(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     return Outcome(svc.stats(args.get("queue"), limit=limit, after=args.get("after")))
 
 
+def _queue_controls(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    # Paged on the wire as stats is: thousands of controlled queues would not fit one frame.
+    limit = args.get("limit", STATS_PAGE)
+    out = svc.queue_controls(args.get("queue"), limit=limit, after=args.get("after"))
+    return Outcome(out)
+
+
 def _dead_list(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     return Outcome(
         svc.dead_list(args.get("queue"), limit=args.get("limit", 100), after=args.get("after"))
@@ -321,6 +328,7 @@ _HANDLERS: dict[str, Handler] = {
     "dead_retry": _dead_retry,
     "dead_purge": _dead_purge,
     "prune": _prune,
+    "queue_controls": _queue_controls,
     "cancel": _cancel,
     "pause": _pause,
     "resume": _resume,

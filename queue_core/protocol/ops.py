@@ -850,17 +850,22 @@ class Ops:
         """
         return Call.of("set_queue_limits", locals())
 
-    @op(Kind.READ, {"queue": Arg(_str)}, types.QueueControlsResult, scopes=PRODUCER)
+    @op(Kind.READ, {**_PAGE, "queue": Arg(_str)}, types.QueueControlsResult, scopes=PRODUCER)
     @staticmethod
-    def queue_controls(queue: str | None = None) -> Call[types.QueueControlsResult]:
-        """Read one queue's controls (its defaults when nobody set any), or every paused,
-        capped or rate-limited queue's.
+    def queue_controls(
+        queue: str | None = None, limit: int | None = None, after: str | None = None
+    ) -> Call[types.QueueControlsResult]:
+        """Read one queue's controls (its defaults when nobody set any), or a page of the
+        paused, capped or rate-limited queues' (in name order).
 
         Args:
-            queue: one queue (default: every controlled queue).
+            queue: one queue (default: the controlled queues).
+            limit: queues per page, 1..1000 (default 1000; a page also ends before one
+                frame).
+            after: the previous page's ``next_after``.
         Returns:
             ``{"queues": {name: {"queue", "paused", "max_leased", "rate_per_s", "burst",
-            "updated_at_ms", "updated_by"}}}``.
+            "updated_at_ms", "updated_by"}}, "next_after": str | None}``.
         Raises:
             InvalidArgument, RelayConnectionError.
         """

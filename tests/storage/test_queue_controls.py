@@ -13,7 +13,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import orjson
 import pytest
+from django.test.utils import override_settings
 
 from queue_core import errors
 from queue_core.clock import FakeClock
@@ -237,3 +239,53 @@ def test_threads_leasing_a_capped_queue_never_pass_the_cap(
     assert not failures, failures
     assert 0 < most[0] <= cap
     assert acked[0] > cap
+
+
+def test_thousands_of_controlled_queues_page_in_stats_and_controls(
+    service: QueueService,
+) -> None:
+    names = [f"q{i:04d}-" + "x" * 100 for i in range(1500)]
+    with service.transaction():
+        for name in names:
+            service.set_queue_limits(name, max_leased=5)
+    submit(service, names[3])
+    seen: list[str] = []
+    controlled: list[str] = []
+    after = None
+    for _ in range(10):  # bounded: 1500 queues are 2 pages of at most 1000
+        page = service.stats(limit=1000, after=after)
+        seen += list(page["queues"])
+        controlled += list(page["controls"])
+        assert set(page["controls"]) <= set(page["queues"])
+        after = page["next_after"]
+        if after is None:
+            break
+    assert seen == names and controlled == names
+    assert service.stats(limit=1000)["queues"][names[3]]["ready"] == 1
+    paged: list[str] = []
+    after = None
+    for _ in range(10):
+        out = service.queue_controls(limit=1000, after=after)
+        paged += list(out["queues"])
+        after = out["next_after"]
+        if after is None:
+            break
+    assert paged == names
+    with pytest.raises(errors.InvalidArgument):
+        service.queue_controls(limit=0)
+
+
+def test_a_stats_or_controls_reply_fits_one_frame_however_many_queues_are_controlled(
+    service: QueueService,
+) -> None:
+    with service.transaction():
+        for i in range(400):
+            service.set_queue_limits(f"q{i:04d}-" + "y" * 110, rate_per_s=2)
+    ctx = dispatch.Context(peer="p", actor="tcp:p")
+    with override_settings(RELAY_MAX_FRAME_BYTES=32 * 1024):
+        small = QueueService(driver=service.driver, clock=service.clock)
+        for op in ("stats", "queue_controls"):
+            verb = dispatch.lookup(op)
+            out = verb.handler(small, dispatch.validate(verb, {}), ctx).result
+            assert len(orjson.dumps(out)) < 32 * 1024, op
+            assert out["next_after"] is not None, op  # the rest is on later pages
