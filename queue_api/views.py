@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.http import HttpRequest, HttpResponse
+from django.views.decorators.csrf import csrf_exempt
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from queue_api.problems import problem_response
@@ -19,8 +20,9 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     return HttpResponse(metrics.exposition(), content_type=CONTENT_TYPE_LATEST)
 
 
+@csrf_exempt  # the API authenticates by key, never by cookie: a POST gets the 404, not a 403
 def api_not_found(request: HttpRequest, rest: str = "") -> HttpResponse:
-    """404 as a problem for a path under /api/ that no endpoint serves."""
+    """404 as a problem for a path under /api/ that no endpoint serves, whatever the method."""
     return problem_response(
         request, errors.JobNotFound(f"no endpoint {request.path}; see /api/v1/docs")
     )

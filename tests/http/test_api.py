@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 from django.http import HttpResponse
-from django.test import RequestFactory, override_settings
+from django.test import Client, RequestFactory, override_settings
 
 from queue_api import calls
 from queue_api.middleware import BodyLimitMiddleware
@@ -475,6 +475,17 @@ def test_unknown_api_path_and_wrong_method(api: Api) -> None:
     problem(api.get("/api/v1/nothing/here"), 404, "NOT_FOUND")
     problem(api.get("/api/v2/jobs"), 404, "NOT_FOUND")
     assert api.client.put(JOBS).status_code == 405
+    # Writes to a path no endpoint serves get the same 404, not a CSRF page (the API takes
+    # keys, not cookies), as a browser-less client would send them.
+    strict = Client(enforce_csrf_checks=True)
+    for method, path in [
+        ("post", "/api/v1/nope"),
+        ("post", "/api/v1/queues//pause"),
+        ("put", "/api/v1/queues//limits"),
+        ("delete", "/api/v2/jobs"),
+    ]:
+        response = getattr(strict, method)(path, b"{}", content_type="application/json")
+        problem(response, 404, "NOT_FOUND")
 
 
 # ---------------------------------------------------------------------- schema and docs
