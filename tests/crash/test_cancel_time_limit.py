@@ -95,6 +95,7 @@ def test_relay_cancel_stops_a_running_job_and_cancels_a_waiting_one(
         again = relay_cli(spawn, address, "cancel", running)
         assert again.returncode == 1
         assert f"JOB_FINISHED: cannot cancel {running}: it is cancelled already" in again.stderr
+        assert again.stderr.count("JOB_FINISHED") == 1  # said once
 
         # A waiting job (delayed, so the worker cannot take it first) is cancelled at once.
         waiting = client.submit("long", {"n": 1}, delay_ms=60_000)["job"]["id"]

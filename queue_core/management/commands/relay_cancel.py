@@ -45,7 +45,7 @@ class Command(RelayClientCommand):
             except errors.RelayError as exc:
                 failures.append(exc)
                 results.append({"job_id": job_id, "ok": False, "error": exc.to_dict()})
-                if not options["json"]:
+                if not options["json"] and len(job_ids) > 1:  # one job: the error says it
                     self.stderr.write(f"{job_id}: {exc.code}: {exc.message}")
                 continue
             results.append({"job_id": job_id, "ok": True, **out})
