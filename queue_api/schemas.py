@@ -103,6 +103,20 @@ class BatchIn(_In):
 
 _OUT: dict[Any, type[Schema]] = {}  # each TypedDict's response model, for nested fields
 
+# OpenAPI descriptions of response fields, by field name, in whichever body they appear.
+FIELD_DOCS = {
+    "clock_skew_ms": "The server's clock minus the database's, in ms.",
+    "max_leased": "Most jobs leased at once, all workers; null: none.",
+    "rate_per_s": "Jobs started per second; null: no rate.",
+    "burst": "Jobs that may start at once after a quiet spell.",
+    "return_value": "The result sent with the ack; null when none was stored.",
+    "errors": "Structured errors of failed attempts, oldest first (the newest that fit "
+    "RELAY_MAX_RESULT_BYTES).",
+    "history_omitted": "Older attempts and events left out.",
+}
+# Response fields that default when absent (the TypedDict may leave them out).
+FIELD_DEFAULTS: dict[str, Any] = {"history_omitted": 0, "return_value": None}
+
 
 def _swap(hint: Any) -> Any:
     """``hint`` with every TypedDict that has a response model replaced by that model."""
@@ -122,28 +136,31 @@ def out(
     *,
     base: type[Schema] = Schema,
     skip: frozenset[str] = frozenset(),
-    defaults: Mapping[str, Any] | None = None,
     hints: Mapping[str, Any] | None = None,
 ) -> type[Schema]:
     """The response model of a ``queue_core.types`` TypedDict: its keys as fields (keys
-    marked ``NotRequired`` default to None), nested TypedDicts as their own models.
+    marked ``NotRequired`` default to None, ``FIELD_DEFAULTS`` to theirs), described by
+    ``FIELD_DOCS``, nested TypedDicts as their own models.
 
     Args:
         typed: the TypedDict.
         name: the model's name (OpenAPI's component name).
         base: a model with extra fields (the ISO twins of a job).
         skip: keys left out.
-        defaults: ``{key: Field(...)}`` for keys with a default or a description.
         hints: ``{key: type}`` for keys whose model is not the TypedDict's own (a job with
             its history).
     """
-    defaults, hints = defaults or {}, hints or {}
+    hints = hints or {}
     fields: dict[str, Any] = {}
     for key, hint in get_type_hints(typed).items():
         if key in skip:
             continue
-        default = defaults.get(key, ... if key in typed.__required_keys__ else None)
-        fields[key] = (hints.get(key) or _swap(hint), default)
+        required = key in typed.__required_keys__ and key not in FIELD_DEFAULTS
+        default = ... if required else FIELD_DEFAULTS.get(key)
+        fields[key] = (
+            hints.get(key) or _swap(hint),
+            Field(default, description=FIELD_DOCS.get(key)),
+        )
     model = create_model(name, __base__=base, __module__=__name__, **fields)
     model.__doc__ = typed.__doc__
     _OUT.setdefault(typed, model)
@@ -179,33 +196,14 @@ RetryPolicyOut = out(types.RetryPolicy, "RetryPolicyOut")
 AttemptOut = out(types.Attempt, "AttemptOut")
 EventOut = out(types.JobEvent, "EventOut")
 JobOut = out(types.Job, "JobOut", base=_JobTimes, skip=INSPECT_ONLY)
-JobDetailOut = out(
-    types.Job,
-    "JobDetailOut",
-    base=_JobTimes,
-    defaults={"history_omitted": Field(0, description="Older attempts and events left out.")},
-)
+JobDetailOut = out(types.Job, "JobDetailOut", base=_JobTimes)
 SubmitOut = out(types.SubmitResult, "SubmitOut")
 BatchItemOut = out(types.BatchEntry, "BatchItemOut")
 BatchOut = out(types.SubmitBatchResult, "BatchOut")
-ServerOut = out(
-    types.Server,
-    "ServerOut",
-    defaults={
-        "clock_skew_ms": Field(description="The server's clock minus the database's, in ms.")
-    },
-)
+ServerOut = out(types.Server, "ServerOut")
 QueueStatsOut = out(types.QueueStats, "QueueStatsOut")
 TotalsOut = out(types.Totals, "TotalsOut")
-QueueControlsOut = out(
-    types.QueueControls,
-    "QueueControlsOut",
-    defaults={
-        "max_leased": Field(description="Most jobs leased at once, all workers; null: none."),
-        "rate_per_s": Field(description="Jobs started per second; null: no rate."),
-        "burst": Field(description="Jobs that may start at once after a quiet spell."),
-    },
-)
+QueueControlsOut = out(types.QueueControls, "QueueControlsOut")
 QueueControlsListOut = out(types.QueueControlsResult, "QueueControlsListOut")
 StatsOut = out(types.StatsResult, "StatsOut")
 JobPageOut = out(types.DeadListResult, "JobPageOut")
@@ -218,20 +216,7 @@ ReleaseOut = out(types.ReleaseResult, "ReleaseOut")
 PurgeOut = out(types.DeadPurgeResult, "PurgeOut")
 PruneOut = out(types.PruneResult, "PruneOut")
 ErrorEntryOut = out(types.ErrorEntry, "ErrorEntryOut")
-ResultOut = out(
-    types.ResultResult,
-    "ResultOut",
-    hints={"job": JobDetailOut},
-    defaults={
-        "return_value": Field(
-            None, description="The result sent with the ack; null when none was stored."
-        ),
-        "errors": Field(
-            description="Structured errors of failed attempts, oldest first (the newest that "
-            "fit RELAY_MAX_RESULT_BYTES)."
-        ),
-    },
-)
+ResultOut = out(types.ResultResult, "ResultOut", hints={"job": JobDetailOut})
 CancelOut = out(types.CancelResult, "CancelOut")
 
 
