@@ -43,7 +43,7 @@ from rich.progress import Progress as RichProgress
 from relay_bench import floor, http, procs, runs, scenarios
 from relay_bench.runs import targets
 
-__all__ = ["FULL", "QUICK", "Bench", "Sizes", "prune_run", "targets"]
+__all__ = ["FULL", "QUICK", "Bench", "Sizes", "backlog_run", "prune_run", "targets"]
 
 SUBMIT_CONCURRENCY = (1, 4, 16)
 LEASE_CONCURRENCY = (1, 4, 16, 64)
@@ -478,6 +478,81 @@ class Bench(Steps):
                     )
                 )
         doc["backlog"] = {"status": "ran once", "sizes": rows}
+        doc["backlog_controls"] = backlog_controls(self, env, sz)
+
+
+def backlog_controls(steps: Steps, env: scenarios.Env, sz: Sizes) -> dict[str, Any]:
+    """The backlog scenario with queue controls in force (``scenarios.backlog(controls=True)``)
+    at each of ``sz.backlog_sizes``, once: ``{"status", "controls", "sizes": [row]}``."""
+    rows = []
+    for size in sz.backlog_sizes:
+        name = f"backlog with a paused queue, a cap and a rate: {size:,} ready jobs"
+        with steps._step(name, size + sz.backlog_claims) as tick:
+            rows.append(
+                scenarios.backlog(
+                    env, size, claims=sz.backlog_claims, worker_jobs=0, tick=tick, controls=True
+                )
+            )
+            _drop_db(env.workdir, f"backlog-{size}-controls")  # free the disk for the next
+    return {"status": "ran once", "controls": dict(scenarios.CONTROLS), "sizes": rows}
+
+
+def backlog_run(sizes: Sizes, *, progress: Progress | None = None) -> dict[str, Any]:
+    """Run only the backlog scenario, plain and with queue controls in force, at each of
+    ``sizes.backlog_sizes`` (``relay bench --backlog-only``), at the configured synchronous
+    level. Returns ``{"meta", "backlog", "backlog_controls", "targets"}`` (the targets are
+    ``runs.backlog_targets``: the flat claim of each)."""
+    from queue_core.conf import relay_settings
+
+    started = time.time()
+    steps = Steps()
+    steps.progress = progress or Progress()
+    steps.step_seconds = {}
+    doc: dict[str, Any] = {
+        "meta": {
+            "tool": "relay_bench",
+            "database": "sqlite",
+            "sizes": sizes.name,
+            "machine": machine(),
+            "loadavg_start": loadavg(),
+            "synchronous": relay_settings().sqlite_synchronous.upper(),
+        }
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
+    try:
+        with steps._step("migrate a template database"):
+            template = procs.template_db(workdir)
+        env = scenarios.Env(
+            workdir=workdir,
+            template=template,
+            synchronous=doc["meta"]["synchronous"],
+            run_id=secrets.token_hex(3),
+            deadline_s=sizes.deadline_s,
+        )
+        rows = []
+        for size in sizes.backlog_sizes:
+            with steps._step(f"backlog: {size:,} ready jobs", size + sizes.backlog_claims) as tick:
+                rows.append(
+                    scenarios.backlog(
+                        env, size, claims=sizes.backlog_claims, worker_jobs=0, tick=tick
+                    )
+                )
+            _drop_db(workdir, f"backlog-{size}")  # free the disk for the next
+        doc["backlog"] = {"status": "ran once", "sizes": rows}
+        doc["backlog_controls"] = backlog_controls(steps, env, sizes)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    doc["meta"]["loadavg_end"] = loadavg()
+    doc["meta"]["duration_s"] = round(time.time() - started, 1)
+    doc["meta"]["step_seconds"] = steps.step_seconds
+    doc["targets"] = runs.backlog_targets(doc)
+    return doc
+
+
+def _drop_db(workdir: Path, name: str) -> None:
+    """Delete ``workdir/name.db`` and its WAL files (a scenario's file it is done with)."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{workdir / name}.db{suffix}").unlink(missing_ok=True)
 
 
 def prune_run(
