@@ -298,24 +298,40 @@ def scaling(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 CONTROLS_LABEL = " with a paused queue and a capped, rated queue"
 
 
-def flat_target(rows: list[dict[str, Any]], what: str = "") -> dict[str, Any]:
+def flat_target(
+    rows: list[dict[str, Any]], what: str = "", per_run: list[float | None] | None = None
+) -> dict[str, Any]:
     """The flat-claim target over backlog rows (``scaling``): claim p50 at the largest
     backlog at most ``FLAT_CLAIM`` x the smallest's; ``what`` is inserted after "claim p50"
-    in its name (``CONTROLS_LABEL`` for the controls variant); ``met`` None when fewer than
-    two sizes ran."""
+    in its name (``CONTROLS_LABEL`` for the controls variant). With ``per_run`` (each run's
+    own p50 ratio) the value is their median with its min-max, as the other targets; ``met``
+    None when fewer than two sizes ran."""
     sc = scaling(rows)
     label = f"claim p50{what}, " + (
         f"{sc['big']:,} vs {sc['small']:,} ready" if sc else "largest vs smallest backlog"
     )
+    if per_run and len(per_run) > 1:
+        sp = spread(per_run)
+        return _entry(label, "<=", FLAT_CLAIM, sp["median"], sp)
     return _entry(label, "<=", FLAT_CLAIM, sc["p50_ratio"] if sc else None, None)
 
 
 def backlog_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The flat-claim targets of ``relay bench --backlog-only``: the plain backlog's and the
-    controls variant's (``backlog`` and ``backlog_controls``, each ``{"sizes": [row]}``)."""
+    controls variant's (``backlog`` and ``backlog_controls``, each ``{"sizes": [row]}``),
+    over ``backlog_runs`` (each ``{"plain": scaling, "controls": scaling}``) when there are
+    several runs."""
+    each = doc.get("backlog_runs", [])
     return [
-        flat_target(doc.get("backlog", {}).get("sizes", [])),
-        flat_target(doc.get("backlog_controls", {}).get("sizes", []), CONTROLS_LABEL),
+        flat_target(
+            doc.get(key, {}).get("sizes", []),
+            what,
+            [(r.get(var) or {}).get("p50_ratio") for r in each],
+        )
+        for key, var, what in (
+            ("backlog", "plain", ""),
+            ("backlog_controls", "controls", CONTROLS_LABEL),
+        )
     ]
 
 

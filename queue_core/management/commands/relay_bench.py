@@ -220,8 +220,18 @@ class Command(RelayBaseCommand):
         if options["backlog_only"] and not options["database_url"]:
             if address is not None:
                 raise CommandError("INVALID_ARGUMENT: --backlog-only starts its own servers")
+            if options["synchronous"] is not None:
+                raise CommandError(
+                    "INVALID_ARGUMENT: --backlog-only runs at the configured level "
+                    "(RELAY_SQLITE_SYNCHRONOUS), not at --synchronous"
+                )
+            runs_n = (
+                options["runs"] if options["runs"] is not None else (1 if options["quick"] else 3)
+            )
+            if not 1 <= runs_n <= runner.MAX_RUNS:
+                raise CommandError(f"INVALID_ARGUMENT: --runs must be 1..{runner.MAX_RUNS}")
             with bar:
-                doc = runner.backlog_run(sizes, progress=runner.RichBar(bar))
+                doc = runner.backlog_run(sizes, runs_n=runs_n, progress=runner.RichBar(bar))
             self._backlog_report(doc, options)
             return
         if options["database_url"]:
