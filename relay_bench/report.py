@@ -294,8 +294,10 @@ def sections(doc: dict[str, Any]) -> list[Section]:
 def backlog_controls_section(doc: dict[str, Any]) -> Section:
     """The claim at each backlog size, plain (``backlog``) beside queue controls in force
     (``backlog_controls``), then the largest size's latency over the smallest's
-    (``runs.scaling``). Used by SQLite and PostgreSQL documents alike."""
+    (``runs.scaling``; with several runs, ``backlog_runs``: the median of each run's own ratio
+    and its min-max). Used by SQLite and PostgreSQL documents alike."""
     from relay_bench.runs import scaling
+    from relay_bench.stats import spread
 
     plain = {r["ready_jobs"]: r for r in doc.get("backlog", {}).get("sizes", [])}
     ctl = {r["ready_jobs"]: r for r in doc.get("backlog_controls", {}).get("sizes", [])}
@@ -312,7 +314,21 @@ def backlog_controls_section(doc: dict[str, Any]) -> Section:
         )
     sp, sc = scaling(list(plain.values())), scaling(list(ctl.values()))
     ends = sp or sc
-    if ends:
+    each = doc.get("backlog_runs", [])
+    if ends and len(each) > 1:
+        # Each ratio within its own run, then the median and min-max over the runs.
+        cells = []
+        for var in ("plain", "controls"):
+            for key in ("p50_ratio", "p99_ratio"):
+                st = spread([(r.get(var) or {}).get(key) for r in each])
+                cells.append(
+                    "-"
+                    if st["median"] is None
+                    else f"{_ratio(st['median'])} ({st['min']:.2f}-{st['max']:.2f})"
+                )
+        label = f"ratio {_num(ends['big'])} / {_num(ends['small'])}, median of each run's"
+        rows.append([label, *cells, "-"])
+    elif ends:
         rows.append(
             [
                 f"ratio {_num(ends['big'])} / {_num(ends['small'])}",

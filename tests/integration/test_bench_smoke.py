@@ -8,6 +8,7 @@ that its JSON has the keys the docs and the plot read.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import sqlite3
 from pathlib import Path
@@ -254,6 +255,24 @@ def test_backlog_only_measures_the_claim_plain_and_with_queue_controls(tmp_path:
     assert "| ready jobs | plain claim p50 ms |" in table
     assert "| ratio 500 / 100 |" in table
     assert "claim p50 with a paused queue and a capped, rated queue, 500 vs 100 ready" in table
+
+
+def test_the_full_run_measures_the_controls_variant_at_each_backlog_size(tmp_path: Path) -> None:
+    from relay_bench import runner, scenarios
+
+    steps = runner.Steps()
+    steps.progress, steps.step_seconds = runner.Progress(), {}
+    env = scenarios.Env(tmp_path, procs.template_db(tmp_path), "FULL", "t", 30.0)
+    sizes = dataclasses.replace(FULL.scaled(0.0001), backlog_sizes=(100, 300), backlog_claims=5)
+    out = runner.backlog_controls(steps, env, sizes)
+    assert out["controls"] == scenarios.CONTROLS
+    rows = out["sizes"]
+    assert [(r["ready_jobs"], r["claims"], r["leased_from_paused"]) for r in rows] == [
+        (100, 5, 0),
+        (300, 5, 0),
+    ]
+    assert all(r["controls"]["paused"]["paused"] for r in rows)
+    assert not list(tmp_path.glob("backlog-*"))  # each size's file is deleted when done
 
 
 def test_finished_fill_writes_succeeded_jobs_with_attempts(tmp_path: Path) -> None:

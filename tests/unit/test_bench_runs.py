@@ -347,6 +347,20 @@ def test_the_backlog_table_puts_the_controls_beside_the_plain_claim() -> None:
         ["ratio 1,000,000 / 1,000", "1.20x", "2.00x", "1.25x", "2.50x", "-"],
     ]
 
+    # Several runs: the ratio row is the median of each run's own ratio, with its min-max.
+    doc["backlog_runs"] = [
+        {"plain": {"p50_ratio": r, "p99_ratio": 2.0}, "controls": {"p50_ratio": r, "p99_ratio": 3}}
+        for r in (1.1, 0.9, 1.4)
+    ]
+    assert backlog_controls_section(doc)[2][-1] == [
+        "ratio 1,000,000 / 1,000, median of each run's",
+        "1.10x (0.90-1.40)",
+        "2.00x (2.00-2.00)",
+        "1.10x (0.90-1.40)",
+        "3.00x (3.00-3.00)",
+        "-",
+    ]
+
 
 def test_repeated_backlog_runs_are_judged_on_the_median_of_each_runs_ratio() -> None:
     doc: dict[str, Any] = {
