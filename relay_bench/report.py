@@ -379,10 +379,17 @@ def backlog_markdown(doc: dict[str, Any]) -> str:
         "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    lines += ["", "| target | goal | measured | met |", "|---|---|---:|---|"]
+    lines += [
+        "",
+        "| target | goal | measured (min-max over the runs) | met |",
+        "|---|---|---:|---|",
+    ]
     for t in doc.get("targets", []):
         met = {True: "yes", False: "NO", None: "not measured"}[t["met"]]
-        lines.append(f"| {t['name']} | {t['target']} | {_num(t['value'], 2)} | {met} |")
+        value = _num(t["value"], 2)
+        if t.get("runs", 0) > 1 and t.get("min") is not None:
+            value += f" ({_num(t['min'], 2)}-{_num(t['max'], 2)}, {t['runs']} runs)"
+        lines.append(f"| {t['name']} | {t['target']} | {value} | {met} |")
     return "\n".join(lines) + "\n"
 
 

@@ -253,7 +253,7 @@ def test_backlog_only_measures_the_claim_plain_and_with_queue_controls(tmp_path:
     # stdout is the Markdown: the plain and controls columns side by side, then the targets.
     table = out.getvalue()
     assert "| ready jobs | plain claim p50 ms |" in table
-    assert "| ratio 500 / 100 |" in table
+    assert "| ratio 500 / 100, median of each run's |" in table
     assert "claim p50 with a paused queue and a capped, rated queue, 500 vs 100 ready" in table
 
 
