@@ -12,7 +12,9 @@ minutes apart on the same machine:
    other server (the wake-up crosses servers: LISTEN/NOTIFY), and lease+ack by 16 workers
    split 8 + 8 over the two servers, on one queue;
 4. backlog: claim latency through the server with 1,000 and with 1,000,000 READY jobs
-   (``--quick``: 100,000), filled by one ``INSERT ... SELECT generate_series``.
+   (``--quick``: 100,000), filled by one ``INSERT ... SELECT generate_series``; at each size
+   also with queue controls in force (issue 16: a paused queue as full, the claimed queue
+   capped and rated; ``scenarios.CONTROLS``). ``--backlog-only`` runs only this step.
 
 The floor is one psycopg connection running the driver's own statements
 (``queue_core/storage/postgresql/queries.sql``): ``insert_job``; ``claim`` (the one-statement

@@ -9,7 +9,9 @@ runs (``relay_bench.runs``): ``floor`` (``lean`` and ``schema``, each ``insert_o
 ``relay_worker`` process), ``server`` (peak RSS); ``other_synchronous`` (the same keys for each
 other level: always the floors at ``FULL`` and ``NORMAL``, the Relay scenarios when asked);
 ``http`` (status; its rows are in ``submit``, run once), ``backlog`` (``status``, ``sizes``:
-one row per backlog size, run once) and ``targets``. A merged figure is the median over the
+one row per backlog size, run once), ``backlog_controls`` (the same with queue controls in
+force, plus ``controls``; each row also ``controls``: the server's replies, and
+``leased_from_paused``) and ``targets``. A merged figure is the median over the
 runs; its row's ``spread`` gives ``{"median", "min", "max", "runs"}`` for ``per_s``, the
 ratios, the server's CPU per job and the least-served share.
 """

@@ -16,7 +16,12 @@ Then ``relay_bench.runs`` merges the repetitions into medians with their min-max
 each ratio taken within its own run and level first; and, once, not repeated:
 
 3. HTTP submissions through gunicorn, when the HTTP API is there;
-4. backlog scaling: a fresh file per size, filled before its server starts.
+4. backlog scaling: a fresh file per size, filled before its server starts; then the same
+   with queue controls in force (a paused queue as full as the claimed one, a cap and a rate
+   on the claimed queue: ``scenarios.backlog(controls=True)``, issue 16).
+
+``backlog_run`` (``relay bench --backlog-only``) runs only step 4, plain and controls
+alternating size by size, ``--runs`` times.
 
 With ``address`` (an already running server) only step 2's client-side scenarios run
 against it; the floors still run on local files and RSS and backlog are reported skipped.
