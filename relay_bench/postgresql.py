@@ -12,7 +12,9 @@ minutes apart on the same machine:
    other server (the wake-up crosses servers: LISTEN/NOTIFY), and lease+ack by 16 workers
    split 8 + 8 over the two servers, on one queue;
 4. backlog: claim latency through the server with 1,000 and with 1,000,000 READY jobs
-   (``--quick``: 100,000), filled by one ``INSERT ... SELECT generate_series``.
+   (``--quick``: 100,000), filled by one ``INSERT ... SELECT generate_series``; at each size
+   also with queue controls in force (issue 16: a paused queue as full, the claimed queue
+   capped and rated; ``scenarios.CONTROLS``). ``--backlog-only`` runs only this step.
 
 The floor is one psycopg connection running the driver's own statements
 (``queue_core/storage/postgresql/queries.sql``): ``insert_job``; ``claim`` (the one-statement
@@ -36,7 +38,7 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 import psycopg
 
-from relay_bench import load, procs, scenarios
+from relay_bench import load, procs, runs, scenarios
 from relay_bench.floor import ack_params, job_row
 from relay_bench.runner import Progress, Sizes, Steps, loadavg, machine
 from relay_bench.stats import rate, ratio, summarize
@@ -165,18 +167,33 @@ def floor_claim_ack(url: str, count: int, payload: str, tick: Tick) -> dict[str,
     }
 
 
-def claim_latency(address: str, queue: str, claims: int, tick: Tick) -> dict[str, Any]:
-    """One worker: lease one job of ``queue`` and ack it, ``claims`` times; lease latency."""
+def claim_latency(
+    address: str, queue: str, claims: int, tick: Tick, *, paused: str | None = None
+) -> dict[str, Any]:
+    """One worker: lease one job of ``queue`` and ack it, ``claims`` times; lease latency.
+
+    With ``paused`` (the controls variant, issue 16) ``scenarios.CONTROLS`` are put in force
+    first (``paused`` paused, ``queue`` capped and rated) and the worker names ``paused``
+    before ``queue``; the result then has ``controls`` and ``leased_from_paused`` (must be 0).
+    """
     lat: list[float] = []
+    queues = [paused, queue] if paused else [queue]
+    from_paused = 0
     with scenarios._client(address) as client:
+        in_force = scenarios.set_controls(client, queue, paused) if paused else None
         for _ in range(claims):
             t0 = time.perf_counter()
-            jobs = client.lease([queue], worker_id="bench-backlog")
+            jobs = client.lease(queues, worker_id="bench-backlog")
             lat.append((time.perf_counter() - t0) * 1000)
             for job in jobs:
+                from_paused += job["queue"] == paused
                 client.ack(job["job_id"], worker_id="bench-backlog", lease_token=job["lease_token"])
             tick(1)
-    return {"claims": len(lat), "lease_latency_ms": summarize(lat)}
+    out: dict[str, Any] = {"claims": len(lat), "lease_latency_ms": summarize(lat)}
+    if paused:
+        out["controls"] = in_force
+        out["leased_from_paused"] = from_paused
+    return out
 
 
 class PgBench(Steps):
@@ -189,6 +206,9 @@ class PgBench(Steps):
         progress: the progress hook.
         producers, workers: the concurrency levels of the submit and lease+ack scenarios.
         backlog_enabled: run the backlog scenario (``--no-backlog`` skips it).
+        backlog_only: run only the backlog scenario, plain and with queue controls
+            (``relay bench --backlog-only``); the document then has ``meta``, ``backlog``,
+            ``backlog_controls`` and ``targets`` (``runs.backlog_targets``).
     """
 
     def __init__(
@@ -200,9 +220,11 @@ class PgBench(Steps):
         producers: tuple[int, ...] = PRODUCERS,
         workers: tuple[int, ...] = WORKERS,
         backlog_enabled: bool = True,
+        backlog_only: bool = False,
     ) -> None:
         self.admin_url = url
         self.backlog_enabled = backlog_enabled
+        self.backlog_only = backlog_only
         self.sizes = sizes
         self.progress = progress or Progress()
         self.producers = producers
@@ -246,7 +268,10 @@ class PgBench(Steps):
                 run_id=self.run_id,
                 deadline_s=self.sizes.deadline_s,
             )
-            self._run_all(doc, env)
+            if self.backlog_only:
+                self._backlog_only(doc)
+            else:
+                self._run_all(doc, env)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
             with psycopg.connect(self.admin_url, autocommit=True) as conn:
@@ -254,8 +279,18 @@ class PgBench(Steps):
         doc["meta"]["loadavg_end"] = loadavg()
         doc["meta"]["duration_s"] = round(time.time() - started, 1)
         doc["meta"]["step_seconds"] = self.step_seconds
-        doc["targets"] = targets(doc)
+        doc["targets"] = runs.backlog_targets(doc) if self.backlog_only else targets(doc)
         return doc
+
+    def _backlog_only(self, doc: dict[str, Any]) -> None:
+        body = orjson.dumps(load.payload(0), option=orjson.OPT_SORT_KEYS).decode()
+        with self._step("start relay_server"):
+            a = self._server()
+        try:
+            doc.update(self._backlog(a.address, body))
+            doc["server"] = {"peak_rss_mb": a.peak_rss_mb()}
+        finally:
+            a.stop()
 
     def _server(self) -> procs.ServerProcess:
         return procs.ServerProcess(None, RELAY_DATABASE_URL=self.url)
@@ -324,7 +359,7 @@ class PgBench(Steps):
             with self._step("lease+ack, 16 workers over two servers"):
                 doc["two_servers"] = self._split_lease_ack(env, a.address, b.address)
             if self.backlog_enabled:
-                doc["backlog"] = self._backlog(a.address, body)
+                doc.update(self._backlog(a.address, body))
             else:
                 doc["backlog"] = {"status": "skipped: --no-backlog", "sizes": []}
             doc["server"] = {"peak_rss_mb": a.peak_rss_mb()}
@@ -379,8 +414,13 @@ class PgBench(Steps):
         }
 
     def _backlog(self, address: str, body: str) -> dict[str, Any]:
+        """At each backlog size: the plain claim, then the claim with queue controls in force
+        (a paused queue of as many READY jobs, named first; the claimed queue capped and rated:
+        ``scenarios.CONTROLS``) on queues of their own. Returns ``{"backlog", "backlog_controls"}``
+        (each ``{"status", "sizes": [row]}``). The jobs a size leaves stay in the table, in
+        other queues, while the larger sizes run."""
         sz = self.sizes
-        rows = []
+        rows, controlled = [], []
         for size in sz.backlog_sizes:
             queue = f"backlog-{size}"
             with self._step(f"backlog: fill {size:,} ready jobs"):
@@ -389,7 +429,26 @@ class PgBench(Steps):
                 rows.append(
                     {"ready_jobs": size, **claim_latency(address, queue, sz.backlog_claims, tick)}
                 )
-        return {"status": "ran", "sizes": rows}
+            queue, paused = f"backlog-{size}-capped", f"backlog-{size}-paused"
+            with self._step(f"backlog with controls: fill 2 x {size:,} ready jobs"):
+                fill(self.url, queue, size, body)
+                fill(self.url, paused, size, body)
+            name = f"backlog with a paused queue, a cap and a rate: claims at {size:,} ready"
+            with self._step(name, sz.backlog_claims) as tick:
+                controlled.append(
+                    {
+                        "ready_jobs": size,
+                        **claim_latency(address, queue, sz.backlog_claims, tick, paused=paused),
+                    }
+                )
+        return {
+            "backlog": {"status": "ran", "sizes": rows},
+            "backlog_controls": {
+                "status": "ran",
+                "controls": dict(scenarios.CONTROLS),
+                "sizes": controlled,
+            },
+        }
 
 
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -432,6 +491,10 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         label = "claim p50, largest vs smallest backlog"
     add(label, "<= 1.5", flat, lambda v: v <= 1.5)
+    controlled = runs.flat_target(
+        doc.get("backlog_controls", {}).get("sizes", []), runs.CONTROLS_LABEL
+    )
+    add(controlled["name"], "<= 1.5", controlled["value"], lambda v: v <= runs.FLAT_CLAIM)
     across = doc.get("submit_to_start_across", {}).get("latency_ms", {}).get("p99")
     add(
         "submit-to-start p99 across servers, idle (ms)",
@@ -489,6 +552,13 @@ def markdown(doc: dict[str, Any]) -> str:
         lat = row["lease_latency_ms"]
         lines.append(
             f"| lease at {row['ready_jobs']:,} ready | | {lat.get('p50')} | {lat.get('p99')} | |"
+        )
+    for row in doc.get("backlog_controls", {}).get("sizes", []):
+        lat = row["lease_latency_ms"]
+        lines.append(
+            f"| lease at {row['ready_jobs']:,} ready, paused queue + cap + rate "
+            f"({row['leased_from_paused']} from the paused queue) | | {lat.get('p50')} | "
+            f"{lat.get('p99')} | |"
         )
     lines += ["", "| target | wanted | measured | met |", "|---|---|---:|---|"]
     for t in doc.get("targets", []):

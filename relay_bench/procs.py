@@ -288,8 +288,12 @@ def fill_backlog(
     queue: str = "bench",
     spread_ms: int = 600_000,
     tick: Callable[[int], None] | None = None,
+    first: int = 0,
 ) -> float:
     """Insert ``count`` READY jobs over the four priority classes, aged 0..``spread_ms``.
+
+    Job ids are numbered from ``first`` (a second fill of the same file starts after the
+    first one's last number).
 
     Ages are scattered (``n * 7919 mod spread``), so rows do not arrive in index order, and
     with a ten-minute spread aging lifts many of them to higher effective classes, as on a
@@ -307,8 +311,8 @@ def fill_backlog(
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=OFF")
         conn.execute("PRAGMA cache_size=-262144")  # 256 MiB for the index builds
-        for lo in range(0, count, FILL_CHUNK):
-            hi = min(count, lo + FILL_CHUNK)
+        for lo in range(first, first + count, FILL_CHUNK):
+            hi = min(first + count, lo + FILL_CHUNK)
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(
                 _FILL,

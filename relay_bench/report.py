@@ -9,7 +9,9 @@ runs (``relay_bench.runs``): ``floor`` (``lean`` and ``schema``, each ``insert_o
 ``relay_worker`` process), ``server`` (peak RSS); ``other_synchronous`` (the same keys for each
 other level: always the floors at ``FULL`` and ``NORMAL``, the Relay scenarios when asked);
 ``http`` (status; its rows are in ``submit``, run once), ``backlog`` (``status``, ``sizes``:
-one row per backlog size, run once) and ``targets``. A merged figure is the median over the
+one row per backlog size, run once), ``backlog_controls`` (the same with queue controls in
+force, plus ``controls``; each row also ``controls``: the server's replies, and
+``leased_from_paused``) and ``targets``. A merged figure is the median over the
 runs; its row's ``spread`` gives ``{"median", "min", "max", "runs"}`` for ``per_s``, the
 ratios, the server's CPU per job and the least-served share.
 """
@@ -244,6 +246,9 @@ def sections(doc: dict[str, Any]) -> list[Section]:
         )
     )
 
+    if doc.get("backlog_controls"):
+        out.append(backlog_controls_section(doc))
+
     rows = [
         [
             "relay_server, through the TCP scenarios (highest of the runs)",
@@ -286,6 +291,108 @@ def sections(doc: dict[str, Any]) -> list[Section]:
         )
     )
     return out
+
+
+def backlog_controls_section(doc: dict[str, Any]) -> Section:
+    """The claim at each backlog size, plain (``backlog``) beside queue controls in force
+    (``backlog_controls``), then the largest size's latency over the smallest's
+    (``runs.scaling``; with several runs, ``backlog_runs``: the median of each run's own ratio
+    and its min-max). Used by SQLite and PostgreSQL documents alike."""
+    from relay_bench.runs import scaling
+    from relay_bench.stats import spread
+
+    plain = {r["ready_jobs"]: r for r in doc.get("backlog", {}).get("sizes", [])}
+    ctl = {r["ready_jobs"]: r for r in doc.get("backlog_controls", {}).get("sizes", [])}
+    rows = []
+    for size in sorted(set(plain) | set(ctl)):
+        p, c = plain.get(size), ctl.get(size)
+        rows.append(
+            [
+                _num(size),
+                *_lat(p["lease_latency_ms"] if p else None),
+                *_lat(c["lease_latency_ms"] if c else None),
+                _num(c.get("leased_from_paused")) if c else "-",
+            ]
+        )
+    sp, sc = scaling(list(plain.values())), scaling(list(ctl.values()))
+    ends = sp or sc
+    each = doc.get("backlog_runs", [])
+    if ends and len(each) > 1:
+        # Each ratio within its own run, then the median and min-max over the runs.
+        cells = []
+        for var in ("plain", "controls"):
+            for key in ("p50_ratio", "p99_ratio"):
+                st = spread([(r.get(var) or {}).get(key) for r in each])
+                cells.append(
+                    "-"
+                    if st["median"] is None
+                    else f"{_ratio(st['median'])} ({st['min']:.2f}-{st['max']:.2f})"
+                )
+        label = f"ratio {_num(ends['big'])} / {_num(ends['small'])}, median of each run's"
+        rows.append([label, *cells, "-"])
+    elif ends:
+        rows.append(
+            [
+                f"ratio {_num(ends['big'])} / {_num(ends['small'])}",
+                _ratio(sp["p50_ratio"]) if sp else "-",
+                _ratio(sp["p99_ratio"]) if sp else "-",
+                _ratio(sc["p50_ratio"]) if sc else "-",
+                _ratio(sc["p99_ratio"]) if sc else "-",
+                "-",
+            ]
+        )
+    controls = doc.get("backlog_controls", {}).get("controls") or {}
+    title = (
+        f"Claim with queue controls in force ({doc.get('backlog_controls', {}).get('status', '-')}"
+        f"; paused queue as full as the claimed one, max_leased {controls.get('max_leased')}, "
+        f"rate {controls.get('rate_per_s')}/s burst {controls.get('burst')})"
+    )
+    head = [
+        "ready jobs",
+        "plain claim p50 ms",
+        "plain p99 ms",
+        "controls claim p50 ms",
+        "controls p99 ms",
+        "leased from the paused queue",
+    ]
+    return title, head, rows
+
+
+def backlog_markdown(doc: dict[str, Any]) -> str:
+    """A ``relay bench --backlog-only`` document as Markdown: the machine and load, the
+    plain-vs-controls table (``backlog_controls_section``) and the flat-claim targets."""
+    m = doc["meta"]
+    where = (
+        f"PostgreSQL {m.get('postgresql')}, synchronous_commit={m.get('synchronous_commit')}"
+        if m.get("database") == "postgresql"
+        else f"SQLite {m['machine']['sqlite']} WAL, synchronous={m.get('synchronous')}"
+    )
+    lines = [
+        f"{where}; {m['machine']['cores']} cores, {m['machine']['cpu_model']}; load average "
+        f"{m.get('loadavg_start')} -> {m.get('loadavg_end')}; sizes {m.get('sizes')}, "
+        f"{m.get('duration_s')} s",
+        "",
+    ]
+    title, head, rows = backlog_controls_section(doc)
+    lines += [
+        f"**{title}**",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    lines += [
+        "",
+        "| target | goal | measured (min-max over the runs) | met |",
+        "|---|---|---:|---|",
+    ]
+    for t in doc.get("targets", []):
+        met = {True: "yes", False: "NO", None: "not measured"}[t["met"]]
+        value = _num(t["value"], 2)
+        if t.get("runs", 0) > 1 and t.get("min") is not None:
+            value += f" ({_num(t['min'], 2)}-{_num(t['max'], 2)}, {t['runs']} runs)"
+        lines.append(f"| {t['name']} | {t['target']} | {value} | {met} |")
+    return "\n".join(lines) + "\n"
 
 
 def tables(doc: dict[str, Any]) -> list[RenderableType]:

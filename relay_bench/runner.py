@@ -16,7 +16,12 @@ Then ``relay_bench.runs`` merges the repetitions into medians with their min-max
 each ratio taken within its own run and level first; and, once, not repeated:
 
 3. HTTP submissions through gunicorn, when the HTTP API is there;
-4. backlog scaling: a fresh file per size, filled before its server starts.
+4. backlog scaling: a fresh file per size, filled before its server starts; then the same
+   with queue controls in force (a paused queue as full as the claimed one, a cap and a rate
+   on the claimed queue: ``scenarios.backlog(controls=True)``, issue 16).
+
+``backlog_run`` (``relay bench --backlog-only``) runs only step 4, plain and controls
+alternating size by size, ``--runs`` times.
 
 With ``address`` (an already running server) only step 2's client-side scenarios run
 against it; the floors still run on local files and RSS and backlog are reported skipped.
@@ -43,7 +48,7 @@ from rich.progress import Progress as RichProgress
 from relay_bench import floor, http, procs, runs, scenarios
 from relay_bench.runs import targets
 
-__all__ = ["FULL", "QUICK", "Bench", "Sizes", "prune_run", "targets"]
+__all__ = ["FULL", "QUICK", "Bench", "Sizes", "backlog_run", "prune_run", "targets"]
 
 SUBMIT_CONCURRENCY = (1, 4, 16)
 LEASE_CONCURRENCY = (1, 4, 16, 64)
@@ -478,6 +483,136 @@ class Bench(Steps):
                     )
                 )
         doc["backlog"] = {"status": "ran once", "sizes": rows}
+        doc["backlog_controls"] = backlog_controls(self, env, sz)
+
+
+def backlog_controls(steps: Steps, env: scenarios.Env, sz: Sizes) -> dict[str, Any]:
+    """The backlog scenario with queue controls in force (``scenarios.backlog(controls=True)``)
+    at each of ``sz.backlog_sizes``, once: ``{"status", "controls", "sizes": [row]}``."""
+    rows = []
+    for size in sz.backlog_sizes:
+        name = f"backlog with a paused queue, a cap and a rate: {size:,} ready jobs"
+        with steps._step(name, size + sz.backlog_claims) as tick:
+            rows.append(
+                scenarios.backlog(
+                    env, size, claims=sz.backlog_claims, worker_jobs=0, tick=tick, controls=True
+                )
+            )
+            _drop_db(env.workdir, f"backlog-{size}-controls")  # free the disk for the next
+    return {"status": "ran once", "controls": dict(scenarios.CONTROLS), "sizes": rows}
+
+
+def backlog_run(
+    sizes: Sizes, *, runs_n: int = 1, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Run only the backlog scenario, plain and with queue controls in force, at each of
+    ``sizes.backlog_sizes`` (``relay bench --backlog-only``), ``runs_n`` times (1..20), at the
+    configured synchronous level. At each size the plain scenario runs, then the controls
+    variant, each on a fresh file and server.
+
+    Returns:
+        ``{"meta", "backlog", "backlog_controls", "backlog_runs", "targets"}``: ``backlog`` and
+        ``backlog_controls`` hold one row per size, each figure the median over the runs
+        (``runs.merge``; ``leased_from_paused`` summed); ``backlog_runs`` each run's load
+        average and its ``runs.scaling`` of both; the targets are ``runs.backlog_targets``,
+        judged on the median of each run's own ratio.
+    Raises:
+        ValueError: ``runs_n`` out of range.
+    """
+    from queue_core.conf import relay_settings
+
+    if not 1 <= runs_n <= MAX_RUNS:
+        raise ValueError(f"runs must be 1..{MAX_RUNS}")
+    started = time.time()
+    steps = Steps()
+    steps.progress = progress or Progress()
+    steps.step_seconds = {}
+    doc: dict[str, Any] = {
+        "meta": {
+            "tool": "relay_bench",
+            "database": "sqlite",
+            "sizes": sizes.name,
+            "runs": runs_n,
+            "machine": machine(),
+            "loadavg_start": loadavg(),
+            "synchronous": relay_settings().sqlite_synchronous.upper(),
+        }
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
+    per_run: list[dict[str, Any]] = []
+    try:
+        with steps._step("migrate a template database"):
+            template = procs.template_db(workdir)
+        env = scenarios.Env(
+            workdir=workdir,
+            template=template,
+            synchronous=doc["meta"]["synchronous"],
+            run_id=secrets.token_hex(3),
+            deadline_s=sizes.deadline_s,
+        )
+        for n in range(1, runs_n + 1):
+            one: dict[str, Any] = {"run": n, "loadavg_start": loadavg()}
+            plain: list[dict[str, Any]] = []
+            controlled: list[dict[str, Any]] = []
+            for size in sizes.backlog_sizes:
+                for rows, controls in ((plain, False), (controlled, True)):
+                    what = "a paused queue, a cap and a rate" if controls else "plain"
+                    name = f"[run {n}/{runs_n}] backlog, {what}: {size:,} ready jobs"
+                    units = size * (2 if controls else 1) + sizes.backlog_claims
+                    with steps._step(name, units) as tick:
+                        rows.append(
+                            scenarios.backlog(
+                                env,
+                                size,
+                                claims=sizes.backlog_claims,
+                                worker_jobs=0,
+                                tick=tick,
+                                controls=controls,
+                            )
+                        )
+                    # Free the disk before the next, larger file.
+                    _drop_db(workdir, f"backlog-{size}" + ("-controls" if controls else ""))
+            one.update(
+                loadavg_end=loadavg(),
+                plain=runs.scaling(plain),
+                controls=runs.scaling(controlled),
+                sizes={"plain": plain, "controls": controlled},
+            )
+            per_run.append(one)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    status = "ran once" if runs_n == 1 else f"medians of {runs_n} runs"
+    doc["backlog"] = {"status": status, "sizes": _merge_sizes(per_run, "plain")}
+    doc["backlog_controls"] = {
+        "status": status,
+        "controls": dict(scenarios.CONTROLS),
+        "sizes": _merge_sizes(per_run, "controls"),
+    }
+    doc["backlog_runs"] = [{k: v for k, v in r.items() if k != "sizes"} for r in per_run]
+    doc["meta"]["loadavg_end"] = loadavg()
+    doc["meta"]["duration_s"] = round(time.time() - started, 1)
+    doc["meta"]["step_seconds"] = steps.step_seconds
+    doc["targets"] = runs.backlog_targets(doc)
+    return doc
+
+
+def _merge_sizes(per_run: list[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
+    """One row per backlog size, merged over the runs (``runs.merge``: medians); the jobs
+    leased from the paused queue are summed, so one in any run shows."""
+    out = []
+    for i, first in enumerate(per_run[0]["sizes"][variant]):
+        rows = [r["sizes"][variant][i] for r in per_run]
+        merged = runs.merge(rows)
+        if "leased_from_paused" in first:
+            merged["leased_from_paused"] = sum(r["leased_from_paused"] for r in rows)
+        out.append(merged)
+    return out
+
+
+def _drop_db(workdir: Path, name: str) -> None:
+    """Delete ``workdir/name.db`` and its WAL files (a scenario's file it is done with)."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{workdir / name}.db{suffix}").unlink(missing_ok=True)
 
 
 def prune_run(

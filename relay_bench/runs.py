@@ -267,6 +267,74 @@ TARGETS: tuple[tuple[str, str, Getter, str, float], ...] = (
 )
 
 
+# Issue 16: the claim stays flat with queue controls in force (``scenarios.backlog`` with
+# ``controls``), judged as the plain backlog's claim: p50 at the largest backlog at most 1.5x
+# the smallest's.
+FLAT_CLAIM = 1.5
+
+
+def scaling(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How the claim scales over backlog rows (each ``{"ready_jobs", "lease_latency_ms":
+    {"p50", "p99", ...}}``, any order): ``{"small", "big"`` (ready jobs), ``"p50_ratio"``,
+    ``"p99_ratio"`` (largest's latency over smallest's, None where either is missing),
+    ``"flat"`` (``p50_ratio <= FLAT_CLAIM``; None when not measured)}``, or None with fewer
+    than two sizes.
+    """
+    if len({row["ready_jobs"] for row in rows}) < 2:
+        return None
+    small = min(rows, key=lambda row: row["ready_jobs"])
+    big = max(rows, key=lambda row: row["ready_jobs"])
+    lo, hi = small["lease_latency_ms"], big["lease_latency_ms"]
+    p50 = ratio(hi.get("p50"), lo.get("p50"))
+    return {
+        "small": small["ready_jobs"],
+        "big": big["ready_jobs"],
+        "p50_ratio": p50,
+        "p99_ratio": ratio(hi.get("p99"), lo.get("p99")),
+        "flat": judge(p50, "<=", FLAT_CLAIM),
+    }
+
+
+CONTROLS_LABEL = " with a paused queue and a capped, rated queue"
+
+
+def flat_target(
+    rows: list[dict[str, Any]], what: str = "", per_run: list[float | None] | None = None
+) -> dict[str, Any]:
+    """The flat-claim target over backlog rows (``scaling``): claim p50 at the largest
+    backlog at most ``FLAT_CLAIM`` x the smallest's; ``what`` is inserted after "claim p50"
+    in its name (``CONTROLS_LABEL`` for the controls variant). With ``per_run`` (each run's
+    own p50 ratio) the value is their median with its min-max, as the other targets; ``met``
+    None when fewer than two sizes ran."""
+    sc = scaling(rows)
+    label = f"claim p50{what}, " + (
+        f"{sc['big']:,} vs {sc['small']:,} ready" if sc else "largest vs smallest backlog"
+    )
+    if per_run and len(per_run) > 1:
+        sp = spread(per_run)
+        return _entry(label, "<=", FLAT_CLAIM, sp["median"], sp)
+    return _entry(label, "<=", FLAT_CLAIM, sc["p50_ratio"] if sc else None, None)
+
+
+def backlog_targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The flat-claim targets of ``relay bench --backlog-only``: the plain backlog's and the
+    controls variant's (``backlog`` and ``backlog_controls``, each ``{"sizes": [row]}``),
+    over ``backlog_runs`` (each ``{"plain": scaling, "controls": scaling}``) when there are
+    several runs."""
+    each = doc.get("backlog_runs", [])
+    return [
+        flat_target(
+            doc.get(key, {}).get("sizes", []),
+            what,
+            [(r.get(var) or {}).get("p50_ratio") for r in each],
+        )
+        for key, var, what in (
+            ("backlog", "plain", ""),
+            ("backlog_controls", "controls", CONTROLS_LABEL),
+        )
+    ]
+
+
 def _entry(
     name: str, op: str, goal: float, value: float | None, sp: dict[str, Any] | None
 ) -> dict[str, Any]:
@@ -307,4 +375,5 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         else "claim p50, largest vs smallest backlog"
     )
     out.append(_entry(label, "<=", 1.5, flat, None))
+    out.append(flat_target(doc.get("backlog_controls", {}).get("sizes", []), CONTROLS_LABEL))
     return out

@@ -328,31 +328,83 @@ def worker_drain(
 # ------------------------------------------------------------------------------ backlog
 
 
-def backlog(env: Env, size: int, *, claims: int, worker_jobs: int, tick: Tick) -> dict[str, Any]:
+# The queue controls in force in the controls variant of the backlog scenario: a paused queue
+# holding as many READY jobs as the claimed one, named first in the worker's list, and a cap and
+# a rate on the claimed queue high enough never to hold back one worker (one job leased at a
+# time, about a thousand claims a second), so the claim runs their code paths on every call.
+CONTROLS: dict[str, Any] = {
+    "paused_queue": "bench-paused",
+    "max_leased": 1000,
+    "rate_per_s": 1_000_000.0,
+    "burst": 1000,
+}
+
+
+def set_controls(client: RelayClient, queue: str, paused_queue: str) -> dict[str, Any]:
+    """Put ``CONTROLS`` in force: pause ``paused_queue``, cap and rate ``queue`` (set-up).
+
+    Returns:
+        ``{"paused": QueueControls, "limited": QueueControls}``: the server's replies, so the
+        report shows the controls the claims ran under, not the ones asked for.
+    """
+    paused = client.pause(paused_queue)
+    limited = client.set_queue_limits(
+        queue,
+        max_leased=CONTROLS["max_leased"],
+        rate_per_s=CONTROLS["rate_per_s"],
+        burst=CONTROLS["burst"],
+    )
+    return {"paused": dict(paused), "limited": dict(limited)}
+
+
+def backlog(
+    env: Env,
+    size: int,
+    *,
+    claims: int,
+    worker_jobs: int,
+    tick: Tick,
+    controls: bool = False,
+) -> dict[str, Any]:
     """Claim latency and server memory with ``size`` READY jobs waiting.
 
     The file is filled directly (``procs.fill_backlog``) before its server starts; then one
     worker does ``claims`` x lease(max_jobs=1) + ack, and, when ``worker_jobs`` > 0, a real
     ``relay_worker`` drains that many more.
+
+    With ``controls`` (issue 16) the file also holds ``size`` READY jobs of a second queue,
+    which is paused (``pause``) before the first claim, and the claimed queue gets a cap and
+    a token-bucket rate (``set_queue_limits``; values in ``CONTROLS``); the worker names the
+    paused queue first, so every claim skips it and passes the cap and the rate. The row
+    then has ``controls`` (the server's replies to ``pause`` and ``set_queue_limits``:
+    ``set_controls``) and ``leased_from_paused`` (must be 0).
     """
-    db_path = procs.fresh_db(env.template, env.workdir, f"backlog-{size}")
+    name = f"backlog-{size}" + ("-controls" if controls else "")
+    db_path = procs.fresh_db(env.template, env.workdir, name)
     fill_s = procs.fill_backlog(db_path, size, tick=tick)
+    paused = CONTROLS["paused_queue"]
+    if controls:
+        fill_s = round(fill_s + procs.fill_backlog(db_path, size, queue=paused, first=size), 2)
+    queues = [paused, "bench"] if controls else ["bench"]
     t0 = time.perf_counter()
     server = procs.ServerProcess(db_path, RELAY_SQLITE_SYNCHRONOUS=env.synchronous)
     startup_s = time.perf_counter() - t0
+    from_paused = 0
     try:
         rss_idle = server.peak_rss_mb()
         lease_lat: list[float] = []
         ack_lat: list[float] = []
         with _client(server.address) as client:
             client.ping()
+            in_force = set_controls(client, "bench", paused) if controls else None
             start = time.perf_counter()
             for _ in range(claims):
                 a = time.perf_counter()
-                jobs = client.lease(["bench"], worker_id="bench-backlog", max_jobs=1)
+                jobs = client.lease(queues, worker_id="bench-backlog", max_jobs=1)
                 b = time.perf_counter()
                 if not jobs:
                     break
+                from_paused += jobs[0]["queue"] == paused
                 client.ack(
                     jobs[0]["job_id"], worker_id="bench-backlog", lease_token=jobs[0]["lease_token"]
                 )
@@ -369,7 +421,7 @@ def backlog(env: Env, size: int, *, claims: int, worker_jobs: int, tick: Tick) -
     finally:
         server.stop()
     both = [x + y for x, y in zip(lease_lat, ack_lat, strict=True)]
-    return {
+    row: dict[str, Any] = {
         "ready_jobs": size,
         "fill_s": fill_s,
         "server_startup_s": round(startup_s, 2),
@@ -382,6 +434,10 @@ def backlog(env: Env, size: int, *, claims: int, worker_jobs: int, tick: Tick) -
         "server_peak_rss_mb": peak,
         "worker": worker,
     }
+    if controls:
+        row["controls"] = in_force
+        row["leased_from_paused"] = from_paused
+    return row
 
 
 # ------------------------------------------------------------------------------ retention

@@ -8,9 +8,11 @@ that its JSON has the keys the docs and the plot read.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -192,6 +194,85 @@ def test_prune_scenario_runs_end_to_end(tmp_path: Path) -> None:
     assert prune["finished_jobs"] == prune["pruned"] == 1200
     assert prune["lease_latency_ms_after"]["n"] == 2000
     assert {"prune_s", "pruned_per_s", "lease_latency_ms_while_pruning"} <= set(prune)
+
+
+def check_backlog_only(doc: dict[str, Any], sizes: list[int]) -> None:
+    """What a ``relay bench --backlog-only`` document must hold, on either database: both
+    variants at every size, every claim served, the controls the server says were in force,
+    nothing leased from the paused queue, the two flat-claim targets judged."""
+    assert [r["ready_jobs"] for r in doc["backlog"]["sizes"]] == sizes
+    rows = doc["backlog_controls"]["sizes"]
+    assert [r["ready_jobs"] for r in rows] == sizes
+    for row in doc["backlog"]["sizes"] + rows:
+        assert row["claims"] == row["lease_latency_ms"]["n"] > 0
+    for row in rows:
+        assert row["leased_from_paused"] == 0
+        paused, limited = row["controls"]["paused"], row["controls"]["limited"]
+        assert paused["paused"] is True and limited["paused"] is False
+        assert (limited["max_leased"], limited["rate_per_s"], limited["burst"]) == (
+            1000,
+            1_000_000.0,
+            1000,
+        )
+    names = [t["name"] for t in doc["targets"]]
+    assert names == [
+        f"claim p50, {sizes[-1]:,} vs {sizes[0]:,} ready",
+        f"claim p50 with a paused queue and a capped, rated queue, {sizes[-1]:,} vs "
+        f"{sizes[0]:,} ready",
+    ]
+    assert all(t["value"] is not None for t in doc["targets"])
+
+
+@pytest.mark.slow
+def test_backlog_only_measures_the_claim_plain_and_with_queue_controls(tmp_path: Path) -> None:
+    out = io.StringIO()
+    call_command(
+        "relay_bench",
+        "--backlog-only",
+        "--quick",
+        "--scale",
+        "0.005",
+        "--runs",
+        "2",
+        "--no-progress",
+        "--json-out",
+        str(tmp_path / "backlog.json"),
+        stdout=out,
+        stderr=io.StringIO(),
+    )
+    doc = orjson.loads((tmp_path / "backlog.json").read_bytes())
+    assert doc["meta"]["database"] == "sqlite"
+    check_backlog_only(doc, [100, 500])
+    assert {r["claims"] for r in doc["backlog"]["sizes"]} == {10}
+    # Two runs: each run's own ratios, and the targets judged on their median and spread.
+    assert [r["run"] for r in doc["backlog_runs"]] == [1, 2]
+    assert all(r["controls"]["p50_ratio"] is not None for r in doc["backlog_runs"])
+    assert [t["runs"] for t in doc["targets"]] == [2, 2]
+    p99 = doc["backlog_controls"]["sizes"][0]["lease_latency_ms"]["spread"]["p99"]
+    assert len(p99["runs"]) == 2 and None not in p99["runs"]
+    # stdout is the Markdown: the plain and controls columns side by side, then the targets.
+    table = out.getvalue()
+    assert "| ready jobs | plain claim p50 ms |" in table
+    assert "| ratio 500 / 100, median of each run's |" in table
+    assert "claim p50 with a paused queue and a capped, rated queue, 500 vs 100 ready" in table
+
+
+def test_the_full_run_measures_the_controls_variant_at_each_backlog_size(tmp_path: Path) -> None:
+    from relay_bench import runner, scenarios
+
+    steps = runner.Steps()
+    steps.progress, steps.step_seconds = runner.Progress(), {}
+    env = scenarios.Env(tmp_path, procs.template_db(tmp_path), "FULL", "t", 30.0)
+    sizes = dataclasses.replace(FULL.scaled(0.0001), backlog_sizes=(100, 300), backlog_claims=5)
+    out = runner.backlog_controls(steps, env, sizes)
+    assert out["controls"] == scenarios.CONTROLS
+    rows = out["sizes"]
+    assert [(r["ready_jobs"], r["claims"], r["leased_from_paused"]) for r in rows] == [
+        (100, 5, 0),
+        (300, 5, 0),
+    ]
+    assert all(r["controls"]["paused"]["paused"] for r in rows)
+    assert not list(tmp_path.glob("backlog-*"))  # each size's file is deleted when done
 
 
 def test_finished_fill_writes_succeeded_jobs_with_attempts(tmp_path: Path) -> None:

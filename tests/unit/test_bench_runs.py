@@ -258,8 +258,132 @@ def test_the_schema_floor_gets_its_ratio_to_the_lean_floor_of_its_run() -> None:
         (["--database-url", "postgresql://x@127.0.0.1/y", "--runs", "3"], "apply to SQLite"),
         (["--database-url", "postgresql://x@127.0.0.1/y", "--synchronous", "normal"], "SQLite"),
         (["--address", "127.0.0.1:1", "--synchronous", "full,normal"], "one --synchronous"),
+        (["--backlog-only", "--no-backlog"], "exclude each other"),
+        (["--backlog-only", "--address", "127.0.0.1:1"], "starts its own servers"),
+        (["--backlog-only", "--runs", "0"], "--runs must be 1..20"),
+        (["--backlog-only", "--synchronous", "normal"], "configured level"),
     ],
 )
 def test_bench_refuses_runs_and_levels_it_cannot_honour(args: list[str], message: str) -> None:
     with pytest.raises(CommandError, match=message):
         call_command("relay_bench", *args, "--no-progress", stdout=io.StringIO())
+
+
+def _backlog_row(size: int, p50: float | None, p99: float | None = None) -> dict[str, Any]:
+    return {"ready_jobs": size, "lease_latency_ms": {"n": 10, "p50": p50, "p99": p99}}
+
+
+def test_scaling_compares_the_largest_backlog_with_the_smallest_in_any_order() -> None:
+    rows = [_backlog_row(100_000, 1.2, 4.0), _backlog_row(1_000_000, 1.5, 9.0)]
+    rows.append(_backlog_row(1_000, 1.0, 3.0))
+    assert runs.scaling(rows) == {
+        "small": 1_000,
+        "big": 1_000_000,
+        "p50_ratio": 1.5,
+        "p99_ratio": 3.0,
+        "flat": True,  # the boundary is flat: "<= 1.5", as the plain backlog's target
+    }
+    over = runs.scaling([_backlog_row(1_000, 1.0), _backlog_row(1_000_000, 1.501)])
+    assert over is not None and (over["p50_ratio"], over["p99_ratio"], over["flat"]) == (
+        1.501,
+        None,
+        False,
+    )
+    assert runs.scaling([_backlog_row(1_000, 1.0)]) is None
+    assert runs.scaling([_backlog_row(1_000, 1.0), _backlog_row(1_000, 2.0)]) is None
+    assert runs.scaling([]) is None
+    missing = runs.scaling([_backlog_row(1_000, None), _backlog_row(10_000, 1.0)])
+    assert missing is not None and (missing["p50_ratio"], missing["flat"]) == (None, None)
+
+
+def test_the_controls_variant_is_judged_as_the_plain_backlog_and_named_for_its_sizes() -> None:
+    doc: dict[str, Any] = {
+        "meta": {"synchronous": "FULL"},
+        "backlog": {"sizes": [_backlog_row(1_000, 1.0), _backlog_row(1_000_000, 1.4)]},
+        "backlog_controls": {"sizes": [_backlog_row(1_000, 1.0), _backlog_row(1_000_000, 1.6)]},
+    }
+    for row in doc["backlog"]["sizes"]:
+        row["server_peak_rss_mb"] = 75.0
+    plain, controls = runs.backlog_targets(doc)
+    assert (plain["name"], plain["target"], plain["value"], plain["met"]) == (
+        "claim p50, 1,000,000 vs 1,000 ready",
+        "<= 1.5",
+        1.4,
+        True,
+    )
+    assert (controls["name"], controls["value"], controls["met"]) == (
+        "claim p50 with a paused queue and a capped, rated queue, 1,000,000 vs 1,000 ready",
+        1.6,
+        False,
+    )
+    # The whole run's targets carry both, the plain one under the name it always had.
+    judged = {t["name"]: t for t in runs.targets(doc)}
+    assert judged[plain["name"]]["value"] == 1.4
+    assert judged[controls["name"]]["met"] is False
+    # Without the variant (--no-backlog, --address): not measured, not failed.
+    (unmeasured,) = [t for t in runs.targets({"meta": {}}) if "paused queue" in t["name"]]
+    assert (unmeasured["name"], unmeasured["met"], unmeasured["runs"]) == (
+        "claim p50 with a paused queue and a capped, rated queue, largest vs smallest backlog",
+        None,
+        0,
+    )
+
+
+def test_the_backlog_table_puts_the_controls_beside_the_plain_claim() -> None:
+    from relay_bench.report import backlog_controls_section
+
+    ctl = [_backlog_row(1_000, 1.0, 2.0), _backlog_row(1_000_000, 1.25, 5.0)]
+    for row in ctl:
+        row["leased_from_paused"] = 0
+    doc: dict[str, Any] = {
+        "backlog": {"sizes": [_backlog_row(1_000, 0.5, 1.0), _backlog_row(1_000_000, 0.6, 2.0)]},
+        "backlog_controls": {"status": "ran once", "controls": {"max_leased": 1000}, "sizes": ctl},
+    }
+    title, head, rows = backlog_controls_section(doc)
+    assert "max_leased 1000" in title and len(head) == 6
+    assert rows == [
+        ["1,000", "0.50", "1.00", "1.00", "2.00", "0"],
+        ["1,000,000", "0.60", "2.00", "1.25", "5.00", "0"],
+        ["ratio 1,000,000 / 1,000", "1.20x", "2.00x", "1.25x", "2.50x", "-"],
+    ]
+
+    # Several runs: the ratio row is the median of each run's own ratio, with its min-max.
+    doc["backlog_runs"] = [
+        {"plain": {"p50_ratio": r, "p99_ratio": 2.0}, "controls": {"p50_ratio": r, "p99_ratio": 3}}
+        for r in (1.1, 0.9, 1.4)
+    ]
+    assert backlog_controls_section(doc)[2][-1] == [
+        "ratio 1,000,000 / 1,000, median of each run's",
+        "1.10x (0.90-1.40)",
+        "2.00x (2.00-2.00)",
+        "1.10x (0.90-1.40)",
+        "3.00x (3.00-3.00)",
+        "-",
+    ]
+
+
+def test_repeated_backlog_runs_are_judged_on_the_median_of_each_runs_ratio() -> None:
+    doc: dict[str, Any] = {
+        "backlog": {"sizes": [_backlog_row(1_000, 1.0), _backlog_row(1_000_000, 1.1)]},
+        "backlog_controls": {"sizes": [_backlog_row(1_000, 1.0), _backlog_row(1_000_000, 1.0)]},
+        "backlog_runs": [
+            {"plain": {"p50_ratio": 1.2}, "controls": {"p50_ratio": 1.6}},
+            {"plain": {"p50_ratio": 0.9}, "controls": {"p50_ratio": 1.4}},
+            {"plain": {"p50_ratio": 1.0}, "controls": None},  # a run that measured one size
+        ],
+    }
+    plain, controls = runs.backlog_targets(doc)
+    assert (plain["value"], plain["min"], plain["max"], plain["runs"], plain["met"]) == (
+        1.0,
+        0.9,
+        1.2,
+        3,
+        True,
+    )
+    assert (controls["value"], controls["min"], controls["max"], controls["runs"]) == (
+        1.5,
+        1.4,
+        1.6,
+        2,
+    )
+    assert controls["met"] is True  # 1.5 is the boundary: "<= 1.5"

@@ -149,6 +149,13 @@ class Command(RelayBaseCommand):
             "while one worker does lease+ack (claim p99 during and after; JSON output; "
             "1..5000000; e.g. 1000000).",
         )
+        parser.add_argument(
+            "--backlog-only",
+            action="store_true",
+            help="Run only the backlog scaling scenario, plain and with queue controls in force "
+            "(a paused queue holding as many ready jobs, a cap and a rate on the claimed queue), "
+            "and judge the flat claim of each; on SQLite, or on PostgreSQL with --database-url.",
+        )
         parser.add_argument("--no-http", action="store_true", help="Skip the HTTP scenario.")
         parser.add_argument(
             "--no-backlog", action="store_true", help="Skip the backlog scaling scenario."
@@ -205,6 +212,27 @@ class Command(RelayBaseCommand):
             if options["json_out"]:
                 Path(options["json_out"]).write_text(text + "\n", encoding="utf-8")
             self.stdout.write(text)
+            return
+        if options["backlog_only"] and options["no_backlog"]:
+            raise CommandError(
+                "INVALID_ARGUMENT: --backlog-only and --no-backlog exclude each other"
+            )
+        if options["backlog_only"] and not options["database_url"]:
+            if address is not None:
+                raise CommandError("INVALID_ARGUMENT: --backlog-only starts its own servers")
+            if options["synchronous"] is not None:
+                raise CommandError(
+                    "INVALID_ARGUMENT: --backlog-only runs at the configured level "
+                    "(RELAY_SQLITE_SYNCHRONOUS), not at --synchronous"
+                )
+            runs_n = (
+                options["runs"] if options["runs"] is not None else (1 if options["quick"] else 3)
+            )
+            if not 1 <= runs_n <= runner.MAX_RUNS:
+                raise CommandError(f"INVALID_ARGUMENT: --runs must be 1..{runner.MAX_RUNS}")
+            with bar:
+                doc = runner.backlog_run(sizes, runs_n=runs_n, progress=runner.RichBar(bar))
+            self._backlog_report(doc, options)
             return
         if options["database_url"]:
             if options["runs"] is not None or options["synchronous"] is not None:
@@ -273,16 +301,33 @@ class Command(RelayBaseCommand):
             producers=producers,
             workers=workers,
             backlog_enabled=not options["no_backlog"],
+            backlog_only=options["backlog_only"],
         )
         try:
             with bar:
                 doc = bench.run()
         except (RuntimeError, psycopg.Error) as exc:
             raise CommandError(f"benchmark failed: {exc}") from exc
+        if options["backlog_only"]:
+            self._backlog_report(doc, options)
+            return
         text = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
         if options["json_out"]:
             Path(options["json_out"]).write_text(text + "\n", encoding="utf-8")
         table = postgresql.markdown(doc)
+        if options["markdown_out"]:
+            Path(options["markdown_out"]).write_text(table, encoding="utf-8")
+        self.stdout.write(text if options["json"] else table)
+
+    def _backlog_report(self, doc: dict[str, Any], options: dict[str, Any]) -> None:
+        """Write a ``--backlog-only`` document: JSON (``--json``, ``--json-out``) or its
+        Markdown tables (``report.backlog_markdown``; also to ``--markdown-out``)."""
+        from relay_bench import report
+
+        text = orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+        table = report.backlog_markdown(doc)
+        if options["json_out"]:
+            Path(options["json_out"]).write_text(text + "\n", encoding="utf-8")
         if options["markdown_out"]:
             Path(options["markdown_out"]).write_text(table, encoding="utf-8")
         self.stdout.write(text if options["json"] else table)
