@@ -276,7 +276,7 @@ class Requests:
                 started = loop.time()
                 try:
                     outcome: dispatch.Outcome = await self.db.write(
-                        lambda: verb.handler(self.service, args, ctx), claims=True
+                        lambda: verb.handler(self.service, args, ctx), claims=True, durable=False
                     )
                 except BaseException:
                     self.budget.give(conn, frame)
