@@ -1009,7 +1009,11 @@ class QueueService:
 
         Chooses by effective priority (base class + one class per whole minute since the job
         became READY, capped at CRITICAL), then FIFO by ready time and id. Due PENDING/RETRYING
-        jobs are promoted and expired leases reclaimed first, in the same transaction.
+        jobs are promoted and expired leases reclaimed first, in the same transaction, whose
+        COMMIT does not wait for the disk (``Driver.write``'s ``durable``; an OS crash may take
+        back the leases since the last durable commit, with their attempt numbers:
+        docs/design-decisions.md, "Leases without their own fsync"), unless
+        ``RELAY_DURABLE_LEASES`` is set or another call in the transaction is durable.
 
         Args:
             queues: 1..``RELAY_MAX_QUEUES_PER_LEASE`` queue names.
@@ -1030,8 +1034,9 @@ class QueueService:
         length = v.lease_ms(lease_ms, s)
         # Lease bookkeeping: a lease an OS crash takes back is a READY job again, which
         # recovery makes of every lease anyway, so this COMMIT does not wait for the disk
-        # (docs/design-decisions.md, "Leases without their own fsync").
-        with self.driver.write(durable=False) as tx:
+        # (docs/design-decisions.md, "Leases without their own fsync"), unless
+        # RELAY_DURABLE_LEASES asks for it.
+        with self.driver.write(durable=s.durable_leases) as tx:
             at = self._read()
             now = at.now_ms
             self._sweep(tx, at)

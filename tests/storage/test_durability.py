@@ -121,6 +121,16 @@ def test_a_claim_commits_relaxed_and_every_reply_that_promises_commits_durably(
     assert level_now(backend, alias) == DURABLE
 
 
+def test_durable_leases_setting_makes_claims_durable_again(
+    service: QueueService, commits: list[str], settings: Any
+) -> None:
+    settings.RELAY_DURABLE_LEASES = True
+    service.submit("q", {"n": 1})
+    lease_one(service)
+    service.sweep()  # a sweep hands out no attempt number: still relaxed
+    assert taken(commits) == [DURABLE, DURABLE, RELAXED]
+
+
 def test_a_durable_call_in_a_relaxed_transaction_makes_it_durable(
     service: QueueService,
     commits: list[str],
