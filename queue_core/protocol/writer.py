@@ -218,7 +218,7 @@ class Writer(DbThread):
             durable = any(call.durable for call in batch)
             with self.service.transaction(savepoints=not flat, durable=durable):
                 if any(call.claims for call in batch):
-                    swept, value = self._guarded(self.sweep, flat=flat)
+                    swept, value = self._guarded(self.sweep, flat=flat, durable=False)
                     if swept:
                         ready = value
                     else:
