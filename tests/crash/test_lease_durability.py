@@ -18,6 +18,7 @@ simulated in ``tests/storage/test_durability.py``.
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def test_server_kills_lose_no_relaxed_lease_and_no_ack(tmp_path: Path) -> None:
     # without an fsync were there after the SIGKILL, their attempts closed as "recovered".
     assert result.recovered_leases > 0, report
     assert result.duplicates <= result.allowed_duplicates, report
-    with sqlite3.connect(db) as conn:
+    with contextlib.closing(sqlite3.connect(db)) as conn:
         succeeded = conn.execute(
             "SELECT job_id, COUNT(*) FROM relay_attempt WHERE outcome = 'succeeded' "
             "GROUP BY job_id HAVING COUNT(*) > 1"
