@@ -55,6 +55,12 @@ class RelaySettings:
         idempotency_window_ms: how long an idempotency key stays bound to its job (24 h).
         busy_retry_budget_ms: how long the store retries "database is locked" before BUSY (10 s).
         sqlite_synchronous: SQLite ``synchronous`` pragma (``FULL``).
+        durable_leases: commit leases durably too (False: a transaction of lease
+            bookkeeping only, a claim or a sweep, does not wait for the disk; an OS crash
+            or power loss may then take back the leases made since the last durable commit,
+            and with them their attempt numbers: docs/design-decisions.md, "Leases without
+            their own fsync"). True for handlers that rely on ``attempt`` as a fencing
+            epoch through a power loss.
         startup_check: what the server checks before serving: ``"integrity"`` (``PRAGMA
             integrity_check``, the default: 2.7 s for 1M jobs on the benchmark machine) or
             ``"quick"`` (``PRAGMA quick_check``, 0.9 s there, blind to index entries out of
@@ -160,6 +166,7 @@ class RelaySettings:
     idempotency_window_ms: int = 24 * 3600 * 1000
     busy_retry_budget_ms: int = 10_000
     sqlite_synchronous: str = "FULL"
+    durable_leases: bool = False
     startup_check: str = "integrity"
     database: str = "default"
     server_heartbeat_ms: int = 5_000

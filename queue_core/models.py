@@ -22,8 +22,10 @@ class Job(models.Model):
     """One unit of work and its current lease, retry policy and outcome.
 
     ``attempt`` counts deliveries (claims) and never decreases: it is the fencing epoch a
-    handler may hand to its own storage. ``failures`` counts failed attempts (fail and lease
-    expiry) against ``max_retries``; replay resets it.
+    handler may hand to its own storage (an OS crash or power loss may take back the latest
+    leases, and with them their attempts, unless ``RELAY_DURABLE_LEASES``:
+    docs/design-decisions.md). ``failures`` counts failed attempts (fail and lease expiry)
+    against ``max_retries``; replay resets it.
     """
 
     id = models.CharField(primary_key=True, max_length=40)

@@ -285,7 +285,9 @@ class QueueService:
         """What the storage under this service can do (``single_writer``, ...)."""
         return self.driver.capabilities
 
-    def transaction(self, *, savepoints: bool = True) -> contextlib.AbstractContextManager[Any]:
+    def transaction(
+        self, *, savepoints: bool = True, durable: bool = True
+    ) -> contextlib.AbstractContextManager[Any]:
         """Group several service calls into one commit: each call inside becomes a SAVEPOINT
         and rolls back alone (the TCP server's group commit, the admin's bulk chunks).
 
@@ -294,10 +296,15 @@ class QueueService:
                 trips (PostgreSQL); the caller sets a failed call apart with ``mark()`` and
                 ``forgive(mark)``, or lets the whole transaction roll back and runs the calls
                 again with savepoints (``Driver.write``).
+            durable: False: the calls inside are lease bookkeeping only (``claim``,
+                ``sweep``), so the COMMIT need not wait for the disk; any other call inside
+                makes the transaction durable all the same (``Driver.write``). On SQLite
+                the outermost transaction decides the level before BEGIN: pass False only
+                when every call inside is a claim or a sweep.
         Raises:
             StoreBusy: the transaction could not start or commit within the retry budget.
         """
-        return self.driver.write(savepoints=savepoints)
+        return self.driver.write(savepoints=savepoints, durable=durable)
 
     def mark(self) -> int:
         """The position ``forgive`` compares with (``Driver.mark``)."""
@@ -1014,7 +1021,11 @@ class QueueService:
 
         Chooses by effective priority (base class + one class per whole minute since the job
         became READY, capped at CRITICAL), then FIFO by ready time and id. Due PENDING/RETRYING
-        jobs are promoted and expired leases reclaimed first, in the same transaction.
+        jobs are promoted and expired leases reclaimed first, in the same transaction, whose
+        COMMIT does not wait for the disk (``Driver.write``'s ``durable``; an OS crash may take
+        back the leases since the last durable commit, with their attempt numbers:
+        docs/design-decisions.md, "Leases without their own fsync"), unless
+        ``RELAY_DURABLE_LEASES`` is set or another call in the transaction is durable.
 
         Args:
             queues: 1..``RELAY_MAX_QUEUES_PER_LEASE`` queue names.
@@ -1033,7 +1044,11 @@ class QueueService:
         worker_id = v.worker_id(worker_id)
         max_jobs = v.integer("max_jobs", max_jobs, lo=1, hi=s.max_jobs_per_lease)
         length = v.lease_ms(lease_ms, s)
-        with self.driver.write() as tx:
+        # Lease bookkeeping: a lease an OS crash takes back is a READY job again, which
+        # recovery makes of every lease anyway, so this COMMIT does not wait for the disk
+        # (docs/design-decisions.md, "Leases without their own fsync"), unless
+        # RELAY_DURABLE_LEASES asks for it.
+        with self.driver.write(durable=s.durable_leases) as tx:
             at = self._read()
             now = at.now_ms
             self._sweep(tx, at)
@@ -1603,7 +1618,7 @@ class QueueService:
             The queues that got READY jobs (with repeats removed); ``[]`` when another
             server's sweep holds the sweep lock (it does the work).
         """
-        with self.driver.write() as tx:
+        with self.driver.write(durable=False) as tx:  # redone by the next sweep if lost
             return self._promote(tx, self._now()) if tx.sweep_lock() else []
 
     def _promote(self, tx: Tx, now: int) -> list[str]:
@@ -1626,7 +1641,7 @@ class QueueService:
             The queues that got jobs back as READY; ``[]`` when another server's sweep holds
             the sweep lock.
         """
-        with self.driver.write() as tx:
+        with self.driver.write(durable=False) as tx:  # redone by the next sweep if lost
             return self._expire(tx, self._read()) if tx.sweep_lock() else []
 
     def _sweep(self, tx: Tx, at: Reading) -> list[str]:
@@ -1651,7 +1666,9 @@ class QueueService:
             The queues that got READY jobs (``[]`` when another server is sweeping), and the
             rate-limited queues whose next token has come since a claim here found none.
         """
-        with self.driver.write() as tx:
+        # Lease bookkeeping, as a claim's own sweep: a sweep an OS crash takes back is done
+        # again by the next one (or by recovery), so its COMMIT does not wait for the disk.
+        with self.driver.write(durable=False) as tx:
             self.driver.after_commit(self.maintain)
             at = self._read()
             queues = self._sweep(tx, at)

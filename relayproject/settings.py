@@ -118,6 +118,9 @@ TEMPLATES = [
 RELAY_DB = _env("RELAY_DB", str(WORK_DIR / "relay.db"))
 RELAY_SQLITE_SYNCHRONOUS = _env("RELAY_SQLITE_SYNCHRONOUS", "FULL").upper()
 RELAY_BUSY_TIMEOUT_MS = _env_int("RELAY_BUSY_TIMEOUT_MS", 5000)
+# Leases (claims, sweeps) commit without waiting for the disk unless this is 1: an OS crash or
+# power loss may take back the leases since the last durable commit (docs/design-decisions.md).
+RELAY_DURABLE_LEASES = _env("RELAY_DURABLE_LEASES", "0") == "1"
 # PostgreSQL instead, for several relay servers on one database:
 # RELAY_DATABASE_URL=postgresql://user[:password]@host[:port]/dbname (RELAY_DB is then unused).
 RELAY_DATABASE_URL = _env("RELAY_DATABASE_URL", "")

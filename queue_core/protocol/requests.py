@@ -276,7 +276,9 @@ class Requests:
                 started = loop.time()
                 try:
                     outcome: dispatch.Outcome = await self.db.write(
-                        lambda: verb.handler(self.service, args, ctx), claims=True
+                        lambda: verb.handler(self.service, args, ctx),
+                        claims=True,
+                        durable=relay_settings().durable_leases,
                     )
                 except BaseException:
                     self.budget.give(conn, frame)

@@ -291,7 +291,8 @@ class RelayServer:
                 continue  # re-read _reap_at: a kick may have moved it earlier
             self._reap_at = loop.time() + interval_s
             try:
-                queues, due_ms = await self._db.write(self._reap_once)
+                # Lease bookkeeping: the sweep need not wait for the disk (QueueService.sweep).
+                queues, due_ms = await self._db.write(self._reap_once, durable=False)
             except Exception as exc:  # noqa: BLE001 - the next pass tries again
                 limits.log_failure(self._failures, "reaper_failed", exc)
                 continue

@@ -9,6 +9,10 @@
   back only that call. The batch then COMMITs once, one fsync for all of them (SQLite at
   ``synchronous=FULL``; PostgreSQL at its ``synchronous_commit``), and only then are the
   callers' futures resolved. If the commit fails, every call in the batch gets that error.
+  A batch of lease bookkeeping only (claims, the reaper's sweeps: calls queued with
+  ``durable=False``) commits without waiting for the disk (``Driver.write``'s ``durable``;
+  docs/design-decisions.md, "Leases without their own fsync"); one other call in the batch
+  (an ack, a submit) makes the whole batch durable.
   With several writers, two calls in flight at once (from two connections, or pipelined on
   one) may commit in either order; with one, they commit in the order they were read.
 * Where the change feed cannot push (SQLite), the first writer polls it between batches (or
@@ -56,6 +60,7 @@ class Call:
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
     claims: bool = False  # a lease claim: its batch sweeps due jobs first
+    durable: bool = True  # False: lease bookkeeping only, its COMMIT need not wait for the disk
 
 
 def settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -208,14 +213,19 @@ class Writer(DbThread):
         outcomes: list[tuple[bool, Any]] = []
         ready: set[str] = set()
         try:
-            with self.service.transaction(savepoints=not flat):
+            # Lease bookkeeping alone need not wait for the disk; anything else in the batch
+            # makes it durable (SQLite decides before BEGIN, so the batch says it here).
+            durable = any(call.durable for call in batch)
+            with self.service.transaction(savepoints=not flat, durable=durable):
                 if any(call.claims for call in batch):
-                    swept, value = self._guarded(self.sweep, flat=flat)
+                    swept, value = self._guarded(self.sweep, flat=flat, durable=False)
                     if swept:
                         ready = value
                     else:
                         log.error("event=sweep_failed", exc_info=value)
-                outcomes = [self._guarded(call.fn, flat=flat) for call in batch]
+                outcomes = [
+                    self._guarded(call.fn, flat=flat, durable=call.durable) for call in batch
+                ]
             self.commits += 1
         except _Redo:
             raise
@@ -228,12 +238,17 @@ class Writer(DbThread):
             self.on_ready(ready)
         resolve_all(batch, outcomes)
 
-    def _guarded(self, fn: Callable[[], Any], *, flat: bool) -> tuple[bool, Any]:
+    def _guarded(
+        self, fn: Callable[[], Any], *, flat: bool, durable: bool = True
+    ) -> tuple[bool, Any]:
         """Run one call of a batch; return ``(True, result)`` or ``(False, exception)``.
 
         With savepoints it runs in its own and rolls back alone. Flat (no SAVEPOINT, two
         round trips saved per call), a call that fails without having changed a row on an
         intact transaction (a stale token, a bad argument) is set apart and the others go on.
+
+        ``durable``: the call's own (its SAVEPOINT says it; the service's write inside says
+        its own too).
 
         Raises:
             _Redo: flat, the call failed after writing or on a statement the database
@@ -241,7 +256,8 @@ class Writer(DbThread):
         """
         if not flat:
             try:
-                with self.service.transaction():  # a SAVEPOINT: it rolls back alone
+                # A SAVEPOINT: it rolls back alone.
+                with self.service.transaction(durable=durable):
                     return True, fn()
             except Exception as exc:  # noqa: BLE001 - re-raised in the caller
                 return False, exc
@@ -327,13 +343,18 @@ class Database:
         (event-loop thread: the future's loop is the running one)."""
         self.write_calls.put(Call(fn, future, future.get_loop()))
 
-    async def write(self, fn: Callable[[], Any], *, claims: bool = False) -> Any:
+    async def write(
+        self, fn: Callable[[], Any], *, claims: bool = False, durable: bool = True
+    ) -> Any:
         """Run ``fn`` on a writer thread, in the next group commit; return after COMMIT.
 
         Args:
             claims: ``fn`` is a lease claim (its batch sweeps due jobs first).
+            durable: False: ``fn`` is lease bookkeeping only (``QueueService.claim``,
+                ``sweep``), which may commit without waiting for the disk when the whole
+                batch is (``Writer._run``).
         """
-        return await self._call(self.write_calls, fn, claims=claims)
+        return await self._call(self.write_calls, fn, claims=claims, durable=durable)
 
     async def read(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in the reader pool."""
@@ -341,9 +362,13 @@ class Database:
 
     @staticmethod
     async def _call(
-        calls: queue.SimpleQueue[Any], fn: Callable[[], Any], *, claims: bool = False
+        calls: queue.SimpleQueue[Any],
+        fn: Callable[[], Any],
+        *,
+        claims: bool = False,
+        durable: bool = True,
     ) -> Any:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        calls.put(Call(fn, future, loop, claims))
+        calls.put(Call(fn, future, loop, claims, durable))
         return await future

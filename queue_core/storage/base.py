@@ -197,7 +197,9 @@ class Driver(Protocol):
     alias: str
     capabilities: Capabilities
 
-    def write(self, *, savepoints: bool = True) -> contextlib.AbstractContextManager[Tx]:
+    def write(
+        self, *, savepoints: bool = True, durable: bool = True
+    ) -> contextlib.AbstractContextManager[Tx]:
         """Open a write transaction; COMMIT on success, ROLLBACK on error.
 
         Nested on the same thread it is a SAVEPOINT, released on success and rolled back
@@ -209,6 +211,19 @@ class Driver(Protocol):
                 PostgreSQL): nested writes take none, and a nested call that fails is set
                 apart with ``mark()`` and ``forgive(mark)``, or the whole transaction is
                 rolled back.
+            durable: False: what this write changes is lease bookkeeping (a claim, a sweep)
+                that an OS crash or power loss may take back, so its COMMIT need not wait
+                for the disk (a crash of the process alone loses nothing: the operating
+                system still holds the write). The transaction commits without waiting only
+                when every write opened in it, outermost and nested, said False: one
+                durable write anywhere makes the whole transaction durable. Each later
+                durable commit makes the earlier ones durable too (the log is sequential),
+                so only the tail after the last durable commit can be lost
+                (docs/design-decisions.md, "Leases without their own fsync"). SQLite:
+                ``synchronous=NORMAL`` for the transaction (set before BEGIN, by the
+                outermost write; a nested durable write then syncs the log after COMMIT);
+                PostgreSQL: ``SET LOCAL synchronous_commit = off`` before COMMIT. Ignored
+                inside a caller's ``atomic()``: its transaction commits as configured.
         Raises:
             StoreBusy: the write could not start (or commit) within the retry budget.
         """

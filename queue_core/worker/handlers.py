@@ -3,7 +3,9 @@
 A handler is ``handler(payload, ctx) -> object``: it returns normally when the job is done
 (the worker acks it) and raises when it failed (the worker records a failure). Delivery is
 at-least-once, so a handler may run twice for one job and must make its effects idempotent;
-``ctx.attempt`` never decreases and can serve as a fencing epoch in the handler's own storage.
+``ctx.attempt`` never decreases and can serve as a fencing epoch in the handler's own storage
+(but for an OS crash or power loss, which may take back the latest leases and repeat their
+attempt numbers unless ``RELAY_DURABLE_LEASES`` is set: docs/design-decisions.md).
 
 Raise ``NonRetryableError`` for failures a retry cannot fix (the job goes straight to dead), and
 ``JobInterrupted`` to give the job back untouched when ``ctx.shutdown`` is set.
@@ -182,7 +184,8 @@ class JobContext:
     Attributes:
         job_id: the job's id.
         queue: the queue it was leased from.
-        attempt: delivery number, from 1; never decreases (a fencing epoch).
+        attempt: delivery number, from 1; never decreases (a fencing epoch; an OS crash
+            may repeat the latest ones: docs/design-decisions.md, decision 3).
         worker_id: the id this worker leases with.
         shutdown: set when the worker is stopping; long handlers should watch it and raise
             ``JobInterrupted`` (or finish quickly).

@@ -294,13 +294,19 @@ class PostgresDriver:
         self._feed_lock = threading.Lock()
 
     @contextlib.contextmanager
-    def write(self, *, savepoints: bool = True) -> Iterator[PostgresTx]:
+    def write(self, *, savepoints: bool = True, durable: bool = True) -> Iterator[PostgresTx]:
         """Open a write transaction (Django's ``atomic()``: BEGIN, or a SAVEPOINT when nested
         or inside the caller's ``atomic()``); see ``Driver.write``.
 
         Args:
             savepoints: False at the outermost level: no nested write takes a SAVEPOINT (the
                 TCP server's group commit; ``mark``/``forgive`` set a failed call apart).
+            durable: False (see ``Driver.write``): when no write of the transaction was
+                durable, ``SET LOCAL synchronous_commit = off`` runs just before its COMMIT
+                (one round trip; at the outermost level, outside any SAVEPOINT, so no
+                rollback undoes it): the COMMIT returns without waiting for the WAL flush,
+                which the WAL writer does within ``3 * wal_writer_delay`` (PostgreSQL's
+                asynchronous commit). The setting ends with the transaction.
         Raises:
             StoreBusy: deadlock, serialization failure or lock timeout, at a statement or at
                 COMMIT. Unavailable: the connection is lost.
@@ -314,6 +320,9 @@ class PostgresDriver:
             self._local.changed = 0
             self._local.flat = not savepoints
             self._local.depth = 0
+            self._local.durable = durable
+        elif durable:
+            self._local.durable = True
         self._local.depth = depth = getattr(self._local, "depth", 0) + 1
         # A SAVEPOINT costs two round trips. The first nesting level gets one (a call of the
         # TCP server's group commit, an item of an admin bulk action: each rolls back
@@ -326,13 +335,28 @@ class PostgresDriver:
                 transaction.atomic(using=self.alias, savepoint=savepoint),
                 conn.cursor() as cursor,
             ):
-                yield PostgresTx(cursor, self)
+                tx = PostgresTx(cursor, self)
+                yield tx
+                if outermost and not self._local.durable:
+                    self._relax_commit(conn, tx)
         except BaseException:
             # A savepoint that rolled back took its NOTIFY with it: send again if needed.
             self._local.notified = None
             raise
         finally:
             self._local.depth -= 1
+
+    @staticmethod
+    def _relax_commit(conn: Any, tx: PostgresTx) -> None:
+        """``SET LOCAL synchronous_commit = off`` in this transaction, unless it is to roll
+        back (Django's rollback mark) or ran no statement (psycopg sent no BEGIN: its COMMIT
+        writes nothing)."""
+        raw = conn.connection
+        if conn.needs_rollback or raw is None:
+            return
+        if raw.info.transaction_status != TransactionStatus.INTRANS:
+            return
+        tx.run("relax_commit")
 
     def mark(self) -> int:
         """Return how many statements changed rows in this thread's transaction so far."""

@@ -622,3 +622,10 @@ DELETE FROM relay_queue WHERE name = %(name)s;
 -- name: queue_take_tokens
 -- The token bucket after a claim started jobs. Params: name, tokens, at_ms.
 UPDATE relay_queue SET tokens = %(tokens)s, tokens_at_ms = %(at_ms)s WHERE name = %(name)s;
+
+-- name: relax_commit
+-- Let this transaction's COMMIT return before its WAL is flushed (asynchronous commit), for
+-- a transaction of lease bookkeeping only (Driver.write's durable=False); run last, outside
+-- any SAVEPOINT, and undone by the transaction's end. PostgreSQL only: SQLite sets its
+-- synchronous level per connection, before BEGIN. No params.
+SET LOCAL synchronous_commit = off;

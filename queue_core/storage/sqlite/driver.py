@@ -71,6 +71,7 @@ def named_style(sql: str) -> str:
 NAMED_QUERIES = {name: named_style(sql) for name, sql in QUERIES.items()}
 MAINTAIN_EVERY_S = 0.25  # how often maintain() looks at the write-ahead log's size
 MAX_CHECKPOINT_BACKOFF_S = 2.0  # the longest pause between checkpoints readers held up
+SYNCHRONOUS_NORMAL = 1  # PRAGMA synchronous: a commit appends to the log without an fsync
 
 
 def _is_busy(exc: BaseException) -> bool:
@@ -333,7 +334,7 @@ class SqliteTx(SqlTx):
 
     def _claim_if_fits(self, params: dict[str, Any], room: int) -> dict[str, Any] | None:
         try:
-            with self._driver.write() as sp:  # nested: a savepoint
+            with self._driver.write(durable=False) as sp:  # nested: a savepoint of the claim
                 row = sp.one("claim_by_id", params)
                 if row is not None and _size(row) + REPLY_OVERHEAD_BYTES > room:
                     raise _Overflow
@@ -467,7 +468,7 @@ class SqliteDriver:
         return False
 
     @contextlib.contextmanager
-    def write(self, *, savepoints: bool = True) -> Iterator[SqliteTx]:
+    def write(self, *, savepoints: bool = True, durable: bool = True) -> Iterator[SqliteTx]:
         """Open a write transaction: ``BEGIN IMMEDIATE`` ... ``COMMIT`` (ROLLBACK on error).
 
         Nested calls on the same thread become ``SAVEPOINT``s. Inside a caller's
@@ -479,12 +480,23 @@ class SqliteDriver:
 
         Args:
             savepoints: ignored: nested writes always take a SAVEPOINT on SQLite.
+            durable: False (see ``Driver.write``): SQLite fixes a connection's
+                ``synchronous`` level outside transactions only, so the outermost write
+                decides: False runs the transaction at ``synchronous=NORMAL`` (when the
+                connection is at FULL or EXTRA; restored after COMMIT), where the commit
+                appends to the write-ahead log without an fsync. A nested durable write in
+                such a transaction makes the driver ``fdatasync`` the log after COMMIT, as
+                FULL would have (``_sync_log``).
         Raises:
             StoreBusy: the write lock could not be had within the retry budget.
+            StorageIO: the log could not be synced after a relaxed transaction turned
+                durable (committed, but not known to be on disk).
         """
         conn = connections[self.alias]
         depth = self._depth()
         if depth:
+            if durable:
+                self._local.durable = True
             # Nested on this thread: a savepoint on the transaction's own cursor. A new Django
             # cursor per savepoint cost ~10 us, twice per request in the server's group commit
             # (docs/benchmarking.md).
@@ -500,49 +512,113 @@ class SqliteDriver:
                     transaction.on_commit(fn, using=self.alias)
                 self._local.after = []
                 return
-            self._begin_immediate(cursor)
-            self._local.depth = 1
-            # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
-            # the server's group commit opens two savepoints per request).
-            tx = self._local.tx = SqliteTx(cursor, self)
-            self._local.aborted = None
+            raw = conn.connection
+            level = self._synchronous(raw, durable)
+            self._local.durable = durable
             try:
-                yield tx
-            except BaseException as exc:
-                self._local.depth = 0
-                self._local.after = []
-                with contextlib.suppress(Exception):
-                    cursor.execute("ROLLBACK")
-                mapped = self._fault(exc)
-                if mapped is not None:
-                    raise mapped from exc
-                raise
-            try:
-                aborted = self._local.aborted
-                if aborted is not None and not conn.connection.in_transaction:
-                    raise aborted  # SQLite rolled the whole transaction back (see _savepoint)
-                self._check_file(conn)
-                cursor.execute("COMMIT")
-            except (DatabaseError, RelayError) as exc:
-                self._local.after = []
-                with contextlib.suppress(Exception):
-                    cursor.execute("ROLLBACK")
-                if isinstance(exc, RelayError):
-                    raise
-                if _is_busy(exc):
-                    raise StoreBusy() from exc
-                mapped = self._fault(exc)
-                if mapped is not None:
-                    raise mapped from exc
-                raise
+                yield from self._transaction(cursor, conn)
             finally:
-                self._local.depth = 0
-                self._local.tx = None
-                self._local.aborted = None
+                if level is not None:
+                    self._set_synchronous(raw, level)
+        if level is not None and self._local.durable:
+            self._sync_log()  # a durable write joined a relaxed transaction
         if self._faults.failing:
             self._faults.ok()
         callbacks, self._local.after = self._local.after, []
         run_callbacks(callbacks, log)
+
+    def _transaction(self, cursor: Any, conn: Any) -> Iterator[SqliteTx]:
+        """``BEGIN IMMEDIATE``, the body, ``COMMIT`` (``ROLLBACK`` and the mapped error when
+        either fails)."""
+        self._begin_immediate(cursor)
+        self._local.depth = 1
+        # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
+        # the server's group commit opens two savepoints per request).
+        tx = self._local.tx = SqliteTx(cursor, self)
+        self._local.aborted = None
+        try:
+            yield tx
+        except BaseException as exc:
+            self._local.depth = 0
+            self._local.after = []
+            with contextlib.suppress(Exception):
+                cursor.execute("ROLLBACK")
+            mapped = self._fault(exc)
+            if mapped is not None:
+                raise mapped from exc
+            raise
+        try:
+            aborted = self._local.aborted
+            if aborted is not None and not conn.connection.in_transaction:
+                raise aborted  # SQLite rolled the whole transaction back (see _savepoint)
+            self._check_file(conn)
+            cursor.execute("COMMIT")
+        except (DatabaseError, RelayError) as exc:
+            self._local.after = []
+            with contextlib.suppress(Exception):
+                cursor.execute("ROLLBACK")
+            if isinstance(exc, RelayError):
+                raise
+            if _is_busy(exc):
+                raise StoreBusy() from exc
+            mapped = self._fault(exc)
+            if mapped is not None:
+                raise mapped from exc
+            raise
+        finally:
+            self._local.depth = 0
+            self._local.tx = None
+            self._local.aborted = None
+
+    def _synchronous(self, raw: sqlite3.Connection, durable: bool) -> int | None:
+        """Before BEGIN: put the connection at the level this transaction needs.
+
+        A level a failed restore left behind (``_set_synchronous``) is put back first.
+        Returns the level to restore after the transaction (the connection's own), or None
+        when nothing changed: a durable transaction, or a connection at NORMAL or OFF
+        already (``synchronous``: 0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA)."""
+        pending = getattr(self._local, "restore", None)
+        if pending is not None:
+            self._local.restore = None
+            if pending[0] is raw:
+                self._set_synchronous(raw, pending[1])
+        if durable:
+            return None
+        level = int(raw.execute("PRAGMA synchronous").fetchone()[0])
+        if level <= SYNCHRONOUS_NORMAL:
+            return None
+        raw.execute(f"PRAGMA synchronous={SYNCHRONOUS_NORMAL}")
+        return level
+
+    def _set_synchronous(self, raw: sqlite3.Connection, level: int) -> None:
+        """Set the connection's ``synchronous`` level outside a transaction; if that fails
+        (a ROLLBACK that failed left one open), the next ``write`` tries again first."""
+        try:
+            raw.execute(f"PRAGMA synchronous={int(level)}")
+        except sqlite3.Error:
+            self._local.restore = (raw, level)
+
+    def _sync_log(self) -> None:
+        """``fdatasync`` the write-ahead log, as ``synchronous=FULL`` does at COMMIT: every
+        frame appended so far, this transaction's included, is then on disk.
+
+        Raises:
+            StorageIO: the sync failed.
+        """
+        path = f"{self._path()}-wal"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            err = StorageIO(
+                f"the write-ahead log could not be synced after a commit ({exc.strerror}); "
+                "it may not survive a power loss"
+            )
+            self._faults.fault(err, exc)
+            raise err from exc
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` once this thread's write transaction has committed (see ``Driver``).
