@@ -126,6 +126,7 @@ def renew(request: HttpRequest, job_id: str, body: RenewIn) -> dict[str, Any]:
 @router.post(
     "/jobs/{job_id}/ack",
     response={200: AckOut, **ERRORS},
+    exclude_unset=True,  # "next" only when lease_next asked for it
     auth=ApiKey("ack"),
     summary="Acknowledge a leased job",
 )
@@ -160,6 +161,7 @@ def ack_batch(request: HttpRequest, body: AckBatchIn) -> dict[str, Any]:
 @router.post(
     "/jobs/{job_id}/fail",
     response={200: FailOut, **ERRORS},
+    exclude_unset=True,  # "next" only when lease_next asked for it
     auth=ApiKey("fail"),
     summary="Report a failed attempt",
 )
