@@ -1473,7 +1473,7 @@ class QueueService:
                 raise InvalidArgument(f"{field}: unknown argument", field=field, index=index)
         spec = None
         if lease_next is not None:
-            spec = self._next_claim(lease_next, acks[0].get("worker_id"))
+            spec = self._next_claim(lease_next, acks[0].get("worker_id"))  # type: ignore[arg-type]
         results: list[dict[str, Any]] = []
         with self.driver.write():
             for item in acks:

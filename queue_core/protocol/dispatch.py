@@ -194,7 +194,9 @@ def _ack(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
         result=args.get("result"),
         lease_next=args.get("lease_next"),
     )
-    events = () if out["duplicate"] else (metrics.Event("acked", _queue(out)),)
+    events: tuple[metrics.Event, ...] = ()
+    if not out["duplicate"]:
+        events = (metrics.Event("acked", _queue(out)),)
     result = {k: out[k] for k in ("job_id", "state", "duplicate")}
     events += _next(svc, out, result)
     return Outcome(result, _freed(svc, out), events=events)
