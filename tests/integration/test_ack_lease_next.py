@@ -152,3 +152,36 @@ def test_relay_worker_drains_a_queue_mostly_through_its_acks(
     assert stopped["leased_next"] == jobs - via_lease
     assert stopped["leased_next"] >= jobs // 2, stopped
     assert relay_db.rows("SELECT count(*) FROM relay_job WHERE state = 'succeeded'") == [(jobs,)]
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True, databases=DATABASES)
+def test_ack_batch_and_lease_next_in_the_servers_group_commit(
+    spawn: Spawner, relay_db: RelayDb
+) -> None:
+    """On PostgreSQL the group commit runs flat (no SAVEPOINT per call): a refused ack in a
+    batch is set apart without undoing the others there too."""
+    _, port = spawn.server()
+    with RelayClient(f"127.0.0.1:{port}") as client:
+        client.submit_batch([{"queue": "gc", "payload": n} for n in range(6)])
+        a, b, c = client.lease(["gc"], worker_id="w", max_jobs=3)
+        out = client.ack_batch(
+            [
+                ack_args(a, "w"),
+                {**ack_args(b, "w"), "lease_token": "stale"},
+                ack_args(c, "w", result={"c": 1}),
+                {**ack_args(b, "w"), "worker_id": "other"},
+            ],
+            lease_next={"queues": ["gc"], "max_jobs": 2},
+        )
+        assert [r["ok"] for r in out["results"]] == [True, False, True, False]
+        assert [r["error"]["code"] for r in out["results"] if r["error"]] == ["STALE_TOKEN"] * 2
+        assert len(out["next"]) == 2
+        d, e = out["next"]
+        acked = client.ack(**ack_args(d, "w"), lease_next={"queues": ["gc"], "max_jobs": 5})
+        assert len(acked["next"]) == 1  # the last ready one
+        failed = client.fail(**ack_args(e, "w"), error="boom", lease_next={"queues": ["gc"]})
+        assert failed["state"] == "retrying" and failed["next"] == []
+        assert client.result(c["job_id"])["return_value"] == {"c": 1}
+    states = dict(relay_db.rows("SELECT state, count(*) FROM relay_job GROUP BY state"))
+    assert states == {"succeeded": 3, "leased": 2, "retrying": 1}
