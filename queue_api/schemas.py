@@ -212,6 +212,9 @@ LeasesOut = out(types.LeaseResult, "LeasesOut")
 RenewOut = out(types.RenewResult, "RenewOut")
 AckOut = out(types.AckResult, "AckOut")
 FailOut = out(types.FailResult, "FailOut")
+AckErrorOut = out(types.AckError, "AckErrorOut")
+AckBatchItemOut = out(types.AckBatchEntry, "AckBatchItemOut")
+AckBatchOut = out(types.AckBatchResult, "AckBatchOut")
 ReleaseOut = out(types.ReleaseResult, "ReleaseOut")
 PurgeOut = out(types.DeadPurgeResult, "PurgeOut")
 PruneOut = out(types.PruneResult, "PruneOut")
@@ -256,6 +259,21 @@ class LeaseIdsIn(_In):
     lease_token: str
 
 
+class LeaseNextIn(_In):
+    """``lease_next`` of an ack or fail: also lease up to ``max_jobs`` ready jobs in the same
+    commit, without waiting; the reply's ``next`` lists them."""
+
+    queues: list[str] = Field(..., description="1..RELAY_MAX_QUEUES_PER_LEASE queue names.")
+    max_jobs: int | None = Field(None, description="1..100 (default 1).")
+    lease_ms: int | None = Field(None, description="Lease length in ms (the visibility timeout).")
+    worker_id: str | None = Field(None, description="Default: the ack's worker id.")
+
+
+_LEASE_NEXT = Field(
+    None, description="Lease the next jobs in the same commit; the reply's next lists them."
+)
+
+
 class AckIn(LeaseIdsIn):
     """``POST /jobs/{job_id}/ack`` body."""
 
@@ -265,6 +283,21 @@ class AckIn(LeaseIdsIn):
         "(64 KiB) as compact JSON, stored with the job (GET /jobs/{job_id}/result); null or "
         "absent stores nothing.",
     )
+    lease_next: LeaseNextIn | None = _LEASE_NEXT
+
+
+class AckItemIn(LeaseIdsIn):
+    """One ack of ``POST /acks`` (``ack``'s arguments)."""
+
+    job_id: str
+    result: Any = Field(None, description="As the ack's result.")
+
+
+class AckBatchIn(_In):
+    """``POST /acks``: several acks (1..100) in one commit, each fenced by its own token."""
+
+    acks: list[AckItemIn] = Field(..., min_length=1, max_length=100)
+    lease_next: LeaseNextIn | None = _LEASE_NEXT
 
 
 class RenewIn(LeaseIdsIn):
@@ -286,6 +319,7 @@ class FailIn(LeaseIdsIn):
     traceback: str | None = Field(
         None, description="Its traceback, at most RELAY_MAX_RESULT_BYTES UTF-8 bytes."
     )
+    lease_next: LeaseNextIn | None = _LEASE_NEXT
 
 
 # ---------------------------------------------------------------------- operators

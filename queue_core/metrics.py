@@ -62,6 +62,12 @@ JOBS_DEDUPLICATED = Counter(
     ["queue"],
 )
 JOBS_LEASED = Counter("relay_jobs_leased", "Jobs handed to workers by lease.", ["queue"])
+JOBS_LEASED_NEXT = Counter(
+    "relay_jobs_leased_next",
+    "Jobs handed out in the reply of an ack, fail or ack_batch (lease_next); also counted "
+    "in relay_jobs_leased.",
+    ["queue"],
+)
 JOBS_ACKED = Counter("relay_jobs_acked", "Leased jobs acknowledged as done.", ["queue"])
 JOBS_FAILED = Counter(
     "relay_jobs_failed", "Attempts reported failed by workers (retried or dead).", ["queue"]
@@ -125,6 +131,7 @@ _COUNTERS: dict[str, Counter] = {
     "submitted": JOBS_SUBMITTED,
     "deduplicated": JOBS_DEDUPLICATED,
     "leased": JOBS_LEASED,
+    "leased_next": JOBS_LEASED_NEXT,
     "acked": JOBS_ACKED,
     "failed": JOBS_FAILED,
     "dead": JOBS_DEAD,

@@ -39,6 +39,7 @@ from queue_core.errors import (
     JobFinished,
     JobNotFound,
     LeaseExpired,
+    RelayError,
     StaleToken,
     StoreBusy,
 )
@@ -60,6 +61,7 @@ log = logging.getLogger("relay.service")
 
 # The names a job's options may have (the op catalogue declares them with their wire types).
 SUBMIT_OPTIONS = frozenset(ops.SUBMIT_OPTIONS)
+MAX_BATCH_ACKS = 100  # acks in one ack_batch (the most jobs one lease hands out)
 SWEEP_LIMIT = 500
 # Inserts of a keyed job tried while other transactions bind and free its key (unique: "active").
 KEYED_INSERT_TRIES = 3
@@ -1265,10 +1267,64 @@ class QueueService:
         limit = lease["time_limit_ms"]
         return limit is not None and now >= lease["leased_at_ms"] + limit
 
-    def ack(
-        self, job_id: str, *, worker_id: str, lease_token: str, result: Any = None
+    def _next_claim(self, lease_next: Any, worker_id: str) -> dict[str, Any]:
+        """Check a ``lease_next`` object before anything changes; return ``claim``'s kwargs.
+
+        Args:
+            lease_next: ``{"queues": [...], "max_jobs": 1..RELAY_MAX_JOBS_PER_LEASE (1),
+                "lease_ms": ms (the visibility timeout), "worker_id": str (the ack's)}``.
+            worker_id: the ack's worker id (the default).
+        Raises:
+            InvalidArgument: a bad field, named ``lease_next.<field>``.
+        """
+        if not isinstance(lease_next, Mapping):
+            raise InvalidArgument("lease_next: must be an object", field="lease_next")
+        lease_next = {k: val for k, val in lease_next.items() if val is not None}
+        allowed = {"queues", "max_jobs", "lease_ms", "worker_id"}
+        unknown = sorted(set(lease_next) - allowed)
+        if unknown:
+            field = f"lease_next.{unknown[0]}"
+            raise InvalidArgument(f"{field}: unknown argument", field=field)
+        s = self.settings
+        try:
+            return {
+                "queues": v.queue_list(lease_next.get("queues"), s),
+                "worker_id": v.worker_id(lease_next.get("worker_id") or worker_id),
+                "max_jobs": v.integer(
+                    "max_jobs", lease_next.get("max_jobs", 1), lo=1, hi=s.max_jobs_per_lease
+                ),
+                "lease_ms": v.lease_ms(lease_next.get("lease_ms"), s),
+            }
+        except InvalidArgument as exc:
+            field = f"lease_next.{exc.details.get('field', '')}".rstrip(".")
+            exc.details["field"] = field
+            exc.message = f"lease_next.{exc.message}"
+            exc.args = (exc.message,)
+            raise
+
+    def _then_lease(
+        self, end: Callable[[], dict[str, Any]], lease_next: Any, worker_id: str
     ) -> dict[str, Any]:
-        """Mark a leased job done (LEASED -> SUCCEEDED).
+        """Run ``end`` (an ack or fail), then ``claim`` as ``lease_next`` asks, in ONE
+        transaction: the reply carries ``next`` (the leases; empty when nothing is ready:
+        no long-poll). A refused ack or fail leases nothing."""
+        spec = self._next_claim(lease_next, worker_id)
+        with self.driver.write():
+            out = end()
+            out["next"] = self.claim(**spec)
+        return out
+
+    def ack(
+        self,
+        job_id: str,
+        *,
+        worker_id: str,
+        lease_token: str,
+        result: Any = None,
+        lease_next: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Mark a leased job done (LEASED -> SUCCEEDED), and optionally lease the worker's next
+        jobs in the same transaction (``lease_next``).
 
         Repeating an ack with the token of an attempt that already succeeded answers success
         again with ``duplicate: true`` (a worker whose reply was lost may retry); a repeat
@@ -1280,14 +1336,31 @@ class QueueService:
                 read by ``result``). None stores nothing (JSON ``null`` cannot be told from
                 "no result" on the wire). Celery's result backend stores a task's return
                 value the same way, beside its state.
+            lease_next: ``{"queues", "max_jobs", "lease_ms", "worker_id"}`` (see
+                ``_next_claim``): after the ack, ``claim`` as ``lease`` would (queue pauses,
+                caps and rates apply), without waiting. One round trip and one commit per
+                job for a busy worker instead of two (SQS's ``ReceiveMessage`` after
+                ``DeleteMessageBatch`` is two; Faktory's ``ACK`` then ``FETCH`` too). A repeated
+                ack leases as well (its first reply may have been lost with its leases,
+                which then expire).
         Returns:
             ``{"job_id", "state": "succeeded", "queue", "duplicate": false}``, or
-            ``{"job_id", "state": "succeeded", "duplicate": true}`` for a repeat.
+            ``{"job_id", "state": "succeeded", "duplicate": true}`` for a repeat; with
+            ``lease_next``, plus ``"next": [Lease, ...]``.
         Raises:
             InvalidArgument (also for a result JSON cannot carry faithfully: NaN, ±Infinity,
-            lone surrogates), FrameTooLarge (a result over ``RELAY_MAX_RESULT_BYTES``; nothing
-            changed, the lease is still held), JobNotFound, StaleToken, LeaseExpired, StoreBusy.
+            lone surrogates; ``lease_next.<field>``), FrameTooLarge (a result over
+            ``RELAY_MAX_RESULT_BYTES``; nothing changed, the lease is still held),
+            JobNotFound, StaleToken, LeaseExpired, StoreBusy: nothing is leased then.
         """
+        if lease_next is not None:
+            return self._then_lease(
+                lambda: self.ack(
+                    job_id, worker_id=worker_id, lease_token=lease_token, result=result
+                ),
+                lease_next,
+                worker_id,
+            )
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
         stored = None if result is None else v.result(result, self.settings)
@@ -1322,8 +1395,10 @@ class QueueService:
         retryable: bool = True,
         exception_class: str | None = None,
         traceback: str | None = None,
+        lease_next: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Record a failed attempt (LEASED -> RETRYING, or LEASED -> DEAD).
+        """Record a failed attempt (LEASED -> RETRYING, or LEASED -> DEAD), and optionally
+        lease the worker's next jobs in the same transaction (``lease_next``, as ``ack``).
 
         Decide, then apply: ``retry.decide`` picks retry-at or dead-letter from the job's
         policy and failure count (Oban's executor outcomes), then one guarded UPDATE applies it.
@@ -1338,12 +1413,27 @@ class QueueService:
                 that fit ``RELAY_MAX_RESULT_BYTES`` (django-tasks' ``TaskError``).
             traceback: its formatted traceback, at most ``RELAY_MAX_RESULT_BYTES`` UTF-8
                 bytes (only stored with ``exception_class``; default ``""``).
+            lease_next: as ``ack``'s (a retry due at once may be leased straight back).
         Returns:
             ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``, plus ``queue``
-            when not a duplicate.
+            when not a duplicate; with ``lease_next``, plus ``"next": [Lease, ...]``.
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
+        if lease_next is not None:
+            return self._then_lease(
+                lambda: self.fail(
+                    job_id,
+                    worker_id=worker_id,
+                    lease_token=lease_token,
+                    error=error,
+                    retryable=retryable,
+                    exception_class=exception_class,
+                    traceback=traceback,
+                ),
+                lease_next,
+                worker_id,
+            )
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
         error = v.error_text(error, self.settings)
@@ -1371,6 +1461,79 @@ class QueueService:
                 }
                 self._store_error(tx, job_id, entry, now)
             return out
+
+    def ack_batch(
+        self, acks: list[Mapping[str, Any]], *, lease_next: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Acknowledge several leased jobs in one transaction, each fenced by its own token
+        (LEASED -> SUCCEEDED each), and optionally lease the next jobs in it too.
+
+        Each ack is its own SAVEPOINT where the driver takes one (SQLite always; PostgreSQL
+        outside the server's group commit, and inside it an ack refused before it changed a
+        row is set apart with ``mark``/``forgive``): one stale token refuses that ack only
+        (the group commit's rule; SQS's ``DeleteMessageBatch`` answers per entry too).
+
+        Args:
+            acks: 1..100 ``{"job_id", "worker_id", "lease_token", "result"?}`` (``ack``'s
+                arguments).
+            lease_next: as ``ack``'s; its ``worker_id`` defaults to the first ack's.
+        Returns:
+            ``{"results": [{"job_id", "ok", "state", "duplicate", "error"}, ...], "next"}``
+            in input order: ``ok`` with ``state`` ``"succeeded"`` and ``duplicate``, or not
+            ``ok`` with ``error`` ``{"code", "message", "retryable"}``; ``queue`` too on a
+            first ack (for the metrics). ``next`` is ``[]`` without ``lease_next``.
+        Raises:
+            InvalidArgument (``acks`` is not a list of 1..100 objects, ``lease_next``),
+            StoreBusy: nothing changed.
+        """
+        if not isinstance(acks, list) or not 1 <= len(acks) <= MAX_BATCH_ACKS:
+            raise InvalidArgument(
+                f"acks: must be a list of 1 to {MAX_BATCH_ACKS} acks", field="acks"
+            )
+        allowed = {"job_id", "worker_id", "lease_token", "result"}
+        for index, item in enumerate(acks):
+            if not isinstance(item, Mapping):
+                raise InvalidArgument(f"acks[{index}]: must be an object", index=index)
+            unknown = sorted(set(item) - allowed)
+            if unknown:
+                field = f"acks[{index}].{unknown[0]}"
+                raise InvalidArgument(f"{field}: unknown argument", field=field, index=index)
+        spec = None
+        if lease_next is not None:
+            spec = self._next_claim(lease_next, acks[0].get("worker_id"))  # type: ignore[arg-type]
+        results: list[dict[str, Any]] = []
+        with self.driver.write():
+            for item in acks:
+                mark = self.mark()
+                try:
+                    out = self.ack(
+                        item.get("job_id"),  # type: ignore[arg-type]
+                        worker_id=item.get("worker_id"),  # type: ignore[arg-type]
+                        lease_token=item.get("lease_token"),  # type: ignore[arg-type]
+                        result=item.get("result"),
+                    )
+                except RelayError as exc:
+                    # Refused before it changed a row: its savepoint (or, flat, nothing) is
+                    # undone and the others go on; anything else fails the whole batch.
+                    if not (self.capabilities.single_writer or self.forgive(mark)):
+                        raise
+                    results.append(
+                        {
+                            "job_id": str(item.get("job_id")),
+                            "ok": False,
+                            "state": None,
+                            "duplicate": None,
+                            "error": {
+                                "code": exc.code,
+                                "message": exc.message,
+                                "retryable": exc.retryable,
+                            },
+                        }
+                    )
+                    continue
+                results.append({**out, "ok": True, "error": None})
+            leases = self.claim(**spec) if spec is not None else []
+        return {"results": results, "next": leases}
 
     def _end_lease(
         self,

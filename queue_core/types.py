@@ -13,6 +13,9 @@ tells ``NotRequired`` keys apart, as ``queue_api.schemas`` needs.
 from typing import Any, Literal, NotRequired, TypedDict
 
 __all__ = [
+    "AckBatchEntry",
+    "AckBatchResult",
+    "AckError",
     "AckResult",
     "Attempt",
     "BatchEntry",
@@ -187,11 +190,39 @@ class RenewResult(TypedDict):
 
 
 class AckResult(TypedDict):
-    """``ack``; ``duplicate`` is true for a repeated ack of the same attempt."""
+    """``ack``; ``duplicate`` is true for a repeated ack of the same attempt; ``next`` (only
+    when the ack asked for ``lease_next``) the jobs leased in the same commit."""
 
     job_id: str
     state: Literal["succeeded"]
     duplicate: bool
+    next: NotRequired[list[Lease]]
+
+
+class AckError(TypedDict):
+    """Why one ack of an ``ack_batch`` was refused (``STALE_TOKEN``, ``LEASE_EXPIRED``...)."""
+
+    code: str
+    message: str
+    retryable: bool
+
+
+class AckBatchEntry(TypedDict):
+    """One ack of an ``ack_batch``: ``ok`` with ``state`` and ``duplicate``, or ``error``."""
+
+    job_id: str
+    ok: bool
+    state: Literal["succeeded"] | None
+    duplicate: bool | None
+    error: AckError | None
+
+
+class AckBatchResult(TypedDict):
+    """``ack_batch``: one entry per ack, in order, and the jobs leased by ``lease_next``
+    (``[]`` without it, or when nothing was ready)."""
+
+    results: list[AckBatchEntry]
+    next: list[Lease]
 
 
 class FailResult(TypedDict):
@@ -203,6 +234,7 @@ class FailResult(TypedDict):
     retry_at_ms: int | None
     dead_reason: str | None
     duplicate: bool
+    next: NotRequired[list[Lease]]
 
 
 class ReleaseResult(TypedDict):

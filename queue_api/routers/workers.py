@@ -28,6 +28,8 @@ from ninja import Router
 from queue_api import calls, pool
 from queue_api.routers._common import ERRORS
 from queue_api.schemas import (
+    AckBatchIn,
+    AckBatchOut,
     AckIn,
     AckOut,
     FailIn,
@@ -100,7 +102,14 @@ def _claim(
 
 
 def _lease_op(request: HttpRequest, op: str, job_id: str, body: Any) -> dict[str, Any]:
-    return calls.run(request, op, {"job_id": job_id, **body.dict()})
+    args = {"job_id": job_id, **body.dict()}
+    if args.get("lease_next") is not None:
+        args["lease_next"] = _without_nulls(args["lease_next"])
+    return calls.run(request, op, args)
+
+
+def _without_nulls(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: val for k, val in fields.items() if val is not None}
 
 
 @router.post(
@@ -117,6 +126,7 @@ def renew(request: HttpRequest, job_id: str, body: RenewIn) -> dict[str, Any]:
 @router.post(
     "/jobs/{job_id}/ack",
     response={200: AckOut, **ERRORS},
+    exclude_unset=True,  # "next" only when lease_next asked for it
     auth=ApiKey("ack"),
     summary="Acknowledge a leased job",
 )
@@ -124,13 +134,34 @@ def ack(request: HttpRequest, job_id: str, body: AckIn) -> dict[str, Any]:
     """Mark a leased job done (leased -> succeeded); a repeat answers ``duplicate: true``.
 
     A ``result`` is stored with the job (413 ``FRAME_TOO_LARGE`` over
-    ``RELAY_MAX_RESULT_BYTES``: nothing changed, the lease is still held)."""
+    ``RELAY_MAX_RESULT_BYTES``: nothing changed, the lease is still held). With
+    ``lease_next`` the reply's ``next`` lists jobs leased in the same commit (no wait)."""
     return _lease_op(request, "ack", job_id, body)
+
+
+@router.post(
+    "/acks",
+    response={200: AckBatchOut, **ERRORS},
+    auth=ApiKey("ack_batch"),
+    summary="Acknowledge several leased jobs",
+)
+def ack_batch(request: HttpRequest, body: AckBatchIn) -> dict[str, Any]:
+    """Acknowledge 1..100 leased jobs in one commit, each fenced by its own token; each
+    ack's outcome is its own (``results``: ``ok``, or ``error`` such as ``STALE_TOKEN``),
+    and ``lease_next`` leases the next jobs in the same commit (``next``)."""
+    args: dict[str, Any] = {
+        "acks": [_without_nulls(ack) for ack in body.dict()["acks"]],
+        "lease_next": None,
+    }
+    if body.lease_next is not None:
+        args["lease_next"] = _without_nulls(body.lease_next.dict())
+    return calls.run(request, "ack_batch", args)
 
 
 @router.post(
     "/jobs/{job_id}/fail",
     response={200: FailOut, **ERRORS},
+    exclude_unset=True,  # "next" only when lease_next asked for it
     auth=ApiKey("fail"),
     summary="Report a failed attempt",
 )

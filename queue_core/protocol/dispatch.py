@@ -133,18 +133,38 @@ def _lease(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
         max_jobs=args.get("max_jobs", 1),
         lease_ms=args.get("lease_ms"),
     )
+    # Nothing leased and a queue out of rate tokens: when its next one comes (the server's
+    # reaper wakes its long-polls then; ``QueueService.sweep``).
+    due = None if leases else svc.next_token_ms(args["queues"])
+    return Outcome({"jobs": leases}, due_at_ms=due, events=_leased(svc, leases))
+
+
+def _leased(
+    svc: QueueService, leases: list[dict[str, Any]], *, with_ack: bool = False
+) -> tuple[metrics.Event, ...]:
+    """The metrics of jobs just leased (by ``lease``, or ``with_ack``: by ``lease_next``)."""
     events: list[metrics.Event] = []
     if leases:
         now = svc.clock.now_ms()
         for lease in leases:
             events.append(metrics.Event("leased", lease["queue"]))
+            if with_ack:
+                events.append(metrics.Event("leased_next", lease["queue"]))
             if lease["attempt"] == 1:
                 delay_s = (now - lease["created_at_ms"]) / 1000
                 events.append(metrics.Event("start_delay", lease["queue"], delay_s))
-    # Nothing leased and a queue out of rate tokens: when its next one comes (the server's
-    # reaper wakes its long-polls then; ``QueueService.sweep``).
-    due = None if leases else svc.next_token_ms(args["queues"])
-    return Outcome({"jobs": leases}, due_at_ms=due, events=tuple(events))
+    return tuple(events)
+
+
+def _next(
+    svc: QueueService, out: Mapping[str, Any], result: dict[str, Any]
+) -> tuple[metrics.Event, ...]:
+    """Copy an ack's or fail's ``next`` leases (asked for with ``lease_next``) into its wire
+    result; return their metrics."""
+    if "next" not in out:
+        return ()
+    result["next"] = out["next"]
+    return _leased(svc, out["next"], with_ack=True)
 
 
 def _lease_ids(args: Mapping[str, Any]) -> dict[str, Any]:
@@ -168,10 +188,33 @@ def _renew(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 
 
 def _ack(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
-    out = svc.ack(args["job_id"], **_lease_ids(args), result=args.get("result"))
-    events = () if out["duplicate"] else (metrics.Event("acked", _queue(out)),)
+    out = svc.ack(
+        args["job_id"],
+        **_lease_ids(args),
+        result=args.get("result"),
+        lease_next=args.get("lease_next"),
+    )
+    events: tuple[metrics.Event, ...] = ()
+    if not out["duplicate"]:
+        events = (metrics.Event("acked", _queue(out)),)
+    result = {k: out[k] for k in ("job_id", "state", "duplicate")}
+    events += _next(svc, out, result)
+    return Outcome(result, _freed(svc, out), events=events)
+
+
+def _ack_batch(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    out = svc.ack_batch(args["acks"], lease_next=args.get("lease_next"))
+    events: list[metrics.Event] = []
+    freed: set[str] = set()
+    results = []
+    for entry in out["results"]:
+        if entry["ok"] and not entry["duplicate"]:
+            events.append(metrics.Event("acked", _queue(entry)))
+            freed |= _freed(svc, entry)
+        results.append({k: entry[k] for k in ("job_id", "ok", "state", "duplicate", "error")})
+    events.extend(_leased(svc, out["next"], with_ack=True))
     return Outcome(
-        {k: out[k] for k in ("job_id", "state", "duplicate")}, _freed(svc, out), events=events
+        {"results": results, "next": out["next"]}, frozenset(freed), events=tuple(events)
     )
 
 
@@ -198,6 +241,7 @@ def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
         retryable=args.get("retryable", True),
         exception_class=args.get("exception_class"),
         traceback=args.get("traceback"),
+        lease_next=args.get("lease_next"),
     )
     result = {k: out[k] for k in ("job_id", "state", "retry_at_ms", "dead_reason", "duplicate")}
     due = out["retry_at_ms"] if out["state"] == JobState.RETRYING else None
@@ -210,6 +254,7 @@ def _fail(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
             events = (metrics.Event("failed", queue),)
         if out["state"] == JobState.DEAD:
             events += (metrics.Event("dead", queue),)
+    events += _next(svc, out, result)
     return Outcome(result, _freed(svc, out), due_at_ms=due, events=events)
 
 
@@ -320,6 +365,7 @@ _HANDLERS: dict[str, Handler] = {
     "lease": _lease,
     "renew": _renew,
     "ack": _ack,
+    "ack_batch": _ack_batch,
     "fail": _fail,
     "release": _release,
     "inspect": _inspect,

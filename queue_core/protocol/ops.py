@@ -138,6 +138,16 @@ def _jobs(field: str, value: Any) -> list[dict[str, Any]]:
     return value
 
 
+def _acks(field: str, value: Any) -> list[dict[str, Any]]:
+    # Each ack's fields are checked by QueueService.ack_batch (it names ``acks[2].job_id``).
+    if not isinstance(value, list):
+        raise _bad(field, f"must be a list of ack objects, got {type(value).__name__}")
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise _bad(f"{field}[{index}]", "must be an object")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Arg:
     """One argument of an op: its type check and whether it must be present (non-null)."""
@@ -197,6 +207,9 @@ _LEASE_IDS = {
     "worker_id": Arg(_str, required=True),
     "lease_token": Arg(_str, required=True),
 }
+_LEASE_NEXT = {"lease_next": Arg(_object)}
+"""``{"queues", "max_jobs", "lease_ms", "worker_id"}``: lease in the same commit (fields
+checked by ``QueueService._next_claim``)."""
 _JOB_ID = {"job_id": Arg(_str, required=True)}
 _PAGE = {"queue": Arg(_str), "limit": Arg(_int), "after": Arg(_str)}
 
@@ -204,6 +217,16 @@ PRODUCER = frozenset({"producer"})
 WORKER = frozenset({"worker"})
 
 # ---------------------------------------------------------------------- calls and ops
+
+
+def _plain(lease_next: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """A ``lease_next`` as sent: a plain dict, its ``queues`` a list, None fields left out."""
+    if lease_next is None:
+        return None
+    out = {k: val for k, val in lease_next.items() if val is not None}
+    if isinstance(out.get("queues"), tuple):
+        out["queues"] = list(out["queues"])
+    return out
 
 
 def _required(schema: Mapping[str, Arg], name: str) -> bool:
@@ -561,10 +584,20 @@ class Ops:
         """
         return Call.of("renew", locals())
 
-    @op(Kind.WRITE, {**_LEASE_IDS, "result": Arg(_any)}, types.AckResult, scopes=WORKER)
+    @op(
+        Kind.WRITE,
+        {**_LEASE_IDS, "result": Arg(_any), **_LEASE_NEXT},
+        types.AckResult,
+        scopes=WORKER,
+    )
     @staticmethod
     def ack(
-        job_id: str, *, worker_id: str, lease_token: str, result: Any = None
+        job_id: str,
+        *,
+        worker_id: str,
+        lease_token: str,
+        result: Any = None,
+        lease_next: Mapping[str, Any] | None = None,
     ) -> Call[types.AckResult]:
         """Mark a leased job as done (leased -> succeeded). Safe to repeat.
 
@@ -573,14 +606,47 @@ class Ops:
             result: the handler's result, any JSON value of at most
                 ``RELAY_MAX_RESULT_BYTES`` (64 KiB) as compact JSON, stored with the job
                 (``result`` reads it back); None stores nothing. A repeat stores nothing.
+            lease_next: ``{"queues": [...], "max_jobs": 1..100 (1), "lease_ms": ms,
+                "worker_id": str (this ack's)}``: also lease up to ``max_jobs`` ready jobs
+                in the same commit, without waiting (a draining server leases none).
         Returns:
-            ``{"job_id", "state": "succeeded", "duplicate": bool}``.
+            ``{"job_id", "state": "succeeded", "duplicate": bool}``, plus ``"next": [Lease,
+            ...]`` (possibly empty) with ``lease_next``.
         Raises:
             JobNotFound, StaleToken, LeaseExpired, StoreBusy, RelayConnectionError;
             FrameTooLarge (a result over the limit) or InvalidArgument (NaN, ±Infinity, a
             lone surrogate in it): nothing changed, the lease is still held.
         """
-        return Call.of("ack", locals())
+        return Call.of("ack", {**locals(), "lease_next": _plain(lease_next)})
+
+    @op(
+        Kind.WRITE,
+        {"acks": Arg(_acks, required=True), **_LEASE_NEXT},
+        types.AckBatchResult,
+        scopes=WORKER,
+    )
+    @staticmethod
+    def ack_batch(
+        acks: Sequence[Mapping[str, Any]], *, lease_next: Mapping[str, Any] | None = None
+    ) -> Call[types.AckBatchResult]:
+        """Acknowledge several leased jobs in one commit, each fenced by its own token.
+
+        Args:
+            acks: 1..100 ``{"job_id", "worker_id", "lease_token", "result"?}`` (``ack``'s
+                arguments).
+            lease_next: as ``ack``'s; its ``worker_id`` defaults to the first ack's.
+        Returns:
+            ``{"results": [{"job_id", "ok", "state", "duplicate", "error"}, ...], "next":
+            [Lease, ...]}``: one entry per ack, in order; a refused ack (``error``: ``{"code",
+            "message", "retryable"}``) does not undo the others.
+        Raises:
+            InvalidArgument (not a list of 1..100 ack objects; ``lease_next``), StoreBusy,
+            RelayConnectionError (repeat it: acks are safe to repeat).
+        """
+        return Call.of(
+            "ack_batch",
+            {"acks": [dict(a) for a in acks], "lease_next": _plain(lease_next)},
+        )
 
     @op(
         Kind.WRITE,
@@ -590,6 +656,7 @@ class Ops:
             "retryable": Arg(_bool),
             "exception_class": Arg(_str),
             "traceback": Arg(_str),
+            **_LEASE_NEXT,
         },
         types.FailResult,
         scopes=WORKER,
@@ -605,6 +672,7 @@ class Ops:
         retryable: bool = True,
         exception_class: str | None = None,
         traceback: str | None = None,
+        lease_next: Mapping[str, Any] | None = None,
     ) -> Call[types.FailResult]:
         """Record a failed attempt (leased -> retrying, or -> dead). Safe to repeat.
 
@@ -616,14 +684,16 @@ class Ops:
                 characters); given, the error joins the job's stored errors (``result``).
             traceback: its formatted traceback, at most ``RELAY_MAX_RESULT_BYTES`` UTF-8
                 bytes (stored only with ``exception_class``).
+            lease_next: as ``ack``'s.
         Returns:
             ``{"job_id", "state", "retry_at_ms", "dead_reason", "duplicate"}``; ``state`` is
-            ``"cancelled"`` when a cancel had been asked for.
+            ``"cancelled"`` when a cancel had been asked for; plus ``"next"`` with
+            ``lease_next``.
         Raises:
             JobNotFound, StaleToken, LeaseExpired, InvalidArgument, StoreBusy,
             RelayConnectionError.
         """
-        return Call.of("fail", locals())
+        return Call.of("fail", {**locals(), "lease_next": _plain(lease_next)})
 
     @op(Kind.WRITE, _LEASE_IDS, types.ReleaseResult, scopes=WORKER, readying=True)
     @staticmethod

@@ -101,7 +101,13 @@ class Requests:
         except errors.RelayError as exc:  # refused here (counted and logged once), answered below
             future.set_exception(exc)
         else:
-            self.db.put_write(functools.partial(verb.handler, self.service, args, ctx), future)
+            handler: Callable[[], dispatch.Outcome]
+            handler = functools.partial(verb.handler, self.service, args, ctx)
+            leases_next = "lease_next" in args
+            if leases_next:
+                handler = functools.partial(self._unless_draining, verb, args, ctx)
+            # With lease_next the batch sweeps first, as a lease's does (whom to wake).
+            self.db.put_write(handler, future, claims=leases_next)
         future.add_done_callback(functools.partial(self.answer_write, conn, request))
         conn.tasks.add(future)
         future.add_done_callback(conn.tasks.discard)
@@ -132,12 +138,61 @@ class Requests:
                 outcome: dispatch.Outcome = future.result()
                 self.apply(outcome)
                 metrics.record(outcome.events)  # committed by now
+                leases = outcome.result.get("next")
+                if leases:
+                    self.answer_with_leases(conn, request, outcome.result, leases)
+                    return
                 line = reply_line(request, outcome.result)
             else:
                 line = error_line(request, exc)
         except Exception as failure:  # noqa: BLE001 - still answer, and free the slot
             line = error_line(request, failure)
         conn.reply_soon(line)
+
+    def _unless_draining(
+        self, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context
+    ) -> dispatch.Outcome:
+        """Writer thread: run an ack, fail or ack_batch with ``lease_next``; once the server
+        drains (read as the call runs) it hands out no new leases: the ack or fail itself goes
+        on and answers ``"next": []``."""
+        if not self.draining:
+            return verb.handler(self.service, args, ctx)
+        rest = {k: val for k, val in args.items() if k != "lease_next"}
+        outcome = verb.handler(self.service, rest, ctx)
+        outcome.result["next"] = []
+        return outcome
+
+    def answer_with_leases(
+        self,
+        conn: Conn,
+        request: codec.Request,
+        result: dict[str, Any],
+        leases: list[dict[str, Any]],
+    ) -> None:
+        """Answer an ack, fail or ack_batch whose ``lease_next`` leased jobs; when the reply
+        cannot be sent (the connection is gone, or its send fails), give the jobs back at once,
+        as an unsent ``lease`` does (``release_unsent``), rather than strand them until their
+        leases expire."""
+        worker_id = _next_worker_id(request.args, conn.peer)
+        if conn.gone:
+            task = asyncio.ensure_future(self.release_unsent(leases, worker_id))
+        else:
+            task = asyncio.ensure_future(
+                self._send_or_release(conn, reply_line(request, result), leases, worker_id)
+            )
+        conn.tasks.add(task)
+        task.add_done_callback(conn.done)  # frees the request's in-flight slot
+
+    async def _send_or_release(
+        self, conn: Conn, line: bytes, leases: list[dict[str, Any]], worker_id: str
+    ) -> None:
+        self.budget.take(conn, len(line))  # held until sent or dropped (``Conn.reply_soon``)
+        try:
+            sent = await conn.send(line)
+        finally:
+            self.budget.give(conn, len(line))
+        if not sent:
+            await self.release_unsent(leases, worker_id)
 
     def apply(self, outcome: dispatch.Outcome) -> None:
         """Wake the long-polls of the queues a commit made ready; schedule a due instant."""
@@ -322,3 +377,17 @@ class Requests:
                 log.info("event=release_unsent_failed job_id=%s code=%s", lease["job_id"], exc.code)
             else:
                 self.wakeups.wake([lease["queue"]])
+
+
+def _next_worker_id(args: dict[str, Any], peer: str) -> str:
+    """The worker id the jobs of a ``lease_next`` were leased to (its own, else the ack's or
+    the first ack's of a batch); used to release them when the reply cannot be sent."""
+    spec = args.get("lease_next")
+    if isinstance(spec, dict) and isinstance(spec.get("worker_id"), str):
+        return str(spec["worker_id"])
+    if isinstance(args.get("worker_id"), str):
+        return str(args["worker_id"])
+    acks = args.get("acks")
+    if isinstance(acks, list) and acks and isinstance(acks[0], dict):
+        return str(acks[0].get("worker_id") or peer)
+    return peer

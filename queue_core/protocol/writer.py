@@ -338,10 +338,13 @@ class Database:
                 if call is not STOP:
                     resolve(call, False, errors.Unavailable())
 
-    def put_write(self, fn: Callable[[], Any], future: asyncio.Future[Any]) -> None:
+    def put_write(
+        self, fn: Callable[[], Any], future: asyncio.Future[Any], *, claims: bool = False
+    ) -> None:
         """Queue ``fn`` for the next group commit; ``future`` gets its result after COMMIT
-        (event-loop thread: the future's loop is the running one)."""
-        self.write_calls.put(Call(fn, future, future.get_loop()))
+        (event-loop thread: the future's loop is the running one). ``claims``: ``fn`` leases
+        jobs too (an ack's ``lease_next``): its batch sweeps due jobs first."""
+        self.write_calls.put(Call(fn, future, future.get_loop(), claims))
 
     async def write(
         self, fn: Callable[[], Any], *, claims: bool = False, durable: bool = True

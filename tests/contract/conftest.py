@@ -106,6 +106,7 @@ ROUTES = {
     "lease": ("POST", "/leases"),
     "renew": ("POST", "/jobs/{job_id}/renew"),
     "ack": ("POST", "/jobs/{job_id}/ack"),
+    "ack_batch": ("POST", "/acks"),
     "fail": ("POST", "/jobs/{job_id}/fail"),
     "release": ("POST", "/jobs/{job_id}/release"),
     "inspect": ("GET", "/jobs/{job_id}"),

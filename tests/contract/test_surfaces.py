@@ -314,3 +314,45 @@ def test_cancel_and_time_limit(surface: Surface, clock: FakeClock) -> None:
     assert err.details["reason"] == "timeout"
     job = surface.call("inspect", job_id=got["job_id"])["job"]
     assert (job["state"], job["last_error"]) == ("dead", "timeout")
+
+
+def test_ack_and_fail_lease_the_next_jobs_and_ack_batch_fences_each_ack(
+    surface: Surface,
+) -> None:
+    """Issue 15, item 3: ``lease_next`` on ack and fail, ``ack_batch`` (``POST /acks``)."""
+    for n in range(5):
+        surface.call("submit", queue="q", payload=n, backoff="fixed", backoff_base_ms=60_000)
+    first = lease(surface)
+    acked = surface.call("ack", **held(first), lease_next={"queues": ["q"], "max_jobs": 2})
+    assert set(acked) == {"job_id", "state", "duplicate", "next"}
+    assert acked["state"] == "succeeded" and len(acked["next"]) == 2
+    assert all(set(job) == set(first) for job in acked["next"])  # leases, as lease gives
+    one, two = acked["next"]
+    failed = surface.call("fail", **held(one), error="boom", lease_next={"queues": ["q"]})
+    assert failed["state"] == "retrying" and len(failed["next"]) == 1
+    (three,) = failed["next"]
+    out = surface.call(
+        "ack_batch",
+        acks=[held(two), {**held(three), "lease_token": "stale"}, {**held(three), "result": 7}],
+        lease_next={"queues": ["q"], "max_jobs": 5},
+    )
+    assert [(r["job_id"], r["ok"], r["state"]) for r in out["results"]] == [
+        (two["job_id"], True, "succeeded"),
+        (three["job_id"], False, None),
+        (three["job_id"], True, "succeeded"),
+    ]
+    error = out["results"][1]["error"]
+    assert (error["code"], error["retryable"]) == ("STALE_TOKEN", False)
+    assert len(out["next"]) == 1  # the last ready job; the failed one waits for its retry
+    (four,) = out["next"]
+    last = surface.call("ack", **held(four), lease_next={"queues": ["q"]})
+    assert last["next"] == []  # nothing ready: answered at once
+    assert surface.call("result", job_id=three["job_id"])["return_value"] == 7
+    bad = refused(
+        surface,
+        "INVALID_ARGUMENT",
+        "ack",
+        **held(four),
+        lease_next={"queues": ["q"], "max_jobs": 0},
+    )
+    assert bad.details["field"] == "lease_next.max_jobs"

@@ -22,7 +22,8 @@ def run(service: QueueService, op: str, **args: Any) -> dispatch.Outcome:
 
 def test_every_documented_op_is_in_the_table() -> None:
     assert set(dispatch.VERBS) == {
-        "ping", "hello", "submit", "submit_batch", "lease", "renew", "ack", "fail", "release",
+        "ping", "hello", "submit", "submit_batch", "lease", "renew", "ack", "ack_batch", "fail",
+        "release",
         "inspect", "result", "stats", "dead_list", "dead_retry", "dead_purge", "prune",
         "cancel", "pause", "resume", "set_queue_limits", "queue_controls",
     }  # fmt: skip
@@ -101,3 +102,24 @@ def test_handle_runs_a_request(service: QueueService) -> None:
     result = dispatch.handle(service, Request(1, "submit", {"queue": "q", "payload": [1]}))
     assert result["job"]["payload"] == [1] and result["deduplicated"] is False
     assert dispatch.handle(service, Request(None, "ping", {}))["pong"] is True
+
+
+def test_jobs_leased_by_an_ack_or_a_batch_are_counted_as_leases_too(
+    service: QueueService,
+) -> None:
+    for n in range(4):
+        service.submit("q", n)
+    (held,) = service.claim(["q"], worker_id="w")
+    ids = {"worker_id": "w", "lease_token": held["lease_token"]}
+    out = run(service, "ack", job_id=held["job_id"], **ids, lease_next={"queues": ["q"]})
+    (nxt,) = out.result["next"]
+    assert [(e.name, e.queue) for e in out.events if e.name != "start_delay"] == [
+        ("acked", "q"),
+        ("leased", "q"),
+        ("leased_next", "q"),
+    ]
+    acks = [{"job_id": nxt["job_id"], "worker_id": "w", "lease_token": nxt["lease_token"]}]
+    out = run(service, "ack_batch", acks=acks, lease_next={"queues": ["q"], "max_jobs": 5})
+    assert set(out.result) == {"results", "next"} and len(out.result["next"]) == 2
+    names = [e.name for e in out.events if e.name != "start_delay"]
+    assert names == ["acked", "leased", "leased_next", "leased", "leased_next"]

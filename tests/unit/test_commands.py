@@ -371,6 +371,7 @@ def test_worker_runs_jobs_and_stops_gracefully_on_sigterm(server: Any) -> None:
     )
     assert orjson.loads(out) == {
         "leased": 1,
+        "leased_next": 0,
         "acked": 1,
         "failed": 0,
         "released": 0,
@@ -381,6 +382,8 @@ def test_worker_runs_jobs_and_stops_gracefully_on_sigterm(server: Any) -> None:
     }
     ack = next(r for r in canned.requests if r["op"] == "ack")
     assert ack["args"]["lease_token"] == "t"
+    # The ack asks for the next job (its own slot: the lease thread holds the other 7).
+    assert ack["args"]["lease_next"]["queues"] == ["email"]
     assert signal.getsignal(signal.SIGTERM) == previous  # restored
 
 

@@ -45,7 +45,10 @@ class FakeRelay:
         self.renew_errors: dict[str, BaseException] = {}
         self.lease_gate: threading.Event | None = None
         self.refuse_result: errors.RelayError | None = None  # raised by an ack with a result
+        self.old_server = False  # lease_next refused as an unknown argument
+        self.retry_at_once = False  # a fail puts its job straight back (no backoff)
         self.clients = 0
+        self.next_asks: list[dict[str, Any] | None] = []  # each ack's or fail's lease_next
         self._seq = 0
 
     def add(self, *payloads: Any, queue: str = "q") -> list[str]:
@@ -76,14 +79,34 @@ class FakeRelay:
         self.calls.append((op, args))
         self.cond.notify_all()
 
-    def settle(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    def settle(
+        self, op: str, args: dict[str, Any], lease_next: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         with self.cond:
             self.record(op, args)
+            self.next_asks.append(lease_next)
+            if lease_next is not None and self.old_server:
+                raise errors.InvalidArgument("lease_next: unknown argument", field="lease_next")
             if self.held.get(args["job_id"]) != args["lease_token"]:
                 raise errors.StaleToken()
             del self.held[args["job_id"]]
+            if op == "fail" and self.retry_at_once:
+                self.ready.appendleft({"job_id": args["job_id"], "queue": "q", "payload": "again"})
+            out: dict[str, Any] = {"job_id": args["job_id"], "state": op, "duplicate": False}
+            if lease_next is not None:  # the next jobs, no wait (as the server)
+                out["next"] = self.take(lease_next["max_jobs"])
             self.cond.notify_all()
-            return {"job_id": args["job_id"], "state": op, "duplicate": False}
+            return out
+
+    def take(self, max_jobs: int) -> list[dict[str, Any]]:
+        out = []
+        while self.ready and len(out) < max_jobs:
+            job = self.ready.popleft()
+            token = f"tok-{job['job_id']}"
+            self.held[job["job_id"]] = token
+            out.append({**job, "lease_token": token, "attempt": 1})
+        self.max_held = max(self.max_held, len(self.held))
+        return out
 
 
 class FakeClient:
@@ -112,13 +135,7 @@ class FakeClient:
             if not relay.ready:
                 # The long poll: a short real wait for a job, then an empty answer.
                 relay.cond.wait(0.02)
-            out = []
-            while relay.ready and len(out) < max_jobs:
-                job = relay.ready.popleft()
-                token = f"tok-{job['job_id']}"
-                relay.held[job["job_id"]] = token
-                out.append({**job, "lease_token": token, "attempt": 1})
-            relay.max_held = max(relay.max_held, len(relay.held))
+            out = relay.take(max_jobs)
             relay.cond.notify_all()
             return out
 
@@ -135,7 +152,13 @@ class FakeClient:
             return {"job_id": job_id, "lease_expires_at_ms": 0}
 
     def ack(
-        self, job_id: str, *, worker_id: str, lease_token: str, result: Any = None
+        self,
+        job_id: str,
+        *,
+        worker_id: str,
+        lease_token: str,
+        result: Any = None,
+        lease_next: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         args = {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
         if result is not None:
@@ -144,7 +167,7 @@ class FakeClient:
                 with self.relay.cond:
                     self.relay.record("ack", args)
                 raise self.relay.refuse_result
-        return self.relay.settle("ack", args)
+        return self.relay.settle("ack", args, lease_next)
 
     def fail(
         self,
@@ -156,6 +179,7 @@ class FakeClient:
         retryable: bool = True,
         exception_class: str | None = None,
         traceback: str | None = None,
+        lease_next: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         return self.relay.settle(
             "fail",
@@ -168,6 +192,7 @@ class FakeClient:
                 "exception_class": exception_class,
                 "traceback": traceback,
             },
+            lease_next,
         )
 
     def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
@@ -258,6 +283,73 @@ def test_holds_at_most_concurrency_jobs(relay: FakeRelay, make_worker: Any) -> N
     assert running.worker.counters()["acked"] == 7
     assert running.worker.leased == 7
     assert relay.clients == 3  # one connection for leasing, min(concurrency, 4) for the rest
+
+
+def test_acks_lease_the_next_jobs_for_the_slots_they_free(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    gate = threading.Event()
+    relay.add(*({"n": n} for n in range(12)))
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=3)
+    relay.wait_for(lambda: len(relay.held) == 3, "three jobs leased")
+    gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 12, "twelve acks")
+    running.stop()
+    assert relay.max_held == 3  # never more than concurrency, acks and lease thread together
+    asks = [ask for ask in relay.next_asks if ask is not None]
+    assert asks and all(1 <= ask["max_jobs"] <= 3 for ask in asks)
+    assert all(ask["queues"] == ["q"] and ask["lease_ms"] == 3_000 for ask in asks)
+    counters = running.worker.counters()
+    assert counters["acked"] == 12 and counters["leased"] == 12
+    # Busy: most jobs came with an ack's reply, not from a lease request.
+    assert counters["leased_next"] > 0 and len(relay.calls_of("lease")) < 12
+    assert running.worker.held == 0
+
+
+def test_an_old_server_without_lease_next_still_gets_every_ack(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    relay.old_server = True
+    relay.add(*({"n": n} for n in range(5)))
+    running = make_worker(concurrency=2)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 5 + 1, "five acks and one refused")
+    running.stop()
+    assert running.worker.counters()["acked"] == 5
+    assert sum(ask is not None for ask in relay.next_asks) == 1  # asked once, then never
+    assert running.worker.counters()["leased_next"] == 0
+
+
+def test_a_failed_job_whose_retry_comes_back_in_its_own_reply_runs_again(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    relay.retry_at_once = True
+    (job_id,) = relay.add("first")
+    runs: list[Any] = []
+
+    def handler(payload: Any, ctx: Any) -> None:
+        runs.append(payload)
+        if payload == "first":
+            raise ValueError("boom")
+
+    running = make_worker(handler, concurrency=1)
+    relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack of the retry")
+    running.stop()
+    assert runs == ["first", "again"]
+    assert [c["job_id"] for c in relay.calls_of("fail")] == [job_id]
+    assert running.worker.counters()["leased_next"] == 1
+    assert running.worker.held == 0
+
+
+def test_no_lease_next_once_stopping(relay: FakeRelay, make_worker: Any) -> None:
+    gate = threading.Event()
+    relay.add(*({"n": n} for n in range(4)))
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=2)
+    relay.wait_for(lambda: len(relay.held) == 2, "two jobs leased")
+    running.worker.stop()
+    gate.set()
+    running.join()
+    assert relay.next_asks == [None, None]
+    assert len(relay.ready) == 2
 
 
 def test_handler_threads_ack_on_separate_connections_at_once(
