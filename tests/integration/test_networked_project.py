@@ -18,11 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +25,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from tests.procs import ROOT, Proc
+from tests.procs import Proc
+from tests.wheel import build_and_install, run, start
 
 pytestmark = pytest.mark.slow
 
@@ -140,55 +136,10 @@ print(json.dumps({{
 """
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    """A user's shell: none of pytest's, Django's, Relay's or this virtualenv's variables."""
-    drop = ("PYTEST_", "DJANGO_", "RELAY_", "VIRTUAL_ENV", "PYTHONPATH")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env.update(PYTHONUNBUFFERED="1", **extra)
-    return env
-
-
-def run(args: list[str | Path], cwd: Path, timeout: float = 180, **env: str) -> str:
-    """Run ``args``; return stdout; fail the test with stderr on a non-zero exit."""
-    done = subprocess.run(
-        [str(arg) for arg in args],
-        cwd=cwd,
-        env=clean_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, f"{args}: {done.stderr[-3000:]}"
-    return done.stdout
-
-
 def last_json(out: str) -> dict[str, Any]:
     """The JSON object on the last line of ``out`` (``shell`` may print a banner first)."""
     value: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return value
-
-
-def start(args: list[str | Path], cwd: Path, name: str, **env: str) -> Proc:
-    popen = subprocess.Popen(
-        [str(arg) for arg in args],
-        cwd=cwd,
-        env=clean_env(**env),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    return Proc(popen, name)
-
-
-def wait_line(proc: Proc, pattern: str, timeout_s: float = 60) -> re.Match[str]:
-    """Wait for a line of ``proc``'s log matching ``pattern`` (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while not (match := re.search(pattern, proc.stderr_text())):
-        assert proc.popen.poll() is None, proc.stderr_text()
-        assert time.monotonic() < deadline, proc.stderr_text()
-        time.sleep(0.05)
-    return match
 
 
 @pytest.fixture
@@ -203,29 +154,6 @@ def project_db() -> Iterator[str]:
     finally:
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def build_and_install(tmp_path: Path) -> Path:
-    """Build the wheel from the tracked files, install it into a fresh virtualenv; return
-    the virtualenv's bin folder."""
-    source = tmp_path / "source"
-    tracked = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
-    ).stdout.split(b"\0")
-    for name in filter(None, (entry.decode() for entry in tracked)):
-        if (ROOT / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
-    run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path / "dist", source],
-        tmp_path,
-    )
-    (wheel,) = (tmp_path / "dist").glob("relay_queue-*.whl")
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", venv], tmp_path)
-    python = venv / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", wheel, "-c", ROOT / "requirements.lock"], tmp_path)
-    return venv / "bin"
 
 
 def write_project(bin_dir: Path, tmp_path: Path, db: str, address: str) -> Path:
@@ -270,7 +198,7 @@ def test_a_fresh_postgresql_project_runs_tasks_through_a_networked_relay_service
     )
     worker: Proc | None = None
     try:
-        port = wait_line(server, r"event=ready .*port=(\d+)").group(1)
+        port = server.wait_line(r"event=ready .*port=(\d+)", timeout=60).group(1)
         address = f"127.0.0.1:{port}"
 
         project = write_project(bin_dir, tmp_path, project_db, address)
@@ -286,7 +214,7 @@ def test_a_fresh_postgresql_project_runs_tasks_through_a_networked_relay_service
             project,
             "relay_worker",
         )
-        wait_line(worker, r"worker_ready")
+        worker.wait_line(r"worker_ready", timeout=60)
         out = run(
             [python, "manage.py", "shell", "-c", READ_RESULTS.format(ids=json.dumps(ids))],
             project,

@@ -10,17 +10,11 @@ index, or local wheel folders); without them the test fails, it never skips. Abo
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.procs import ROOT, Proc
+from tests.wheel import build_and_install, run, start
 
 pytestmark = pytest.mark.slow
 
@@ -36,29 +30,6 @@ TASKS = {"default": {"BACKEND": "queue_core.tasks_backend.RelayBackend"}}
 """
 
 
-def clean_env() -> dict[str, str]:
-    """A user's shell: none of pytest's, Django's, Relay's or this virtualenv's variables."""
-    drop = ("PYTEST_", "DJANGO_", "RELAY_", "VIRTUAL_ENV", "PYTHONPATH")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def run(args: list[str | Path], cwd: Path, timeout: float = 180) -> str:
-    """Run ``args``; return stdout; fail the test with stderr on a non-zero exit."""
-    done = subprocess.run(
-        [str(arg) for arg in args],
-        cwd=cwd,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, f"{args}: {done.stderr[-3000:]}"
-    return done.stdout
-
-
 def files_under(folder: Path) -> set[Path]:
     return {path for path in folder.rglob("*") if "__pycache__" not in path.parts}
 
@@ -66,26 +37,8 @@ def files_under(folder: Path) -> set[Path]:
 def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves_a_new_project(
     tmp_path: Path,
 ) -> None:
-    # The wheel, built from a copy of the tracked files (no build/ or egg-info in the checkout).
-    source = tmp_path / "source"
-    tracked = subprocess.run(
-        ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True
-    ).stdout.split(b"\0")
-    for name in filter(None, (entry.decode() for entry in tracked)):
-        if (ROOT / name).is_file():
-            (source / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
-    run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path / "dist", source],
-        tmp_path,
-    )
-    (wheel,) = (tmp_path / "dist").glob("relay_queue-*.whl")
-
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", venv], tmp_path)
-    python, bin_dir = venv / "bin" / "python", venv / "bin"
-    # README: pip install relay_queue-*.whl (here with the checkout's pins, as bin/setup does).
-    run([python, "-m", "pip", "install", "-q", wheel, "-c", ROOT / "requirements.lock"], tmp_path)
+    bin_dir = build_and_install(tmp_path)  # README: pip wheel, then pip install the wheel
+    python = bin_dir / "python"
     site = Path(
         run(
             [python, "-c", "import django, os; print(os.path.dirname(django.__path__[0]))"],
@@ -103,25 +56,13 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves_a_new_project(
     out = run([python, "manage.py", "check"], project)
     assert "no issues" in out
 
-    popen = subprocess.Popen(
+    server = start(
         [bin_dir / "relay", "--settings", "mysite.settings", "server", "--address", "127.0.0.1:0"],
-        cwd=project,
-        env=clean_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        project,
+        "relay server",
     )
-    server = Proc(popen, "relay server")
     try:
-        deadline = time.monotonic() + 60
-        port = None
-        while port is None:
-            if match := re.search(r"event=ready .*port=(\d+)", server.stderr_text()):
-                port = match.group(1)
-                break
-            assert popen.poll() is None, server.stderr_text()
-            assert time.monotonic() < deadline, server.stderr_text()
-            time.sleep(0.05)
+        port = server.wait_line(r"event=ready .*port=(\d+)", timeout=60).group(1)
         stats = run(
             [
                 bin_dir / "relay",
