@@ -75,4 +75,4 @@ def resume(request: HttpRequest, queue: str) -> dict[str, Any]:
 )
 def limits(request: HttpRequest, queue: str, body: QueueLimitsIn) -> dict[str, Any]:
     """Cap the queue's leased jobs (all workers) and/or its jobs started per second."""
-    return calls.run(request, "set_queue_limits", {"queue": queue, **body.dict()})
+    return calls.run(request, "set_queue_limits", {"queue": queue, **body.model_dump()})

@@ -11,37 +11,19 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from queue_core.client import RelayClient
 from queue_core.models import Job
-from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 from tests.integration.test_tcp_server import Client, Running, wait_for
 from tests.procs import Spawner
 from tests.relay_db import DATABASES, RelayDb
 
 WAIT_S = 60.0
-
-
-@pytest.fixture
-def start(transactional_db: None) -> Iterator[Callable[..., Running]]:
-    """Start in-process servers on 127.0.0.1:0; stopped at teardown."""
-    running: list[Running] = []
-
-    def make(**kwargs: Any) -> Running:
-        kwargs.setdefault("shutdown_grace_ms", 0)
-        r = Running(RelayServer(QueueService(), host="127.0.0.1", port=0, **kwargs))
-        running.append(r)
-        return r
-
-    yield make
-    for r in running:
-        if r.thread.is_alive():
-            r.stop()
 
 
 def ack_args(lease: dict[str, Any], worker_id: str, **more: Any) -> dict[str, Any]:

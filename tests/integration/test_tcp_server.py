@@ -103,23 +103,6 @@ class Running:
 
 
 @pytest.fixture
-def start(transactional_db: None) -> Iterator[Callable[..., Running]]:
-    """Start servers on 127.0.0.1:0 (``start(shutdown_grace_ms=...)``); stopped at teardown."""
-    running: list[Running] = []
-
-    def make(**kwargs: Any) -> Running:
-        kwargs.setdefault("shutdown_grace_ms", 0)
-        r = Running(RelayServer(QueueService(), host="127.0.0.1", port=0, **kwargs))
-        running.append(r)
-        return r
-
-    yield make
-    for r in running:
-        if r.thread.is_alive():
-            r.stop()
-
-
-@pytest.fixture
 def server(start: Callable[..., Running]) -> Running:
     return start()
 
