@@ -288,7 +288,7 @@ class QueueService:
         return self.driver.capabilities
 
     def transaction(
-        self, *, savepoints: bool = True, durable: bool = True
+        self, *, savepoints: bool = True, durable: bool = True, wait: bool = True
     ) -> contextlib.AbstractContextManager[Any]:
         """Group several service calls into one commit: each call inside becomes a SAVEPOINT
         and rolls back alone (the TCP server's group commit, the admin's bulk chunks).
@@ -303,10 +303,13 @@ class QueueService:
                 makes the transaction durable all the same (``Driver.write``). On SQLite
                 the outermost transaction decides the level before BEGIN: pass False only
                 when every call inside is a claim or a sweep.
+            wait: False: raise ``WriteLocked`` at once, nothing run, when another connection
+                holds the write lock (``Driver.write``; the server's event loop).
         Raises:
             StoreBusy: the transaction could not start or commit within the retry budget.
+            WriteLocked: ``wait=False`` and the write lock was taken.
         """
-        return self.driver.write(savepoints=savepoints, durable=durable)
+        return self.driver.write(savepoints=savepoints, durable=durable, wait=wait)
 
     def mark(self) -> int:
         """The position ``forgive`` compares with (``Driver.mark``)."""

@@ -152,6 +152,7 @@ class RelayServer:
                 self._listener.on_connect, self.host, self.port, limit=limit
             )
         except BaseException:
+            self._db.close()
             await asyncio.to_thread(self._db.stop)
             raise
         self.port = server.sockets[0].getsockname()[1]
@@ -199,6 +200,7 @@ class RelayServer:
                 await self._db.write(
                     functools.partial(self.service.deregister_server, self.server_id)
                 )
+            self._db.close()
             await asyncio.to_thread(self._db.stop)
             log.info("event=stopped", extra={"event": "stopped"})
 

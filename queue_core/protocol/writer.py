@@ -36,13 +36,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from queue_core import errors
 from queue_core.protocol import limits
 from queue_core.protocol.wakeups import FeedFollower
 from queue_core.service import QueueService
+from queue_core.storage.base import WriteLocked
 
 log = logging.getLogger("relay.server")
 
@@ -52,6 +53,8 @@ READER_THREADS = 4
 # Writer threads (each its own connection and group commit) where the database takes
 # concurrent writers (PostgreSQL); SQLite has one.
 SHARED_WRITERS = 4
+# SQLite: the event loop runs the group commits itself (``Database``).
+INLINE_WRITES = True
 
 
 @dataclasses.dataclass(slots=True)
@@ -129,94 +132,69 @@ class DbThread(threading.Thread):
                     self.service.heal()  # a lost connection: the next call opens a new one
 
 
-class Writer(DbThread):
-    """A thread that writes: group commit, plus polling a change feed that cannot push.
+class GroupCommit:
+    """Runs a batch of write calls in one transaction and returns their outcomes (group commit).
+
+    Used by the writer thread(s) and, on SQLite, by the event loop itself (``Database``);
+    each instance is used from one thread only (the driver's transaction state is the
+    thread's).
 
     Args:
-        calls: the queue ``Call``s arrive on (``STOP`` ends the thread after earlier calls).
         service: the service (its ``transaction()`` gives the transaction and savepoints).
         sweep: expires leases and promotes due jobs, returning the queues that got READY
             jobs. Run first in a batch that holds a claim: ``claim`` sweeps too, but does not
             say which queues it made ready, and their waiters must be woken.
-        on_ready: called (on this thread) with the queues ``sweep`` made ready, after commit.
-        follower: the feed to poll every ``WATCH_INTERVAL_S`` on this thread's connection
-            (``FeedFollower.poll``); None when it pushes by itself or another writer polls.
+        on_ready: called (on the running thread) with the queues ``sweep`` made ready, after
+            commit.
+        failures: the rate limit of failure log lines.
     """
 
     def __init__(
         self,
-        calls: queue.SimpleQueue[Any],
         service: QueueService,
         *,
         sweep: Callable[[], set[str]],
         on_ready: Callable[[set[str]], None],
-        follower: FeedFollower | None = None,
-        name: str = "relay-writer",
-        failures: limits.Every | None = None,
+        failures: limits.Every,
     ) -> None:
-        super().__init__(name, calls, service)
+        self.service = service
         # Where a SAVEPOINT costs round trips (several writers: PostgreSQL), a batch runs
-        # without one per call first (``_commit``, ``_guarded``).
+        # without one per call first (``run``, ``_guarded``).
         self.flat = not service.capabilities.single_writer
         self.commits = 0  # transactions committed (each holds one or more calls)
-        self.failures = failures or limits.Every(limits.FAILURE_LOG_EVERY_S)
+        self.failures = failures
         self.sweep = sweep
         self.on_ready = on_ready
-        self.follower = follower
 
-    def serve(self) -> None:
-        follower = self.follower
-        if follower is not None:
-            follower.poll()  # the starting position
-        next_watch = time.monotonic() + WATCH_INTERVAL_S if follower else None
-        while True:
-            try:
-                # Without a feed to poll, wait for the next call however long it takes.
-                wait = None if next_watch is None else max(0.0, next_watch - time.monotonic())
-                first = self.calls.get(timeout=wait)
-            except queue.Empty:
-                first = None
-            if first is STOP:
-                return
-            if first is not None:
-                batch = [first]
-                while len(batch) < GROUP_COMMIT_MAX:
-                    try:
-                        nxt = self.calls.get_nowait()
-                    except queue.Empty:
-                        break
-                    if nxt is STOP:
-                        self.calls.put(STOP)  # finish this batch, then stop
-                        break
-                    batch.append(nxt)
-                self._commit(batch)
-            if follower is not None and next_watch is not None and time.monotonic() >= next_watch:
-                follower.poll()
-                next_watch = time.monotonic() + WATCH_INTERVAL_S
-
-    def _commit(self, batch: list[Call]) -> None:
-        """Run ``batch`` in one transaction and answer every call once it has committed.
+    def run(self, batch: list[Call], *, wait: bool = True) -> list[tuple[bool, Any]]:
+        """Run ``batch`` in one transaction; return each call's ``(ok, result or exception)``
+        once it has committed (a failed BEGIN or COMMIT fails every call).
 
         Where a SAVEPOINT costs round trips (``self.flat``: PostgreSQL) the batch first runs
         without one per call; if a call fails in a way that cannot be set apart
         (``_guarded``), that round is rolled back and the batch runs again with savepoints.
-        Nothing is visible before the COMMIT, so running the calls again is safe."""
+        Nothing is visible before the COMMIT, so running the calls again is safe.
+
+        Args:
+            wait: False: when another connection holds the write lock, raise at once.
+        Raises:
+            WriteLocked: ``wait=False`` and the write lock was taken: nothing ran.
+        """
         if self.flat:
             try:
-                self._run(batch, flat=True)
-                return
+                return self._run(batch, flat=True, wait=wait)
             except _Redo:
                 pass
-        self._run(batch, flat=False)
+        return self._run(batch, flat=False, wait=wait)
 
-    def _run(self, batch: list[Call], *, flat: bool) -> None:
+    def _run(self, batch: list[Call], *, flat: bool, wait: bool) -> list[tuple[bool, Any]]:
         outcomes: list[tuple[bool, Any]] = []
         ready: set[str] = set()
         try:
             # Lease bookkeeping alone need not wait for the disk; anything else in the batch
             # makes it durable (SQLite decides before BEGIN, so the batch says it here).
             durable = any(call.durable for call in batch)
-            with self.service.transaction(savepoints=not flat, durable=durable):
+            with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
                 if any(call.claims for call in batch):
                     swept, value = self._guarded(self.sweep, flat=flat, durable=False)
                     if swept:
@@ -227,7 +205,7 @@ class Writer(DbThread):
                     self._guarded(call.fn, flat=flat, durable=call.durable) for call in batch
                 ]
             self.commits += 1
-        except _Redo:
+        except (_Redo, WriteLocked):
             raise
         except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
             limits.log_failure(self.failures, "group_commit_failed", exc)
@@ -236,7 +214,7 @@ class Writer(DbThread):
                 self.service.heal()
         if ready:
             self.on_ready(ready)
-        resolve_all(batch, outcomes)
+        return outcomes
 
     def _guarded(
         self, fn: Callable[[], Any], *, flat: bool, durable: bool = True
@@ -270,26 +248,107 @@ class Writer(DbThread):
             return False, exc
 
 
+class Writer(DbThread):
+    """A thread that writes: group commit, plus polling a change feed that cannot push.
+
+    Args:
+        calls: the queue ``Call``s arrive on (``STOP`` ends the thread after earlier calls).
+        group: runs each batch (``GroupCommit``; this thread's own).
+        follower: the feed to poll every ``WATCH_INTERVAL_S`` on this thread's connection
+            (``FeedFollower.poll``); None when it pushes by itself or another thread polls.
+    """
+
+    def __init__(
+        self,
+        calls: queue.SimpleQueue[Any],
+        group: GroupCommit,
+        *,
+        follower: FeedFollower | None = None,
+        name: str = "relay-writer",
+    ) -> None:
+        super().__init__(name, calls, group.service)
+        self.group = group
+        self.follower = follower
+
+    @property
+    def commits(self) -> int:
+        """Transactions this thread committed."""
+        return self.group.commits
+
+    def serve(self) -> None:
+        follower = self.follower
+        if follower is not None:
+            follower.poll()  # the starting position
+        next_watch = time.monotonic() + WATCH_INTERVAL_S if follower else None
+        while True:
+            try:
+                # Without a feed to poll, wait for the next call however long it takes.
+                wait = None if next_watch is None else max(0.0, next_watch - time.monotonic())
+                first = self.calls.get(timeout=wait)
+            except queue.Empty:
+                first = None
+            if first is STOP:
+                return
+            if first is not None:
+                batch = [first]
+                while len(batch) < GROUP_COMMIT_MAX:
+                    try:
+                        nxt = self.calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    if nxt is STOP:
+                        self.calls.put(STOP)  # finish this batch, then stop
+                        break
+                    batch.append(nxt)
+                resolve_all(batch, self.group.run(batch))
+            if follower is not None and next_watch is not None and time.monotonic() >= next_watch:
+                follower.poll()
+                next_watch = time.monotonic() + WATCH_INTERVAL_S
+
+
 class Database:
     """The server's database threads and how the event loop hands them calls.
+
+    On SQLite (one writer per file) the event loop runs each group commit itself
+    (``_flush``): the writes a loop iteration admitted go into one transaction, committed
+    before their replies are sent, with no thread hand-off in between. Two hand-offs per
+    request (to the writer thread and back through the loop's self-pipe) cost more server
+    CPU than the request's own work on a 2-core machine (docs/benchmarking.md, round 3).
+    Redis with ``appendfsync always`` and beanstalkd with ``-f 0`` sync in their event
+    loops the same way. The loop never waits for a lock: when another connection holds
+    SQLite's write lock (another process, or the writer thread), the batch goes to the
+    writer thread, which waits as every writer does, and later writes follow it there until
+    it has answered them all, so writes still commit in the order they were read.
 
     Args:
         service: the queue service every thread calls (each thread its own connection).
         failures: the rate limit of failure log lines, shared with the server.
+        inline: run SQLite's group commits on the event loop (default ``INLINE_WRITES``);
+            ignored where writers share the database (PostgreSQL).
     """
 
-    def __init__(self, service: QueueService, failures: limits.Every) -> None:
+    def __init__(
+        self, service: QueueService, failures: limits.Every, *, inline: bool | None = None
+    ) -> None:
         self.service = service
         self.failures = failures
         self.write_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.writers: list[Writer] = []
         self.threads: list[DbThread] = []
+        self._inline_wanted = INLINE_WRITES if inline is None else inline
+        self.inline: GroupCommit | None = None  # the event loop's group commit, when inline
+        self._pending: list[Call] = []  # writes for the loop's next group commit
+        self._queued = 0  # writes handed to the writer thread and not yet answered
+        self._follower: FeedFollower | None = None  # polled on the loop, when inline
+        self._watch: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def commits(self) -> int:
         """Write transactions committed so far (group commit: usually fewer than writes)."""
-        return sum(writer.commits for writer in self.writers)
+        inline = self.inline.commits if self.inline is not None else 0
+        return inline + sum(writer.commits for writer in self.writers)
 
     def start(
         self,
@@ -299,18 +358,27 @@ class Database:
         follower: FeedFollower | None,
     ) -> None:
         """Start the writer(s) (one on SQLite, ``SHARED_WRITERS`` where the database takes
-        concurrent writers) and ``READER_THREADS`` readers; the first writer polls
-        ``follower`` (None: the feed pushes). ``sweep``, ``on_ready``: as ``Writer``'s."""
-        count = 1 if self.service.capabilities.single_writer else SHARED_WRITERS
+        concurrent writers) and ``READER_THREADS`` readers, from the event loop; ``follower``
+        (None: the feed pushes) is polled on the loop when it writes inline, else by the first
+        writer. ``sweep``, ``on_ready``: as ``GroupCommit``'s."""
+        self._loop = asyncio.get_running_loop()
+        single = self.service.capabilities.single_writer
+        count = 1 if single else SHARED_WRITERS
+        if single and self._inline_wanted:
+            self.inline = GroupCommit(
+                self.service, sweep=sweep, on_ready=on_ready, failures=self.failures
+            )
+            self._follower, follower = follower, None
+            if self._follower is not None:
+                with self._no_running_loop():
+                    self._follower.poll()  # the starting position
+                self._watch = self._loop.call_later(WATCH_INTERVAL_S, self._poll_feed)
         self.writers = [
             Writer(
                 self.write_calls,
-                self.service,
+                GroupCommit(self.service, sweep=sweep, on_ready=on_ready, failures=self.failures),
                 name="relay-writer" if count == 1 else f"relay-writer-{n}",
-                sweep=sweep,
-                on_ready=on_ready,
                 follower=follower if n == 0 else None,
-                failures=self.failures,
             )
             for n in range(count)
         ]
@@ -324,7 +392,8 @@ class Database:
 
     def stop(self) -> None:
         """Let the threads finish the calls queued so far, join them, and answer what is
-        still queued ``UNAVAILABLE`` (blocking: run it in a thread)."""
+        still queued ``UNAVAILABLE`` (blocking: run it in a thread, after the loop's
+        ``close``)."""
         for _ in self.writers:
             self.write_calls.put(STOP)
         for thread in self.threads:
@@ -338,40 +407,113 @@ class Database:
                 if call is not STOP:
                     resolve(call, False, errors.Unavailable())
 
+    def close(self) -> None:
+        """Event loop: stop polling the feed, run what is pending, close the loop's own
+        connection (before ``stop``)."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self._pending:
+            self._flush()
+        if self.inline is not None:
+            with self._no_running_loop(), contextlib.suppress(Exception):
+                self.service.close()
+
     def put_write(
-        self, fn: Callable[[], Any], future: asyncio.Future[Any], *, claims: bool = False
+        self,
+        fn: Callable[[], Any],
+        future: asyncio.Future[Any],
+        *,
+        claims: bool = False,
+        durable: bool = True,
     ) -> None:
         """Queue ``fn`` for the next group commit; ``future`` gets its result after COMMIT
-        (event-loop thread: the future's loop is the running one). ``claims``: ``fn`` leases
-        jobs too (an ack's ``lease_next``): its batch sweeps due jobs first."""
-        self.write_calls.put(Call(fn, future, future.get_loop(), claims))
+        (event-loop thread: the future's loop is the running one).
+
+        Args:
+            claims: ``fn`` leases jobs (a lease, an ack's ``lease_next``): its batch sweeps
+                due jobs first.
+            durable: False: ``fn`` is lease bookkeeping only (``QueueService.claim``,
+                ``sweep``), which may commit without waiting for the disk when the whole
+                batch is (``GroupCommit.run``).
+        """
+        call = Call(fn, future, future.get_loop(), claims, durable)
+        if self.inline is None:
+            self.write_calls.put(call)
+        elif self._queued:
+            self._to_thread([call])  # after the writes already there
+        else:
+            self._pending.append(call)
+            if len(self._pending) == 1:
+                call.loop.call_soon(self._flush)
 
     async def write(
         self, fn: Callable[[], Any], *, claims: bool = False, durable: bool = True
     ) -> Any:
-        """Run ``fn`` on a writer thread, in the next group commit; return after COMMIT.
-
-        Args:
-            claims: ``fn`` is a lease claim (its batch sweeps due jobs first).
-            durable: False: ``fn`` is lease bookkeeping only (``QueueService.claim``,
-                ``sweep``), which may commit without waiting for the disk when the whole
-                batch is (``Writer._run``).
-        """
-        return await self._call(self.write_calls, fn, claims=claims, durable=durable)
+        """Run ``fn`` in the next group commit; return after COMMIT (``put_write``'s
+        arguments)."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.put_write(fn, future, claims=claims, durable=durable)
+        return await future
 
     async def read(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` in the reader pool."""
-        return await self._call(self.read_calls, fn)
-
-    @staticmethod
-    async def _call(
-        calls: queue.SimpleQueue[Any],
-        fn: Callable[[], Any],
-        *,
-        claims: bool = False,
-        durable: bool = True,
-    ) -> Any:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        calls.put(Call(fn, future, loop, claims, durable))
+        self.read_calls.put(Call(fn, future, loop))
         return await future
+
+    # ------------------------------------------------------------------ inline group commit
+
+    def _flush(self) -> None:
+        """Event loop: commit the pending writes in one transaction, then settle them; when
+        the write lock is taken, hand them to the writer thread instead."""
+        batch, self._pending = self._pending[:GROUP_COMMIT_MAX], self._pending[GROUP_COMMIT_MAX:]
+        if not batch:
+            return
+        if self._pending:
+            batch[0].loop.call_soon(self._flush)
+        assert self.inline is not None
+        try:
+            with self._no_running_loop():
+                outcomes = self.inline.run(batch, wait=False)
+                if self._follower is not None:
+                    self._follower.poll()  # foreign commits since the last look
+        except WriteLocked:
+            self._to_thread([*batch, *self._pending])
+            self._pending = []
+            return
+        for call, (ok, value) in zip(batch, outcomes, strict=True):
+            settle(call.future, ok, value)
+
+    def _to_thread(self, calls: list[Call]) -> None:
+        """Hand ``calls`` to the writer thread, counting them until each is answered."""
+        for call in calls:
+            self._queued += 1
+            call.future.add_done_callback(self._answered)
+            self.write_calls.put(call)
+
+    def _answered(self, _future: asyncio.Future[Any]) -> None:
+        self._queued -= 1
+
+    def _poll_feed(self) -> None:
+        """Event loop, every ``WATCH_INTERVAL_S``: look at the change feed for commits made
+        by other connections (``FeedFollower.poll``)."""
+        if self._follower is not None:
+            with self._no_running_loop():
+                self._follower.poll()
+        if self._loop is not None:
+            self._watch = self._loop.call_later(WATCH_INTERVAL_S, self._poll_feed)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _no_running_loop() -> Iterator[None]:
+        """Run blocking database code on the loop thread: Django refuses a connection where
+        an event loop runs (``SynchronousOnlyOperation``), which is right for a coroutine and
+        wrong here, where the loop blocks on purpose for the length of one commit."""
+        loop = asyncio.events._get_running_loop()
+        asyncio.events._set_running_loop(None)
+        try:
+            yield
+        finally:
+            asyncio.events._set_running_loop(loop)

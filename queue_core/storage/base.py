@@ -198,7 +198,7 @@ class Driver(Protocol):
     capabilities: Capabilities
 
     def write(
-        self, *, savepoints: bool = True, durable: bool = True
+        self, *, savepoints: bool = True, durable: bool = True, wait: bool = True
     ) -> contextlib.AbstractContextManager[Tx]:
         """Open a write transaction; COMMIT on success, ROLLBACK on error.
 
@@ -332,6 +332,13 @@ class AlreadyServed(Exception):
 
 RawExecute = Callable[[Any, str, Mapping[str, Any]], Any]
 RawExecuteMany = Callable[[Any, str, Sequence[Mapping[str, Any]]], Any]
+
+
+class WriteLocked(Exception):
+    """``write(wait=False)`` found the write lock taken by another connection: nothing ran.
+
+    Never reaches a client: the server's event loop, which must not wait for a lock, hands
+    the calls to its writer thread instead (``queue_core.protocol.writer.Database``)."""
 
 
 class SqlTx:

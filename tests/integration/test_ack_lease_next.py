@@ -18,6 +18,7 @@ import pytest
 
 from queue_core.client import RelayClient
 from queue_core.models import Job
+from queue_core.protocol import writer
 from queue_core.service import QueueService
 from tests.integration.test_tcp_server import Client, Running, wait_for
 from tests.procs import Spawner
@@ -38,6 +39,9 @@ def ack_args(lease: dict[str, Any], worker_id: str, **more: Any) -> dict[str, An
 def test_next_jobs_of_an_ack_whose_reply_cannot_be_sent_go_back(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A write outlives its connection only on a writer thread (PostgreSQL, or SQLite while
+    # another connection holds the write lock); inline, the loop reads no EOF mid-commit.
+    monkeypatch.setattr(writer, "INLINE_WRITES", False)
     running = start()
     producer = Client(running.port)
     for i in range(4):

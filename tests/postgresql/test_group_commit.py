@@ -6,7 +6,6 @@ so nothing it wrote survives and the other calls still commit once."""
 from __future__ import annotations
 
 import asyncio
-import queue
 from collections.abc import Callable
 from typing import Any
 
@@ -16,8 +15,8 @@ from django.test.utils import CaptureQueriesContext
 
 from queue_core import errors
 from queue_core.models import Job
-from queue_core.protocol import dispatch
-from queue_core.protocol.writer import Call, Writer
+from queue_core.protocol import dispatch, limits
+from queue_core.protocol.writer import Call, GroupCommit
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from tests.postgresql.conftest import DATABASES
@@ -35,21 +34,18 @@ def run_batch(service: QueueService, fns: list[Callable[[], Any]]) -> tuple[list
     exception) and the statements sent."""
     loop = asyncio.new_event_loop()
     try:
-        futures = [loop.create_future() for _ in fns]
-        calls = [Call(fn, future, loop) for fn, future in zip(fns, futures, strict=True)]
-        writer = Writer(
-            queue.SimpleQueue(),
+        calls = [Call(fn, loop.create_future(), loop) for fn in fns]
+        group = GroupCommit(
             service,
             sweep=lambda: set(service.sweep()),
             on_ready=lambda queues: None,
+            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
         )
-        assert writer.flat
+        assert group.flat
         with CaptureQueriesContext(connections["postgresql"]) as sent:
-            writer._commit(calls)
-        loop.run_until_complete(asyncio.sleep(0))  # run the futures' callbacks, queued already
-        results = [f.exception() or f.result() for f in futures]
-        assert writer.commits == 1
-        return results, [q["sql"] for q in sent.captured_queries]
+            outcomes = group.run(calls)
+        assert group.commits == 1
+        return [value for _ok, value in outcomes], [q["sql"] for q in sent.captured_queries]
     finally:
         loop.close()
 

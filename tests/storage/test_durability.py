@@ -26,7 +26,8 @@ import pytest
 from django.db import connections
 
 from queue_core.clock import FakeClock
-from queue_core.protocol.writer import Call, Writer
+from queue_core.protocol import limits
+from queue_core.protocol.writer import Call, GroupCommit
 from queue_core.service import QueueService
 from tests.storage.conftest import DATABASES
 
@@ -189,7 +190,6 @@ def test_a_relaxed_transaction_that_fails_leaves_the_connection_durable(
 def run_batch(service: QueueService, calls: list[tuple[Callable[[], Any], bool]]) -> None:
     """Run ``(fn, durable)`` calls as one group commit of the TCP server's writer (claims)."""
     import asyncio
-    import queue
 
     loop = asyncio.new_event_loop()
     try:
@@ -197,16 +197,14 @@ def run_batch(service: QueueService, calls: list[tuple[Callable[[], Any], bool]]
             Call(fn, loop.create_future(), loop, claims=True, durable=durable)
             for fn, durable in calls
         ]
-        writer = Writer(
-            queue.SimpleQueue(),
+        group = GroupCommit(
             service,
             sweep=lambda: set(service.sweep()),
             on_ready=lambda queues: None,
+            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
         )
-        writer._commit(batch)
-        loop.run_until_complete(asyncio.sleep(0))
-        for call in batch:
-            assert call.future.exception() is None
+        for ok, value in group.run(batch):
+            assert ok, value
     finally:
         loop.close()
 

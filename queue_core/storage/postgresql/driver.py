@@ -294,9 +294,12 @@ class PostgresDriver:
         self._feed_lock = threading.Lock()
 
     @contextlib.contextmanager
-    def write(self, *, savepoints: bool = True, durable: bool = True) -> Iterator[PostgresTx]:
+    def write(
+        self, *, savepoints: bool = True, durable: bool = True, wait: bool = True
+    ) -> Iterator[PostgresTx]:
         """Open a write transaction (Django's ``atomic()``: BEGIN, or a SAVEPOINT when nested
-        or inside the caller's ``atomic()``); see ``Driver.write``.
+        or inside the caller's ``atomic()``); see ``Driver.write`` (``wait`` is ignored:
+        PostgreSQL's writers do not exclude each other).
 
         Args:
             savepoints: False at the outermost level: no nested write takes a SAVEPOINT (the

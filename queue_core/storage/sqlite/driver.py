@@ -52,6 +52,7 @@ from queue_core.storage.base import (
     Capabilities,
     ClaimRequest,
     SqlTx,
+    WriteLocked,
     load_queries,
     run_callbacks,
 )
@@ -468,7 +469,9 @@ class SqliteDriver:
         return False
 
     @contextlib.contextmanager
-    def write(self, *, savepoints: bool = True, durable: bool = True) -> Iterator[SqliteTx]:
+    def write(
+        self, *, savepoints: bool = True, durable: bool = True, wait: bool = True
+    ) -> Iterator[SqliteTx]:
         """Open a write transaction: ``BEGIN IMMEDIATE`` ... ``COMMIT`` (ROLLBACK on error).
 
         Nested calls on the same thread become ``SAVEPOINT``s. Inside a caller's
@@ -516,7 +519,7 @@ class SqliteDriver:
             level = self._synchronous(raw, durable)
             self._local.durable = durable
             try:
-                yield from self._transaction(cursor, conn)
+                yield from self._transaction(cursor, conn, wait)
             finally:
                 if level is not None:
                     self._set_synchronous(raw, level)
@@ -527,10 +530,13 @@ class SqliteDriver:
         callbacks, self._local.after = self._local.after, []
         run_callbacks(callbacks, log)
 
-    def _transaction(self, cursor: Any, conn: Any) -> Iterator[SqliteTx]:
+    def _transaction(self, cursor: Any, conn: Any, wait: bool = True) -> Iterator[SqliteTx]:
         """``BEGIN IMMEDIATE``, the body, ``COMMIT`` (``ROLLBACK`` and the mapped error when
         either fails)."""
-        self._begin_immediate(cursor)
+        if wait:
+            self._begin_immediate(cursor)
+        else:
+            self._begin_now(conn.connection)
         self._local.depth = 1
         # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
         # the server's group commit opens two savepoints per request).
@@ -668,6 +674,26 @@ class SqliteDriver:
             raw.execute(f"RELEASE {name}")
         finally:
             self._local.depth = depth
+
+    def _begin_now(self, raw: sqlite3.Connection) -> None:
+        """``BEGIN IMMEDIATE`` without waiting for a write lock another connection holds.
+
+        Raises:
+            WriteLocked: another connection (a thread of this process, or another process)
+                holds the write lock.
+        """
+        if getattr(self._local, "nowait", None) is not raw:
+            raw.execute("PRAGMA busy_timeout=0")  # this connection never waits for the lock
+            self._local.nowait = raw
+        try:
+            raw.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if _is_busy(exc):
+                raise WriteLocked() from exc
+            mapped = self._fault(exc)
+            if mapped is not None:
+                raise mapped from exc
+            raise
 
     def _begin_immediate(self, cursor: Any) -> None:
         budget_s = relay_settings().busy_retry_budget_ms / 1000
