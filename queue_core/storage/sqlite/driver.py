@@ -349,7 +349,13 @@ class SqliteTx(SqlTx):
 
     def sweep_plan(self, now_ms: int) -> tuple[bool, bool] | None:
         """``(True, True)``: the sweep's own statements are index seeks in this process, as
-        cheap as asking first."""
+        cheap as asking first; None once this transaction has swept (the server's group
+        commit sweeps before its claims, and each claim would sweep again: two statements
+        each). A savepoint rolled back forgets the sweep, so the next claim sweeps again."""
+        local = self._driver._local
+        if getattr(local, "swept", False):
+            return None
+        local.swept = True
         return (True, True)
 
     def made_ready(self, queue: str | None = None) -> None:
@@ -538,6 +544,7 @@ class SqliteDriver:
         else:
             self._begin_now(conn.connection)
         self._local.depth = 1
+        self._local.swept = False  # sweep_plan: this transaction has not swept yet
         # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
         # the server's group commit opens two savepoints per request).
         tx = self._local.tx = SqliteTx(cursor, self)
@@ -590,7 +597,12 @@ class SqliteDriver:
                 self._set_synchronous(raw, pending[1])
         if durable:
             return None
-        level = int(raw.execute("PRAGMA synchronous").fetchone()[0])
+        known = getattr(self._local, "level", None)  # (connection, its own level)
+        if known is not None and known[0] is raw:
+            level = int(known[1])
+        else:
+            level = int(raw.execute("PRAGMA synchronous").fetchone()[0])
+            self._local.level = (raw, level)
         if level <= SYNCHRONOUS_NORMAL:
             return None
         raw.execute(f"PRAGMA synchronous={SYNCHRONOUS_NORMAL}")
@@ -655,6 +667,7 @@ class SqliteDriver:
             yield tx
         except BaseException as exc:
             del self._local.after[mark:]  # what this savepoint registered is undone with it
+            self._local.swept = False  # a sweep in it may be undone too
             mapped = self._fault(exc)
             if raw.in_transaction:
                 raw.execute(f"ROLLBACK TO {name}")
