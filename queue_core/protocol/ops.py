@@ -53,8 +53,8 @@ class Kind(enum.Enum):
     """How the server schedules an op."""
 
     READ = "read"  # read-only: runs in the reader pool
-    WRITE = "write"  # changes state: runs on the writer thread, group-committed
-    LEASE = "lease"  # a claim on the writer thread, plus the server's long-poll wait
+    WRITE = "write"  # changes state: group-committed (writer.Database)
+    LEASE = "lease"  # a group-committed claim, plus the server's long-poll wait
 
 
 # ---------------------------------------------------------------------- argument checks

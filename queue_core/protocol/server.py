@@ -7,7 +7,8 @@ A ``RelayServer`` is, in the order a request meets them:
 * ``requests.Requests``: admits each request and runs it: a write goes straight to the
   writer's next group commit and is answered from its future's callback (the one write
   path, ``Requests.start_write``); reads, hello and leases run as a task each;
-* ``writer.Database``: the writer thread(s) with group commit, and the reader pool;
+* ``writer.Database``: group commit (on the loop on SQLite, writer threads on PostgreSQL) and the
+  reader pool;
 * ``wakeups.Wakeups``: the waiting long-poll leases by queue, woken by this server's commits
   and, through ``wakeups.FeedFollower``, by commits made elsewhere (the HTTP API uses the
   same two classes, ``wakeups.ProcessWakeups``).

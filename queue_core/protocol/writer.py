@@ -1,9 +1,12 @@
-"""The server's database threads: the writer(s) with group commit, and the reader pool.
+"""The server's group commit (on the event loop or writer threads) and its reader pool.
 
-* One **writer thread** (SQLite: one writer per file; on PostgreSQL ``SHARED_WRITERS``, each
-  with its own connection, taking calls from the same queue) runs every state-changing call
-  (submit, lease claims, renew, ack, fail, release, replay, purge, the reaper's sweeps). It
-  takes the first queued call, drains up to ``GROUP_COMMIT_MAX - 1`` more, and runs them all
+* **Group commit** (``GroupCommit``) runs every state-changing call (submit, lease claims,
+  renew, ack, fail, release, replay, purge, the reaper's sweeps). On SQLite (one writer per
+  file) the event loop runs it itself (``Database``): the writes a loop iteration admitted,
+  up to ``GROUP_COMMIT_MAX``, in one transaction, with a writer thread for when another
+  connection holds the write lock. On PostgreSQL ``SHARED_WRITERS`` writer threads, each
+  with its own connection, take calls from one queue: each takes the first queued call,
+  drains up to ``GROUP_COMMIT_MAX - 1`` more, and runs them all
   inside ONE ``service.transaction()`` (the storage driver's write transaction): each call
   gets its own SAVEPOINT (the service's own transactions nest too), so one call's error rolls
   back only that call. The batch then COMMITs once, one fsync for all of them (SQLite at
@@ -14,17 +17,17 @@
   docs/design-decisions.md, "Leases without their own fsync"); one other call in the batch
   (an ack, a submit) makes the whole batch durable.
   With several writers, two calls in flight at once (from two connections, or pipelined on
-  one) may commit in either order; with one, they commit in the order they were read.
-* Where the change feed cannot push (SQLite), the first writer polls it between batches (or
-  every ``WATCH_INTERVAL_S`` when idle) through ``wakeups.FeedFollower.poll`` on its own
-  connection, whose ``PRAGMA data_version`` changes only when *another* connection commits,
-  so the server's own commits never count as foreign.
+  one) may commit in either order; on SQLite they commit in the order they were read.
+* Where the change feed cannot push (SQLite), the loop polls it after each group commit and
+  every ``WATCH_INTERVAL_S`` (``wakeups.FeedFollower.poll``) on its own connection, whose
+  ``PRAGMA data_version`` changes only when *another* connection commits, so the server's
+  own commits never count as foreign (its writer thread's do, and wake the waiters once).
 * A small **reader pool** runs read-only calls (ping, inspect, stats, dead_list, the key
   table); each thread has its own connection and WAL lets them read while the writer writes.
 
 ``Database`` is what the rest of the server sees: ``write(fn)`` / ``read(fn)`` from the event
 loop, ``put_write`` for a write whose future is answered by a callback (the request path,
-``requests.Requests.start_write``), ``start`` and ``stop``.
+``requests.Requests.start_write``), ``start``, ``close`` and ``stop``.
 """
 
 from __future__ import annotations
