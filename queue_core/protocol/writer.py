@@ -341,6 +341,7 @@ class Database:
         self.threads: list[DbThread] = []
         self._inline_wanted = INLINE_WRITES if inline is None else inline
         self.inline: GroupCommit | None = None  # the event loop's group commit, when inline
+        self._closed = False  # close() ran: later writes go to the writer thread
         self._pending: list[Call] = []  # writes for the loop's next group commit
         self._queued = 0  # writes handed to the writer thread and not yet answered
         self._follower: FeedFollower | None = None  # polled on the loop, when inline
@@ -418,6 +419,7 @@ class Database:
             self._watch = None
         if self._pending:
             self._flush()
+        self._closed = True
         if self.inline is not None:
             with self._no_running_loop(), contextlib.suppress(Exception):
                 self.service.close()
@@ -441,7 +443,7 @@ class Database:
                 batch is (``GroupCommit.run``).
         """
         call = Call(fn, future, future.get_loop(), claims, durable)
-        if self.inline is None:
+        if self.inline is None or self._closed:
             self.write_calls.put(call)
         elif self._queued:
             self._to_thread([call])  # after the writes already there
