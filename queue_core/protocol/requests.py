@@ -107,7 +107,7 @@ class Requests:
             if leases_next:
                 handler = functools.partial(self._unless_draining, verb, args, ctx)
             # With lease_next the batch sweeps first, as a lease's does (whom to wake).
-            self.db.put_write(handler, future, claims=leases_next)
+            self.db.put_write(handler, future, claims=leases_next, weight=_weight(args))
         future.add_done_callback(functools.partial(self.answer_write, conn, request))
         conn.tasks.add(future)
         future.add_done_callback(conn.tasks.discard)
@@ -334,6 +334,7 @@ class Requests:
                         lambda: verb.handler(self.service, args, ctx),
                         claims=True,
                         durable=relay_settings().durable_leases,
+                        weight=_weight(args),
                     )
                 except BaseException:
                     self.budget.give(conn, frame)
@@ -377,6 +378,22 @@ class Requests:
                 log.info("event=release_unsent_failed job_id=%s code=%s", lease["job_id"], exc.code)
             else:
                 self.wakeups.wake([lease["queue"]])
+
+
+def _weight(args: dict[str, Any]) -> int:
+    """How many jobs a request's write may touch (``writer.Database.put_write``'s ``weight``):
+    a batch's length, plus a lease's or a ``lease_next``'s ``max_jobs`` (an argument the
+    handler will refuse counts as 1)."""
+    batch = args.get("jobs") or args.get("acks")
+    weight = len(batch) if isinstance(batch, list) and batch else 1
+    spec = args.get("lease_next")
+    if isinstance(spec, dict):
+        more = spec.get("max_jobs", 1)
+        weight += more if isinstance(more, int) and more > 0 else 1
+    max_jobs = args.get("max_jobs")
+    if isinstance(max_jobs, int) and max_jobs > weight:
+        weight = max_jobs
+    return weight
 
 
 def _next_worker_id(args: dict[str, Any], peer: str) -> str:

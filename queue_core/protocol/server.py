@@ -333,7 +333,7 @@ class RelayServer:
         while True:
             started = loop.time()
             try:
-                deleted = await self._db.write(self.service.prune_batch)
+                deleted = await self._db.write(self.service.prune_batch, weight=PRUNE_BATCH)
             except Exception as exc:  # noqa: BLE001 - the next pass tries again
                 limits.log_failure(self._failures, "retention_failed", exc)
                 deleted = {}

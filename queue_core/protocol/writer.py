@@ -3,10 +3,11 @@
 * **Group commit** (``GroupCommit``) runs every state-changing call (submit, lease claims,
   renew, ack, fail, release, replay, purge, the reaper's sweeps). On SQLite (one writer per
   file) the event loop runs it itself (``Database``): the writes a loop iteration admitted,
-  up to ``GROUP_COMMIT_MAX``, in one transaction, with a writer thread for when another
-  connection holds the write lock. On PostgreSQL ``SHARED_WRITERS`` writer threads, each
-  with its own connection, take calls from one queue: each takes the first queued call,
-  drains up to ``GROUP_COMMIT_MAX - 1`` more, and runs them all
+  when they touch at most ``INLINE_MAX_WEIGHT`` jobs, in one transaction; its writer thread
+  takes a heavier batch, and every batch while another connection holds the write lock.
+  On PostgreSQL ``SHARED_WRITERS`` writer threads, each with its own connection, take calls
+  from one queue. A writer thread takes the first queued call, drains up to
+  ``GROUP_COMMIT_MAX - 1`` more, and runs them all
   inside ONE ``service.transaction()`` (the storage driver's write transaction): each call
   gets its own SAVEPOINT (the service's own transactions nest too), so one call's error rolls
   back only that call. The batch then COMMITs once, one fsync for all of them (SQLite at
@@ -17,7 +18,8 @@
   docs/design-decisions.md, "Leases without their own fsync"); one other call in the batch
   (an ack, a submit) makes the whole batch durable.
   With several writers, two calls in flight at once (from two connections, or pipelined on
-  one) may commit in either order; on SQLite they commit in the order they were read.
+  one) may commit in either order; on SQLite they commit in the order they were queued
+  (``put_write``; a write that first waits for the key table's re-read is queued after it).
 * Where the change feed cannot push (SQLite), the loop polls it after each group commit and
   every ``WATCH_INTERVAL_S`` (``wakeups.FeedFollower.poll``) on its own connection, whose
   ``PRAGMA data_version`` changes only when *another* connection commits, so the server's
@@ -56,8 +58,11 @@ READER_THREADS = 4
 # Writer threads (each its own connection and group commit) where the database takes
 # concurrent writers (PostgreSQL); SQLite has one.
 SHARED_WRITERS = 4
-# SQLite: the event loop runs the group commits itself (``Database``).
+# SQLite: the event loop runs the group commits itself (``Database``), those of up to
+# INLINE_MAX_WEIGHT jobs' worth (a few ms); a bigger one goes to the writer thread, so that
+# reads and new requests are not held up behind it.
 INLINE_WRITES = True
+INLINE_MAX_WEIGHT = 32
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,6 +72,7 @@ class Call:
     loop: asyncio.AbstractEventLoop
     claims: bool = False  # a lease claim: its batch sweeps due jobs first
     durable: bool = True  # False: lease bookkeeping only, its COMMIT need not wait for the disk
+    weight: int = 1  # the jobs it may touch (a batch's length, a lease's max_jobs)
 
 
 def settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -431,6 +437,7 @@ class Database:
         *,
         claims: bool = False,
         durable: bool = True,
+        weight: int = 1,
     ) -> None:
         """Queue ``fn`` for the next group commit; ``future`` gets its result after COMMIT
         (event-loop thread: the future's loop is the running one).
@@ -441,8 +448,11 @@ class Database:
             durable: False: ``fn`` is lease bookkeeping only (``QueueService.claim``,
                 ``sweep``), which may commit without waiting for the disk when the whole
                 batch is (``GroupCommit.run``).
+            weight: how many jobs ``fn`` may touch (1 for most calls; a batch's length, a
+                lease's ``max_jobs``): a group commit of more than ``INLINE_MAX_WEIGHT``
+                runs on the writer thread.
         """
-        call = Call(fn, future, future.get_loop(), claims, durable)
+        call = Call(fn, future, future.get_loop(), claims, durable, weight)
         if self.inline is None or self._closed:
             self.write_calls.put(call)
         elif self._queued:
@@ -453,12 +463,17 @@ class Database:
                 call.loop.call_soon(self._flush)
 
     async def write(
-        self, fn: Callable[[], Any], *, claims: bool = False, durable: bool = True
+        self,
+        fn: Callable[[], Any],
+        *,
+        claims: bool = False,
+        durable: bool = True,
+        weight: int = 1,
     ) -> Any:
         """Run ``fn`` in the next group commit; return after COMMIT (``put_write``'s
         arguments)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.put_write(fn, future, claims=claims, durable=durable)
+        self.put_write(fn, future, claims=claims, durable=durable, weight=weight)
         return await future
 
     async def read(self, fn: Callable[[], Any]) -> Any:
@@ -472,12 +487,15 @@ class Database:
 
     def _flush(self) -> None:
         """Event loop: commit the pending writes in one transaction, then settle them; when
-        the write lock is taken, hand them to the writer thread instead."""
-        batch, self._pending = self._pending[:GROUP_COMMIT_MAX], self._pending[GROUP_COMMIT_MAX:]
+        they weigh more than ``INLINE_MAX_WEIGHT`` or the write lock is taken, hand them to
+        the writer thread instead."""
+        if sum(call.weight for call in self._pending) > INLINE_MAX_WEIGHT:
+            batch, self._pending = self._pending, []
+            self._to_thread(batch)
+            return
+        batch, self._pending = self._pending, []
         if not batch:
             return
-        if self._pending:
-            batch[0].loop.call_soon(self._flush)
         assert self.inline is not None
         try:
             with self._no_running_loop():
@@ -499,6 +517,9 @@ class Database:
             self.write_calls.put(call)
 
     def _answered(self, _future: asyncio.Future[Any]) -> None:
+        # A cancelled future (its connection closed) counts too, though its call may still
+        # wait in the thread's queue: a later write may then commit before it, which only
+        # a write of another connection can be.
         self._queued -= 1
 
     def _poll_feed(self) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from django.db import connection
 
+from queue_core.protocol import writer
 from tests.integration.test_tcp_server import Client, Running, wait_for
 
 
@@ -48,3 +49,23 @@ def test_writes_wait_in_order_while_another_connection_holds_the_lock_and_reads_
     assert sentinel.ok("stats")["totals"]["ready"] == 5
     producer.close()
     sentinel.close()
+
+
+def test_a_heavy_batch_commits_on_the_writer_thread_and_a_light_one_on_the_loop(
+    start: Callable[..., Running],
+) -> None:
+    running = start()
+    db = running.server._db
+    assert db.inline is not None
+    client = Client(running.port)
+    thread_commits = db.writers[0].commits
+    heavy = [{"queue": "hv", "payload": {"n": n}} for n in range(writer.INLINE_MAX_WEIGHT + 1)]
+    assert len(client.ok("submit_batch", jobs=heavy)["results"]) == len(heavy)
+    assert db.writers[0].commits > thread_commits  # off the loop
+    wait_for(lambda: db._queued == 0)
+    light = heavy[: writer.INLINE_MAX_WEIGHT]
+    thread_commits, inline_commits = db.writers[0].commits, db.inline.commits
+    assert len(client.ok("submit_batch", jobs=light)["results"]) == len(light)
+    assert db.writers[0].commits == thread_commits
+    assert db.inline.commits > inline_commits
+    client.close()
