@@ -320,14 +320,16 @@ class Database:
 
     On SQLite (one writer per file) the event loop runs each group commit itself
     (``_flush``): the writes a loop iteration admitted go into one transaction, committed
-    before their replies are sent, with no thread hand-off in between. Two hand-offs per
+    before their replies are sent, with no thread hand-off in between, when they touch at
+    most ``INLINE_MAX_WEIGHT`` jobs (a heavier batch goes to the writer thread, so reads are
+    not held up behind it). Two hand-offs per
     request (to the writer thread and back through the loop's self-pipe) cost more server
     CPU than the request's own work on a 2-core machine (docs/benchmarking.md, round 3).
     Redis with ``appendfsync always`` and beanstalkd with ``-f 0`` sync in their event
     loops the same way. The loop never waits for a lock: when another connection holds
     SQLite's write lock (another process, or the writer thread), the batch goes to the
     writer thread, which waits as every writer does, and later writes follow it there until
-    it has answered them all, so writes still commit in the order they were read.
+    it has answered them all, so writes still commit in the order they were queued.
 
     Args:
         service: the queue service every thread calls (each thread its own connection).
