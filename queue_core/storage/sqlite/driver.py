@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import orjson
 from django.db import DatabaseError, OperationalError, connections, transaction
@@ -539,10 +539,7 @@ class SqliteDriver:
     def _transaction(self, cursor: Any, conn: Any, wait: bool = True) -> Iterator[SqliteTx]:
         """``BEGIN IMMEDIATE``, the body, ``COMMIT`` (``ROLLBACK`` and the mapped error when
         either fails)."""
-        if wait:
-            self._begin_immediate(cursor)
-        else:
-            self._begin_now(conn.connection)
+        self._begin_immediate(cursor, conn.connection, wait)
         self._local.depth = 1
         self._local.swept = False  # sweep_plan: this transaction has not swept yet
         # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
@@ -572,12 +569,7 @@ class SqliteDriver:
                 cursor.execute("ROLLBACK")
             if isinstance(exc, RelayError):
                 raise
-            if _is_busy(exc):
-                raise StoreBusy() from exc
-            mapped = self._fault(exc)
-            if mapped is not None:
-                raise mapped from exc
-            raise
+            self._raise_mapped(exc, StoreBusy())
         finally:
             self._local.depth = 0
             self._local.tx = None
@@ -597,9 +589,9 @@ class SqliteDriver:
                 self._set_synchronous(raw, pending[1])
         if durable:
             return None
-        known = getattr(self._local, "level", None)  # (connection, its own level)
-        if known is not None and known[0] is raw:
-            level = int(known[1])
+        known: tuple[sqlite3.Connection, int] | None = getattr(self._local, "level", None)
+        if known is not None and known[0] is raw:  # the connection's own level, read once
+            level = known[1]
         else:
             level = int(raw.execute("PRAGMA synchronous").fetchone()[0])
             self._local.level = (raw, level)
@@ -688,29 +680,22 @@ class SqliteDriver:
         finally:
             self._local.depth = depth
 
-    def _begin_now(self, raw: sqlite3.Connection) -> None:
-        """``BEGIN IMMEDIATE`` without waiting for a write lock another connection holds.
+    def _begin_immediate(self, cursor: Any, raw: sqlite3.Connection, wait: bool) -> None:
+        """``BEGIN IMMEDIATE``; "database is locked" is retried with jittered backoff for
+        ``RELAY_BUSY_RETRY_BUDGET_MS``, or, with ``wait`` False, not at all: the connection
+        then never waits for the lock (``busy_timeout=0``, set once per connection).
 
         Raises:
-            WriteLocked: another connection (a thread of this process, or another process)
-                holds the write lock.
+            StoreBusy: the lock stayed taken past the budget. WriteLocked: it was taken and
+                ``wait`` is False.
         """
-        if getattr(self._local, "nowait", None) is not raw:
-            raw.execute("PRAGMA busy_timeout=0")  # this connection never waits for the lock
-            self._local.nowait = raw
-        try:
-            raw.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            if _is_busy(exc):
-                raise WriteLocked() from exc
-            mapped = self._fault(exc)
-            if mapped is not None:
-                raise mapped from exc
-            raise
-
-    def _begin_immediate(self, cursor: Any) -> None:
-        budget_s = relay_settings().busy_retry_budget_ms / 1000
-        deadline = time.monotonic() + budget_s
+        budget_ms = relay_settings().busy_retry_budget_ms
+        if not wait:
+            budget_ms = 0
+            if getattr(self._local, "nowait", None) is not raw:
+                raw.execute("PRAGMA busy_timeout=0")
+                self._local.nowait = raw
+        deadline = time.monotonic() + budget_ms / 1000
         delay = 0.005
         while True:
             try:
@@ -718,15 +703,20 @@ class SqliteDriver:
                 return
             except OperationalError as exc:
                 if not _is_busy(exc) or time.monotonic() >= deadline:
-                    if _is_busy(exc):
-                        raise StoreBusy() from exc
-                    mapped = self._fault(exc)
-                    if mapped is not None:
-                        raise mapped from exc
-                    raise
+                    self._raise_mapped(exc, StoreBusy() if wait else WriteLocked())
                 log.debug("event=busy_retry delay_s=%.3f", delay)
                 time.sleep(delay * self._rng.uniform(0.5, 1.0))
                 delay = min(delay * 2, 0.2)
+
+    def _raise_mapped(self, exc: BaseException, busy: Exception) -> NoReturn:
+        """Raise ``busy`` for "database is locked", Relay's storage error for a storage
+        fault (``_fault``), else ``exc`` itself."""
+        if _is_busy(exc):
+            raise busy from exc
+        mapped = self._fault(exc)
+        if mapped is not None:
+            raise mapped from exc
+        raise exc
 
     @contextlib.contextmanager
     def read(self) -> Iterator[SqliteTx]:
