@@ -20,8 +20,8 @@
   With several writers, two calls in flight at once (from two connections, or pipelined on
   one) may commit in either order; on SQLite they commit in the order they were queued
   (``put_write``; a write that first waits for the key table's re-read is queued after it).
-* Where the change feed cannot push (SQLite), the loop polls it after each group commit and
-  every ``WATCH_INTERVAL_S`` (``wakeups.FeedFollower.poll``) on its own connection, whose
+* Where the change feed cannot push (SQLite), the loop polls it every ``WATCH_INTERVAL_S``
+  (``wakeups.FeedFollower.poll``) on its own connection, whose
   ``PRAGMA data_version`` changes only when *another* connection commits, so the server's
   own commits never count as foreign (its writer thread's do, and wake the waiters once).
 * A small **reader pool** runs read-only calls (ping, inspect, stats, dead_list, the key
@@ -334,20 +334,15 @@ class Database:
     Args:
         service: the queue service every thread calls (each thread its own connection).
         failures: the rate limit of failure log lines, shared with the server.
-        inline: run SQLite's group commits on the event loop (default ``INLINE_WRITES``);
-            ignored where writers share the database (PostgreSQL).
     """
 
-    def __init__(
-        self, service: QueueService, failures: limits.Every, *, inline: bool | None = None
-    ) -> None:
+    def __init__(self, service: QueueService, failures: limits.Every) -> None:
         self.service = service
         self.failures = failures
         self.write_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.writers: list[Writer] = []
         self.threads: list[DbThread] = []
-        self._inline_wanted = INLINE_WRITES if inline is None else inline
         self.inline: GroupCommit | None = None  # the event loop's group commit, when inline
         self._closed = False  # close() ran: later writes go to the writer thread
         self._pending: list[Call] = []  # writes for the loop's next group commit
@@ -376,7 +371,7 @@ class Database:
         self._loop = asyncio.get_running_loop()
         single = self.service.capabilities.single_writer
         count = 1 if single else SHARED_WRITERS
-        if single and self._inline_wanted:
+        if single and INLINE_WRITES:
             self.inline = GroupCommit(
                 self.service, sweep=sweep, on_ready=on_ready, failures=self.failures
             )
@@ -491,25 +486,21 @@ class Database:
         """Event loop: commit the pending writes in one transaction, then settle them; when
         they weigh more than ``INLINE_MAX_WEIGHT`` or the write lock is taken, hand them to
         the writer thread instead."""
-        if sum(call.weight for call in self._pending) > INLINE_MAX_WEIGHT:
-            batch, self._pending = self._pending, []
-            self._to_thread(batch)
-            return
         batch, self._pending = self._pending, []
         if not batch:
             return
         assert self.inline is not None
-        try:
-            with self._no_running_loop():
-                outcomes = self.inline.run(batch, wait=False)
-                if self._follower is not None:
-                    self._follower.poll()  # foreign commits since the last look
-        except WriteLocked:
-            self._to_thread([*batch, *self._pending])
-            self._pending = []
-            return
-        for call, (ok, value) in zip(batch, outcomes, strict=True):
-            settle(call.future, ok, value)
+        if sum(call.weight for call in batch) <= INLINE_MAX_WEIGHT:
+            try:
+                with self._no_running_loop():
+                    outcomes = self.inline.run(batch, wait=False)
+            except WriteLocked:
+                pass
+            else:
+                for call, (ok, value) in zip(batch, outcomes, strict=True):
+                    settle(call.future, ok, value)
+                return
+        self._to_thread(batch)
 
     def _to_thread(self, calls: list[Call]) -> None:
         """Hand ``calls`` to the writer thread, counting them until each is answered."""
