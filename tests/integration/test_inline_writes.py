@@ -1,7 +1,7 @@
 """The event loop's own group commit on SQLite (``queue_core.protocol.writer.Database``).
 
 The loop never waits for SQLite's write lock: while another connection holds it, writes go to
-the writer thread, which waits, and answer in the order they were read; reads go on. Once the
+the writer thread, which waits, and commit in the order they were queued; reads go on. Once the
 thread has answered them all, writes run on the loop again.
 """
 
