@@ -67,6 +67,12 @@ class RelaySettings:
             step with their rows).
         database: the Django database alias Relay's tables live in (``"default"``); its
             engine picks the storage driver (SQLite or PostgreSQL, ``queue_core.storage``).
+        pg_prepared_statements: on PostgreSQL, run Relay's own statements as prepared
+            statements, prepared on first use on each connection (True). Django turns
+            psycopg's prepared statements off by default for connection poolers; without them
+            PostgreSQL parses and plans every statement, which here cost about 40% of its CPU
+            per lease+ack (docs/benchmarking.md). Set False behind a pooler in transaction
+            mode that cannot keep them (PgBouncer before 1.21).
         server_heartbeat_ms: how often a server renews its row in the server registry, in
             ms (5 000); it counts as live for three of these.
         max_clock_skew_ms: the most a server's clock may differ from the database's, in ms
@@ -169,6 +175,7 @@ class RelaySettings:
     durable_leases: bool = False
     startup_check: str = "integrity"
     database: str = "default"
+    pg_prepared_statements: bool = True
     server_heartbeat_ms: int = 5_000
     max_clock_skew_ms: int = 1_000
     # SQLite write-ahead log bound.

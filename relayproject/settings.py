@@ -124,6 +124,9 @@ RELAY_DURABLE_LEASES = _env("RELAY_DURABLE_LEASES", "0") == "1"
 # PostgreSQL instead, for several relay servers on one database:
 # RELAY_DATABASE_URL=postgresql://user[:password]@host[:port]/dbname (RELAY_DB is then unused).
 RELAY_DATABASE_URL = _env("RELAY_DATABASE_URL", "")
+# Relay's statements as prepared statements on PostgreSQL; 0 behind a transaction-mode pooler
+# that cannot keep them (PgBouncer before 1.21).
+RELAY_PG_PREPARED_STATEMENTS = _env("RELAY_PG_PREPARED_STATEMENTS", "1") == "1"
 # The alias of the database Relay's tables live in.
 RELAY_DATABASE = "default"
 
@@ -173,12 +176,12 @@ def postgresql_database(url: str) -> dict[str, object]:
         "PORT": str(parts.port or ""),
         "CONN_MAX_AGE": _env_int("RELAY_CONN_MAX_AGE_S", 60),
         "CONN_HEALTH_CHECKS": True,
-        # psycopg prepares a statement after it ran 5 times on a connection (server-side
-        # binding): claim, ack and submit become prepared statements. lock_timeout bounds a
-        # wait for a row another transaction holds (two batches binding the same idempotency
-        # keys in opposite orders): the call gets BUSY (retryable) instead of holding its
-        # whole group commit, and every other client's calls in it, for as long as the other
-        # transaction lasts.
+        # Server-side binding: the driver prepares Relay's own statements on each connection
+        # (RELAY_PG_PREPARED_STATEMENTS; Django's own queries stay unprepared, Django's
+        # default). lock_timeout bounds a wait for a row another transaction holds (two
+        # batches binding the same idempotency keys in opposite orders): the call gets BUSY
+        # (retryable) instead of holding its whole group commit, and every other client's
+        # calls in it, for as long as the other transaction lasts.
         "OPTIONS": {
             "server_side_binding": True,
             "options": f"-c lock_timeout={_env_int('RELAY_LOCK_TIMEOUT_MS', 2000)}",

@@ -3,9 +3,11 @@
 Transactions are Django's ``atomic()`` on the alias (BEGIN, SAVEPOINTs when nested, COMMIT),
 so a caller's own ``atomic()`` block takes Relay's writes into its transaction exactly as
 with SQLite. Statements are the named blocks of ``queries.sql`` beside this file, run on a
-psycopg cursor with server-side binding under Django's connection: psycopg prepares a
-statement once it has run ``prepare_threshold`` (5) times on a connection (without prepared
-statements claim+ack ran 1.6x slower here, ../shared/PERFORMANCE.md).
+psycopg cursor with server-side binding under Django's connection, as prepared statements
+prepared on their first run on each connection (``RELAY_PG_PREPARED_STATEMENTS``). Django
+turns psycopg's prepared statements off (``prepare_threshold`` None, for connection
+poolers), and PostgreSQL then parses and plans every statement: on the benchmark machine
+that was about 40% of its CPU per lease+ack (docs/benchmarking.md, "PostgreSQL").
 
 Several servers write at once, so the guarantees SQLite's single writer gave for free are
 made explicit: the claim locks what it takes and skips what others hold (``FOR UPDATE SKIP
@@ -36,6 +38,7 @@ import psycopg
 from django.db import DatabaseError, connections, transaction
 from psycopg.pq import TransactionStatus
 
+from queue_core.conf import relay_settings
 from queue_core.errors import InvalidArgument, RelayError, StoreBusy, Unavailable
 from queue_core.storage.base import (
     Capabilities,
@@ -63,6 +66,15 @@ _FEEDS: weakref.WeakSet[PostgresChangeFeed] = weakref.WeakSet()
 # the planner, costing an index scan by its pages, can prefer to scan every finished job of
 # the table (tests/postgresql/test_claim_plan.py shows it doing so).
 INDEXED_ONLY = frozenset({"counts_live"})
+# psycopg's prepare_threshold for a connection Django opened with None (no prepared
+# statements): a count no query reaches, so only what asks (Relay's statements, and
+# executemany, which always asks) is prepared; the application's own queries stay as they were.
+PREPARE_WHEN_ASKED = 1 << 62
+
+
+def _execute_prepared(cursor: psycopg.Cursor[Any], query: str, params: Any) -> Any:
+    """``cursor.execute`` as a prepared statement (prepared on its first run here)."""
+    return cursor.execute(query, params, prepare=True)
 
 
 def _translate(exc: DatabaseError) -> Exception | None:
@@ -98,10 +110,10 @@ class PostgresTx(SqlTx):
     """``Tx`` on PostgreSQL (see ``queue_core.storage.base.Tx``)."""
 
     def __init__(self, cursor: Any, driver: PostgresDriver) -> None:
-        raw = psycopg.Cursor(cursor.db.connection)  # server-side binding: prepared statements
-        super().__init__(
-            cursor, raw, QUERIES, QUERIES, psycopg.Cursor.execute, psycopg.Cursor.executemany
-        )
+        conn = cursor.db.connection
+        raw = psycopg.Cursor(conn)  # server-side binding
+        execute = _execute_prepared if driver.prepares(conn) else psycopg.Cursor.execute
+        super().__init__(cursor, raw, QUERIES, QUERIES, execute, psycopg.Cursor.executemany)
         self._driver = driver
 
     def _execute(self, name: str, params: Any) -> Any:
@@ -148,6 +160,19 @@ class PostgresTx(SqlTx):
         return None if row and row["controlled"] else []
 
     def _claim(self, request: ClaimRequest, *, guard: bool) -> list[dict[str, Any]]:
+        if request.limit == 1 and len(request.queues) == 1:
+            # One job from one queue: the statement whose generic plan is planned once.
+            return self.all(
+                "claim_one",
+                {
+                    "guard": guard,
+                    "queue": request.queues[0],
+                    "now_ms": request.now_ms,
+                    "expires_ms": request.expires_ms,
+                    "worker_id": request.worker_id,
+                    "token": request.new_token(),
+                },
+            )
         rows = self.all(
             "claim",
             {
@@ -403,10 +428,34 @@ class PostgresDriver:
 
     def heal(self) -> None:
         """Outside a transaction, close this thread's connection if an error left it unusable
-        (a terminated backend, a database restart): the next statement opens a new one."""
+        (a terminated backend, a database restart) or it outlived ``CONN_MAX_AGE``: the next
+        statement opens a new one.
+
+        Only then does it call Django's ``close_if_unusable_or_obsolete``, which also re-arms
+        ``CONN_HEALTH_CHECKS``: called before every transaction, as a request's start would,
+        it cost a ``SELECT 1`` round trip per transaction. A connection that died while idle
+        fails its next statement instead (``UNAVAILABLE``, retryable), which marks it for
+        this check.
+        """
         conn = connections[self.alias]
-        if not conn.in_atomic_block:
+        if conn.in_atomic_block or conn.connection is None:
+            return
+        raw = conn.connection
+        aged = conn.close_at is not None and time.monotonic() >= conn.close_at
+        autocommit = conn.autocommit == conn.settings_dict["AUTOCOMMIT"]
+        if conn.errors_occurred or aged or not autocommit or raw.closed or raw.broken:
             conn.close_if_unusable_or_obsolete()
+
+    @staticmethod
+    def prepares(conn: psycopg.Connection[Any]) -> bool:
+        """Whether Relay's statements run prepared on ``conn`` (``RELAY_PG_PREPARED_STATEMENTS``);
+        when Django opened it without prepared statements, they are let in for the statements
+        that ask (``PREPARE_WHEN_ASKED``)."""
+        if not relay_settings().pg_prepared_statements:
+            return False
+        if conn.prepare_threshold is None:
+            conn.prepare_threshold = PREPARE_WHEN_ASKED
+        return True
 
     def after_commit(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` after COMMIT (Django's ``on_commit``, robust: errors are logged)."""
