@@ -65,10 +65,38 @@ def test_one_server_killed_leaves_the_other_serving(fresh_url: str) -> None:
             assert client.ping()["pong"] is True
         assert popen.poll() is None, "the script stopped with one of its servers"
         popen.send_signal(signal.SIGTERM)
-        assert script.wait_exit(30) == 0 or popen.returncode is not None
+        assert script.wait_exit(30) == 128 + signal.SIGKILL  # one server did not exit 0
         stopped = [r for r in script.records if r.get("event") == "stopped"]
         assert len(stopped) == 1  # the surviving server stopped cleanly on the script's exit
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(popen.pid, signal.SIGKILL)  # whatever is left of the group
+        script.kill()
+
+
+def test_sigterm_stops_both_servers_and_the_script_exits_0(fresh_url: str) -> None:
+    ports = [free_port(), free_port()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DJANGO_"))}
+    env |= {"RELAY_SKIP_SETUP": "1", "RELAY_PORTS": " ".join(map(str, ports))}
+    env |= {"RELAY_LOG": "info", "PYTHONUNBUFFERED": "1"}
+    popen = subprocess.Popen(
+        [str(ROOT / "bin" / "two-servers"), fresh_url],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    script = Proc(popen, "bin/two-servers")
+    try:
+        for p in ports:
+            script.wait_for(lambda r, p=p: r.get("event") == "ready" and r["port"] == p, 120)
+        popen.send_signal(signal.SIGTERM)
+        assert script.wait_exit(30) == 0
+        stopped = [r for r in script.records if r.get("event") == "stopped"]
+        assert len(stopped) == 2
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(popen.pid, signal.SIGKILL)
         script.kill()
