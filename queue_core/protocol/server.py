@@ -311,8 +311,8 @@ class RelayServer:
                     ready = await self._db.read(
                         functools.partial(self.service.ready_queues, waited)
                     )
-                except Exception:
-                    log.exception("event=fallback_poll_failed")
+                except Exception as exc:  # noqa: BLE001 - wake them all; the next pass asks again
+                    limits.log_failure(self._failures, "fallback_poll_failed", exc)
                     ready = waited
                 self._wakeups.wake(ready)
             # A due instant still in the past means a sweep hit its row limit: go again now.

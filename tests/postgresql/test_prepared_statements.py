@@ -130,20 +130,45 @@ def test_the_one_job_claims_generic_plan_seeks_the_indexes_and_stays_flat() -> N
     assert large <= 2 * small + 8, (small, large)
 
 
-def test_a_transaction_runs_no_health_check_until_a_statement_fails() -> None:
+def test_a_transaction_runs_no_health_check_and_a_killed_connection_is_replaced() -> None:
     driver = driver_for("postgresql")
     svc = QueueService(driver=driver)
     conn = connections["postgresql"]
     svc.submit("heal", 1)  # connected
     with mock.patch.object(type(conn), "is_usable", autospec=True, return_value=True) as usable:
         lease_and_ack(svc, "heal", 3)
-        assert usable.call_count == 0
-        # The backend is ended under the connection: the next call is UNAVAILABLE (retryable),
-        # and the one after it runs on a new connection.
+        assert usable.call_count == 0  # no SELECT 1 before each transaction
+        # The backend is ended under the idle connection: the next call sees the socket
+        # readable before it sends anything and runs on a new connection, with no error.
+        pid = conn.connection.info.backend_pid
         with psycopg.connect(**driver.connect_kwargs(), autocommit=True) as other:
-            pid = conn.connection.info.backend_pid
             other.execute("SELECT pg_terminate_backend(%s)", [pid])
-        with pytest.raises(Unavailable):
-            svc.submit("heal", 2)
-        assert svc.submit("heal", 3)["job"]["state"] == "ready"
+            gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+            while other.execute(gone, [pid]).fetchone() != (0,):
+                pass  # until the backend has exited (and so has spoken its last)
+        assert svc.submit("heal", 2)["job"]["state"] == "ready"
         assert conn.connection.info.backend_pid != pid
+        assert usable.call_count == 0
+
+
+def test_a_prepared_statement_a_schema_change_made_stale_costs_one_retryable_error() -> None:
+    driver = driver_for("postgresql")
+    svc = QueueService(driver=driver)
+    conn = connections["postgresql"]
+    conn.close()
+    job = svc.submit("stale", 1)["job"]
+    for _ in range(3):
+        svc.get(job["id"])  # prepared on this connection
+    pid = conn.connection.info.backend_pid
+    with psycopg.connect(**driver.connect_kwargs(), autocommit=True) as other:  # a migration
+        other.execute("ALTER TABLE relay_job ALTER COLUMN attempt TYPE bigint")
+    try:
+        with pytest.raises(Unavailable) as raised:  # retryable, never INTERNAL
+            svc.get(job["id"])
+        assert raised.value.retryable
+        assert svc.get(job["id"])["id"] == job["id"]  # a new connection
+        assert conn.connection.info.backend_pid != pid
+    finally:
+        conn.close()
+        with psycopg.connect(**driver.connect_kwargs(), autocommit=True) as other:
+            other.execute("ALTER TABLE relay_job ALTER COLUMN attempt TYPE integer")

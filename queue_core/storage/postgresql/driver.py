@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
 import time
 import uuid
@@ -77,11 +78,22 @@ def _execute_prepared(cursor: psycopg.Cursor[Any], query: str, params: Any) -> A
     return cursor.execute(query, params, prepare=True)
 
 
+# This thread's connection holds a prepared statement whose result types a schema change
+# altered ("cached plan must not change result type", which psycopg does not recover from):
+# ``heal`` replaces the connection.
+_STALE = threading.local()
+
+
 def _translate(exc: DatabaseError) -> Exception | None:
     """Map a database error to Relay's: BUSY for waits a retry cures, UNAVAILABLE for a lost
-    connection; None to re-raise it as it is."""
+    connection or a stale prepared statement; None to re-raise it as it is."""
     cause = exc.__cause__
     state = getattr(cause, "sqlstate", None)
+    if state == "0A000" and "cached plan must not change result type" in str(cause):
+        # A migration changed a column's type under a prepared statement: the connection
+        # cannot run it again, so the next heal() opens a new one; the call may be retried.
+        _STALE.reset = True
+        return Unavailable("a schema change made a prepared statement stale; try again")
     if state in _BUSY_STATES:
         return StoreBusy(f"the database refused the write for now ({state}); try again")
     # No SQLSTATE (the socket is gone), class 08 (connection exception) or 57P (the server
@@ -104,6 +116,23 @@ def _relay_errors() -> Iterator[None]:
         if mapped is None:
             raise
         raise mapped from exc
+
+
+def _hung_up(raw: psycopg.Connection[Any]) -> bool:
+    """Whether the server spoke on an idle connection: it ended the session (a FATAL error
+    and EOF), or, rarely, sent a notice; either way the connection is best replaced. One
+    ``poll`` of the socket, no round trip (a connection of Relay's driver listens to no
+    channel: the change feed has its own)."""
+    if raw.closed or raw.broken:
+        return True
+    if raw.info.transaction_status != TransactionStatus.IDLE:
+        return False
+    try:
+        poller = select.poll()
+        poller.register(raw.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError, psycopg.Error):
+        return True
 
 
 class PostgresTx(SqlTx):
@@ -433,14 +462,19 @@ class PostgresDriver:
 
         Only then does it call Django's ``close_if_unusable_or_obsolete``, which also re-arms
         ``CONN_HEALTH_CHECKS``: called before every transaction, as a request's start would,
-        it cost a ``SELECT 1`` round trip per transaction. A connection that died while idle
-        fails its next statement instead (``UNAVAILABLE``, retryable), which marks it for
-        this check.
+        it cost a ``SELECT 1`` round trip per transaction. Instead, a connection whose
+        socket is readable while idle (the server ended the session: ``pg_terminate_backend``,
+        a restart) is replaced without a round trip (``_hung_up``), and so is one holding a
+        prepared statement a schema change made stale.
         """
         conn = connections[self.alias]
         if conn.in_atomic_block or conn.connection is None:
             return
         raw = conn.connection
+        if getattr(_STALE, "reset", False) or _hung_up(raw):
+            _STALE.reset = False
+            conn.close()
+            return
         aged = conn.close_at is not None and time.monotonic() >= conn.close_at
         autocommit = conn.autocommit == conn.settings_dict["AUTOCOMMIT"]
         if conn.errors_occurred or aged or not autocommit or raw.closed or raw.broken:
