@@ -70,8 +70,8 @@ class RelaySettings:
         pg_prepared_statements: on PostgreSQL, run Relay's own statements as prepared
             statements, prepared on first use on each connection (True). Django turns
             psycopg's prepared statements off by default for connection poolers; without them
-            PostgreSQL parses and plans every statement, which here cost about 40% of its CPU
-            per lease+ack (docs/benchmarking.md). Set False behind a pooler in transaction
+            PostgreSQL parses and plans every statement, which here cost about half of its
+            CPU per lease+ack (docs/benchmarking.md). Set False behind a pooler in transaction
             mode that cannot keep them (PgBouncer before 1.21).
         server_heartbeat_ms: how often a server renews its row in the server registry, in
             ms (5 000); it counts as live for three of these.

@@ -7,7 +7,7 @@ psycopg cursor with server-side binding under Django's connection, as prepared s
 prepared on their first run on each connection (``RELAY_PG_PREPARED_STATEMENTS``). Django
 turns psycopg's prepared statements off (``prepare_threshold`` None, for connection
 poolers), and PostgreSQL then parses and plans every statement: on the benchmark machine
-that was about 40% of its CPU per lease+ack (docs/benchmarking.md, "PostgreSQL").
+that was about half of its CPU per lease+ack (docs/benchmarking.md, "PostgreSQL").
 
 Several servers write at once, so the guarantees SQLite's single writer gave for free are
 made explicit: the claim locks what it takes and skips what others hold (``FOR UPDATE SKIP
@@ -477,7 +477,7 @@ class PostgresDriver:
             return
         aged = conn.close_at is not None and time.monotonic() >= conn.close_at
         autocommit = conn.autocommit == conn.settings_dict["AUTOCOMMIT"]
-        if conn.errors_occurred or aged or not autocommit or raw.closed or raw.broken:
+        if conn.errors_occurred or aged or not autocommit:
             conn.close_if_unusable_or_obsolete()
 
     @staticmethod
