@@ -7,6 +7,7 @@ indexes at any backlog; and a transaction costs no health-check round trip
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 from unittest import mock
 
@@ -144,8 +145,9 @@ def test_a_transaction_runs_no_health_check_and_a_killed_connection_is_replaced(
         with psycopg.connect(**driver.connect_kwargs(), autocommit=True) as other:
             other.execute("SELECT pg_terminate_backend(%s)", [pid])
             gone = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
-            while other.execute(gone, [pid]).fetchone() != (0,):
-                pass  # until the backend has exited (and so has spoken its last)
+            deadline = time.monotonic() + 10
+            while other.execute(gone, [pid]).fetchone() != (0,):  # until it has exited
+                assert time.monotonic() < deadline, "the backend did not exit"
         assert svc.submit("heal", 2)["job"]["state"] == "ready"
         assert conn.connection.info.backend_pid != pid
         assert usable.call_count == 0

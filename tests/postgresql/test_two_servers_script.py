@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import psycopg
 import pytest
@@ -32,7 +33,18 @@ def fresh_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def test_one_server_killed_leaves_the_other_serving(fresh_url: str) -> None:
+@dataclass
+class Script:
+    """``bin/two-servers`` running on two free ports, in its own process group."""
+
+    popen: subprocess.Popen[bytes]
+    proc: Proc
+    ports: list[int]
+
+
+@pytest.fixture
+def two_servers(fresh_url: str) -> Iterator[Script]:
+    """``bin/two-servers fresh_url`` started, both servers ready; the group killed after."""
     ports = [free_port(), free_port()]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DJANGO_"))}
     env |= {"RELAY_SKIP_SETUP": "1", "RELAY_PORTS": " ".join(map(str, ports))}
@@ -48,55 +60,38 @@ def test_one_server_killed_leaves_the_other_serving(fresh_url: str) -> None:
     )
     script = Proc(popen, "bin/two-servers")
     try:
-        ready = [script.wait_for(lambda r, p=p: r.get("event") == "ready" and r["port"] == p, 120)
-                 for p in ports]  # fmt: skip
-        assert len(ready) == 2
-        first, second = (f"127.0.0.1:{p}" for p in ports)
-        with RelayClient(f"{first},{second}") as client:
-            servers = {s["address"]: s["pid"] for s in client.stats()["servers"]}
-            assert set(servers) == {first, second}
-            job = client.submit("two", {"n": 1})["job"]
-            os.kill(servers[first], signal.SIGKILL)
-            # The call that meets the dead server fails (its outcome is unknown to a client);
-            # the next one goes to the other server, which serves the same database.
-            with pytest.raises(RelayConnectionError):
-                client.inspect(job["id"])
-            assert client.inspect(job["id"])["job"]["state"] == "ready"
-            assert client.ping()["pong"] is True
-        assert popen.poll() is None, "the script stopped with one of its servers"
-        popen.send_signal(signal.SIGTERM)
-        assert script.wait_exit(30) == 128 + signal.SIGKILL  # one server did not exit 0
-        stopped = [r for r in script.records if r.get("event") == "stopped"]
-        assert len(stopped) == 1  # the surviving server stopped cleanly on the script's exit
+        for p in ports:
+            script.wait_for(lambda r, p=p: r.get("event") == "ready" and r["port"] == p, 120)
+        yield Script(popen, script, ports)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(popen.pid, signal.SIGKILL)  # whatever is left of the group
         script.kill()
 
 
-def test_sigterm_stops_both_servers_and_the_script_exits_0(fresh_url: str) -> None:
-    ports = [free_port(), free_port()]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "DJANGO_"))}
-    env |= {"RELAY_SKIP_SETUP": "1", "RELAY_PORTS": " ".join(map(str, ports))}
-    env |= {"RELAY_LOG": "info", "PYTHONUNBUFFERED": "1"}
-    popen = subprocess.Popen(
-        [str(ROOT / "bin" / "two-servers"), fresh_url],
-        cwd=ROOT,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    script = Proc(popen, "bin/two-servers")
-    try:
-        for p in ports:
-            script.wait_for(lambda r, p=p: r.get("event") == "ready" and r["port"] == p, 120)
-        popen.send_signal(signal.SIGTERM)
-        assert script.wait_exit(30) == 0
-        stopped = [r for r in script.records if r.get("event") == "stopped"]
-        assert len(stopped) == 2
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(popen.pid, signal.SIGKILL)
-        script.kill()
+def test_one_server_killed_leaves_the_other_serving(two_servers: Script) -> None:
+    popen, script = two_servers.popen, two_servers.proc
+    first, second = (f"127.0.0.1:{p}" for p in two_servers.ports)
+    with RelayClient(f"{first},{second}") as client:
+        servers = {s["address"]: s["pid"] for s in client.stats()["servers"]}
+        assert set(servers) == {first, second}
+        job = client.submit("two", {"n": 1})["job"]
+        os.kill(servers[first], signal.SIGKILL)
+        # The call that meets the dead server fails (its outcome is unknown to a client);
+        # the next one goes to the other server, which serves the same database.
+        with pytest.raises(RelayConnectionError):
+            client.inspect(job["id"])
+        assert client.inspect(job["id"])["job"]["state"] == "ready"
+        assert client.ping()["pong"] is True
+    assert popen.poll() is None, "the script stopped with one of its servers"
+    popen.send_signal(signal.SIGTERM)
+    assert script.wait_exit(30) == 128 + signal.SIGKILL  # one server did not exit 0
+    stopped = [r for r in script.records if r.get("event") == "stopped"]
+    assert len(stopped) == 1  # the surviving server stopped cleanly on the script's exit
+
+
+def test_sigterm_stops_both_servers_and_the_script_exits_0(two_servers: Script) -> None:
+    two_servers.popen.send_signal(signal.SIGTERM)
+    assert two_servers.proc.wait_exit(30) == 0
+    stopped = [r for r in two_servers.proc.records if r.get("event") == "stopped"]
+    assert len(stopped) == 2
