@@ -14,6 +14,9 @@ Kinds of work:
 * ``submit``: ``ops`` x ``submit(queue, payload)`` per thread;
 * ``submit_batch``: ``ops`` x ``submit_batch([...batch jobs...])`` per thread;
 * ``lease_ack``: ``lease(max_jobs=1)`` then ``ack``, until the queue is empty or ``ops`` jobs;
+* ``lease_next``: one ``lease(max_jobs=1)``, then ``ack`` with ``lease_next`` (``max_jobs`` 1):
+  each reply brings the next job, so one request per job (how ``relay worker`` and the
+  application worker lease), until the queue is empty or ``ops`` jobs;
 * ``http_submit``: ``ops`` x ``POST /api/v1/queues/{queue}/jobs`` per thread over one
   keep-alive HTTP/1.1 connection (``http.client``); any status but 200/201 counts as an error.
 
@@ -173,6 +176,42 @@ class _Thread(threading.Thread):
                 self.ops += 1
             except (errors.RelayError, ConnectionError) as exc:
                 self._fail(exc)
+
+    def _lease_next(self, spec: dict[str, Any], deadline: float) -> None:
+        queue = spec["queue"]
+        worker_id = f"bench-{os.getpid()}-{self.index}"
+        ask = {"queues": [queue], "max_jobs": 1}
+        job: dict[str, Any] | None = None
+        for _ in range(spec["ops"]):
+            if time.monotonic() > deadline:
+                return
+            if job is None:  # the first job, or after an error: a plain lease
+                try:
+                    jobs = self._timed(
+                        "lease", self.client.lease, [queue], worker_id=worker_id, max_jobs=1
+                    )
+                except (errors.RelayError, ConnectionError) as exc:
+                    self._fail(exc)
+                    continue
+                if not jobs:
+                    return  # the backlog is drained
+                job = jobs[0]
+            try:
+                reply = self._timed(
+                    "ack",
+                    self.client.ack,
+                    job["job_id"],
+                    worker_id=worker_id,
+                    lease_token=job["lease_token"],
+                    lease_next=ask,
+                )
+            except (errors.RelayError, ConnectionError) as exc:
+                self._fail(exc)
+                job = None
+                continue
+            self.ops += 1
+            following = reply.get("next") or []
+            job = following[0] if following else None
 
 
 def child_main(spec: dict[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ level), ``synchronous_levels``, ``floor_synchronous_levels``, load averages at s
 and ``loadavg_runs``: each run's), then, at the first ``synchronous`` level and merged over the
 runs (``relay_bench.runs``): ``floor`` (``lean`` and ``schema``, each ``insert_one``,
 ``insert_batch100``, ``claim_ack``), ``submit`` (one row per transport, mode and concurrency),
-``lease_ack`` (one row per worker concurrency), ``submit_to_start``, ``worker`` (a real
+``lease_ack`` (one row per worker concurrency, and one with ``mode: "lease_next"`` for each
+of ``runs.LEASE_NEXT_WORKERS``), ``submit_to_start``, ``worker`` (a real
 ``relay_worker`` process), ``server`` (peak RSS); ``other_synchronous`` (the same keys for each
 other level: always the floors at ``FULL`` and ``NORMAL``, the Relay scenarios when asked);
 ``http`` (status; its rows are in ``submit``, run once), ``backlog`` (``status``, ``sizes``:
@@ -153,7 +154,11 @@ def sections(doc: dict[str, Any]) -> list[Section]:
 
     def relay_row(label: str, clients: str, row: dict[str, Any], section: str) -> list[str]:
         lat = row.get("latency_ms", {})
-        summary = lat.get("submit") or lat.get("submit_batch") or lat.get("lease")
+        summary = (
+            lat.get("submit")
+            or lat.get("submit_batch")
+            or (lat.get("ack") if row.get("mode") == "lease_next" else lat.get("lease"))
+        )
         cells = [
             label,
             clients,
@@ -186,7 +191,9 @@ def sections(doc: dict[str, Any]) -> list[Section]:
     for row in doc.get("lease_ack", []):
         rows.append(
             relay_row(
-                "lease+ack (lease latency)",
+                "ack with lease_next, 1 request/job (ack latency)"
+                if row.get("mode") == "lease_next"
+                else "lease+ack (lease latency)",
                 f"{row['concurrency']} ({row['processes']}p)",
                 row,
                 "lease_ack",
@@ -487,15 +494,21 @@ def plot(doc: dict[str, Any], path: Path) -> str | None:
     if sub or http_rows:
         ax1.legend(fontsize=7)
 
-    lease = sorted(doc.get("lease_ack", []), key=lambda r: r["concurrency"])
-    if lease:
-        ax2.plot(
-            [r["concurrency"] for r in lease],
-            [r["per_s"] for r in lease],
-            "o-",
-            color="tab:orange",
-            label="Relay lease+ack",
-        )
+    rows = sorted(doc.get("lease_ack", []), key=lambda r: r["concurrency"])
+    lease = [r for r in rows if r.get("mode") is None]
+    following = [r for r in rows if r.get("mode") == "lease_next"]
+    for series, style, label in (
+        (lease, "o-", "Relay lease+ack"),
+        (following, "^:", "Relay ack with lease_next"),
+    ):
+        if series:
+            ax2.plot(
+                [r["concurrency"] for r in series],
+                [r["per_s"] for r in series],
+                style,
+                color="tab:orange",
+                label=label,
+            )
     if "claim_ack" in fl:
         ax2.axhline(
             fl["claim_ack"]["per_s"],

@@ -8,8 +8,9 @@ so that every Relay figure has its floors measured minutes apart on the same mac
 1. the lean and the schema floors for inserts (fresh files; ``relay_bench.floor``);
 2. one ``relay_server`` on a fresh file with ``RELAY_SQLITE_SYNCHRONOUS`` set to the level:
    TCP submissions (1 / 4 / 16 producers, one job or 100 per request), the lean and schema
-   claim+ack floors, lease+ack at 1 / 4 / 16 / 64 workers (16 in 4 client processes),
-   submit-to-start latency, a real ``relay_worker`` process; the server's peak RSS. (At a
+   claim+ack floors, lease+ack at 1 / 4 / 16 / 64 workers (16 in 4 client processes), and
+   at 1 and 16 workers again with each ack leasing the next job (``lease_next``, one request
+   per job), submit-to-start latency, a real ``relay_worker`` process; the server's peak RSS. (At a
    level without Relay scenarios, only the claim+ack floors.)
 
 Then ``relay_bench.runs`` merges the repetitions into medians with their min-max spread,
@@ -423,9 +424,12 @@ class Bench(Steps):
         self, part: dict[str, Any], env: scenarios.Env, address: str, pid: int | None, tag: str
     ) -> None:
         rows = part.setdefault("lease_ack", [])
-        for c in self.workers:
+        plans = [(c, False) for c in self.workers]
+        plans += [(c, True) for c in self.workers if c in runs.LEASE_NEXT_WORKERS]
+        for c, lease_next in plans:
             jobs = self.sizes.lease_jobs.get(c) or max(2 * c, min(self.sizes.lease_jobs.values()))
-            with self._step(f"[{tag}] lease+ack, {c} workers"):
+            label = "ack with lease_next" if lease_next else "lease+ack"
+            with self._step(f"[{tag}] {label}, {c} workers"):
                 rows.append(
                     scenarios.lease_ack(
                         env,
@@ -434,6 +438,7 @@ class Bench(Steps):
                         jobs=jobs,
                         server_pid=pid,
                         processes=runs.LEASE_PROCESSES.get(c),
+                        lease_next=lease_next,
                     )
                 )
 

@@ -39,6 +39,9 @@ SPREAD_KEYS = (
 # Workers of the lease+ack scenario whose clients run in a set number of processes (the
 # targets name "16 workers in 4 processes"); other levels use scenarios._processes.
 LEASE_PROCESSES = {16: 4}
+# Worker counts also run with ``lease_next`` (each ack leases the next job: one request per
+# job, as ``relay worker`` does); those rows have ``mode: "lease_next"``.
+LEASE_NEXT_WORKERS = (1, 16)
 
 
 def _is_number(value: Any) -> bool:
@@ -189,8 +192,11 @@ def _submit(mode: str, concurrency: int, key: str = "ratio_to_floor") -> Getter:
     )
 
 
-def _lease(concurrency: int, key: str = "ratio_to_floor") -> Getter:
-    return lambda part: _figure(find(part.get("lease_ack", []), concurrency=concurrency), key)
+def _lease(concurrency: int, key: str = "ratio_to_floor", mode: str | None = None) -> Getter:
+    """A lease+ack row's figure: two requests per job (``mode`` None) or ``"lease_next"``."""
+    return lambda part: _figure(
+        find(part.get("lease_ack", []), concurrency=concurrency, mode=mode), key
+    )
 
 
 def _worker(part: dict[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
@@ -223,9 +229,23 @@ TARGETS: tuple[tuple[str, str, Getter, str, float], ...] = (
     ),
     ("lease+ack, 1 worker, vs lean claim+ack floor", "FULL", _lease(1), ">=", 0.8),
     (
+        "lease+ack, 1 worker, each ack leasing the next job (1 request/job)",
+        "FULL",
+        _lease(1, mode="lease_next"),
+        ">=",
+        0.8,
+    ),
+    (
         "lease+ack, 16 workers in 4 processes, vs lean claim+ack floor",
         "FULL",
         _lease(16),
+        ">=",
+        2.0,
+    ),
+    (
+        "lease+ack, 16 workers in 4 processes, each ack leasing the next job (1 request/job)",
+        "FULL",
+        _lease(16, mode="lease_next"),
         ">=",
         2.0,
     ),
@@ -251,6 +271,13 @@ TARGETS: tuple[tuple[str, str, Getter, str, float], ...] = (
         0.5,
     ),
     (
+        "NORMAL: lease+ack, 16 workers, each ack leasing the next job (1 request/job)",
+        "NORMAL",
+        _lease(16, mode="lease_next"),
+        ">=",
+        0.5,
+    ),
+    (
         "server CPU per single-job submit, 16 producers (µs)",
         "FULL",
         _submit("single", 16, "server_cpu_us_per_job"),
@@ -261,6 +288,13 @@ TARGETS: tuple[tuple[str, str, Getter, str, float], ...] = (
         "server CPU per lease+ack, 16 workers (µs)",
         "FULL",
         _lease(16, "server_cpu_us_per_job"),
+        "<=",
+        200.0,
+    ),
+    (
+        "server CPU per lease+ack, 16 workers, each ack leasing the next job (µs)",
+        "FULL",
+        _lease(16, "server_cpu_us_per_job", mode="lease_next"),
         "<=",
         200.0,
     ),

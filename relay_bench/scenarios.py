@@ -191,16 +191,21 @@ def lease_ack(
     jobs: int,
     server_pid: int | None = None,
     processes: int | None = None,
+    lease_next: bool = False,
 ) -> dict[str, Any]:
     """``concurrency`` workers doing lease(max_jobs=1) -> ack until ``jobs`` are drained, in
-    ``processes`` client processes (default ``_processes(concurrency)``)."""
-    queue = f"bench-{env.run_id}-lease{concurrency}"
+    ``processes`` client processes (default ``_processes(concurrency)``).
+
+    With ``lease_next`` each ack asks for the worker's next job in the same request (one
+    request per job, as ``relay worker`` leases); the row then has ``mode: "lease_next"``,
+    else no ``mode`` (two requests per job)."""
+    queue = f"bench-{env.run_id}-lease{concurrency}{'n' if lease_next else ''}"
     prefill(address, queue, jobs)
     out = _measured(
         server_pid,
         lambda: load.run(
             address,
-            "lease_ack",
+            "lease_next" if lease_next else "lease_ack",
             concurrency=concurrency,
             processes=processes or _processes(concurrency),
             ops_per_thread=jobs,
@@ -208,6 +213,8 @@ def lease_ack(
             queue=queue,
         ),
     )
+    if lease_next:
+        out["mode"] = "lease_next"
     ops = out["per_thread_ops"]
     # Fairness: the least-served worker's share relative to an even split.
     out["least_served_share"] = round(min(ops) * len(ops) / max(1, sum(ops)), 3)

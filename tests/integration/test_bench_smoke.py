@@ -95,7 +95,15 @@ def test_bench_command_runs_end_to_end_and_reports_json(tmp_path: Path) -> None:
             assert row["ratio_to_schema_floor"] is not None
             assert len(row["spread"]["per_s"]["runs"]) == 2
             assert {"p50", "p95", "p99", "max"} <= set(next(iter(row["latency_ms"].values())))
-        assert [r["concurrency"] for r in part["lease_ack"]] == [1, 2]
+        # 1 worker again with each ack leasing the next job (runs.LEASE_NEXT_WORKERS).
+        assert [(r["concurrency"], r.get("mode")) for r in part["lease_ack"]] == [
+            (1, None),
+            (2, None),
+            (1, "lease_next"),
+        ]
+        # One request per job: a lease for the first job and one that finds the queue empty.
+        one_request = part["lease_ack"][2]["latency_ms"]
+        assert one_request["lease"]["n"] <= 2 < one_request["ack"]["n"]
         assert part["submit_to_start"]["samples"] > 0
         assert part["worker"]["jobs"] > 0 and part["worker"]["ratio_to_floor"] is not None
         assert part["server"]["peak_rss_mb"] > 0
@@ -105,8 +113,11 @@ def test_bench_command_runs_end_to_end_and_reports_json(tmp_path: Path) -> None:
     judged = {t["name"]: t for t in doc["targets"]}
     assert judged["NORMAL: lease+ack, 16 workers, vs lean NORMAL claim+ack floor"]["met"] is None
     assert judged["lease+ack, 1 worker, vs lean claim+ack floor"]["runs"] == 2
+    name = "lease+ack, 1 worker, each ack leasing the next job (1 request/job)"
+    assert judged[name]["runs"] == 2
     table = (tmp_path / "bench.md").read_text()
     assert "NORMAL jobs/s" in table and "lean floor: insert, 100 per txn" in table
+    assert "ack with lease_next, 1 request/job" in table
     # The plot is drawn when matplotlib is installed (the dev lock pins it).
     assert plot.exists() or "matplotlib" in doc["meta"]["plot"]
 

@@ -387,3 +387,38 @@ def test_repeated_backlog_runs_are_judged_on_the_median_of_each_runs_ratio() -> 
         2,
     )
     assert controls["met"] is True  # 1.5 is the boundary: "<= 1.5"
+
+
+def test_rows_that_lease_with_the_ack_are_kept_and_judged_apart() -> None:
+    # Two runs, each with 16 workers leasing and acking in two requests and in one: the rows
+    # merge by mode, each gets its ratio, and each target reads its own row.
+    parts = []
+    for lease16, following in ((1000, 1500), (1200, 1700)):
+        part = _part(lean=1000, schema=500, submit=600, lease16=lease16, cpu=90, worker=1600)
+        part["lease_ack"].append(
+            {
+                "concurrency": 16,
+                "mode": "lease_next",
+                "per_s": following,
+                "least_served_share": 0.8,
+                "server_cpu_us_per_job": 150,
+            }
+        )
+        parts.append(part)
+    doc = _doc(parts, [])
+    assert [(r["concurrency"], r.get("mode")) for r in doc["lease_ack"]] == [
+        (16, None),
+        (16, "lease_next"),
+    ]
+    judged = {t["name"]: t for t in runs.targets(doc)}
+    two = judged["lease+ack, 16 workers in 4 processes, vs lean claim+ack floor"]
+    one = judged[
+        "lease+ack, 16 workers in 4 processes, each ack leasing the next job (1 request/job)"
+    ]
+    assert (two["value"], two["met"]) == (1.1, False)
+    assert (one["value"], one["min"], one["max"], one["met"]) == (1.6, 1.5, 1.7, False)
+    cpu = judged["server CPU per lease+ack, 16 workers, each ack leasing the next job (µs)"]
+    assert (cpu["value"], cpu["met"]) == (150, True)
+    assert (
+        judged["lease+ack, 1 worker, each ack leasing the next job (1 request/job)"]["met"] is None
+    )
