@@ -179,14 +179,28 @@ class Event:
     value: float = 1.0
 
 
+# (metric name, queue label) -> its labelled child: ``labels()`` checks and locks at each
+# call; a child stays the same object for the process's life (none is ever removed), and
+# there are at most len(_COUNTERS) + 1 times RELAY_METRICS_MAX_QUEUES + 1 of them.
+_children: dict[tuple[str, str], Any] = {}
+
+
+def _child(name: str, queue: str) -> Any:
+    child = _children.get((name, queue))
+    if child is None:
+        metric = SUBMIT_TO_START_SECONDS if name == "start_delay" else _COUNTERS[name]
+        child = _children[(name, queue)] = metric.labels(queue=queue)
+    return child
+
+
 def record(events: Iterable[Event]) -> None:
     """Count ``events`` (call after the request's transaction committed)."""
     for event in events:
-        queue = queue_label(event.queue)
+        queue = event.queue if event.queue in _labelled else queue_label(event.queue)
         if event.name == "start_delay":
-            SUBMIT_TO_START_SECONDS.labels(queue=queue).observe(max(0.0, event.value))
+            _child(event.name, queue).observe(max(0.0, event.value))
         else:
-            _COUNTERS[event.name].labels(queue=queue).inc(event.value)
+            _child(event.name, queue).inc(event.value)
 
 
 def rejected(op: str, exc: BaseException) -> None:

@@ -34,6 +34,7 @@ from typing import IO, Any, NoReturn
 import orjson
 from django.db import DatabaseError, OperationalError, connections, transaction
 from django.db.backends.signals import connection_created
+from django.db.backends.utils import CursorDebugWrapper
 
 from queue_core.clock import Clock, SystemClock
 from queue_core.conf import relay_settings
@@ -249,11 +250,38 @@ class SqliteTx(SqlTx):
         )
         self._driver = driver
 
+    def _fetch(self, name: str, params: Mapping[str, Any], first: bool) -> Any:
+        """Run query ``name`` on the sqlite3 cursor and fetch its rows, the statement and the
+        fetch inside one error translation (``SqlTx`` enters it twice): ``(description, row
+        or None)`` when ``first`` (the rest drained, so RETURNING statements complete), else
+        ``(description, rows)``."""
+        self._db.validate_no_broken_transaction()
+        raw = self._raw
+        with self._errors:
+            self._execute_raw(raw, self._raw_queries[name], params)  # not Django's override
+            got = raw.fetchone() if first else raw.fetchall()
+            if first and got is not None:
+                raw.fetchall()
+            return raw.description, got
+
     def one(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
-        row = super().one(name, params)
+        if self._django:
+            row = super().one(name, params)
+        else:
+            description, got = self._fetch(name, params or {}, True)
+            row = None if got is None else dict(zip([d[0] for d in description], got, strict=True))
         if row is not None and name in _JOB_INSERTS:
             self._count_one(params or {})
         return row
+
+    def all(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        if self._django:
+            return super().all(name, params)
+        description, rows = self._fetch(name, params or {}, False)
+        if not rows:
+            return []
+        cols = [d[0] for d in description]
+        return [dict(zip(cols, row, strict=True)) for row in rows]
 
     def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
         n = super().run(name, params)
@@ -371,10 +399,13 @@ class SqliteChangeFeed:
         self.alias = alias
 
     def token(self) -> int:
-        """Return ``PRAGMA data_version`` on this thread's connection."""
-        with connections[self.alias].cursor() as cursor:
-            cursor.execute("PRAGMA data_version")
-            return int(cursor.fetchone()[0])
+        """Return ``PRAGMA data_version`` on this thread's connection (on its sqlite3
+        connection, inside Django's error translation: the server polls it once a loop pass)."""
+        conn = connections[self.alias]
+        if conn.connection is None:
+            conn.ensure_connection()
+        with conn.wrap_database_errors:
+            return int(conn.connection.execute("PRAGMA data_version").fetchone()[0])
 
     def subscribe(self, fn: Callable[[str | None], None]) -> bool:
         """SQLite cannot push: always False (poll ``wait`` instead)."""
@@ -501,7 +532,6 @@ class SqliteDriver:
             StorageIO: the log could not be synced after a relaxed transaction turned
                 durable (committed, but not known to be on disk).
         """
-        conn = connections[self.alias]
         depth = self._depth()
         if depth:
             if durable:
@@ -509,13 +539,15 @@ class SqliteDriver:
             # Nested on this thread: a savepoint on the transaction's own cursor. A new Django
             # cursor per savepoint cost ~10 us, twice per request in the server's group commit
             # (docs/benchmarking.md).
-            yield from self._savepoint(conn, self._local.tx, depth)
+            yield from self._savepoint(self._local.raw, self._local.tx, depth)
             return
+        conn = connections[self.alias]
         self._local.after = []
         with conn.cursor() as cursor:
             if conn.in_atomic_block:
                 self._check_file(conn)
-                yield from self._savepoint(conn, SqliteTx(cursor, self), depth)
+                self._local.raw = conn.connection
+                yield from self._savepoint(conn.connection, SqliteTx(cursor, self), depth)
                 # The caller's transaction decides: Django runs these after its COMMIT.
                 for fn in self._local.after:
                     transaction.on_commit(fn, using=self.alias)
@@ -539,7 +571,9 @@ class SqliteDriver:
     def _transaction(self, cursor: Any, conn: Any, wait: bool = True) -> Iterator[SqliteTx]:
         """``BEGIN IMMEDIATE``, the body, ``COMMIT`` (``ROLLBACK`` and the mapped error when
         either fails)."""
-        self._begin_immediate(cursor, conn.connection, wait)
+        run = self._statement_runner(cursor, conn)
+        self._begin_immediate(run, conn.connection, wait)
+        self._local.raw = conn.connection
         self._local.depth = 1
         self._local.swept = False  # sweep_plan: this transaction has not swept yet
         # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
@@ -552,7 +586,7 @@ class SqliteDriver:
             self._local.depth = 0
             self._local.after = []
             with contextlib.suppress(Exception):
-                cursor.execute("ROLLBACK")
+                run("ROLLBACK")
             mapped = self._fault(exc)
             if mapped is not None:
                 raise mapped from exc
@@ -562,11 +596,11 @@ class SqliteDriver:
             if aborted is not None and not conn.connection.in_transaction:
                 raise aborted  # SQLite rolled the whole transaction back (see _savepoint)
             self._check_file(conn)
-            cursor.execute("COMMIT")
+            run("COMMIT")
         except (DatabaseError, RelayError) as exc:
             self._local.after = []
             with contextlib.suppress(Exception):
-                cursor.execute("ROLLBACK")
+                run("ROLLBACK")
             if isinstance(exc, RelayError):
                 raise
             self._raise_mapped(exc, StoreBusy())
@@ -640,12 +674,12 @@ class SqliteDriver:
             return
         self._local.after.append(fn)
 
-    def _savepoint(self, conn: Any, tx: SqliteTx, depth: int) -> Iterator[SqliteTx]:
-        """Run the body in ``SAVEPOINT relay_sp{depth}``: released on success, rolled back alone
-        on error. The savepoint statements go straight to the sqlite3 connection (through
-        Django's cursor wrapper a SAVEPOINT/RELEASE pair cost 9 us instead of 3 us)."""
+    def _savepoint(self, raw: sqlite3.Connection, tx: SqliteTx, depth: int) -> Iterator[SqliteTx]:
+        """Run the body in ``SAVEPOINT relay_sp{depth}`` on ``raw`` (the transaction's sqlite3
+        connection): released on success, rolled back alone on error. The savepoint
+        statements go straight to the sqlite3 connection (through Django's cursor wrapper a
+        SAVEPOINT/RELEASE pair cost 9 us instead of 3 us)."""
         name = f"relay_sp{depth}"
-        raw = conn.connection
         aborted = getattr(self._local, "aborted", None)
         if aborted is not None and not raw.in_transaction:
             # An earlier call's storage fault made SQLite roll the whole transaction back: a
@@ -680,7 +714,26 @@ class SqliteDriver:
         finally:
             self._local.depth = depth
 
-    def _begin_immediate(self, cursor: Any, raw: sqlite3.Connection, wait: bool) -> None:
+    @staticmethod
+    def _statement_runner(cursor: Any, conn: Any) -> Callable[[str], None]:
+        """How the transaction's own statements (BEGIN, COMMIT, ROLLBACK) run: on the sqlite3
+        connection inside Django's error translation, or through the Django cursor while
+        Django records queries (``DEBUG``, ``CaptureQueriesContext``) or an
+        ``execute_wrapper`` is installed, as ``SqlTx`` does for the rest."""
+        if isinstance(cursor, CursorDebugWrapper) or conn.execute_wrappers:
+            return cursor.execute  # type: ignore[no-any-return]
+        raw = conn.connection
+        errors = conn.wrap_database_errors
+
+        def run(sql: str) -> None:
+            with errors:
+                raw.execute(sql)
+
+        return run
+
+    def _begin_immediate(
+        self, run: Callable[[str], None], raw: sqlite3.Connection, wait: bool
+    ) -> None:
         """``BEGIN IMMEDIATE``; "database is locked" is retried with jittered backoff for
         ``RELAY_BUSY_RETRY_BUDGET_MS``, or, with ``wait`` False, not at all: the connection
         then never waits for the lock (``busy_timeout=0``, set once per connection).
@@ -699,7 +752,7 @@ class SqliteDriver:
         delay = 0.005
         while True:
             try:
-                cursor.execute("BEGIN IMMEDIATE")
+                run("BEGIN IMMEDIATE")
                 return
             except OperationalError as exc:
                 if not _is_busy(exc) or time.monotonic() >= deadline:
