@@ -167,9 +167,10 @@ class GroupCommit:
         failures: limits.Every,
     ) -> None:
         self.service = service
-        # Where a SAVEPOINT costs round trips (several writers: PostgreSQL), a batch runs
-        # without one per call first (``run``, ``_guarded``).
-        self.flat = not service.capabilities.single_writer
+        # A batch runs without a SAVEPOINT per call first (``run``, ``_guarded``): on
+        # PostgreSQL each costs round trips, on SQLite ~8% of a lone call's instructions
+        # (docs/benchmarking.md).
+        self.flat = True
         self.commits = 0  # transactions committed (each holds one or more calls)
         self.failures = failures
         self.sweep = sweep
@@ -179,8 +180,8 @@ class GroupCommit:
         """Run ``batch`` in one transaction; return each call's ``(ok, result or exception)``
         once it has committed (a failed BEGIN or COMMIT fails every call).
 
-        Where a SAVEPOINT costs round trips (``self.flat``: PostgreSQL) the batch first runs
-        without one per call; if a call fails in a way that cannot be set apart
+        The batch first runs without a SAVEPOINT per call (``self.flat``); if a call fails in
+        a way that cannot be set apart
         (``_guarded``), that round is rolled back and the batch runs again with savepoints.
         Nothing is visible before the COMMIT, so running the calls again is safe.
 
@@ -230,9 +231,10 @@ class GroupCommit:
     ) -> tuple[bool, Any]:
         """Run one call of a batch; return ``(True, result)`` or ``(False, exception)``.
 
-        With savepoints it runs in its own and rolls back alone. Flat (no SAVEPOINT, two
-        round trips saved per call), a call that fails without having changed a row on an
-        intact transaction (a stale token, a bad argument) is set apart and the others go on.
+        With savepoints it runs in its own and rolls back alone. Flat (no SAVEPOINT: two
+        round trips saved per call on PostgreSQL, two statements on SQLite), a call that fails
+        without having changed a row on an intact transaction (a stale token, a bad
+        argument) is set apart and the others go on.
 
         ``durable``: the call's own (its SAVEPOINT says it; the service's write inside says
         its own too).

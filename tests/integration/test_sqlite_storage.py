@@ -17,6 +17,7 @@ real server processes are in ``tests/crash/test_storage_faults.py``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -362,3 +363,40 @@ def test_maintain_looks_at_most_every_quarter_second(
     clock.advance(seconds=sqlite_driver.MAINTAIN_EVERY_S)
     service.sweep()
     assert len(looks) == 2
+
+
+def test_a_call_set_apart_in_a_flat_group_commit_leaves_no_after_commit_callback() -> None:
+    # Flat (no SAVEPOINT per call), a call that fails before changing a row is forgiven:
+    # what it registered to run after the COMMIT goes with it, as a savepoint's rollback
+    # would take it; the other call's callback runs once the batch commits.
+    from queue_core import errors
+    from queue_core.protocol import limits
+    from queue_core.protocol.writer import Call, GroupCommit
+
+    service = QueueService()
+    ran: list[str] = []
+
+    def refused() -> None:
+        service.driver.after_commit(lambda: ran.append("refused"))
+        raise errors.InvalidArgument("no")
+
+    def accepted() -> Any:
+        job = service.submit("g", 1)
+        service.driver.after_commit(lambda: ran.append("accepted"))
+        return job
+
+    loop = asyncio.new_event_loop()
+    try:
+        group = GroupCommit(
+            service,
+            sweep=lambda: set(service.sweep()),
+            on_ready=lambda queues: None,
+            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
+        )
+        calls = [Call(fn, loop.create_future(), loop) for fn in (refused, accepted)]
+        outcomes = group.run(calls)
+    finally:
+        loop.close()
+    assert isinstance(outcomes[0][1], errors.InvalidArgument)
+    assert outcomes[1][1]["job"]["state"] == "ready"
+    assert (group.commits, ran) == (1, ["accepted"])

@@ -497,13 +497,26 @@ class SqliteDriver:
         return getattr(self._local, "depth", 0)
 
     def mark(self) -> int:
-        """Return 0: SQLite transactions always take savepoints (see ``forgive``)."""
-        return 0
+        """Return the position ``forgive`` compares with: the rows this thread's connection
+        has changed so far (sqlite3's ``total_changes``: a failed statement adds none) and
+        how many after-commit callbacks its transaction registered, as ``changes << 32 |
+        callbacks``; 0 outside a transaction."""
+        raw: sqlite3.Connection | None = getattr(self._local, "raw", None)
+        if raw is None or not self._depth():
+            return 0
+        return raw.total_changes << 32 | len(self._local.after)
 
     def forgive(self, mark: int) -> bool:
-        """False: a SAVEPOINT costs ~3 us here, so ``write(savepoints=False)`` keeps them and
-        a caller that wants a failed call set apart should rely on them."""
-        return False
+        """See ``Driver.forgive``: True when the transaction is still open (SQLite rolls the
+        whole transaction back on a full disk or an I/O error) and no row changed since
+        ``mark``; the after-commit callbacks registered since are dropped."""
+        raw: sqlite3.Connection | None = getattr(self._local, "raw", None)
+        if raw is None or not self._depth() or not raw.in_transaction:
+            return False
+        if self._local.aborted is not None or raw.total_changes != mark >> 32:
+            return False
+        del self._local.after[mark & 0xFFFFFFFF :]
+        return True
 
     @contextlib.contextmanager
     def write(
@@ -519,7 +532,11 @@ class SqliteDriver:
         ``RELAY_BUSY_RETRY_BUDGET_MS``.
 
         Args:
-            savepoints: ignored: nested writes always take a SAVEPOINT on SQLite.
+            savepoints: False (outermost only; the server's group commit): the writes
+                nested directly in this one take no SAVEPOINT (a call that fails is set
+                apart with ``mark()`` and ``forgive(mark)``, or the whole transaction is
+                rolled back); writes nested deeper still do, so code that catches a nested
+                write's error keeps its rollback. Ignored inside a caller's ``atomic()``.
             durable: False (see ``Driver.write``): SQLite fixes a connection's
                 ``synchronous`` level outside transactions only, so the outermost write
                 decides: False runs the transaction at ``synchronous=NORMAL`` (when the
@@ -536,6 +553,20 @@ class SqliteDriver:
         if depth:
             if durable:
                 self._local.durable = True
+            if depth == 1 and self._local.flat:
+                # A call of a flat group commit: no savepoint (the caller sets a failure apart
+                # with mark/forgive, or rolls everything back).
+                self._local.depth = 2
+                try:
+                    yield self._local.tx
+                except BaseException as exc:
+                    mapped = self._fault(exc)  # as a savepoint maps it
+                    if mapped is not None:
+                        raise mapped from exc
+                    raise
+                finally:
+                    self._local.depth = 1
+                return
             # Nested on this thread: a savepoint on the transaction's own cursor. A new Django
             # cursor per savepoint cost ~10 us, twice per request in the server's group commit
             # (docs/benchmarking.md).
@@ -547,6 +578,7 @@ class SqliteDriver:
             if conn.in_atomic_block:
                 self._check_file(conn)
                 self._local.raw = conn.connection
+                self._local.flat = False
                 yield from self._savepoint(conn.connection, SqliteTx(cursor, self), depth)
                 # The caller's transaction decides: Django runs these after its COMMIT.
                 for fn in self._local.after:
@@ -557,7 +589,7 @@ class SqliteDriver:
             level = self._synchronous(raw, durable)
             self._local.durable = durable
             try:
-                yield from self._transaction(cursor, conn, wait)
+                yield from self._transaction(cursor, conn, wait, flat=not savepoints)
             finally:
                 if level is not None:
                     self._set_synchronous(raw, level)
@@ -568,12 +600,15 @@ class SqliteDriver:
         callbacks, self._local.after = self._local.after, []
         run_callbacks(callbacks, log)
 
-    def _transaction(self, cursor: Any, conn: Any, wait: bool = True) -> Iterator[SqliteTx]:
+    def _transaction(
+        self, cursor: Any, conn: Any, wait: bool = True, *, flat: bool = False
+    ) -> Iterator[SqliteTx]:
         """``BEGIN IMMEDIATE``, the body, ``COMMIT`` (``ROLLBACK`` and the mapped error when
-        either fails)."""
+        either fails); ``flat``: see ``write(savepoints=False)``."""
         run = self._statement_runner(cursor, conn)
         self._begin_immediate(run, conn.connection, wait)
         self._local.raw = conn.connection
+        self._local.flat = flat
         self._local.depth = 1
         self._local.swept = False  # sweep_plan: this transaction has not swept yet
         # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and

@@ -1,0 +1,197 @@
+"""The TCP server's group commit runs a batch without a SAVEPOINT per call, on both drivers,
+and still keeps every call apart: a call that fails cleanly is set aside, and one that fails
+after writing (or on a statement the database refused) sends the batch round again with
+savepoints, so nothing it wrote survives and the other calls still commit once.
+
+On PostgreSQL a SAVEPOINT costs round trips; on SQLite two statements and the Python around
+them (about 8% of a lone call's instructions, docs/benchmarking.md). Writes nested deeper
+than the call keep their savepoints on SQLite (``ack_batch`` relies on them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from django.db import connections
+from django.test.utils import CaptureQueriesContext
+
+from queue_core import errors
+from queue_core.models import Job
+from queue_core.protocol import dispatch, limits
+from queue_core.protocol.writer import Call, GroupCommit
+from queue_core.service import QueueService
+from tests.storage.conftest import DATABASES
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
+
+
+@contextlib.contextmanager
+def statements(alias: str) -> Iterator[list[str]]:
+    """Every statement sent on ``alias``'s connection meanwhile: Django's captured queries,
+    and on SQLite sqlite3's trace (savepoints and BEGIN go straight to the sqlite3
+    connection)."""
+    conn = connections[alias]
+    sent: list[str] = []
+    if conn.vendor == "sqlite":
+        conn.ensure_connection()
+        raw: sqlite3.Connection = conn.connection
+        raw.set_trace_callback(sent.append)
+        try:
+            yield sent
+        finally:
+            raw.set_trace_callback(None)
+        return
+    with CaptureQueriesContext(conn) as captured:
+        yield sent
+    sent.extend(q["sql"] for q in captured.captured_queries)
+
+
+@pytest.fixture
+def run_batch(
+    service: QueueService, alias: str
+) -> Callable[[list[Callable[[], Any]]], tuple[list[Any], list[str]]]:
+    def run(fns: list[Callable[[], Any]]) -> tuple[list[Any], list[str]]:
+        """Run ``fns`` as one group commit; return each call's result (or exception) and the
+        statements sent."""
+        loop = asyncio.new_event_loop()
+        try:
+            calls = [Call(fn, loop.create_future(), loop) for fn in fns]
+            group = GroupCommit(
+                service,
+                sweep=lambda: set(service.sweep()),
+                on_ready=lambda queues: None,
+                failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
+            )
+            assert group.flat
+            with statements(alias) as sent:
+                outcomes = group.run(calls)
+            assert group.commits == 1
+            return [value for _ok, value in outcomes], sent
+        finally:
+            loop.close()
+
+    return run
+
+
+def savepoints(sql: list[str]) -> int:
+    return sum(1 for text in sql if text.upper().startswith("SAVEPOINT"))
+
+
+def test_a_clean_failure_is_set_apart_without_savepoints(
+    service: QueueService, run_batch: Any
+) -> None:
+    results, sql = run_batch(
+        [
+            lambda: service.submit("g", 1),
+            lambda: service.ack("job_nope", worker_id="w", lease_token="t"),
+            lambda: service.submit("g", 2),
+        ],
+    )
+    assert isinstance(results[1], errors.JobNotFound)
+    assert results[0]["job"]["state"] == results[2]["job"]["state"] == "ready"
+    assert Job.objects.filter(queue="g").count() == 2
+    assert savepoints(sql) == 0
+
+
+def test_a_call_that_fails_after_writing_leaves_nothing(
+    service: QueueService, run_batch: Any
+) -> None:
+    service.submit("g", {"v": 1}, idempotency_key="k")
+    results, sql = run_batch(
+        [
+            lambda: service.submit("g", "before"),
+            # The first job is inserted, then the key conflicts: the batch must not keep it.
+            lambda: service.submit_batch(
+                [
+                    {"queue": "g", "payload": "half"},
+                    {"queue": "g", "payload": {"v": 2}, "idempotency_key": "k"},
+                ]
+            ),
+            lambda: service.submit("g", "after"),
+        ],
+    )
+    assert isinstance(results[1], errors.IdempotencyConflict)
+    payloads = sorted(Job.objects.filter(queue="g").values_list("payload", flat=True))
+    assert payloads == ['"after"', '"before"', '{"v":1}']
+    assert savepoints(sql) >= 3  # the batch went round again, a savepoint per call
+
+
+def test_a_statement_the_database_refuses_fails_that_call_alone(
+    service: QueueService, run_batch: Any, alias: str, backend: str
+) -> None:
+    # PostgreSQL aborts the transaction (the batch goes round again); SQLite refuses the
+    # statement alone and keeps the transaction (the call is set apart).
+    bad = "SELECT 1 / 0" if backend == "postgresql" else "SELECT * FROM relay_no_such_table"
+
+    def refused() -> None:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(bad)
+
+    results, _ = run_batch(
+        [lambda: service.submit("g", 1), refused, lambda: service.submit("g", 2)]
+    )
+    assert ("division by zero" if backend == "postgresql" else "no such table") in str(results[1])
+    assert Job.objects.filter(queue="g").count() == 2
+
+
+def test_a_call_that_runs_twice_gets_the_same_answer(service: QueueService, run_batch: Any) -> None:
+    # The protocol's submit handler, as the server calls it: the flat round fails on the
+    # conflicting batch, the second round runs every call again from the same arguments.
+    submit = dispatch.VERBS["submit"].handler
+    ctx = dispatch.Context(peer="test")
+    bad: dict[str, Any] = {"queue": "g", "payload": 1, "priority": 7}
+    good: dict[str, Any] = {"queue": "g", "payload": 2, "idempotency_key": "k2"}
+    service.submit("g", {"v": 1}, idempotency_key="k")
+    results, _ = run_batch(
+        [
+            lambda: submit(service, bad, ctx),
+            lambda: service.submit_batch(
+                [
+                    {"queue": "g", "payload": "half"},
+                    {"queue": "g", "payload": 9, "idempotency_key": "k"},
+                ]
+            ),
+            lambda: submit(service, good, ctx),
+        ],
+    )
+    assert isinstance(results[0], errors.InvalidArgument)
+    assert isinstance(results[1], errors.IdempotencyConflict)
+    assert results[2].result["job"]["state"] == "ready"
+    assert bad == {"queue": "g", "payload": 1, "priority": 7}  # untouched
+
+
+def test_a_lone_invalid_call_is_answered_in_the_flat_round(
+    service: QueueService, run_batch: Any
+) -> None:
+    results, sql = run_batch([lambda: service.submit("g", 1, priority=7)])
+    assert isinstance(results[0], errors.InvalidArgument)
+    assert savepoints(sql) == 0
+
+
+def test_a_refused_ack_in_a_batch_of_acks_is_set_apart_in_the_flat_round(
+    service: QueueService, run_batch: Any, backend: str
+) -> None:
+    # ack_batch catches each ack's refusal and goes on: on SQLite its acks keep their
+    # savepoints (nested deeper than the call); PostgreSQL sets them apart with forgive.
+    for n in range(3):
+        service.submit("g", n)
+    leases = service.claim(["g"], worker_id="w", max_jobs=3)
+    acks = [
+        {"job_id": job["job_id"], "worker_id": "w", "lease_token": job["lease_token"]}
+        for job in leases
+    ]
+    acks[1]["lease_token"] = "stale"
+    results, sql = run_batch(
+        [lambda: service.ack_batch(acks), lambda: service.submit("g", "after")]
+    )
+    assert [r["ok"] for r in results[0]["results"]] == [True, False, True]
+    assert results[0]["results"][1]["error"]["code"] == "STALE_TOKEN"
+    assert results[1]["job"]["state"] == "ready"
+    states = sorted(Job.objects.filter(queue="g").values_list("state", flat=True))
+    assert states == ["leased", "ready", "succeeded", "succeeded"]
+    assert savepoints(sql) == (3 if backend == "sqlite" else 0)  # one per ack, one round
