@@ -24,6 +24,8 @@ Modules:
 * ``runner``: sizes (full, ``--quick``, tiny), the order of scenarios over ``--runs`` and
   ``--synchronous`` levels, the progress bar.
 * ``report``: the terminal table, the JSON document and the PNG plot.
+* ``instructions``: instructions per job of a server under valgrind's callgrind
+  (``python -m relay_bench.instructions``): counts that do not move with the machine's noise.
 
 Nothing in the product (server, worker, HTTP API, admin) imports this package
 (tests/integration/test_bench_extra.py checks it), and its ``__init__`` imports nothing:

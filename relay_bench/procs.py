@@ -156,7 +156,8 @@ class _Process(Child):
 
 
 class ServerProcess(_Process):
-    """``relay_server --address 127.0.0.1:0 [--db PATH]`` as a subprocess, ready on return.
+    """``relay_server --address 127.0.0.1:0 [--db PATH]`` as a subprocess, ready on return
+    (``prefix``: a command it runs under, e.g. valgrind's).
 
     Attributes:
         port: the bound port; ``address``: ``127.0.0.1:PORT``.
@@ -164,8 +165,10 @@ class ServerProcess(_Process):
         LogWaitError (a RuntimeError): the server exited or did not log ``event=ready`` in time.
     """
 
-    def __init__(self, db_path: Path | None, **env: str) -> None:
-        argv = django_cmd("relay_server", "--address", "127.0.0.1:0")
+    def __init__(
+        self, db_path: Path | None, *, prefix: list[str] | None = None, **env: str
+    ) -> None:
+        argv = [*(prefix or []), *django_cmd("relay_server", "--address", "127.0.0.1:0")]
         if db_path is not None:  # None: the database comes from env (RELAY_DATABASE_URL)
             argv += ["--db", str(db_path)]
         super().__init__(argv, child_env(str(db_path or ""), **env), "relay_server", "ready")

@@ -1,0 +1,30 @@
+"""``relay_bench.instructions`` on a real ``relay_server`` under valgrind's callgrind: each
+phase's jobs all run, and their instructions are counted and split by shared object.
+
+Needs valgrind (``.ci/run`` installs it); without it this test fails, it does not skip.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from relay_bench import instructions
+
+
+@pytest.mark.slow
+def test_a_servers_instructions_are_counted_per_phase(tmp_path: Path) -> None:
+    phases = instructions.count(
+        instructions.parse_phases("lease_next:1,submit:1"), jobs=20, objects=True, workdir=tmp_path
+    )
+    assert [(p.kind, p.jobs) for p in phases] == [("lease_next", 20), ("submit", 20)]
+    for phase in phases:
+        # Hundreds of thousands to a few million per job here; a count of nothing, or of the
+        # whole start-up, would fall outside.
+        assert 100_000 < phase.per_job < 20_000_000, phase
+        assert sum(phase.objects.values()) == phase.instructions
+        assert any(name.startswith("libpython") for name in phase.objects)
+        assert any(name.startswith("libsqlite3") for name in phase.objects)
+    # Leasing and acking a job is more work than submitting one.
+    assert phases[0].per_job > phases[1].per_job
