@@ -35,6 +35,7 @@ from django.test.utils import override_settings
 
 from queue_core.clock import FakeClock
 from queue_core.errors import JobNotFound, StorageFull, StorageLost
+from queue_core.models import Job
 from queue_core.service import QueueService
 from queue_core.storage.base import load_queries
 from queue_core.storage.sqlite import driver as sqlite_driver
@@ -400,3 +401,102 @@ def test_a_call_set_apart_in_a_flat_group_commit_leaves_no_after_commit_callback
     assert isinstance(outcomes[0][1], errors.InvalidArgument)
     assert outcomes[1][1]["job"]["state"] == "ready"
     assert (group.commits, ran) == (1, ["accepted"])
+
+
+def _group(service: QueueService, fns: list[Any]) -> list[tuple[bool, Any]]:
+    """Run ``fns`` as one group commit (flat first, as the server does)."""
+    from queue_core.protocol import limits
+    from queue_core.protocol.writer import Call, GroupCommit
+
+    loop = asyncio.new_event_loop()
+    try:
+        group = GroupCommit(
+            service,
+            sweep=lambda: set(service.sweep()),
+            on_ready=lambda queues: None,
+            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
+        )
+        return group.run([Call(fn, loop.create_future(), loop) for fn in fns])
+    finally:
+        loop.close()
+
+
+def _payloads(queue: str) -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT payload FROM relay_job WHERE queue = %s ORDER BY id", [queue])
+        return [row[0] for row in cursor.fetchall()]
+
+
+def test_a_full_disk_caught_inside_a_call_leaves_nothing_of_its_flat_batch() -> None:
+    # Found by a hostile run: ack_batch catches each ack's error (here SQLITE_FULL storing a
+    # result that does not fit, after which SQLite has rolled the whole transaction back);
+    # the next call of the flat batch must not write outside the transaction (each statement
+    # would commit on its own while its request is answered STORAGE_FULL).
+    service = QueueService()
+    service.submit("q", {"n": 0})
+    lease = service.claim(["q"], worker_id="w")[0]
+    ack = {"job_id": lease["job_id"], "worker_id": "w", "lease_token": lease["lease_token"]}
+    with connection.cursor() as cursor:
+        cursor.execute("VACUUM")
+        cursor.execute("PRAGMA page_count")
+        pages = int(cursor.fetchone()[0])
+        cursor.execute(f"PRAGMA max_page_count={pages + 1}")
+    try:
+        outcomes = _group(
+            service,
+            [
+                lambda: service.ack_batch([{**ack, "result": {"blob": "x" * 60_000}}]),
+                lambda: service.submit("other", {"after": "abort"}),
+            ],
+        )
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("PRAGMA max_page_count=4294967294")
+    assert [(ok, type(value)) for ok, value in outcomes] == [(False, StorageFull)] * 2
+    assert _payloads("other") == []
+    assert Job.objects.get(pk=lease["job_id"]).state == "leased"
+
+
+def test_a_rollback_caught_once_inside_a_call_commits_the_batch_once() -> None:
+    # The same fault, once (a disk that frees up): the flat round stops at the next write and
+    # the batch runs again with savepoints; the submit answered ok is in the file once.
+    service = QueueService()
+    service.submit("w", {"n": 0})
+    lease = service.claim(["w"], worker_id="w")[0]
+    service.submit("w", {"n": 1})
+    fired: list[int] = []
+
+    def catches_a_full_disk() -> str:
+        with service.transaction():
+            try:
+                with service.transaction():  # a savepoint
+                    if not fired:
+                        fired.append(1)
+                        connection.connection.execute("ROLLBACK")  # what SQLite does
+                        exc = sqlite3.OperationalError("database or disk is full")
+                        exc.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
+                        raise exc
+            except StorageFull:
+                return "caught"
+        return "fine"
+
+    outcomes = _group(
+        service,
+        [
+            catches_a_full_disk,
+            lambda: service.submit("other", {"after": "once"}),
+            lambda: service.ack(
+                lease["job_id"],
+                worker_id="w",
+                lease_token=lease["lease_token"],
+                lease_next={"queues": ["w"]},
+            ),
+        ],
+    )
+    assert [ok for ok, _ in outcomes] == [True, True, True]
+    assert outcomes[0][1] == "fine"  # the second round, with savepoints
+    assert _payloads("other") == ['{"after":"once"}']
+    assert raw_counts()[("other", "ready")] == 1
+    with connection.cursor() as cursor:  # the count table counted it once too
+        cursor.execute("SELECT n FROM relay_job_count WHERE queue = 'other' AND state = 'ready'")
+        assert cursor.fetchone()[0] == 1

@@ -249,12 +249,28 @@ class SqliteTx(SqlTx):
             sqlite3.Cursor.executemany,
         )
         self._driver = driver
+        self._conn: sqlite3.Connection = cursor.cursor.connection
+
+    def _live(self) -> None:
+        """Refuse a statement once SQLite has rolled the transaction back (a full disk or an
+        I/O error in an earlier statement): outside a transaction it would commit on its own.
+
+        Raises:
+            StorageFull, StorageIO: the fault that rolled it back (see ``_rolled_back``).
+        """
+        if not self._conn.in_transaction and self._driver._depth():
+            raise self._driver._rolled_back()
+
+    def _execute(self, name: str, params: Mapping[str, Any]) -> Any:
+        self._live()
+        return super()._execute(name, params)
 
     def _fetch(self, name: str, params: Mapping[str, Any], first: bool) -> Any:
         """Run query ``name`` on the sqlite3 cursor and fetch its rows, the statement and the
         fetch inside one error translation (``SqlTx`` enters it twice): ``(description, row
         or None)`` when ``first`` (the rest drained, so RETURNING statements complete), else
         ``(description, rows)``."""
+        self._live()
         self._db.validate_no_broken_transaction()
         raw = self._raw
         with self._errors:
@@ -290,6 +306,7 @@ class SqliteTx(SqlTx):
         return n
 
     def many(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        self._live()
         super().many(name, rows)
         if name in _JOB_INSERTS:  # no ON CONFLICT: every row went in, or this raised
             self._count_inserted(rows)
@@ -555,7 +572,11 @@ class SqliteDriver:
                 self._local.durable = True
             if depth == 1 and self._local.flat:
                 # A call of a flat group commit: no savepoint (the caller sets a failure apart
-                # with mark/forgive, or rolls everything back).
+                # with mark/forgive, or rolls everything back). If an earlier call's storage
+                # fault made SQLite roll the whole transaction back (and that call caught it,
+                # as ack_batch does), nothing may run now: it would commit on its own.
+                if not self._local.raw.in_transaction:
+                    raise self._rolled_back()
                 self._local.depth = 2
                 try:
                     yield self._local.tx
@@ -708,6 +729,12 @@ class SqliteDriver:
             fn()
             return
         self._local.after.append(fn)
+
+    def _rolled_back(self) -> RelayError:
+        """The error for a write after SQLite rolled this thread's transaction back: the
+        storage fault that did it (``_savepoint`` keeps it), else ``StorageIO``."""
+        aborted: RelayError | None = getattr(self._local, "aborted", None)
+        return aborted or StorageIO("the transaction was rolled back by SQLite")
 
     def _savepoint(self, raw: sqlite3.Connection, tx: SqliteTx, depth: int) -> Iterator[SqliteTx]:
         """Run the body in ``SAVEPOINT relay_sp{depth}`` on ``raw`` (the transaction's sqlite3
