@@ -99,26 +99,44 @@ class Conn:
         a reader silent for ``SEND_TIMEOUT_S`` is cut off.
         """
         task: asyncio.Future[Any]
-        if self.send_lock.locked() or self.writer.transport.get_write_buffer_size():
+        now = self.write_now(line)
+        if now is None:
             task = asyncio.ensure_future(self.send(line))
-        elif self.writer.is_closing() or self.eof_sent:  # dropped, as send() drops it
+        elif now in ("dropped", "sent"):
             self.slots.release()
             return
         else:
-            self.writer.write(line)
-            if not self.writer.transport.get_write_buffer_size():
-                self.slots.release()
-                return
-            task = asyncio.ensure_future(self._drain())
+            task = asyncio.ensure_future(self.drain_written())
         self.budget.take(self, len(line))  # held until sent or dropped
         self.tasks.add(task)
         task.add_done_callback(self.done)
         task.add_done_callback(lambda _: self.budget.give(self, len(line)))
 
-    async def _drain(self) -> None:
-        """Wait, holding the send turn, until a line written by ``reply_soon`` has gone out."""
+    def write_now(self, line: bytes) -> str | None:
+        """Write ``line`` at once when no reply is queued before it; no task, no wait.
+
+        Returns:
+            None: a reply is queued or draining (nothing written: ``send`` it in turn);
+            ``"sent"``: the kernel took all of it; ``"dropped"``: the connection is closing or
+            we closed our side (nothing written, as ``send`` drops it), or the write failed;
+            ``"buffered"``: the kernel took part of it, the rest waits in the transport
+            (``drain_written`` waits for it, holding the send turn).
+        """
+        if self.send_lock.locked() or self.writer.transport.get_write_buffer_size():
+            return None
+        if self.writer.is_closing() or self.eof_sent:
+            return "dropped"
+        self.writer.write(line)
+        if self.writer.transport.get_write_buffer_size():
+            return "buffered"
+        # A failed write closes the transport: reported as not sent.
+        return "dropped" if self.writer.is_closing() else "sent"
+
+    async def drain_written(self) -> bool:
+        """Wait, holding the send turn, until a line ``write_now`` buffered has gone out;
+        return whether it did (see ``_drained``)."""
         async with self.send_lock:
-            await self._drained()
+            return await self._drained()
 
     async def close_gracefully(self) -> None:
         """Close our side (FIN), discard what the client still sends for up to ``LINGER_S``,

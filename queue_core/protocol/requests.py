@@ -174,21 +174,37 @@ class Requests:
         as an unsent ``lease`` does (``release_unsent``), rather than strand them until their
         leases expire."""
         worker_id = _next_worker_id(request.args, conn.peer)
-        if conn.gone:
+        line = b""
+        now: str | None = "dropped"
+        if not conn.gone:
+            line = reply_line(request, result)
+            now = conn.write_now(line)  # the usual case: the kernel takes it, no task
+            if now == "sent":
+                conn.slots.release()
+                return
+        if now == "dropped":
             task = asyncio.ensure_future(self.release_unsent(leases, worker_id))
         else:
             task = asyncio.ensure_future(
-                self._send_or_release(conn, reply_line(request, result), leases, worker_id)
+                self._send_or_release(conn, line, leases, worker_id, written=now is not None)
             )
         conn.tasks.add(task)
         task.add_done_callback(conn.done)  # frees the request's in-flight slot
 
     async def _send_or_release(
-        self, conn: Conn, line: bytes, leases: list[dict[str, Any]], worker_id: str
+        self,
+        conn: Conn,
+        line: bytes,
+        leases: list[dict[str, Any]],
+        worker_id: str,
+        *,
+        written: bool,
     ) -> None:
+        """Send ``line`` in its turn (or, ``written``, wait for the part the kernel did not
+        take yet); give the jobs back when it does not go out."""
         self.budget.take(conn, len(line))  # held until sent or dropped (``Conn.reply_soon``)
         try:
-            sent = await conn.send(line)
+            sent = await (conn.drain_written() if written else conn.send(line))
         finally:
             self.budget.give(conn, len(line))
         if not sent:

@@ -1,5 +1,6 @@
 """Fewer round trips per job (issue 15, item 3) through a real TCP server: the next jobs an
-ack leased (``lease_next``) go back at once when its reply cannot be sent, a draining server
+ack leased (``lease_next``) go back at once when its reply cannot be sent (the client is gone,
+or reads nothing until it is cut off), a draining server
 leases none while the ack itself still works, and ``relay_worker --concurrency 4`` drains a
 queue with most jobs coming in its acks' replies (real processes, both drivers).
 
@@ -9,6 +10,7 @@ Waiting is on events, replies, log lines and job states, never on fixed sleeps.
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +20,7 @@ import pytest
 
 from queue_core.client import RelayClient
 from queue_core.models import Job
-from queue_core.protocol import writer
+from queue_core.protocol import connection, writer
 from queue_core.service import QueueService
 from tests.integration.test_tcp_server import Client, Running, wait_for
 from tests.procs import Spawner
@@ -69,6 +71,44 @@ def test_next_jobs_of_an_ack_whose_reply_cannot_be_sent_go_back(
     wait_for(lambda: Job.objects.filter(state="ready").count() == 3)
     assert Job.objects.get(pk=first["job_id"]).state == "succeeded"  # the ack itself stands
     assert producer.ok("stats")["totals"]["leased"] == 0
+    producer.close()
+
+
+def test_next_jobs_of_an_ack_whose_reply_is_never_read_go_back(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The reply is written at once (no task) when nothing is queued before it; a reply the
+    # kernel only partly takes waits for the rest, and a reader silent past SEND_TIMEOUT_S is
+    # cut off: its next jobs go back at once, not when their leases expire.
+    monkeypatch.setattr(connection, "SEND_TIMEOUT_S", 0.5)
+    written: list[str | None] = []
+    write_now = connection.Conn.write_now
+
+    def spy(self: connection.Conn, line: bytes) -> str | None:
+        written.append(write_now(self, line))
+        return written[-1]
+
+    monkeypatch.setattr(connection.Conn, "write_now", spy)
+    running = start()
+    producer = Client(running.port)
+    for i in range(4):
+        producer.ok("submit", queue="nb", payload={"i": i, "blob": "x" * 200_000})
+    ghost = Client(running.port)
+    ghost.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # no autotuning
+    (first,) = ghost.ok("lease", queues=["nb"], worker_id="ghost")["jobs"]
+    # Small kernel buffers on the server's side too, so the ~600 KB reply cannot all go in.
+    port = str(ghost.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    conn.writer.transport.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
+    )
+    ghost.send("ack", **ack_args(first, "ghost", lease_next={"queues": ["nb"], "max_jobs": 3}))
+    wait_for(lambda: len(running.server._conns) == 1)  # the silent reader was cut off
+    assert "buffered" in written
+    wait_for(lambda: Job.objects.filter(state="ready").count() == 3)
+    assert Job.objects.get(pk=first["job_id"]).state == "succeeded"
+    assert producer.ok("stats")["totals"]["leased"] == 0
+    ghost.close()
     producer.close()
 
 
