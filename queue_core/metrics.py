@@ -181,7 +181,7 @@ class Event:
 
 # (metric name, queue label) -> its labelled child: ``labels()`` checks and locks at each
 # call; a child stays the same object for the process's life (none is ever removed), and
-# there are at most len(_COUNTERS) + 1 times RELAY_METRICS_MAX_QUEUES + 1 of them.
+# there are at most (len(_COUNTERS) + 1) x (RELAY_METRICS_MAX_QUEUES + 1) of them.
 _children: dict[tuple[str, str], Any] = {}
 
 
