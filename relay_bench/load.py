@@ -43,6 +43,7 @@ from queue_core.client import RelayClient
 
 READY_TIMEOUT_S = 60.0
 MAX_FRAME_BYTES = 1024 * 1024
+_FAILED = object()  # _lease_one: the lease failed (counted as an error)
 
 
 def payload(n: int, size: int = 100) -> dict[str, Any]:
@@ -149,22 +150,27 @@ class _Thread(threading.Thread):
             else:
                 self._fail(RuntimeError(f"HTTP {response.status}: {text[:200]!r}"))
 
+    def _lease_one(self, queue: str, worker_id: str) -> Any:
+        """Lease one job: the job, None when the queue is drained, or ``_FAILED`` after an
+        error (counted)."""
+        try:
+            jobs = self._timed("lease", self.client.lease, [queue], worker_id=worker_id, max_jobs=1)
+        except (errors.RelayError, ConnectionError) as exc:
+            self._fail(exc)
+            return _FAILED
+        return jobs[0] if jobs else None
+
     def _lease_ack(self, spec: dict[str, Any], deadline: float) -> None:
         queue = spec["queue"]
         worker_id = f"bench-{os.getpid()}-{self.index}"
         for _ in range(spec["ops"]):
             if time.monotonic() > deadline:
                 return
-            try:
-                jobs = self._timed(
-                    "lease", self.client.lease, [queue], worker_id=worker_id, max_jobs=1
-                )
-            except (errors.RelayError, ConnectionError) as exc:
-                self._fail(exc)
+            job = self._lease_one(queue, worker_id)
+            if job is _FAILED:
                 continue
-            if not jobs:
+            if job is None:
                 return  # the backlog is drained
-            job = jobs[0]
             try:
                 self._timed(
                     "ack",
@@ -186,16 +192,12 @@ class _Thread(threading.Thread):
             if time.monotonic() > deadline:
                 return
             if job is None:  # the first job, or after an error: a plain lease
-                try:
-                    jobs = self._timed(
-                        "lease", self.client.lease, [queue], worker_id=worker_id, max_jobs=1
-                    )
-                except (errors.RelayError, ConnectionError) as exc:
-                    self._fail(exc)
+                job = self._lease_one(queue, worker_id)
+                if job is _FAILED:
+                    job = None
                     continue
-                if not jobs:
+                if job is None:
                     return  # the backlog is drained
-                job = jobs[0]
             try:
                 reply = self._timed(
                     "ack",

@@ -33,9 +33,12 @@ import pytest
 from django.db import connection, connections
 from django.test.utils import override_settings
 
+from queue_core import errors
 from queue_core.clock import FakeClock
 from queue_core.errors import JobNotFound, StorageFull, StorageLost
 from queue_core.models import Job
+from queue_core.protocol import limits
+from queue_core.protocol.writer import Call, GroupCommit
 from queue_core.service import QueueService
 from queue_core.storage.base import load_queries
 from queue_core.storage.sqlite import driver as sqlite_driver
@@ -366,14 +369,26 @@ def test_maintain_looks_at_most_every_quarter_second(
     assert len(looks) == 2
 
 
+def _group(service: QueueService, fns: list[Any]) -> tuple[list[tuple[bool, Any]], int]:
+    """Run ``fns`` as one group commit (flat first, as the server does); return each call's
+    ``(ok, result or exception)`` and the commits it made."""
+    loop = asyncio.new_event_loop()
+    try:
+        group = GroupCommit(
+            service,
+            sweep=lambda: set(service.sweep()),
+            on_ready=lambda queues: None,
+            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
+        )
+        return group.run([Call(fn, loop.create_future(), loop) for fn in fns]), group.commits
+    finally:
+        loop.close()
+
+
 def test_a_call_set_apart_in_a_flat_group_commit_leaves_no_after_commit_callback() -> None:
     # Flat (no SAVEPOINT per call), a call that fails before changing a row is forgiven:
     # what it registered to run after the COMMIT goes with it, as a savepoint's rollback
     # would take it; the other call's callback runs once the batch commits.
-    from queue_core import errors
-    from queue_core.protocol import limits
-    from queue_core.protocol.writer import Call, GroupCommit
-
     service = QueueService()
     ran: list[str] = []
 
@@ -386,39 +401,10 @@ def test_a_call_set_apart_in_a_flat_group_commit_leaves_no_after_commit_callback
         service.driver.after_commit(lambda: ran.append("accepted"))
         return job
 
-    loop = asyncio.new_event_loop()
-    try:
-        group = GroupCommit(
-            service,
-            sweep=lambda: set(service.sweep()),
-            on_ready=lambda queues: None,
-            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
-        )
-        calls = [Call(fn, loop.create_future(), loop) for fn in (refused, accepted)]
-        outcomes = group.run(calls)
-    finally:
-        loop.close()
+    outcomes, commits = _group(service, [refused, accepted])
     assert isinstance(outcomes[0][1], errors.InvalidArgument)
     assert outcomes[1][1]["job"]["state"] == "ready"
-    assert (group.commits, ran) == (1, ["accepted"])
-
-
-def _group(service: QueueService, fns: list[Any]) -> list[tuple[bool, Any]]:
-    """Run ``fns`` as one group commit (flat first, as the server does)."""
-    from queue_core.protocol import limits
-    from queue_core.protocol.writer import Call, GroupCommit
-
-    loop = asyncio.new_event_loop()
-    try:
-        group = GroupCommit(
-            service,
-            sweep=lambda: set(service.sweep()),
-            on_ready=lambda queues: None,
-            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
-        )
-        return group.run([Call(fn, loop.create_future(), loop) for fn in fns])
-    finally:
-        loop.close()
+    assert (commits, ran) == (1, ["accepted"])
 
 
 def _payloads(queue: str) -> list[str]:
@@ -436,22 +422,14 @@ def test_a_full_disk_caught_inside_a_call_leaves_nothing_of_its_flat_batch() -> 
     service.submit("q", {"n": 0})
     lease = service.claim(["q"], worker_id="w")[0]
     ack = {"job_id": lease["job_id"], "worker_id": "w", "lease_token": lease["lease_token"]}
-    with connection.cursor() as cursor:
-        cursor.execute("VACUUM")
-        cursor.execute("PRAGMA page_count")
-        pages = int(cursor.fetchone()[0])
-        cursor.execute(f"PRAGMA max_page_count={pages + 1}")
-    try:
-        outcomes = _group(
+    with page_limit(1):
+        outcomes, _ = _group(
             service,
             [
                 lambda: service.ack_batch([{**ack, "result": {"blob": "x" * 60_000}}]),
                 lambda: service.submit("other", {"after": "abort"}),
             ],
         )
-    finally:
-        with connection.cursor() as cursor:
-            cursor.execute("PRAGMA max_page_count=4294967294")
     assert [(ok, type(value)) for ok, value in outcomes] == [(False, StorageFull)] * 2
     assert _payloads("other") == []
     assert Job.objects.get(pk=lease["job_id"]).state == "leased"
@@ -480,7 +458,7 @@ def test_a_rollback_caught_once_inside_a_call_commits_the_batch_once() -> None:
                 return "caught"
         return "fine"
 
-    outcomes = _group(
+    outcomes, _ = _group(
         service,
         [
             catches_a_full_disk,
