@@ -530,7 +530,7 @@ class SqliteDriver:
         raw: sqlite3.Connection | None = getattr(self._local, "raw", None)
         if raw is None or not self._depth() or not raw.in_transaction:
             return False
-        if self._local.aborted is not None or raw.total_changes != mark >> 32:
+        if getattr(self._local, "aborted", None) is not None or raw.total_changes != mark >> 32:
             return False
         del self._local.after[mark & 0xFFFFFFFF :]
         return True
