@@ -393,15 +393,17 @@ class SqliteTx(SqlTx):
         return True
 
     def sweep_plan(self, now_ms: int) -> tuple[bool, bool] | None:
-        """``(True, True)``: the sweep's own statements are index seeks in this process, as
-        cheap as asking first; None once this transaction has swept (the server's group
-        commit sweeps before its claims, and each claim would sweep again: two statements
-        each). A savepoint rolled back forgets the sweep, so the next claim sweeps again."""
+        """Whether anything is due, in one statement (``sweep_probe``: two index seeks where
+        the sweep itself runs two statements); None once this transaction has swept (the
+        server's group commit sweeps before its claims, and each claim would sweep again). A
+        savepoint rolled back forgets the sweep, so the next claim sweeps again. No lock:
+        SQLite's write lock already admits one sweep at a time."""
         local = self._driver._local
         if getattr(local, "swept", False):
             return None
+        row = self.one("sweep_probe", {"now_ms": now_ms})
         local.swept = True
-        return (True, True)
+        return (bool(row["expired"]), bool(row["due"])) if row else (True, True)
 
     def made_ready(self, queue: str | None = None) -> None:
         """Nothing to do: other connections see the commit in ``PRAGMA data_version``."""

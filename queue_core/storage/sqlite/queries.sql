@@ -95,6 +95,16 @@ UPDATE relay_job
    AND state IN ('pending', 'retrying')
 RETURNING queue;
 
+-- name: sweep_probe
+-- Whether a sweep has anything to do, in one statement (every group commit that claims sweeps
+-- first; usually nothing is due). Each EXISTS is one seek on a partial index (relay_job_leased,
+-- relay_job_scheduled); expired_leases narrows "expired" further after a clock step.
+-- Params: now_ms.
+SELECT EXISTS (SELECT 1 FROM relay_job
+                WHERE state = 'leased' AND lease_expires_at_ms <= %(now_ms)s) AS expired,
+       EXISTS (SELECT 1 FROM relay_job
+                WHERE state IN ('pending', 'retrying') AND available_at_ms <= %(now_ms)s) AS due;
+
 -- name: expired_leases
 -- Leases whose expiry has passed, oldest first. After a forward step of the wall clock, a
 -- lease whose expiry was set at or before mark_ms (by the old clock) is judged by judge_ms,
