@@ -1,8 +1,8 @@
 """Instructions per job of a real ``relay_server``, counted by valgrind's callgrind.
 
 A rate or a CPU time on a small shared machine moves by ±10% from one minute to the next;
-the number of instructions a server runs for the same work does not (two counts of the same
-code agree within about 0.5%), so a change worth a few percent can be measured before and
+the number of instructions a server runs for the same work hardly does (counts of the same
+code agree within about 2%), so a change worth a few percent can be measured before and
 after, as issue 15 asks. Usage, from the root of the tree to measure (a checkout or a
 ``git worktree``: the server runs the code of the current directory)::
 
@@ -191,11 +191,11 @@ def count(
             _control("-d", f"phase{n}", pid)
             if result["errors"]:
                 raise RuntimeError(f"{queue}: {result['errors']} errors: {result['error_sample']}")
-            dump = Path(f"{dumps}.{n}")
+            dump = Path(f"{dumps}.{n}").read_text()
             phase.jobs = int(result["ops"])
-            phase.instructions = total(dump.read_text())
+            phase.instructions = total(dump)
             if objects:
-                phase.objects = by_object(dump.read_text())
+                phase.objects = by_object(dump)
     return phases
 
 

@@ -34,7 +34,6 @@ from typing import IO, Any, NoReturn
 import orjson
 from django.db import DatabaseError, OperationalError, connections, transaction
 from django.db.backends.signals import connection_created
-from django.db.backends.utils import CursorDebugWrapper
 
 from queue_core.clock import Clock, SystemClock
 from queue_core.conf import relay_settings
@@ -251,6 +250,16 @@ class SqliteTx(SqlTx):
         self._driver = driver
         self._conn: sqlite3.Connection = cursor.cursor.connection
 
+    def plain(self, sql: str) -> None:
+        """Run one of the transaction's own statements (BEGIN, COMMIT, ROLLBACK) as the
+        others run: on the sqlite3 connection inside Django's error translation, or through
+        Django's cursor while it records queries or has an ``execute_wrapper``."""
+        if self._django:
+            self._cursor.execute(sql)
+            return
+        with self._errors:
+            self._conn.execute(sql)
+
     def _live(self) -> None:
         """Refuse a statement once SQLite has rolled the transaction back (a full disk or an
         I/O error in an earlier statement): outside a transaction it would commit on its own.
@@ -402,8 +411,9 @@ class SqliteTx(SqlTx):
         if getattr(local, "swept", False):
             return None
         row = self.one("sweep_probe", {"now_ms": now_ms})
+        assert row is not None  # a SELECT of two EXISTS always has its row
         local.swept = True
-        return (bool(row["expired"]), bool(row["due"])) if row else (True, True)
+        return bool(row["expired"]), bool(row["due"])
 
     def made_ready(self, queue: str | None = None) -> None:
         """Nothing to do: other connections see the commit in ``PRAGMA data_version``."""
@@ -628,15 +638,16 @@ class SqliteDriver:
     ) -> Iterator[SqliteTx]:
         """``BEGIN IMMEDIATE``, the body, ``COMMIT`` (``ROLLBACK`` and the mapped error when
         either fails); ``flat``: see ``write(savepoints=False)``."""
-        run = self._statement_runner(cursor, conn)
+        # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
+        # the server's group commit opens two savepoints per request).
+        tx = SqliteTx(cursor, self)
+        run = tx.plain
         self._begin_immediate(run, conn.connection, wait)
+        self._local.tx = tx
         self._local.raw = conn.connection
         self._local.flat = flat
         self._local.depth = 1
         self._local.swept = False  # sweep_plan: this transaction has not swept yet
-        # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
-        # the server's group commit opens two savepoints per request).
-        tx = self._local.tx = SqliteTx(cursor, self)
         self._local.aborted = None
         try:
             yield tx
@@ -777,23 +788,6 @@ class SqliteDriver:
             raw.execute(f"RELEASE {name}")
         finally:
             self._local.depth = depth
-
-    @staticmethod
-    def _statement_runner(cursor: Any, conn: Any) -> Callable[[str], None]:
-        """How the transaction's own statements (BEGIN, COMMIT, ROLLBACK) run: on the sqlite3
-        connection inside Django's error translation, or through the Django cursor while
-        Django records queries (``DEBUG``, ``CaptureQueriesContext``) or an
-        ``execute_wrapper`` is installed, as ``SqlTx`` does for the rest."""
-        if isinstance(cursor, CursorDebugWrapper) or conn.execute_wrappers:
-            return cursor.execute  # type: ignore[no-any-return]
-        raw = conn.connection
-        errors = conn.wrap_database_errors
-
-        def run(sql: str) -> None:
-            with errors:
-                raw.execute(sql)
-
-        return run
 
     def _begin_immediate(
         self, run: Callable[[str], None], raw: sqlite3.Connection, wait: bool
