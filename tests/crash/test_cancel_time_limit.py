@@ -168,12 +168,24 @@ def test_the_worker_stops_a_job_at_its_time_limit_and_it_fails_with_timeout(
                 )
                 assert stopped["reason"] == "timeout"
                 # The worker fails it ("failed"), unless a renew at the limit came first and
-                # the server failed it already ("result_discarded").
+                # the server failed it already: the worker heard so from the renew
+                # ("result_discarded"), or its own fail, sent at its local deadline, reached
+                # the server after that renew and was refused ("fail_rejected", LEASE_EXPIRED;
+                # seen once on PostgreSQL). Either way the job's history below says timeout.
                 worker.wait_for(
-                    lambda r, j=job_id, a=attempt: (
-                        r.get("event") in ("failed", "result_discarded")
-                        and r.get("job_id") == j
-                        and r.get("attempt") == a
+                    lambda r, j=job_id, a=attempt, t=stopped["ts"]: (
+                        r.get("job_id") == j
+                        and (
+                            (
+                                r.get("event") in ("failed", "result_discarded")
+                                and r.get("attempt") == a
+                            )
+                            or (
+                                r.get("event") == "fail_rejected"  # names no attempt:
+                                and r.get("code") == "LEASE_EXPIRED"  # this one's, by time
+                                and r.get("ts", "") >= t
+                            )
+                        )
                     ),
                     30,
                     f"the failure of {job_id} attempt {attempt}",
