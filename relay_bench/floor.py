@@ -60,18 +60,18 @@ CREATE TABLE job (
 CREATE INDEX job_ready ON job (queue, priority, ready_since_ms, id) WHERE state = 'ready';
 """
 
-_LEAN_INSERT = (
+LEAN_INSERT = (
     "INSERT INTO job (id, queue, state, priority, payload, created_at_ms, updated_at_ms, "
     "ready_since_ms) VALUES (:id, :queue, :state, :priority, :payload, :now_ms, :now_ms, "
     ":ready_since_ms)"
 )
-_LEAN_CLAIM = (
+LEAN_CLAIM = (
     "UPDATE job SET state = 'leased', lease_token = :token, lease_expires_at_ms = :expires_ms, "
     "updated_at_ms = :now_ms WHERE id = (SELECT id FROM job WHERE state = 'ready' "
     "AND queue = :queue AND priority = 1 ORDER BY ready_since_ms, id LIMIT 1) "
     "RETURNING id, payload"
 )
-_LEAN_ACK = (
+LEAN_ACK = (
     "UPDATE job SET state = 'succeeded', lease_token = NULL, lease_expires_at_ms = NULL, "
     "updated_at_ms = :now_ms WHERE id = :job_id AND state = 'leased' AND lease_token = :token "
     "AND lease_expires_at_ms > :now_ms"
@@ -170,7 +170,7 @@ def _now_ms() -> int:
 def _insert(kind: Kind) -> tuple[str, Callable[..., dict[str, Any]]]:
     """The insert statement and row builder of a floor."""
     if kind == "lean":
-        return _LEAN_INSERT, lean_row
+        return LEAN_INSERT, lean_row
     return _queries()["insert_job"], job_row
 
 
@@ -310,14 +310,14 @@ def _claim_lean(conn: sqlite3.Connection) -> tuple[str, str] | None:
     token = secrets.token_urlsafe(24)
     conn.execute("BEGIN IMMEDIATE")
     params = {"token": token, "expires_ms": now + 30_000, "now_ms": now, "queue": "bench"}
-    row = conn.execute(_LEAN_CLAIM, params).fetchone()
+    row = conn.execute(LEAN_CLAIM, params).fetchone()
     conn.execute("COMMIT")
     return None if row is None else (row[0], token)
 
 
 def _ack_lean(conn: sqlite3.Connection, job_id: str, token: str) -> None:
     conn.execute("BEGIN IMMEDIATE")
-    conn.execute(_LEAN_ACK, {"job_id": job_id, "token": token, "now_ms": _now_ms()})
+    conn.execute(LEAN_ACK, {"job_id": job_id, "token": token, "now_ms": _now_ms()})
     conn.execute("COMMIT")
 
 

@@ -176,6 +176,24 @@ class ServerProcess(_Process):
         self.address = f"127.0.0.1:{self.port}"
 
 
+class CeilingProcess(_Process):
+    """``python -m relay_bench.ceiling --db PATH --synchronous LEVEL`` (the CPython ceiling,
+    see ``relay_bench.ceiling``) as a subprocess on an ephemeral port, ready on return.
+
+    Attributes:
+        port: the bound port; ``address``: ``127.0.0.1:PORT``.
+    Raises:
+        LogWaitError (a RuntimeError): it exited or did not log ``event=ready`` in time.
+    """
+
+    def __init__(self, db_path: Path, synchronous: str) -> None:
+        argv = [sys.executable, "-m", "relay_bench.ceiling", "--db", str(db_path)]
+        argv += ["--synchronous", synchronous, "--address", "127.0.0.1:0"]
+        super().__init__(argv, child_env(str(db_path)), "ceiling", "ready")
+        self.port = int(self.ready["port"])
+        self.address = f"127.0.0.1:{self.port}"
+
+
 class WorkerProcess(_Process):
     """``relay_worker --address ADDR --queue Q --concurrency N`` as a subprocess, ready on return.
 

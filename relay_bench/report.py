@@ -71,8 +71,13 @@ def headline(doc: dict[str, Any]) -> str:
     per_run = "; ".join(
         f"run {r['run']} {r['start']} -> {r['end']}" for r in meta.get("loadavg_runs", [])
     )
+    ceiling = (
+        "THE CEILING SERVER (relay_bench.ceiling), not Relay: 'Relay' below means it; "
+        if meta.get("server") == "ceiling"
+        else ""
+    )
     return (
-        f"relay_bench ({meta['sizes']}, {n} run{'s' if n != 1 else ''}: "
+        ceiling + f"relay_bench ({meta['sizes']}, {n} run{'s' if n != 1 else ''}: "
         f"{'medians' if n > 1 else 'one run, no spread'}) on {m['cores']} cores, "
         f"{m['cpu_model']}, Python {m['python']}, SQLite {m['sqlite']}, WAL; Relay at "
         f"synchronous={levels}, floors at {floors}; load average {meta.get('loadavg_start')} "

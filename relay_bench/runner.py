@@ -56,6 +56,7 @@ LEASE_CONCURRENCY = (1, 4, 16, 64)
 # The floors always run at both, whatever levels the Relay scenarios run at (issue 15).
 FLOOR_SYNCHRONOUS = ("FULL", "NORMAL")
 MAX_RUNS = 20
+SERVERS = ("relay", "ceiling")  # what the scenarios measure: relay_server, relay_bench.ceiling
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -233,9 +234,13 @@ class Bench(Steps):
         synchronous: the ``synchronous`` levels to run the Relay scenarios at (each a
             ``RELAY_SQLITE_SYNCHRONOUS`` value; default: the configured one). The first is the
             document's top level; the floors always run at ``FULL`` and ``NORMAL`` too.
+        server: ``"relay"`` (``relay_server``) or ``"ceiling"``: the same scenarios against
+            ``relay_bench.ceiling``, the least a CPython server must do for them (no worker
+            process, HTTP or backlog scenario then).
 
     Raises:
-        ValueError: ``runs`` out of range, or several levels with ``address``.
+        ValueError: ``runs`` out of range, several levels with ``address``, an unknown
+            ``server``, or ``"ceiling"`` with ``address``.
     """
 
     def __init__(
@@ -250,8 +255,14 @@ class Bench(Steps):
         workers: tuple[int, ...] = LEASE_CONCURRENCY,
         runs: int = 1,
         synchronous: tuple[str, ...] = (),
+        server: str = "relay",
     ) -> None:
         from queue_core.conf import relay_settings
+
+        if server not in SERVERS:
+            raise ValueError(f"server must be one of {', '.join(SERVERS)}")
+        if server == "ceiling" and address is not None:
+            raise ValueError("the ceiling server is started by the run, not given by address")
 
         if not 1 <= runs <= MAX_RUNS:
             raise ValueError(f"runs must be 1..{MAX_RUNS}")
@@ -262,6 +273,7 @@ class Bench(Steps):
             raise ValueError("a running server (--address) has one synchronous level")
         self.sizes = sizes
         self.address = address
+        self.server = server
         self.progress = progress or Progress()
         self.http_enabled = http_enabled
         self.backlog_enabled = backlog_enabled
@@ -290,6 +302,7 @@ class Bench(Steps):
                 "runs": self.runs,
                 "journal_mode": "wal",
                 "external_server": self.address,
+                "server": self.server,
             }
         }
         workdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
@@ -366,13 +379,19 @@ class Bench(Steps):
         """The Relay scenarios on one server at ``env.synchronous``, with the claim floors
         between the submissions and the lease+acks they are compared with."""
         sz = self.sizes
-        server: procs.ServerProcess | None = None
-        db_path = procs.fresh_db(env.template, env.workdir, f"server-{env.run_id}")
-        if self.address is None:
+        server: procs.ServerProcess | procs.CeilingProcess | None = None
+        if self.server == "ceiling":
+            db_path = Path(scenarios.lean_db(env, f"ceiling-{env.run_id}"))
+            with self._step(f"[{tag}] start the ceiling server"):
+                server = procs.CeilingProcess(db_path, env.synchronous)
+            address = server.address
+        elif self.address is None:
+            db_path = procs.fresh_db(env.template, env.workdir, f"server-{env.run_id}")
             with self._step(f"[{tag}] start relay_server"):
                 server = procs.ServerProcess(db_path, RELAY_SQLITE_SYNCHRONOUS=env.synchronous)
             address = server.address
         else:
+            db_path = procs.fresh_db(env.template, env.workdir, f"server-{env.run_id}")
             address = self.address
         try:
             pid = server.pid if server is not None else None
@@ -383,7 +402,10 @@ class Bench(Steps):
                 part["submit_to_start"] = scenarios.submit_to_start(
                     env, address, samples=sz.submit_to_start, tick=tick
                 )
-            if server is not None:
+            if isinstance(server, procs.CeilingProcess):
+                part["worker"] = {"status": "skipped: the ceiling server"}
+                part["server"] = {"peak_rss_mb": server.peak_rss_mb()}
+            elif server is not None:
                 with self._step(f"[{tag}] relay_worker process"):
                     part["worker"] = scenarios.worker_drain(
                         env, server, db_path, jobs=sz.worker_jobs, concurrency=16
@@ -448,6 +470,8 @@ class Bench(Steps):
         reason = http.unavailable_reason() if self.http_enabled else "skipped: --no-http"
         if reason is None and self.address is not None:
             reason = "skipped: --address given"
+        if reason is None and self.server == "ceiling":
+            reason = "skipped: the ceiling server"
         if reason is not None:
             doc["http"] = {"status": reason}
             return
@@ -469,8 +493,10 @@ class Bench(Steps):
 
     def _backlog(self, doc: dict[str, Any], env: scenarios.Env) -> None:
         """Backlog scaling, once (not repeated), at the top level's synchronous setting."""
-        if not self.backlog_enabled or self.address is not None:
+        if not self.backlog_enabled or self.address is not None or self.server == "ceiling":
             why = "--no-backlog" if not self.backlog_enabled else "--address given"
+            if self.backlog_enabled and self.server == "ceiling":
+                why = "the ceiling server"
             doc["backlog"] = {"status": f"skipped: {why}", "sizes": []}
             return
         sz = self.sizes

@@ -94,6 +94,11 @@ def _floor_db(env: Env, kind: floor.Kind, name: str) -> str:
     return floor.create_lean(str(path))
 
 
+def lean_db(env: Env, name: str) -> str:
+    """A new, empty lean floor file (``floor.LEAN_SCHEMA``) named ``name`` in ``env.workdir``."""
+    return _floor_db(env, "lean", name)
+
+
 def floor_inserts(
     env: Env, one: int, batches: int, tick: Tick, *, kind: floor.Kind = "schema"
 ) -> dict[str, Any]:

@@ -262,6 +262,9 @@ def test_the_schema_floor_gets_its_ratio_to_the_lean_floor_of_its_run() -> None:
         (["--backlog-only", "--address", "127.0.0.1:1"], "starts its own servers"),
         (["--backlog-only", "--runs", "0"], "--runs must be 1..20"),
         (["--backlog-only", "--synchronous", "normal"], "configured level"),
+        (["--server", "ceiling", "--address", "127.0.0.1:1"], "starts its own server"),
+        (["--server", "ceiling", "--backlog-only"], "SQLite only"),
+        (["--server", "ceiling", "--database-url", "postgresql://x@127.0.0.1/y"], "SQLite only"),
     ],
 )
 def test_bench_refuses_runs_and_levels_it_cannot_honour(args: list[str], message: str) -> None:

@@ -1,0 +1,109 @@
+"""The CPython ceiling server (``relay_bench.ceiling``): a real process on a real socket,
+driven by Relay's own client, answers the bench's ops as ``relay_server`` does, and
+``relay bench --server ceiling`` measures it end to end. Its speed is what the benchmark
+measures (docs/benchmarking.md), never checked here."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import socket
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+from django.core.management import call_command
+
+from queue_core import errors
+from queue_core.client import RelayClient
+from relay_bench import floor, procs
+
+
+@pytest.fixture
+def ceiling(tmp_path: Path) -> Iterator[procs.CeilingProcess]:
+    server = procs.CeilingProcess(Path(floor.create_lean(str(tmp_path / "c.db"))), "FULL")
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0  # SIGTERM: a clean stop
+
+
+def _rows(path: Path) -> dict[str, str]:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return dict(conn.execute("SELECT id, state FROM job").fetchall())
+
+
+def test_the_ceiling_serves_submit_lease_and_ack_like_relay(
+    ceiling: procs.CeilingProcess, tmp_path: Path
+) -> None:
+    with RelayClient(ceiling.address, timeout_s=10) as client:
+        client.ping()
+        job = client.submit("q", {"n": 1})["job"]
+        assert (job["queue"], job["state"], job["payload"]) == ("q", "ready", {"n": 1})
+        batch = client.submit_batch([{"queue": "q", "payload": {"n": n}} for n in (2, 3)])
+        ids = [job["id"], *(r["job_id"] for r in batch["results"])]
+        first = client.lease(["q"], worker_id="w", max_jobs=1)
+        assert [j["job_id"] for j in first] == ids[:1]
+        assert first[0]["payload"] == {"n": 1}
+        with pytest.raises(errors.RelayError) as refused:
+            client.ack(ids[0], worker_id="w", lease_token="not-the-token")
+        assert refused.value.code == "STALE_TOKEN"
+        reply = client.ack(
+            ids[0], worker_id="w", lease_token=first[0]["lease_token"], lease_next={"queues": ["q"]}
+        )
+        assert [j["job_id"] for j in reply["next"]] == ids[1:2]
+        second = reply["next"][0]
+        client.ack(ids[1], worker_id="w", lease_token=second["lease_token"])
+        third = client.lease(["q"], worker_id="w")
+        client.ack(ids[2], worker_id="w", lease_token=third[0]["lease_token"])
+        assert client.lease(["q"], worker_id="w") == []
+    assert _rows(tmp_path / "c.db") == dict.fromkeys(ids, "succeeded")
+
+
+def test_a_waiting_lease_is_woken_by_a_later_submit_and_an_idle_one_ends_empty(
+    ceiling: procs.CeilingProcess,
+) -> None:
+    with socket.create_connection(("127.0.0.1", ceiling.port), timeout=10) as sock:
+        stream = sock.makefile("rb")
+        # One connection, in this order: the lease is read (and parks) before the submit.
+        lease = {"id": 1, "op": "lease", "args": {"queues": ["w"], "wait_ms": 5000}}
+        submit = {"id": 2, "op": "submit", "args": {"queue": "w", "payload": {"n": 7}}}
+        sock.sendall(b"".join(orjson.dumps(f) + b"\n" for f in (lease, submit)))
+        replies = [orjson.loads(stream.readline()) for _ in range(2)]
+        assert [r["id"] for r in replies] == [2, 1]
+        assert replies[1]["result"]["jobs"][0]["job_id"] == replies[0]["result"]["job"]["id"]
+        idle = {"id": 3, "op": "lease", "args": {"queues": ["empty"], "wait_ms": 20}}
+        sock.sendall(orjson.dumps(idle) + b"\n")
+        assert orjson.loads(stream.readline()) == {"id": 3, "ok": True, "result": {"jobs": []}}
+
+
+@pytest.mark.slow
+def test_bench_measures_the_ceiling_server_in_place_of_relay() -> None:
+    out = io.StringIO()
+    call_command(
+        "relay_bench",
+        "--server",
+        "ceiling",
+        "--quick",
+        "--json",
+        "--scale",
+        "0.01",
+        "--producers",
+        "1,2",
+        "--workers",
+        "1,16",
+        "--no-progress",
+        stdout=out,
+        stderr=io.StringIO(),
+    )
+    doc = orjson.loads(out.getvalue())
+    assert doc["meta"]["server"] == "ceiling"
+    rows = doc["submit"] + doc["lease_ack"]
+    assert rows and all(r["ops"] > 0 and r["errors"] == 0 for r in rows)
+    assert {r.get("mode") for r in doc["lease_ack"]} == {None, "lease_next"}
+    assert doc["submit_to_start"]["samples"] > 0 and not doc["submit_to_start"]["problems"]
+    assert doc["worker"] == {"status": "skipped: the ceiling server"}
+    assert doc["http"]["status"] == "skipped: the ceiling server"
+    assert doc["backlog"]["status"] == "skipped: the ceiling server"
