@@ -161,7 +161,7 @@ class Ceiling:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             for request in batch:
-                replies.append((request, self._run(request, woken)))
+                replies.append((request, self._answer(request, woken)))
             self.db.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
@@ -178,20 +178,30 @@ class Ceiling:
                     self.loop.call_soon(self.commit)
                 self.pending.append(request)
 
+    def _answer(self, request: Request, woken: set[str]) -> Callable[[], None]:
+        """``_run``, or for arguments it cannot read an ``INVALID_ARGUMENT`` reply (every
+        request reads its arguments before its first statement, so it changed nothing)."""
+        try:
+            return self._run(request, woken)
+        except (LookupError, TypeError, AttributeError, orjson.JSONEncodeError) as exc:
+            req_id, text = request.frame.get("id"), f"cannot read the arguments: {exc!r}"
+            return lambda: self._error(request.writer, req_id, "INVALID_ARGUMENT", text)
+
     def _run(self, request: Request, woken: set[str]) -> Callable[[], None]:
         """One request's statements inside the open transaction; returns what sends its reply."""
         frame, writer = request.frame, request.writer
         req_id, op, args = frame.get("id"), frame.get("op"), frame.get("args") or {}
         now = _now_ms()
         if op == "submit":
-            job_id, body = _new_id(now), orjson.dumps(args["payload"]).decode()
-            self.db.execute(_INSERT, _row(job_id, args["queue"], body, now))
-            woken.add(args["queue"])
-            result: dict[str, Any] = {"job": _job(job_id, args["queue"], body, now)}
+            queue, job_id = _text(args["queue"]), _new_id(now)
+            body = orjson.dumps(args["payload"]).decode()
+            self.db.execute(_INSERT, _row(job_id, queue, body, now))
+            woken.add(queue)
+            result: dict[str, Any] = {"job": _job(job_id, queue, body, now)}
             result["deduplicated"] = False
         elif op == "submit_batch":
             rows = [
-                _row(_new_id(now), j["queue"], orjson.dumps(j["payload"]).decode(), now)
+                _row(_new_id(now), _text(j["queue"]), orjson.dumps(j["payload"]).decode(), now)
                 for j in args["jobs"]
             ]
             self.db.executemany(_INSERT, rows)
@@ -209,19 +219,22 @@ class Ceiling:
                 ]
             }
         elif op == "lease":
-            jobs = self._claim(args["queues"][0], now)
-            if not jobs and args.get("wait_ms"):
-                self._park(request, args["queues"][0], args["wait_ms"])
+            queue, wait_ms = _text(args["queues"][0]), args.get("wait_ms")
+            jobs = self._claim(queue, now)
+            if not jobs and wait_ms:
+                self._park(request, queue, float(wait_ms))
                 return lambda: None
             result = {"jobs": jobs}
         elif op == "ack":
-            params = {"job_id": args["job_id"], "token": args["lease_token"], "now_ms": now}
+            job_id, token = _text(args["job_id"]), _text(args["lease_token"])
+            params = {"job_id": job_id, "token": token, "now_ms": now}
+            ask = args.get("lease_next")
+            next_queue = _text(ask["queues"][0]) if ask else None
             if self.db.execute(_ACK, params).rowcount != 1:
                 return lambda: self._error(writer, req_id, "STALE_TOKEN", "not this lease")
-            result = {"job_id": args["job_id"], "state": "succeeded", "duplicate": False}
-            ask = args.get("lease_next")
-            if ask:
-                result["next"] = self._claim(ask["queues"][0], now)
+            result = {"job_id": job_id, "state": "succeeded", "duplicate": False}
+            if next_queue is not None:
+                result["next"] = self._claim(next_queue, now)
         else:
             return lambda: self._error(writer, req_id, "UNKNOWN_OP", f"no op {op!r} here")
         return lambda: self._reply(writer, req_id, result)
@@ -249,7 +262,7 @@ class Ceiling:
             }
         ]
 
-    def _park(self, request: Request, queue: str, wait_ms: int) -> None:
+    def _park(self, request: Request, queue: str, wait_ms: float) -> None:
         """A long-poll with nothing to lease: re-run after a commit that adds a job to
         ``queue``, or answer ``{"jobs": []}`` after ``wait_ms``."""
         self.parked.setdefault(queue, []).append(request)
@@ -274,6 +287,13 @@ class Ceiling:
     def _error(writer: asyncio.StreamWriter, req_id: Any, code: str, message: str) -> None:
         frame = {"id": req_id, "ok": False, "error": {"code": code, "message": message}}
         writer.write(orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE))
+
+
+def _text(value: Any) -> str:
+    """``value`` if it is a string; TypeError (an ``INVALID_ARGUMENT`` reply) if not."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
 
 
 def _row(job_id: str, queue: str, payload: str, now: int) -> dict[str, Any]:

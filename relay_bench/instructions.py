@@ -8,6 +8,7 @@ after, as issue 15 asks. Usage, from the root of the tree to measure (a checkout
 
     python -m relay_bench.instructions --jobs 500 --phases lease_next:1,lease_ack:1,submit:1
     python -m relay_bench.instructions --objects      # also split each count by shared object
+    python -m relay_bench.instructions --server ceiling   # the same phases on relay_bench.ceiling
 
 It starts ``relay_server`` on a fresh migrated file under ``valgrind --tool=callgrind
 --instr-atstart=no``; for each phase (``KIND:CLIENTS``, kinds of ``relay_bench.load``) it fills
@@ -135,6 +136,7 @@ def count(
     synchronous: str = "NORMAL",
     objects: bool = False,
     workdir: Path | None = None,
+    server: str = "relay",
 ) -> list[Phase]:
     """Count each phase's instructions on one ``relay_server`` under callgrind (see module).
 
@@ -144,42 +146,48 @@ def count(
         synchronous: ``RELAY_SQLITE_SYNCHRONOUS`` of the server.
         objects: also split each phase's count by shared object (``by_object``).
         workdir: where the file and dumps go (default: a temporary directory, removed).
+        server: ``"relay"`` (``relay_server`` on a migrated file) or ``"ceiling"``
+            (``relay_bench.ceiling`` on a lean floor file): the CPython ceiling's count.
     Returns:
         ``phases``, filled in.
     Raises:
         RuntimeError: valgrind is missing, or the server did not start or a phase failed.
+        ValueError: an unknown ``server``.
     """
+    if server not in ("relay", "ceiling"):
+        raise ValueError(f"unknown server {server!r} (relay or ceiling)")
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} not found: install valgrind (apt-get install valgrind)")
-    from relay_bench import load, procs, scenarios
+    from relay_bench import floor, load, procs, scenarios
 
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="relay-cg-")))
-        template = procs.template_db(workdir)
-        db = procs.fresh_db(template, workdir, "server")
         dumps = workdir / "callgrind.out"
-        server = procs.ServerProcess(
-            db,
-            prefix=[
-                "valgrind",
-                "--tool=callgrind",
-                "--instr-atstart=no",
-                f"--callgrind-out-file={dumps}",
-            ],
-            RELAY_SQLITE_SYNCHRONOUS=synchronous,
-        )
-        stack.callback(server.stop)
-        pid = str(server.pid)
+        prefix = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--callgrind-out-file={dumps}",
+        ]
+        process: procs.ServerProcess | procs.CeilingProcess
+        if server == "ceiling":
+            lean = Path(floor.create_lean(str(workdir / "ceiling.db")))
+            process = procs.CeilingProcess(lean, synchronous, prefix=prefix)
+        else:
+            db = procs.fresh_db(procs.template_db(workdir), workdir, "server")
+            process = procs.ServerProcess(db, prefix=prefix, RELAY_SQLITE_SYNCHRONOUS=synchronous)
+        stack.callback(process.stop)
+        pid = str(process.pid)
         for n, phase in enumerate(phases, 1):
             queue = f"{phase.kind}-{phase.clients}-{n}"
             if phase.kind != "submit":
-                scenarios.prefill(server.address, queue, jobs)
+                scenarios.prefill(process.address, queue, jobs)
             _control("-z", pid)
             _control("-i", "on", pid)
             result = load.run(
-                server.address,
+                process.address,
                 phase.kind,
                 concurrency=phase.clients,
                 processes=min(phase.clients, 4),
@@ -222,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", default=DEFAULT_PHASES, help="KIND:CLIENTS,...")
     parser.add_argument("--synchronous", default="NORMAL", help="the server's level")
     parser.add_argument("--objects", action="store_true", help="split by shared object")
+    parser.add_argument(
+        "--server", choices=("relay", "ceiling"), default="relay", help="what to count"
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.jobs <= 100_000:
         parser.error("--jobs must be 1..100000")
@@ -231,7 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     print(
         table(
-            count(phases, jobs=args.jobs, synchronous=args.synchronous, objects=args.objects),
+            count(
+                phases,
+                jobs=args.jobs,
+                synchronous=args.synchronous,
+                objects=args.objects,
+                server=args.server,
+            ),
             args.objects,
         )
     )

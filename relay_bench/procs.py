@@ -178,7 +178,8 @@ class ServerProcess(_Process):
 
 class CeilingProcess(_Process):
     """``python -m relay_bench.ceiling --db PATH --synchronous LEVEL`` (the CPython ceiling,
-    see ``relay_bench.ceiling``) as a subprocess on an ephemeral port, ready on return.
+    see ``relay_bench.ceiling``) as a subprocess on an ephemeral port, ready on return
+    (``prefix``: a command it runs under, e.g. valgrind's).
 
     Attributes:
         port: the bound port; ``address``: ``127.0.0.1:PORT``.
@@ -186,8 +187,8 @@ class CeilingProcess(_Process):
         LogWaitError (a RuntimeError): it exited or did not log ``event=ready`` in time.
     """
 
-    def __init__(self, db_path: Path, synchronous: str) -> None:
-        argv = [sys.executable, "-m", "relay_bench.ceiling", "--db", str(db_path)]
+    def __init__(self, db_path: Path, synchronous: str, *, prefix: list[str] | None = None) -> None:
+        argv = [*(prefix or []), sys.executable, "-m", "relay_bench.ceiling", "--db", str(db_path)]
         argv += ["--synchronous", synchronous, "--address", "127.0.0.1:0"]
         super().__init__(argv, child_env(str(db_path)), "ceiling", "ready")
         self.port = int(self.ready["port"])

@@ -107,3 +107,19 @@ def test_bench_measures_the_ceiling_server_in_place_of_relay() -> None:
     assert doc["worker"] == {"status": "skipped: the ceiling server"}
     assert doc["http"]["status"] == "skipped: the ceiling server"
     assert doc["backlog"]["status"] == "skipped: the ceiling server"
+
+
+def test_a_request_it_cannot_read_is_refused_alone(
+    ceiling: procs.CeilingProcess, tmp_path: Path
+) -> None:
+    with socket.create_connection(("127.0.0.1", ceiling.port), timeout=10) as sock:
+        stream = sock.makefile("rb")
+        frames = [
+            {"id": 1, "op": "submit", "args": {"queue": ["not", "a", "name"], "payload": 1}},
+            {"id": 2, "op": "ack", "args": {"job_id": "j", "lease_token": "t", "lease_next": 5}},
+            {"id": 3, "op": "submit", "args": {"queue": "q", "payload": {"n": 1}}},
+        ]
+        sock.sendall(b"".join(orjson.dumps(f) + b"\n" for f in frames))
+        replies = {r["id"]: r for r in (orjson.loads(stream.readline()) for _ in frames)}
+    assert replies[1]["error"]["code"] == replies[2]["error"]["code"] == "INVALID_ARGUMENT"
+    assert _rows(tmp_path / "c.db") == {replies[3]["result"]["job"]["id"]: "ready"}

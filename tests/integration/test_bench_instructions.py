@@ -28,3 +28,17 @@ def test_a_servers_instructions_are_counted_per_phase(tmp_path: Path) -> None:
         assert any(name.startswith("libsqlite3") for name in phase.objects)
     # Leasing and acking a job is more work than submitting one.
     assert phases[0].per_job > phases[1].per_job
+
+
+@pytest.mark.slow
+def test_the_ceiling_servers_instructions_are_counted_the_same_way(tmp_path: Path) -> None:
+    (phase,) = instructions.count(
+        instructions.parse_phases("lease_next:1"), jobs=20, workdir=tmp_path, server="ceiling"
+    )
+    assert phase.jobs == 20
+    assert 10_000 < phase.per_job < 20_000_000, phase
+
+
+def test_an_unknown_server_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown server"):
+        instructions.count([], jobs=1, workdir=tmp_path, server="beanstalkd")

@@ -105,7 +105,11 @@ def test_the_claims_queue_control_reads_are_seeks() -> None:
     # queue on relay_queue's primary key, and one relay_job_count row per capped queue.
     params = {"queues": '["a", "b"]', "queue": "a"}
     with connection.cursor() as cursor:
-        for name, table in (("queue_controls_for_claim", "relay_queue"), ("queue_leased", "")):
+        for name, table in (
+            ("queue_controls_for_claim", "relay_queue"),
+            ("queue_has_controls", "relay_queue"),
+            ("queue_leased", ""),
+        ):
             cursor.execute("EXPLAIN QUERY PLAN " + QUERIES[name], params)
             plan = [str(row[3]) for row in cursor.fetchall()]
             assert not [step for step in plan if re.match(r"SCAN (relay_\w+)( |$)", step)], plan

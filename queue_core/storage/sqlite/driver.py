@@ -382,8 +382,12 @@ class SqliteTx(SqlTx):
     def claim_unless_controlled(self, request: ClaimRequest) -> list[dict[str, Any]] | None:
         """``claim``, unless a queue it names has controls (None): one primary-key seek per
         queue on relay_queue first, in this process (cheaper than a second claim path)."""
-        queues = orjson.dumps(list(request.queues)).decode()
-        if self.all("queue_controls_for_claim", {"queues": queues}):
+        if len(request.queues) == 1:  # the usual lease: one seek, no JSON
+            controlled = self.one("queue_has_controls", {"queue": request.queues[0]})
+        else:
+            queues = orjson.dumps(list(request.queues)).decode()
+            controlled = self.one("queue_controls_for_claim", {"queues": queues})
+        if controlled is not None:
             return None
         return self.claim(request)
 

@@ -560,6 +560,12 @@ SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms
   FROM relay_queue
  WHERE name IN (SELECT value FROM json_each(%(queues)s));
 
+-- name: queue_has_controls
+-- Whether one queue has controls (a relay_queue row): one primary-key seek, the usual claim's
+-- check (queue_controls_for_claim's JSON list costs a json_each scan and a temporary table).
+-- Params: queue.
+SELECT 1 FROM relay_queue WHERE name = %(queue)s;
+
 -- name: queue_leased
 -- How many jobs of a queue are leased now, for its cap: one row of relay_job_count.
 -- Params: queue.
