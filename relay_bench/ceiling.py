@@ -1,11 +1,13 @@
 """The CPython ceiling: the least any Python server must do to serve the bench's ops on SQLite.
 
-``relay bench --server ceiling`` measures this module's server in place of ``relay_server``,
-with the same client processes, floors, scenarios, ratios and targets. It is not Relay and
-not a queue anyone should run: it is the measurement that says whether a target of issue 15
-is out of reach for a CPython server at all, or only for Relay's code. A target the ceiling
-misses cannot be met by any server written this way; the gap between Relay and the ceiling
-is what Relay's own per-request work costs.
+``relay bench --with-ceiling`` measures this module's server beside ``relay_server`` in every
+run, with the same client processes, floors, scenarios, ratios and targets, and
+``python -m relay_bench.instructions --server ceiling`` counts its instructions per job the
+way it counts Relay's. It is not Relay and not a queue anyone should run: it is the
+measurement that says whether a target of issue 15 is out of reach for a CPython server at
+all, or only for Relay's code. A target the ceiling misses cannot be met by any server
+written this way on the same machine; the gap between Relay and the ceiling is what Relay's
+own per-request work costs (its schema, history, validation, guards and layers).
 
 What it does, and no more: one ``asyncio`` stream server (the event loop Relay's server runs
 on) speaking the NDJSON frames of ``docs/protocol.md`` for ``ping``, ``submit``,

@@ -71,13 +71,8 @@ def headline(doc: dict[str, Any]) -> str:
     per_run = "; ".join(
         f"run {r['run']} {r['start']} -> {r['end']}" for r in meta.get("loadavg_runs", [])
     )
-    ceiling = (
-        "THE CEILING SERVER (relay_bench.ceiling), not Relay: 'Relay' below means it; "
-        if meta.get("server") == "ceiling"
-        else ""
-    )
     return (
-        ceiling + f"relay_bench ({meta['sizes']}, {n} run{'s' if n != 1 else ''}: "
+        f"relay_bench ({meta['sizes']}, {n} run{'s' if n != 1 else ''}: "
         f"{'medians' if n > 1 else 'one run, no spread'}) on {m['cores']} cores, "
         f"{m['cpu_model']}, Python {m['python']}, SQLite {m['sqlite']}, WAL; Relay at "
         f"synchronous={levels}, floors at {floors}; load average {meta.get('loadavg_start')} "
@@ -282,6 +277,7 @@ def sections(doc: dict[str, Any]) -> list[Section]:
             )
     out.append(("Peak RSS", ["process", "peak RSS MiB"], rows))
 
+    with_ceiling = bool(doc.get("meta", {}).get("with_ceiling"))
     rows = [
         [
             t["name"],
@@ -292,17 +288,29 @@ def sections(doc: dict[str, Any]) -> list[Section]:
             else f"{_num(t['min'], 2)}-{_num(t['max'], 2)}",
             str(t.get("runs", "-")),
             {True: "yes", False: "NO", None: "not measured"}[t["met"]],
+            *([_ceiling_cell(t.get("ceiling"))] if with_ceiling else []),
         ]
         for t in doc.get("targets", [])
     ]
     out.append(
         (
             "Targets (median over the runs; ratios to the lean floor of the same run)",
-            ["target", "goal", "median", "min-max", "runs", "met"],
+            ["target", "goal", "median", "min-max", "runs", "met"]
+            + (["ceiling server: median (min-max), met"] if with_ceiling else []),
             rows,
         )
     )
     return out
+
+
+def _ceiling_cell(reached: dict[str, Any] | None) -> str:
+    """What ``relay_bench.ceiling`` reached on a target: ``0.61 (0.55-0.67) no``, or ``-``."""
+    if not reached:
+        return "-"
+    spread = ""
+    if reached.get("min") is not None and reached["min"] != reached["max"]:
+        spread = f" ({_num(reached['min'], 2)}-{_num(reached['max'], 2)})"
+    return f"{_num(reached['value'], 2)}{spread} {'yes' if reached['met'] else 'no'}"
 
 
 def backlog_controls_section(doc: dict[str, Any]) -> Section:

@@ -12,6 +12,10 @@ so that every Relay figure has its floors measured minutes apart on the same mac
    at 1 and 16 workers again with each ack leasing the next job (``lease_next``, one request
    per job), submit-to-start latency, a real ``relay_worker`` process; the server's peak RSS. (At a
    level without Relay scenarios, only the claim+ack floors.)
+2b. with ``with_ceiling``: the same TCP scenarios (no worker process) against
+   ``relay_bench.ceiling``, the least a CPython server must do for them, on a fresh lean file,
+   with ratios to the same floors: a target the ceiling misses is out of reach for any server
+   written this way on this machine (``part["ceiling"]``; each target gets its ``ceiling``).
 
 Then ``relay_bench.runs`` merges the repetitions into medians with their min-max spread,
 each ratio taken within its own run and level first; and, once, not repeated:
@@ -56,7 +60,6 @@ LEASE_CONCURRENCY = (1, 4, 16, 64)
 # The floors always run at both, whatever levels the Relay scenarios run at (issue 15).
 FLOOR_SYNCHRONOUS = ("FULL", "NORMAL")
 MAX_RUNS = 20
-SERVERS = ("relay", "ceiling")  # what the scenarios measure: relay_server, relay_bench.ceiling
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,13 +237,11 @@ class Bench(Steps):
         synchronous: the ``synchronous`` levels to run the Relay scenarios at (each a
             ``RELAY_SQLITE_SYNCHRONOUS`` value; default: the configured one). The first is the
             document's top level; the floors always run at ``FULL`` and ``NORMAL`` too.
-        server: ``"relay"`` (``relay_server``) or ``"ceiling"``: the same scenarios against
-            ``relay_bench.ceiling``, the least a CPython server must do for them (no worker
-            process, HTTP or backlog scenario then).
+        with_ceiling: after the Relay scenarios of each level and run, the same TCP scenarios
+            against ``relay_bench.ceiling`` (step 2b of the module doc).
 
     Raises:
-        ValueError: ``runs`` out of range, several levels with ``address``, an unknown
-            ``server``, or ``"ceiling"`` with ``address``.
+        ValueError: ``runs`` out of range, or several levels with ``address``.
     """
 
     def __init__(
@@ -255,14 +256,9 @@ class Bench(Steps):
         workers: tuple[int, ...] = LEASE_CONCURRENCY,
         runs: int = 1,
         synchronous: tuple[str, ...] = (),
-        server: str = "relay",
+        with_ceiling: bool = False,
     ) -> None:
         from queue_core.conf import relay_settings
-
-        if server not in SERVERS:
-            raise ValueError(f"server must be one of {', '.join(SERVERS)}")
-        if server == "ceiling" and address is not None:
-            raise ValueError("the ceiling server is started by the run, not given by address")
 
         if not 1 <= runs <= MAX_RUNS:
             raise ValueError(f"runs must be 1..{MAX_RUNS}")
@@ -273,7 +269,7 @@ class Bench(Steps):
             raise ValueError("a running server (--address) has one synchronous level")
         self.sizes = sizes
         self.address = address
-        self.server = server
+        self.with_ceiling = with_ceiling
         self.progress = progress or Progress()
         self.http_enabled = http_enabled
         self.backlog_enabled = backlog_enabled
@@ -302,7 +298,7 @@ class Bench(Steps):
                 "runs": self.runs,
                 "journal_mode": "wal",
                 "external_server": self.address,
-                "server": self.server,
+                "with_ceiling": self.with_ceiling,
             }
         }
         workdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
@@ -349,6 +345,8 @@ class Bench(Steps):
             self._floor_inserts(part, lenv, tag)
             if lv in self.levels:
                 self._relay(part, lenv, tag, primary=lv == self.levels[0])
+                if self.with_ceiling:
+                    self._ceiling(part, lenv, tag)
             else:
                 self._floor_claims(part, lenv, tag)
             runs.ratios(part)
@@ -379,19 +377,13 @@ class Bench(Steps):
         """The Relay scenarios on one server at ``env.synchronous``, with the claim floors
         between the submissions and the lease+acks they are compared with."""
         sz = self.sizes
-        server: procs.ServerProcess | procs.CeilingProcess | None = None
-        if self.server == "ceiling":
-            db_path = Path(scenarios.lean_db(env, f"ceiling-{env.run_id}"))
-            with self._step(f"[{tag}] start the ceiling server"):
-                server = procs.CeilingProcess(db_path, env.synchronous)
-            address = server.address
-        elif self.address is None:
-            db_path = procs.fresh_db(env.template, env.workdir, f"server-{env.run_id}")
+        server: procs.ServerProcess | None = None
+        db_path = procs.fresh_db(env.template, env.workdir, f"server-{env.run_id}")
+        if self.address is None:
             with self._step(f"[{tag}] start relay_server"):
                 server = procs.ServerProcess(db_path, RELAY_SQLITE_SYNCHRONOUS=env.synchronous)
             address = server.address
         else:
-            db_path = procs.fresh_db(env.template, env.workdir, f"server-{env.run_id}")
             address = self.address
         try:
             pid = server.pid if server is not None else None
@@ -402,10 +394,7 @@ class Bench(Steps):
                 part["submit_to_start"] = scenarios.submit_to_start(
                     env, address, samples=sz.submit_to_start, tick=tick
                 )
-            if isinstance(server, procs.CeilingProcess):
-                part["worker"] = {"status": "skipped: the ceiling server"}
-                part["server"] = {"peak_rss_mb": server.peak_rss_mb()}
-            elif server is not None:
+            if server is not None:
                 with self._step(f"[{tag}] relay_worker process"):
                     part["worker"] = scenarios.worker_drain(
                         env, server, db_path, jobs=sz.worker_jobs, concurrency=16
@@ -420,6 +409,32 @@ class Bench(Steps):
             with contextlib.suppress(OSError):
                 for suffix in ("", "-wal", "-shm"):
                     Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+
+    def _ceiling(self, part: dict[str, Any], env: scenarios.Env, tag: str) -> None:
+        """The TCP scenarios against ``relay_bench.ceiling`` on a fresh lean file at
+        ``env.synchronous``, their ratios to this part's floors, into ``part["ceiling"]``."""
+        sz = self.sizes
+        tag = f"{tag}, ceiling"
+        db_path = Path(scenarios.lean_db(env, f"ceiling-{env.run_id}"))
+        with self._step(f"[{tag}] start the ceiling server"):
+            server = procs.CeilingProcess(db_path, env.synchronous)
+        found: dict[str, Any] = {"floor": part["floor"]}
+        try:
+            self._tcp(found, env, server.address, server.pid, tag)
+            self._lease(found, env, server.address, server.pid, tag)
+            with self._step(f"[{tag}] submit-to-start latency", sz.submit_to_start) as tick:
+                found["submit_to_start"] = scenarios.submit_to_start(
+                    env, server.address, samples=sz.submit_to_start, tick=tick
+                )
+            found["server"] = {"peak_rss_mb": server.peak_rss_mb()}
+        finally:
+            server.stop()
+            with contextlib.suppress(OSError):
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{db_path}{suffix}").unlink(missing_ok=True)
+        runs.ratios(found)
+        del found["floor"]
+        part["ceiling"] = found
 
     def _tcp(
         self, part: dict[str, Any], env: scenarios.Env, address: str, pid: int | None, tag: str
@@ -470,8 +485,6 @@ class Bench(Steps):
         reason = http.unavailable_reason() if self.http_enabled else "skipped: --no-http"
         if reason is None and self.address is not None:
             reason = "skipped: --address given"
-        if reason is None and self.server == "ceiling":
-            reason = "skipped: the ceiling server"
         if reason is not None:
             doc["http"] = {"status": reason}
             return
@@ -493,10 +506,8 @@ class Bench(Steps):
 
     def _backlog(self, doc: dict[str, Any], env: scenarios.Env) -> None:
         """Backlog scaling, once (not repeated), at the top level's synchronous setting."""
-        if not self.backlog_enabled or self.address is not None or self.server == "ceiling":
+        if not self.backlog_enabled or self.address is not None:
             why = "--no-backlog" if not self.backlog_enabled else "--address given"
-            if self.backlog_enabled and self.server == "ceiling":
-                why = "the ceiling server"
             doc["backlog"] = {"status": f"skipped: {why}", "sizes": []}
             return
         sz = self.sizes

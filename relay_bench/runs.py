@@ -117,6 +117,8 @@ def merge_parts(parts: list[dict[str, Any]]) -> dict[str, Any]:
         column = [part[key] for part in parts if key in part]
         if key in ("submit", "lease_ack"):
             out[key] = merge_rows(column)
+        elif key == "ceiling":
+            out[key] = merge_parts(column)
         elif key == "server":
             peaks = [p.get("peak_rss_mb") for p in column]
             out[key] = {**column[0], "peak_rss_mb": max((p for p in peaks if p), default=None)}
@@ -410,4 +412,23 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     )
     out.append(_entry(label, "<=", 1.5, flat, None))
     out.append(flat_target(doc.get("backlog_controls", {}).get("sizes", []), CONTROLS_LABEL))
+    ceiling = ceiling_doc(doc)
+    if ceiling is not None:
+        for entry, reached in zip(out, targets(ceiling), strict=True):
+            if reached["value"] is not None:
+                entry["ceiling"] = {k: reached[k] for k in ("value", "min", "max", "met")}
     return out
+
+
+def ceiling_doc(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The ceiling server's figures of a (merged) document as a document of their own (its
+    parts at each level, the same meta), for ``targets``; None when it was not measured."""
+    top = doc.get("ceiling")
+    if top is None:
+        return None
+    others = {
+        name: part["ceiling"]
+        for name, part in doc.get("other_synchronous", {}).items()
+        if "ceiling" in part
+    }
+    return {**top, "meta": doc["meta"], "other_synchronous": others}

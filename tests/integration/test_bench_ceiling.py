@@ -1,6 +1,6 @@
 """The CPython ceiling server (``relay_bench.ceiling``): a real process on a real socket,
 driven by Relay's own client, answers the bench's ops as ``relay_server`` does, and
-``relay bench --server ceiling`` measures it end to end. Its speed is what the benchmark
+``relay bench --with-ceiling`` measures it beside Relay. Its speed is what the benchmark
 measures (docs/benchmarking.md), never checked here."""
 
 from __future__ import annotations
@@ -80,33 +80,42 @@ def test_a_waiting_lease_is_woken_by_a_later_submit_and_an_idle_one_ends_empty(
 
 
 @pytest.mark.slow
-def test_bench_measures_the_ceiling_server_in_place_of_relay() -> None:
+def test_bench_runs_the_ceiling_beside_relay_and_shows_it_per_target(tmp_path: Path) -> None:
     out = io.StringIO()
     call_command(
         "relay_bench",
-        "--server",
-        "ceiling",
+        "--with-ceiling",
         "--quick",
         "--json",
         "--scale",
         "0.01",
         "--producers",
-        "1,2",
+        "1,16",
         "--workers",
         "1,16",
+        "--no-backlog",
+        "--no-http",
         "--no-progress",
+        "--markdown-out",
+        str(tmp_path / "bench.md"),
         stdout=out,
         stderr=io.StringIO(),
     )
     doc = orjson.loads(out.getvalue())
-    assert doc["meta"]["server"] == "ceiling"
-    rows = doc["submit"] + doc["lease_ack"]
+    assert doc["meta"]["with_ceiling"] is True
+    ceiling = doc["ceiling"]
+    rows = ceiling["submit"] + ceiling["lease_ack"]
     assert rows and all(r["ops"] > 0 and r["errors"] == 0 for r in rows)
-    assert {r.get("mode") for r in doc["lease_ack"]} == {None, "lease_next"}
-    assert doc["submit_to_start"]["samples"] > 0 and not doc["submit_to_start"]["problems"]
-    assert doc["worker"] == {"status": "skipped: the ceiling server"}
-    assert doc["http"]["status"] == "skipped: the ceiling server"
-    assert doc["backlog"]["status"] == "skipped: the ceiling server"
+    assert all(r["ratio_to_floor"] > 0 for r in rows)  # against the run's own floors
+    assert {r.get("mode") for r in ceiling["lease_ack"]} == {None, "lease_next"}
+    assert ceiling["submit_to_start"]["samples"] > 0 and not ceiling["submit_to_start"]["problems"]
+    judged = {t["name"]: t for t in doc["targets"]}
+    lease = judged["lease+ack, 16 workers in 4 processes, vs lean claim+ack floor"]
+    assert lease["ceiling"]["value"] > 0
+    assert (
+        "ceiling" not in judged["relay_worker --concurrency 16 draining, vs lean claim+ack floor"]
+    )
+    assert "| ceiling server: median (min-max), met |" in (tmp_path / "bench.md").read_text()
 
 
 def test_a_request_it_cannot_read_is_refused_alone(

@@ -13,7 +13,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 
 from queue_core.management.commands.relay_bench import _synchronous
-from relay_bench import runs
+from relay_bench import report, runs
 from relay_bench.stats import judge, median, spread
 
 
@@ -262,9 +262,9 @@ def test_the_schema_floor_gets_its_ratio_to_the_lean_floor_of_its_run() -> None:
         (["--backlog-only", "--address", "127.0.0.1:1"], "starts its own servers"),
         (["--backlog-only", "--runs", "0"], "--runs must be 1..20"),
         (["--backlog-only", "--synchronous", "normal"], "configured level"),
-        (["--server", "ceiling", "--address", "127.0.0.1:1"], "starts its own server"),
-        (["--server", "ceiling", "--backlog-only"], "SQLite only"),
-        (["--server", "ceiling", "--database-url", "postgresql://x@127.0.0.1/y"], "SQLite only"),
+        (["--with-ceiling", "--backlog-only"], "main run on SQLite"),
+        (["--with-ceiling", "--prune-jobs", "10"], "main run on SQLite"),
+        (["--with-ceiling", "--database-url", "postgresql://x@127.0.0.1/y"], "main run"),
     ],
 )
 def test_bench_refuses_runs_and_levels_it_cannot_honour(args: list[str], message: str) -> None:
@@ -425,3 +425,35 @@ def test_rows_that_lease_with_the_ack_are_kept_and_judged_apart() -> None:
     assert (
         judged["lease+ack, 1 worker, each ack leasing the next job (1 request/job)"]["met"] is None
     )
+
+
+def test_each_target_gets_what_the_ceiling_server_reached_in_the_same_runs() -> None:
+    """``--with-ceiling``: each run's part holds the ceiling's rows beside Relay's, ratioed to
+    the same floors; every target it measured shows its median, spread and verdict."""
+    full, normal = [], []
+    for submit, ceiling_submit in ((300, 400), (250, 450), (280, 500)):
+        part = _part(lean=1000, schema=500, submit=submit, lease16=900, cpu=300, worker=800)
+        theirs = _part(lean=1000, schema=500, submit=ceiling_submit, lease16=2100, cpu=90, worker=0)
+        theirs["floor"] = part["floor"]
+        runs.ratios(theirs)
+        part["ceiling"] = {k: v for k, v in theirs.items() if k in ("submit", "lease_ack")}
+        full.append(part)
+        normal.append(_part(lean=10000, schema=5000, submit=3000, lease16=4000, cpu=90, worker=1))
+    doc = _doc(full, normal)
+    doc["meta"]["with_ceiling"] = True
+    judged = {t["name"]: t for t in runs.targets(doc)}
+    one = judged["single-job submit, 1 producer, vs lean insert floor"]
+    assert (one["value"], one["met"]) == (0.28, False)
+    assert one["ceiling"] == {"value": 0.45, "min": 0.4, "max": 0.5, "met": False}
+    lease = judged["lease+ack, 16 workers in 4 processes, vs lean claim+ack floor"]
+    assert (lease["met"], lease["ceiling"]["value"], lease["ceiling"]["met"]) == (False, 2.1, True)
+    cpu = judged["server CPU per single-job submit, 16 producers (µs)"]
+    assert cpu["ceiling"] == {"value": 90, "min": 90, "max": 90, "met": True}
+    # What the ceiling did not run has no entry: the worker process, NORMAL here, backlogs.
+    assert (
+        "ceiling" not in judged["relay_worker --concurrency 16 draining, vs lean claim+ack floor"]
+    )
+    assert "ceiling" not in judged["NORMAL: lease+ack, 16 workers, vs lean NORMAL claim+ack floor"]
+    assert report._ceiling_cell(one["ceiling"]) == "0.45 (0.40-0.50) no"
+    assert report._ceiling_cell(cpu["ceiling"]) == "90.00 yes"
+    assert report._ceiling_cell(None) == "-"
