@@ -18,7 +18,7 @@ Modules:
 * ``child``: a child process whose stderr JSON log is read as it comes, so a caller waits for
   its ``ready`` line; the test suite's process helper too (``tests/procs.py``). No psutil.
 * ``procs``: a fresh migrated database, a ``relay_server`` subprocess, a ``relay_worker``
-  subprocess, peak RSS and CPU time (psutil), the backlog fill.
+  subprocess, the ceiling server's subprocess, peak RSS and CPU time (psutil), the backlog fill.
 * ``http``: the HTTP submission scenario when the HTTP API and gunicorn are available.
 * ``scenarios``: each measurement, built from the above.
 * ``runner``: sizes (full, ``--quick``, tiny), the order of scenarios over ``--runs`` and
@@ -26,6 +26,9 @@ Modules:
 * ``report``: the terminal table, the JSON document and the PNG plot.
 * ``instructions``: instructions per job of a server under valgrind's callgrind
   (``python -m relay_bench.instructions``): counts that do not move with the machine's noise.
+* ``ceiling``: the CPython ceiling, a minimal asyncio + ``sqlite3`` server of the bench's ops
+  on the lean table (``python -m relay_bench.ceiling``; ``relay bench --with-ceiling``): what
+  any CPython server could reach, beside Relay.
 
 Nothing in the product (server, worker, HTTP API, admin) imports this package
 (tests/integration/test_bench_extra.py checks it), and its ``__init__`` imports nothing:
