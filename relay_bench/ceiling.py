@@ -20,8 +20,8 @@ thread); Relay's durability decision of issue 15 item 2 (a commit that only leas
 Relay's (a submit returns the whole job), each payload copied into the reply as stored
 (``orjson.Fragment``, no decode).
 
-What it leaves out, each of which Relay needs: validation beyond a frame being a JSON
-object, limits, authentication, idempotency, priorities and aging, attempt history, retries,
+What it leaves out, each of which Relay needs: validation beyond what reading its arguments
+needs, limits, authentication, idempotency, priorities and aging, attempt history, retries,
 lease expiry, counters, metrics, logging, error translation, savepoints (no request here can
 fail halfway), crash recovery. Run it as
 ``python -m relay_bench.ceiling --db PATH --synchronous FULL [--address 127.0.0.1:0]``; it
