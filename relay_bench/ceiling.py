@@ -13,9 +13,10 @@ What it does, and no more: one ``asyncio`` stream server (the event loop Relay's
 on) speaking the NDJSON frames of ``docs/protocol.md`` for ``ping``, ``submit``,
 ``submit_batch``, ``lease`` (``max_jobs`` 1, ``wait_ms`` long-poll) and ``ack`` (with
 ``lease_next``); one ``sqlite3`` connection on the lean floor's table (``floor.LEAN_SCHEMA``)
-with the lean floor's statements; group commit as Relay's server does it on SQLite (every
-request read in one loop pass shares one ``BEGIN IMMEDIATE`` ... ``COMMIT`` on the loop's
-thread); Relay's durability decision of issue 15 item 2 (a commit that only leases runs at
+with the lean floor's statements; group commit (every request read in one loop pass shares
+one ``BEGIN IMMEDIATE`` ... ``COMMIT`` on the loop's thread, as Relay's server does on SQLite
+for up to 32 jobs' worth; Relay hands heavier batches to a writer thread, which this skips);
+Relay's durability decision of issue 15 item 2 (a commit that only leases runs at
 ``synchronous=NORMAL``, any other at the file's level); replies of the same shape as
 Relay's (a submit returns the whole job), each payload copied into the reply as stored
 (``orjson.Fragment``, no decode).

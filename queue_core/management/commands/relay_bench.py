@@ -193,11 +193,15 @@ class Command(RelayBaseCommand):
         if options["scale"] <= 0:
             raise CommandError("INVALID_ARGUMENT: --scale must be > 0")
         if options["with_ceiling"] and (
-            options["database_url"] or options["backlog_only"] or options["prune_jobs"]
+            options["database_url"]
+            or options["backlog_only"]
+            or options["prune_jobs"]
+            or options["address"]
         ):
             raise CommandError(
-                "INVALID_ARGUMENT: --with-ceiling goes with the main run on SQLite (not with "
-                "--database-url, --backlog-only or --prune-jobs)"
+                "INVALID_ARGUMENT: --with-ceiling goes with the main run on SQLite, on a server "
+                "the run starts (not with --address, --database-url, --backlog-only or "
+                "--prune-jobs)"
             )
         address = resolve_address(options["address"]) if options["address"] else None
         sizes = runner.QUICK if options["quick"] else runner.FULL
