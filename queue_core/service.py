@@ -1054,62 +1054,74 @@ class QueueService:
         # (docs/design-decisions.md, "Leases without their own fsync"), unless
         # RELAY_DURABLE_LEASES asks for it.
         with self.driver.write(durable=s.durable_leases) as tx:
-            at = self._read()
-            now = at.now_ms
-            self._sweep(tx, at)
-            check(Transition.CLAIM, JobState.READY, JobState.LEASED)
-            request = ClaimRequest(
-                queues=names,
-                worker_id=worker_id,
+            return self._claim_in(
+                tx, queues=names, worker_id=worker_id, max_jobs=max_jobs, lease_ms=length
+            )
+
+    def _claim_in(
+        self, tx: Tx, *, queues: list[str], worker_id: str, max_jobs: int, lease_ms: int
+    ) -> list[dict[str, Any]]:
+        """READY -> LEASED on ``tx`` (a write transaction ``claim`` or ``_then_lease``
+        opened), with arguments already checked (``lease_ms``: the lease's length in ms);
+        see ``claim``."""
+        s = self.settings
+        names, length = queues, lease_ms
+        at = self._read()
+        now = at.now_ms
+        self._sweep(tx, at)
+        check(Transition.CLAIM, JobState.READY, JobState.LEASED)
+        request = ClaimRequest(
+            queues=names,
+            worker_id=worker_id,
+            now_ms=now,
+            expires_ms=now + length,
+            limit=max_jobs,
+            new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
+            room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
+            payload_cap_bytes=s.max_payload_bytes + s.max_meta_bytes,
+        )
+        planned = now
+        buckets: dict[str, tuple[float, float]] = {}
+        # Queues a claim here last found controlled go straight to their controls (the
+        # guarded claim would lease nothing and cost two round trips on PostgreSQL).
+        with self._hints:
+            uncontrolled = self._controlled.isdisjoint(names)
+        found = tx.claim_unless_controlled(request) if uncontrolled else None
+        if found is not None:
+            rows = found
+        else:
+            # A queue it names is paused, capped or rate-limited: read the controls and
+            # claim from the queues they leave open, each at most its room.
+            open_names, limits, buckets = self._claim_plan(tx, names, max_jobs, now)
+            if not self.capabilities.single_writer:
+                # The controls' row locks may have waited for other servers' claims and
+                # the acks they saw: the lease starts now, after them.
+                now = max(now, self._now())
+            request = dataclasses.replace(
+                request,
+                queues=open_names,
                 now_ms=now,
                 expires_ms=now + length,
-                limit=max_jobs,
-                new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
-                room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
-                payload_cap_bytes=s.max_payload_bytes + s.max_meta_bytes,
+                queue_limits=limits,
             )
-            planned = now
-            buckets: dict[str, tuple[float, float]] = {}
-            # Queues a claim here last found controlled go straight to their controls (the
-            # guarded claim would lease nothing and cost two round trips on PostgreSQL).
-            with self._hints:
-                uncontrolled = self._controlled.isdisjoint(names)
-            found = tx.claim_unless_controlled(request) if uncontrolled else None
-            if found is not None:
-                rows = found
-            else:
-                # A queue it names is paused, capped or rate-limited: read the controls and
-                # claim from the queues they leave open, each at most its room.
-                open_names, limits, buckets = self._claim_plan(tx, names, max_jobs, now)
-                if not self.capabilities.single_writer:
-                    # The controls' row locks may have waited for other servers' claims and
-                    # the acks they saw: the lease starts now, after them.
-                    now = max(now, self._now())
-                request = dataclasses.replace(
-                    request,
-                    queues=open_names,
-                    now_ms=now,
-                    expires_ms=now + length,
-                    queue_limits=limits,
-                )
-                rows = tx.claim(request) if open_names else []
-            if buckets:
-                self._take_tokens(tx, buckets, rows, planned)
-            if rows:
-                tx.many(
-                    "insert_attempt",
-                    [
-                        {
-                            "job_id": row["id"],
-                            "attempt": row["attempt"],
-                            "worker_id": worker_id,
-                            "token": row["lease_token"],
-                            # PostgreSQL: never before the job's last change (queries.sql)
-                            "now_ms": row.get("leased_at_ms", now),
-                        }
-                        for row in rows
-                    ],
-                )
+            rows = tx.claim(request) if open_names else []
+        if buckets:
+            self._take_tokens(tx, buckets, rows, planned)
+        if rows:
+            tx.many(
+                "insert_attempt",
+                [
+                    {
+                        "job_id": row["id"],
+                        "attempt": row["attempt"],
+                        "worker_id": worker_id,
+                        "token": row["lease_token"],
+                        # PostgreSQL: never before the job's last change (queries.sql)
+                        "now_ms": row.get("leased_at_ms", now),
+                    }
+                    for row in rows
+                ],
+            )
         expires_at_ms = now + length
         return [cast(dict[str, Any], lease_view(row, expires_at_ms)) for row in rows]
 
@@ -1306,15 +1318,18 @@ class QueueService:
             raise
 
     def _then_lease(
-        self, end: Callable[[], dict[str, Any]], lease_next: Any, worker_id: str
+        self, plan: Callable[[], Callable[[Tx], dict[str, Any]]], lease_next: Any, worker_id: str
     ) -> dict[str, Any]:
-        """Run ``end`` (an ack or fail), then ``claim`` as ``lease_next`` asks, in ONE
-        transaction: the reply carries ``next`` (the leases; empty when nothing is ready:
-        no long-poll). A refused ack or fail leases nothing."""
+        """Check ``lease_next``, then ``plan()`` (an ack's or fail's arguments, before anything
+        changes), then run what it returns and the claim ``lease_next`` asks for in ONE
+        transaction, both on its ``tx`` (no savepoint of their own: neither is caught apart
+        here, so either failing rolls back both). The reply carries ``next`` (the leases;
+        empty when nothing is ready: no long-poll). A refused ack or fail leases nothing."""
         spec = self._next_claim(lease_next, worker_id)
-        with self.driver.write():
-            out = end()
-            out["next"] = self.claim(**spec)
+        end = plan()
+        with self.driver.write() as tx:
+            out = end(tx)
+            out["next"] = self._claim_in(tx, **spec)
         return out
 
     def ack(
@@ -1356,31 +1371,41 @@ class QueueService:
             ``RELAY_MAX_RESULT_BYTES``; nothing changed, the lease is still held),
             JobNotFound, StaleToken, LeaseExpired, StoreBusy: nothing is leased then.
         """
+        plan = functools.partial(self._ack_plan, job_id, worker_id, lease_token, result)
         if lease_next is not None:
-            return self._then_lease(
-                lambda: self.ack(
-                    job_id, worker_id=worker_id, lease_token=lease_token, result=result
-                ),
-                lease_next,
-                worker_id,
-            )
-        guard = self._lease_guard(job_id, worker_id, lease_token)
-        job_id = guard["job_id"]
-        stored = None if result is None else v.result(result, self.settings)
+            return self._then_lease(plan, lease_next, worker_id)
+        end = plan()
         with self.driver.write() as tx:
-            at = self._read()
-            now = at.now_ms
-            params = guard | self._judging(at)
-            check(Transition.ACK, JobState.LEASED, JobState.SUCCEEDED)
-            row = tx.one("ack", params)
-            if row is None:
-                if self._ended_attempt(tx, params, ("succeeded",)) is not None:
-                    return {"job_id": job_id, "state": "succeeded", "duplicate": True}
-                raise self._rejection(tx, params, "ack")
-            self._end_attempt(tx, job_id, row["attempt"], now, "succeeded", None)
-            self._entered(tx, job_id, row["unique_scope"], JobState.SUCCEEDED)
-            if stored is not None:
-                tx.run("store_result", {"job_id": job_id, "return_value": stored, "now_ms": now})
+            return end(tx)
+
+    def _ack_plan(
+        self, job_id: Any, worker_id: Any, lease_token: Any, result: Any
+    ) -> Callable[[Tx], dict[str, Any]]:
+        """Check an ack's arguments; return what applies it in a write transaction (``ack``).
+
+        Raises:
+            InvalidArgument, FrameTooLarge (see ``ack``).
+        """
+        guard = self._lease_guard(job_id, worker_id, lease_token)
+        stored = None if result is None else v.result(result, self.settings)
+        return functools.partial(self._ack_in, guard=guard, stored=stored)
+
+    def _ack_in(self, tx: Tx, *, guard: dict[str, Any], stored: str | None) -> dict[str, Any]:
+        """LEASED -> SUCCEEDED on ``tx`` (the write transaction ``ack`` opened); see ``ack``."""
+        job_id = guard["job_id"]
+        at = self._read()
+        now = at.now_ms
+        params = guard | self._judging(at)
+        check(Transition.ACK, JobState.LEASED, JobState.SUCCEEDED)
+        row = tx.one("ack", params)
+        if row is None:
+            if self._ended_attempt(tx, params, ("succeeded",)) is not None:
+                return {"job_id": job_id, "state": "succeeded", "duplicate": True}
+            raise self._rejection(tx, params, "ack")
+        self._end_attempt(tx, job_id, row["attempt"], now, "succeeded", None)
+        self._entered(tx, job_id, row["unique_scope"], JobState.SUCCEEDED)
+        if stored is not None:
+            tx.run("store_result", {"job_id": job_id, "return_value": stored, "now_ms": now})
         return {
             "job_id": job_id,
             "state": JobState.SUCCEEDED.value,
@@ -1424,19 +1449,18 @@ class QueueService:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
         if lease_next is not None:
-            return self._then_lease(
-                lambda: self.fail(
-                    job_id,
-                    worker_id=worker_id,
-                    lease_token=lease_token,
-                    error=error,
-                    retryable=retryable,
-                    exception_class=exception_class,
-                    traceback=traceback,
-                ),
-                lease_next,
-                worker_id,
+            # The fail keeps its own write (a savepoint here): fail's own path is not split.
+            failing = functools.partial(
+                self.fail,
+                job_id,
+                worker_id=worker_id,
+                lease_token=lease_token,
+                error=error,
+                retryable=retryable,
+                exception_class=exception_class,
+                traceback=traceback,
             )
+            return self._then_lease(lambda: lambda _tx: failing(), lease_next, worker_id)
         guard = self._lease_guard(job_id, worker_id, lease_token)
         job_id = guard["job_id"]
         error = v.error_text(error, self.settings)

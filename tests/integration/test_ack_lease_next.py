@@ -51,7 +51,7 @@ def test_next_jobs_of_an_ack_whose_reply_cannot_be_sent_go_back(
     ghost = Client(running.port)
     (first,) = ghost.ok("lease", queues=["nx"], worker_id="ghost")["jobs"]
     claiming, go_on = threading.Event(), threading.Event()
-    claim = QueueService.claim
+    claim = QueueService._claim_in  # the claim an ack with lease_next runs on its transaction
 
     def held_claim(self: QueueService, *args: Any, **kwargs: Any) -> Any:
         leases = claim(self, *args, **kwargs)
@@ -60,7 +60,7 @@ def test_next_jobs_of_an_ack_whose_reply_cannot_be_sent_go_back(
             assert go_on.wait(15)
         return leases
 
-    monkeypatch.setattr(QueueService, "claim", held_claim)
+    monkeypatch.setattr(QueueService, "_claim_in", held_claim)
     spec = {"queues": ["nx"], "max_jobs": 3}
     ghost.send("ack", **ack_args(first, "ghost", lease_next=spec))
     assert claiming.wait(15)
