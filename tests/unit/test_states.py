@@ -80,7 +80,7 @@ def test_priority_parse_rejects(raw: object) -> None:
 # Each statement that moves a job into a terminal state, and the service method that runs it
 # and then calls QueueService._entered (a job submitted with unique: "active" frees its key).
 TERMINAL_STATEMENTS = {
-    "ack": "ack",
+    "ack": "_ack_in",
     "fail_dead": "_end_lease",
     "expire_to_dead": "_expire",
     "expire_to_cancelled": "_expire",
