@@ -1320,11 +1320,12 @@ class QueueService:
     def _then_lease(
         self, plan: Callable[[], Callable[[Tx], dict[str, Any]]], lease_next: Any, worker_id: str
     ) -> dict[str, Any]:
-        """Check ``lease_next``, then ``plan()`` (an ack's or fail's arguments, before anything
-        changes), then run what it returns and the claim ``lease_next`` asks for in ONE
-        transaction, both on its ``tx`` (no savepoint of their own: neither is caught apart
-        here, so either failing rolls back both). The reply carries ``next`` (the leases;
-        empty when nothing is ready: no long-poll). A refused ack or fail leases nothing."""
+        """Check ``lease_next``, then call ``plan()`` (an ack's plan checks its arguments there,
+        before anything changes; a fail's checks them when it runs), then run what it returns
+        and the claim ``lease_next`` asks for in ONE transaction, both on its ``tx`` (no
+        savepoint of their own: neither is caught apart here, so either failing rolls back
+        both). The reply carries ``next`` (the leases; empty when nothing is ready: no
+        long-poll). A refused ack or fail leases nothing."""
         spec = self._next_claim(lease_next, worker_id)
         end = plan()
         with self.driver.write() as tx:
