@@ -1065,16 +1065,15 @@ class QueueService:
         opened), with arguments already checked (``lease_ms``: the lease's length in ms);
         see ``claim``."""
         s = self.settings
-        names, length = queues, lease_ms
         at = self._read()
         now = at.now_ms
         self._sweep(tx, at)
         check(Transition.CLAIM, JobState.READY, JobState.LEASED)
         request = ClaimRequest(
-            queues=names,
+            queues=queues,
             worker_id=worker_id,
             now_ms=now,
-            expires_ms=now + length,
+            expires_ms=now + lease_ms,
             limit=max_jobs,
             new_token=functools.partial(secrets.token_urlsafe, TOKEN_BYTES),
             room_bytes=s.max_frame_bytes - REPLY_OVERHEAD_BYTES,
@@ -1085,14 +1084,14 @@ class QueueService:
         # Queues a claim here last found controlled go straight to their controls (the
         # guarded claim would lease nothing and cost two round trips on PostgreSQL).
         with self._hints:
-            uncontrolled = self._controlled.isdisjoint(names)
+            uncontrolled = self._controlled.isdisjoint(queues)
         found = tx.claim_unless_controlled(request) if uncontrolled else None
         if found is not None:
             rows = found
         else:
-            # A queue it names is paused, capped or rate-limited: read the controls and
+            # A queue it queues is paused, capped or rate-limited: read the controls and
             # claim from the queues they leave open, each at most its room.
-            open_names, limits, buckets = self._claim_plan(tx, names, max_jobs, now)
+            open_names, limits, buckets = self._claim_plan(tx, queues, max_jobs, now)
             if not self.capabilities.single_writer:
                 # The controls' row locks may have waited for other servers' claims and
                 # the acks they saw: the lease starts now, after them.
@@ -1101,7 +1100,7 @@ class QueueService:
                 request,
                 queues=open_names,
                 now_ms=now,
-                expires_ms=now + length,
+                expires_ms=now + lease_ms,
                 queue_limits=limits,
             )
             rows = tx.claim(request) if open_names else []
@@ -1122,7 +1121,7 @@ class QueueService:
                     for row in rows
                 ],
             )
-        expires_at_ms = now + length
+        expires_at_ms = now + lease_ms
         return [cast(dict[str, Any], lease_view(row, expires_at_ms)) for row in rows]
 
     def _claim_plan(
@@ -1320,17 +1319,18 @@ class QueueService:
     def _then_lease(
         self, plan: Callable[[], Callable[[Tx], dict[str, Any]]], lease_next: Any, worker_id: str
     ) -> dict[str, Any]:
-        """Check ``lease_next``, then call ``plan()`` (an ack's plan checks its arguments there,
-        before anything changes; a fail's checks them when it runs), then run what it returns
-        and the claim ``lease_next`` asks for in ONE transaction, both on its ``tx`` (no
-        savepoint of their own: neither is caught apart here, so either failing rolls back
-        both). The reply carries ``next`` (the leases; empty when nothing is ready: no
-        long-poll). A refused ack or fail leases nothing."""
-        spec = self._next_claim(lease_next, worker_id)
+        """An ack's or fail's transaction: check ``lease_next`` (None: lease nothing), then
+        ``plan()`` (the ack's or fail's own checks), all before anything changes; then, in ONE
+        write transaction, what the plan returns and the claim ``lease_next`` asks for, both
+        on its ``tx`` (no savepoint of their own: neither is caught apart, so either failing
+        rolls back both). With ``lease_next`` the reply carries ``next`` (the leases; empty
+        when nothing is ready: no long-poll). A refused ack or fail leases nothing."""
+        spec = None if lease_next is None else self._next_claim(lease_next, worker_id)
         end = plan()
         with self.driver.write() as tx:
             out = end(tx)
-            out["next"] = self._claim_in(tx, **spec)
+            if spec is not None:
+                out["next"] = self._claim_in(tx, **spec)
         return out
 
     def ack(
@@ -1373,11 +1373,7 @@ class QueueService:
             JobNotFound, StaleToken, LeaseExpired, StoreBusy: nothing is leased then.
         """
         plan = functools.partial(self._ack_plan, job_id, worker_id, lease_token, result)
-        if lease_next is not None:
-            return self._then_lease(plan, lease_next, worker_id)
-        end = plan()
-        with self.driver.write() as tx:
-            return end(tx)
+        return self._then_lease(plan, lease_next, worker_id)
 
     def _ack_plan(
         self, job_id: Any, worker_id: Any, lease_token: Any, result: Any
@@ -1392,7 +1388,8 @@ class QueueService:
         return functools.partial(self._ack_in, guard=guard, stored=stored)
 
     def _ack_in(self, tx: Tx, *, guard: dict[str, Any], stored: str | None) -> dict[str, Any]:
-        """LEASED -> SUCCEEDED on ``tx`` (the write transaction ``ack`` opened); see ``ack``."""
+        """LEASED -> SUCCEEDED on ``tx`` (the write transaction ``_then_lease`` opened); see
+        ``ack``."""
         job_id = guard["job_id"]
         at = self._read()
         now = at.now_ms
@@ -1449,46 +1446,80 @@ class QueueService:
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
-        if lease_next is not None:
-            # The fail keeps its own write (a savepoint here): fail's own path is not split.
-            failing = functools.partial(
-                self.fail,
-                job_id,
-                worker_id=worker_id,
-                lease_token=lease_token,
-                error=error,
-                retryable=retryable,
-                exception_class=exception_class,
-                traceback=traceback,
-            )
-            return self._then_lease(lambda: lambda _tx: failing(), lease_next, worker_id)
+        plan = functools.partial(
+            self._fail_plan,
+            job_id,
+            worker_id,
+            lease_token,
+            error,
+            retryable,
+            exception_class,
+            traceback,
+        )
+        return self._then_lease(plan, lease_next, worker_id)
+
+    def _fail_plan(
+        self,
+        job_id: Any,
+        worker_id: Any,
+        lease_token: Any,
+        error: Any,
+        retryable: Any,
+        exception_class: Any,
+        traceback: Any,
+    ) -> Callable[[Tx], dict[str, Any]]:
+        """Check a fail's arguments; return what applies it in a write transaction (``fail``).
+
+        Raises:
+            InvalidArgument (see ``fail``).
+        """
         guard = self._lease_guard(job_id, worker_id, lease_token)
-        job_id = guard["job_id"]
         error = v.error_text(error, self.settings)
         retryable = v.boolean("retryable", retryable)
         if exception_class is not None:
             exception_class = v.exception_class(exception_class)
         if traceback is not None:
             traceback = v.traceback_text(traceback, self.settings)
-        with self.driver.write() as tx:
-            at = self._read()
-            now = at.now_ms
-            params: dict[str, Any] = guard | self._judging(at)
-            lease = tx.one("live_lease", params)
-            if lease is None:
-                ended = self._ended_attempt(tx, params, ("failed", "cancelled"))
-                if ended is not None:
-                    return self._repeated_fail(tx, job_id, ended)
-                raise self._rejection(tx, params, "fail")
-            out = self._end_lease(tx, params, lease, error, retryable, now, "failed")
-            if exception_class is not None:
-                entry = {
-                    "attempt": lease["attempt"],
-                    "exception_class": exception_class,
-                    "traceback": traceback or "",
-                }
-                self._store_error(tx, job_id, entry, now)
-            return out
+        return functools.partial(
+            self._fail_in,
+            guard=guard,
+            error=error,
+            retryable=retryable,
+            exception_class=exception_class,
+            traceback=traceback,
+        )
+
+    def _fail_in(
+        self,
+        tx: Tx,
+        *,
+        guard: dict[str, Any],
+        error: str,
+        retryable: bool,
+        exception_class: str | None,
+        traceback: str | None,
+    ) -> dict[str, Any]:
+        """LEASED -> RETRYING or DEAD on ``tx`` (the write transaction ``_then_lease`` opened);
+        see ``fail``."""
+        job_id = guard["job_id"]
+        at = self._read()
+        now = at.now_ms
+        params: dict[str, Any] = guard | self._judging(at)
+        lease = tx.one("live_lease", params)
+        if lease is None:
+            ended = self._ended_attempt(tx, params, ("failed", "cancelled"))
+            if ended is not None:
+                return self._repeated_fail(tx, job_id, ended)
+            raise self._rejection(tx, params, "fail")
+        out = self._end_lease(tx, params, lease, error, retryable, now, "failed")
+        if exception_class is not None:
+            entry = {
+                "attempt": lease["attempt"],
+                "exception_class": exception_class,
+                "traceback": traceback or "",
+            }
+            self._store_error(tx, job_id, entry, now)
+        return out
 
     def ack_batch(
         self, acks: list[Mapping[str, Any]], *, lease_next: Mapping[str, Any] | None = None
@@ -1530,7 +1561,7 @@ class QueueService:
         if lease_next is not None:
             spec = self._next_claim(lease_next, acks[0].get("worker_id"))  # type: ignore[arg-type]
         results: list[dict[str, Any]] = []
-        with self.driver.write():
+        with self.driver.write() as tx:
             for item in acks:
                 mark = self.mark()
                 try:
@@ -1560,7 +1591,7 @@ class QueueService:
                     )
                     continue
                 results.append({**out, "ok": True, "error": None})
-            leases = self.claim(**spec) if spec is not None else []
+            leases = self._claim_in(tx, **spec) if spec is not None else []
         return {"results": results, "next": leases}
 
     def _end_lease(
