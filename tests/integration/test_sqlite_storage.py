@@ -117,6 +117,19 @@ def test_the_claims_queue_control_reads_are_seeks() -> None:
             assert table in " ".join(plan)
 
 
+def test_the_one_statement_claim_is_index_seeks() -> None:
+    # claim_one: the head of each base class on relay_job_ready, the job by primary key and
+    # the queue's controls by relay_queue's: seeks whatever the backlog, never a scan.
+    params = {"queue": "q", "token": "t", "worker_id": "w", "now_ms": 1, "expires_ms": 2}
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN QUERY PLAN " + QUERIES["claim_one"], params)
+        plan = [str(row[3]) for row in cursor.fetchall()]
+    assert not [step for step in plan if re.match(r"SCAN (relay_\w+)( |$)", step)], plan
+    seeks = [step for step in plan if step.startswith("SEARCH")]
+    assert sum("relay_job_ready (queue=? AND priority=?)" in step for step in seeks) == 4, plan
+    assert [step for step in seeks if "relay_queue" in step], plan
+
+
 def test_counts_follow_every_transition(service: QueueService, clock: FakeClock) -> None:
     rnd = random.Random(7)
     for i in range(60):

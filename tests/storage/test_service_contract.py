@@ -346,11 +346,11 @@ def test_claim_rejects_bad_arguments(
 
 def test_claim_cost_does_not_depend_on_backlog(service: QueueService, assert_queries: Any) -> None:
     service.submit_batch([{"queue": "q", "payload": i} for i in range(200)])
-    # SQLite: BEGIN, "anything due?" (nothing is: no sweep), the queue's controls (none),
-    # heads, claim by id, attempt, COMMIT. PostgreSQL: BEGIN, the sweep lock with "anything
-    # due?", the one-statement claim (which checks for controls itself), attempt, SET LOCAL
+    # SQLite: BEGIN, "anything due?" (nothing is: no sweep), the one-statement claim of one
+    # job (which checks for controls itself), attempt, COMMIT. PostgreSQL: BEGIN, the sweep
+    # lock with "anything due?", the one-statement claim, attempt, SET LOCAL
     # synchronous_commit = off (a lease need not wait for the disk), COMMIT.
-    with assert_queries(sqlite=7, postgresql=6):
+    with assert_queries(sqlite=5, postgresql=6):
         service.claim(["q"], worker_id="w")
 
 
@@ -358,11 +358,11 @@ def test_claims_in_one_transaction_sweep_once(service: QueueService, assert_quer
     """The server's group commit runs several claims in one transaction: only the first
     sweeps (expires leases, promotes due jobs); the others claim straight away."""
     service.submit_batch([{"queue": "q", "payload": i} for i in range(3)])
-    # SQLite: BEGIN, the sweep probe once, per claim the queue's controls, heads, claim by
-    # id and attempt (its savepoints go to sqlite3 directly, uncounted), COMMIT:
-    # 1 + 1 + 3 * 4 + 1. PostgreSQL: BEGIN, the sweep probe once, per claim its SAVEPOINT,
-    # claim, attempt and RELEASE, COMMIT: 1 + 1 + 3 * 4 + 1.
-    with assert_queries(sqlite=15, postgresql=15), service.transaction():
+    # SQLite: BEGIN, the sweep probe once, per claim the one-statement claim and attempt
+    # (its savepoints go to sqlite3 directly, uncounted), COMMIT: 1 + 1 + 3 * 2 + 1.
+    # PostgreSQL: BEGIN, the sweep probe once, per claim its SAVEPOINT, claim, attempt and
+    # RELEASE, COMMIT: 1 + 1 + 3 * 4 + 1.
+    with assert_queries(sqlite=9, postgresql=15), service.transaction():
         for _ in range(3):
             with service.transaction():
                 assert len(service.claim(["q"], worker_id="w")) == 1

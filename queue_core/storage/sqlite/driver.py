@@ -381,8 +381,29 @@ class SqliteTx(SqlTx):
 
     def claim_unless_controlled(self, request: ClaimRequest) -> list[dict[str, Any]] | None:
         """``claim``, unless a queue it names has controls (None): one primary-key seek per
-        queue on relay_queue first, in this process (cheaper than a second claim path)."""
-        if len(request.queues) == 1:  # the usual lease: one seek, no JSON
+        queue on relay_queue first, in this process (cheaper than a second claim path).
+
+        One job from one queue (the usual lease, and every ``lease_next`` of ``relay
+        worker``) is one statement, ``claim_one``, with the seek inside; only an empty answer
+        asks whether controls were the reason."""
+        if len(request.queues) == 1 and request.limit == 1:
+            queue = request.queues[0]
+            token = request.new_token()
+            row = self.one(
+                "claim_one",
+                {
+                    "queue": queue,
+                    "token": token,
+                    "worker_id": request.worker_id,
+                    "now_ms": request.now_ms,
+                    "expires_ms": request.expires_ms,
+                },
+            )
+            if row is not None:
+                row["lease_token"] = token
+                return [row]
+            return None if self.one("queue_has_controls", {"queue": queue}) else []
+        if len(request.queues) == 1:  # one seek, no JSON
             controlled = self.one("queue_has_controls", {"queue": request.queues[0]})
         else:
             queues = orjson.dumps(list(request.queues)).decode()

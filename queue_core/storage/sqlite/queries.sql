@@ -178,6 +178,42 @@ UPDATE relay_job
 RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms, meta,
           time_limit_ms;
 
+-- name: claim_one
+-- The claim of one job from one queue (a lease of max_jobs 1 on one queue, the common case)
+-- in one statement, where ready_heads then claim_by_id take two and a ranking in Python: the
+-- same heads (one seek each on relay_job_ready), ranked as the driver's claim ranks them (aged
+-- class: base + one per whole minute waited, capped at CRITICAL = 3; then FIFO; then id) and
+-- leased by id, unless the queue has controls (a relay_queue row: the claim_unless_controlled
+-- check, one primary-key seek, inside). As postgresql/queries.sql's claim_one.
+-- Params: queue, token, worker_id, now_ms, expires_ms.
+UPDATE relay_job
+   SET state = 'leased', attempt = attempt + 1, lease_token = %(token)s,
+       leased_by = %(worker_id)s, leased_at_ms = %(now_ms)s,
+       lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
+ WHERE id = (SELECT id FROM (
+                 SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                                 WHERE state = 'ready' AND queue = %(queue)s AND priority = 3
+                                 ORDER BY ready_since_ms, id LIMIT 1)
+                 UNION ALL
+                 SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                                 WHERE state = 'ready' AND queue = %(queue)s AND priority = 2
+                                 ORDER BY ready_since_ms, id LIMIT 1)
+                 UNION ALL
+                 SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                                 WHERE state = 'ready' AND queue = %(queue)s AND priority = 1
+                                 ORDER BY ready_since_ms, id LIMIT 1)
+                 UNION ALL
+                 SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                                 WHERE state = 'ready' AND queue = %(queue)s AND priority = 0
+                                 ORDER BY ready_since_ms, id LIMIT 1))
+              ORDER BY MIN(3, priority + MAX(0, %(now_ms)s - ready_since_ms) / 60000) DESC,
+                       ready_since_ms, id
+              LIMIT 1)
+   AND state = 'ready'
+   AND NOT EXISTS (SELECT 1 FROM relay_queue WHERE name = %(queue)s)
+RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms, meta,
+          time_limit_ms;
+
 -- name: insert_attempt
 -- Open the history row of a delivery. Params: job_id, attempt, worker_id, token, now_ms.
 INSERT INTO relay_attempt (job_id, attempt, worker_id, lease_token, started_at_ms)
