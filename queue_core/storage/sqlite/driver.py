@@ -385,7 +385,8 @@ class SqliteTx(SqlTx):
 
         One job from one queue (the usual lease, and every ``lease_next`` of ``relay
         worker``) is one statement, ``claim_one``, with the seek inside; only an empty answer
-        asks whether controls were the reason."""
+        asks whether controls were the reason. Its token is drawn before the statement, so an
+        empty claim draws one too (``ClaimRequest.new_token``)."""
         if len(request.queues) == 1 and request.limit == 1:
             queue = request.queues[0]
             token = request.new_token()
