@@ -28,7 +28,7 @@ Modules:
   (``python -m relay_bench.instructions``): counts that do not move with the machine's noise.
 * ``ceiling``: the CPython ceiling, a minimal asyncio + ``sqlite3`` server of the bench's ops
   on the lean table (``python -m relay_bench.ceiling``; ``relay bench --with-ceiling``): what
-  any CPython server could reach, beside Relay.
+  a server of this kind (one CPython process, asyncio, ``sqlite3``) reaches, beside Relay.
 
 Nothing in the product (server, worker, HTTP API, admin) imports this package
 (tests/integration/test_bench_extra.py checks it), and its ``__init__`` imports nothing:

@@ -127,7 +127,8 @@ class Command(RelayBaseCommand):
             help="Also run the TCP scenarios against relay_bench.ceiling, a minimal asyncio + "
             "sqlite3 server of the same ops and replies on the lean table, in every run, and "
             "show what it reaches beside each target: a target it misses is out of reach for "
-            "any CPython server on this machine (docs/benchmarking.md). SQLite only.",
+            "a server of this kind (one CPython process, asyncio, sqlite3) on this machine "
+            "(docs/benchmarking.md). SQLite only.",
         )
         parser.add_argument("--json", action="store_true", help="Print JSON instead of tables.")
         parser.add_argument(
