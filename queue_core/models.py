@@ -153,7 +153,9 @@ class Job(models.Model):
 class JobAttempt(models.Model):
     """One delivery of a job: who held it, from when to when, and how it ended."""
 
-    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts")
+    # No index of its own: relay_attempt_unique's (job, attempt) serves every read by job
+    # (migration 0014).
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="attempts", db_index=False)
     attempt = models.IntegerField()
     worker_id = models.CharField(max_length=128)
     lease_token = models.CharField(max_length=64)

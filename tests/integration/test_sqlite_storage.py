@@ -130,6 +130,24 @@ def test_the_one_statement_claim_is_index_seeks() -> None:
     assert [step for step in seeks if "relay_queue" in step], plan
 
 
+def test_reads_of_a_jobs_attempts_use_the_unique_index() -> None:
+    # Migration 0014 dropped the attempt's own job_id index: every statement that finds
+    # attempts by job seeks relay_attempt_unique (job_id, attempt) instead, never a scan.
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'relay_attempt'")
+        names = {row[0] for row in cursor.fetchall()}
+        assert "relay_attempt_job_id_785bc873" not in names
+        for name in ("attempts_of", "end_attempt", "delete_attempts", "recover_attempts"):
+            params = dict.fromkeys(re.findall(r"%\((\w+)\)s", QUERIES[name]), 1)
+            cursor.execute("EXPLAIN QUERY PLAN " + QUERIES[name], params)
+            plan = [str(row[3]) for row in cursor.fetchall() if "relay_attempt" in str(row[3])]
+            assert plan, name
+            assert all(
+                step.startswith("SEARCH") and "sqlite_autoindex_relay_attempt_1" in step
+                for step in plan
+            ), (name, plan)
+
+
 def test_counts_follow_every_transition(service: QueueService, clock: FakeClock) -> None:
     rnd = random.Random(7)
     for i in range(60):

@@ -103,6 +103,9 @@ def test_the_postgresql_migration_tunes_autovacuum_and_drops_the_like_indexes() 
         } <= options[table], options
     assert not [name for name in indexes if name.endswith("_like")], indexes
     assert {"relay_job_ready", "relay_job_pkey"} <= indexes
+    # Migration 0014: the attempt's job is read through relay_attempt_unique (job_id, attempt).
+    assert "relay_attempt_unique" in indexes
+    assert "relay_attempt_job_id_785bc873" not in indexes
 
 
 def test_relay_migrate_on_a_missing_database_says_so_in_one_line() -> None:
