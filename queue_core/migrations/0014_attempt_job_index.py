@@ -2,8 +2,8 @@
 
 The unique constraint ``relay_attempt_unique`` on ``(job_id, attempt)`` already serves every
 read by job (``attempts_of``, ``end_attempt``, deleting a job's attempts, the foreign key's
-checks) as its leading column, so the second index only cost a write per lease: about 1.5%
-of the instructions of a lease (docs/benchmarking.md, round 4's "measured and not built").
+checks) as its leading column, so the second index only cost a write per lease: 1–2% of the
+instructions of a lease (docs/benchmarking.md, round 4's "measured and not built").
 
 Plain ``DROP INDEX`` under ``SeparateDatabaseAndState``: Django's own ``AlterField`` to
 ``db_index=False`` would rebuild the whole attempt table on SQLite (a long write lock on a big

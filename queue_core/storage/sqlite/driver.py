@@ -383,8 +383,9 @@ class SqliteTx(SqlTx):
         """``claim``, unless a queue it names has controls (None): one primary-key seek per
         queue on relay_queue first, in this process (cheaper than a second claim path).
 
-        One job from one queue (the usual lease, and every ``lease_next`` of ``relay
-        worker``) is one statement, ``claim_one``, with the seek inside; only an empty answer
+        One job from one queue (a lease or ``lease_next`` of ``max_jobs`` 1: the clients'
+        default, and ``relay worker``'s when an ack frees one slot) is one statement,
+        ``claim_one``, with the seek inside; only an empty answer
         asks whether controls were the reason. Its token is drawn before the statement, so an
         empty claim draws one too (``ClaimRequest.new_token``)."""
         if len(request.queues) == 1 and request.limit == 1:
