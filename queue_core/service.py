@@ -1281,8 +1281,9 @@ class QueueService:
         limit = lease["time_limit_ms"]
         return limit is not None and now >= lease["leased_at_ms"] + limit
 
-    def _next_claim(self, lease_next: Any, worker_id: str) -> dict[str, Any]:
-        """Check a ``lease_next`` object before anything changes; return ``claim``'s kwargs.
+    def _next_claim(self, lease_next: Any, worker_id: str) -> dict[str, Any] | None:
+        """Check a ``lease_next`` object before anything changes; return ``_claim_in``'s
+        kwargs, or None when there is none (lease nothing).
 
         Args:
             lease_next: ``{"queues": [...], "max_jobs": 1..RELAY_MAX_JOBS_PER_LEASE (1),
@@ -1291,6 +1292,8 @@ class QueueService:
         Raises:
             InvalidArgument: a bad field, named ``lease_next.<field>``.
         """
+        if lease_next is None:
+            return None
         if not isinstance(lease_next, Mapping):
             raise InvalidArgument("lease_next: must be an object", field="lease_next")
         lease_next = {k: val for k, val in lease_next.items() if val is not None}
@@ -1317,16 +1320,14 @@ class QueueService:
             raise
 
     def _then_lease(
-        self, plan: Callable[[], Callable[[Tx], dict[str, Any]]], lease_next: Any, worker_id: str
+        self, end: Callable[[Tx], dict[str, Any]], spec: dict[str, Any] | None
     ) -> dict[str, Any]:
-        """An ack's or fail's transaction: check ``lease_next`` (None: lease nothing), then
-        ``plan()`` (the ack's or fail's own checks), all before anything changes; then, in ONE
-        write transaction, what the plan returns and the claim ``lease_next`` asks for, both
-        on its ``tx`` (no savepoint of their own: neither is caught apart, so either failing
-        rolls back both). With ``lease_next`` the reply carries ``next`` (the leases; empty
-        when nothing is ready: no long-poll). A refused ack or fail leases nothing."""
-        spec = None if lease_next is None else self._next_claim(lease_next, worker_id)
-        end = plan()
+        """An ack's or fail's transaction, its arguments and ``lease_next`` (``spec``, from
+        ``_next_claim``; None: lease nothing) already checked: in ONE write transaction,
+        ``end`` and the claim ``spec`` asks for, both on its ``tx`` (no savepoint of their
+        own: neither is caught apart, so either failing rolls back both). With ``spec`` the
+        reply carries ``next`` (the leases; empty when nothing is ready: no long-poll). A
+        refused ack or fail leases nothing."""
         with self.driver.write() as tx:
             out = end(tx)
             if spec is not None:
@@ -1372,8 +1373,9 @@ class QueueService:
             ``RELAY_MAX_RESULT_BYTES``; nothing changed, the lease is still held),
             JobNotFound, StaleToken, LeaseExpired, StoreBusy: nothing is leased then.
         """
-        plan = functools.partial(self._ack_plan, job_id, worker_id, lease_token, result)
-        return self._then_lease(plan, lease_next, worker_id)
+        spec = self._next_claim(lease_next, worker_id)
+        end = self._ack_plan(job_id, worker_id, lease_token, result)
+        return self._then_lease(end, spec)
 
     def _ack_plan(
         self, job_id: Any, worker_id: Any, lease_token: Any, result: Any
@@ -1446,17 +1448,11 @@ class QueueService:
         Raises:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
-        plan = functools.partial(
-            self._fail_plan,
-            job_id,
-            worker_id,
-            lease_token,
-            error,
-            retryable,
-            exception_class,
-            traceback,
+        spec = self._next_claim(lease_next, worker_id)
+        end = self._fail_plan(
+            job_id, worker_id, lease_token, error, retryable, exception_class, traceback
         )
-        return self._then_lease(plan, lease_next, worker_id)
+        return self._then_lease(end, spec)
 
     def _fail_plan(
         self,
@@ -1557,9 +1553,7 @@ class QueueService:
             if unknown:
                 field = f"acks[{index}].{unknown[0]}"
                 raise InvalidArgument(f"{field}: unknown argument", field=field, index=index)
-        spec = None
-        if lease_next is not None:
-            spec = self._next_claim(lease_next, acks[0].get("worker_id"))  # type: ignore[arg-type]
+        spec = self._next_claim(lease_next, acks[0].get("worker_id"))  # type: ignore[arg-type]
         results: list[dict[str, Any]] = []
         with self.driver.write() as tx:
             for item in acks:
