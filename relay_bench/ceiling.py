@@ -13,7 +13,9 @@ What it does, and no more: one ``asyncio`` stream server (the event loop Relay's
 on) speaking the NDJSON frames of ``docs/protocol.md`` for ``ping``, ``submit``,
 ``submit_batch``, ``lease`` (``max_jobs`` 1, ``wait_ms`` long-poll) and ``ack`` (with
 ``lease_next``); one ``sqlite3`` connection on the lean floor's table (``floor.LEAN_SCHEMA``)
-with the lean floor's statements; group commit (every request read in one loop pass shares
+with the lean floor's statements, or with ``--schema relay`` on Relay's own migrated table with
+the statements Relay's transitions run there (``RelaySql``: the job row, its count, its attempt
+history row); group commit (every request read in one loop pass shares
 one ``BEGIN IMMEDIATE`` ... ``COMMIT`` on the loop's thread, as Relay's server does on SQLite
 for up to 32 jobs' worth; Relay hands heavier batches to a writer thread, which this skips);
 Relay's durability decision of issue 15 item 2 (a commit that only leases runs at
@@ -24,9 +26,12 @@ Relay's (a submit returns the whole job), each payload copied into the reply as 
 What it leaves out, each of which Relay needs: validation beyond what reading its arguments
 needs, limits, authentication, idempotency, priorities and aging, attempt history, retries,
 lease expiry, counters, metrics, logging, error translation, savepoints (no request here can
-fail halfway), crash recovery. Run it as
-``python -m relay_bench.ceiling --db PATH --synchronous FULL [--address 127.0.0.1:0]``; it
-logs ``{"event": "ready", "port": N}`` on stderr and stops on SIGTERM.
+fail halfway), crash recovery. With ``--schema relay`` it pays for Relay's table (its columns,
+indexes, CHECK constraints and count trigger), the aged-class claim, the counts and the
+attempt history, and still leaves the rest out: what a server of this kind can reach on
+Relay's schema. Run it as ``python -m relay_bench.ceiling --db PATH --synchronous FULL
+[--schema lean|relay] [--address 127.0.0.1:0]``; it logs ``{"event": "ready", "port": N}``
+on stderr and stops on SIGTERM.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from relay_bench import floor
 
 MAX_LINE_BYTES = 1024 * 1024 + 1  # Relay's default frame limit and its newline
 LEASE_MS = 30_000
+SCHEMAS = ("lean", "relay")
 NORMAL = 1  # PRAGMA synchronous value of NORMAL (0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA)
 _CLAIM = floor.LEAN_CLAIM.replace("RETURNING id, payload", "RETURNING id, payload, created_at_ms")
 _INSERT = floor.LEAN_INSERT
@@ -104,6 +110,141 @@ def _job(job_id: str, queue: str, payload: str, now: int) -> dict[str, Any]:
 
 
 _SEQUENCE = itertools.count()
+_PRIORITIES = ("low", "normal", "high", "critical")  # queue_core.states.Priority's names
+
+
+class LeanSql:
+    """The lean floor's statements on its table (``floor.LEAN_SCHEMA``)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def insert(self, rows: list[dict[str, Any]]) -> None:
+        """Insert READY jobs (``_row`` dicts) in the open transaction."""
+        if len(rows) == 1:
+            self.db.execute(_INSERT, rows[0])
+        else:
+            self.db.executemany(_INSERT, rows)
+
+    def claim(self, queue: str, worker_id: str, token: str, now: int) -> dict[str, Any] | None:
+        """Lease the head of ``queue`` (normal class, FIFO); its lease's reply, or None."""
+        params = {"token": token, "expires_ms": now + LEASE_MS, "now_ms": now, "queue": queue}
+        row = self.db.execute(_CLAIM, params).fetchone()
+        if row is None:
+            return None
+        return _lease(row[0], queue, orjson.Fragment(row[1]), 1, "normal", 0, 3, row[2], {}, None)
+
+    def ack(self, job_id: str, token: str, worker_id: str, now: int) -> bool:
+        """Succeed the job if ``token`` is its live lease's; whether it was."""
+        params = {"job_id": job_id, "token": token, "now_ms": now}
+        return bool(self.db.execute(_ACK, params).rowcount == 1)
+
+
+class RelaySql:
+    """Relay's statements on Relay's table (a migrated ``relay_server`` file), the ones its
+    transitions run for these ops (``queue_core/storage/sqlite/queries.sql``): ``insert_job``
+    and ``count_added`` per submit (one ``executemany`` and one count per queue for a batch);
+    ``claim_one`` and ``insert_attempt`` per lease; ``ack`` and ``end_attempt`` per ack. The
+    count trigger fires on every state change as in Relay. Left out: idempotency, the sweep
+    probe and expiry, controls' reads, results, events."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        import django
+
+        django.setup()  # the driver's module reads Relay's settings on import
+        from queue_core.storage.sqlite.driver import NAMED_QUERIES
+
+        self.db = db
+        names = ("insert_job", "count_added", "claim_one", "insert_attempt", "ack", "end_attempt")
+        self.q = {name: NAMED_QUERIES[name] for name in names}
+
+    def insert(self, rows: list[dict[str, Any]]) -> None:
+        """Insert READY jobs (``_row`` dicts) and count them, in the open transaction."""
+        jobs = [floor.job_row(0, r["now_ms"], r["payload"], r["queue"]) | r for r in rows]
+        if len(jobs) == 1:
+            self.db.execute(self.q["insert_job"], jobs[0])
+        else:
+            self.db.executemany(self.q["insert_job"], jobs)
+        added: dict[str, int] = {}
+        for row in rows:
+            added[row["queue"]] = added.get(row["queue"], 0) + 1
+        for queue, n in added.items():
+            self.db.execute(self.q["count_added"], {"queue": queue, "state": "ready", "n": n})
+
+    def claim(self, queue: str, worker_id: str, token: str, now: int) -> dict[str, Any] | None:
+        """Lease the first of ``queue`` by aged class (``claim_one``) and open its attempt
+        row; its lease's reply, or None."""
+        params = {
+            "queue": queue,
+            "token": token,
+            "worker_id": worker_id,
+            "now_ms": now,
+            "expires_ms": now + LEASE_MS,
+        }
+        cur = self.db.execute(self.q["claim_one"], params)
+        row = cur.fetchone()
+        cur.fetchall()  # RETURNING completes
+        if row is None:
+            return None
+        job_id, _queue, payload, attempt, priority, failures, retries, created, meta, limit = row
+        self.db.execute(
+            self.q["insert_attempt"],
+            {"job_id": job_id, "attempt": attempt, "worker_id": worker_id, "token": token}
+            | {"now_ms": now},
+        )
+        return _lease(
+            job_id,
+            queue,
+            orjson.Fragment(payload),
+            attempt,
+            _PRIORITIES[priority],
+            failures,
+            retries,
+            created,
+            {} if meta is None else orjson.Fragment(meta),
+            limit,
+        )
+
+    def ack(self, job_id: str, token: str, worker_id: str, now: int) -> bool:
+        """Succeed the job if ``token`` and ``worker_id`` hold its live lease (Relay's guard,
+        no clock step outstanding) and close its attempt row; whether they did."""
+        params = {"job_id": job_id, "lease_token": token, "worker_id": worker_id, "now_ms": now}
+        cur = self.db.execute(self.q["ack"], params | {"judge_ms": now, "mark_ms": -1})
+        row = cur.fetchone()
+        cur.fetchall()
+        if row is None:
+            return False
+        ended = {"job_id": job_id, "attempt": row[0], "now_ms": now, "outcome": "succeeded"}
+        self.db.execute(self.q["end_attempt"], ended | {"error": None, "retry_at_ms": None})
+        return True
+
+
+def _lease(
+    job_id: str,
+    queue: str,
+    payload: Any,
+    attempt: int,
+    priority: str,
+    failures: int,
+    max_retries: int,
+    created_at_ms: int,
+    meta: Any,
+    time_limit_ms: int | None,
+) -> dict[str, Any]:
+    """A lease's reply, with the fields Relay's has (``docs/protocol.md``); the token and
+    expiry are added by the caller."""
+    return {
+        "job_id": job_id,
+        "queue": queue,
+        "payload": payload,
+        "attempt": attempt,
+        "priority": priority,
+        "failures": failures,
+        "max_retries": max_retries,
+        "created_at_ms": created_at_ms,
+        "meta": meta,
+        "time_limit_ms": time_limit_ms,
+    }
 
 
 def _new_id(now: int) -> str:
@@ -115,13 +256,16 @@ class Ceiling:
     """The server's state: the connection, the requests of the next commit, parked long-polls.
 
     Args:
-        path: a lean floor database (``floor.create_lean``).
+        path: a lean floor database (``floor.create_lean``), or with ``schema="relay"`` a
+            migrated Relay database.
         synchronous: the file's ``synchronous`` level (``FULL``, ``NORMAL``...), kept by every
             commit that does more than lease.
+        schema: ``"lean"`` (``LeanSql``) or ``"relay"`` (``RelaySql``).
     """
 
-    def __init__(self, path: str, synchronous: str) -> None:
+    def __init__(self, path: str, synchronous: str, schema: str = "lean") -> None:
         self.db = floor.connect(path, synchronous)
+        self.sql = RelaySql(self.db) if schema == "relay" else LeanSql(self.db)
         self.level = int(self.db.execute("PRAGMA synchronous").fetchone()[0])
         self.pending: list[Request] = []
         self.parked: dict[str, list[Request]] = {}
@@ -198,7 +342,7 @@ class Ceiling:
         if op == "submit":
             queue, job_id = _text(args["queue"]), _new_id(now)
             body = orjson.dumps(args["payload"]).decode()
-            self.db.execute(_INSERT, _row(job_id, queue, body, now))
+            self.sql.insert([_row(job_id, queue, body, now)])
             woken.add(queue)
             result: dict[str, Any] = {"job": _job(job_id, queue, body, now)}
             result["deduplicated"] = False
@@ -207,7 +351,7 @@ class Ceiling:
                 _row(_new_id(now), _text(j["queue"]), orjson.dumps(j["payload"]).decode(), now)
                 for j in args["jobs"]
             ]
-            self.db.executemany(_INSERT, rows)
+            self.sql.insert(rows)
             woken.update(r["queue"] for r in rows)
             result = {
                 "results": [
@@ -223,47 +367,34 @@ class Ceiling:
             }
         elif op == "lease":
             queue, wait_ms = _text(args["queues"][0]), args.get("wait_ms")
-            jobs = self._claim(queue, now)
+            jobs = self._claim(queue, _text(args.get("worker_id", "ceiling")), now)
             if not jobs and wait_ms:
                 self._park(request, queue, float(wait_ms))
                 return lambda: None
             result = {"jobs": jobs}
         elif op == "ack":
             job_id, token = _text(args["job_id"]), _text(args["lease_token"])
-            params = {"job_id": job_id, "token": token, "now_ms": now}
+            worker_id = _text(args.get("worker_id", "ceiling"))
             ask = args.get("lease_next")
             next_queue = _text(ask["queues"][0]) if ask else None
-            if self.db.execute(_ACK, params).rowcount != 1:
+            next_worker = _text(ask.get("worker_id") or worker_id) if ask else worker_id
+            if not self.sql.ack(job_id, token, worker_id, now):
                 return lambda: self._error(writer, req_id, "STALE_TOKEN", "not this lease")
             result = {"job_id": job_id, "state": "succeeded", "duplicate": False}
             if next_queue is not None:
-                result["next"] = self._claim(next_queue, now)
+                result["next"] = self._claim(next_queue, next_worker, now)
         else:
             return lambda: self._error(writer, req_id, "UNKNOWN_OP", f"no op {op!r} here")
         return lambda: self._reply(writer, req_id, result)
 
-    def _claim(self, queue: str, now: int) -> list[dict[str, Any]]:
+    def _claim(self, queue: str, worker_id: str, now: int) -> list[dict[str, Any]]:
         token = secrets.token_urlsafe(24)
-        params = {"token": token, "expires_ms": now + LEASE_MS, "now_ms": now, "queue": queue}
-        row = self.db.execute(_CLAIM, params).fetchone()
-        if row is None:
+        lease = self.sql.claim(queue, worker_id, token, now)
+        if lease is None:
             return []
-        return [
-            {
-                "job_id": row[0],
-                "queue": queue,
-                "payload": orjson.Fragment(row[1]),
-                "attempt": 1,
-                "priority": "normal",
-                "lease_token": token,
-                "lease_expires_at_ms": now + LEASE_MS,
-                "failures": 0,
-                "max_retries": 3,
-                "created_at_ms": row[2],
-                "meta": {},
-                "time_limit_ms": None,
-            }
-        ]
+        lease["lease_token"] = token
+        lease["lease_expires_at_ms"] = now + LEASE_MS
+        return [lease]
 
     def _park(self, request: Request, queue: str, wait_ms: float) -> None:
         """A long-poll with nothing to lease: re-run after a commit that adds a job to
@@ -311,8 +442,8 @@ def _row(job_id: str, queue: str, payload: str, now: int) -> dict[str, Any]:
     }
 
 
-async def _main(path: str, synchronous: str, host: str, port: int) -> None:
-    ceiling = Ceiling(path, synchronous)
+async def _main(path: str, synchronous: str, schema: str, host: str, port: int) -> None:
+    ceiling = Ceiling(path, synchronous, schema)
     server = await asyncio.start_server(ceiling.serve, host, port, limit=MAX_LINE_BYTES)
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -327,16 +458,31 @@ async def _main(path: str, synchronous: str, host: str, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m relay_bench.ceiling --db PATH [--synchronous LEVEL] [--address H:P]``."""
+    """``python -m relay_bench.ceiling --db PATH [--synchronous LEVEL] [--schema lean|relay]
+    [--address H:P]``."""
     parser = argparse.ArgumentParser(prog="python -m relay_bench.ceiling")
-    parser.add_argument("--db", required=True, help="a lean floor database (created if absent)")
+    parser.add_argument(
+        "--db",
+        required=True,
+        help="a lean floor database (created if absent), or with --schema relay a migrated "
+        "Relay database (relay_server's)",
+    )
     parser.add_argument("--synchronous", default="FULL")
+    parser.add_argument(
+        "--schema",
+        choices=SCHEMAS,
+        default="lean",
+        help="lean: the lean floor's table and statements; relay: Relay's own table and the "
+        "statements its transitions run there (RelaySql)",
+    )
     parser.add_argument("--address", default="127.0.0.1:0")
     args = parser.parse_args(argv)
     host, _, port = args.address.rpartition(":")
-    if not os.path.exists(args.db):
+    if args.schema == "lean" and not os.path.exists(args.db):
         floor.create_lean(args.db)
-    asyncio.run(_main(args.db, args.synchronous.upper(), host, int(port)))
+    elif args.schema == "relay" and not os.path.exists(args.db):
+        parser.error(f"--schema relay needs a migrated Relay database; {args.db} does not exist")
+    asyncio.run(_main(args.db, args.synchronous.upper(), args.schema, host, int(port)))
     return 0
 
 

@@ -9,6 +9,7 @@ after, as issue 15 asks. Usage, from the root of the tree to measure (a checkout
     python -m relay_bench.instructions --jobs 500 --phases lease_next:1,lease_ack:1,submit:1
     python -m relay_bench.instructions --objects      # also split each count by shared object
     python -m relay_bench.instructions --server ceiling   # the same phases on relay_bench.ceiling
+    python -m relay_bench.instructions --server ceiling --ceiling-schema relay   # on Relay's table
 
 It starts ``relay_server`` on a fresh migrated file under ``valgrind --tool=callgrind
 --instr-atstart=no``; for each phase (``KIND:CLIENTS``, kinds of ``relay_bench.load``) it fills
@@ -137,6 +138,7 @@ def count(
     objects: bool = False,
     workdir: Path | None = None,
     server: str = "relay",
+    ceiling_schema: str = "lean",
 ) -> list[Phase]:
     """Count each phase's instructions on one ``relay_server`` under callgrind (see module).
 
@@ -148,14 +150,18 @@ def count(
         workdir: where the file and dumps go (default: a temporary directory, removed).
         server: ``"relay"`` (``relay_server`` on a migrated file) or ``"ceiling"``
             (``relay_bench.ceiling`` on a lean floor file): the CPython ceiling's count.
+        ceiling_schema: the ceiling's table and statements, ``"lean"`` or ``"relay"`` (on a
+            migrated Relay file, ``relay_bench.ceiling.RelaySql``).
     Returns:
         ``phases``, filled in.
     Raises:
         RuntimeError: valgrind is missing, or the server did not start or a phase failed.
-        ValueError: an unknown ``server``.
+        ValueError: an unknown ``server`` or ``ceiling_schema``.
     """
     if server not in ("relay", "ceiling"):
         raise ValueError(f"unknown server {server!r} (relay or ceiling)")
+    if ceiling_schema not in ("lean", "relay"):
+        raise ValueError(f"unknown ceiling schema {ceiling_schema!r} (lean or relay)")
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             raise RuntimeError(f"{tool} not found: install valgrind (apt-get install valgrind)")
@@ -173,8 +179,11 @@ def count(
         ]
         process: procs.ServerProcess | procs.CeilingProcess
         if server == "ceiling":
-            lean = Path(floor.create_lean(str(workdir / "ceiling.db")))
-            process = procs.CeilingProcess(lean, synchronous, prefix=prefix)
+            if ceiling_schema == "relay":
+                path = procs.fresh_db(procs.template_db(workdir), workdir, "ceiling")
+            else:
+                path = Path(floor.create_lean(str(workdir / "ceiling.db")))
+            process = procs.CeilingProcess(path, synchronous, schema=ceiling_schema, prefix=prefix)
         else:
             db = procs.fresh_db(procs.template_db(workdir), workdir, "server")
             process = procs.ServerProcess(db, prefix=prefix, RELAY_SQLITE_SYNCHRONOUS=synchronous)
@@ -233,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server", choices=("relay", "ceiling"), default="relay", help="what to count"
     )
+    parser.add_argument(
+        "--ceiling-schema",
+        choices=("lean", "relay"),
+        default="lean",
+        help="with --server ceiling: the lean floor's table, or Relay's own",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.jobs <= 100_000:
         parser.error("--jobs must be 1..100000")
@@ -248,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 synchronous=args.synchronous,
                 objects=args.objects,
                 server=args.server,
+                ceiling_schema=args.ceiling_schema,
             ),
             args.objects,
         )

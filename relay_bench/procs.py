@@ -177,8 +177,9 @@ class ServerProcess(_Process):
 
 
 class CeilingProcess(_Process):
-    """``python -m relay_bench.ceiling --db PATH --synchronous LEVEL`` (the CPython ceiling,
-    see ``relay_bench.ceiling``) as a subprocess on an ephemeral port, ready on return
+    """``python -m relay_bench.ceiling --db PATH --synchronous LEVEL --schema SCHEMA`` (the
+    CPython ceiling, see ``relay_bench.ceiling``; ``schema`` ``"lean"`` on a lean floor file,
+    ``"relay"`` on a migrated Relay file) as a subprocess on an ephemeral port, ready on return
     (``prefix``: a command it runs under, e.g. valgrind's).
 
     Attributes:
@@ -187,9 +188,16 @@ class CeilingProcess(_Process):
         LogWaitError (a RuntimeError): it exited or did not log ``event=ready`` in time.
     """
 
-    def __init__(self, db_path: Path, synchronous: str, *, prefix: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        db_path: Path,
+        synchronous: str,
+        *,
+        schema: str = "lean",
+        prefix: list[str] | None = None,
+    ) -> None:
         argv = [*(prefix or []), sys.executable, "-m", "relay_bench.ceiling", "--db", str(db_path)]
-        argv += ["--synchronous", synchronous, "--address", "127.0.0.1:0"]
+        argv += ["--synchronous", synchronous, "--schema", schema, "--address", "127.0.0.1:0"]
         super().__init__(argv, child_env(str(db_path)), "ceiling", "ready")
         self.port = int(self.ready["port"])
         self.address = f"127.0.0.1:{self.port}"

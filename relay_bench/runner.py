@@ -239,6 +239,8 @@ class Bench(Steps):
             document's top level; the floors always run at ``FULL`` and ``NORMAL`` too.
         with_ceiling: after the Relay scenarios of each level and run, the same TCP scenarios
             against ``relay_bench.ceiling`` (step 2b of the module doc).
+        ceiling_schema: the ceiling's table and statements: ``"lean"`` (the lean floor's, on a
+            fresh lean file) or ``"relay"`` (Relay's, on a copy of the migrated template).
 
     Raises:
         ValueError: ``runs`` out of range, or several levels with ``address``.
@@ -257,6 +259,7 @@ class Bench(Steps):
         runs: int = 1,
         synchronous: tuple[str, ...] = (),
         with_ceiling: bool = False,
+        ceiling_schema: str = "lean",
     ) -> None:
         from queue_core.conf import relay_settings
 
@@ -270,6 +273,7 @@ class Bench(Steps):
         self.sizes = sizes
         self.address = address
         self.with_ceiling = with_ceiling
+        self.ceiling_schema = ceiling_schema
         self.progress = progress or Progress()
         self.http_enabled = http_enabled
         self.backlog_enabled = backlog_enabled
@@ -299,6 +303,7 @@ class Bench(Steps):
                 "journal_mode": "wal",
                 "external_server": self.address,
                 "with_ceiling": self.with_ceiling,
+                "ceiling_schema": self.ceiling_schema if self.with_ceiling else None,
             }
         }
         workdir = Path(tempfile.mkdtemp(prefix="relay-bench-"))
@@ -411,13 +416,18 @@ class Bench(Steps):
                     Path(f"{db_path}{suffix}").unlink(missing_ok=True)
 
     def _ceiling(self, part: dict[str, Any], env: scenarios.Env, tag: str) -> None:
-        """The TCP scenarios against ``relay_bench.ceiling`` on a fresh lean file at
-        ``env.synchronous``, their ratios to this part's floors, into ``part["ceiling"]``."""
+        """The TCP scenarios against ``relay_bench.ceiling`` on a fresh file at
+        ``env.synchronous`` (a lean one, or a copy of the template with ``ceiling_schema``
+        ``"relay"``), their ratios to this part's floors, into ``part["ceiling"]``."""
         sz = self.sizes
         tag = f"{tag}, ceiling"
-        db_path = Path(scenarios.lean_db(env, f"ceiling-{env.run_id}"))
+        name = f"ceiling-{env.run_id}"
+        if self.ceiling_schema == "relay":
+            db_path = procs.fresh_db(env.template, env.workdir, name)
+        else:
+            db_path = Path(scenarios.lean_db(env, name))
         with self._step(f"[{tag}] start the ceiling server"):
-            server = procs.CeilingProcess(db_path, env.synchronous)
+            server = procs.CeilingProcess(db_path, env.synchronous, schema=self.ceiling_schema)
         found: dict[str, Any] = {"floor": part["floor"]}
         try:
             self._tcp(found, env, server.address, server.pid, tag)

@@ -30,15 +30,26 @@ def ceiling(tmp_path: Path) -> Iterator[procs.CeilingProcess]:
         assert server.stop() == 0  # SIGTERM: a clean stop
 
 
-def _rows(path: Path) -> dict[str, str]:
+@pytest.fixture
+def relay_ceiling(tmp_path: Path) -> Iterator[procs.CeilingProcess]:
+    """The ceiling on Relay's own table (``--schema relay``), a copy of a migrated file."""
+    db = procs.fresh_db(procs.template_db(tmp_path), tmp_path, "c")
+    server = procs.CeilingProcess(db, "FULL", schema="relay")
+    try:
+        yield server
+    finally:
+        assert server.stop() == 0
+
+
+def _rows(path: Path, table: str = "job") -> dict[str, str]:
     with contextlib.closing(sqlite3.connect(path)) as conn:
-        return dict(conn.execute("SELECT id, state FROM job").fetchall())
+        return dict(conn.execute(f"SELECT id, state FROM {table}").fetchall())
 
 
-def test_the_ceiling_serves_submit_lease_and_ack_like_relay(
-    ceiling: procs.CeilingProcess, tmp_path: Path
-) -> None:
-    with RelayClient(ceiling.address, timeout_s=10) as client:
+def _serve_submit_lease_and_ack(address: str) -> list[str]:
+    """Submit three jobs, lease and ack each (one ack leasing the next), refuse a wrong token;
+    return the jobs' ids."""
+    with RelayClient(address, timeout_s=10) as client:
         client.ping()
         job = client.submit("q", {"n": 1})["job"]
         assert (job["queue"], job["state"], job["payload"]) == ("q", "ready", {"n": 1})
@@ -59,7 +70,45 @@ def test_the_ceiling_serves_submit_lease_and_ack_like_relay(
         third = client.lease(["q"], worker_id="w")
         client.ack(ids[2], worker_id="w", lease_token=third[0]["lease_token"])
         assert client.lease(["q"], worker_id="w") == []
+    return ids
+
+
+def test_the_ceiling_serves_submit_lease_and_ack_like_relay(
+    ceiling: procs.CeilingProcess, tmp_path: Path
+) -> None:
+    ids = _serve_submit_lease_and_ack(ceiling.address)
     assert _rows(tmp_path / "c.db") == dict.fromkeys(ids, "succeeded")
+
+
+def test_on_relays_schema_it_writes_what_relays_transitions_write(
+    relay_ceiling: procs.CeilingProcess, tmp_path: Path
+) -> None:
+    ids = _serve_submit_lease_and_ack(relay_ceiling.address)
+    with (
+        socket.create_connection(("127.0.0.1", relay_ceiling.port), timeout=10) as sock,
+        sock.makefile("rb") as stream,  # closed too, or the connection stays open
+    ):
+        # Relay's ack guard names the worker: another worker's ack of a live lease is refused.
+        submit = {"id": 1, "op": "submit", "args": {"queue": "g", "payload": 1}}
+        lease = {"id": 2, "op": "lease", "args": {"queues": ["g"], "worker_id": "a"}}
+        for frame in (submit, lease):
+            sock.sendall(orjson.dumps(frame) + b"\n")
+            reply = orjson.loads(stream.readline())
+        held = reply["result"]["jobs"][0]
+        ack = {"job_id": held["job_id"], "lease_token": held["lease_token"], "worker_id": "b"}
+        sock.sendall(orjson.dumps({"id": 3, "op": "ack", "args": ack}) + b"\n")
+        assert orjson.loads(stream.readline())["error"]["code"] == "STALE_TOKEN"
+    db = tmp_path / "c.db"
+    assert _rows(db, "relay_job") == dict.fromkeys(ids, "succeeded") | {held["job_id"]: "leased"}
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        attempts = conn.execute(
+            "SELECT job_id, attempt, worker_id, outcome FROM relay_attempt ORDER BY job_id"
+        ).fetchall()
+        counts = dict(
+            conn.execute("SELECT queue || '/' || state, n FROM relay_job_count WHERE n > 0")
+        )
+    assert attempts == [(i, 1, "w", "succeeded") for i in ids] + [(held["job_id"], 1, "a", None)]
+    assert counts == {"q/succeeded": 3, "g/leased": 1}
 
 
 def test_a_waiting_lease_is_woken_by_a_later_submit_and_an_idle_one_ends_empty(

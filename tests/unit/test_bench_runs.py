@@ -458,3 +458,10 @@ def test_each_target_gets_what_the_ceiling_server_reached_in_the_same_runs() -> 
     assert report._ceiling_cell(one["ceiling"]) == "0.45 (0.40-0.50) no"
     assert report._ceiling_cell(cpu["ceiling"]) == "90.00 yes"
     assert report._ceiling_cell(None) == "-"
+    doc["targets"] = runs.targets(doc)
+    for schema, header in (
+        ("lean", "ceiling server: median (min-max), met"),
+        ("relay", "ceiling server on Relay's schema: median (min-max), met"),
+    ):
+        doc["meta"]["ceiling_schema"] = schema
+        assert report.targets_section(doc)[1][-1] == header

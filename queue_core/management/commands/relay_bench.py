@@ -130,6 +130,15 @@ class Command(RelayBaseCommand):
             "a server of this kind (one CPython process, asyncio, sqlite3) on this machine "
             "(docs/benchmarking.md). SQLite only.",
         )
+        parser.add_argument(
+            "--ceiling-schema",
+            choices=("lean", "relay"),
+            default="lean",
+            help="With --with-ceiling: the ceiling's table and statements. lean (default): "
+            "the lean floor's; relay: Relay's own table, indexes and triggers and the "
+            "statements its transitions run there (job row, count, attempt history): what a "
+            "server of this kind can reach on Relay's schema.",
+        )
         parser.add_argument("--json", action="store_true", help="Print JSON instead of tables.")
         parser.add_argument(
             "--quick",
@@ -280,6 +289,7 @@ class Command(RelayBaseCommand):
             runs=runs,
             synchronous=options["synchronous"] or (),
             with_ceiling=options["with_ceiling"],
+            ceiling_schema=options["ceiling_schema"],
         )
         try:
             with bar:
