@@ -385,6 +385,9 @@ def _entry(
     }
 
 
+SUBMIT_TO_START_P99_MS = 5.0
+
+
 def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """Judge the targets against a (merged) document: ``[{name, target, value, min, max,
     runs, met}]``; ``value`` is the median over the runs, ``min``/``max`` its spread, ``met``
@@ -396,7 +399,10 @@ def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
         out.append(_entry(name, op, goal, value, sp))
     s2s = level(doc, "FULL") or doc
     value, sp = _figure(s2s.get("submit_to_start", {}).get("latency_ms"), "p99")
-    out.append(_entry("submit-to-start p99, idle server, waiting worker (ms)", "<", 50, value, sp))
+    # Issue 15: "nothing else regresses: submit-to-start p99 < 5 ms idle" (an earlier issue
+    # asked < 50 ms; until December 3 this judged that one).
+    label = "submit-to-start p99, idle server, waiting worker (ms)"
+    out.append(_entry(label, "<", SUBMIT_TO_START_P99_MS, value, sp))
     sizes = doc.get("backlog", {}).get("sizes", [])
     big = max(sizes, key=lambda row: row["ready_jobs"], default=None)
     small = min(sizes, key=lambda row: row["ready_jobs"], default=None)
