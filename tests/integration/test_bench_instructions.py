@@ -32,21 +32,13 @@ def test_a_servers_instructions_are_counted_per_phase(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_ceiling_servers_instructions_are_counted_the_same_way(tmp_path: Path) -> None:
-    counted = {}
-    for schema in ("lean", "relay"):
-        (tmp_path / schema).mkdir()
-        (phase,) = instructions.count(
-            instructions.parse_phases("lease_next:1"),
-            jobs=20,
-            workdir=tmp_path / schema,
-            server="ceiling",
-            ceiling_schema=schema,
-        )
-        assert phase.jobs == 20
-        assert 10_000 < phase.per_job < 20_000_000, phase
-        counted[schema] = phase.per_job
-    # On Relay's table each job also writes its attempt row and counts (about 2.5x here).
-    assert counted["relay"] > 1.3 * counted["lean"], counted
+    # The lean table's; --ceiling-schema relay's server is tested without valgrind
+    # (tests/integration/test_bench_ceiling.py: about 3 s, against about 14 s here).
+    (phase,) = instructions.count(
+        instructions.parse_phases("lease_next:1"), jobs=20, workdir=tmp_path, server="ceiling"
+    )
+    assert phase.jobs == 20
+    assert 10_000 < phase.per_job < 20_000_000, phase
 
 
 def test_an_unknown_server_is_refused_before_anything_starts(tmp_path: Path) -> None:
