@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +23,26 @@ from tests.procs import Spawner, spawner
 
 # The ``relay_db`` fixture: crash tests that run on both drivers.
 pytest_plugins = ["tests.relay_db"]
+
+# The CLI's tables size to the terminal (``relay_command.console_width``: COLUMNS, else the
+# terminal, else 120). Tests read them at the width they get off a terminal, whatever the
+# terminal pytest runs in; pytest-xdist's workers would otherwise get COLUMNS=80. Children
+# inherit it.
+os.environ["COLUMNS"] = "120"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Make a report's captured output UTF-8-safe (``\\udcff`` for a lone surrogate): tests of
+    such error texts log them, and pytest-xdist cannot send a report that holds one."""
+    report = yield
+    report.sections = [
+        (title, text.encode("utf-8", "backslashreplace").decode("utf-8"))
+        for title, text in report.sections
+    ]
+    return report
 
 
 @pytest.fixture(autouse=True)
