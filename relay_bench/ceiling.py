@@ -187,11 +187,8 @@ class RelaySql:
         if row is None:
             return None
         job_id, _queue, payload, attempt, priority, failures, retries, created, meta, limit = row
-        self.db.execute(
-            self.q["insert_attempt"],
-            {"job_id": job_id, "attempt": attempt, "worker_id": worker_id, "token": token}
-            | {"now_ms": now},
-        )
+        opened = {"job_id": job_id, "attempt": attempt, "worker_id": worker_id, "now_ms": now}
+        self.db.execute(self.q["insert_attempt"], opened | {"token": token})
         return _lease(
             job_id,
             queue,

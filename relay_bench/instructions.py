@@ -36,6 +36,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from relay_bench.ceiling import SCHEMAS
+
 PHASE_DEADLINE_S = 900.0
 DEFAULT_PHASES = "lease_next:1,lease_ack:1,submit:1"
 KINDS = ("submit", "lease_ack", "lease_next")
@@ -160,7 +162,7 @@ def count(
     """
     if server not in ("relay", "ceiling"):
         raise ValueError(f"unknown server {server!r} (relay or ceiling)")
-    if ceiling_schema not in ("lean", "relay"):
+    if ceiling_schema not in SCHEMAS:
         raise ValueError(f"unknown ceiling schema {ceiling_schema!r} (lean or relay)")
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--ceiling-schema",
-        choices=("lean", "relay"),
+        choices=SCHEMAS,
         default="lean",
         help="with --server ceiling: the lean floor's table, or Relay's own",
     )

@@ -50,7 +50,7 @@ from typing import Any
 
 from rich.progress import Progress as RichProgress
 
-from relay_bench import floor, http, procs, runs, scenarios
+from relay_bench import ceiling, floor, http, procs, runs, scenarios
 from relay_bench.runs import targets
 
 __all__ = ["FULL", "QUICK", "Bench", "Sizes", "backlog_run", "prune_run", "targets"]
@@ -243,7 +243,8 @@ class Bench(Steps):
             fresh lean file) or ``"relay"`` (Relay's, on a copy of the migrated template).
 
     Raises:
-        ValueError: ``runs`` out of range, or several levels with ``address``.
+        ValueError: ``runs`` out of range, several levels with ``address``, or an unknown
+            ``ceiling_schema``.
     """
 
     def __init__(
@@ -265,6 +266,8 @@ class Bench(Steps):
 
         if not 1 <= runs <= MAX_RUNS:
             raise ValueError(f"runs must be 1..{MAX_RUNS}")
+        if ceiling_schema not in ceiling.SCHEMAS:
+            raise ValueError(f"ceiling_schema must be one of {', '.join(ceiling.SCHEMAS)}")
         levels = tuple(dict.fromkeys(x.upper() for x in synchronous)) or (
             relay_settings().sqlite_synchronous.upper(),
         )

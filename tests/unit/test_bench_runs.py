@@ -266,6 +266,7 @@ def test_the_schema_floor_gets_its_ratio_to_the_lean_floor_of_its_run() -> None:
         (["--with-ceiling", "--prune-jobs", "10"], "main run on SQLite"),
         (["--with-ceiling", "--database-url", "postgresql://x@127.0.0.1/y"], "main run"),
         (["--with-ceiling", "--address", "127.0.0.1:1"], "a server the run starts"),
+        (["--ceiling-schema", "relay"], "goes with --with-ceiling"),
     ],
 )
 def test_bench_refuses_runs_and_levels_it_cannot_honour(args: list[str], message: str) -> None:

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichProgress
 
 from queue_core.management.relay_command import EXIT_ERROR, RelayBaseCommand, resolve_address
+from relay_bench.ceiling import SCHEMAS as CEILING_SCHEMAS  # stdlib and orjson only
 
 if TYPE_CHECKING:
     from relay_bench.runner import Sizes
@@ -132,7 +133,7 @@ class Command(RelayBaseCommand):
         )
         parser.add_argument(
             "--ceiling-schema",
-            choices=("lean", "relay"),
+            choices=CEILING_SCHEMAS,
             default="lean",
             help="With --with-ceiling: the ceiling's table and statements. lean (default): "
             "the lean floor's; relay: Relay's own table, indexes and triggers and the "
@@ -213,6 +214,8 @@ class Command(RelayBaseCommand):
                 "the run starts (not with --address, --database-url, --backlog-only or "
                 "--prune-jobs)"
             )
+        if options["ceiling_schema"] != "lean" and not options["with_ceiling"]:
+            raise CommandError("INVALID_ARGUMENT: --ceiling-schema goes with --with-ceiling")
         address = resolve_address(options["address"]) if options["address"] else None
         sizes = runner.QUICK if options["quick"] else runner.FULL
         if options["scale"] != 1.0:
