@@ -129,11 +129,16 @@ def test_a_waiting_lease_is_woken_by_a_later_submit_and_an_idle_one_ends_empty(
 
 
 @pytest.mark.slow
-def test_bench_runs_the_ceiling_beside_relay_and_shows_it_per_target(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schema", ["lean", "relay"])
+def test_bench_runs_the_ceiling_beside_relay_and_shows_it_per_target(
+    tmp_path: Path, schema: str
+) -> None:
     out = io.StringIO()
     call_command(
         "relay_bench",
         "--with-ceiling",
+        "--ceiling-schema",
+        schema,
         "--quick",
         "--json",
         "--scale",
@@ -152,6 +157,7 @@ def test_bench_runs_the_ceiling_beside_relay_and_shows_it_per_target(tmp_path: P
     )
     doc = orjson.loads(out.getvalue())
     assert doc["meta"]["with_ceiling"] is True
+    assert doc["meta"]["ceiling_schema"] == schema
     ceiling = doc["ceiling"]
     rows = ceiling["submit"] + ceiling["lease_ack"]
     assert rows and all(r["ops"] > 0 and r["errors"] == 0 for r in rows)
@@ -164,7 +170,9 @@ def test_bench_runs_the_ceiling_beside_relay_and_shows_it_per_target(tmp_path: P
     assert (
         "ceiling" not in judged["relay_worker --concurrency 16 draining, vs lean claim+ack floor"]
     )
-    assert "| ceiling server: median (min-max), met |" in (tmp_path / "bench.md").read_text()
+    where = " on Relay's schema" if schema == "relay" else ""
+    header = f"| ceiling server{where}: median (min-max), met |"
+    assert header in (tmp_path / "bench.md").read_text()
 
 
 def test_a_request_it_cannot_read_is_refused_alone(
