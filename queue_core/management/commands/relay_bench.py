@@ -23,7 +23,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsed
 from rich.progress import Progress as RichProgress
 
 from queue_core.management.relay_command import EXIT_ERROR, RelayBaseCommand, resolve_address
-from relay_bench.ceiling import SCHEMAS as CEILING_SCHEMAS  # stdlib and orjson only
 
 if TYPE_CHECKING:
     from relay_bench.runner import Sizes
@@ -131,9 +130,13 @@ class Command(RelayBaseCommand):
             "a server of this kind (one CPython process, asyncio, sqlite3) on this machine "
             "(docs/benchmarking.md). SQLite only.",
         )
+        # Imported here: the product's modules import nothing of relay_bench at import
+        # (tests/integration/test_bench_extra.py); this one needs only stdlib and orjson.
+        from relay_bench.ceiling import SCHEMAS
+
         parser.add_argument(
             "--ceiling-schema",
-            choices=CEILING_SCHEMAS,
+            choices=SCHEMAS,
             default="lean",
             help="With --with-ceiling: the ceiling's table and statements. lean (default): "
             "the lean floor's; relay: Relay's own table, indexes and triggers and the "
