@@ -146,15 +146,17 @@ class RelaySql:
     and ``count_added`` per submit (one ``executemany`` and one count per queue for a batch);
     ``claim_one`` and ``insert_attempt`` per lease; ``ack`` and ``end_attempt`` per ack. The
     count trigger fires on every state change as in Relay. Left out: idempotency, the sweep
-    probe and expiry, controls' reads, results, events."""
+    probe and expiry, controls' reads, results, events. ``attempts=False`` leaves out the
+    attempt history's two statements too (``relay_bench.schema_cost``'s ``no-attempts``)."""
 
-    def __init__(self, db: sqlite3.Connection) -> None:
+    def __init__(self, db: sqlite3.Connection, *, attempts: bool = True) -> None:
         import django
 
         django.setup()  # the driver's module reads Relay's settings on import
         from queue_core.storage.sqlite.driver import NAMED_QUERIES
 
         self.db = db
+        self.attempts = attempts
         names = ("insert_job", "count_added", "claim_one", "insert_attempt", "ack", "end_attempt")
         self.q = {name: NAMED_QUERIES[name] for name in names}
 
@@ -187,8 +189,9 @@ class RelaySql:
         if row is None:
             return None
         job_id, _queue, payload, attempt, priority, failures, retries, created, meta, limit = row
-        opened = {"job_id": job_id, "attempt": attempt, "worker_id": worker_id, "now_ms": now}
-        self.db.execute(self.q["insert_attempt"], opened | {"token": token})
+        if self.attempts:
+            opened = {"job_id": job_id, "attempt": attempt, "worker_id": worker_id, "now_ms": now}
+            self.db.execute(self.q["insert_attempt"], opened | {"token": token})
         return _lease(
             job_id,
             queue,
@@ -211,6 +214,8 @@ class RelaySql:
         cur.fetchall()
         if row is None:
             return False
+        if not self.attempts:
+            return True
         ended = {"job_id": job_id, "attempt": row[0], "now_ms": now, "outcome": "succeeded"}
         self.db.execute(self.q["end_attempt"], ended | {"error": None, "retry_at_ms": None})
         return True

@@ -128,8 +128,21 @@ def by_object(dump: str) -> dict[str, int]:
     return dict(out.most_common())
 
 
-def _control(*args: str) -> None:
+def control(*args: str) -> None:
+    """Run ``callgrind_control ARGS`` (``-i on PID``, ``-d NAME PID``...).
+
+    Raises:
+        subprocess.CalledProcessError: it failed; subprocess.TimeoutExpired: after 60 s.
+    """
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=60)
+
+
+def need_valgrind() -> None:
+    """Raises:
+    RuntimeError: ``valgrind`` or ``callgrind_control`` is not installed."""
+    for tool in ("valgrind", "callgrind_control"):
+        if shutil.which(tool) is None:
+            raise RuntimeError(f"{tool} not found: install valgrind (apt-get install valgrind)")
 
 
 def count(
@@ -164,9 +177,7 @@ def count(
         raise ValueError(f"unknown server {server!r} (relay or ceiling)")
     if ceiling_schema not in SCHEMAS:
         raise ValueError(f"unknown ceiling schema {ceiling_schema!r} (lean or relay)")
-    for tool in ("valgrind", "callgrind_control"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"{tool} not found: install valgrind (apt-get install valgrind)")
+    need_valgrind()
     from relay_bench import floor, load, procs, scenarios
 
     with contextlib.ExitStack() as stack:
@@ -195,8 +206,8 @@ def count(
             queue = f"{phase.kind}-{phase.clients}-{n}"
             if phase.kind != "submit":
                 scenarios.prefill(process.address, queue, jobs)
-            _control("-z", pid)
-            _control("-i", "on", pid)
+            control("-z", pid)
+            control("-i", "on", pid)
             result = load.run(
                 process.address,
                 phase.kind,
@@ -206,8 +217,8 @@ def count(
                 deadline_s=PHASE_DEADLINE_S,
                 queue=queue,
             )
-            _control("-i", "off", pid)
-            _control("-d", f"phase{n}", pid)
+            control("-i", "off", pid)
+            control("-d", f"phase{n}", pid)
             if result["errors"]:
                 raise RuntimeError(f"{queue}: {result['errors']} errors: {result['error_sample']}")
             dump = Path(f"{dumps}.{n}").read_text()

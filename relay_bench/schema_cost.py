@@ -6,8 +6,9 @@ variant, a child process runs ``--jobs`` times, ``--group`` per transaction, the
 Relay's service runs on SQLite for an ack with ``lease_next`` (``ack``, ``end_attempt``,
 ``sweep_probe``, ``claim_one``, ``insert_attempt`` of ``queue_core/storage/sqlite/queries.sql``)
 on a copy of a migrated file, with one part taken away, under valgrind's callgrind with
-instrumentation on only around that loop. No server, no service: the bare statements through
-``sqlite3``. Usage, from the root of the tree to measure::
+instrumentation on only around that loop. No server, no service: the statements through
+``sqlite3``, as the ceiling server runs them (``ceiling.LeanSql``, ``ceiling.RelaySql``, which
+also build each lease's reply dict). Usage, from the root of the tree to measure::
 
     python -m relay_bench.schema_cost --jobs 500            # every variant, one commit per job
     python -m relay_bench.schema_cost --group 16            # 16 jobs per commit (group commit)
@@ -25,14 +26,11 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
-import sqlite3
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 CHILD_TIMEOUT_S = 900.0
 VARIANTS = ("lean", "relay", "no-attempts", "no-trigger", "no-extra-indexes", "no-probe")
@@ -49,95 +47,53 @@ EXTRA_INDEXES = (
 QUEUE = "bench"
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-def _control(*args: str) -> None:
-    subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=60)
-
-
-def _lean_step(db: sqlite3.Connection, held: Any) -> Any:
-    """Ack ``held`` (``(job_id, token)`` or None) and claim the next job; return its lease."""
-    from relay_bench import floor
-
-    now = _now_ms()
-    if held is not None:
-        db.execute(floor.LEAN_ACK, {"job_id": held[0], "token": held[1], "now_ms": now})
-    token = secrets.token_urlsafe(24)
-    params = {"token": token, "expires_ms": now + 30_000, "now_ms": now, "queue": QUEUE}
-    row = db.execute(floor.LEAN_CLAIM, params).fetchone()
-    if row is None:
-        raise RuntimeError("the queue ran dry")
-    return row[0], token
-
-
-def _relay_step(db: sqlite3.Connection, q: dict[str, str], variant: str, held: Any) -> Any:
-    """Relay's statements for an ack of ``held`` (``(job_id, token, attempt)`` or None) with
-    ``lease_next``; return the next lease."""
-    now = _now_ms()
-    attempts = variant != "no-attempts"
-    if held is not None:
-        job_id, token, _ = held
-        guard = {"job_id": job_id, "lease_token": token, "worker_id": "w", "now_ms": now}
-        cur = db.execute(q["ack"], guard | {"judge_ms": now, "mark_ms": -1})
-        row = cur.fetchone()
-        cur.fetchall()
-        if row is None:
-            raise RuntimeError(f"the ack of {job_id} was refused")
-        if attempts:
-            ended = {"job_id": job_id, "attempt": row[0], "now_ms": now, "outcome": "succeeded"}
-            db.execute(q["end_attempt"], ended | {"error": None, "retry_at_ms": None})
-    if variant != "no-probe":
-        db.execute(q["sweep_probe"], {"now_ms": now}).fetchall()
-    token = secrets.token_urlsafe(24)
-    claim = {"queue": QUEUE, "token": token, "worker_id": "w", "now_ms": now}
-    cur = db.execute(q["claim_one"], claim | {"expires_ms": now + 30_000})
-    row = cur.fetchone()
-    cur.fetchall()
-    if row is None:
-        raise RuntimeError("the queue ran dry")
-    if attempts:
-        opened = {"job_id": row[0], "attempt": row[3], "worker_id": "w", "now_ms": now}
-        db.execute(q["insert_attempt"], opened | {"token": token})
-    return row[0], token, row[3]
-
-
 def child(path: str, variant: str, jobs: int, group: int) -> None:
     """Run the measured loop on ``path`` (prefilled), switching callgrind's instrumentation on
-    and off around it; the caller reads the dump."""
-    from relay_bench import floor
+    and off around it; the caller reads the dump. The statements are the ceiling's
+    (``ceiling.LeanSql``, ``ceiling.RelaySql``), plus Relay's ``sweep_probe``."""
+    from relay_bench import ceiling, floor
+    from relay_bench.instructions import control
 
     db = floor.connect(path, "FULL")
-    q: dict[str, str] = {}
-    if variant != "lean":
-        import django
-
-        django.setup()
+    sql: ceiling.LeanSql | ceiling.RelaySql
+    if variant == "lean":
+        sql, probe = ceiling.LeanSql(db), None
+    else:
+        sql = ceiling.RelaySql(db, attempts=variant != "no-attempts")  # sets Django up
         from queue_core.storage.sqlite.driver import NAMED_QUERIES
 
-        q = dict(NAMED_QUERIES)
+        probe = None if variant == "no-probe" else NAMED_QUERIES["sweep_probe"]
         if variant == "no-trigger":
             db.execute("DROP TRIGGER relay_job_count_update")
         if variant == "no-extra-indexes":
             for name in EXTRA_INDEXES:
                 db.execute(f"DROP INDEX {name}")
 
-    def transaction(held: list[Any]) -> list[Any]:
+    def step(held: tuple[str, str] | None) -> tuple[str, str]:
+        """Ack ``held`` (job id, token) and claim the next job, as an ack with ``lease_next``."""
+        now = time.time_ns() // 1_000_000
+        if held is not None and not sql.ack(*held, "w", now):
+            raise RuntimeError(f"the ack of {held[0]} was refused")
+        if probe is not None:
+            db.execute(probe, {"now_ms": now}).fetchall()
+        token = secrets.token_urlsafe(24)
+        lease = sql.claim(QUEUE, "w", token, now)
+        if lease is None:
+            raise RuntimeError("the queue ran dry")
+        return lease["job_id"], token
+
+    def transaction(held: list[tuple[str, str] | None]) -> list[tuple[str, str] | None]:
         db.execute("BEGIN IMMEDIATE")
-        if variant == "lean":
-            out = [_lean_step(db, h) for h in held]
-        else:
-            out = [_relay_step(db, q, variant, h) for h in held]
+        out: list[tuple[str, str] | None] = [step(h) for h in held]
         db.execute("COMMIT")
         return out
 
-    held: list[Any] = transaction([None] * group)  # warm: statements prepared, pages cached
+    held = transaction([None] * group)  # warm: statements prepared, pages cached
     pid = str(os.getpid())
-    _control("-i", "on", pid)
+    control("-i", "on", pid)
     for _ in range(jobs // group):
         held = transaction(held)
-    _control("-i", "off", pid)
+    control("-i", "off", pid)
     db.close()
 
 
@@ -160,11 +116,10 @@ def measure(
         raise ValueError(f"variants must be some of {', '.join(VARIANTS)}, not {unknown}")
     if not 1 <= group <= 64 or not group <= jobs <= 100_000:
         raise ValueError("group must be 1..64 and jobs group..100000")
-    for tool in ("valgrind", "callgrind_control"):
-        if shutil.which(tool) is None:
-            raise RuntimeError(f"{tool} not found: install valgrind (apt-get install valgrind)")
     from relay_bench import floor, procs
-    from relay_bench.instructions import total
+    from relay_bench.instructions import need_valgrind, total
+
+    need_valgrind()
 
     with tempfile.TemporaryDirectory(prefix="relay-cost-") as scratch:
         base = workdir or Path(scratch)
