@@ -11,6 +11,13 @@ Threads, and why:
   lease thread takes what was freed meanwhile in one claim (a claim per ack cost the server
   more than the round trips it saved). Slots promised to a lease or ``lease_next`` in flight
   are counted (``_reserved``), so the two never lease more than ``concurrency`` between them;
+* with more than one slot, **plain acks are coalesced** (``batch_acks``; River's
+  ``jobcompleter.BatchCompleter`` does the same for completions): a handler thread queues its
+  ack and waits, and one of ``ACK_SENDERS`` sender threads sends every ack queued meanwhile as
+  one ``ack_batch``, with ``lease_next`` for the slots they and the free ones leave. Each ack
+  is still fenced by its own token and answered on its own (a stale one refuses only itself);
+  the server runs one request and one commit for the batch, not one per job. An ack that
+  carries a result, and every fail and release, is sent on its own;
 * **N handler threads** run the handlers. They are plain daemon threads rather than a
   ``ThreadPoolExecutor``, whose threads the interpreter joins at exit: a handler that hangs
   would then keep the process alive past the shutdown timeout;
@@ -85,6 +92,12 @@ _EMPTY_POLL_PAUSE_S = 0.2
 # a RelayClient has one request in flight, so one connection capped a worker near one ack per
 # round trip (~1,150 jobs/s at --concurrency 16); a few let the server's group commit batch them.
 SETTLE_CONNECTIONS = 4
+
+# Threads that send coalesced acks (``batch_acks``): while one batch is in flight, the acks
+# queued meanwhile go out on the other, so the server's commit and the handlers overlap.
+ACK_SENDERS = 2
+MAX_ACKS_PER_BATCH = 100
+"""The protocol's cap on the acks of one ``ack_batch`` request."""
 
 # A lease, renew, ack, fail or release rejected because the lease is no longer ours.
 _LEASE_GONE = (errors.LeaseExpired, errors.StaleToken, errors.JobNotFound, errors.InvalidState)
@@ -181,6 +194,22 @@ class _Promise:
     slots: int
 
 
+class _Unbatched(Exception):
+    """A coalesced ack was not sent: the server does not know ``ack_batch`` (or its
+    ``lease_next``); the handler thread sends it again (on its own, or without ``lease_next``)."""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _PendingAck:
+    """A handler thread's ack waiting in the coalescer (``Worker._batched_ack``): the sender
+    sets ``result`` (``ack``'s reply) or ``error``, then ``done``."""
+
+    job: _HeldJob
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    result: Mapping[str, Any] | None = None
+    error: BaseException | None = None
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class _HeldJob:
     """A job this worker holds a lease on. Mutable fields change under ``Worker._cond``."""
@@ -248,6 +277,9 @@ class Worker:
             wake a sleeping thread, so waits are sliced), in seconds.
         lease_next: ack and fail ask for the next jobs in the same request (default True;
             turned off by itself when the server does not know ``lease_next``).
+        batch_acks: with ``concurrency`` > 1, coalesce the handlers' plain acks into
+            ``ack_batch`` requests (default True; turned off by itself when the server does
+            not know ``ack_batch``). False: every ack is its own request.
     Raises:
         ValueError: an argument is out of range.
 
@@ -278,6 +310,7 @@ class Worker:
         rng: random.Random | None = None,
         tick_s: float = 0.1,
         lease_next: bool = True,
+        batch_acks: bool = True,
     ) -> None:
         if not queues:
             raise ValueError("a worker needs at least one queue")
@@ -317,6 +350,12 @@ class Worker:
         self._reserved = 0
         self._next_in_flight = False  # an ack's lease_next is in flight (one at a time)
         self._lease_next = lease_next
+        self._batch_acks = batch_acks and concurrency > 1
+        # Coalesced acks waiting for a sender (``_batched_ack``), and whether senders may stop.
+        self._acks_cond = threading.Condition()
+        self._acks: list[_PendingAck] = []
+        self._acks_closed = False
+        self._senders: list[threading.Thread] = []
         self._jobs: queue_mod.SimpleQueue[_HeldJob | None] = queue_mod.SimpleQueue()
         self._stop = threading.Event()
         self._renew_stop = threading.Event()
@@ -393,6 +432,13 @@ class Worker:
             threading.Thread(
                 target=self._handler_loop, name=f"relay-handler-{n}", daemon=True
             ).start()
+        if self._batch_acks:
+            for n in range(ACK_SENDERS):
+                sender = threading.Thread(
+                    target=self._ack_sender_loop, name=f"relay-acks-{n}", daemon=True
+                )
+                sender.start()
+                self._senders.append(sender)
         renewer = threading.Thread(target=self._renew_loop, name="relay-renewer", daemon=True)
         renewer.start()
         self._lease_thread = threading.Thread(
@@ -488,17 +534,17 @@ class Worker:
         leases: Sequence[types.Lease],
         reserved: int,
         *,
-        settled: _HeldJob | None = None,
+        settled: Sequence[_HeldJob] = (),
         via_ack: bool = False,
     ) -> None:
         """Take what a lease call brought and end its promise of ``reserved`` slots, at once
-        (so the lease thread never sees a slot free for a moment); ``settled``: the job whose
-        ack or fail brought them (its slot is theirs now)."""
+        (so the lease thread never sees a slot free for a moment); ``settled``: the jobs whose
+        ack or fail brought them (their slots are theirs now)."""
         jobs = [self._held_job(lease) for lease in leases]
         with self._cond:
             self._reserved -= reserved
-            if settled is not None:
-                self._drop(settled)
+            for done in settled:
+                self._drop(done)
             self.leased += len(jobs)
             if via_ack:
                 self.leased_next += len(jobs)
@@ -679,8 +725,10 @@ class Worker:
         outcome: _Outcome,
     ) -> None:
         """Send the ack or fail (with ``lease_next`` for the slots it frees), retrying what
-        failed for a transient reason; take the jobs its reply brings."""
-        promise = _Promise(self._reserve_next())
+        failed for a transient reason; take the jobs its reply brings (a coalesced ack's
+        sender takes them: ``_send_ack_batch``)."""
+        batched = action == "ack" and outcome.result is None and self._batch_acks
+        promise = _Promise(0 if batched else self._reserve_next())
         asked = promise.slots > 0
         try:
             self._send_promising(job, action, error, retryable, outcome, promise)
@@ -712,28 +760,14 @@ class Worker:
                     "lease_ms": self.lease_ms,
                 }
             try:
-                with self._clients.client() as client:
-                    result: Mapping[str, Any]
-                    if action == "ack":
-                        result = client.ack(
-                            job.job_id,
-                            worker_id=self.worker_id,
-                            lease_token=job.lease_token,
-                            result=outcome.result,
-                            **({"lease_next": lease_next} if lease_next else {}),
-                        )
-                    else:
-                        reported = outcome.reported
-                        result = client.fail(
-                            job.job_id,
-                            worker_id=self.worker_id,
-                            lease_token=job.lease_token,
-                            error=error,
-                            retryable=retryable,
-                            exception_class=reported.exception_class if reported else None,
-                            traceback=reported.traceback if reported else None,
-                            **({"lease_next": lease_next} if lease_next else {}),
-                        )
+                result: Mapping[str, Any]
+                if action == "ack" and outcome.result is None and self._batch_acks:
+                    result = self._batched_ack(job)
+                else:
+                    result = self._send_one(job, action, error, retryable, outcome, lease_next)
+            except _Unbatched:
+                attempt -= 1  # not sent: this try did not count
+                continue
             except _LEASE_GONE as exc:
                 # At-least-once: the lease expired or moved on, so another worker may run the
                 # job again. Nothing to undo here.
@@ -772,7 +806,7 @@ class Worker:
             leases = result.get("next") or []
             if reserved:
                 promise.slots = 0  # ended here: the leases take the slots, or _take frees them
-                self._take(leases, reserved, settled=job, via_ack=True)
+                self._take(leases, reserved, settled=(job,), via_ack=True)
             _log(
                 logging.INFO,
                 "acked" if action == "ack" else "failed",
@@ -782,6 +816,150 @@ class Worker:
                 duplicate=result.get("duplicate", False),
             )
             return
+
+    def _send_one(
+        self,
+        job: _HeldJob,
+        action: Literal["ack", "fail"],
+        error: str,
+        retryable: bool,
+        outcome: _Outcome,
+        lease_next: Mapping[str, Any] | None,
+    ) -> Mapping[str, Any]:
+        """Send one ack or fail on a pooled connection; return its reply.
+
+        Raises:
+            RelayError, ConnectionError: as the client's ``ack`` / ``fail``.
+        """
+        extra = {"lease_next": lease_next} if lease_next else {}
+        with self._clients.client() as client:
+            if action == "ack":
+                return client.ack(
+                    job.job_id,
+                    worker_id=self.worker_id,
+                    lease_token=job.lease_token,
+                    result=outcome.result,
+                    **extra,
+                )
+            reported = outcome.reported
+            return client.fail(
+                job.job_id,
+                worker_id=self.worker_id,
+                lease_token=job.lease_token,
+                error=error,
+                retryable=retryable,
+                exception_class=reported.exception_class if reported else None,
+                traceback=reported.traceback if reported else None,
+                **extra,
+            )
+
+    # -- coalesced acks -------------------------------------------------------------------
+
+    def _batched_ack(self, job: _HeldJob) -> Mapping[str, Any]:
+        """Queue ``job``'s ack for the next ``ack_batch`` and wait for its own answer.
+
+        Returns:
+            ``ack``'s reply for it (``{"job_id", "state", "duplicate"}``); the batch's leases
+            (``lease_next``) are taken by the sender.
+        Raises:
+            RelayError: its entry was refused (``StaleToken``...), or the whole request was;
+            ConnectionError: the request's outcome is unknown (repeating an ack is safe);
+            _Unbatched: not sent, send it again.
+        """
+        pending = _PendingAck(job)
+        with self._acks_cond:
+            if self._acks_closed:  # the senders are gone (a handler that outlived the shutdown)
+                raise ConnectionError("the worker has stopped: ack not sent")
+            self._acks.append(pending)
+            self._acks_cond.notify_all()
+        # Bounded by the sender's call: the client's timeouts, or ``_shutdown`` closing it.
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        assert pending.result is not None
+        return pending.result
+
+    def _ack_sender_loop(self) -> None:
+        """A sender thread: send the acks queued so far as one ``ack_batch``, until closed."""
+        while True:
+            with self._acks_cond:
+                while not self._acks and not self._acks_closed:
+                    self._acks_cond.wait()
+                if not self._acks:
+                    return
+                batch = self._acks[:MAX_ACKS_PER_BATCH]
+                del self._acks[:MAX_ACKS_PER_BATCH]
+            try:
+                self._send_ack_batch(batch)
+            except Exception as exc:  # a bug must not leave a handler thread waiting forever
+                logger.exception(
+                    "event=worker_error error=%r", exc, extra={"event": "worker_error"}
+                )
+                for pending in batch:
+                    if not pending.done.is_set():
+                        pending.error = ConnectionError(f"ack batch not sent: {exc!r}")
+                        pending.done.set()
+
+    def _reserve_batch(self, acks: int) -> int:
+        """How many jobs an ``ack_batch`` of ``acks`` may ask for: the slots free once it is
+        done (``_reserve_next``'s rule, the batch's own included); promised until ``_take``."""
+        with self._cond:
+            if not self._lease_next or self._stop.is_set():
+                return 0
+            asked = max(0, min(self._free() + acks, MAX_JOBS_PER_LEASE))
+            self._reserved += asked
+            return asked
+
+    def _send_ack_batch(self, batch: list[_PendingAck]) -> None:
+        """Send ``batch`` as one ``ack_batch`` (with ``lease_next`` for the slots it frees),
+        take the leases it brings, and answer each entry."""
+        asked = self._reserve_batch(len(batch))
+        lease_next = None
+        if asked:
+            lease_next = {"queues": self.queues, "max_jobs": asked, "lease_ms": self.lease_ms}
+        acks = [
+            {"job_id": p.job.job_id, "worker_id": self.worker_id, "lease_token": p.job.lease_token}
+            for p in batch
+        ]
+        try:
+            with self._clients.client() as client:
+                reply = client.ack_batch(acks, lease_next=lease_next)
+            results = reply["results"]
+            if len(results) != len(batch):
+                raise errors.Internal(f"ack_batch answered {len(results)} of {len(batch)} acks")
+        except BaseException as exc:
+            if asked:
+                self._take([], asked)
+            failure: BaseException = exc
+            if isinstance(exc, errors.UnknownOp):
+                _log(logging.INFO, "ack_batch_unsupported", error=_describe(exc))
+                self._batch_acks = False  # a server from before ack_batch: one ack each
+                failure = _Unbatched()
+            elif isinstance(exc, errors.InvalidArgument) and str(
+                exc.details.get("field", "")
+            ).startswith("lease_next"):
+                _log(logging.INFO, "lease_next_unsupported", error=_describe(exc))
+                self._lease_next = False
+                failure = _Unbatched()
+            for pending in batch:
+                pending.error = _own(failure)
+                pending.done.set()
+            if not isinstance(exc, Exception):
+                raise
+            return
+        acked = [p.job for p, entry in zip(batch, results, strict=True) if entry.get("ok")]
+        if asked:
+            self._take(reply.get("next") or [], asked, settled=acked, via_ack=True)
+        for pending, entry in zip(batch, results, strict=True):
+            if entry.get("ok"):
+                pending.result = {
+                    "job_id": entry.get("job_id"),
+                    "state": entry.get("state"),
+                    "duplicate": entry.get("duplicate", False),
+                }
+            else:
+                pending.error = errors.error_from_body(dict(entry.get("error") or {}))
+            pending.done.set()
 
     def _refused_result(self, job: _HeldJob, exc: errors.RelayError) -> None:
         """The server cannot store the handler's result (too large, or not faithful JSON):
@@ -927,9 +1105,15 @@ class Worker:
                 if remaining <= 0:
                     break
                 self._cond.wait(min(remaining, self._tick_s))
-        # 4. Stop the renewer and the handler threads (a hung handler's thread is abandoned).
+        # 4. Stop the renewer, the ack senders (once their queue is empty) and the handler
+        # threads (a hung handler's thread is abandoned).
+        with self._acks_cond:
+            self._acks_closed = True
+            self._acks_cond.notify_all()
         self._renew_stop.set()
         renewer.join(_MARGIN_S)
+        for sender in self._senders:
+            sender.join(_MARGIN_S)
         for _ in range(self.concurrency):
             self._jobs.put(None)
         self._lease_client.close()
@@ -946,6 +1130,17 @@ class Worker:
                 return False
             event.wait(min(remaining, self._tick_s))
         return True
+
+
+def _own(exc: BaseException) -> BaseException:
+    """A copy of a whole ``ack_batch``'s failure for one of its acks (each handler thread
+    raises its own): the same ``RelayError`` class and details, or a ``ConnectionError`` (the
+    outcome is unknown: repeating an ack is safe)."""
+    if isinstance(exc, _Unbatched):
+        return _Unbatched()
+    if isinstance(exc, errors.RelayError):
+        return errors.error_from_body(exc.to_dict())
+    return ConnectionError(f"ack_batch failed: {_describe(exc)}")
 
 
 def _describe(exc: BaseException) -> str:

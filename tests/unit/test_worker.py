@@ -27,7 +27,7 @@ from queue_core.worker import (
     demo_handler,
 )
 from queue_core.worker.handlers import DemoFailure, is_django_task
-from queue_core.worker.runner import truncate_utf8
+from queue_core.worker.runner import ACK_SENDERS, truncate_utf8
 
 WAIT_S = 10.0  # upper bound for anything the test waits on; reached only when a test fails
 
@@ -49,6 +49,9 @@ class FakeRelay:
         self.retry_at_once = False  # a fail puts its job straight back (no backoff)
         self.clients = 0
         self.next_asks: list[dict[str, Any] | None] = []  # each ack's or fail's lease_next
+        self.no_ack_batch = False  # ack_batch refused as an unknown op (an older server)
+        self.batch_errors: list[BaseException] = []  # raised by the next ack_batch calls
+        self.batch_gate: threading.Event | None = None  # ack_batch waits for it
         self._seq = 0
 
     def add(self, *payloads: Any, queue: str = "q") -> list[str]:
@@ -168,6 +171,40 @@ class FakeClient:
                     self.relay.record("ack", args)
                 raise self.relay.refuse_result
         return self.relay.settle("ack", args, lease_next)
+
+    def ack_batch(
+        self, acks: list[dict[str, Any]], *, lease_next: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        # As the server: each entry fenced by its own token and answered on its own; every
+        # entry is recorded as an "ack" too, so counts of acks hold whichever way they went.
+        relay = self.relay
+        with relay.cond:
+            relay.record("ack_batch", {"acks": [dict(a) for a in acks], "lease_next": lease_next})
+            if relay.no_ack_batch:
+                raise errors.UnknownOp("unknown op 'ack_batch'", op="ack_batch")
+            if relay.batch_errors:
+                raise relay.batch_errors.pop(0)
+        if relay.batch_gate is not None:
+            assert relay.batch_gate.wait(WAIT_S)
+        with relay.cond:
+            relay.next_asks.append(lease_next)
+            if lease_next is not None and relay.old_server:
+                raise errors.InvalidArgument("lease_next: unknown argument", field="lease_next")
+            results: list[dict[str, Any]] = []
+            for ack in acks:
+                relay.record("ack", dict(ack))
+                if relay.held.get(ack["job_id"]) != ack["lease_token"]:
+                    stale = errors.StaleToken()
+                    error = {"code": stale.code, "message": stale.message, "retryable": False}
+                    results.append({"job_id": ack["job_id"], "ok": False, "error": error})
+                    continue
+                del relay.held[ack["job_id"]]
+                results.append(
+                    {"job_id": ack["job_id"], "ok": True, "state": "succeeded", "error": None}
+                )
+            leases = relay.take(lease_next["max_jobs"]) if lease_next is not None else []
+            relay.cond.notify_all()
+            return {"results": results, "next": leases}
 
     def fail(
         self,
@@ -306,16 +343,21 @@ def test_acks_lease_the_next_jobs_for_the_slots_they_free(
     assert running.worker.held == 0
 
 
+@pytest.mark.parametrize("batch_acks", [False, True])
 def test_an_old_server_without_lease_next_still_gets_every_ack(
-    relay: FakeRelay, make_worker: Any
+    relay: FakeRelay, make_worker: Any, batch_acks: bool
 ) -> None:
     relay.old_server = True
     relay.add(*({"n": n} for n in range(5)))
-    running = make_worker(concurrency=2)
-    relay.wait_for(lambda: len(relay.calls_of("ack")) == 5 + 1, "five acks and one refused")
+    running = make_worker(concurrency=2, batch_acks=batch_acks)
+    # A refused single ack is recorded as an ack; a refused ack_batch records none of its acks.
+    acks = 5 if batch_acks else 5 + 1
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == acks, "five acks (and one refused)")
     running.stop()
     assert running.worker.counters()["acked"] == 5
-    assert sum(ask is not None for ask in relay.next_asks) == 1  # asked once, then never
+    asked = sum(ask is not None for ask in relay.next_asks)
+    # Asked once, then never (each ack sender may have asked before the first refusal).
+    assert 1 <= asked <= (ACK_SENDERS if batch_acks else 1)
     assert running.worker.counters()["leased_next"] == 0
 
 
@@ -348,8 +390,132 @@ def test_no_lease_next_once_stopping(relay: FakeRelay, make_worker: Any) -> None
     running.worker.stop()
     gate.set()
     running.join()
-    assert relay.next_asks == [None, None]
+    # Two acks (in one ack_batch or two requests), none asking for more work.
+    assert len(relay.calls_of("ack")) == 2
+    assert relay.next_asks and all(ask is None for ask in relay.next_asks)
     assert len(relay.ready) == 2
+
+
+def _wait_queued_acks(worker: Worker, n: int) -> None:
+    # The worker's own condition is notified as each ack is queued.
+    with worker._acks_cond:
+        assert worker._acks_cond.wait_for(lambda: len(worker._acks) == n, WAIT_S)
+
+
+def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # Each sender is held in the server with one ack; the acks queued meanwhile share the next
+    # request.
+    relay.batch_gate = threading.Event()
+    finish = [threading.Event() for _ in range(ACK_SENDERS + 2)]
+    relay.add(*({"n": n} for n in range(len(finish))))
+    running = make_worker(
+        lambda payload, ctx: finish[payload["n"]].wait(WAIT_S), concurrency=len(finish)
+    )
+    relay.wait_for(lambda: len(relay.held) == len(finish), "every job leased")
+    for n in range(ACK_SENDERS):
+        finish[n].set()
+        relay.wait_for(
+            lambda busy=n + 1: len(relay.calls_of("ack_batch")) == busy,
+            f"sender {n} busy",
+        )
+    for event in finish[ACK_SENDERS:]:
+        event.set()
+    _wait_queued_acks(running.worker, 2)
+    relay.batch_gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == len(finish), "every ack")
+    running.stop()
+    sizes = sorted(len(call["acks"]) for call in relay.calls_of("ack_batch"))
+    assert sizes == [1] * ACK_SENDERS + [2]
+    assert all(
+        ack["worker_id"] == "w1:1" and ack["lease_token"] == f"tok-{ack['job_id']}"
+        for call in relay.calls_of("ack_batch")
+        for ack in call["acks"]
+    )
+    assert running.worker.counters()["acked"] == len(finish)
+    assert running.worker.held == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("relay-acks-")]
+
+
+def test_a_batch_asks_for_the_slots_it_frees_and_never_more_than_concurrency(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    gate = threading.Event()
+    relay.add(*({"n": n} for n in range(40)))
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=4)
+    relay.wait_for(lambda: len(relay.held) == 4, "four jobs leased")
+    gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 40, "forty acks")
+    running.stop()
+    assert relay.max_held == 4
+    asks = [ask for ask in relay.next_asks if ask is not None]
+    assert asks and all(1 <= ask["max_jobs"] <= 4 for ask in asks)
+    counters = running.worker.counters()
+    assert counters["acked"] == 40 and counters["leased"] == 40 and counters["leased_next"] > 0
+    assert running.worker.held == 0
+
+
+def test_a_stale_ack_in_a_batch_is_refused_alone(
+    relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = threading.Event()
+    first, _ = relay.add({"n": 1}, {"n": 2})
+    relay.batch_gate = threading.Event()
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=2)
+    relay.wait_for(lambda: len(relay.held) == 2, "two jobs leased")
+    with relay.cond:
+        relay.held[first] = "taken-over"  # its lease moved on to another worker
+    gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack_batch")) >= 1, "a batch")
+    relay.batch_gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "both acks answered")
+    running.stop()
+    assert running.worker.counters()["acked"] == 1
+    assert relay.held == {first: "taken-over"}  # untouched; the other ack went through
+    rejected = [r for r in caplog.records if "event=ack_rejected" in r.getMessage()]
+    assert [r.job_id for r in rejected] == [first]  # type: ignore[attr-defined]
+    assert len(relay.calls_of("ack")) == 2  # a refused ack is not repeated
+    assert running.worker.held == 0
+
+
+def test_a_batch_lost_in_transit_is_sent_again(relay: FakeRelay, make_worker: Any) -> None:
+    relay.batch_errors = [ConnectionError("reset by peer")]
+    relay.add({"n": 1})
+    running = make_worker(concurrency=2)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 1, "the ack")
+    running.stop()
+    assert len(relay.calls_of("ack_batch")) == 2  # the lost one, then its repeat
+    assert running.worker.counters()["acked"] == 1
+    assert relay.held == {}
+
+
+def test_a_server_without_ack_batch_gets_one_ack_per_job(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    relay.no_ack_batch = True
+    relay.add(*({"n": n} for n in range(6)))
+    running = make_worker(concurrency=2)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 6, "six acks")
+    running.stop()
+    assert 1 <= len(relay.calls_of("ack_batch")) <= ACK_SENDERS  # refused, then never again
+    assert running.worker.counters()["acked"] == 6
+    assert relay.held == {}
+
+
+def test_an_ack_with_a_result_is_sent_on_its_own(relay: FakeRelay, make_worker: Any) -> None:
+    with_result, plain = relay.add({"result": True}, {"result": False})
+
+    def handler(payload: Any, ctx: Any) -> Any:
+        return StoredResult({"n": 1}) if payload["result"] else None
+
+    running = make_worker(handler, concurrency=2)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "two acks")
+    running.stop()
+    batched = [a["job_id"] for call in relay.calls_of("ack_batch") for a in call["acks"]]
+    assert batched == [plain]
+    (single,) = [a for a in relay.calls_of("ack") if "result" in a]
+    assert single["job_id"] == with_result and single["result"] == {"n": 1}
 
 
 def test_handler_threads_ack_on_separate_connections_at_once(
@@ -369,7 +535,7 @@ def test_handler_threads_ack_on_separate_connections_at_once(
 
     monkeypatch.setattr(FakeClient, "ack", paired_ack)
     relay.add({"n": 1}, {"n": 2})
-    running = make_worker(concurrency=2)
+    running = make_worker(concurrency=2, batch_acks=False)  # each ack its own request
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "two acks")
     running.stop()
     assert len(set(used)) == 2
