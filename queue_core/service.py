@@ -1523,10 +1523,11 @@ class QueueService:
         """Acknowledge several leased jobs in one transaction, each fenced by its own token
         (LEASED -> SUCCEEDED each), and optionally lease the next jobs in it too.
 
-        Each ack is its own SAVEPOINT where the driver takes one (SQLite always; PostgreSQL
-        outside the server's group commit, and inside it an ack refused before it changed a
-        row is set apart with ``mark``/``forgive``): one stale token refuses that ack only
-        (the group commit's rule; SQS's ``DeleteMessageBatch`` answers per entry too).
+        The acks run on the batch's transaction, without a SAVEPOINT each: an ack refused
+        before it changed a row (a stale token, an expired lease, a bad argument) is set apart
+        with ``mark``/``forgive`` and the others go on, so one stale token refuses that ack only
+        (the group commit's rule; SQS's ``DeleteMessageBatch`` answers per entry too). An ack
+        that fails after writing (a storage fault) fails the whole batch: nothing commits.
 
         Args:
             acks: 1..100 ``{"job_id", "worker_id", "lease_token", "result"?}`` (``ack``'s
@@ -1559,16 +1560,17 @@ class QueueService:
             for item in acks:
                 mark = self.mark()
                 try:
-                    out = self.ack(
-                        item.get("job_id"),  # type: ignore[arg-type]
-                        worker_id=item.get("worker_id"),  # type: ignore[arg-type]
-                        lease_token=item.get("lease_token"),  # type: ignore[arg-type]
-                        result=item.get("result"),
+                    end = self._ack_plan(
+                        item.get("job_id"),
+                        item.get("worker_id"),
+                        item.get("lease_token"),
+                        item.get("result"),
                     )
+                    out = end(tx)
                 except RelayError as exc:
-                    # Refused before it changed a row: its savepoint (or, flat, nothing) is
-                    # undone and the others go on; anything else fails the whole batch.
-                    if not (self.capabilities.single_writer or self.forgive(mark)):
+                    # Refused before it changed a row: nothing to undo, the others go on;
+                    # anything else fails the whole batch.
+                    if not self.forgive(mark):
                         raise
                     results.append(
                         {
