@@ -50,6 +50,7 @@ import queue as queue_mod
 import random
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -98,9 +99,14 @@ SETTLE_CONNECTIONS = 4
 ACK_SENDERS = 2
 MAX_ACKS_PER_BATCH = 100
 """The protocol's cap on the acks of one ``ack_batch`` request."""
+MAX_BATCH_BYTES = 32_768
+"""The most bytes of acks (their ids and tokens, ``_ack_bytes``) one ``ack_batch`` carries at
+first, well under the default 1 MiB frame; halved each time a server refuses one as too large
+(``FRAME_TOO_LARGE``: a server with a small ``RELAY_MAX_FRAME_BYTES``), down to one ack."""
 
 # A lease, renew, ack, fail or release rejected because the lease is no longer ours.
 _LEASE_GONE = (errors.LeaseExpired, errors.StaleToken, errors.JobNotFound, errors.InvalidState)
+_GONE_CODES = frozenset(cls.code for cls in _LEASE_GONE)
 
 
 WorkerClient = BlockingClient
@@ -195,8 +201,14 @@ class _Promise:
 
 
 class _Unbatched(Exception):
-    """A coalesced ack was not sent: the server does not know ``ack_batch`` (or its
-    ``lease_next``); the handler thread sends it again (on its own, or without ``lease_next``)."""
+    """A coalesced ack was not sent as asked; the handler thread sends it again, not counted
+    as a try: the server does not know ``ack_batch`` (then on its own) or its ``lease_next``
+    (then without), or it refused the whole batch (too large: again, in a smaller one; for
+    another reason, ``alone``: by itself, so that it gets its own answer)."""
+
+    def __init__(self, *, alone: bool = False) -> None:
+        super().__init__("ack not sent in a batch")
+        self.alone = alone
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -356,6 +368,8 @@ class Worker:
         self._acks: list[_PendingAck] = []
         self._acks_closed = False
         self._senders: list[threading.Thread] = []
+        # The most request bytes of acks one batch carries (halved when one was too large).
+        self._batch_bytes = MAX_BATCH_BYTES
         self._jobs: queue_mod.SimpleQueue[_HeldJob | None] = queue_mod.SimpleQueue()
         self._stop = threading.Event()
         self._renew_stop = threading.Event()
@@ -536,15 +550,32 @@ class Worker:
         *,
         settled: Sequence[_HeldJob] = (),
         via_ack: bool = False,
+        acked: int = 0,
     ) -> None:
         """Take what a lease call brought and end its promise of ``reserved`` slots, at once
         (so the lease thread never sees a slot free for a moment); ``settled``: the jobs whose
-        ack or fail brought them (their slots are theirs now)."""
-        jobs = [self._held_job(lease) for lease in leases]
+        ack or fail brought them (their slots are theirs now); ``acked``: acks to count with
+        them (an ``ack_batch``'s, counted as their jobs are dropped).
+
+        Raises:
+            KeyError, TypeError, ValueError: a lease without its fields (a malformed reply);
+                the promise is ended and ``settled`` dropped all the same.
+        """
+        try:
+            jobs = [self._held_job(lease) for lease in leases]
+        except Exception:
+            with self._cond:
+                self._reserved -= reserved
+                for done in settled:
+                    self._drop(done)
+                self.acked += acked
+                self._cond.notify_all()
+            raise
         with self._cond:
             self._reserved -= reserved
             for done in settled:
                 self._drop(done)
+            self.acked += acked
             self.leased += len(jobs)
             if via_ack:
                 self.leased_next += len(jobs)
@@ -750,6 +781,7 @@ class Worker:
     ) -> None:
         reserved = promise.slots
         attempt = 0
+        alone = False  # a batch holding this ack was refused whole: send it by itself
         while attempt < _SETTLE_TRIES:
             attempt += 1
             lease_next = None
@@ -759,14 +791,16 @@ class Worker:
                     "max_jobs": reserved,
                     "lease_ms": self.lease_ms,
                 }
+            batched = action == "ack" and outcome.result is None and self._batch_acks and not alone
             try:
                 result: Mapping[str, Any]
-                if action == "ack" and outcome.result is None and self._batch_acks:
+                if batched:
                     result = self._batched_ack(job)
                 else:
                     result = self._send_one(job, action, error, retryable, outcome, lease_next)
-            except _Unbatched:
-                attempt -= 1  # not sent: this try did not count
+            except _Unbatched as again:
+                alone = alone or again.alone
+                attempt -= 1  # not sent as asked: this try did not count
                 continue
             except _LEASE_GONE as exc:
                 # At-least-once: the lease expired or moved on, so another worker may run the
@@ -799,10 +833,10 @@ class Worker:
                     self._clock.sleep(_SETTLE_PAUSE_S * attempt)
                 continue
             with self._cond:
-                if action == "ack":
-                    self.acked += 1
-                else:
+                if action == "fail":
                     self.failed += 1
+                elif not batched:  # a batch's sender counted it (``_send_ack_batch``)
+                    self.acked += 1
             leases = result.get("next") or []
             if reserved:
                 promise.slots = 0  # ended here: the leases take the slots, or _take frees them
@@ -887,8 +921,14 @@ class Worker:
                     self._acks_cond.wait()
                 if not self._acks:
                     return
-                batch = self._acks[:MAX_ACKS_PER_BATCH]
-                del self._acks[:MAX_ACKS_PER_BATCH]
+                size, budget, n = 0, self._batch_bytes, 0
+                for pending in self._acks[:MAX_ACKS_PER_BATCH]:
+                    size += _ack_bytes(pending.job, self.worker_id)
+                    if n and size > budget:
+                        break
+                    n += 1
+                batch = self._acks[:n]
+                del self._acks[:n]
             try:
                 self._send_ack_batch(batch)
             except Exception as exc:  # a bug must not leave a handler thread waiting forever
@@ -912,7 +952,11 @@ class Worker:
 
     def _send_ack_batch(self, batch: list[_PendingAck]) -> None:
         """Send ``batch`` as one ``ack_batch`` (with ``lease_next`` for the slots it frees),
-        take the leases it brings, and answer each entry."""
+        take the leases it brings, count and drop its acked jobs, and answer each entry.
+
+        Its jobs whose ack was refused because the lease is gone (``STALE_TOKEN``...) are
+        dropped with them: their slots belong to the leases the batch asked for.
+        """
         asked = self._reserve_batch(len(batch))
         lease_next = None
         if asked:
@@ -921,35 +965,22 @@ class Worker:
             {"job_id": p.job.job_id, "worker_id": self.worker_id, "lease_token": p.job.lease_token}
             for p in batch
         ]
+        ended = False  # the promise of ``asked`` slots: _take ends it, even when it raises
         try:
             with self._clients.client() as client:
                 reply = client.ack_batch(acks, lease_next=lease_next)
-            results = reply["results"]
-            if len(results) != len(batch):
-                raise errors.Internal(f"ack_batch answered {len(results)} of {len(batch)} acks")
+            results = _batch_results(reply, len(batch))
+            done = [p.job for p, entry in zip(batch, results, strict=True) if _settled(entry)]
+            acked = sum(1 for entry in results if entry.get("ok"))
+            ended = True
+            self._take(reply.get("next") or [], asked, settled=done, via_ack=True, acked=acked)
         except BaseException as exc:
-            if asked:
+            if not ended:
                 self._take([], asked)
-            failure: BaseException = exc
-            if isinstance(exc, errors.UnknownOp):
-                _log(logging.INFO, "ack_batch_unsupported", error=_describe(exc))
-                self._batch_acks = False  # a server from before ack_batch: one ack each
-                failure = _Unbatched()
-            elif isinstance(exc, errors.InvalidArgument) and str(
-                exc.details.get("field", "")
-            ).startswith("lease_next"):
-                _log(logging.INFO, "lease_next_unsupported", error=_describe(exc))
-                self._lease_next = False
-                failure = _Unbatched()
-            for pending in batch:
-                pending.error = _own(failure)
-                pending.done.set()
+            self._answer_failed(batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
-        acked = [p.job for p, entry in zip(batch, results, strict=True) if entry.get("ok")]
-        if asked:
-            self._take(reply.get("next") or [], asked, settled=acked, via_ack=True)
         for pending, entry in zip(batch, results, strict=True):
             if entry.get("ok"):
                 pending.result = {
@@ -960,6 +991,33 @@ class Worker:
             else:
                 pending.error = errors.error_from_body(dict(entry.get("error") or {}))
             pending.done.set()
+
+    def _answer_failed(self, batch: list[_PendingAck], exc: BaseException) -> None:
+        """Answer every ack of a batch whose request failed as a whole (see ``_Unbatched``)."""
+        failure: BaseException = exc
+        if isinstance(exc, errors.UnknownOp):
+            _log(logging.INFO, "ack_batch_unsupported", error=_describe(exc))
+            self._batch_acks = False  # a server from before ack_batch: one ack each
+            failure = _Unbatched(alone=True)
+        elif isinstance(exc, errors.InvalidArgument) and str(
+            exc.details.get("field", "")
+        ).startswith("lease_next"):
+            _log(logging.INFO, "lease_next_unsupported", error=_describe(exc))
+            self._lease_next = False
+            failure = _Unbatched()
+        elif isinstance(exc, errors.FrameTooLarge) and len(batch) > 1:
+            self._batch_bytes = max(1, self._batch_bytes // 2)
+            _log(logging.INFO, "ack_batch_too_large", acks=len(batch), bytes=self._batch_bytes)
+            failure = _Unbatched()  # again, in smaller batches
+        elif isinstance(exc, errors.RelayError) and not exc.retryable:
+            # Refused whole (a bad entry the server would not set apart): each ack by itself
+            # gets its own answer, and the good ones are not lost.
+            _log(logging.WARNING, "ack_batch_refused", acks=len(batch), error=_describe(exc))
+            failure = _Unbatched(alone=True)
+        for pending in batch:
+            if not pending.done.is_set():
+                pending.error = _own(failure)
+                pending.done.set()
 
     def _refused_result(self, job: _HeldJob, exc: errors.RelayError) -> None:
         """The server cannot store the handler's result (too large, or not faithful JSON):
@@ -1111,9 +1169,9 @@ class Worker:
             self._acks_closed = True
             self._acks_cond.notify_all()
         self._renew_stop.set()
-        renewer.join(_MARGIN_S)
-        for sender in self._senders:
-            sender.join(_MARGIN_S)
+        joined_by = time.monotonic() + _MARGIN_S  # threads: real time, one deadline for all
+        for thread in (renewer, *self._senders):
+            thread.join(max(0.0, joined_by - time.monotonic()))
         for _ in range(self.concurrency):
             self._jobs.put(None)
         self._lease_client.close()
@@ -1132,12 +1190,45 @@ class Worker:
         return True
 
 
+def _ack_bytes(job: _HeldJob, worker_id: str) -> int:
+    """About the bytes one ack adds to an ``ack_batch`` request (its ids, token and keys)."""
+    return len(job.job_id) + len(job.lease_token) + len(worker_id) + 64
+
+
+def _batch_results(reply: Mapping[str, Any], count: int) -> list[Mapping[str, Any]]:
+    """The ``results`` of an ``ack_batch`` reply, checked: one object per ack.
+
+    Raises:
+        Internal: the reply is malformed (the acks' outcome is unknown: they are sent again).
+    """
+    results = reply.get("results") if isinstance(reply, Mapping) else None
+    if not isinstance(results, list) or len(results) != count:
+        raise errors.Internal(f"ack_batch answered {type(results).__name__}, not {count} results")
+    for entry in results:
+        error = entry.get("error") if isinstance(entry, Mapping) else None
+        if not isinstance(entry, Mapping) or not (entry.get("ok") or isinstance(error, Mapping)):
+            raise errors.Internal("ack_batch answered a result that is neither ok nor an error")
+    next_jobs = reply.get("next") or []
+    if not isinstance(next_jobs, list) or not all(isinstance(x, Mapping) for x in next_jobs):
+        raise errors.Internal("ack_batch answered a next that is not a list of leases")
+    return results
+
+
+def _settled(entry: Mapping[str, Any]) -> bool:
+    """Whether an ``ack_batch`` entry ends its job's hold: acked, or refused because the lease
+    is gone (the handler thread then logs it and lets it go)."""
+    if entry.get("ok"):
+        return True
+    code = (entry.get("error") or {}).get("code")
+    return code in _GONE_CODES
+
+
 def _own(exc: BaseException) -> BaseException:
     """A copy of a whole ``ack_batch``'s failure for one of its acks (each handler thread
     raises its own): the same ``RelayError`` class and details, or a ``ConnectionError`` (the
     outcome is unknown: repeating an ack is safe)."""
     if isinstance(exc, _Unbatched):
-        return _Unbatched()
+        return _Unbatched(alone=exc.alone)
     if isinstance(exc, errors.RelayError):
         return errors.error_from_body(exc.to_dict())
     return ConnectionError(f"ack_batch failed: {_describe(exc)}")

@@ -354,9 +354,12 @@ def test_worker_runs_jobs_and_stops_gracefully_on_sigterm(server: Any) -> None:
                 return ok(req, {"jobs": [lease]})
             acked.wait(0.05)  # a short long-poll
             return ok(req, {"jobs": []})
-        assert req["op"] == "ack"
+        # --concurrency 8 (the default): the worker sends its acks as ack_batch requests.
+        assert req["op"] == "ack_batch"
+        (entry,) = req["args"]["acks"]
         acked.set()
-        return ok(req, {"job_id": "job_1", "state": "succeeded", "duplicate": False})
+        result = {"job_id": entry["job_id"], "ok": True, "state": "succeeded", "duplicate": False}
+        return ok(req, {"results": [result | {"error": None}], "next": []})
 
     canned = server(script)
 
@@ -380,10 +383,12 @@ def test_worker_runs_jobs_and_stops_gracefully_on_sigterm(server: Any) -> None:
         "cancelled": 0,
         "timed_out": 0,
     }
-    ack = next(r for r in canned.requests if r["op"] == "ack")
-    assert ack["args"]["lease_token"] == "t"
-    # The ack asks for the next job (its own slot: the lease thread holds the other 7).
+    ack = next(r for r in canned.requests if r["op"] == "ack_batch")
+    assert [a["lease_token"] for a in ack["args"]["acks"]] == ["t"]
+    # The batch asks for the next jobs: its own slot and the free ones (the lease thread may
+    # hold some of the other 7 in its long-poll).
     assert ack["args"]["lease_next"]["queues"] == ["email"]
+    assert 1 <= ack["args"]["lease_next"]["max_jobs"] <= 8
     assert signal.getsignal(signal.SIGTERM) == previous  # restored
 
 

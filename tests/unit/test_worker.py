@@ -27,7 +27,7 @@ from queue_core.worker import (
     demo_handler,
 )
 from queue_core.worker.handlers import DemoFailure, is_django_task
-from queue_core.worker.runner import ACK_SENDERS, truncate_utf8
+from queue_core.worker.runner import ACK_SENDERS, MAX_BATCH_BYTES, truncate_utf8
 
 WAIT_S = 10.0  # upper bound for anything the test waits on; reached only when a test fails
 
@@ -52,6 +52,8 @@ class FakeRelay:
         self.no_ack_batch = False  # ack_batch refused as an unknown op (an older server)
         self.batch_errors: list[BaseException] = []  # raised by the next ack_batch calls
         self.batch_gate: threading.Event | None = None  # ack_batch waits for it
+        self.max_batch: int | None = None  # a larger ack_batch is refused FRAME_TOO_LARGE
+        self.malformed_batches = 0  # the next ack_batch replies hold a result that is no object
         self._seq = 0
 
     def add(self, *payloads: Any, queue: str = "q") -> list[str]:
@@ -187,6 +189,11 @@ class FakeClient:
         if relay.batch_gate is not None:
             assert relay.batch_gate.wait(WAIT_S)
         with relay.cond:
+            if relay.max_batch is not None and len(acks) > relay.max_batch:
+                raise errors.FrameTooLarge("the frame is over the 8192-byte limit")
+            if relay.malformed_batches:
+                relay.malformed_batches -= 1
+                return {"results": ["junk"] * len(acks), "next": []}
             relay.next_asks.append(lease_next)
             if lease_next is not None and relay.old_server:
                 raise errors.InvalidArgument("lease_next: unknown argument", field="lease_next")
@@ -435,7 +442,8 @@ def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
     )
     assert running.worker.counters()["acked"] == len(finish)
     assert running.worker.held == 0
-    assert not [t for t in threading.enumerate() if t.name.startswith("relay-acks-")]
+    senders = running.worker._senders
+    assert len(senders) == ACK_SENDERS and not any(t.is_alive() for t in senders)
 
 
 def test_a_batch_asks_for_the_slots_it_frees_and_never_more_than_concurrency(
@@ -501,6 +509,93 @@ def test_a_server_without_ack_batch_gets_one_ack_per_job(
     assert 1 <= len(relay.calls_of("ack_batch")) <= ACK_SENDERS  # refused, then never again
     assert running.worker.counters()["acked"] == 6
     assert relay.held == {}
+
+
+def _two_acks_in_one_batch(relay: FakeRelay, make_worker: Any) -> Running:
+    """A worker of ACK_SENDERS + 2 slots whose last two acks are queued while every sender is
+    held in the server (``relay.batch_gate``), so they go out together once it opens."""
+    relay.batch_gate = threading.Event()
+    finish = [threading.Event() for _ in range(ACK_SENDERS + 2)]
+    relay.add(*({"n": n} for n in range(len(finish))))
+    running = make_worker(
+        lambda payload, ctx: finish[payload["n"]].wait(WAIT_S), concurrency=len(finish)
+    )
+    relay.wait_for(lambda: len(relay.held) == len(finish), "every job leased")
+    for n in range(ACK_SENDERS):
+        finish[n].set()
+        relay.wait_for(
+            lambda busy=n + 1: len(relay.calls_of("ack_batch")) == busy, f"sender {n} busy"
+        )
+    for event in finish[ACK_SENDERS:]:
+        event.set()
+    _wait_queued_acks(running.worker, 2)
+    relay.batch_gate.set()
+    return running
+
+
+def test_a_batch_refused_as_too_large_is_sent_again_in_smaller_ones(
+    relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    relay.max_batch = 1  # a server with a small frame limit
+    running = _two_acks_in_one_batch(relay, make_worker)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == ACK_SENDERS + 2, "every ack")
+    running.stop()
+    sizes = [len(call["acks"]) for call in relay.calls_of("ack_batch")]
+    assert 2 in sizes  # refused, then its acks went again one per batch
+    assert running.worker.counters()["acked"] == ACK_SENDERS + 2
+    assert relay.held == {}
+    assert running.worker._batch_bytes < MAX_BATCH_BYTES
+    assert not [r for r in caplog.records if "event=ack_error" in r.getMessage()]
+
+
+def test_a_batch_refused_whole_for_another_reason_sends_each_ack_alone(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    relay.batch_errors = [errors.InvalidArgument("acks[1].job_id: bad", field="acks[1].job_id")]
+    (job_id,) = relay.add({"n": 1})
+    running = make_worker(concurrency=2)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 1, "the ack")
+    running.stop()
+    assert len(relay.calls_of("ack_batch")) == 1  # refused whole: nothing of it committed
+    assert relay.calls_of("ack") == [
+        {"job_id": job_id, "worker_id": "w1:1", "lease_token": f"tok-{job_id}"}
+    ]
+    assert running.worker.counters()["acked"] == 1
+    assert relay.held == {}
+
+
+def test_a_stale_ack_in_a_batch_frees_its_slot_for_the_leases_the_batch_asked_for(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    gate = threading.Event()
+    first, _ = relay.add({"n": 1}, {"n": 2})
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=2)
+    relay.wait_for(lambda: len(relay.held) == 2, "two jobs leased")
+    relay.add({"n": 3}, {"n": 4})  # what the acks' lease_next will bring
+    with relay.cond:
+        relay.held[first] = "taken-over"
+    gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 4, "four acks answered")
+    running.stop()
+    # Without dropping the refused job, a lease brought for its slot found no room and was
+    # handed straight back.
+    assert relay.calls_of("release") == []
+    counters = running.worker.counters()
+    assert counters["acked"] == 3 and counters["released"] == 0 and counters["leased"] == 4
+
+
+def test_a_malformed_batch_reply_is_sent_again_and_gives_its_slots_back(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    relay.malformed_batches = 1
+    relay.add({"n": 1}, {"n": 2})
+    running = make_worker(concurrency=2)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "two acks")
+    running.stop()
+    assert running.worker.counters()["acked"] == 2
+    assert relay.held == {}
+    assert running.worker._reserved == 0  # no promise of slots left behind
+    assert running.worker._free() == 2
 
 
 def test_an_ack_with_a_result_is_sent_on_its_own(relay: FakeRelay, make_worker: Any) -> None:
