@@ -329,12 +329,16 @@ def test_holds_at_most_concurrency_jobs(relay: FakeRelay, make_worker: Any) -> N
     assert relay.clients == 3  # one connection for leasing, min(concurrency, 4) for the rest
 
 
+@pytest.mark.parametrize("batch_acks", [True, False])
 def test_acks_lease_the_next_jobs_for_the_slots_they_free(
-    relay: FakeRelay, make_worker: Any
+    relay: FakeRelay, make_worker: Any, batch_acks: bool
 ) -> None:
+    # One ack per request, or several in an ack_batch: each request asks for the slots it frees.
     gate = threading.Event()
     relay.add(*({"n": n} for n in range(12)))
-    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=3)
+    running = make_worker(
+        lambda payload, ctx: gate.wait(WAIT_S), concurrency=3, batch_acks=batch_acks
+    )
     relay.wait_for(lambda: len(relay.held) == 3, "three jobs leased")
     gate.set()
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 12, "twelve acks")
@@ -409,11 +413,9 @@ def _wait_queued_acks(worker: Worker, n: int) -> None:
         assert worker._acks_cond.wait_for(lambda: len(worker._acks) == n, WAIT_S)
 
 
-def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
-    relay: FakeRelay, make_worker: Any
-) -> None:
-    # Each sender is held in the server with one ack; the acks queued meanwhile share the next
-    # request.
+def _two_acks_in_one_batch(relay: FakeRelay, make_worker: Any) -> Running:
+    """A worker of ACK_SENDERS + 2 slots whose last two acks are queued while every sender is
+    held in the server (``relay.batch_gate``), so they go out together once it opens."""
     relay.batch_gate = threading.Event()
     finish = [threading.Event() for _ in range(ACK_SENDERS + 2)]
     relay.add(*({"n": n} for n in range(len(finish))))
@@ -424,14 +426,23 @@ def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
     for n in range(ACK_SENDERS):
         finish[n].set()
         relay.wait_for(
-            lambda busy=n + 1: len(relay.calls_of("ack_batch")) == busy,
-            f"sender {n} busy",
+            lambda busy=n + 1: len(relay.calls_of("ack_batch")) == busy, f"sender {n} busy"
         )
     for event in finish[ACK_SENDERS:]:
         event.set()
     _wait_queued_acks(running.worker, 2)
     relay.batch_gate.set()
-    relay.wait_for(lambda: len(relay.calls_of("ack")) == len(finish), "every ack")
+    return running
+
+
+def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # Each sender is held in the server with one ack; the acks queued meanwhile share the next
+    # request.
+    running = _two_acks_in_one_batch(relay, make_worker)
+    jobs = ACK_SENDERS + 2
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == jobs, "every ack")
     running.stop()
     sizes = sorted(len(call["acks"]) for call in relay.calls_of("ack_batch"))
     assert sizes == [1] * ACK_SENDERS + [2]
@@ -440,28 +451,10 @@ def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
         for call in relay.calls_of("ack_batch")
         for ack in call["acks"]
     )
-    assert running.worker.counters()["acked"] == len(finish)
+    assert running.worker.counters()["acked"] == jobs
     assert running.worker.held == 0
     senders = running.worker._senders
     assert len(senders) == ACK_SENDERS and not any(t.is_alive() for t in senders)
-
-
-def test_a_batch_asks_for_the_slots_it_frees_and_never_more_than_concurrency(
-    relay: FakeRelay, make_worker: Any
-) -> None:
-    gate = threading.Event()
-    relay.add(*({"n": n} for n in range(40)))
-    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=4)
-    relay.wait_for(lambda: len(relay.held) == 4, "four jobs leased")
-    gate.set()
-    relay.wait_for(lambda: len(relay.calls_of("ack")) == 40, "forty acks")
-    running.stop()
-    assert relay.max_held == 4
-    asks = [ask for ask in relay.next_asks if ask is not None]
-    assert asks and all(1 <= ask["max_jobs"] <= 4 for ask in asks)
-    counters = running.worker.counters()
-    assert counters["acked"] == 40 and counters["leased"] == 40 and counters["leased_next"] > 0
-    assert running.worker.held == 0
 
 
 def test_a_stale_ack_in_a_batch_is_refused_alone(
@@ -509,28 +502,6 @@ def test_a_server_without_ack_batch_gets_one_ack_per_job(
     assert 1 <= len(relay.calls_of("ack_batch")) <= ACK_SENDERS  # refused, then never again
     assert running.worker.counters()["acked"] == 6
     assert relay.held == {}
-
-
-def _two_acks_in_one_batch(relay: FakeRelay, make_worker: Any) -> Running:
-    """A worker of ACK_SENDERS + 2 slots whose last two acks are queued while every sender is
-    held in the server (``relay.batch_gate``), so they go out together once it opens."""
-    relay.batch_gate = threading.Event()
-    finish = [threading.Event() for _ in range(ACK_SENDERS + 2)]
-    relay.add(*({"n": n} for n in range(len(finish))))
-    running = make_worker(
-        lambda payload, ctx: finish[payload["n"]].wait(WAIT_S), concurrency=len(finish)
-    )
-    relay.wait_for(lambda: len(relay.held) == len(finish), "every job leased")
-    for n in range(ACK_SENDERS):
-        finish[n].set()
-        relay.wait_for(
-            lambda busy=n + 1: len(relay.calls_of("ack_batch")) == busy, f"sender {n} busy"
-        )
-    for event in finish[ACK_SENDERS:]:
-        event.set()
-    _wait_queued_acks(running.worker, 2)
-    relay.batch_gate.set()
-    return running
 
 
 def test_a_batch_refused_as_too_large_is_sent_again_in_smaller_ones(
