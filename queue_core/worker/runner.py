@@ -965,22 +965,23 @@ class Worker:
             {"job_id": p.job.job_id, "worker_id": self.worker_id, "lease_token": p.job.lease_token}
             for p in batch
         ]
-        ended = False  # the promise of ``asked`` slots: _take ends it, even when it raises
         try:
             with self._clients.client() as client:
                 reply = client.ack_batch(acks, lease_next=lease_next)
             results = _batch_results(reply, len(batch))
-            done = [p.job for p, entry in zip(batch, results, strict=True) if _settled(entry)]
-            acked = sum(1 for entry in results if entry.get("ok"))
-            ended = True
-            self._take(reply.get("next") or [], asked, settled=done, via_ack=True, acked=acked)
         except BaseException as exc:
-            if not ended:
-                self._take([], asked)
+            self._take([], asked)
             self._answer_failed(batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
+        # The acks committed: each is answered from its entry whatever happens to the leases.
+        done = [p.job for p, entry in zip(batch, results, strict=True) if _settled(entry)]
+        acked = sum(1 for entry in results if entry.get("ok"))
+        try:
+            self._take(reply.get("next") or [], asked, settled=done, via_ack=True, acked=acked)
+        except (KeyError, TypeError, ValueError) as exc:  # leases without their fields
+            _log(logging.ERROR, "bad_leases", error=_describe(exc))  # they expire on the server
         for pending, entry in zip(batch, results, strict=True):
             if entry.get("ok"):
                 pending.result = {

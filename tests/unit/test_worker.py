@@ -54,6 +54,7 @@ class FakeRelay:
         self.batch_gate: threading.Event | None = None  # ack_batch waits for it
         self.max_batch: int | None = None  # a larger ack_batch is refused FRAME_TOO_LARGE
         self.malformed_batches = 0  # the next ack_batch replies hold a result that is no object
+        self.bad_leases = 0  # the next ack_batch replies with lease_next bring a lease without ids
         self._seq = 0
 
     def add(self, *payloads: Any, queue: str = "q") -> list[str]:
@@ -210,6 +211,9 @@ class FakeClient:
                     {"job_id": ack["job_id"], "ok": True, "state": "succeeded", "error": None}
                 )
             leases = relay.take(lease_next["max_jobs"]) if lease_next is not None else []
+            if relay.bad_leases and lease_next is not None:
+                relay.bad_leases -= 1
+                leases = [{"queue": "q"}]  # no job_id, no lease_token
             relay.cond.notify_all()
             return {"results": results, "next": leases}
 
@@ -567,6 +571,35 @@ def test_a_malformed_batch_reply_is_sent_again_and_gives_its_slots_back(
     assert relay.held == {}
     assert running.worker._reserved == 0  # no promise of slots left behind
     assert running.worker._free() == 2
+
+
+def test_an_ack_whose_batch_brings_a_malformed_lease_is_still_answered_once(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    relay.bad_leases = 1
+    settled: list[str] = []
+    told = threading.Event()
+
+    class Outcome(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            event = getattr(record, "event", "")
+            if event in ("acked", "ack_error", "ack_rejected"):
+                settled.append(event)
+                told.set()
+
+    watcher = Outcome()
+    logging.getLogger("relay.worker").addHandler(watcher)
+    try:
+        relay.add({"n": 1})
+        running = make_worker(concurrency=2)
+        assert told.wait(WAIT_S)  # the handler thread heard its ack's answer
+        running.stop()
+    finally:
+        logging.getLogger("relay.worker").removeHandler(watcher)
+    assert settled[0] == "acked"  # answered from its entry: the ack committed
+    assert len(relay.calls_of("ack_batch")) == 1  # not sent again
+    assert running.worker.counters()["acked"] == 1  # counted once
+    assert running.worker._reserved == 0 and running.worker.held == 0
 
 
 def test_an_ack_with_a_result_is_sent_on_its_own(relay: FakeRelay, make_worker: Any) -> None:
