@@ -739,11 +739,10 @@ class Worker:
         ``--concurrency 16`` 45% slower, while at 1 the ack's lease_next doubled the rate (the
         round trip is the bound there).
         """
-        with self._cond:
-            if not self._lease_next or self._stop.is_set() or self._next_in_flight:
+        with self._cond:  # an RLock: _reserve takes it again
+            if self._next_in_flight:
                 return 0
-            asked = max(0, min(self._free() + 1, MAX_JOBS_PER_LEASE))
-            self._reserved += asked
+            asked = self._reserve(1)
             self._next_in_flight = asked > 0
             return asked
 
@@ -940,9 +939,10 @@ class Worker:
                         pending.error = ConnectionError(f"ack batch not sent: {exc!r}")
                         pending.done.set()
 
-    def _reserve_batch(self, acks: int) -> int:
-        """How many jobs an ``ack_batch`` of ``acks`` may ask for: the slots free once it is
-        done (``_reserve_next``'s rule, the batch's own included); promised until ``_take``."""
+    def _reserve(self, acks: int) -> int:
+        """How many jobs a request settling ``acks`` jobs may ask for (``lease_next``): the
+        slots free once it is done, its own included; none while stopping. Promised until
+        ``_take``."""
         with self._cond:
             if not self._lease_next or self._stop.is_set():
                 return 0
@@ -957,7 +957,7 @@ class Worker:
         Its jobs whose ack was refused because the lease is gone (``STALE_TOKEN``...) are
         dropped with them: their slots belong to the leases the batch asked for.
         """
-        asked = self._reserve_batch(len(batch))
+        asked = self._reserve(len(batch))
         lease_next = None
         if asked:
             lease_next = {"queues": self.queues, "max_jobs": asked, "lease_ms": self.lease_ms}
