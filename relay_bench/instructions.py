@@ -40,7 +40,7 @@ from relay_bench.ceiling import SCHEMAS
 
 PHASE_DEADLINE_S = 900.0
 DEFAULT_PHASES = "lease_next:1,lease_ack:1,submit:1"
-KINDS = ("submit", "lease_ack", "lease_next")
+KINDS = ("submit", "lease_ack", "lease_next", "ack_batch")
 _TOTALS = re.compile(r"^totals:\s+(\d+)", re.MULTILINE)
 _COST = re.compile(r"^(?:[+-]?\d+|\*) \d+$")
 

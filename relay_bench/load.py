@@ -17,6 +17,11 @@ Kinds of work:
 * ``lease_next``: one ``lease(max_jobs=1)``, then ``ack`` with ``lease_next`` (``max_jobs`` 1):
   each reply brings the next job, so one request per job (how ``relay worker`` and the
   application worker lease), until the queue is empty or ``ops`` jobs;
+* ``ack_batch``: one ``lease(max_jobs=ACK_BATCH)``, then ``ack_batch`` of what it holds with
+  ``lease_next`` (``max_jobs`` ``ACK_BATCH``): each reply brings the next jobs, so one request
+  per ``ACK_BATCH`` jobs, as ``relay worker --concurrency 16`` sends its acks (its batches held
+  about 4 acks in a server profile, docs/benchmarking.md round 5); until the queue is empty
+  or about ``ops`` jobs;
 * ``http_submit``: ``ops`` x ``POST /api/v1/queues/{queue}/jobs`` per thread over one
   keep-alive HTTP/1.1 connection (``http.client``); any status but 200/201 counts as an error.
 
@@ -42,6 +47,7 @@ from queue_core import errors
 from queue_core.client import RelayClient
 
 READY_TIMEOUT_S = 60.0
+ACK_BATCH = 4  # jobs per ``ack_batch`` request (kind ``ack_batch``)
 MAX_FRAME_BYTES = 1024 * 1024
 _FAILED = object()  # _lease_one: the lease failed (counted as an error)
 
@@ -214,6 +220,41 @@ class _Thread(threading.Thread):
             self.ops += 1
             following = reply.get("next") or []
             job = following[0] if following else None
+
+    def _ack_batch(self, spec: dict[str, Any], deadline: float) -> None:
+        queue = spec["queue"]
+        worker_id = f"bench-{os.getpid()}-{self.index}"
+        ask = {"queues": [queue], "max_jobs": ACK_BATCH}
+        held: list[dict[str, Any]] = []
+        for _ in range(spec["ops"]):  # each pass acks at least one job or counts an error
+            if self.ops >= spec["ops"] or time.monotonic() > deadline:
+                return
+            if not held:  # the first jobs, or after an error: a plain lease
+                try:
+                    held = self._timed(
+                        "lease", self.client.lease, [queue], worker_id=worker_id, max_jobs=ACK_BATCH
+                    )
+                except (errors.RelayError, ConnectionError) as exc:
+                    self._fail(exc)
+                    continue
+                if not held:
+                    return  # the backlog is drained
+            acks = [
+                {"job_id": j["job_id"], "worker_id": worker_id, "lease_token": j["lease_token"]}
+                for j in held
+            ]
+            try:
+                reply = self._timed("ack", self.client.ack_batch, acks, lease_next=ask)
+            except (errors.RelayError, ConnectionError) as exc:
+                self._fail(exc)
+                held = []
+                continue
+            for entry in reply["results"]:
+                if entry["ok"]:
+                    self.ops += 1
+                else:
+                    self._fail(RuntimeError(f"ack refused: {entry['error']}"))
+            held = list(reply.get("next") or [])
 
 
 def child_main(spec: dict[str, Any]) -> dict[str, Any]:

@@ -49,6 +49,7 @@ import os
 import queue as queue_mod
 import random
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -245,11 +246,27 @@ class _HeldJob:
 
 
 def _log(level: int, event: str, *, exc_info: bool = False, **fields: Any) -> None:
-    """Log ``event=<event> key=value ...`` with the same fields as ``extra`` (JSON logs)."""
+    """Log ``event=<event> key=value ...`` with the same fields as ``extra`` (JSON logs).
+
+    The record names this module and the event as its ``pathname`` and ``funcName``, line 0:
+    ``Logger.log`` would walk the stack for the caller (``findCaller``), a sixth of a line's
+    cost, twice per job (``leased``, ``acked``).
+    """
     if not logger.isEnabledFor(level):
         return
     fmt = "event=" + event + "".join(f" {key}=%s" for key in fields)
-    logger.log(level, fmt, *fields.values(), exc_info=exc_info, extra={"event": event, **fields})
+    record = logger.makeRecord(
+        logger.name,
+        level,
+        __file__,
+        0,
+        fmt,
+        tuple(fields.values()),
+        sys.exc_info() if exc_info else None,
+        event,
+        {"event": event, **fields},
+    )
+    logger.handle(record)
 
 
 class Worker:
@@ -587,7 +604,7 @@ class Worker:
                     self._held[job.job_id] = job
                 (kept if keep else extra).append(job)
             self._cond.notify_all()
-        for job in jobs:
+        for job in jobs:  # each job is logged, then handed to a handler at once
             _log(
                 logging.INFO,
                 "leased",
@@ -597,8 +614,8 @@ class Worker:
                 worker_id=self.worker_id,
                 via="ack" if via_ack else "lease",
             )
-        for job in kept:
-            self._jobs.put(job)
+            if job in kept:
+                self._jobs.put(job)
         for job in extra:  # leased while stopping (or more than asked for): hand it straight back
             self._release(job, reason="not_started")
 

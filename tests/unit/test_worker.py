@@ -25,6 +25,7 @@ from queue_core.worker import (
     TaskJobRefused,
     Worker,
     demo_handler,
+    runner,
 )
 from queue_core.worker.handlers import DemoFailure, is_django_task
 from queue_core.worker.runner import ACK_SENDERS, MAX_BATCH_BYTES, truncate_utf8
@@ -1014,3 +1015,25 @@ def test_demo_handler_refuses_django_task_jobs(payload: Any) -> None:
 def test_payloads_that_are_not_django_tasks_are_not_refused(payload: Any) -> None:
     assert not is_django_task(payload)
     assert demo_handler(payload, _ctx()) is None
+
+
+def test_a_log_line_carries_its_fields_and_a_traceback_when_asked(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="relay.worker")
+    runner._log(logging.INFO, "leased", job_id="j1", attempt=2)
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        runner._log(logging.WARNING, "handler_failed", exc_info=True, job_id="j1")
+    runner._log(logging.DEBUG, "renewed", job_id="j1")
+    leased, failed, renewed = caplog.records
+    assert (leased.levelno, leased.getMessage()) == (
+        logging.INFO,
+        "event=leased job_id=j1 attempt=2",
+    )
+    assert (leased.event, leased.job_id, leased.attempt) == ("leased", "j1", 2)  # type: ignore[attr-defined]
+    assert leased.name == "relay.worker" and leased.funcName == "leased"
+    assert leased.exc_info is None and renewed.levelno == logging.DEBUG
+    assert failed.exc_info is not None and failed.exc_info[0] is ValueError
+    assert "ValueError: boom" in caplog.text
