@@ -218,6 +218,17 @@ def _refill(control: Mapping[str, Any], now: int) -> float:
     return min(float(control["burst"]), earned)
 
 
+def _refused_ack(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
+    """One refused ack of an ``ack_batch``: its entry, with the error's code and message."""
+    return {
+        "job_id": str(item.get("job_id")),
+        "ok": False,
+        "state": None,
+        "duplicate": None,
+        "error": {"code": exc.code, "message": exc.message, "retryable": exc.retryable},
+    }
+
+
 class QueueService:
     """Submit, lease, renew, ack, fail, release, cancel, replay, purge, prune, expire and recover
     jobs.
@@ -1523,9 +1534,13 @@ class QueueService:
         """Acknowledge several leased jobs in one transaction, each fenced by its own token
         (LEASED -> SUCCEEDED each), and optionally lease the next jobs in it too.
 
-        The acks run on the batch's transaction, without a SAVEPOINT each: an ack refused
-        before it changed a row (a stale token, an expired lease, a bad argument) is set apart
-        with ``mark``/``forgive`` and the others go on, so one stale token refuses that ack only
+        The acks run on the batch's transaction, without a SAVEPOINT each: one guarded UPDATE
+        acks every entry whose token, worker and unexpired lease match (``ack_many``, a
+        statement per batch where ``ack`` takes one per job), and one ``executemany`` closes
+        their attempts. An entry it did not ack, or whose job an earlier entry names, then
+        runs alone as ``ack`` runs, which says why (a stale token, an expired lease) or
+        answers ``duplicate``; refused before it changed a row, it is set apart with
+        ``mark``/``forgive`` and the others go on, so one stale token refuses that ack only
         (the group commit's rule; SQS's ``DeleteMessageBatch`` answers per entry too). An ack
         that fails after writing (a storage fault) fails the whole batch: nothing commits.
 
@@ -1555,40 +1570,93 @@ class QueueService:
                 field = f"acks[{index}].{unknown[0]}"
                 raise InvalidArgument(f"{field}: unknown argument", field=field, index=index)
         spec = self._next_claim(lease_next, acks[0].get("worker_id"))  # type: ignore[arg-type]
-        results: list[dict[str, Any]] = []
+        results: list[dict[str, Any] | None] = [None] * len(acks)
+        plans: dict[int, tuple[dict[str, Any], str | None]] = {}
+        for index, item in enumerate(acks):
+            try:
+                guard = self._lease_guard(
+                    item.get("job_id"), item.get("worker_id"), item.get("lease_token")
+                )
+                result = item.get("result")
+                plans[index] = (guard, None if result is None else v.result(result, self.settings))
+            except RelayError as exc:
+                results[index] = _refused_ack(item, exc)
         with self.driver.write() as tx:
-            for item in acks:
+            slow = self._ack_many(tx, plans, results) if plans else []
+            for index in slow:  # refused, repeated or a duplicate: one by one, as ``ack``
+                guard, stored = plans[index]
                 mark = self.mark()
                 try:
-                    end = self._ack_plan(
-                        item.get("job_id"),
-                        item.get("worker_id"),
-                        item.get("lease_token"),
-                        item.get("result"),
-                    )
-                    out = end(tx)
+                    out = self._ack_in(tx, guard=guard, stored=stored)
                 except RelayError as exc:
                     # Refused before it changed a row: nothing to undo, the others go on;
                     # anything else fails the whole batch.
                     if not self.forgive(mark):
                         raise
-                    results.append(
-                        {
-                            "job_id": str(item.get("job_id")),
-                            "ok": False,
-                            "state": None,
-                            "duplicate": None,
-                            "error": {
-                                "code": exc.code,
-                                "message": exc.message,
-                                "retryable": exc.retryable,
-                            },
-                        }
-                    )
+                    results[index] = _refused_ack(acks[index], exc)
                     continue
-                results.append({**out, "ok": True, "error": None})
+                results[index] = {**out, "ok": True, "error": None}
             leases = self._claim_in(tx, **spec) if spec is not None else []
         return {"results": results, "next": leases}
+
+    def _ack_many(
+        self,
+        tx: Tx,
+        plans: Mapping[int, tuple[dict[str, Any], str | None]],
+        results: list[dict[str, Any] | None],
+    ) -> list[int]:
+        """LEASED -> SUCCEEDED for the acks of ``plans`` (input index -> checked guard and
+        stored result) in one guarded statement (``ack_many``), each entry fenced by its own
+        token, worker and expiry as ``ack`` fences one, and their attempts closed in one
+        ``executemany``; fills ``results`` for those it acked.
+
+        Returns:
+            The indexes it did not ack, in input order: an entry the guard refused (stale,
+            expired, gone, or already acked: ``ack`` tells which) or whose job an earlier entry
+            names too; the caller runs each alone.
+        """
+        first: dict[str, int] = {}
+        slow: list[int] = []
+        for index, (guard, _) in plans.items():
+            if guard["job_id"] in first:
+                slow.append(index)
+            else:
+                first[guard["job_id"]] = index
+        at = self._read()
+        now = at.now_ms
+        check(Transition.ACK, JobState.LEASED, JobState.SUCCEEDED)
+        entries = orjson.dumps([plans[index][0] for index in first.values()]).decode()
+        rows = tx.all("ack_many", {"acks": entries, **self._judging(at)})
+        tx.many(
+            "end_attempt",
+            [
+                {
+                    "job_id": row["id"],
+                    "attempt": row["attempt"],
+                    "now_ms": now,
+                    "outcome": "succeeded",
+                    "error": None,
+                    "retry_at_ms": None,
+                }
+                for row in rows
+            ],
+        )
+        for row in rows:
+            job_id = row["id"]
+            index = first.pop(job_id)
+            self._entered(tx, job_id, row["unique_scope"], JobState.SUCCEEDED)
+            stored = plans[index][1]
+            if stored is not None:
+                tx.run("store_result", {"job_id": job_id, "return_value": stored, "now_ms": now})
+            results[index] = {
+                "job_id": job_id,
+                "state": JobState.SUCCEEDED.value,
+                "queue": row["queue"],
+                "duplicate": False,
+                "ok": True,
+                "error": None,
+            }
+        return sorted([*slow, *first.values()])
 
     def _end_lease(
         self,

@@ -225,6 +225,54 @@ def test_ack_batch_acks_each_job_and_a_stale_token_refuses_only_its_own(
     assert JobAttempt.objects.filter(outcome="succeeded").count() == 2
 
 
+def test_ack_batch_names_a_job_twice_and_the_entry_holding_its_lease_acks_it(
+    service: QueueService,
+) -> None:
+    # The acks run in one guarded statement (ack_many) where no job repeats; a repeat runs
+    # alone after it, as a single ack would, so each entry is judged on its own token in order.
+    submit(service, n=2)
+    a, b = lease(service, n=2)
+    stale_a = {"job_id": a["job_id"], "worker_id": W1, "lease_token": "stale"}
+    out = service.ack_batch(
+        [
+            stale_a,
+            {**ids(a), "job_id": a["job_id"]},
+            {**ids(b), "job_id": b["job_id"]},
+            {**ids(b), "job_id": b["job_id"]},
+            {**ids(b, "w2"), "job_id": b["job_id"]},
+        ]
+    )
+    got = [(r["ok"], r["duplicate"], r["error"] and r["error"]["code"]) for r in out["results"]]
+    assert got == [
+        (False, None, "STALE_TOKEN"),
+        (True, False, None),
+        (True, False, None),
+        (True, True, None),
+        (False, None, "STALE_TOKEN"),
+    ]
+    assert state(a["job_id"]) == state(b["job_id"]) == "succeeded"
+    ended = JobAttempt.objects.filter(outcome="succeeded").values_list("job_id", flat=True)
+    assert sorted(ended) == sorted([a["job_id"], b["job_id"]])
+
+
+def test_ack_batch_frees_an_active_key_and_stores_each_result(service: QueueService) -> None:
+    keyed = service.submit("q", {"n": 1}, idempotency_key="k", unique="active")["job"]["id"]
+    other = submit(service)[0]
+    leases = {held["job_id"]: held for held in lease(service, n=2)}
+    out = service.ack_batch(
+        [
+            {**ids(leases[keyed]), "job_id": keyed, "result": {"r": "keyed"}},
+            {**ids(leases[other]), "job_id": other},
+        ]
+    )
+    assert [r["queue"] for r in out["results"]] == ["q", "q"]
+    assert service.get(keyed)["idempotency_key"] is None  # freed in the batch's commit
+    again = service.submit("q", {"n": 1}, idempotency_key="k", unique="active")
+    assert again["deduplicated"] is False and again["job"]["id"] != keyed
+    assert service.result(keyed)["return_value"] == {"r": "keyed"}
+    assert service.result(other)["return_value"] is None
+
+
 def test_ack_batch_without_lease_next_and_its_limits(service: QueueService) -> None:
     submit(service, n=2)
     a, b = lease(service, n=2)

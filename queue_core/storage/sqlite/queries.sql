@@ -267,6 +267,23 @@ UPDATE relay_job
         OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
 RETURNING attempt, queue, unique_scope;
 
+-- name: ack_many
+-- The acks of an ack_batch in one statement, each entry guarded as ack guards one (its own
+-- token, worker and expiry). Params: acks (a JSON array of {"job_id", "lease_token",
+-- "worker_id"}, no job twice), now_ms, judge_ms, mark_ms. Returns each acked job's id with
+-- ack's columns; an entry the guard refused returns nothing. As postgresql/queries.sql's ack_many.
+UPDATE relay_job
+   SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+  FROM (SELECT value ->> 'job_id' AS job_id, value ->> 'lease_token' AS lease_token,
+               value ->> 'worker_id' AS worker_id
+          FROM json_each(%(acks)s)) AS a
+ WHERE relay_job.id = a.job_id AND relay_job.state = 'leased'
+   AND relay_job.lease_token = a.lease_token AND relay_job.leased_by = a.worker_id
+   AND (relay_job.lease_expires_at_ms > %(now_ms)s
+        OR (relay_job.updated_at_ms <= %(mark_ms)s AND relay_job.lease_expires_at_ms > %(judge_ms)s))
+RETURNING relay_job.id, relay_job.attempt, relay_job.queue, relay_job.unique_scope;
+
 -- name: fail_retry
 -- Leased -> retrying; READY again at retry_at_ms. Params: job_id, lease_token, now_ms,
 -- retry_at_ms, error.
