@@ -293,6 +293,27 @@ def test_aging_is_capped_at_critical_and_fifo_breaks_ties(
     assert [service.claim(["q"], worker_id="w")[0]["job_id"] for _ in range(2)] == [old_low, crit]
 
 
+def test_several_jobs_from_one_queue_come_in_the_order_single_claims_take(
+    service: QueueService, clock: FakeClock
+) -> None:
+    # max_jobs > 1 on one queue is one statement on SQLite (claim_many): the same ranking as
+    # a claim of one job at a time (aged class, then FIFO), each job with its own token.
+    old_low = service.submit("q", "old_low", priority="low")["job"]["id"]
+    clock.advance(ms=2 * 60_000)  # two whole minutes: LOW counts as HIGH, and is oldest
+    n1 = service.submit("q", "n1")["job"]["id"]
+    high = service.submit("q", "high", priority="high")["job"]["id"]
+    crit = service.submit("q", "crit", priority="critical")["job"]["id"]
+    n2 = service.submit("q", "n2")["job"]["id"]
+    low = service.submit("q", "low", priority="low")["job"]["id"]
+    leases = service.claim(["q"], worker_id="w", max_jobs=5)
+    assert [lease["job_id"] for lease in leases] == [crit, old_low, high, n1, n2]
+    assert len({lease["lease_token"] for lease in leases}) == 5
+    for lease in leases:  # each token is the one stored with its own job
+        assert service.ack(lease["job_id"], worker_id="w", lease_token=lease["lease_token"])
+    assert [lease["job_id"] for lease in service.claim(["q"], worker_id="w", max_jobs=5)] == [low]
+    assert service.claim(["q"], worker_id="w", max_jobs=5) == []
+
+
 def test_claim_several_jobs_across_queues(service: QueueService) -> None:
     a = [service.submit("a", i)["job"]["id"] for i in range(3)]
     b = [service.submit("b", i, priority="high")["job"]["id"] for i in range(2)]

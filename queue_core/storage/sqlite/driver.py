@@ -385,9 +385,10 @@ class SqliteTx(SqlTx):
 
         One job from one queue (a lease or ``lease_next`` of ``max_jobs`` 1: the clients'
         default, and ``relay worker``'s when an ack frees one slot) is one statement,
-        ``claim_one``, with the seek inside; only an empty answer
-        asks whether controls were the reason. Its token is drawn before the statement, so an
-        empty claim draws one too (``ClaimRequest.new_token``)."""
+        ``claim_one``, with the seek inside; several from one queue are one statement too,
+        ``claim_many``. Only an empty answer asks whether controls were the reason. Their
+        tokens are drawn before the statement, one per job asked for, so an empty claim
+        draws them too (``ClaimRequest.new_token``)."""
         if len(request.queues) == 1 and request.limit == 1:
             queue = request.queues[0]
             token = request.new_token()
@@ -405,12 +406,31 @@ class SqliteTx(SqlTx):
                 row["lease_token"] = token
                 return [row]
             return None if self.one("queue_has_controls", {"queue": queue}) else []
-        if len(request.queues) == 1:  # one seek, no JSON
-            controlled = self.one("queue_has_controls", {"queue": request.queues[0]})
-        else:
-            queues = orjson.dumps(list(request.queues)).decode()
-            controlled = self.one("queue_controls_for_claim", {"queues": queues})
-        if controlled is not None:
+        if len(request.queues) == 1:
+            # Several jobs from one queue (relay worker's lease_next): one statement too,
+            # claim_many, with the seek inside; its tokens are drawn before it, one per job
+            # wanted, and each row comes back with its own.
+            queue = request.queues[0]
+            tokens = [request.new_token() for _ in range(request.limit)]
+            rows = self.all(
+                "claim_many",
+                {
+                    "queue": queue,
+                    "limit": request.limit,
+                    "tokens": orjson.dumps(tokens).decode(),
+                    "room": request.room_bytes,
+                    "worker_id": request.worker_id,
+                    "now_ms": request.now_ms,
+                    "expires_ms": request.expires_ms,
+                },
+            )
+            if rows:
+                rank = {token: n for n, token in enumerate(tokens)}
+                rows.sort(key=lambda row: rank[row["lease_token"]])
+                return rows
+            return None if self.one("queue_has_controls", {"queue": queue}) else []
+        queues = orjson.dumps(list(request.queues)).decode()
+        if self.one("queue_controls_for_claim", {"queues": queues}) is not None:
             return None
         return self.claim(request)
 

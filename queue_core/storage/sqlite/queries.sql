@@ -214,6 +214,53 @@ UPDATE relay_job
 RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms, meta,
           time_limit_ms;
 
+-- name: claim_many
+-- The claim of several jobs from one queue (a lease or lease_next of max_jobs > 1 on one queue:
+-- relay worker's when its acks free several slots) in one statement, where ready_heads then
+-- claim_by_id take one per job and a ranking in Python: the same heads (one seek each on
+-- relay_job_ready, at most limit per class), ranked as the driver's claim ranks them (aged
+-- class, then FIFO, then id), and leased while their payloads and metas (+ 1024 bytes each)
+-- fit the reply, as _claim_if_fits measures (the first always does), unless the queue has
+-- controls. Each job takes the token at its rank in tokens; RETURNING cannot name the rank,
+-- so the driver orders the rows by their tokens. As postgresql/queries.sql's claim.
+-- Params: queue, limit, tokens (a JSON array of limit tokens), room, worker_id, now_ms,
+-- expires_ms.
+WITH heads AS (
+    SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                    WHERE state = 'ready' AND queue = %(queue)s AND priority = 3
+                    ORDER BY ready_since_ms, id LIMIT %(limit)s)
+    UNION ALL
+    SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                    WHERE state = 'ready' AND queue = %(queue)s AND priority = 2
+                    ORDER BY ready_since_ms, id LIMIT %(limit)s)
+    UNION ALL
+    SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                    WHERE state = 'ready' AND queue = %(queue)s AND priority = 1
+                    ORDER BY ready_since_ms, id LIMIT %(limit)s)
+    UNION ALL
+    SELECT * FROM (SELECT id, priority, ready_since_ms FROM relay_job
+                    WHERE state = 'ready' AND queue = %(queue)s AND priority = 0
+                    ORDER BY ready_since_ms, id LIMIT %(limit)s)
+), ranked AS (
+    SELECT h.id,
+           row_number() OVER w AS n,
+           sum(length(CAST(j.payload AS BLOB)) + COALESCE(length(CAST(j.meta AS BLOB)), 0)
+               + 1024) OVER w AS bytes
+      FROM heads AS h JOIN relay_job AS j ON j.id = h.id
+    WINDOW w AS (ORDER BY MIN(3, h.priority + MAX(0, %(now_ms)s - h.ready_since_ms) / 60000) DESC,
+                          h.ready_since_ms, h.id)
+)
+UPDATE relay_job
+   SET state = 'leased', attempt = attempt + 1, lease_token = t.value,
+       leased_by = %(worker_id)s, leased_at_ms = %(now_ms)s,
+       lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
+  FROM ranked AS r JOIN json_each(%(tokens)s) AS t ON t.key = r.n - 1
+ WHERE relay_job.id = r.id AND relay_job.state = 'ready'
+   AND r.n <= %(limit)s AND (r.n = 1 OR r.bytes <= %(room)s)
+   AND NOT EXISTS (SELECT 1 FROM relay_queue WHERE name = %(queue)s)
+RETURNING id, queue, payload, attempt, priority, failures, max_retries, created_at_ms, meta,
+          time_limit_ms, lease_token;
+
 -- name: insert_attempt
 -- Open the history row of a delivery. Params: job_id, attempt, worker_id, token, now_ms.
 INSERT INTO relay_attempt (job_id, attempt, worker_id, lease_token, started_at_ms)
