@@ -1625,7 +1625,9 @@ class QueueService:
         at = self._read()
         now = at.now_ms
         check(Transition.ACK, JobState.LEASED, JobState.SUCCEEDED)
-        entries = orjson.dumps([plans[index][0] for index in first.values()]).decode()
+        # In job id order: two batches naming the same jobs lock their rows in one order
+        # (PostgreSQL's nested loop follows the array), so they queue rather than deadlock.
+        entries = orjson.dumps([plans[first[job_id]][0] for job_id in sorted(first)]).decode()
         rows = tx.all("ack_many", {"acks": entries, **self._judging(at)})
         tx.many(
             "end_attempt",

@@ -279,15 +279,15 @@ STATIC_URL = "static/"
 STATIC_ROOT = WORK_DIR / "staticfiles"  # collectstatic's output
 
 # Structured JSON logs on stderr; RELAY_LOG=debug turns on debug output. python-json-logger's
-# orjson formatter: a worker's two lines per job cost about half its CPU with the stdlib json
-# one (docs/benchmarking.md, round 6).
+# orjson formatter (queue_core.logformat): a worker's two lines per job cost about half its CPU
+# with the stdlib json one (docs/benchmarking.md, round 6).
 RELAY_LOG = _env("RELAY_LOG", "info").upper()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {
         "json": {
-            "()": "pythonjsonlogger.orjson.OrjsonFormatter",
+            "()": "queue_core.logformat.JsonFormatter",
             "fmt": "%(asctime)s %(levelname)s %(name)s %(message)s",
             "rename_fields": {"asctime": "ts", "levelname": "level", "name": "logger"},
         },

@@ -218,3 +218,41 @@ def test_the_gauges_count_live_jobs_without_reading_finished_ones() -> None:
     at = sent.index("SET enable_seqscan = off")
     assert sent[at + 1] == QUERIES["counts_live"].strip().splitlines()[0]
     assert sent[at + 2] == "RESET enable_seqscan"
+
+
+def test_ack_many_looks_each_entry_up_by_primary_key_whatever_the_statistics() -> None:
+    # Statistics taken while every lease's expiry lay in the past (short leases make that the
+    # normal state), then 20,000 live leases: the batch's acks must not hash every live lease
+    # through relay_job_leased (27-47 ms a batch, found in review), but seek each entry.
+    with connections["postgresql"].cursor() as cursor:
+        cursor.execute(
+            """
+            INSERT INTO relay_job (id, queue, state, priority, payload, attempt, failures,
+                                   max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter,
+                                   created_at_ms, updated_at_ms, leased_at_ms, lease_token,
+                                   leased_by, lease_expires_at_ms)
+            SELECT 'job_l' || lpad(g::text, 10, '0'), 'l', 'leased', 1, '{}', 1, 0, 3,
+                   'exponential', 1000, 300000, true, %(now)s - 60000, %(now)s - 60000,
+                   %(now)s - 60000, 't' || g, 'w', %(now)s - 30000
+              FROM generate_series(1, 20000) AS g
+            """,
+            {"now": NOW_MS},
+        )
+        cursor.execute("ANALYZE relay_job")
+        cursor.execute("UPDATE relay_job SET lease_expires_at_ms = %s", [NOW_MS + 30_000])
+    acks = [{"job_id": f"job_l{n:010d}", "lease_token": f"t{n}", "worker_id": "w"} for n in (5, 9)]
+    params = {"acks": orjson.dumps(acks).decode(), "now_ms": NOW_MS, "judge_ms": NOW_MS}
+    conn = connections["postgresql"]
+    with conn.cursor() as cursor:
+        cursor.execute("BEGIN")
+        try:
+            cursor.execute(
+                f"EXPLAIN (ANALYZE, FORMAT JSON) {QUERIES['ack_many']}", {**params, "mark_ms": 0}
+            )
+            (plan,) = cursor.fetchone()
+        finally:
+            cursor.execute("ROLLBACK")
+    doc = plan if isinstance(plan, list) else orjson.loads(plan)
+    scans = [n for n in nodes(doc[0]["Plan"]) if n["Node Type"].endswith("Scan")]
+    assert {n.get("Index Name") for n in scans if "Index Name" in n} == {"relay_job_pkey"}, scans
+    assert all(n["Actual Rows"] <= len(acks) for n in scans)  # no node read the live leases

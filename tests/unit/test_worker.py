@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -928,7 +929,6 @@ def test_rejected_ack_is_logged_not_retried(
 
 
 def test_worker_id_defaults_to_host_and_pid(relay: FakeRelay) -> None:
-    import os
 
     worker = Worker(relay.connect, ["q"], lease_ms=1000, max_error_bytes=10)
     assert worker.worker_id.endswith(f":{os.getpid()}")

@@ -294,11 +294,15 @@ RETURNING attempt, queue, unique_scope;
 -- token, worker and expiry). Params: acks (a JSON array of {"job_id", "lease_token",
 -- "worker_id"}, no job twice), now_ms, judge_ms, mark_ms. Returns each acked job's id with
 -- ack's columns; an entry the guard refused returns nothing. As sqlite/queries.sql's ack_many.
+-- No "state = 'leased'" test: a row holds a token only while leased (the CHECK constraint
+-- relay_job_lease_iff_leased), and that test would let the planner hash every live lease
+-- through the partial index relay_job_leased, whose statistics of expiry times lie in the past
+-- as soon as leases are short; so each entry is one primary-key lookup, as in ack.
 UPDATE relay_job
    SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
        lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
   FROM jsonb_to_recordset(%(acks)s::jsonb) AS a(job_id text, lease_token text, worker_id text)
- WHERE relay_job.id = a.job_id AND relay_job.state = 'leased'
+ WHERE relay_job.id = a.job_id
    AND relay_job.lease_token = a.lease_token AND relay_job.leased_by = a.worker_id
    AND (relay_job.lease_expires_at_ms > %(now_ms)s
         OR (relay_job.updated_at_ms <= %(mark_ms)s AND relay_job.lease_expires_at_ms > %(judge_ms)s))

@@ -1,0 +1,27 @@
+"""The JSON log lines of ``relayproject.settings``: python-json-logger's orjson formatter, with
+its stdlib-``json`` formatter's encoding for a line orjson refuses."""
+
+from __future__ import annotations
+
+import json
+
+from pythonjsonlogger import core
+from pythonjsonlogger.json import JsonEncoder
+from pythonjsonlogger.orjson import OrjsonFormatter
+
+
+class JsonFormatter(OrjsonFormatter):
+    """python-json-logger's ``OrjsonFormatter``: the same fields as its stdlib-``json``
+    ``JsonFormatter`` at about half the CPU per line with Relay's settings
+    (docs/benchmarking.md, round 6). A line orjson cannot encode (a string holding a lone
+    surrogate, as an undecodable file name gives, or an integer beyond 64 bits: orjson raises
+    ``TypeError``) is encoded by ``json`` with ``JsonFormatter``'s encoder and escaped to
+    ASCII, not lost.
+    """
+
+    def jsonify_log_record(self, log_data: core.LogData) -> str:
+        """``log_data`` as one line of JSON."""
+        try:
+            return super().jsonify_log_record(log_data)
+        except TypeError:
+            return json.dumps(log_data, cls=JsonEncoder, ensure_ascii=True)
