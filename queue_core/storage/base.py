@@ -84,8 +84,9 @@ class ClaimRequest:
         now_ms: the instant of the claim, epoch ms (aging counts to it).
         expires_ms: the lease expiry to set, epoch ms.
         limit: the most jobs to lease (1..``RELAY_MAX_JOBS_PER_LEASE``).
-        new_token: returns a fresh fencing token (``secrets``); called once per job leased
-            (or, where the claim is one statement, ``limit`` times before it).
+        new_token: returns a fresh fencing token (``secrets``); called once per job leased.
+        new_tokens: returns ``n`` fresh fencing tokens at once (one ``os.urandom`` call), where
+            the claim is one statement and draws ``limit`` tokens before it.
         room_bytes: the reply's budget: jobs are leased while their payloads and metas plus
             ``REPLY_OVERHEAD_BYTES`` each fit in it (the first job always is).
         payload_cap_bytes: the most a job's payload and meta can take together
@@ -101,6 +102,7 @@ class ClaimRequest:
     expires_ms: int
     limit: int
     new_token: Callable[[], str]
+    new_tokens: Callable[[int], list[str]]
     room_bytes: int
     payload_cap_bytes: int
     queue_limits: Sequence[int] | None = None

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
 import pytest
+from django.test import override_settings
 
 from queue_core import errors
 from queue_core.clock import FakeClock
@@ -271,6 +273,42 @@ def test_ack_batch_frees_an_active_key_and_stores_each_result(service: QueueServ
     assert again["deduplicated"] is False and again["job"]["id"] != keyed
     assert service.result(keyed)["return_value"] == {"r": "keyed"}
     assert service.result(other)["return_value"] is None
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=65_536, RELAY_MAX_PAYLOAD_BYTES=16_000)
+def test_ack_batch_leases_next_only_what_fits_beside_its_results(service: QueueService) -> None:
+    # 62 results take about 8 KB of the 64 KiB frame: the next jobs (15 KB each) get the rest,
+    # so three fit where the room of a lone ack would take four (found in review: the reply
+    # was refused FRAME_TOO_LARGE after its acks and leases had committed).
+    small = lease(service, n=62) if submit(service, n=62) else []
+    big = [service.submit("q", {"blob": "x" * 15_000, "i": i})["job"]["id"] for i in range(4)]
+    out = service.ack_batch(
+        [{**ids(x), "job_id": x["job_id"]} for x in small],
+        lease_next={"queues": ["q"], "max_jobs": 4},
+    )
+    assert all(r["ok"] for r in out["results"])
+    assert [job["job_id"] for job in out["next"]] == big[:3]
+    frame = orjson.dumps({"id": 1, "ok": True, "result": out})
+    assert len(frame) <= 65_536
+    assert state(big[3]) == "ready"
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=65_536, RELAY_MAX_PAYLOAD_BYTES=55_000)
+def test_ack_batch_leases_nothing_next_when_its_results_leave_no_room_for_a_job(
+    service: QueueService,
+) -> None:
+    submit(service, n=101)
+    held = lease(service, n=100)
+    held += lease(service, n=100 - len(held))  # a lease's reply holds 62 of these at most
+    out = service.ack_batch(
+        [{**ids(x), "job_id": x["job_id"]} for x in held],
+        lease_next={"queues": ["q"], "max_jobs": 1},
+    )
+    # 64,512 bytes of room less ~11 KB of results cannot promise a 55,000-byte payload, a meta
+    # and the overhead: nothing is leased (the worker leases it with its next request).
+    assert all(r["ok"] for r in out["results"]) and out["next"] == []
+    assert not JobAttempt.objects.filter(ended_at_ms__isnull=True).exists()
+    assert Job.objects.filter(state="ready").count() == 1
 
 
 def test_ack_batch_without_lease_next_and_its_limits(service: QueueService) -> None:

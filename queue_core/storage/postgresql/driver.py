@@ -213,7 +213,7 @@ class PostgresTx(SqlTx):
                 "expires_ms": request.expires_ms,
                 "worker_id": request.worker_id,
                 # One statement: the tokens go in before it knows how many jobs it takes.
-                "tokens": [request.new_token() for _ in range(request.limit)],
+                "tokens": request.new_tokens(request.limit),
                 "room": request.room_bytes,
             },
         )

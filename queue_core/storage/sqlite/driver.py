@@ -388,7 +388,7 @@ class SqliteTx(SqlTx):
         ``claim_one``, with the seek inside; several from one queue are one statement too,
         ``claim_many``. Only an empty answer asks whether controls were the reason. Their
         tokens are drawn before the statement, one per job asked for, so an empty claim
-        draws them too (``ClaimRequest.new_token``)."""
+        draws them too (``ClaimRequest.new_token``, ``new_tokens``)."""
         if len(request.queues) == 1 and request.limit == 1:
             queue = request.queues[0]
             token = request.new_token()
@@ -411,7 +411,7 @@ class SqliteTx(SqlTx):
             # claim_many, with the seek inside; its tokens are drawn before it, one per job
             # wanted, and each row comes back with its own.
             queue = request.queues[0]
-            tokens = [request.new_token() for _ in range(request.limit)]
+            tokens = request.new_tokens(request.limit)
             rows = self.all(
                 "claim_many",
                 {
