@@ -81,6 +81,7 @@ def test_priority_parse_rejects(raw: object) -> None:
 # and then calls QueueService._entered (a job submitted with unique: "active" frees its key).
 TERMINAL_STATEMENTS = {
     "ack": "_ack_in",
+    "ack_many": "_ack_many",
     "fail_dead": "_end_lease",
     "expire_to_dead": "_expire",
     "expire_to_cancelled": "_expire",
