@@ -12,7 +12,7 @@ from pythonjsonlogger.orjson import OrjsonFormatter
 
 class JsonFormatter(OrjsonFormatter):
     """python-json-logger's ``OrjsonFormatter``: the same fields as its stdlib-``json``
-    ``JsonFormatter`` at about half the CPU per line with Relay's settings
+    ``JsonFormatter`` at about a fifth less CPU per line with Relay's settings
     (docs/benchmarking.md, round 6). A line orjson cannot encode (a string holding a lone
     surrogate, as an undecodable file name gives, or an integer beyond 64 bits: orjson raises
     ``TypeError``) is encoded by ``json`` with ``JsonFormatter``'s encoder and escaped to

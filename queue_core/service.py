@@ -1421,9 +1421,19 @@ class QueueService:
         Raises:
             InvalidArgument, FrameTooLarge (see ``ack``).
         """
-        guard = self._lease_guard(job_id, worker_id, lease_token)
-        stored = None if result is None else v.result(result, self.settings)
+        guard, stored = self._ack_args(job_id, worker_id, lease_token, result)
         return functools.partial(self._ack_in, guard=guard, stored=stored)
+
+    def _ack_args(
+        self, job_id: Any, worker_id: Any, lease_token: Any, result: Any
+    ) -> tuple[dict[str, Any], str | None]:
+        """An ack's checked lease guard and stored result (None: no result).
+
+        Raises:
+            InvalidArgument, FrameTooLarge (see ``ack``).
+        """
+        guard = self._lease_guard(job_id, worker_id, lease_token)
+        return guard, None if result is None else v.result(result, self.settings)
 
     def _ack_in(self, tx: Tx, *, guard: dict[str, Any], stored: str | None) -> dict[str, Any]:
         """LEASED -> SUCCEEDED on ``tx`` (the write transaction ``_then_lease`` opened); see
@@ -1599,11 +1609,12 @@ class QueueService:
         plans: dict[int, tuple[dict[str, Any], str | None]] = {}
         for index, item in enumerate(acks):
             try:
-                guard = self._lease_guard(
-                    item.get("job_id"), item.get("worker_id"), item.get("lease_token")
+                plans[index] = self._ack_args(
+                    item.get("job_id"),
+                    item.get("worker_id"),
+                    item.get("lease_token"),
+                    item.get("result"),
                 )
-                result = item.get("result")
-                plans[index] = (guard, None if result is None else v.result(result, self.settings))
             except RelayError as exc:
                 results[index] = _refused_ack(item, exc)
         with self.driver.write() as tx:

@@ -279,8 +279,8 @@ STATIC_URL = "static/"
 STATIC_ROOT = WORK_DIR / "staticfiles"  # collectstatic's output
 
 # Structured JSON logs on stderr; RELAY_LOG=debug turns on debug output. python-json-logger's
-# orjson formatter (queue_core.logformat): a worker's two lines per job cost about half its CPU
-# with the stdlib json one (docs/benchmarking.md, round 6).
+# orjson formatter (queue_core.logformat), a fifth cheaper per line than the stdlib json one: a
+# worker's two lines per job took more than half its CPU (docs/benchmarking.md, round 6).
 RELAY_LOG = _env("RELAY_LOG", "info").upper()
 LOGGING = {
     "version": 1,

@@ -249,8 +249,8 @@ def _log(level: int, event: str, *, exc_info: bool = False, **fields: Any) -> No
     """Log ``event=<event> key=value ...`` with the same fields as ``extra`` (JSON logs).
 
     The record names this module and the event as its ``pathname`` and ``funcName``, line 0:
-    ``Logger.log`` would walk the stack for the caller (``findCaller``), a sixth of a line's
-    cost, twice per job (``leased``, ``acked``).
+    ``Logger.log`` would walk the stack for the caller (``findCaller``), about a fifth of a
+    line's cost (docs/benchmarking.md, round 6), twice per job (``leased``, ``acked``).
     """
     if not logger.isEnabledFor(level):
         return
@@ -578,16 +578,11 @@ class Worker:
             KeyError, TypeError, ValueError: a lease without its fields (a malformed reply);
                 the promise is ended and ``settled`` dropped all the same.
         """
+        malformed: Exception | None = None
         try:
             jobs = [self._held_job(lease) for lease in leases]
-        except Exception:
-            with self._cond:
-                self._reserved -= reserved
-                for done in settled:
-                    self._drop(done)
-                self.acked += acked
-                self._cond.notify_all()
-            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised once the promise is ended
+            jobs, malformed = [], exc  # the bookkeeping below still runs, for no jobs
         with self._cond:
             self._reserved -= reserved
             for done in settled:
@@ -596,15 +591,16 @@ class Worker:
             self.leased += len(jobs)
             if via_ack:
                 self.leased_next += len(jobs)
-            kept: list[_HeldJob] = []
-            extra: list[_HeldJob] = []
+            kept: list[bool] = []
             for job in jobs:
                 keep = not self._stop.is_set() and len(self._held) < self.concurrency
                 if keep:
                     self._held[job.job_id] = job
-                (kept if keep else extra).append(job)
+                kept.append(keep)
             self._cond.notify_all()
-        for job in jobs:  # each job is logged, then handed to a handler at once
+        if malformed is not None:
+            raise malformed
+        for job, keep in zip(jobs, kept, strict=True):  # logged, then handed over at once
             _log(
                 logging.INFO,
                 "leased",
@@ -614,10 +610,11 @@ class Worker:
                 worker_id=self.worker_id,
                 via="ack" if via_ack else "lease",
             )
-            if job in kept:
+            if keep:
                 self._jobs.put(job)
-        for job in extra:  # leased while stopping (or more than asked for): hand it straight back
-            self._release(job, reason="not_started")
+        for job, keep in zip(jobs, kept, strict=True):
+            if not keep:  # leased while stopping (or more than asked for): hand it straight back
+                self._release(job, reason="not_started")
 
     def _drop(self, job: _HeldJob) -> None:
         """Forget a held job (under ``_cond``), unless its id now holds a newer lease (a failed
