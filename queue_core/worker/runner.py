@@ -14,10 +14,12 @@ Threads, and why:
 * with more than one slot, **plain acks are coalesced** (``batch_acks``; River's
   ``jobcompleter.BatchCompleter`` does the same for completions): a handler thread queues its
   ack and waits, and one of ``ACK_SENDERS`` sender threads sends every ack queued meanwhile as
-  one ``ack_batch``, with ``lease_next`` for the slots they and the free ones leave. Each ack
-  is still fenced by its own token and answered on its own (a stale one refuses only itself);
-  the server runs one request and one commit for the batch, not one per job. An ack that
-  carries a result, and every fail and release, is sent on its own;
+  one ``ack_batch``, with ``lease_next`` for the slots they and the free ones leave. While one
+  batch is in flight, the next waits until it holds half the slots' acks or that one returns,
+  so two batches of about half the slots take turns. Each ack is still fenced by its own
+  token and answered on its own (a stale one refuses only itself); the server runs one
+  request and one commit for the batch, not one per job. An ack that carries a result, and
+  every fail and release, is sent on its own;
 * **N handler threads** run the handlers. They are plain daemon threads rather than a
   ``ThreadPoolExecutor``, whose threads the interpreter joins at exit: a handler that hangs
   would then keep the process alive past the shutdown timeout;
@@ -96,7 +98,8 @@ _EMPTY_POLL_PAUSE_S = 0.2
 SETTLE_CONNECTIONS = 4
 
 # Threads that send coalesced acks (``batch_acks``): while one batch is in flight, the acks
-# queued meanwhile go out on the other, so the server's commit and the handlers overlap.
+# queued meanwhile go out on the other, so the server's commit and the handlers overlap; that
+# other batch waits until it holds a sender's share of the slots (``Worker._overlap_acks``).
 ACK_SENDERS = 2
 MAX_ACKS_PER_BATCH = 100
 """The protocol's cap on the acks of one ``ack_batch`` request."""
@@ -384,6 +387,13 @@ class Worker:
         self._acks_cond = threading.Condition()
         self._acks: list[_PendingAck] = []
         self._acks_closed = False
+        self._sending = 0  # batches in flight
+        # While a batch is in flight, the next goes out only once it holds this many acks (or
+        # when that one returns): two batches of about half the slots each then take turns, as
+        # in double buffering. Sent as soon as a sender was free, they held about 4.75 acks each
+        # at --concurrency 16, and the server paid its per-request cost (a commit, a claim, a
+        # pass of its loop) that much more often (docs/benchmarking.md, round 7).
+        self._overlap_acks = max(1, -(-concurrency // ACK_SENDERS))
         self._senders: list[threading.Thread] = []
         # The most request bytes of acks one batch carries (halved when one was too large).
         self._batch_bytes = MAX_BATCH_BYTES
@@ -616,11 +626,13 @@ class Worker:
             if not keep:  # leased while stopping (or more than asked for): hand it straight back
                 self._release(job, reason="not_started")
 
-    def _drop(self, job: _HeldJob) -> None:
+    def _drop(self, job: _HeldJob) -> bool:
         """Forget a held job (under ``_cond``), unless its id now holds a newer lease (a failed
-        job whose retry came back in its own ``lease_next``)."""
+        job whose retry came back in its own ``lease_next``); True if it was dropped here."""
         if self._held.get(job.job_id) is job:
             del self._held[job.job_id]
+            return True
+        return False
 
     def _held_job(self, lease: types.Lease) -> _HeldJob:
         now = self._clock.monotonic()
@@ -709,8 +721,10 @@ class Worker:
             self._settle(job, action, error, retryable, outcome)
         finally:
             with self._cond:
-                self._drop(job)
-                self._cond.notify_all()
+                # A coalesced ack's sender has dropped it already: no slot to announce (a
+                # wake-up of the lease thread per job, for nothing).
+                if self._drop(job):
+                    self._cond.notify_all()
 
     def _reported(self, exc: BaseException) -> ReportedError | None:
         """The class and traceback a failure is sent with, the traceback cut to fit."""
@@ -854,14 +868,8 @@ class Worker:
             if reserved:
                 promise.slots = 0  # ended here: the leases take the slots, or _take frees them
                 self._take(leases, reserved, settled=(job,), via_ack=True)
-            _log(
-                logging.INFO,
-                "acked" if action == "ack" else "failed",
-                job_id=job.job_id,
-                attempt=job.attempt,
-                state=result.get("state"),
-                duplicate=result.get("duplicate", False),
-            )
+            if not batched:  # a batch's sender logged it, before the batch's leases
+                _log_settled("acked" if action == "ack" else "failed", job, result)
             return
 
     def _send_one(
@@ -927,13 +935,20 @@ class Worker:
         return pending.result
 
     def _ack_sender_loop(self) -> None:
-        """A sender thread: send the acks queued so far as one ``ack_batch``, until closed."""
+        """A sender thread: send the acks queued so far as one ``ack_batch``, until closed.
+
+        With no batch in flight, any queued ack goes out at once; with one in flight, only
+        ``_overlap_acks`` or more (the rest wait for it to return, one round trip at most).
+        """
         while True:
             with self._acks_cond:
-                while not self._acks and not self._acks_closed:
+                while not self._acks_closed and not (
+                    self._acks and (not self._sending or len(self._acks) >= self._overlap_acks)
+                ):
                     self._acks_cond.wait()
                 if not self._acks:
                     return
+                self._sending += 1
                 size, budget, n = 0, self._batch_bytes, 0
                 for pending in self._acks[:MAX_ACKS_PER_BATCH]:
                     size += _ack_bytes(pending.job, self.worker_id)
@@ -952,6 +967,10 @@ class Worker:
                     if not pending.done.is_set():
                         pending.error = ConnectionError(f"ack batch not sent: {exc!r}")
                         pending.done.set()
+            finally:
+                with self._acks_cond:
+                    self._sending -= 1
+                    self._acks_cond.notify_all()  # the acks held back may go now
 
     def _reserve(self, acks: int) -> int:
         """How many jobs a request settling ``acks`` jobs may ask for (``lease_next``): the
@@ -991,7 +1010,11 @@ class Worker:
             return
         # The acks committed: each is answered from its entry whatever happens to the leases.
         done = [p.job for p, entry in zip(batch, results, strict=True) if _settled(entry)]
-        acked = sum(1 for entry in results if entry.get("ok"))
+        acked = 0
+        for pending, entry in zip(batch, results, strict=True):
+            if entry.get("ok"):  # logged here, not by 16 handler threads woken at once
+                acked += 1
+                _log_settled("acked", pending.job, entry)
         try:
             self._take(reply.get("next") or [], asked, settled=done, via_ack=True, acked=acked)
         except (KeyError, TypeError, ValueError) as exc:  # leases without their fields
@@ -1203,6 +1226,19 @@ class Worker:
                 return False
             event.wait(min(remaining, self._tick_s))
         return True
+
+
+def _log_settled(event: str, job: _HeldJob, reply: Mapping[str, Any]) -> None:
+    """Log an ack's or fail's ``acked``/``failed`` line from its reply (or ``ack_batch``
+    entry): the job, its attempt, the state it reached and whether it was a duplicate."""
+    _log(
+        logging.INFO,
+        event,
+        job_id=job.job_id,
+        attempt=job.attempt,
+        state=reply.get("state"),
+        duplicate=reply.get("duplicate", False),
+    )
 
 
 def _ack_bytes(job: _HeldJob, worker_id: str) -> int:

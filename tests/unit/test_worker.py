@@ -419,45 +419,55 @@ def _wait_queued_acks(worker: Worker, n: int) -> None:
         assert worker._acks_cond.wait_for(lambda: len(worker._acks) == n, WAIT_S)
 
 
-def _two_acks_in_one_batch(relay: FakeRelay, make_worker: Any) -> Running:
-    """A worker of ACK_SENDERS + 2 slots whose last two acks are queued while every sender is
-    held in the server (``relay.batch_gate``), so they go out together once it opens."""
+def _acks_while_a_batch_is_in_flight(
+    relay: FakeRelay, make_worker: Any
+) -> tuple[Running, list[str]]:
+    """A worker of 4 slots (two senders: a batch in flight holds back the next until it has
+    2 acks) whose jobs finish one by one while every ``ack_batch`` is held in the server
+    (``relay.batch_gate``): job 0 goes alone, jobs 1 and 2 together, job 3 waits for a sender.
+    The gate opens on return; the worker and the 4 job ids are returned."""
+    assert ACK_SENDERS == 2
     relay.batch_gate = threading.Event()
-    finish = [threading.Event() for _ in range(ACK_SENDERS + 2)]
-    relay.add(*({"n": n} for n in range(len(finish))))
+    finish = [threading.Event() for _ in range(4)]
+    jobs = relay.add(*({"n": n} for n in range(len(finish))))
     running = make_worker(
         lambda payload, ctx: finish[payload["n"]].wait(WAIT_S), concurrency=len(finish)
     )
+    assert running.worker._overlap_acks == 2
     relay.wait_for(lambda: len(relay.held) == len(finish), "every job leased")
-    for n in range(ACK_SENDERS):
-        finish[n].set()
-        relay.wait_for(
-            lambda busy=n + 1: len(relay.calls_of("ack_batch")) == busy, f"sender {n} busy"
-        )
-    for event in finish[ACK_SENDERS:]:
-        event.set()
-    _wait_queued_acks(running.worker, 2)
+    finish[0].set()
+    relay.wait_for(lambda: len(relay.calls_of("ack_batch")) == 1, "job 0 sent alone")
+    finish[1].set()
+    _wait_queued_acks(running.worker, 1)  # held back: one batch in flight, one ack queued
+    finish[2].set()
+    relay.wait_for(lambda: len(relay.calls_of("ack_batch")) == 2, "jobs 1 and 2 sent")
+    finish[3].set()
+    _wait_queued_acks(running.worker, 1)  # both senders busy
     relay.batch_gate.set()
-    return running
+    return running, jobs
 
 
 def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
-    relay: FakeRelay, make_worker: Any
+    relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Each sender is held in the server with one ack; the acks queued meanwhile share the next
-    # request.
-    running = _two_acks_in_one_batch(relay, make_worker)
-    jobs = ACK_SENDERS + 2
-    relay.wait_for(lambda: len(relay.calls_of("ack")) == jobs, "every ack")
+    # A batch goes out at once when none is in flight; while one is, the acks queued meanwhile
+    # wait until they are half the slots, then share the next request.
+    running, jobs = _acks_while_a_batch_is_in_flight(relay, make_worker)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 4, "every ack")
     running.stop()
-    sizes = sorted(len(call["acks"]) for call in relay.calls_of("ack_batch"))
-    assert sizes == [1] * ACK_SENDERS + [2]
+    batches = [[ack["job_id"] for ack in call["acks"]] for call in relay.calls_of("ack_batch")]
+    assert batches[:2] == [[jobs[0]], [jobs[1], jobs[2]]]
+    assert batches[2:] == [[jobs[3]]]  # sent once a sender was back
     assert all(
         ack["worker_id"] == "w1:1" and ack["lease_token"] == f"tok-{ack['job_id']}"
         for call in relay.calls_of("ack_batch")
         for ack in call["acks"]
     )
-    assert running.worker.counters()["acked"] == jobs
+    assert running.worker.counters()["acked"] == 4
+    # Each ack logged once (by its batch's sender), with its attempt and the state it reached.
+    acked = [r.__dict__ for r in caplog.records if r.__dict__.get("event") == "acked"]
+    assert sorted(r["job_id"] for r in acked) == sorted(jobs)
+    assert all(r["state"] == "succeeded" and r["duplicate"] is False for r in acked)
     assert running.worker.held == 0
     senders = running.worker._senders
     assert len(senders) == ACK_SENDERS and not any(t.is_alive() for t in senders)
@@ -514,12 +524,12 @@ def test_a_batch_refused_as_too_large_is_sent_again_in_smaller_ones(
     relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     relay.max_batch = 1  # a server with a small frame limit
-    running = _two_acks_in_one_batch(relay, make_worker)
-    relay.wait_for(lambda: len(relay.calls_of("ack")) == ACK_SENDERS + 2, "every ack")
+    running, _ = _acks_while_a_batch_is_in_flight(relay, make_worker)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 4, "every ack")
     running.stop()
     sizes = [len(call["acks"]) for call in relay.calls_of("ack_batch")]
     assert 2 in sizes  # refused, then its acks went again one per batch
-    assert running.worker.counters()["acked"] == ACK_SENDERS + 2
+    assert running.worker.counters()["acked"] == 4
     assert relay.held == {}
     assert running.worker._batch_bytes < MAX_BATCH_BYTES
     assert not [r for r in caplog.records if "event=ack_error" in r.getMessage()]
