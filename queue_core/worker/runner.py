@@ -15,11 +15,11 @@ Threads, and why:
   ``jobcompleter.BatchCompleter`` does the same for completions): a handler thread queues its
   ack and waits, and one of ``ACK_SENDERS`` sender threads sends every ack queued meanwhile as
   one ``ack_batch``, with ``lease_next`` for the slots they and the free ones leave. While one
-  batch is in flight, the next waits until it holds half the slots' acks or that one returns,
-  so two batches of about half the slots take turns. Each ack is still fenced by its own
-  token and answered on its own (a stale one refuses only itself); the server runs one
-  request and one commit for the batch, not one per job. An ack that carries a result, and
-  every fail and release, is sent on its own;
+  batch is in flight, the next waits until it holds half the slots' acks or that one returns
+  (at most two recent round trips), so two batches of about half the slots take turns. Each
+  ack is still fenced by its own token and answered on its own (a stale one refuses only
+  itself); the server runs one request and one commit for the batch, not one per job. An ack
+  that carries a result, and every fail and release, is sent on its own;
 * **N handler threads** run the handlers. They are plain daemon threads rather than a
   ``ThreadPoolExecutor``, whose threads the interpreter joins at exit: a handler that hangs
   would then keep the process alive past the shutdown timeout;
@@ -101,6 +101,12 @@ SETTLE_CONNECTIONS = 4
 # queued meanwhile go out on the other, so the server's commit and the handlers overlap; that
 # other batch waits until it holds a sender's share of the slots (``Worker._overlap_acks``).
 ACK_SENDERS = 2
+# How long an ack may be held back while a batch is in flight (``Worker._hold_back_s``): twice
+# the recent ``ack_batch`` round trip, within these bounds, in seconds (real time). A batch
+# that hangs holds the acks queued behind it this long, not until its client gives up.
+HOLD_BACK_MIN_S = 0.001
+HOLD_BACK_MAX_S = 0.05
+_FIRST_ROUND_TRIP_S = 0.0025  # until one is measured
 MAX_ACKS_PER_BATCH = 100
 """The protocol's cap on the acks of one ``ack_batch`` request."""
 MAX_BATCH_BYTES = 32_768
@@ -224,6 +230,7 @@ class _PendingAck:
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     result: Mapping[str, Any] | None = None
     error: BaseException | None = None
+    queued_at: float = dataclasses.field(default_factory=time.monotonic)  # real time, s
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -389,11 +396,15 @@ class Worker:
         self._acks_closed = False
         self._sending = 0  # batches in flight
         # While a batch is in flight, the next goes out only once it holds this many acks (or
-        # when that one returns): two batches of about half the slots each then take turns, as
-        # in double buffering. Sent as soon as a sender was free, they held about 4.75 acks each
-        # at --concurrency 16, and the server paid its per-request cost (a commit, a claim, a
-        # pass of its loop) that much more often (docs/benchmarking.md, round 7).
+        # when that one returns, or after ``_hold_back_s``): two batches of about half the
+        # slots each then take turns, as in double buffering. Sent as soon as a sender was
+        # free, they held about 4.75 acks each at --concurrency 16, and the server paid its
+        # per-request cost (a commit, a claim, a pass of its loop) that much more often
+        # (docs/benchmarking.md, round 7).
         self._overlap_acks = max(1, -(-concurrency // ACK_SENDERS))
+        # A moving average of ack_batch round trips (real time, s): acks are held back at most
+        # twice that (``_hold_back_s``).
+        self._round_trip_s = _FIRST_ROUND_TRIP_S
         self._senders: list[threading.Thread] = []
         # The most request bytes of acks one batch carries (halved when one was too large).
         self._batch_bytes = MAX_BATCH_BYTES
@@ -937,15 +948,22 @@ class Worker:
     def _ack_sender_loop(self) -> None:
         """A sender thread: send the acks queued so far as one ``ack_batch``, until closed.
 
-        With no batch in flight, any queued ack goes out at once; with one in flight, only
-        ``_overlap_acks`` or more (the rest wait for it to return, one round trip at most).
+        With no batch in flight, any queued ack goes out at once; with one in flight, once
+        ``_overlap_acks`` are queued, or that one returns, or the oldest has waited
+        ``_hold_back_s`` (a batch that hangs does not hold the others until its timeout).
         """
         while True:
             with self._acks_cond:
-                while not self._acks_closed and not (
-                    self._acks and (not self._sending or len(self._acks) >= self._overlap_acks)
-                ):
-                    self._acks_cond.wait()
+                while not self._acks_closed:
+                    if self._acks and (not self._sending or len(self._acks) >= self._overlap_acks):
+                        break
+                    if not self._acks:
+                        self._acks_cond.wait()
+                        continue
+                    held_s = self._acks[0].queued_at + self._hold_back_s() - time.monotonic()
+                    if held_s <= 0:
+                        break  # held back long enough: sent beside the batch in flight
+                    self._acks_cond.wait(held_s)
                 if not self._acks:
                     return
                 self._sending += 1
@@ -971,6 +989,11 @@ class Worker:
                 with self._acks_cond:
                     self._sending -= 1
                     self._acks_cond.notify_all()  # the acks held back may go now
+
+    def _hold_back_s(self) -> float:
+        """How long an ack may wait for more while a batch is in flight, in seconds: twice the
+        recent round trip, within ``HOLD_BACK_MIN_S`` .. ``HOLD_BACK_MAX_S``."""
+        return min(max(2 * self._round_trip_s, HOLD_BACK_MIN_S), HOLD_BACK_MAX_S)
 
     def _reserve(self, acks: int) -> int:
         """How many jobs a request settling ``acks`` jobs may ask for (``lease_next``): the
@@ -1000,7 +1023,11 @@ class Worker:
         ]
         try:
             with self._clients.client() as client:
+                sent_at = time.monotonic()
                 reply = client.ack_batch(acks, lease_next=lease_next)
+                took_s = time.monotonic() - sent_at
+            with self._acks_cond:  # a moving average, of the replies that came
+                self._round_trip_s += (took_s - self._round_trip_s) / 8
             results = _batch_results(reply, len(batch))
         except BaseException as exc:
             self._take([], asked)

@@ -420,13 +420,16 @@ def _wait_queued_acks(worker: Worker, n: int) -> None:
 
 
 def _acks_while_a_batch_is_in_flight(
-    relay: FakeRelay, make_worker: Any
+    relay: FakeRelay, make_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[Running, list[str]]:
     """A worker of 4 slots (two senders: a batch in flight holds back the next until it has
     2 acks) whose jobs finish one by one while every ``ack_batch`` is held in the server
     (``relay.batch_gate``): job 0 goes alone, jobs 1 and 2 together, job 3 waits for a sender.
-    The gate opens on return; the worker and the 4 job ids are returned."""
+    The gate opens on return; the worker and the 4 job ids are returned. Acks are held back
+    for as long as the test takes (``HOLD_BACK_*_S``), so the order does not hang on timing."""
     assert ACK_SENDERS == 2
+    monkeypatch.setattr(runner, "HOLD_BACK_MIN_S", WAIT_S)
+    monkeypatch.setattr(runner, "HOLD_BACK_MAX_S", WAIT_S)
     relay.batch_gate = threading.Event()
     finish = [threading.Event() for _ in range(4)]
     jobs = relay.add(*({"n": n} for n in range(len(finish))))
@@ -448,11 +451,14 @@ def _acks_while_a_batch_is_in_flight(
 
 
 def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
-    relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
+    relay: FakeRelay,
+    make_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # A batch goes out at once when none is in flight; while one is, the acks queued meanwhile
     # wait until they are half the slots, then share the next request.
-    running, jobs = _acks_while_a_batch_is_in_flight(relay, make_worker)
+    running, jobs = _acks_while_a_batch_is_in_flight(relay, make_worker, monkeypatch)
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 4, "every ack")
     running.stop()
     batches = [[ack["job_id"] for ack in call["acks"]] for call in relay.calls_of("ack_batch")]
@@ -520,11 +526,42 @@ def test_a_server_without_ack_batch_gets_one_ack_per_job(
     assert relay.held == {}
 
 
+def test_a_batch_that_hangs_holds_the_acks_behind_it_only_briefly(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # A batch in flight holds back the next until it has half the slots' acks, but not for
+    # longer than _hold_back_s: a reply that never comes must not stop the others' acks.
+    relay.batch_gate = threading.Event()
+    finish = [threading.Event() for _ in range(4)]
+    jobs = relay.add(*({"n": n} for n in range(len(finish))))
+    running = make_worker(
+        lambda payload, ctx: finish[payload["n"]].wait(WAIT_S), concurrency=len(finish)
+    )
+    relay.wait_for(lambda: len(relay.held) == len(finish), "every job leased")
+    finish[0].set()
+    relay.wait_for(lambda: len(relay.calls_of("ack_batch")) == 1, "job 0's batch, held")
+    finish[1].set()  # one ack of the two that would fill a batch
+    relay.wait_for(lambda: len(relay.calls_of("ack_batch")) == 2, "job 1 sent beside it")
+    assert not relay.batch_gate.is_set()
+    batches = [[ack["job_id"] for ack in call["acks"]] for call in relay.calls_of("ack_batch")]
+    assert batches == [[jobs[0]], [jobs[1]]]
+    relay.batch_gate.set()
+    for event in finish[2:]:
+        event.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 4, "every ack")
+    running.stop()
+    assert running.worker.counters()["acked"] == 4
+    assert running.worker.held == 0
+
+
 def test_a_batch_refused_as_too_large_is_sent_again_in_smaller_ones(
-    relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
+    relay: FakeRelay,
+    make_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     relay.max_batch = 1  # a server with a small frame limit
-    running, _ = _acks_while_a_batch_is_in_flight(relay, make_worker)
+    running, _ = _acks_while_a_batch_is_in_flight(relay, make_worker, monkeypatch)
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 4, "every ack")
     running.stop()
     sizes = [len(call["acks"]) for call in relay.calls_of("ack_batch")]
