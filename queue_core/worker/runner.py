@@ -102,8 +102,9 @@ SETTLE_CONNECTIONS = 4
 # other batch waits until it holds a sender's share of the slots (``Worker._overlap_acks``).
 ACK_SENDERS = 2
 # How long an ack may be held back while a batch is in flight (``Worker._hold_back_s``): twice
-# the recent ``ack_batch`` round trip, within these bounds, in seconds (real time). A batch
-# that hangs holds the acks queued behind it this long, not until its client gives up.
+# the recent ``ack_batch`` round trip, within these bounds, in seconds. Real time, not the
+# injected clock: it times the network, as the thread joins do. A batch that hangs holds the
+# acks queued behind it this long, not until its client gives up.
 HOLD_BACK_MIN_S = 0.001
 HOLD_BACK_MAX_S = 0.05
 _FIRST_ROUND_TRIP_S = 0.0025  # until one is measured
