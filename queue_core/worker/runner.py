@@ -206,9 +206,11 @@ class _ClientPool:
 @dataclasses.dataclass(slots=True)
 class _Promise:
     """Slots an ack's or fail's ``lease_next`` was promised (``Worker._reserved``), until its
-    reply's leases take them or they are freed."""
+    reply's leases take them or they are freed; ``covered``: how many of them are the slots of
+    the jobs it settles, held until then (``Worker._covered``)."""
 
     slots: int
+    covered: int = 0
 
 
 class _Unbatched(Exception):
@@ -388,6 +390,9 @@ class Worker:
         self._held: dict[str, _HeldJob] = {}
         # Slots promised to lease calls in flight (the lease thread's, acks' lease_next).
         self._reserved = 0
+        # Of those, the slots of held jobs whose ack (or fail) is in flight with a lease_next
+        # promised their slot: counted in both _held and _reserved until its _take.
+        self._covered = 0
         self._next_in_flight = False  # an ack's lease_next is in flight (one at a time)
         self._lease_next = lease_next
         self._batch_acks = batch_acks and concurrency > 1
@@ -579,22 +584,25 @@ class Worker:
                 self._wait(self._stop, _EMPTY_POLL_PAUSE_S)
 
     def _free(self) -> int:
-        """Slots neither held nor promised to a lease call in flight (under ``_cond``)."""
-        return self.concurrency - len(self._held) - self._reserved
+        """Slots neither held nor promised to a lease call in flight (under ``_cond``); a held
+        job whose slot is already promised to its own ack's ``lease_next`` counts once."""
+        return self.concurrency - len(self._held) - self._reserved + self._covered
 
     def _take(
         self,
         leases: Sequence[types.Lease],
         reserved: int,
         *,
+        covered: int = 0,
         settled: Sequence[_HeldJob] = (),
         via_ack: bool = False,
         acked: int = 0,
     ) -> None:
-        """Take what a lease call brought and end its promise of ``reserved`` slots, at once
-        (so the lease thread never sees a slot free for a moment); ``settled``: the jobs whose
-        ack or fail brought them (their slots are theirs now); ``acked``: acks to count with
-        them (an ``ack_batch``'s, counted as their jobs are dropped).
+        """Take what a lease call brought and end its promise of ``reserved`` slots (``covered``
+        of them its settled jobs', ``_Promise``), at once (so the lease thread never sees a
+        slot free for a moment); ``settled``: the jobs whose ack or fail brought them (their
+        slots are theirs now); ``acked``: acks to count with them (an ``ack_batch``'s, counted
+        as their jobs are dropped).
 
         Raises:
             KeyError, TypeError, ValueError: a lease without its fields (a malformed reply);
@@ -607,6 +615,7 @@ class Worker:
             jobs, malformed = [], exc  # the bookkeeping below still runs, for no jobs
         with self._cond:
             self._reserved -= reserved
+            self._covered -= covered
             for done in settled:
                 self._drop(done)
             self.acked += acked
@@ -769,7 +778,7 @@ class Worker:
             return
         self._send_outcome(job, action, error, retryable, outcome)
 
-    def _reserve_next(self) -> int:
+    def _reserve_next(self) -> _Promise:
         """How many jobs an ack or fail may ask for (``lease_next``): the slots free once it
         is done, its own included; promised until ``_take``.
 
@@ -781,10 +790,10 @@ class Worker:
         """
         with self._cond:  # an RLock: _reserve takes it again
             if self._next_in_flight:
-                return 0
-            asked = self._reserve(1)
-            self._next_in_flight = asked > 0
-            return asked
+                return _Promise(0)
+            promise = self._reserve(1)
+            self._next_in_flight = promise.slots > 0
+            return promise
 
     def _send_outcome(
         self,
@@ -798,13 +807,13 @@ class Worker:
         failed for a transient reason; take the jobs its reply brings (a coalesced ack's
         sender takes them: ``_send_ack_batch``)."""
         batched = action == "ack" and outcome.result is None and self._batch_acks
-        promise = _Promise(0 if batched else self._reserve_next())
+        promise = _Promise(0) if batched else self._reserve_next()
         asked = promise.slots > 0
         try:
             self._send_promising(job, action, error, retryable, outcome, promise)
         finally:
             if promise.slots:  # not taken by a reply: free them
-                self._take([], promise.slots)
+                self._take([], promise.slots, covered=promise.covered)
             if asked:
                 with self._cond:
                     self._next_in_flight = False
@@ -879,7 +888,7 @@ class Worker:
             leases = result.get("next") or []
             if reserved:
                 promise.slots = 0  # ended here: the leases take the slots, or _take frees them
-                self._take(leases, reserved, settled=(job,), via_ack=True)
+                self._take(leases, reserved, covered=promise.covered, settled=(job,), via_ack=True)
             if not batched:  # a batch's sender logged it, before the batch's leases
                 _log_settled("acked" if action == "ack" else "failed", job, result)
             return
@@ -996,16 +1005,18 @@ class Worker:
         recent round trip, within ``HOLD_BACK_MIN_S`` .. ``HOLD_BACK_MAX_S``."""
         return min(max(2 * self._round_trip_s, HOLD_BACK_MIN_S), HOLD_BACK_MAX_S)
 
-    def _reserve(self, acks: int) -> int:
-        """How many jobs a request settling ``acks`` jobs may ask for (``lease_next``): the
-        slots free once it is done, its own included; none while stopping. Promised until
-        ``_take``."""
+    def _reserve(self, acks: int) -> _Promise:
+        """How many jobs a request settling ``acks`` held jobs may ask for (``lease_next``):
+        the slots free once it is done, its own included; none while stopping. Promised until
+        ``_take``, which is given the promise's ``slots`` and ``covered``."""
         with self._cond:
             if not self._lease_next or self._stop.is_set():
-                return 0
+                return _Promise(0)
             asked = max(0, min(self._free() + acks, MAX_JOBS_PER_LEASE))
+            covered = min(acks, asked)
             self._reserved += asked
-            return asked
+            self._covered += covered
+            return _Promise(asked, covered)
 
     def _send_ack_batch(self, batch: list[_PendingAck]) -> None:
         """Send ``batch`` as one ``ack_batch`` (with ``lease_next`` for the slots it frees),
@@ -1014,7 +1025,8 @@ class Worker:
         Its jobs whose ack was refused because the lease is gone (``STALE_TOKEN``...) are
         dropped with them: their slots belong to the leases the batch asked for.
         """
-        asked = self._reserve(len(batch))
+        promise = self._reserve(len(batch))
+        asked, covered = promise.slots, promise.covered
         lease_next = None
         if asked:
             lease_next = {"queues": self.queues, "max_jobs": asked, "lease_ms": self.lease_ms}
@@ -1031,7 +1043,7 @@ class Worker:
                 self._round_trip_s += (took_s - self._round_trip_s) / 8
             results = _batch_results(reply, len(batch))
         except BaseException as exc:
-            self._take([], asked)
+            self._take([], asked, covered=covered)
             self._answer_failed(batch, exc)
             if not isinstance(exc, Exception):
                 raise
@@ -1044,7 +1056,14 @@ class Worker:
                 acked += 1
                 _log_settled("acked", pending.job, entry)
         try:
-            self._take(reply.get("next") or [], asked, settled=done, via_ack=True, acked=acked)
+            self._take(
+                reply.get("next") or [],
+                asked,
+                covered=covered,
+                settled=done,
+                via_ack=True,
+                acked=acked,
+            )
         except (KeyError, TypeError, ValueError) as exc:  # leases without their fields
             _log(logging.ERROR, "bad_leases", error=_describe(exc))  # they expire on the server
         for pending, entry in zip(batch, results, strict=True):

@@ -461,9 +461,13 @@ def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
     running, jobs = _acks_while_a_batch_is_in_flight(relay, make_worker, monkeypatch)
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 4, "every ack")
     running.stop()
-    batches = [[ack["job_id"] for ack in call["acks"]] for call in relay.calls_of("ack_batch")]
+    calls = relay.calls_of("ack_batch")
+    batches = [[ack["job_id"] for ack in call["acks"]] for call in calls]
     assert batches[:2] == [[jobs[0]], [jobs[1], jobs[2]]]
     assert batches[2:] == [[jobs[3]]]  # sent once a sender was back
+    # Each batch asks for the slots it frees: the first batch's job, held until its reply,
+    # is not counted twice (held, and promised to its own lease_next) against the second.
+    assert [call["lease_next"]["max_jobs"] for call in calls[:2]] == [1, 2]
     assert all(
         ack["worker_id"] == "w1:1" and ack["lease_token"] == f"tok-{ack['job_id']}"
         for call in relay.calls_of("ack_batch")
