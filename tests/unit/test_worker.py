@@ -419,6 +419,23 @@ def _wait_queued_acks(worker: Worker, n: int) -> None:
         assert worker._acks_cond.wait_for(lambda: len(worker._acks) == n, WAIT_S)
 
 
+def _first_of_four_acks_held(
+    relay: FakeRelay, make_worker: Any
+) -> tuple[Running, list[str], list[threading.Event]]:
+    """A worker of 4 slots holding 4 jobs, each finishing when its event is set; job 0 is
+    finished and its ``ack_batch`` held in the server (``relay.batch_gate``) on return."""
+    relay.batch_gate = threading.Event()
+    finish = [threading.Event() for _ in range(4)]
+    jobs = relay.add(*({"n": n} for n in range(len(finish))))
+    running = make_worker(
+        lambda payload, ctx: finish[payload["n"]].wait(WAIT_S), concurrency=len(finish)
+    )
+    relay.wait_for(lambda: len(relay.held) == len(finish), "every job leased")
+    finish[0].set()
+    relay.wait_for(lambda: len(relay.calls_of("ack_batch")) == 1, "job 0 sent alone, held")
+    return running, jobs, finish
+
+
 def _acks_while_a_batch_is_in_flight(
     relay: FakeRelay, make_worker: Any, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[Running, list[str]]:
@@ -430,16 +447,8 @@ def _acks_while_a_batch_is_in_flight(
     assert ACK_SENDERS == 2
     monkeypatch.setattr(runner, "HOLD_BACK_MIN_S", WAIT_S)
     monkeypatch.setattr(runner, "HOLD_BACK_MAX_S", WAIT_S)
-    relay.batch_gate = threading.Event()
-    finish = [threading.Event() for _ in range(4)]
-    jobs = relay.add(*({"n": n} for n in range(len(finish))))
-    running = make_worker(
-        lambda payload, ctx: finish[payload["n"]].wait(WAIT_S), concurrency=len(finish)
-    )
+    running, jobs, finish = _first_of_four_acks_held(relay, make_worker)
     assert running.worker._overlap_acks == 2
-    relay.wait_for(lambda: len(relay.held) == len(finish), "every job leased")
-    finish[0].set()
-    relay.wait_for(lambda: len(relay.calls_of("ack_batch")) == 1, "job 0 sent alone")
     finish[1].set()
     _wait_queued_acks(running.worker, 1)  # held back: one batch in flight, one ack queued
     finish[2].set()
@@ -535,15 +544,7 @@ def test_a_batch_that_hangs_holds_the_acks_behind_it_only_briefly(
 ) -> None:
     # A batch in flight holds back the next until it has half the slots' acks, but not for
     # longer than _hold_back_s: a reply that never comes must not stop the others' acks.
-    relay.batch_gate = threading.Event()
-    finish = [threading.Event() for _ in range(4)]
-    jobs = relay.add(*({"n": n} for n in range(len(finish))))
-    running = make_worker(
-        lambda payload, ctx: finish[payload["n"]].wait(WAIT_S), concurrency=len(finish)
-    )
-    relay.wait_for(lambda: len(relay.held) == len(finish), "every job leased")
-    finish[0].set()
-    relay.wait_for(lambda: len(relay.calls_of("ack_batch")) == 1, "job 0's batch, held")
+    running, jobs, finish = _first_of_four_acks_held(relay, make_worker)
     finish[1].set()  # one ack of the two that would fill a batch
     relay.wait_for(lambda: len(relay.calls_of("ack_batch")) == 2, "job 1 sent beside it")
     assert not relay.batch_gate.is_set()
