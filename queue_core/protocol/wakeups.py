@@ -36,6 +36,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
+from queue_core.errors import StorageLost
 from queue_core.service import QueueService
 from queue_core.storage import ChangeFeed
 
@@ -170,6 +171,8 @@ class FeedFollower:
             self._feed = self.service.changes()
         try:
             token = self._feed.token()
+        except StorageLost:
+            return False  # the driver logged it, once a while: not once a loop pass
         except Exception:
             log.exception("event=change_feed_failed")
             with contextlib.suppress(Exception):

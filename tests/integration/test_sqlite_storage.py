@@ -24,6 +24,7 @@ import os
 import random
 import re
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any
 
 import pytest
 from django.db import connection, connections
+from django.db.backends.signals import connection_created
 from django.test.utils import override_settings
 
 from queue_core import errors
@@ -321,6 +323,59 @@ def test_writes_to_a_removed_or_replaced_file_are_refused(
         os.replace(moved, path)
     assert service.submit("q", {"n": 4})["job"]["state"] == "ready"  # the same file again
     assert service.stats()["totals"]["ready"] == 2
+
+
+def test_a_server_opens_no_connection_onto_a_file_put_in_place_of_the_one_it_serves(
+    service: QueueService, tmp_path: Path
+) -> None:
+    """A new connection would read the new file and take its ``-shm``, which is the served
+    file's: in one process SQLite's locks do not see each other, so it truncates that
+    ``-shm`` under the mapping of the server's open connections (a thread reading through
+    one then dies of SIGBUS, seen once in tests/crash/test_storage_faults.py)."""
+    driver = service.driver
+    assert isinstance(driver, SqliteDriver)
+    handle = driver.server_lock()
+    path = str(connection.settings_dict["NAME"])
+    moved, copy = tmp_path / "moved.db", tmp_path / "copy.db"
+    opened: list[str] = []
+
+    def count(sender: Any, connection: Any, **kwargs: Any) -> None:
+        opened.append(connection.alias)
+
+    try:
+        service.submit("q", {"n": 1})  # this thread's connection maps the -shm
+        shm = os.stat(f"{path}-shm").st_size
+        os.link(path, moved)  # keep the inode: the test database is put back afterwards
+        with (
+            contextlib.closing(sqlite3.connect(path)) as src,
+            contextlib.closing(sqlite3.connect(copy)) as dst,
+        ):
+            src.backup(dst)
+        os.replace(copy, path)
+        refused: list[BaseException] = []
+
+        def on_a_new_thread() -> None:  # a reader thread's first read, say
+            for first in (service.stats, driver.changes().token, service.sweep):
+                try:
+                    first()
+                except BaseException as exc:
+                    refused.append(exc)
+            connections.close_all()
+
+        connection_created.connect(count)
+        try:
+            reader = threading.Thread(target=on_a_new_thread)
+            reader.start()
+            reader.join()
+        finally:
+            connection_created.disconnect(count)
+        assert [type(e) for e in refused] == [StorageLost] * 3
+        assert opened == []
+        assert os.stat(f"{path}-shm").st_size == shm
+    finally:
+        os.replace(moved, path)
+        handle.close()
+    assert service.submit("q", {"n": 2})["job"]["state"] == "ready"
 
 
 # ------------------------------------------------------------------ item 6: checkpoints

@@ -471,13 +471,17 @@ class SqliteChangeFeed:
     connection (it changes only when *another* connection commits, so this thread's own
     commits never count). It cannot push: ``queue_core.protocol.wakeups.FeedFollower`` polls it."""
 
-    def __init__(self, alias: str) -> None:
-        self.alias = alias
+    def __init__(self, connection: Callable[[], Any]) -> None:
+        self._connection = connection  # SqliteDriver._connection
 
     def token(self) -> int:
         """Return ``PRAGMA data_version`` on this thread's connection (on its sqlite3
-        connection, inside Django's error translation: the server polls it once a loop pass)."""
-        conn = connections[self.alias]
+        connection, inside Django's error translation: the server polls it once a loop pass).
+
+        Raises:
+            StorageLost: see ``SqliteDriver._connection``.
+        """
+        conn = self._connection()
         if conn.connection is None:
             conn.ensure_connection()
         with conn.wrap_database_errors:
@@ -556,6 +560,32 @@ class SqliteDriver:
             raise self._lost(f"this connection opened another file than the {path} served")
         if _file_identity(path) != identity:
             raise self._lost(f"{path} is gone or is another file than the one opened")
+
+    def _connection(self) -> Any:
+        """This thread's Django connection to Relay's database, opened only onto the file this
+        server serves.
+
+        Opening a connection reads the file and its ``-shm`` (Django's ``init_command`` sets
+        ``journal_mode=WAL``). On a file put in the served one's place, SQLite sees a new
+        inode with a ``-shm`` it takes for its own: POSIX locks never conflict within one
+        process, so it truncates that ``-shm`` (seen with ``strace``: ``ftruncate(fd, 3)``)
+        while this process's older connections map it, and a thread reading through one of
+        them then dies of ``SIGBUS``. So in a server a connection not open yet is opened only
+        while the path still names the served file (one ``os.stat``, once per connection).
+
+        Raises:
+            StorageLost: this thread has no open connection and the path is gone or names
+                another file than the one served.
+        """
+        conn = connections[self.alias]
+        served = self._served
+        if (
+            served is not None
+            and conn.connection is None
+            and _file_identity(served[0]) != served[1]
+        ):
+            raise self._lost(f"{served[0]} is gone or is another file than the one served")
+        return conn
 
     def _check_opened(self, conn: Any) -> None:
         """In a server, refuse to read through a connection opened on another file than the
@@ -652,7 +682,7 @@ class SqliteDriver:
             # (docs/benchmarking.md).
             yield from self._savepoint(self._local.raw, self._local.tx, depth)
             return
-        conn = connections[self.alias]
+        conn = self._connection()
         self._local.after = []
         with conn.cursor() as cursor:
             if conn.in_atomic_block:
@@ -882,7 +912,7 @@ class SqliteDriver:
 
         Inside ``write()`` on the same thread, reads join that transaction.
         """
-        conn = connections[self.alias]
+        conn = self._connection()
         try:
             with conn.cursor() as cursor:
                 if self._served is not None and not self._depth():
@@ -906,7 +936,7 @@ class SqliteDriver:
 
     def changes(self) -> SqliteChangeFeed:
         """A ``data_version`` feed on the calling thread's connection."""
-        return SqliteChangeFeed(self.alias)
+        return SqliteChangeFeed(self._connection)
 
     def check(self, *, full: bool = True) -> list[str]:
         """Run ``PRAGMA integrity_check`` (``PRAGMA quick_check`` when not ``full``); return
@@ -924,7 +954,7 @@ class SqliteDriver:
         """
         pragma = "integrity_check" if full else "quick_check"
         try:
-            with connections[self.alias].cursor() as cursor:
+            with self._connection().cursor() as cursor:
                 cursor.execute(f"PRAGMA {pragma}")
                 rows = [str(r[0]) for r in cursor.fetchall()]
         except DatabaseError as exc:  # e.g. "file is not a database"
@@ -1050,7 +1080,10 @@ class SqliteDriver:
             return
         if size <= s.sqlite_wal_limit_bytes or now_s < self._checkpoint_at:
             return
-        conn = connections[self.alias]
+        try:
+            conn = self._connection()
+        except StorageLost:
+            return  # every write says so
         if conn.in_atomic_block:
             return
         try:
