@@ -78,6 +78,10 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         errors.append(
             checks.Error("RELAY_STARTUP_CHECK must be 'integrity' or 'quick'", id="relay.E007")
         )
+    if s.event_loop not in ("auto", "uvloop", "asyncio"):
+        errors.append(
+            checks.Error("RELAY_EVENT_LOOP must be 'auto', 'uvloop' or 'asyncio'", id="relay.E012")
+        )
     for name in ("retention_succeeded", "retention_dead"):
         try:
             parse_duration_ms(getattr(s, name))

@@ -61,6 +61,12 @@ class RelaySettings:
             and with them their attempt numbers: docs/design-decisions.md, "Leases without
             their own fsync"). True for handlers that rely on ``attempt`` as a fencing
             epoch through a power loss.
+        event_loop: the event loop ``relay server`` runs on: ``"auto"`` (the default: uvloop
+            when it is installed, as it is with Relay on Linux and macOS, else asyncio's
+            own), ``"uvloop"`` (refuse to start without it) or ``"asyncio"``. uvloop
+            (libuv, in Cython) runs the loop, its sockets and its timers outside the
+            interpreter: 7-10% fewer instructions per request (docs/benchmarking.md,
+            round 8).
         startup_check: what the server checks before serving: ``"integrity"`` (``PRAGMA
             integrity_check``, the default: 2.7 s for 1M jobs on the benchmark machine) or
             ``"quick"`` (``PRAGMA quick_check``, 0.9 s there, blind to index entries out of
@@ -174,6 +180,7 @@ class RelaySettings:
     sqlite_synchronous: str = "FULL"
     durable_leases: bool = False
     startup_check: str = "integrity"
+    event_loop: str = "auto"
     database: str = "default"
     pg_prepared_statements: bool = True
     server_heartbeat_ms: int = 5_000

@@ -227,6 +227,8 @@ RELAY_IDEMPOTENCY_WINDOW_MS = _env_int("RELAY_IDEMPOTENCY_WINDOW_MS", 24 * 3600 
 RELAY_BUSY_RETRY_BUDGET_MS = _env_int("RELAY_BUSY_RETRY_BUDGET_MS", 10_000)
 # "integrity" (PRAGMA integrity_check) or "quick" (PRAGMA quick_check) before the server serves.
 RELAY_STARTUP_CHECK = _env("RELAY_STARTUP_CHECK", "integrity")
+# The server's event loop: "auto" (uvloop when installed), "uvloop" or "asyncio".
+RELAY_EVENT_LOOP = _env("RELAY_EVENT_LOOP", "auto")
 # Several servers on one PostgreSQL database: the registry heartbeat, and the clock bound.
 RELAY_SERVER_HEARTBEAT_MS = _env_int("RELAY_SERVER_HEARTBEAT_MS", 5_000)
 RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)

@@ -42,6 +42,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from queue_core.client import format_address
 from queue_core.conf import relay_settings
@@ -55,6 +56,34 @@ from queue_core.protocol.writer import Database
 from queue_core.service import PRUNE_BATCH, QueueService, new_server_id
 
 log = logging.getLogger("relay.server")
+
+
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The event loop to serve on, for ``asyncio.run(..., loop_factory=...)``.
+
+    Args:
+        choice: ``RELAY_EVENT_LOOP``: ``"auto"`` (uvloop when it can be imported, else
+            asyncio's), ``"uvloop"`` or ``"asyncio"``.
+    Returns:
+        ``uvloop.new_event_loop``, or None for asyncio's default loop.
+    Raises:
+        ImportError: ``"uvloop"`` was asked for and uvloop is not installed.
+    """
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise
+        return None
+    return uvloop.new_event_loop
+
+
+def loop_name(loop: asyncio.AbstractEventLoop) -> str:
+    """``"uvloop"`` or ``"asyncio"``: which loop ``loop`` is (the ``ready`` line says)."""
+    return "uvloop" if type(loop).__module__.partition(".")[0] == "uvloop" else "asyncio"
+
 
 DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs
 # Retention: a prune batch every RETENTION_EVERY reaper intervals (5 s by default). With a
@@ -165,15 +194,17 @@ class RelayServer:
         await self._heartbeat_once()  # in the registry before the ready line
         heart = asyncio.create_task(self._heartbeat(), name="relay-heartbeat")
         log.info(
-            "event=ready host=%s port=%s server_id=%s",
+            "event=ready host=%s port=%s server_id=%s loop=%s",
             self.host,
             self.port,
             self.server_id,
+            loop_name(self._loop),
             extra={
                 "event": "ready",
                 "host": self.host,
                 "port": self.port,
                 "server_id": self.server_id,
+                "loop": loop_name(self._loop),
             },
         )
         self.ready.set()

@@ -73,8 +73,12 @@ def make_jobs(
     return specs, expected
 
 
-def test_thousand_jobs_through_real_server_and_worker(spawn: Spawner, relay_db: RelayDb) -> None:
-    server, port = spawn.server()
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])  # RELAY_EVENT_LOOP
+def test_thousand_jobs_through_real_server_and_worker(
+    spawn: Spawner, relay_db: RelayDb, loop: str
+) -> None:
+    server, port = spawn.server(RELAY_EVENT_LOOP=loop)
+    assert [r["loop"] for r in server.records if r.get("event") == "ready"] == [loop]
     address = f"127.0.0.1:{port}"
     worker = spawn(
         "relay_worker",

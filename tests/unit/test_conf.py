@@ -45,6 +45,32 @@ def test_checks_catch_bad_settings() -> None:
         assert "relay.E007" in ids()
     with override_settings(RELAY_CLOCK_STEP_TOLERANCE_MS=0):
         assert "relay.E002" in ids()
+    with override_settings(RELAY_EVENT_LOOP="trio"):
+        assert "relay.E012" in ids()
+
+
+def test_the_event_loop_setting_picks_the_servers_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+    import sys
+
+    import uvloop
+
+    from queue_core.protocol.server import loop_factory, loop_name
+
+    assert relay_settings().event_loop == "auto"
+    assert loop_factory("auto") is uvloop.new_event_loop  # installed with Relay
+    assert loop_factory("uvloop") is uvloop.new_event_loop
+    assert loop_factory("asyncio") is None
+    for factory, name in ((uvloop.new_event_loop, "uvloop"), (asyncio.new_event_loop, "asyncio")):
+        loop = factory()
+        try:
+            assert loop_name(loop) == name
+        finally:
+            loop.close()
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # not installed: import fails
+    assert loop_factory("auto") is None
+    with pytest.raises(ImportError):
+        loop_factory("uvloop")
 
 
 @pytest.mark.parametrize(

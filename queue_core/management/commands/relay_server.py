@@ -23,7 +23,7 @@ from queue_core.client import parse_address
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
 from queue_core.management.relay_command import RelayBaseCommand, ensure_log_output
-from queue_core.protocol.server import RelayServer
+from queue_core.protocol.server import RelayServer, loop_factory
 from queue_core.service import QueueService
 from queue_core.storage import AlreadyServed
 
@@ -167,9 +167,15 @@ class Command(RelayBaseCommand):
         server = RelayServer(
             service, host=host, port=port, shutdown_grace_ms=options["shutdown_grace_ms"]
         )
+        try:
+            factory = loop_factory(relay_settings().event_loop)
+        except ImportError as exc:
+            raise CommandError(
+                f"RELAY_EVENT_LOOP=uvloop, but uvloop cannot be imported: {exc}"
+            ) from None
         exporter = start_metrics(metrics_at) if metrics_at else None
         try:
-            asyncio.run(server.serve(handle_signals=True))
+            asyncio.run(server.serve(handle_signals=True), loop_factory=factory)
         except OSError as exc:
             raise CommandError(f"UNAVAILABLE: cannot listen on {host}:{port}: {exc}") from exc
         finally:
