@@ -9,9 +9,10 @@ all, or only for Relay's code. A target the ceiling misses cannot be met by any 
 written this way on the same machine; the gap between Relay and the ceiling is what Relay's
 own per-request work costs (its schema, history, validation, guards and layers).
 
-What it does, and no more: one ``asyncio`` stream server (the event loop Relay's server runs
-on) speaking the NDJSON frames of ``docs/protocol.md`` for ``ping``, ``submit``,
-``submit_batch``, ``lease`` (``max_jobs`` 1, ``wait_ms`` long-poll) and ``ack`` (with
+What it does, and no more: one ``asyncio`` stream server, on the event loop Relay's server
+runs on (``RELAY_EVENT_LOOP``: uvloop when installed, ``queue_core.protocol.loops``), speaking
+the NDJSON frames of ``docs/protocol.md`` for ``ping``, ``submit``, ``submit_batch``,
+``lease`` (``max_jobs`` 1, ``wait_ms`` long-poll) and ``ack`` (with
 ``lease_next``); one ``sqlite3`` connection on the lean floor's table (``floor.LEAN_SCHEMA``)
 with the lean floor's statements, or with ``--schema relay`` on Relay's own migrated table with
 the statements Relay's transitions run there (``RelaySql``: the job row, its count, its attempt
@@ -52,6 +53,7 @@ from typing import Any
 
 import orjson
 
+from queue_core.protocol.loops import loop_factory, loop_name
 from relay_bench import floor
 
 MAX_LINE_BYTES = 1024 * 1024 + 1  # Relay's default frame limit and its newline
@@ -451,7 +453,8 @@ async def _main(path: str, synchronous: str, schema: str, host: str, port: int) 
     for signum in (signal.SIGTERM, signal.SIGINT):
         ceiling.loop.add_signal_handler(signum, stop.set)
     bound = server.sockets[0].getsockname()[1]
-    sys.stderr.write(orjson.dumps({"event": "ready", "port": bound, "pid": os.getpid()}).decode())
+    ready = {"event": "ready", "port": bound, "pid": os.getpid(), "loop": loop_name(ceiling.loop)}
+    sys.stderr.write(orjson.dumps(ready).decode())
     sys.stderr.write("\n")
     sys.stderr.flush()
     async with server:
@@ -484,7 +487,11 @@ def main(argv: list[str] | None = None) -> int:
         floor.create_lean(args.db)
     elif args.schema == "relay" and not os.path.exists(args.db):
         parser.error(f"--schema relay needs a migrated Relay database; {args.db} does not exist")
-    asyncio.run(_main(args.db, args.synchronous.upper(), args.schema, host, int(port)))
+    factory = loop_factory(os.environ.get("RELAY_EVENT_LOOP", "auto"))  # as relay_server's
+    asyncio.run(
+        _main(args.db, args.synchronous.upper(), args.schema, host, int(port)),
+        loop_factory=factory,
+    )
     return 0
 
 

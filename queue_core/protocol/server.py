@@ -42,7 +42,6 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from queue_core.client import format_address
 from queue_core.conf import relay_settings
@@ -50,39 +49,13 @@ from queue_core.protocol import limits
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import Conn
 from queue_core.protocol.listener import Listener
+from queue_core.protocol.loops import loop_name
 from queue_core.protocol.requests import Requests
 from queue_core.protocol.wakeups import FeedFollower, Wakeups
 from queue_core.protocol.writer import Database
 from queue_core.service import PRUNE_BATCH, QueueService, new_server_id
 
 log = logging.getLogger("relay.server")
-
-
-def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The event loop to serve on, for ``asyncio.run(..., loop_factory=...)``.
-
-    Args:
-        choice: ``RELAY_EVENT_LOOP``: ``"auto"`` (uvloop when it can be imported, else
-            asyncio's), ``"uvloop"`` or ``"asyncio"``.
-    Returns:
-        ``uvloop.new_event_loop``, or None for asyncio's default loop.
-    Raises:
-        ImportError: ``"uvloop"`` was asked for and uvloop is not installed.
-    """
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise
-        return None
-    return uvloop.new_event_loop
-
-
-def loop_name(loop: asyncio.AbstractEventLoop) -> str:
-    """``"uvloop"`` or ``"asyncio"``: which loop ``loop`` is (the ``ready`` line says)."""
-    return "uvloop" if type(loop).__module__.partition(".")[0] == "uvloop" else "asyncio"
 
 
 DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs

@@ -55,7 +55,7 @@ def test_the_event_loop_setting_picks_the_servers_loop(monkeypatch: pytest.Monke
 
     import uvloop
 
-    from queue_core.protocol.server import loop_factory, loop_name
+    from queue_core.protocol.loops import loop_factory, loop_name
 
     assert relay_settings().event_loop == "auto"
     assert loop_factory("auto") is uvloop.new_event_loop  # installed with Relay

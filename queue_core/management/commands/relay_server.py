@@ -23,7 +23,8 @@ from queue_core.client import parse_address
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
 from queue_core.management.relay_command import RelayBaseCommand, ensure_log_output
-from queue_core.protocol.server import RelayServer, loop_factory
+from queue_core.protocol.loops import loop_factory
+from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 from queue_core.storage import AlreadyServed
 
