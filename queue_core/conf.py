@@ -65,7 +65,7 @@ class RelaySettings:
             when it is installed, as it is with Relay on Linux and macOS, else asyncio's
             own), ``"uvloop"`` (refuse to start without it) or ``"asyncio"``. uvloop
             (libuv, in Cython) runs the loop, its sockets and its timers outside the
-            interpreter: 7-10% fewer instructions per request (docs/benchmarking.md,
+            interpreter: 7-14% fewer instructions per request (docs/benchmarking.md,
             round 8).
         startup_check: what the server checks before serving: ``"integrity"`` (``PRAGMA
             integrity_check``, the default: 2.7 s for 1M jobs on the benchmark machine) or

@@ -57,7 +57,6 @@ from queue_core.service import PRUNE_BATCH, QueueService, new_server_id
 
 log = logging.getLogger("relay.server")
 
-
 DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs
 # Retention: a prune batch every RETENTION_EVERY reaper intervals (5 s by default). With a
 # backlog, the next batch waits RETENTION_YIELD times as long as the last one took (at least
