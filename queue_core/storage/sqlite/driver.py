@@ -172,6 +172,52 @@ def watch_connections() -> None:
     connection_created.connect(_remember_file, dispatch_uid="relay-sqlite-file")
 
 
+# The files the servers of this process hold (``SqliteDriver.server_lock``): path -> (its
+# (st_dev, st_ino), the lock's handle: serving ends when it is closed, the StorageLost maker).
+_SERVED: dict[str, tuple[tuple[int, int], IO[bytes], Callable[[str], StorageLost]]] = {}
+
+
+class ServedFile:
+    """Mixed into the ``sqlite3.Connection`` class Django connects with (the ``factory`` of
+    ``sqlite3.connect``, set in the database's ``OPTIONS`` by ``server_lock``): in a server,
+    no connection, whatever opens it (the driver, a reader thread's ORM query, an API key's
+    ``touch``), is opened onto a file put in place of the one served.
+
+    Opening one reads the file and its ``-shm`` (Django's ``init_command`` sets
+    ``journal_mode=WAL``). On a file put in the served one's place, SQLite sees a new inode
+    with a ``-shm`` it takes for its own: POSIX locks never conflict within one process, so
+    it truncates that ``-shm`` (``strace``: ``ftruncate(fd, 3)``) while this process's older
+    connections map it (a thread reading through one then dies of ``SIGBUS``), and on close
+    writes the served file's log into the new file and deletes the log (a hostile review
+    corrupted a restored backup that way through an API key's ``touch``). The path is checked
+    before the open and again after it (one ``os.stat`` each, per new connection); a swap
+    between the two checks and back again is not seen.
+
+    Raises:
+        StorageLost: the path is gone or names another file than the one served.
+    """
+
+    def __init__(self, database: Any, *args: Any, **kwargs: Any) -> None:
+        path = os.fspath(database) if isinstance(database, (str, os.PathLike)) else None
+        served = _SERVED.get(str(path)) if path is not None else None
+        if served is not None and served[1].closed:
+            _SERVED.pop(str(path), None)
+            served = None
+        if served is not None and _file_identity(str(path)) != served[0]:
+            raise served[2](f"{path} is gone or is another file than the one served")
+        super().__init__(database, *args, **kwargs)  # type: ignore[call-arg]
+        if served is not None and _file_identity(str(path)) != served[0]:
+            self.close()  # type: ignore[attr-defined]
+            raise served[2](f"{path} was replaced while a connection opened it")
+
+
+def _served_factory(factory: type[sqlite3.Connection]) -> type[sqlite3.Connection]:
+    """``factory`` with ``ServedFile`` mixed in (once)."""
+    if issubclass(factory, ServedFile):
+        return factory
+    return type(f"Served{factory.__name__}", (ServedFile, factory), {})
+
+
 class _FaultLog:
     """One log line per fault code per ``FAULT_LOG_INTERVAL_S`` (with how many it stood for),
     and one when writes succeed again."""
@@ -471,17 +517,17 @@ class SqliteChangeFeed:
     connection (it changes only when *another* connection commits, so this thread's own
     commits never count). It cannot push: ``queue_core.protocol.wakeups.FeedFollower`` polls it."""
 
-    def __init__(self, connection: Callable[[], Any]) -> None:
-        self._connection = connection  # SqliteDriver._connection
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
 
     def token(self) -> int:
         """Return ``PRAGMA data_version`` on this thread's connection (on its sqlite3
         connection, inside Django's error translation: the server polls it once a loop pass).
 
         Raises:
-            StorageLost: see ``SqliteDriver._connection``.
+            StorageLost: see ``ServedFile``.
         """
-        conn = self._connection()
+        conn = connections[self.alias]
         if conn.connection is None:
             conn.ensure_connection()
         with conn.wrap_database_errors:
@@ -560,32 +606,6 @@ class SqliteDriver:
             raise self._lost(f"this connection opened another file than the {path} served")
         if _file_identity(path) != identity:
             raise self._lost(f"{path} is gone or is another file than the one opened")
-
-    def _connection(self) -> Any:
-        """This thread's Django connection to Relay's database, opened only onto the file this
-        server serves.
-
-        Opening a connection reads the file and its ``-shm`` (Django's ``init_command`` sets
-        ``journal_mode=WAL``). On a file put in the served one's place, SQLite sees a new
-        inode with a ``-shm`` it takes for its own: POSIX locks never conflict within one
-        process, so it truncates that ``-shm`` (seen with ``strace``: ``ftruncate(fd, 3)``)
-        while this process's older connections map it, and a thread reading through one of
-        them then dies of ``SIGBUS``. So in a server a connection not open yet is opened only
-        while the path still names the served file (one ``os.stat``, once per connection).
-
-        Raises:
-            StorageLost: this thread has no open connection and the path is gone or names
-                another file than the one served.
-        """
-        conn = connections[self.alias]
-        served = self._served
-        if (
-            served is not None
-            and conn.connection is None
-            and _file_identity(served[0]) != served[1]
-        ):
-            raise self._lost(f"{served[0]} is gone or is another file than the one served")
-        return conn
 
     def _check_opened(self, conn: Any) -> None:
         """In a server, refuse to read through a connection opened on another file than the
@@ -682,7 +702,7 @@ class SqliteDriver:
             # (docs/benchmarking.md).
             yield from self._savepoint(self._local.raw, self._local.tx, depth)
             return
-        conn = self._connection()
+        conn = connections[self.alias]
         self._local.after = []
         with conn.cursor() as cursor:
             if conn.in_atomic_block:
@@ -912,7 +932,7 @@ class SqliteDriver:
 
         Inside ``write()`` on the same thread, reads join that transaction.
         """
-        conn = self._connection()
+        conn = connections[self.alias]
         try:
             with conn.cursor() as cursor:
                 if self._served is not None and not self._depth():
@@ -936,7 +956,7 @@ class SqliteDriver:
 
     def changes(self) -> SqliteChangeFeed:
         """A ``data_version`` feed on the calling thread's connection."""
-        return SqliteChangeFeed(self._connection)
+        return SqliteChangeFeed(self.alias)
 
     def check(self, *, full: bool = True) -> list[str]:
         """Run ``PRAGMA integrity_check`` (``PRAGMA quick_check`` when not ``full``); return
@@ -954,7 +974,7 @@ class SqliteDriver:
         """
         pragma = "integrity_check" if full else "quick_check"
         try:
-            with self._connection().cursor() as cursor:
+            with connections[self.alias].cursor() as cursor:
                 cursor.execute(f"PRAGMA {pragma}")
                 rows = [str(r[0]) for r in cursor.fetchall()]
         except DatabaseError as exc:  # e.g. "file is not a database"
@@ -1027,7 +1047,8 @@ class SqliteDriver:
         file through a symlink or a hard link is refused too (a lock file beside the path was
         not: it re-leased live jobs). SQLite's own locks are POSIX ``fcntl`` locks, which
         ``flock`` does not touch on Linux. An absent file is created empty (SQLite takes an
-        empty file as an empty database).
+        empty file as an empty database). From then on no connection of this process opens
+        the path once it names another file (``ServedFile``, made the connections' factory).
 
         Raises:
             AlreadyServed: another process holds it.
@@ -1048,6 +1069,9 @@ class SqliteDriver:
             ) from None
         st = os.fstat(handle.fileno())
         self._served = (path, (st.st_dev, st.st_ino))
+        _SERVED[path] = (self._served[1], handle, self._lost)
+        options = connections.settings[self.alias].setdefault("OPTIONS", {})
+        options["factory"] = _served_factory(options.get("factory", sqlite3.Connection))
         return handle
 
     def close(self) -> None:
@@ -1080,10 +1104,7 @@ class SqliteDriver:
             return
         if size <= s.sqlite_wal_limit_bytes or now_s < self._checkpoint_at:
             return
-        try:
-            conn = self._connection()
-        except StorageLost:
-            return  # every write says so
+        conn = connections[self.alias]
         if conn.in_atomic_block:
             return
         try:
