@@ -9,6 +9,7 @@ and ``audit()`` (tests/audit.py).
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -70,3 +71,15 @@ def relay_db(request: pytest.FixtureRequest, spawn: Spawner) -> Iterator[RelayDb
     alias = "default" if backend == "sqlite" else "postgresql"
     with override_settings(DATABASE_ROUTERS=[OneDatabase(alias)]):
         yield RelayDb(backend, spawn.db_path)
+
+
+def put_a_copy_in_place(path: str, copy: str) -> None:
+    """Back ``path`` up into ``copy`` (sqlite3's backup API), then rename the copy over
+    ``path``: another file (inode) at the path, as an operator's restore makes, while whoever
+    opened the old one keeps it."""
+    with (
+        contextlib.closing(sqlite3.connect(path)) as src,
+        contextlib.closing(sqlite3.connect(copy)) as dst,
+    ):
+        src.backup(dst)
+    os.replace(copy, path)

@@ -21,7 +21,6 @@ import errno
 import os
 import shutil
 import signal
-import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from queue_core.client import RelayClient
 from queue_core.errors import RelayError, StorageFull, StorageLost
 from tests.audit import audit
 from tests.procs import ROOT, Spawner, command_env, spawner
+from tests.relay_db import put_a_copy_in_place
 
 pytestmark = [pytest.mark.slow]
 
@@ -220,13 +220,7 @@ def test_writes_after_the_database_was_removed_or_replaced_are_refused(
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(f"{db}{suffix}")
             else:
-                copy = tmp_path / "copy.db"
-                with (
-                    contextlib.closing(sqlite3.connect(db)) as src,
-                    contextlib.closing(sqlite3.connect(copy)) as dst,
-                ):
-                    src.backup(dst)
-                os.replace(copy, db)
+                put_a_copy_in_place(str(db), str(tmp_path / "copy.db"))
             outcomes: list[str] = []
             refusals: list[RelayError] = []
             for i in range(50):

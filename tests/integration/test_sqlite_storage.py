@@ -46,6 +46,7 @@ from queue_core.storage.base import load_queries
 from queue_core.storage.sqlite import driver as sqlite_driver
 from queue_core.storage.sqlite.driver import SqliteDriver
 from relay_bench import floor
+from tests.relay_db import put_a_copy_in_place
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -347,12 +348,7 @@ def test_a_server_opens_no_connection_onto_a_file_put_in_place_of_the_one_it_ser
         service.submit("q", {"n": 1})  # this thread's connection maps the -shm
         shm = os.stat(f"{path}-shm").st_size
         os.link(path, moved)  # keep the inode: the test database is put back afterwards
-        with (
-            contextlib.closing(sqlite3.connect(path)) as src,
-            contextlib.closing(sqlite3.connect(copy)) as dst,
-        ):
-            src.backup(dst)
-        os.replace(copy, path)
+        put_a_copy_in_place(path, str(copy))
         refused: list[BaseException] = []
 
         def touch() -> None:  # the ORM, not the driver: an API key's touch after a hello
