@@ -53,6 +53,9 @@ class Conn:
     bad_frames: int = 0  # malformed lines so far
     opened: float = dataclasses.field(default_factory=time.monotonic)
     evicted: bool = False  # closed to make room for a newcomer (never authenticated)
+    # Loop time the last request that outlived an idle deadline ended (``ended``): the
+    # connection is idle only from then on.
+    busy_until: float = 0.0
 
     async def send(self, line: bytes) -> bool:
         """Write one reply line and wait until the socket buffer drains; return whether sent.
@@ -160,6 +163,11 @@ class Conn:
         """Drop the connection at once, unsent replies included."""
         self.hang_up()
         self.writer.transport.abort()
+
+    def ended(self, task: asyncio.Future[Any]) -> None:
+        """A request that was in progress at an idle deadline ended: idleness counts from now
+        (``listener.Listener._read_requests``)."""
+        self.busy_until = asyncio.get_running_loop().time()
 
     def done(self, task: asyncio.Future[Any]) -> None:
         """Forget a finished request and free its in-flight slot."""

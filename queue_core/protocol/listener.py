@@ -311,10 +311,13 @@ class Listener:
                     )
                     await conn.send(codec.encode_error(None, refusal))
                     return
-                if loop.time() < active_at + idle_s:  # woken for the hello deadline only
-                    continue
-                if conn.tasks:  # a request in progress (a long-poll) is not idleness
-                    active_at = loop.time()
+                active_at = max(active_at, conn.busy_until)
+                if loop.time() < active_at + idle_s:  # woken early (a hello deadline, a
+                    continue  # request that ended since): wait on from the later one
+                if conn.tasks:  # a request in progress (a long-poll) is not idleness:
+                    active_at = loop.time()  # idleness starts again when the last one ends
+                    for task in conn.tasks:
+                        task.add_done_callback(conn.ended)
                     continue
                 log.debug("event=idle_timeout peer=%s", conn.peer)
                 await conn.send(codec.encode_error(None, errors.Timeout()))

@@ -482,6 +482,26 @@ def test_idle_timeout(start: Callable[..., Running]) -> None:
                 busy.close()
 
 
+def test_idleness_after_a_long_poll_counts_from_its_reply(start: Callable[..., Running]) -> None:
+    # The idle deadline passes twice while the long-poll waits (at 1 s and 2 s); the
+    # connection is idle only from the reply on. Before, idleness restarted at the last
+    # deadline passed: TIMEOUT came 0.4 s after the reply.
+    with override_settings(RELAY_IDLE_TIMEOUT_MS=1000):
+        running = start()
+        c = Client(running.port, timeout=10)
+        try:
+            reply = c.call("lease", req_id="lp", queues=["none"], wait_ms=2600)
+            replied = time.monotonic()
+            assert reply["id"] == "lp" and reply["result"] == {"jobs": []}
+            closing = c.recv()  # the server's next line: its TIMEOUT
+            gap = time.monotonic() - replied
+            assert closing["id"] is None and closing["error"]["code"] == "TIMEOUT"
+            assert c.at_eof()
+            assert 0.9 <= gap < 2.5, gap
+        finally:
+            c.close()
+
+
 def test_malformed_lines_do_not_keep_a_connection_alive(start: Callable[..., Running]) -> None:
     # A slot holder sending garbage (each answered BAD_FRAME) is still idle: only valid
     # requests count as activity. Paced writes stand for a slowloris client, not for sync.
