@@ -191,7 +191,7 @@ class RelayServer:
             )
             self._wakeups.wake_all()  # waiting long-polls answer {"jobs": []}
             await self._grace()
-            await self._listener.close_all(server)
+            await self._listener.close_all()
             await server.wait_closed()
         finally:
             if handle_signals:
