@@ -118,10 +118,7 @@ def _submit(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     # Never change ``args``: a call may run twice (the flat group commit's second round).
     options = {k: v for k, v in args.items() if k not in ("queue", "payload")}
     out = svc.submit(args["queue"], args["payload"], **options)
-    job = out["job"]  # one job: what _submitted gives, without building a Counter
-    queues, at_ms = _job_effects(job)
-    kind = "deduplicated" if out["deduplicated"] else "submitted"
-    return Outcome(out, frozenset(queues), at_ms, (metrics.Event(kind, job["queue"], 1),))
+    return _submitted([(out["job"], out["deduplicated"])], out)
 
 
 def _submit_batch(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:

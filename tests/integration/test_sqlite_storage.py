@@ -375,6 +375,9 @@ def test_a_server_opens_no_connection_onto_a_file_put_in_place_of_the_one_it_ser
     finally:
         os.replace(moved, path)
         handle.close()
+        # What server_lock installed for this process: later tests are no server.
+        connections.settings[driver.alias]["OPTIONS"].pop("factory", None)
+        sqlite_driver._SERVED.pop(path, None)
     assert service.submit("q", {"n": 2})["job"]["state"] == "ready"
 
 
