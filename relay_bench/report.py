@@ -74,12 +74,17 @@ def headline(doc: dict[str, Any]) -> str:
     return (
         f"relay_bench ({meta['sizes']}, {n} run{'s' if n != 1 else ''}: "
         f"{'medians' if n > 1 else 'one run, no spread'}) on {m['cores']} cores, "
-        f"{m['cpu_model']}, Python {m['python']}, SQLite {m['sqlite']}, WAL; Relay at "
+        f"{m['cpu_model']}, Python {m['python']}{_build(m)}, SQLite {m['sqlite']}, WAL; Relay at "
         f"synchronous={levels}, floors at {floors}; load average {meta.get('loadavg_start')} "
         f"-> {meta.get('loadavg_end')}"
         + (f" ({per_run})" if per_run else "")
         + f"; {meta.get('duration_s', '?')} s"
     )
+
+
+def _build(m: dict[str, Any]) -> str:
+    """`` (PGO+LTO, static libpython)``: the interpreter's build, when the run recorded it."""
+    return f" ({m['python_build']})" if m.get("python_build") else ""
 
 
 def _others(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

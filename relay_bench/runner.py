@@ -41,6 +41,7 @@ import platform
 import secrets
 import shutil
 import sqlite3
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -173,8 +174,38 @@ class RichBar(Progress):
             self.task = None
 
 
+def interpreter_build(config_args: str | None = None, shared: object = None) -> str:
+    """How the running CPython was built, as it bears on the server's CPU per request:
+    ``"PGO+LTO, static libpython"``, ``"no PGO, no LTO, shared libpython"``...
+
+    A build with ``--enable-shared`` reaches the thread state through ``__tls_get_addr`` (5%
+    of a Relay server's instructions on pyenv's default build), and one without
+    ``--enable-optimizations`` (PGO) or ``--with-lto`` runs Python code slower
+    (docs/benchmarking.md, "The interpreter's build"). Args (tests only): the
+    ``sysconfig`` variables ``CONFIG_ARGS`` and ``Py_ENABLE_SHARED``, read when None.
+    """
+    if config_args is None:
+        config_args = str(sysconfig.get_config_var("CONFIG_ARGS") or "")
+    if shared is None:
+        shared = sysconfig.get_config_var("Py_ENABLE_SHARED")
+    pgo = "--enable-optimizations" in config_args
+    lto = "--with-lto" in config_args
+    parts = [
+        "PGO+LTO"
+        if pgo and lto
+        else "PGO, no LTO"
+        if pgo
+        else "LTO, no PGO"
+        if lto
+        else "no PGO, no LTO"
+    ]
+    parts.append("shared libpython" if shared else "static libpython")
+    return ", ".join(parts)
+
+
 def machine() -> dict[str, Any]:
-    """The machine's cores, CPU model, load average, Python and SQLite versions."""
+    """The machine's cores, CPU model, Python (version and build, ``interpreter_build``) and
+    SQLite versions."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as info:
@@ -189,6 +220,7 @@ def machine() -> dict[str, Any]:
         "cpu_model": model,
         "platform": platform.platform(),
         "python": platform.python_version(),
+        "python_build": interpreter_build(),
         "sqlite": sqlite3.sqlite_version,
     }
 

@@ -71,6 +71,7 @@ def test_bench_command_runs_end_to_end_and_reports_json(tmp_path: Path) -> None:
     assert doc == orjson.loads((tmp_path / "bench.json").read_bytes())
     meta = doc["meta"]
     assert meta["machine"]["cores"] >= 1
+    assert meta["machine"]["python_build"].endswith("libpython")
     assert (meta["synchronous"], meta["synchronous_levels"], meta["runs"]) == (
         "FULL",
         ["FULL", "NORMAL"],

@@ -475,3 +475,18 @@ def test_submit_to_start_is_judged_by_issue_15s_five_milliseconds(p99: float, me
     doc["submit_to_start"] = {"latency_ms": {"p99": p99}}
     (judged,) = [t for t in runs.targets(doc) if t["name"].startswith("submit-to-start p99")]
     assert (judged["target"], judged["value"], judged["met"]) == ("< 5", p99, met)
+
+
+def test_the_interpreter_build_is_named_from_its_configure_arguments() -> None:
+    from relay_bench.runner import interpreter_build
+
+    pyenv = "'--prefix=/root/.pyenv/versions/3.13.0' '--enable-shared' '--libdir=/x'"
+    assert interpreter_build(pyenv, 1) == "no PGO, no LTO, shared libpython"
+    assert interpreter_build("'--enable-optimizations' '--with-lto'", 0) == (
+        "PGO+LTO, static libpython"
+    )
+    assert interpreter_build("'--enable-optimizations'", 1) == "PGO, no LTO, shared libpython"
+    assert interpreter_build("--with-lto=full", 0) == "LTO, no PGO, static libpython"
+    doc: dict[str, Any] = {"meta": {"machine": {"python_build": "PGO+LTO, static libpython"}}}
+    assert report._build(doc["meta"]["machine"]) == " (PGO+LTO, static libpython)"
+    assert report._build({}) == ""
