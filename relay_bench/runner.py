@@ -190,17 +190,13 @@ def interpreter_build(config_args: str | None = None, shared: object = None) -> 
         shared = sysconfig.get_config_var("Py_ENABLE_SHARED")
     pgo = "--enable-optimizations" in config_args
     lto = "--with-lto" in config_args
-    parts = [
-        "PGO+LTO"
-        if pgo and lto
-        else "PGO, no LTO"
-        if pgo
-        else "LTO, no PGO"
-        if lto
-        else "no PGO, no LTO"
-    ]
-    parts.append("shared libpython" if shared else "static libpython")
-    return ", ".join(parts)
+    flags = {
+        (True, True): "PGO+LTO",
+        (True, False): "PGO, no LTO",
+        (False, True): "LTO, no PGO",
+        (False, False): "no PGO, no LTO",
+    }[pgo, lto]
+    return f"{flags}, {'shared' if shared else 'static'} libpython"
 
 
 def machine() -> dict[str, Any]:
