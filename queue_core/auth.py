@@ -352,6 +352,26 @@ def authorize(principal: Principal, op: str, *, surface: str, peer: str) -> None
     )
 
 
+def still_allowed(
+    principal: Principal | None, op: str, ring: KeyRing, *, surface: str, peer: str
+) -> Principal:
+    """Check again, mid-request, that a request admitted as ``principal`` may still run ``op``:
+    a long-poll lease re-checks before each claim after a wait, so a key revoked (or keys
+    created) while it waits leases nothing (``check_session``, then ``authorize``).
+
+    Args:
+        principal: who the request was admitted as (None: no hello on TCP).
+        ring: the current snapshot of the key table (at most ``RING_TTL_S`` old).
+    Returns:
+        the principal the request runs as now.
+    Raises:
+        Unauthenticated, PermissionDenied.
+    """
+    now = check_session(principal, ring, surface=surface, peer=peer)
+    authorize(now, op, surface=surface, peer=peer)
+    return now
+
+
 def touch(prefix: str | None, *, clock: Clock | None = None) -> None:
     """Record that a key was used, at most once per ``TOUCH_INTERVAL_MS`` per process.
 

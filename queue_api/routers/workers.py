@@ -41,8 +41,8 @@ from queue_api.schemas import (
     RenewIn,
     RenewOut,
 )
-from queue_api.security import ApiKey
-from queue_core import metrics
+from queue_api.security import ApiKey, peer_of
+from queue_core import auth, metrics
 
 router = Router(tags=["workers"])
 
@@ -69,23 +69,38 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
     process = calls.wakeups()
     if checked.get("wait_ms", 0) > 0:
         await process.start()
+    waited = False
     while True:
         # Subscribe before the claim: a commit after it wakes the wait.
         waiter = process.wakeups.subscribe(checked["queues"])
         try:
-            result, wake_at = await pool.run(_claim, request, verb, checked, deadline)
+            result, wake_at = await pool.run(_claim, request, verb, checked, deadline, waited)
             if result["jobs"] or time.monotonic() >= deadline:
                 return result
             await waiter.wait(wake_at - time.monotonic())
+            waited = True
         finally:
             process.wakeups.unsubscribe(waiter)
 
 
 def _claim(
-    request: HttpRequest, verb: Any, checked: dict[str, Any], deadline: float
+    request: HttpRequest, verb: Any, checked: dict[str, Any], deadline: float, waited: bool
 ) -> tuple[dict[str, Any], float]:
     """Claim once; return the result and, when it is empty, when to look again at the latest
-    (``time.monotonic()``: the next due job or lease expiry, else ``deadline``)."""
+    (``time.monotonic()``: the next due job or lease expiry, else ``deadline``). After a wait
+    (``waited``) the key is checked again first: one revoked meanwhile leases nothing.
+
+    Raises:
+        Unauthenticated, PermissionDenied: the key was revoked while the request waited.
+    """
+    if waited:
+        auth.still_allowed(
+            getattr(request, "auth", None),
+            "lease",
+            auth.current_ring(),
+            surface="http",
+            peer=peer_of(request),
+        )
     started = time.monotonic()
     outcome = calls.call(request, verb, checked)
     metrics.CLAIM_SECONDS.observe(time.monotonic() - started)

@@ -375,6 +375,10 @@ class Requests:
                 await waiter.wait(remaining)
                 if self.draining or conn.gone:
                     return dispatch.Outcome({"jobs": []})
+                # A key revoked while this waited leases nothing (refused, UNAUTHENTICATED).
+                auth.still_allowed(
+                    conn.principal, verb.op, await self.key_ring(), surface="tcp", peer=conn.peer
+                )
             finally:
                 conn.waiting.discard(waiter.event)
                 self.wakeups.unsubscribe(waiter)

@@ -7,6 +7,7 @@ import hashlib
 import io
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +20,7 @@ from django.test import Client
 
 from queue_core import auth, errors
 from queue_core.client import RelayClient
-from queue_core.models import ApiKey
+from queue_core.models import ApiKey, Job
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 from tests.http.conftest import Api, metric, problem
@@ -342,3 +343,72 @@ def test_a_flood_of_bad_keys_is_counted_in_full_and_logged_once_a_second(
         auth.authenticate("rk_nope_nope", surface="tcp", peer="p", ring=ring)
     lines = [r for r in caplog.records if "auth_failed" in r.getMessage()]
     assert len(lines) == 2 and "unlogged=49" in lines[1].getMessage()
+
+
+# ---------------------------------------------------------------------- revoked mid-wait
+
+
+def _until(check: Callable[[], Any], what: str, timeout_s: float = 15.0) -> None:
+    """Poll ``check`` until it is truthy (a condition wait with a deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _job_states(queue: str) -> list[str]:
+    return list(Job.objects.filter(queue=queue).values_list("state", flat=True))
+
+
+def test_a_key_revoked_while_its_tcp_long_poll_waits_leases_nothing(
+    tcp: _Server, make_key: Callable[..., str]
+) -> None:
+    """Hostile review: a waiting lease admitted before the revoke took the next job (then
+    could not ack it, and the job was charged a failure when its lease expired)."""
+    worker, producer = make_key("worker"), make_key("producer")
+    got: dict[str, Any] = {}
+
+    def poll() -> None:
+        try:
+            with RelayClient(tcp.address(), api_key=worker) as client:
+                got["jobs"] = client.lease(["revq"], worker_id="w", wait_ms=15_000)
+        except errors.RelayError as exc:
+            got["error"] = exc
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    _until(lambda: "revq" in tcp.server._wakeups.queues(), "the lease to wait")
+    assert auth.revoke(auth.parse_prefix(worker) or "")
+    with RelayClient(tcp.address(), api_key=producer) as client:
+        client.submit("revq", {"n": 1})
+    thread.join(20)
+    assert isinstance(got.get("error"), errors.Unauthenticated), got
+    assert _job_states("revq") == ["ready"]
+
+
+def test_a_key_revoked_while_its_http_long_poll_waits_leases_nothing(
+    api: Api, make_key: Callable[..., str]
+) -> None:
+    from django.db import connection
+
+    from queue_api import calls
+
+    worker, producer = make_key("worker"), make_key("producer")
+    got: dict[str, Any] = {}
+
+    def poll() -> None:
+        try:
+            got["response"] = Api().post(
+                "/api/v1/leases", {"queues": ["revh"], "wait_ms": 15_000}, key=worker
+            )
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    _until(lambda: "revh" in calls.wakeups().wakeups.queues(), "the lease to wait")
+    assert auth.revoke(auth.parse_prefix(worker) or "")
+    assert api.post("/api/v1/queues/revh/jobs", {"payload": 1}, key=producer).status_code == 201
+    thread.join(20)
+    problem(got["response"], 401, "UNAUTHENTICATED")
+    assert _job_states("revh") == ["ready"]
