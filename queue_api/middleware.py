@@ -16,6 +16,9 @@ without a CORS preflight, and with API keys off it would otherwise create jobs. 
 PATCH without a body passes only without a Content-Type and without a cross-origin ``Origin``
 (``curl -X POST .../replay`` does; a page elsewhere cannot).
 
+``MethodProblemMiddleware``: a method a path under ``/api/`` does not serve gets a ``405``
+problem (code ``UNKNOWN_OP``) with ``Allow``, not django-ninja's plain-text 405.
+
 ``AsgiBodyLimit``: under ASGI Django reads the whole body before any middleware runs, so this
 ASGI wrapper (``relayproject.asgi``) applies the same bound first: 413 for a declared length
 over the limit without reading it, and a body without a length (chunked) is collected up to the
@@ -162,6 +165,50 @@ def _cross_origin(request: HttpRequest) -> bool:
     except DisallowedHost:
         return True
     return origin.partition("://")[2].rstrip("/").lower() != host.lower()
+
+
+class MethodProblemMiddleware:
+    """Under ``/api/``, a method a path does not serve as a problem: ``405`` with its
+    ``Allow`` header, code ``UNKNOWN_OP`` (on TCP, the op no handler serves). django-ninja
+    answers it in plain text, outside the API's exception handlers (hostile review)."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
+        self.get_response = get_response
+        self.async_mode = iscoroutinefunction(get_response)
+        if self.async_mode:
+            markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        """Pass the request on; mend the response (``mend``)."""
+        if self.async_mode:
+            return self._acall(request)
+        return mend(request, self.get_response(request))
+
+    async def _acall(self, request: HttpRequest) -> HttpResponse:
+        return mend(request, await self.get_response(request))
+
+
+def mend(request: HttpRequest, response: HttpResponse) -> HttpResponse:
+    """``response``, or for a plain ``405`` under ``/api/`` the same refusal as a problem."""
+    if (
+        response.status_code != 405
+        or not request.path.startswith("/api/")
+        or response.get("Content-Type", "").startswith(CONTENT_TYPE)
+    ):
+        return response
+    allow = response.get("Allow", "")
+    body = problem_body(
+        errors.UnknownOp(
+            f"{request.method} is not served at {request.path} (allowed: {allow or 'none'})",
+            method=request.method,
+            allowed=[m.strip() for m in allow.split(",") if m.strip()],
+        ),
+        request.path,
+    )
+    body["status"] = 405
+    mended = HttpResponse(orjson.dumps(body), status=405, content_type=CONTENT_TYPE)
+    mended["Allow"] = allow
+    return mended
 
 
 # ---------------------------------------------------------------------- ASGI

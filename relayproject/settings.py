@@ -80,6 +80,8 @@ MIDDLEWARE = [
     "queue_api.middleware.BodyLimitMiddleware",
     # 415 for an API request body that is not application/json (no CORS-simple requests).
     "queue_api.middleware.JsonOnlyMiddleware",
+    # 405 problem details (UNKNOWN_OP) for a method an API path does not serve.
+    "queue_api.middleware.MethodProblemMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
