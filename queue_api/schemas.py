@@ -14,6 +14,7 @@ import datetime as dt
 import types as pytypes
 from collections.abc import Mapping
 from typing import (
+    Annotated,
     Any,
     Literal,
     NotRequired,
@@ -25,7 +26,7 @@ from typing import (
 )
 
 from ninja import Schema
-from pydantic import ConfigDict, Field, computed_field, create_model
+from pydantic import BeforeValidator, ConfigDict, Field, computed_field, create_model
 
 from queue_core import types
 
@@ -42,6 +43,16 @@ class _In(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+def _class_name(value: Any) -> Any:
+    """A priority class name in any case and spacing, as TCP takes it (``Priority.parse``)."""
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+PriorityIn = Annotated[
+    Literal["low", "normal", "high", "critical"] | int | None, BeforeValidator(_class_name)
+]
+
+
 # ---------------------------------------------------------------------- producers
 
 
@@ -51,8 +62,8 @@ class SubmitOptions(_In):
     payload: Any = Field(
         ..., description="Any JSON value except null, at most RELAY_MAX_PAYLOAD_BYTES encoded."
     )
-    priority: Literal["low", "normal", "high", "critical"] | int | None = Field(
-        None, description="low, normal (default), high, critical; or 0-3."
+    priority: PriorityIn = Field(
+        None, description="low, normal (default), high, critical (any case); or 0-3."
     )
     max_retries: int | None = Field(None, description="Failures retried before the job is dead.")
     backoff: Literal["fixed", "exponential"] | None = None

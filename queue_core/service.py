@@ -1589,7 +1589,11 @@ class QueueService:
             ``ok`` with ``error`` ``{"code", "message", "retryable"}``; ``queue`` too on a
             first ack (for the metrics). ``next`` is ``[]`` without ``lease_next``.
         Raises:
-            InvalidArgument (``acks`` is not a list of 1..100 objects, ``lease_next``),
+            InvalidArgument: ``acks`` is not a list of 1..100 objects, an entry has an unknown
+                field or lacks a string ``job_id``, ``worker_id`` or ``lease_token`` (the whole
+                request is refused, as ``submit_batch`` refuses a malformed entry; the HTTP
+                schema refuses the same), or ``lease_next`` is invalid. A value out of range
+                (a malformed job id, a result over its limit) refuses that entry only.
             StoreBusy: nothing changed.
         """
         if not isinstance(acks, list) or not 1 <= len(acks) <= MAX_BATCH_ACKS:
@@ -1604,6 +1608,12 @@ class QueueService:
             if unknown:
                 field = f"acks[{index}].{unknown[0]}"
                 raise InvalidArgument(f"{field}: unknown argument", field=field, index=index)
+            for name in ("job_id", "worker_id", "lease_token"):  # the shape, as HTTP's schema
+                value = item.get(name)
+                if not isinstance(value, str):
+                    field = f"acks[{index}].{name}"
+                    why = "is required" if value is None else "must be a string"
+                    raise InvalidArgument(f"{field}: {why}", field=field, index=index)
         spec = self._next_claim(lease_next, acks[0].get("worker_id"))  # type: ignore[arg-type]
         results: list[dict[str, Any] | None] = [None] * len(acks)
         plans: dict[int, tuple[dict[str, Any], str | None]] = {}

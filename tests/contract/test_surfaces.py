@@ -38,6 +38,7 @@ JOB_KEYS = {
     "time_limit_ms",
 }
 UNKNOWN_JOB = "job_00000000000000000000000000"
+_ACK = {"job_id": UNKNOWN_JOB, "worker_id": "w1", "lease_token": "t"}
 
 
 def lease(surface: Surface, queue: str = "q", **kw: Any) -> dict[str, Any]:
@@ -67,6 +68,16 @@ def test_submit_then_inspect(surface: Surface) -> None:
     assert set(seen) == JOB_KEYS | surface.job_extras | {"history", "events", "history_omitted"}
     assert {k: seen[k] for k in JOB_KEYS} == {k: job[k] for k in JOB_KEYS}
     assert (seen["history"], seen["events"], seen["history_omitted"]) == ([], [], 0)
+
+
+def test_priority_names_are_taken_in_any_case_and_spacing(surface: Surface) -> None:
+    """Hostile review: ``"HIGH"`` was a job over TCP and a 422 over HTTP."""
+    for name, stored in (("HIGH", "high"), (" High ", "high"), ("Critical", "critical")):
+        job = surface.call("submit", queue="q", payload=1, priority=name)["job"]
+        assert job["priority"] == stored
+    batch = surface.call("submit_batch", jobs=[{"queue": "q", "payload": 1, "priority": "LOW"}])
+    job_id = batch["results"][0]["job_id"]
+    assert surface.call("inspect", job_id=job_id)["job"]["priority"] == "low"
 
 
 def test_idempotent_submit(surface: Surface) -> None:
@@ -250,6 +261,13 @@ def test_pause_resume_and_a_cap_behave_alike_on_every_surface(surface: Surface) 
             {"jobs": [{"queue": "q", "payload": 1, "priority": 9}]},
             "jobs[0].priority",
         ),
+        (  # hostile review: TCP acked the good entry, HTTP refused the request
+            "ack_batch",
+            {"acks": [_ACK, {"job_id": UNKNOWN_JOB, "worker_id": "w1"}]},
+            "acks[1].lease_token",
+        ),
+        ("ack_batch", {"acks": [{**_ACK, "job_id": 5}]}, "acks[0].job_id"),
+        ("ack_batch", {"acks": [_ACK, {**_ACK, "worker_id": ["w"]}]}, "acks[1].worker_id"),
         ("lease", {"queues": ["q"], "max_jobs": 0}, "max_jobs"),
         ("lease", {"queues": ["q"], "lease_ms": 10}, "lease_ms"),
         ("ack", {"job_id": UNKNOWN_JOB, "worker_id": "w1"}, "lease_token"),
