@@ -2,7 +2,7 @@
 
 It runs only when the HTTP API has its submit route (``POST /api/v1/queues/{queue}/jobs``)
 and gunicorn is installed; otherwise the report says why it was skipped. gunicorn gets the
-project's ``gunicorn.conf.py`` (as shipped: one asgi worker) bound to a free
+shipped settings (``relayproject.gunicorn_conf``: one asgi worker) bound to a free
 loopback port, with a ``relay_server`` on the same file as in a deployment. Each producer
 thread keeps one HTTP/1.1 keep-alive connection and POSTs ``{"payload": ...}``.
 """
@@ -56,10 +56,9 @@ class GunicornProcess:
         root = Path(__file__).resolve().parents[1]
         self.port = _free_port()
         self.address = f"127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "gunicorn"]
-        conf = root / "gunicorn.conf.py"
-        if conf.exists():
-            argv += ["--config", str(conf)]
+        # The shipped settings, from the package: an installed Relay has no gunicorn.conf.py
+        # (without them gunicorn's default sync worker answered every request with a 500).
+        argv = [sys.executable, "-m", "gunicorn", "--config", "python:relayproject.gunicorn_conf"]
         argv += ["--bind", self.address, "relayproject.asgi:application"]
         self.popen = subprocess.Popen(
             argv,

@@ -426,6 +426,30 @@ def backlog_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def failed_requests(doc: Any, path: str = "") -> list[str]:
+    """One line per measured row of ``doc`` whose requests failed (``errors`` > 0), at any
+    depth: ``"submit[http, single, 16]: 640 of 640 requests failed (RuntimeError: ...)"``.
+
+    A row's rate counts completed jobs only, so a scenario whose requests all failed reads
+    0 jobs/s with latencies: these lines say so next to the tables.
+    """
+    out: list[str] = []
+    if isinstance(doc, dict):
+        if isinstance(doc.get("errors"), int) and doc["errors"] > 0:
+            names = [str(doc[k]) for k in ("transport", "mode", "concurrency") if k in doc]
+            where = f"{path}[{', '.join(names)}]" if names else path
+            out.append(
+                f"{where}: {doc['errors']} of {doc.get('requests', '?')} requests failed"
+                f" ({doc.get('error_sample') or 'no sample'})"
+            )
+        for key, value in doc.items():
+            out += failed_requests(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(doc, list):
+        for item in doc:
+            out += failed_requests(item, path)
+    return out
+
+
 def tables(doc: dict[str, Any]) -> list[RenderableType]:
     """The run as rich renderables."""
     # Two lines, each narrower than a terminal, rather than one wrapped inside the load list.
@@ -438,6 +462,7 @@ def tables(doc: dict[str, Any]) -> list[RenderableType]:
             table.add_row(*row)
         out.append(table)
     out.append(Text(f"HTTP: {doc.get('http', {}).get('status', '-')}"))
+    out += [Text(f"FAILED REQUESTS: {line}", style="bold red") for line in failed_requests(doc)]
     return out
 
 
@@ -459,6 +484,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += ["| " + " | ".join(row) + " |" for row in rows]
         lines.append("")
     lines.append(f"HTTP: {doc.get('http', {}).get('status', '-')}")
+    lines += [f"\nFAILED REQUESTS: {line}" for line in failed_requests(doc)]
     return "\n".join(lines) + "\n"
 
 

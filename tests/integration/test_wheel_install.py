@@ -10,6 +10,8 @@ index, or local wheel folders); without them the test fails, it never skips. Abo
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -87,4 +89,34 @@ def test_the_wheel_installs_into_a_fresh_virtualenv_and_serves_a_new_project(
     elsewhere.mkdir()
     run([bin_dir / "relay", "migrate"], elsewhere)
     assert (elsewhere / "relay.db").is_file()
+
+    # The HTTP API from the package's own gunicorn settings (the wheel has no gunicorn.conf.py;
+    # relay bench's HTTP scenario starts it so): without them every request was a 500.
+    http = start(
+        [
+            bin_dir / "gunicorn",
+            "-c",
+            "python:relayproject.gunicorn_conf",
+            "--bind",
+            "127.0.0.1:0",
+            "relayproject.asgi:application",
+        ],
+        elsewhere,
+        "gunicorn",
+        RELAY_SECRET_KEY="wheel-test-" + "k" * 40,
+        RELAY_HTTP_ACCESS_LOG="0",
+    )
+    try:
+        port = http.wait_line(r'"event": "http_ready".*"port": (\d+)', timeout=60).group(1)
+        body = json.dumps({"payload": {"n": 1}}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/v1/queues/wheel/jobs",
+            body,
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 201
+            assert json.loads(response.read())["job"]["queue"] == "wheel"
+    finally:
+        http.kill()
     assert files_under(site) == installed  # nothing written inside site-packages

@@ -490,3 +490,23 @@ def test_the_interpreter_build_is_named_from_its_configure_arguments() -> None:
     doc: dict[str, Any] = {"meta": {"machine": {"python_build": "PGO+LTO, static libpython"}}}
     assert report._build(doc["meta"]["machine"]) == " (PGO+LTO, static libpython)"
     assert report._build({}) == ""
+
+
+def test_rows_whose_requests_failed_are_named_next_to_the_tables() -> None:
+    """Walkthrough: an installed Relay's HTTP rows read 0 jobs/s (every request a 500), and
+    nothing said so."""
+    ok = {"transport": "tcp", "mode": "single", "concurrency": 1, "errors": 0, "requests": 9}
+    bad = {
+        "transport": "http",
+        "mode": "single",
+        "concurrency": 16,
+        "errors": 640,
+        "requests": 640,
+        "error_sample": "RuntimeError: HTTP 500",
+    }
+    doc = {"submit": [ok, bad], "normal": {"lease_ack": [{**ok, "errors": 2, "requests": 5}]}}
+    assert report.failed_requests(doc) == [
+        "submit[http, single, 16]: 640 of 640 requests failed (RuntimeError: HTTP 500)",
+        "normal.lease_ack[tcp, single, 1]: 2 of 5 requests failed (no sample)",
+    ]
+    assert report.failed_requests({"submit": [ok]}) == []
