@@ -87,7 +87,11 @@ def _env_file() -> dict[str, str]:
 def test_every_variable_in_relay_env_is_one_relay_reads() -> None:
     readers = "".join(
         (ROOT / path).read_text()
-        for path in ("relayproject/settings.py", "queue_core/conf.py", "relayproject/gunicorn_conf.py")
+        for path in (
+            "relayproject/settings.py",
+            "queue_core/conf.py",
+            "relayproject/gunicorn_conf.py",
+        )
     )
     env = _env_file()
     assert "RELAY_SHUTDOWN_GRACE_MS" in env
