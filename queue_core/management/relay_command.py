@@ -36,6 +36,9 @@ from queue_core.conf import relay_settings
 
 EXIT_ERROR = 1
 EXIT_UNREACHABLE = 2
+# The reader of the command's output went away (``relay stats | head -1``): 128 + SIGPIPE, the
+# status a shell tool killed by SIGPIPE ends with.
+EXIT_BROKEN_PIPE = 141
 
 
 def add_connection_arguments(parser: CommandParser | Any, *, json_help: str | None = None) -> None:
@@ -148,6 +151,10 @@ def relay_errors(address: str) -> Iterator[None]:
             "may or may not have been applied",
             returncode=EXIT_UNREACHABLE,
         ) from exc
+    except BrokenPipeError:
+        # The client wraps its socket's errors (RelayConnectionError above): this one is the
+        # command's own output, closed by its reader; RelayBaseCommand.execute ends quietly.
+        raise
     except ConnectionError as exc:
         raise CommandError(
             f"cannot reach relay server at {address} ({exc})", returncode=EXIT_UNREACHABLE
@@ -167,7 +174,10 @@ class RelayBaseCommand(BaseCommand):
         return parser
 
     def execute(self, *args: Any, **options: Any) -> Any:
-        """Run the command; from a shell, print ``CODE: message`` and exit on CommandError."""
+        """Run the command; from a shell, print ``CODE: message`` and exit on CommandError,
+        and exit ``EXIT_BROKEN_PIPE`` without a word once the reader of stdout has gone
+        (Python's "Note on SIGPIPE": stdout is pointed at /dev/null so the exit's flush does
+        not fail again)."""
         try:
             return super().execute(*args, **options)
         except CommandError as exc:
@@ -175,6 +185,12 @@ class RelayBaseCommand(BaseCommand):
                 raise
             self.stderr.write(str(exc))
             sys.exit(exc.returncode)
+        except BrokenPipeError:
+            if not getattr(self, "_called_from_command_line", False):
+                raise
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            sys.exit(EXIT_BROKEN_PIPE)
 
 
 class RelayClientCommand(RelayBaseCommand):

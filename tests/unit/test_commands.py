@@ -6,8 +6,11 @@ import io
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -406,3 +409,35 @@ def test_tables_show_bracketed_job_data_as_text(server: Any) -> None:
     canned = server(lambda req, conn: ok(req, {"jobs": [dead], "next_after": None}))
     out, _ = run("relay_dead", "list", "--address", canned.address)
     assert "failed [bad input]" in out
+
+
+@pytest.mark.parametrize("entry", ["relay", "manage.py"])
+def test_a_reader_that_closes_the_output_early_ends_the_command_quietly(
+    server: Any, entry: str
+) -> None:
+    """README walkthrough: ``relay stats | head -1`` said "cannot reach relay server" and
+    exited 2, the pipe's EPIPE taken for the server's. Now it exits 141 (128 + SIGPIPE), as a
+    shell tool does, without a word."""
+    queues = {f"q{n}": {"ready": n, "oldest_ready_age_ms": None} for n in range(400)}
+    result = {"queues": queues, "totals": {"ready": 1}, "server_time_ms": 0}
+    canned = server(lambda req, conn: ok(req, result))
+    root = Path(__file__).resolve().parents[2]
+    if entry == "relay":
+        argv = [sys.executable, "-c", "from queue_core.cli import main; main()", "stats"]
+    else:
+        argv = [sys.executable, str(root / "manage.py"), "relay_stats"]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written
+    try:
+        done = subprocess.run(
+            [*argv, "--address", canned.address],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            cwd=root,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert done.stderr == b""
