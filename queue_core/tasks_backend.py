@@ -440,7 +440,7 @@ class RelayBackend(BaseTaskBackend):
 
     def validate_task(self, task: Task[..., Any]) -> None:
         """Django's checks, plus: ``queue_name`` must be a valid Relay queue name, and
-        ``run_after`` at most ``RELAY_MAX_DELAY_MS`` (30 days) from now.
+        ``run_after`` not before 1970 and at most ``RELAY_MAX_DELAY_MS`` (30 days) from now.
 
         Raises:
             InvalidTask.
@@ -454,7 +454,10 @@ class RelayBackend(BaseTaskBackend):
                 f"queue_name {task.queue_name!r} is not a Relay queue name: {exc.message}"
             ) from exc
         if task.run_after is not None:
-            delay_ms = _epoch_ms(task.run_after) - time.time_ns() // 1_000_000
+            at_ms = _epoch_ms(task.run_after)
+            if at_ms < 0:  # Relay's instants are epoch ms: a job due before 1970 is none
+                raise InvalidTask(f"run_after {task.run_after.isoformat()} is before 1970")
+            delay_ms = at_ms - time.time_ns() // 1_000_000
             if delay_ms > s.max_delay_ms:
                 raise InvalidTask(
                     f"run_after is {delay_ms} ms ahead; Relay defers a task at most "
