@@ -17,7 +17,8 @@ PATCH without a body passes only without a Content-Type and without a cross-orig
 (``curl -X POST .../replay`` does; a page elsewhere cannot).
 
 ``MethodProblemMiddleware``: a method a path under ``/api/`` does not serve gets a ``405``
-problem (code ``UNKNOWN_OP``) with ``Allow``, not django-ninja's plain-text 405.
+problem (code ``UNKNOWN_OP``) with ``Allow``, not django-ninja's plain-text 405; ``HEAD`` is
+served wherever ``GET`` is.
 
 ``AsgiBodyLimit``: under ASGI Django reads the whole body before any middleware runs, so this
 ASGI wrapper (``relayproject.asgi``) applies the same bound first: 413 for a declared length
@@ -170,7 +171,9 @@ def _cross_origin(request: HttpRequest) -> bool:
 class MethodProblemMiddleware:
     """Under ``/api/``, a method a path does not serve as a problem: ``405`` with its
     ``Allow`` header, code ``UNKNOWN_OP`` (on TCP, the op no handler serves). django-ninja
-    answers it in plain text, outside the API's exception handlers (hostile review)."""
+    answers it in plain text, outside the API's exception handlers (hostile review). And
+    ``HEAD`` is answered wherever ``GET`` is, without the body (RFC 9110, section 9.3.2):
+    django-ninja routes ``GET`` only, and a load balancer's ``HEAD /api/v1/health`` got 405."""
 
     def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
         self.get_response = get_response
@@ -179,17 +182,32 @@ class MethodProblemMiddleware:
             markcoroutinefunction(self)
 
     def __call__(self, request: HttpRequest) -> Any:
-        """Pass the request on; mend the response (``mend``)."""
+        """Pass the request on (a ``HEAD`` as ``GET``); mend the response (``mend``)."""
         if self.async_mode:
             return self._acall(request)
-        return mend(request, self.get_response(request))
+        head = _head_as_get(request)
+        return mend(request, self.get_response(request), head=head)
 
     async def _acall(self, request: HttpRequest) -> HttpResponse:
-        return mend(request, await self.get_response(request))
+        head = _head_as_get(request)
+        return mend(request, await self.get_response(request), head=head)
 
 
-def mend(request: HttpRequest, response: HttpResponse) -> HttpResponse:
-    """``response``, or for a plain ``405`` under ``/api/`` the same refusal as a problem."""
+def _head_as_get(request: HttpRequest) -> bool:
+    """Turn a ``HEAD`` under ``/api/`` into a ``GET``; return whether it was one."""
+    if request.method != "HEAD" or not request.path.startswith("/api/"):
+        return False
+    request.method = "GET"
+    return True
+
+
+def mend(request: HttpRequest, response: HttpResponse, *, head: bool = False) -> HttpResponse:
+    """``response``, or for a plain ``405`` under ``/api/`` the same refusal as a problem;
+    for a ``HEAD`` served as ``GET`` (``head``), without its body (its headers kept)."""
+    if head:
+        request.method = "HEAD"
+        if not response.streaming:
+            response.content = b""
     if (
         response.status_code != 405
         or not request.path.startswith("/api/")

@@ -44,8 +44,9 @@ class _In(Schema):
 
 
 def _class_name(value: Any) -> Any:
-    """A priority class name in any case and spacing, as TCP takes it (``Priority.parse``)."""
-    return value.strip().lower() if isinstance(value, str) else value
+    """A priority class name in any ASCII case and spacing, as TCP takes it
+    (``Priority.parse``); a name with other letters stays as it is, and is refused."""
+    return value.strip().lower() if isinstance(value, str) and value.isascii() else value
 
 
 PriorityIn = Annotated[

@@ -356,8 +356,9 @@ def still_allowed(
     principal: Principal | None, op: str, ring: KeyRing, *, surface: str, peer: str
 ) -> Principal:
     """Check again, mid-request, that a request admitted as ``principal`` may still run ``op``:
-    a long-poll lease re-checks before each claim after a wait, so a key revoked (or keys
-    created) while it waits leases nothing (``check_session``, then ``authorize``).
+    a lease re-checks before each claim (after waiting for its reply budget, a thread or a
+    job), so a key revoked (or keys created) since leases nothing (``check_session``, then
+    ``authorize``).
 
     Args:
         principal: who the request was admitted as (None: no hello on TCP).

@@ -48,12 +48,12 @@ class Priority(enum.IntEnum):
 
     @classmethod
     def parse(cls, value: object) -> Priority:
-        """Accept a class name (``"high"``, any case) or its number 0-3.
+        """Accept a class name (``"high"``, any ASCII case, spaces around) or its number 0-3.
 
         Raises:
             ValueError: not a known class.
         """
-        if isinstance(value, str):
+        if isinstance(value, str) and value.isascii():  # "h\u0131gh".upper() is "HIGH"
             try:
                 return cls[value.strip().upper()]
             except KeyError:

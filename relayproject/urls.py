@@ -4,16 +4,32 @@
 work under gunicorn without a separate static server; put a real one in front for heavy use.
 """
 
+from typing import Any
+
 from django.contrib import admin
 from django.contrib.staticfiles.views import serve as serve_static
-from django.urls import path, re_path
+from django.urls import URLPattern, path, re_path
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_safe
 
 from queue_api.api import api
 from queue_api.views import api_not_found, metrics_view
 
+
+def _api_urls() -> Any:
+    """``api.urls``, its schema and docs pages answering GET and HEAD only: django-ninja
+    serves them to any method, behind Django's CSRF check, so a POST got an HTML 403 page
+    (hostile review); now any other method gets the API's 405 problem."""
+    urls = api.urls
+    for pattern in urls[0]:
+        if isinstance(pattern, URLPattern) and pattern.name in ("openapi-json", "openapi-view"):
+            pattern.callback = csrf_exempt(require_safe(pattern.callback))
+    return urls
+
+
 urlpatterns = [
     path("admin/", admin.site.urls),
-    path("api/v1/", api.urls),
+    path("api/v1/", _api_urls()),
     re_path(r"^api/(?P<rest>.*)$", api_not_found),
     path("metrics", metrics_view, name="metrics"),
     re_path(r"^static/(?P<path>.*)$", serve_static, {"insecure": True}),

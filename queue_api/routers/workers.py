@@ -69,38 +69,36 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
     process = calls.wakeups()
     if checked.get("wait_ms", 0) > 0:
         await process.start()
-    waited = False
     while True:
         # Subscribe before the claim: a commit after it wakes the wait.
         waiter = process.wakeups.subscribe(checked["queues"])
         try:
-            result, wake_at = await pool.run(_claim, request, verb, checked, deadline, waited)
+            result, wake_at = await pool.run(_claim, request, verb, checked, deadline)
             if result["jobs"] or time.monotonic() >= deadline:
                 return result
             await waiter.wait(wake_at - time.monotonic())
-            waited = True
         finally:
             process.wakeups.unsubscribe(waiter)
 
 
 def _claim(
-    request: HttpRequest, verb: Any, checked: dict[str, Any], deadline: float, waited: bool
+    request: HttpRequest, verb: Any, checked: dict[str, Any], deadline: float
 ) -> tuple[dict[str, Any], float]:
     """Claim once; return the result and, when it is empty, when to look again at the latest
-    (``time.monotonic()``: the next due job or lease expiry, else ``deadline``). After a wait
-    (``waited``) the key is checked again first: one revoked meanwhile leases nothing.
+    (``time.monotonic()``: the next due job or lease expiry, else ``deadline``). The key is
+    checked again first (the request may have waited for a thread, or for a job): one
+    revoked meanwhile leases nothing.
 
     Raises:
-        Unauthenticated, PermissionDenied: the key was revoked while the request waited.
+        Unauthenticated, PermissionDenied: the key was revoked since the request came in.
     """
-    if waited:
-        auth.still_allowed(
-            getattr(request, "auth", None),
-            "lease",
-            auth.current_ring(),
-            surface="http",
-            peer=peer_of(request),
-        )
+    auth.still_allowed(
+        getattr(request, "auth", None),
+        "lease",
+        auth.current_ring(),
+        surface="http",
+        peer=peer_of(request),
+    )
     started = time.monotonic()
     outcome = calls.call(request, verb, checked)
     metrics.CLAIM_SECONDS.observe(time.monotonic() - started)

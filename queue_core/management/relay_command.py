@@ -17,11 +17,11 @@ import io
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
-from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
 from rich.console import Console, RenderableType
 
 from queue_core import errors
@@ -174,23 +174,79 @@ class RelayBaseCommand(BaseCommand):
         return parser
 
     def execute(self, *args: Any, **options: Any) -> Any:
-        """Run the command; from a shell, print ``CODE: message`` and exit on CommandError,
-        and exit ``EXIT_BROKEN_PIPE`` without a word once the reader of stdout has gone
-        (Python's "Note on SIGPIPE": stdout is pointed at /dev/null so the exit's flush does
-        not fail again)."""
+        """Run the command; from a shell, print ``CODE: message`` and exit on CommandError;
+        exit ``EXIT_BROKEN_PIPE`` without a word once the reader of stdout has gone (Python's
+        "Note on SIGPIPE": stdout is pointed at /dev/null so the exit's flush does not fail
+        again); and with one line and ``EXIT_ERROR`` when the output cannot be written (a
+        full disk, a closed stdout: nothing runs then)."""
+        shell = getattr(self, "_called_from_command_line", False)
+        if shell and sys.stdout is None:  # started with stdout closed (``relay stats >&-``)
+            _say("cannot write the output: standard output is closed")
+            sys.exit(EXIT_ERROR)
+        if shell and not options.get("stdout"):
+            self.stdout = _Output(sys.stdout)
         try:
             return super().execute(*args, **options)
         except CommandError as exc:
-            if not getattr(self, "_called_from_command_line", False) or options.get("traceback"):
+            if not shell or options.get("traceback"):
                 raise
             self.stderr.write(str(exc))
             sys.exit(exc.returncode)
         except BrokenPipeError:
-            if not getattr(self, "_called_from_command_line", False):
+            if not shell:
                 raise
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
+            _quiet_stdout()
             sys.exit(EXIT_BROKEN_PIPE)
+        except OutputFailed as exc:  # ``relay stats > /dev/full``: one line, no traceback
+            if not shell or options.get("traceback"):
+                raise
+            _quiet_stdout()
+            _say(f"cannot write the output: {exc.cause.strerror or exc.cause}")
+            sys.exit(EXIT_ERROR)
+
+
+def _say(line: str) -> None:
+    """Write one line to stderr, if there is one."""
+    if sys.stderr is not None:
+        print(line, file=sys.stderr)
+
+
+class OutputFailed(Exception):
+    """Writing a command's output failed (``cause``: the OSError; not a closed pipe)."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+class _Output(OutputWrapper):
+    """Django's stdout wrapper whose write failures say they are the output's
+    (``OutputFailed``), so they are told apart from the client's; a closed pipe stays a
+    ``BrokenPipeError`` (exit 141)."""
+
+    def write(  # type: ignore[override]  # as Django's stub declares it
+        self,
+        msg: str = "",
+        style_func: Callable[[str], str] | None = None,
+        ending: str | None = None,
+    ) -> None:
+        """Write as Django does.
+
+        Raises:
+            BrokenPipeError: the reader has gone; OutputFailed: any other write error.
+        """
+        try:
+            super().write(msg, style_func, ending)
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            raise OutputFailed(exc) from exc
+
+
+def _quiet_stdout() -> None:
+    """Point stdout's descriptor at /dev/null, so the flush at exit cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 class RelayClientCommand(RelayBaseCommand):

@@ -346,6 +346,10 @@ class Requests:
                 await self.budget.reserve(conn, frame)
                 started = loop.time()
                 try:
+                    # The key again before each claim: admission ran before the reserve and
+                    # any wait, so a key revoked since leases nothing (UNAUTHENTICATED).
+                    ring = await self.key_ring()
+                    auth.still_allowed(conn.principal, verb.op, ring, surface="tcp", peer=conn.peer)
                     outcome: dispatch.Outcome = await self.db.write(
                         lambda: verb.handler(self.service, args, ctx),
                         claims=True,
@@ -375,10 +379,6 @@ class Requests:
                 await waiter.wait(remaining)
                 if self.draining or conn.gone:
                     return dispatch.Outcome({"jobs": []})
-                # A key revoked while this waited leases nothing (refused, UNAUTHENTICATED).
-                auth.still_allowed(
-                    conn.principal, verb.op, await self.key_ring(), surface="tcp", peer=conn.peer
-                )
             finally:
                 conn.waiting.discard(waiter.event)
                 self.wakeups.unsubscribe(waiter)

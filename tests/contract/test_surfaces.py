@@ -75,6 +75,8 @@ def test_priority_names_are_taken_in_any_case_and_spacing(surface: Surface) -> N
     for name, stored in (("HIGH", "high"), (" High ", "high"), ("Critical", "critical")):
         job = surface.call("submit", queue="q", payload=1, priority=name)["job"]
         assert job["priority"] == stored
+    for name in ("h\u0131gh", "\u00a0high"):  # dotless i upper-cases to I; a no-break space
+        refused(surface, "INVALID_ARGUMENT", "submit", queue="q", payload=1, priority=name)
     batch = surface.call("submit_batch", jobs=[{"queue": "q", "payload": 1, "priority": "LOW"}])
     job_id = batch["results"][0]["job_id"]
     assert surface.call("inspect", job_id=job_id)["job"]["priority"] == "low"

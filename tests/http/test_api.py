@@ -487,6 +487,27 @@ def test_unknown_api_path_and_wrong_method(api: Api) -> None:
         body = problem(response, 405, "UNKNOWN_OP")
         assert allowed in response["Allow"] and body["details"]["allowed"]
         assert method.upper() in body["detail"]
+    # The schema and docs pages too, before Django's CSRF check (it answered an HTML 403).
+    strict = Client(enforce_csrf_checks=True)
+    for method in ("POST", "PUT", "DELETE", "OPTIONS"):
+        for page in ("/api/v1/openapi.json", "/api/v1/docs"):
+            response = strict.generic(method, page, b"{}", "application/json")
+            assert "GET" in problem(response, 405, "UNKNOWN_OP")["details"]["allowed"]
+    assert api.get("/api/v1/openapi.json").status_code == 200
+
+
+def test_head_is_answered_wherever_get_is(api: Api, make_key: Callable[..., str]) -> None:
+    """Hostile review: HEAD /api/v1/health (a load balancer's probe) got 405."""
+    for page in ("/api/v1/health", "/api/v1/stats", "/api/v1/openapi.json", "/api/v1/docs"):
+        got, head = api.get(page), api.client.head(page)
+        assert (head.status_code, head.content) == (200, b""), page
+        assert head["Content-Type"] == got["Content-Type"]
+    key = make_key("producer")
+    for page, status in (("/api/v1/stats", 401), ("/api/v1/leases", 405)):  # as GET, no body
+        head = api.client.head(page)
+        assert (head.status_code, head["Content-Type"]) == (status, "application/problem+json")
+    keyed = api.client.head("/api/v1/stats", headers={"Authorization": f"Bearer {key}"})
+    assert keyed.status_code == 200
     # Writes to a path no endpoint serves get the same 404, not a CSRF page (the API takes
     # keys, not cookies), as a browser-less client would send them.
     strict = Client(enforce_csrf_checks=True)

@@ -412,3 +412,40 @@ def test_a_key_revoked_while_its_http_long_poll_waits_leases_nothing(
     thread.join(20)
     problem(got["response"], 401, "UNAUTHENTICATED")
     assert _job_states("revh") == ["ready"]
+
+
+def test_a_tcp_lease_held_before_its_claim_claims_nothing_once_its_key_is_revoked(
+    tcp: _Server, make_key: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hostile review, second round: a lease admitted with a valid key, then held by its
+    connection's reply budget (its client read nothing) past the revoke, leased a job
+    submitted 15 s after it. Here the key is revoked while the lease reserves its budget."""
+    worker, producer = make_key("worker"), make_key("producer")
+    with RelayClient(tcp.address(), api_key=producer) as client:
+        client.submit("held", {"n": 1})
+    budget = tcp.server._requests.budget
+    reserve = budget.reserve
+
+    prefix = auth.parse_prefix(worker) or ""
+
+    def revoke() -> None:
+        from django.db import connections
+
+        try:
+            auth.revoke(prefix)
+        finally:
+            connections.close_all()
+
+    async def revoke_then_reserve(conn: Any, n: int) -> None:
+        principal = getattr(conn, "principal", None)
+        if principal is not None and principal.prefix == prefix:  # the lease, not the hello
+            await asyncio.to_thread(revoke)  # after admission, before the claim
+        await reserve(conn, n)
+
+    monkeypatch.setattr(budget, "reserve", revoke_then_reserve)
+    with (
+        RelayClient(tcp.address(), api_key=worker) as client,
+        pytest.raises(errors.Unauthenticated),
+    ):
+        client.lease(["held"], worker_id="w")
+    assert _job_states("held") == ["ready"]

@@ -441,3 +441,24 @@ def test_a_reader_that_closes_the_output_early_ends_the_command_quietly(
         os.close(write_end)
     assert done.returncode == 141, done.stderr
     assert done.stderr == b""
+
+
+def test_output_that_cannot_be_written_is_one_line_not_a_traceback(server: Any) -> None:
+    """Hostile review: ``relay stats > /dev/full`` and ``relay stats >&-`` printed tracebacks."""
+    queues = {f"q{n}": {"ready": n, "oldest_ready_age_ms": None} for n in range(400)}
+    canned = server(
+        lambda req, conn: ok(req, {"queues": queues, "totals": {}, "server_time_ms": 0})
+    )
+    root = Path(__file__).resolve().parents[2]
+    relay = [sys.executable, "-c", "from queue_core.cli import main; main()", "stats"]
+    relay += ["--address", canned.address]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(relay, stdout=full, stderr=subprocess.PIPE, cwd=root, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.decode().strip() == "cannot write the output: No space left on device"
+    closed = subprocess.run(
+        relay, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=root, timeout=60,
+        preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    assert closed.returncode == 1
+    assert closed.stderr.decode().strip() == "cannot write the output: standard output is closed"
