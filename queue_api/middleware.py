@@ -214,12 +214,15 @@ def mend(request: HttpRequest, response: HttpResponse, *, head: bool = False) ->
         or response.get("Content-Type", "").startswith(CONTENT_TYPE)
     ):
         return response
-    allow = response.get("Allow", "")
+    methods = [m.strip() for m in response.get("Allow", "").split(",") if m.strip()]
+    if "GET" in methods and "HEAD" not in methods:
+        methods.append("HEAD")  # served wherever GET is (above)
+    allow = ", ".join(methods)
     body = problem_body(
         errors.UnknownOp(
             f"{request.method} is not served at {request.path} (allowed: {allow or 'none'})",
             method=request.method,
-            allowed=[m.strip() for m in allow.split(",") if m.strip()],
+            allowed=methods,
         ),
         request.path,
     )

@@ -481,7 +481,7 @@ def test_unknown_api_path_and_wrong_method(api: Api) -> None:
         ("patch", "/api/v1/queues/hq/jobs", "POST"),
         ("get", "/api/v1/leases", "POST"),
         ("put", "/api/v1/jobs/batch", "POST"),
-        ("options", "/api/v1/health", "GET"),
+        ("options", "/api/v1/health", "GET, HEAD"),
     ]:
         response = api.client.generic(method.upper(), path, b"{}", "application/json")
         body = problem(response, 405, "UNKNOWN_OP")
