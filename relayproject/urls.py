@@ -17,13 +17,18 @@ from queue_api.views import api_not_found, metrics_view
 
 
 def _api_urls() -> Any:
-    """``api.urls``, its schema and docs pages answering GET and HEAD only: django-ninja
-    serves them to any method, behind Django's CSRF check, so a POST got an HTML 403 page
+    """``api.urls``, its schema and docs pages answering GET and HEAD only, and its root
+    (``/api/v1/``) the API's 404 problem: django-ninja serves those three pages to any method,
+    behind Django's CSRF check, so a POST got an HTML 403 page and the root an HTML 404
     (hostile review); now any other method gets the API's 405 problem."""
     urls = api.urls
     for pattern in urls[0]:
-        if isinstance(pattern, URLPattern) and pattern.name in ("openapi-json", "openapi-view"):
+        if not isinstance(pattern, URLPattern):
+            continue
+        if pattern.name in ("openapi-json", "openapi-view"):
             pattern.callback = csrf_exempt(require_safe(pattern.callback))
+        elif pattern.name == "api-root":
+            pattern.callback = api_not_found
     return urls
 
 

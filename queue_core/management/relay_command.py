@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import io
 import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TextIO, cast
 
 import orjson
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
@@ -180,11 +181,10 @@ class RelayBaseCommand(BaseCommand):
         again); and with one line and ``EXIT_ERROR`` when the output cannot be written (a
         full disk, a closed stdout: nothing runs then)."""
         shell = getattr(self, "_called_from_command_line", False)
-        if shell and sys.stdout is None:  # started with stdout closed (``relay stats >&-``)
-            _say("cannot write the output: standard output is closed")
-            sys.exit(EXIT_ERROR)
         if shell and not options.get("stdout"):
-            self.stdout = _Output(sys.stdout)
+            # Started with stdout closed (``relay stats >&-``): a command that writes fails
+            # when it does; one that does not (``relay server``) runs.
+            self.stdout = _Output(sys.stdout or cast(TextIO, _ClosedOutput()))
         try:
             return super().execute(*args, **options)
         except CommandError as exc:
@@ -245,8 +245,19 @@ class _Output(OutputWrapper):
 
 def _quiet_stdout() -> None:
     """Point stdout's descriptor at /dev/null, so the flush at exit cannot fail again."""
+    if sys.stdout is None:  # closed at start: nothing to flush
+        return
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
+
+
+class _ClosedOutput(io.TextIOBase):
+    """Where a command's output goes when it started with stdout closed: every write fails."""
+
+    def write(self, s: str) -> int:
+        """Raises:
+        OSError: EBADF, always."""
+        raise OSError(errno.EBADF, "standard output is closed")
 
 
 class RelayClientCommand(RelayBaseCommand):

@@ -474,6 +474,11 @@ def test_chunked_body_is_bounded_too() -> None:
 def test_unknown_api_path_and_wrong_method(api: Api) -> None:
     problem(api.get("/api/v1/nothing/here"), 404, "NOT_FOUND")
     problem(api.get("/api/v2/jobs"), 404, "NOT_FOUND")
+    for method in ("GET", "POST", "DELETE", "OPTIONS"):  # the root was an HTML 404 / CSRF 403
+        response = Client(enforce_csrf_checks=True).generic(
+            method, "/api/v1/", b"{}", "application/json"
+        )
+        problem(response, 404, "NOT_FOUND")
     # A method a path does not serve: 405 with Allow, as a problem (hostile review: it was
     # django-ninja's plain-text "Method not allowed").
     for method, path, allowed in [

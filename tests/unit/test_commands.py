@@ -462,3 +462,29 @@ def test_output_that_cannot_be_written_is_one_line_not_a_traceback(server: Any) 
     )  # fmt: skip
     assert closed.returncode == 1
     assert closed.stderr.decode().strip() == "cannot write the output: standard output is closed"
+
+
+def test_a_command_that_writes_nothing_runs_with_stdout_closed(tmp_path: Path) -> None:
+    """Hostile review: ``relay server >&-`` refused to start (it writes nothing to stdout)."""
+    root = Path(__file__).resolve().parents[2]
+    db = tmp_path / "relay.db"
+    env = {**os.environ, "RELAY_DB": str(db), "DJANGO_SETTINGS_MODULE": "relayproject.settings"}
+    relay = [sys.executable, "-c", "from queue_core.cli import main; main()"]
+    migrate = subprocess.run([*relay, "migrate", "-v", "0"], env=env, cwd=root, timeout=120)
+    assert migrate.returncode == 0
+    server = subprocess.Popen(
+        [*relay, "server", "--address", "127.0.0.1:0"],
+        env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.close(1),
+    )  # fmt: skip
+    try:
+        assert server.stderr is not None
+        for line in server.stderr:  # JSON log lines, until it serves
+            if b"event=ready" in line:
+                break
+        assert server.poll() is None, "relay server exited with stdout closed"
+    finally:
+        server.terminate()
+        server.wait(30)
+        if server.stderr is not None:
+            server.stderr.close()
