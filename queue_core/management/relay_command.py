@@ -179,7 +179,7 @@ class RelayBaseCommand(BaseCommand):
         exit ``EXIT_BROKEN_PIPE`` without a word once the reader of stdout has gone (Python's
         "Note on SIGPIPE": stdout is pointed at /dev/null so the exit's flush does not fail
         again); and with one line and ``EXIT_ERROR`` when the output cannot be written (a
-        full disk, a closed stdout: nothing runs then)."""
+        full disk, a closed stdout: the command runs, and fails when it writes)."""
         shell = getattr(self, "_called_from_command_line", False)
         if shell and not options.get("stdout"):
             # Started with stdout closed (``relay stats >&-``): a command that writes fails
