@@ -56,8 +56,10 @@ def _too_large(limit: int, size: int | None) -> errors.FrameTooLarge:
     )
 
 
-class _Guard:
-    """A middleware that may answer instead of the view, in sync or async mode."""
+class _Middleware:
+    """A middleware that runs in sync or async mode, as the chain around it does (so the
+    async lease long-poll holds no thread: a middleware without ``async_capable`` would make
+    Django run the chain below it on one)."""
 
     sync_capable = True
     async_capable = True
@@ -67,6 +69,14 @@ class _Guard:
         self.async_mode = iscoroutinefunction(get_response)
         if self.async_mode:
             markcoroutinefunction(self)
+
+    def __call__(self, request: HttpRequest) -> Any:
+        """Handle ``request`` (a coroutine in async mode); subclasses say how."""
+        raise NotImplementedError
+
+
+class _Guard(_Middleware):
+    """A middleware that may answer instead of the view, in sync or async mode."""
 
     def __call__(self, request: HttpRequest) -> Any:
         """Answer with ``refuse``'s response, or pass the request on."""
@@ -168,18 +178,12 @@ def _cross_origin(request: HttpRequest) -> bool:
     return origin.partition("://")[2].rstrip("/").lower() != host.lower()
 
 
-class MethodProblemMiddleware:
+class MethodProblemMiddleware(_Middleware):
     """Under ``/api/``, a method a path does not serve as a problem: ``405`` with its
     ``Allow`` header, code ``UNKNOWN_OP`` (on TCP, the op no handler serves). django-ninja
     answers it in plain text, outside the API's exception handlers (hostile review). And
     ``HEAD`` is answered wherever ``GET`` is, without the body (RFC 9110, section 9.3.2):
     django-ninja routes ``GET`` only, and a load balancer's ``HEAD /api/v1/health`` got 405."""
-
-    def __init__(self, get_response: Callable[[HttpRequest], Any]) -> None:
-        self.get_response = get_response
-        self.async_mode = iscoroutinefunction(get_response)
-        if self.async_mode:
-            markcoroutinefunction(self)
 
     def __call__(self, request: HttpRequest) -> Any:
         """Pass the request on (a ``HEAD`` as ``GET``); mend the response (``mend``)."""

@@ -617,3 +617,17 @@ def test_prune_one_batch_at_a_time_with_an_operator_key(
     problem(ops.post("/api/v1/prune", {"older_than_ms": 0}), 422, "INVALID_ARGUMENT")
     problem(ops.post("/api/v1/prune", {"older_than_ms": 2**63 - 1}), 422, "INVALID_ARGUMENT")
     problem(ops.post("/api/v1/prune", {"older_than_ms": 5, "state": "x"}), 422, "INVALID_ARGUMENT")
+
+
+def test_every_middleware_runs_in_async_mode_under_asgi() -> None:
+    """One middleware without ``async_capable`` makes Django run the whole chain in sync mode,
+    so each waiting lease long-poll would hold a thread (MethodProblemMiddleware had none)."""
+    from django.conf import settings
+    from django.utils.module_loading import import_string
+
+    sync_only = [
+        name
+        for name in settings.MIDDLEWARE
+        if not getattr(import_string(name), "async_capable", False)
+    ]
+    assert sync_only == []
