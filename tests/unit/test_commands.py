@@ -95,7 +95,7 @@ def test_submit_prints_the_job_id_and_sends_the_options(server: Any) -> None:
         "--payload",
         '{"user_id":42}',
         "--priority",
-        "high",
+        "HIGH",  # any ASCII case, as over TCP and HTTP
         "--retries",
         "5",
         "--backoff",

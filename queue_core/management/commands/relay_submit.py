@@ -72,8 +72,9 @@ class Command(RelayClientCommand):
         )
         parser.add_argument(
             "--priority",
+            type=_class_name,
             choices=["low", "normal", "high", "critical"],
-            help="Priority class (default normal).",
+            help="Priority class, any case (default normal).",
         )
         parser.add_argument(
             "--retries",
@@ -168,3 +169,8 @@ class Command(RelayClientCommand):
             return
         job_id = result["job"]["id"]
         self.stdout.write(f"{job_id} (duplicate)" if result.get("deduplicated") else job_id)
+
+
+def _class_name(value: str) -> str:
+    """``--priority`` in any ASCII case, as TCP and HTTP take it (``Priority.parse``)."""
+    return value.strip().lower() if value.isascii() else value
