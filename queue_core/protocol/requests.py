@@ -335,13 +335,16 @@ class Requests:
         """
         loop = asyncio.get_running_loop()
         frame = relay_settings().max_frame_bytes
-        deadline = loop.time() + args.get("wait_ms", 0) / 1000
+        wait_ms = args.get("wait_ms", 0)
+        deadline = loop.time() + wait_ms / 1000
         while True:
             if conn.gone:  # never lease to a closed socket
                 return dispatch.Outcome({"jobs": []})
-            # Subscribe before claiming, so a commit between the claim and the wait wakes us.
-            waiter = self.wakeups.subscribe(args["queues"])
-            conn.waiting.add(waiter.event)
+            # Subscribe before claiming, so a commit between the claim and the wait wakes us
+            # (a lease that will not wait needs no wake-up).
+            waiter = self.wakeups.subscribe(args["queues"]) if wait_ms > 0 else None
+            if waiter is not None:
+                conn.waiting.add(waiter.event)
             try:
                 await self.budget.reserve(conn, frame)
                 started = loop.time()
@@ -376,12 +379,14 @@ class Requests:
                 remaining = deadline - loop.time()
                 if outcome.result["jobs"] or remaining <= 0 or self.draining or conn.gone:
                     return outcome
-                await waiter.wait(remaining)
+                if waiter is not None:
+                    await waiter.wait(remaining)
                 if self.draining or conn.gone:
                     return dispatch.Outcome({"jobs": []})
             finally:
-                conn.waiting.discard(waiter.event)
-                self.wakeups.unsubscribe(waiter)
+                if waiter is not None:
+                    conn.waiting.discard(waiter.event)
+                    self.wakeups.unsubscribe(waiter)
 
     async def release_unsent(self, leases: list[dict[str, Any]], worker_id: str) -> None:
         """Give back jobs leased to a connection that is gone, and wake their queues."""
