@@ -29,6 +29,7 @@ from ninja import Schema
 from pydantic import BeforeValidator, ConfigDict, Field, computed_field, create_model
 
 from queue_core import types
+from queue_core.states import class_name
 
 
 def iso(ms: int | None) -> str | None:
@@ -43,14 +44,9 @@ class _In(Schema):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-def _class_name(value: Any) -> Any:
-    """A priority class name in any ASCII case and spacing, as TCP takes it
-    (``Priority.parse``); a name with other letters stays as it is, and is refused."""
-    return value.strip().lower() if isinstance(value, str) and value.isascii() else value
-
-
+# A class name as TCP takes it (``states.class_name``), then checked against the names.
 PriorityIn = Annotated[
-    Literal["low", "normal", "high", "critical"] | int | None, BeforeValidator(_class_name)
+    Literal["low", "normal", "high", "critical"] | int | None, BeforeValidator(class_name)
 ]
 
 

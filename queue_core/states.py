@@ -48,19 +48,27 @@ class Priority(enum.IntEnum):
 
     @classmethod
     def parse(cls, value: object) -> Priority:
-        """Accept a class name (``"high"``, any ASCII case, spaces around) or its number 0-3.
+        """Accept a class name (``"high"``, as ``class_name`` spells it) or its number 0-3.
 
         Raises:
             ValueError: not a known class.
         """
-        if isinstance(value, str) and value.isascii():  # "h\u0131gh".upper() is "HIGH"
+        name = class_name(value)
+        if isinstance(name, str) and name.isascii():  # as class_name left it, lower case
             try:
-                return cls[value.strip().upper()]
+                return cls[name.upper()]
             except KeyError:
                 pass
         elif isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 3:
             return cls(value)
         raise ValueError(f"priority must be one of low, normal, high, critical (got {value!r})")
+
+
+def class_name(value: object) -> object:
+    """A priority class name as every surface takes it (TCP, HTTP, the CLI): ASCII in any
+    case with spaces around, e.g. ``" High "`` -> ``"high"``; anything else as it is, for the
+    caller to refuse (``"h\u0131gh"``: its ``upper()`` would be ``"HIGH"``)."""
+    return value.strip().lower() if isinstance(value, str) and value.isascii() else value
 
 
 class Transition(enum.StrEnum):

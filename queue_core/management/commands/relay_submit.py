@@ -11,6 +11,7 @@ from django.core.management.base import CommandParser
 
 from queue_core.client import RelayClient
 from queue_core.management.relay_command import RelayClientCommand, invalid_argument
+from queue_core.states import class_name
 
 
 def parse_run_at(text: str) -> int:
@@ -72,7 +73,7 @@ class Command(RelayClientCommand):
         )
         parser.add_argument(
             "--priority",
-            type=_class_name,
+            type=class_name,  # any ASCII case, as TCP and HTTP take it
             choices=["low", "normal", "high", "critical"],
             help="Priority class, any case (default normal).",
         )
@@ -169,8 +170,3 @@ class Command(RelayClientCommand):
             return
         job_id = result["job"]["id"]
         self.stdout.write(f"{job_id} (duplicate)" if result.get("deduplicated") else job_id)
-
-
-def _class_name(value: str) -> str:
-    """``--priority`` in any ASCII case, as TCP and HTTP take it (``Priority.parse``)."""
-    return value.strip().lower() if value.isascii() else value
