@@ -18,7 +18,7 @@ import orjson
 import pytest
 from django.core.management import call_command
 
-from relay_bench import floor, procs, stats
+from relay_bench import floor, procs, report, stats
 from relay_bench.runner import FULL, targets
 
 TOP_KEYS = {
@@ -72,6 +72,7 @@ def test_bench_command_runs_end_to_end_and_reports_json(tmp_path: Path) -> None:
     meta = doc["meta"]
     assert meta["machine"]["cores"] >= 1
     assert meta["machine"]["python_build"].endswith("libpython")
+    assert report.failed_requests(doc) == []  # every measured request was answered
     assert (meta["synchronous"], meta["synchronous_levels"], meta["runs"]) == (
         "FULL",
         ["FULL", "NORMAL"],
