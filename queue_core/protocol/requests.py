@@ -14,8 +14,11 @@ request, holding one of the connection's in-flight slots). By the op's kind
   be re-read first does a small task read it, then call ``start_write`` the same way.
 * **READ** (ping, inspect, stats, dead_list) and **hello**: a task (``serve``) runs the
   handler in the reader pool and sends the reply.
-* **LEASE**: a task (``serve``) that claims on the writer, and with ``wait_ms`` waits for a
-  wake-up (``wakeups.Wakeups``) and claims again (``lease``).
+* **LEASE**: one that will not wait (no ``wait_ms``) runs as a write does (``start_lease``:
+  admitted, its claim queued for the next group commit, answered from the future's
+  done-callback, ``answer_write``) while the key table is cached and a frame fits its
+  connection's reply budget; otherwise, and with ``wait_ms``, a task (``serve``) reserves the
+  frame, claims, and waits for a wake-up (``wakeups.Wakeups``) and claims again (``lease``).
 
 Every reply reserves bytes of the server's ``ReplyBudget`` until the kernel has it.
 """
@@ -83,6 +86,10 @@ class Requests:
             conn.tasks.add(waiting)
             waiting.add_done_callback(conn.tasks.discard)
             return waiting
+        if verb is not None and verb.kind is dispatch.Kind.LEASE:
+            started = self.start_lease(conn, request, verb)
+            if started is not None:
+                return started
         task = asyncio.create_task(self.serve(conn, request))
         conn.tasks.add(task)
         task.add_done_callback(conn.done)
@@ -113,6 +120,54 @@ class Requests:
         future.add_done_callback(conn.tasks.discard)
         return future
 
+    def start_lease(
+        self, conn: Conn, request: codec.Request, verb: dispatch.Verb
+    ) -> asyncio.Future[Any] | None:
+        """Start a lease that will not wait as ``start_write`` starts a write; None when
+        ``serve`` must run it instead.
+
+        Taken here: no ``wait_ms`` (or 0), the key table cached, the connection open, and a
+        frame fitting its reply budget now (what ``lease`` would otherwise wait for). The
+        frame is held from admission until the claim commits (``_claimed``), so a client that
+        reads nothing is held to its budget as ``lease`` holds it. The key is checked in
+        the same loop pass the claim is queued in, as a write's is. No task and no coroutine.
+        """
+        wait_ms = request.args.get("wait_ms")
+        ring = auth.cached_ring()
+        frame = relay_settings().max_frame_bytes
+        if wait_ms or ring is None or conn.gone or not self.budget.fits(conn, frame):
+            return None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        held = 0
+        try:
+            args, ctx = self.admit(conn, verb, request.args, ring)
+        except errors.RelayError as exc:  # refused here, answered below
+            future.set_exception(exc)
+        else:
+            self.budget.take(conn, frame)
+            held = frame
+            self.db.put_write(
+                functools.partial(verb.handler, self.service, args, ctx),
+                future,
+                claims=True,
+                durable=relay_settings().durable_leases,
+                weight=_weight(args),
+            )
+        # The frame first, then the reply (callbacks run in the order they were added).
+        future.add_done_callback(functools.partial(self._claimed, conn, held, loop.time()))
+        future.add_done_callback(functools.partial(self.answer_write, conn, request, key="jobs"))
+        conn.tasks.add(future)
+        future.add_done_callback(conn.tasks.discard)
+        return future
+
+    def _claimed(self, conn: Conn, held: int, started: float, future: asyncio.Future[Any]) -> None:
+        """A claim ``start_lease`` queued has committed or failed: give back the frame it
+        held (the reply holds its own bytes from here, ``answer_write``), and time it."""
+        self.budget.give(conn, held)
+        if not future.cancelled() and future.exception() is None:
+            metrics.CLAIM_SECONDS.observe(asyncio.get_running_loop().time() - started)
+
     async def _write_after_ring(
         self, conn: Conn, request: codec.Request, verb: dispatch.Verb
     ) -> None:
@@ -127,8 +182,17 @@ class Requests:
             return
         await asyncio.wait([self.start_write(conn, request, verb, ring)])
 
-    def answer_write(self, conn: Conn, request: codec.Request, future: asyncio.Future[Any]) -> None:
-        """Answer a write once its commit is durable (event-loop thread)."""
+    def answer_write(
+        self,
+        conn: Conn,
+        request: codec.Request,
+        future: asyncio.Future[Any],
+        *,
+        key: str = "next",
+    ) -> None:
+        """Answer a write once its commit is durable, or a lease ``start_lease`` ran once its
+        claim has committed (event-loop thread). ``key``: the result's member that holds the
+        leases it hands out (``answer_with_leases``): an ack's ``next``, a lease's ``jobs``."""
         if future.cancelled():  # the connection is closing
             conn.slots.release()
             return
@@ -138,9 +202,8 @@ class Requests:
                 outcome: dispatch.Outcome = future.result()
                 self.apply(outcome)
                 metrics.record(outcome.events)  # committed by now
-                leases = outcome.result.get("next")
-                if leases:
-                    self.answer_with_leases(conn, request, outcome.result, leases)
+                if outcome.result.get(key):
+                    self.answer_with_leases(conn, request, outcome.result, key)
                     return
                 line = reply_line(request, outcome.result)
             else:
@@ -167,21 +230,30 @@ class Requests:
         conn: Conn,
         request: codec.Request,
         result: dict[str, Any],
-        leases: list[dict[str, Any]],
+        key: str,
     ) -> None:
-        """Answer an ack, fail or ack_batch whose ``lease_next`` leased jobs; when the reply
-        cannot be sent (the connection is gone, or its send fails), give the jobs back at once,
-        as an unsent ``lease`` does (``release_unsent``), rather than strand them until their
-        leases expire."""
+        """Answer a request whose reply hands out leases (``result[key]``: a ``lease``'s
+        ``jobs``, or the ``next`` of an ack, fail or ack_batch with ``lease_next``).
+
+        When the connection is already gone (the client closed, or it is closing after an
+        oversize frame), the jobs go back at once and the reply, if it can still go out,
+        carries none (``[]``), as ``lease`` answers a connection gone during its claim; when
+        the send fails, they go back too (``release_unsent``) rather than strand until their
+        leases expire.
+        """
+        leases: list[dict[str, Any]] = result[key]
         worker_id = _next_worker_id(request.args, conn.peer)
-        line = b""
-        now: str | None = "dropped"
-        if not conn.gone:
-            line = reply_line(request, result)
-            now = conn.write_now(line)  # the usual case: the kernel takes it, no task
-            if now == "sent":
-                conn.slots.release()
-                return
+        if conn.gone:
+            task = asyncio.ensure_future(self.release_unsent(leases, worker_id))
+            conn.tasks.add(task)
+            task.add_done_callback(conn.tasks.discard)
+            conn.reply_soon(reply_line(request, {**result, key: []}))
+            return
+        line = reply_line(request, result)
+        now = conn.write_now(line)  # the usual case: the kernel takes it, no task
+        if now == "sent":
+            conn.slots.release()
+            return
         if now == "dropped":
             task = asyncio.ensure_future(self.release_unsent(leases, worker_id))
         else:
@@ -422,8 +494,9 @@ def _weight(args: dict[str, Any]) -> int:
 
 
 def _next_worker_id(args: dict[str, Any], peer: str) -> str:
-    """The worker id the jobs of a ``lease_next`` were leased to (its own, else the ack's or
-    the first ack's of a batch); used to release them when the reply cannot be sent."""
+    """The worker id the jobs of a ``lease`` (its own) or of a ``lease_next`` (its own, else
+    the ack's or the first ack's of a batch) were leased to, else the peer's; used to release
+    them when the reply cannot be sent."""
     spec = args.get("lease_next")
     if isinstance(spec, dict) and isinstance(spec.get("worker_id"), str):
         return str(spec["worker_id"])

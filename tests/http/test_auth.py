@@ -442,10 +442,24 @@ def test_a_tcp_lease_held_before_its_claim_claims_nothing_once_its_key_is_revoke
             await asyncio.to_thread(revoke)  # after admission, before the claim
         await reserve(conn, n)
 
+    fits = budget.fits
+    held: list[Any] = []
+
+    def full_once(conn: Any, n: int) -> bool:
+        """The lease's frame does not fit its connection's budget the first time it asks (a
+        client that read nothing), so it waits in ``reserve`` rather than claiming at once."""
+        principal = getattr(conn, "principal", None)
+        if principal is not None and principal.prefix == prefix and not held:
+            held.append(conn)
+            return False
+        return fits(conn, n)
+
+    monkeypatch.setattr(budget, "fits", full_once)
     monkeypatch.setattr(budget, "reserve", revoke_then_reserve)
     with (
         RelayClient(tcp.address(), api_key=worker) as client,
         pytest.raises(errors.Unauthenticated),
     ):
         client.lease(["held"], worker_id="w")
+    assert held  # it waited for its budget
     assert _job_states("held") == ["ready"]

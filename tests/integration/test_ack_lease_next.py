@@ -10,19 +10,26 @@ Waiting is on events, replies, log lines and job states, never on fixed sleeps.
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 import pytest
+from django.test import override_settings
 
 from queue_core.client import RelayClient
 from queue_core.models import Job
 from queue_core.protocol import connection, writer
 from queue_core.service import QueueService
-from tests.integration.test_tcp_server import Client, Running, wait_for
+from tests.integration.test_tcp_server import (
+    Client,
+    Running,
+    spy_write_now,
+    squeeze,
+    wait_for,
+)
 from tests.procs import Spawner
 from tests.relay_db import DATABASES, RelayDb
 
@@ -74,41 +81,69 @@ def test_next_jobs_of_an_ack_whose_reply_cannot_be_sent_go_back(
     producer.close()
 
 
-def test_next_jobs_of_an_ack_whose_reply_is_never_read_go_back(
-    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("via", ["ack", "lease"])
+def test_jobs_a_reply_hands_out_go_back_when_it_is_never_read(
+    via: str, start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The reply is written at once (no task) when nothing is queued before it; a reply the
+    # The reply is written at once (no task) when nothing is queued before it: an ack's with
+    # its next jobs, and a lease's that does not wait (``Requests.start_lease``). A reply the
     # kernel only partly takes waits for the rest, and a reader silent past SEND_TIMEOUT_S is
-    # cut off: its next jobs go back at once, not when their leases expire.
+    # cut off: the jobs in it go back at once, not when their leases expire.
     monkeypatch.setattr(connection, "SEND_TIMEOUT_S", 0.5)
-    written: list[str | None] = []
-    write_now = connection.Conn.write_now
-
-    def spy(self: connection.Conn, line: bytes) -> str | None:
-        written.append(write_now(self, line))
-        return written[-1]
-
-    monkeypatch.setattr(connection.Conn, "write_now", spy)
+    written = spy_write_now(monkeypatch)
     running = start()
     producer = Client(running.port)
     for i in range(4):
         producer.ok("submit", queue="nb", payload={"i": i, "blob": "x" * 200_000})
     ghost = Client(running.port)
-    ghost.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # no autotuning
-    (first,) = ghost.ok("lease", queues=["nb"], worker_id="ghost")["jobs"]
-    # Small kernel buffers on the server's side too, so the ~600 KB reply cannot all go in.
-    port = str(ghost.sock.getsockname()[1])
-    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
-    conn.writer.transport.get_extra_info("socket").setsockopt(
-        socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
-    )
-    ghost.send("ack", **ack_args(first, "ghost", lease_next={"queues": ["nb"], "max_jobs": 3}))
+    if via == "ack":
+        (first,) = ghost.ok("lease", queues=["nb"], worker_id="ghost")["jobs"]
+        squeeze(running, ghost)  # so the ~600 KB reply cannot all go in
+        spec = {"queues": ["nb"], "max_jobs": 3}
+        ghost.send("ack", **ack_args(first, "ghost", lease_next=spec))
+    else:
+        assert ghost.ok("ping")["pong"] is True
+        squeeze(running, ghost)
+        ghost.send("lease", queues=["nb"], worker_id="ghost", max_jobs=3)
     wait_for(lambda: len(running.server._conns) == 1)  # the silent reader was cut off
     assert "buffered" in written
-    wait_for(lambda: Job.objects.filter(state="ready").count() == 3)
-    assert Job.objects.get(pk=first["job_id"]).state == "succeeded"
+    ready = 3 if via == "ack" else 4
+    wait_for(lambda: Job.objects.filter(state="ready").count() == ready)
+    if via == "ack":
+        assert Job.objects.get(pk=first["job_id"]).state == "succeeded"  # the ack stands
     assert producer.ok("stats")["totals"]["leased"] == 0
     ghost.close()
+    producer.close()
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=4096, RELAY_MAX_PAYLOAD_BYTES=2048)
+def test_an_ack_before_an_oversize_frame_is_answered_and_its_next_jobs_not_stranded(
+    start: Callable[..., Running],
+) -> None:
+    # The connection is closing (FRAME_TOO_LARGE) when the ack's commit lands: the ack is
+    # answered as every request before the oversize frame is, and the next jobs it leased
+    # either reach the client in that reply or are given back, never leased to nobody. (Its
+    # reply was dropped before: the connection was already marked gone.)
+    running = start()
+    producer = Client(running.port)
+    for i in range(3):
+        producer.ok("submit", queue="ov", payload={"i": i})
+    client = Client(running.port, timeout=30)
+    (first,) = client.ok("lease", queues=["ov"], worker_id="w")["jobs"]
+    ack = {"id": 7, "op": "ack", "args": ack_args(first, "w", lease_next={"queues": ["ov"]})}
+    client.send_raw(orjson.dumps(ack) + b"\n" + b"x" * 8192 + b"\n")
+    replies: dict[Any, dict[str, Any]] = {}
+    while line := client.file.readline():
+        reply = orjson.loads(line)
+        replies[reply["id"]] = reply
+    client.close()
+    assert set(replies) == {7, None}
+    assert replies[None]["error"]["code"] == "FRAME_TOO_LARGE"
+    assert replies[7]["ok"] and replies[7]["result"]["state"] == "succeeded"
+    sent = {job["job_id"] for job in replies[7]["result"]["next"]}
+    wait_for(lambda: len(running.server._conns) == 1)
+    assert set(Job.objects.filter(state="leased").values_list("id", flat=True)) == sent
+    assert Job.objects.filter(state="ready").count() == 2 - len(sent)
     producer.close()
 
 

@@ -873,6 +873,30 @@ def test_jobs_claimed_for_a_client_that_closed_during_the_claim_go_back(
     assert_given_back(running, producer, 3)
 
 
+def spy_write_now(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """Record what each ``Conn.write_now`` returned ("sent", "buffered", ...), in order."""
+    written: list[str | None] = []
+    write_now = connection.Conn.write_now
+
+    def spy(self: connection.Conn, line: bytes) -> str | None:
+        written.append(write_now(self, line))
+        return written[-1]
+
+    monkeypatch.setattr(connection.Conn, "write_now", spy)
+    return written
+
+
+def squeeze(running: Running, client: Client) -> None:
+    """Small kernel buffers on both sides of ``client``'s connection (its receive buffer,
+    the server's send buffer), so a reply of a few hundred KB cannot all go in at once."""
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # no autotuning
+    port = str(client.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    conn.writer.transport.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
+    )
+
+
 def test_client_that_never_reads_is_cut_off_and_others_are_served(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
