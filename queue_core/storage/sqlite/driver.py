@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any, NoReturn
 
 import orjson
@@ -538,6 +539,40 @@ class SqliteChangeFeed:
         return False
 
 
+class _FlatCall:
+    """The context of a write nested directly in a flat group commit (``SqliteDriver.write``
+    with ``savepoints=False`` outermost): no SAVEPOINT, the transaction's ``SqliteTx``. One per
+    driver: it reads the calling thread's transaction state when entered."""
+
+    __slots__ = ("_driver",)
+
+    def __init__(self, driver: SqliteDriver) -> None:
+        self._driver = driver
+
+    def __enter__(self) -> SqliteTx:
+        local = self._driver._local
+        # If an earlier call's storage fault made SQLite roll the whole transaction back (and
+        # that call caught it, as ack_batch does), nothing may run now: it would commit on
+        # its own.
+        if not local.raw.in_transaction:
+            raise self._driver._rolled_back()
+        local.depth = 2
+        tx: SqliteTx = local.tx
+        return tx
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._driver._local.depth = 1
+        if exc is not None:
+            mapped = self._driver._fault(exc)  # as a savepoint maps it
+            if mapped is not None:
+                raise mapped from exc
+
+
 class SqliteDriver:
     """SQLite access for the service layer (see ``queue_core.storage.base.Driver``).
 
@@ -560,6 +595,7 @@ class SqliteDriver:
         self._checkpoint_backoff_s = 0.0
         # (path, (st_dev, st_ino)) of the file server_lock() holds: the one this process serves.
         self._served: tuple[str, tuple[int, int]] | None = None
+        self._flat_call = _FlatCall(self)
 
     def _path(self) -> str:
         return str(connections[self.alias].settings_dict["NAME"])
@@ -644,10 +680,9 @@ class SqliteDriver:
         del self._local.after[mark & 0xFFFFFFFF :]
         return True
 
-    @contextlib.contextmanager
     def write(
         self, *, savepoints: bool = True, durable: bool = True, wait: bool = True
-    ) -> Iterator[SqliteTx]:
+    ) -> contextlib.AbstractContextManager[SqliteTx]:
         """Open a write transaction: ``BEGIN IMMEDIATE`` ... ``COMMIT`` (ROLLBACK on error).
 
         Nested calls on the same thread become ``SAVEPOINT``s. Inside a caller's
@@ -675,28 +710,23 @@ class SqliteDriver:
             StorageIO: the log could not be synced after a relaxed transaction turned
                 durable (committed, but not known to be on disk).
         """
+        local = self._local
+        if getattr(local, "depth", 0) == 1 and local.flat:
+            # A call of a flat group commit: no savepoint (the caller sets a failure apart
+            # with mark/forgive, or rolls everything back). A plain object, not a generator:
+            # this runs for every call of every batch.
+            if durable:
+                local.durable = True
+            return self._flat_call
+        return self._write(savepoints=savepoints, durable=durable, wait=wait)
+
+    @contextlib.contextmanager
+    def _write(self, *, savepoints: bool, durable: bool, wait: bool) -> Iterator[SqliteTx]:
+        """``write`` in every case but a call of a flat group commit (``_FlatCall``)."""
         depth = self._depth()
         if depth:
             if durable:
                 self._local.durable = True
-            if depth == 1 and self._local.flat:
-                # A call of a flat group commit: no savepoint (the caller sets a failure apart
-                # with mark/forgive, or rolls everything back). If an earlier call's storage
-                # fault made SQLite roll the whole transaction back (and that call caught it,
-                # as ack_batch does), nothing may run now: it would commit on its own.
-                if not self._local.raw.in_transaction:
-                    raise self._rolled_back()
-                self._local.depth = 2
-                try:
-                    yield self._local.tx
-                except BaseException as exc:
-                    mapped = self._fault(exc)  # as a savepoint maps it
-                    if mapped is not None:
-                        raise mapped from exc
-                    raise
-                finally:
-                    self._local.depth = 1
-                return
             # Nested on this thread: a savepoint on the transaction's own cursor. A new Django
             # cursor per savepoint cost ~10 us, twice per request in the server's group commit
             # (docs/benchmarking.md).
