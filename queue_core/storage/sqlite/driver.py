@@ -734,7 +734,8 @@ class SqliteDriver:
             return
         conn = connections[self.alias]
         self._local.after = []
-        with conn.cursor() as cursor:
+        kept = self._kept_cursor(conn)
+        with conn.cursor() if kept is None else contextlib.nullcontext(kept) as cursor:
             if conn.in_atomic_block:
                 self._check_file(conn)
                 self._local.raw = conn.connection
@@ -759,6 +760,22 @@ class SqliteDriver:
             self._faults.ok()
         callbacks, self._local.after = self._local.after, []
         run_callbacks(callbacks, log)
+
+    def _kept_cursor(self, conn: Any) -> Any:
+        """The Django cursor this thread's transactions run on, kept open between them
+        (Django makes a new one in ~10 Python calls); None when one must be made for this
+        transaction alone: the connection is not open yet, or Django records its queries (a
+        debug cursor, ``CaptureQueriesContext``). Kept per sqlite3 connection: one opened
+        again (after ``heal`` closed it) gets a new cursor."""
+        raw = conn.connection
+        if raw is None or conn.queries_logged:
+            return None
+        kept: tuple[sqlite3.Connection, Any] | None = getattr(self._local, "cursor", None)
+        if kept is not None and kept[0] is raw:
+            return kept[1]
+        cursor = conn.cursor()
+        self._local.cursor = (raw, cursor)
+        return cursor
 
     def _transaction(
         self, cursor: Any, conn: Any, wait: bool = True, *, flat: bool = False
