@@ -13,9 +13,10 @@ of any stream reader:
   frame is not read while it is over budget. A connection holding nothing may always reserve
   one frame, so every client can make progress.
 * **Per server** (``RELAY_MAX_UNSENT_BYTES``): past it, a connection that already holds bytes
-  waits, and the connection holding the most bytes that has not drained any for
-  ``STALL_S`` is cut off (its replies are dropped), so one set of silent clients cannot hold
-  the rest up for the slow-reader deadline (``SEND_TIMEOUT_S`` in ``server.py``).
+  waits, and of the connections whose clients leave written replies unread, the one holding
+  the most bytes that has not drained any for ``STALL_S`` is cut off (its replies are
+  dropped), one at a time, so one set of silent clients cannot hold the rest up for the
+  slow-reader deadline (``SEND_TIMEOUT_S`` in ``connection.py``).
 
 All methods run on the event-loop thread.
 """
@@ -42,6 +43,11 @@ class Holder(Protocol):
     cut_off: bool  # cut by the budget: what it holds is on its way back
 
     def abort(self) -> None: ...
+
+    def backed_up(self) -> bool:
+        """Whether bytes written to it wait for the client to read: the client, not the
+        server, holds its replies up."""
+        ...
 
 
 class ReplyBudget:
@@ -119,14 +125,24 @@ class ReplyBudget:
             await asyncio.wait_for(event.wait(), timeout)
 
     def _cut_stalled(self) -> float | None:
-        """Cut the connection holding most that drained nothing for ``STALL_S``.
+        """Cut the connection holding most that drained nothing for ``STALL_S`` while its
+        client read nothing (``Holder.backed_up``).
+
+        Bytes of connections already cut are on their way back (their sends fail): while the
+        rest fit the limit, nobody else is cut, so one wake-up of many waiters cuts one
+        connection, not one each. A connection whose bytes are frames reserved for claims
+        still queued, behind a busy writer, is waiting for the server, not stalled.
 
         Returns:
-            how long (s) until another could qualify; None after a cut (its bytes come back
-            as its sends fail) or when no connection that was not cut holds anything.
+            how long (s) until another could qualify; None after a cut, while the bytes of
+            those already cut are enough to bring the total back under the limit, or when
+            no connection that was not cut is backed up.
         """
         now = self._clock()
-        holders = [c for c in self._conns if c.unsent > 0 and not c.cut_off]
+        returning = sum(c.unsent for c in self._conns if c.cut_off)
+        if self.held - returning <= self.limit:
+            return None
+        holders = [c for c in self._conns if c.unsent > 0 and not c.cut_off and c.backed_up()]
         if not holders:
             return None
         stalled = [c for c in holders if now - c.drained_at >= STALL_S]

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from queue_core import auth, errors, metrics
@@ -56,23 +56,49 @@ class Conn:
     # Loop time the last request that outlived an idle deadline ended (``ended``): the
     # connection is idle only from then on.
     busy_until: float = 0.0
+    # What to call should the line of a send cancelled midway (its task cancelled as the
+    # connection closed) not reach the kernel after all: run by ``abort`` when bytes are still
+    # unsent then (``send``'s ``lost``).
+    undelivered: list[Callable[[], object]] = dataclasses.field(default_factory=list)
 
-    async def send(self, line: bytes) -> bool:
+    async def send(self, line: bytes, lost: Callable[[], object] | None = None) -> bool:
         """Write one reply line and wait until the socket buffer drains; return whether sent.
 
         Replies go out one at a time, each after the previous one drained, so at most one
         frame sits in the socket buffer. A client that reads nothing for ``SEND_TIMEOUT_S`` is
         disconnected (``abort``), which frees what its replies hold.
+
+        Args:
+            lost: called (once) when this task is cancelled (the connection closing) before
+                the line reached the kernel: at once when nothing of it was written yet, else
+                by ``abort`` if the rest is still unsent then. A reply that hands out jobs
+                gives them back this way (``requests.Requests.give_back``).
         """
-        async with self.send_lock:
-            if self.writer.is_closing() or self.eof_sent:
-                return False
-            self.writer.write(line)
-            if not self.writer.transport.get_write_buffer_size():
-                # The kernel took the whole line (the usual case): nothing to wait for. A
-                # failed write closes the transport, so it is reported as not sent.
-                return not self.writer.is_closing()
-            return await self._drained()
+        written = False
+        try:
+            async with self.send_lock:
+                if self.writer.is_closing() or self.eof_sent:
+                    return False
+                self.writer.write(line)
+                written = True
+                if not self.writer.transport.get_write_buffer_size():
+                    # The kernel took the whole line (the usual case): nothing to wait for.
+                    # A failed write closes the transport, so it is reported as not sent.
+                    return not self.writer.is_closing()
+                return await self._drained()
+        except asyncio.CancelledError:
+            self.cancelled_send(lost, written)
+            raise
+
+    def cancelled_send(self, lost: Callable[[], object] | None, written: bool) -> None:
+        """A send was cancelled: call ``lost`` now if nothing of its line was written, or
+        leave it to ``abort`` (the rest may still go out while the connection closes)."""
+        if lost is None:
+            return
+        if written:
+            self.undelivered.append(lost)
+        else:
+            lost()
 
     async def _drained(self) -> bool:
         """Wait (holding the send turn) for the socket buffer to drain; False if the reader
@@ -135,11 +161,15 @@ class Conn:
         # A failed write closes the transport: reported as not sent.
         return "dropped" if self.writer.is_closing() else "sent"
 
-    async def drain_written(self) -> bool:
+    async def drain_written(self, lost: Callable[[], object] | None = None) -> bool:
         """Wait, holding the send turn, until a line ``write_now`` buffered has gone out;
-        return whether it did (see ``_drained``)."""
-        async with self.send_lock:
-            return await self._drained()
+        return whether it did (see ``_drained``; ``lost``: see ``send``)."""
+        try:
+            async with self.send_lock:
+                return await self._drained()
+        except asyncio.CancelledError:
+            self.cancelled_send(lost, True)
+            raise
 
     async def close_gracefully(self) -> None:
         """Close our side (FIN), discard what the client still sends for up to ``LINGER_S``,
@@ -160,9 +190,19 @@ class Conn:
         self.writer.close()
 
     def abort(self) -> None:
-        """Drop the connection at once, unsent replies included."""
+        """Drop the connection at once, unsent replies included (what cancelled sends left
+        unsent is reported lost: ``send``'s ``lost``)."""
         self.hang_up()
+        if self.writer.transport.get_write_buffer_size():
+            undelivered, self.undelivered = self.undelivered, []
+            for lost in undelivered:
+                lost()
         self.writer.transport.abort()
+
+    def backed_up(self) -> bool:
+        """Whether reply bytes wait in the transport for the client to read (``ReplyBudget``:
+        only such a connection is cut for holding the server's budget)."""
+        return bool(self.writer.transport.get_write_buffer_size())
 
     def ended(self, task: asyncio.Future[Any]) -> None:
         """A request that was in progress at an idle deadline ended: idleness counts from now

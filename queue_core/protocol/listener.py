@@ -163,7 +163,11 @@ class Listener:
             log.exception("event=connection_failed peer=%s", peer)
         finally:
             for task in conn.tasks:
-                task.cancel()
+                # A task waits on the connection; a write's or lease's future waits on its
+                # commit, which runs anyway: left alone, it answers the closed connection as
+                # any other (a lease's jobs go back, ``Requests.answer_with_leases``).
+                if isinstance(task, asyncio.Task):
+                    task.cancel()
             if writer.transport.get_write_buffer_size():
                 # A reply's tail may still be buffered (drain() returns at the low-water mark,
                 # not at empty), and a client that half-closed is still reading it: give it

@@ -26,6 +26,7 @@ Every reply reserves bytes of the server's ``ReplyBudget`` until the kernel has 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -238,13 +239,13 @@ class Requests:
         When the connection is already gone (the client closed, or it is closing after an
         oversize frame), the jobs go back at once and the reply, if it can still go out,
         carries none (``[]``), as ``lease`` answers a connection gone during its claim; when
-        the send fails, they go back too (``release_unsent``) rather than strand until their
+        the send fails, they go back too (``give_back``) rather than strand until their
         leases expire.
         """
         leases: list[dict[str, Any]] = result[key]
         worker_id = _next_worker_id(request.args, conn.peer)
         if conn.gone:
-            task = asyncio.ensure_future(self.release_unsent(leases, worker_id))
+            task = self.give_back(leases, worker_id)
             conn.tasks.add(task)
             task.add_done_callback(conn.tasks.discard)
             conn.reply_soon(reply_line(request, {**result, key: []}))
@@ -255,32 +256,15 @@ class Requests:
             conn.slots.release()
             return
         if now == "dropped":
-            task = asyncio.ensure_future(self.release_unsent(leases, worker_id))
+            task = self.give_back(leases, worker_id)
         else:
-            task = asyncio.ensure_future(
-                self._send_or_release(conn, line, leases, worker_id, written=now is not None)
-            )
+            lost = functools.partial(self.give_back, leases, worker_id)
+            reply = _LeaseReply(conn, line, lost, written=now is not None)
+            conn.budget.take(conn, len(line))  # held until sent or dropped (``Conn.reply_soon``)
+            task = asyncio.ensure_future(reply.send())
+            task.add_done_callback(reply.ended)
         conn.tasks.add(task)
         task.add_done_callback(conn.done)  # frees the request's in-flight slot
-
-    async def _send_or_release(
-        self,
-        conn: Conn,
-        line: bytes,
-        leases: list[dict[str, Any]],
-        worker_id: str,
-        *,
-        written: bool,
-    ) -> None:
-        """Send ``line`` in its turn (or, ``written``, wait for the part the kernel did not
-        take yet); give the jobs back when it does not go out."""
-        self.budget.take(conn, len(line))  # held until sent or dropped (``Conn.reply_soon``)
-        try:
-            sent = await (conn.drain_written() if written else conn.send(line))
-        finally:
-            self.budget.give(conn, len(line))
-        if not sent:
-            await self.release_unsent(leases, worker_id)
 
     def apply(self, outcome: dispatch.Outcome) -> None:
         """Wake the long-polls of the queues a commit made ready; schedule a due instant."""
@@ -315,12 +299,16 @@ class Requests:
                 line = error_line(request, exc)
             self.budget.give(conn, held - len(line))
             held = len(line)
-            sent = await conn.send(line)
+            lost = None
+            if request.op == "lease" and result and result.get("jobs"):
+                # Never leave jobs leased to a socket that is gone: give them back at once.
+                worker_id = request.args.get("worker_id") or conn.peer
+                lost = functools.partial(self.give_back, result["jobs"], worker_id)
+            sent = await conn.send(line, lost)
         finally:
             self.budget.give(conn, held)
-        if not sent and request.op == "lease" and result and result.get("jobs"):
-            # Never leave jobs leased to a socket that is gone: give them back at once.
-            await self.release_unsent(result["jobs"], request.args.get("worker_id") or conn.peer)
+        if not sent and lost is not None:
+            await lost()
 
     async def execute(self, conn: Conn, request: codec.Request) -> dict[str, Any]:
         """Run a read, hello or lease; return its wire result.
@@ -419,6 +407,9 @@ class Requests:
                 conn.waiting.add(waiter.event)
             try:
                 await self.budget.reserve(conn, frame)
+                if conn.gone:  # it went while this waited for its budget: claim nothing
+                    self.budget.give(conn, frame)
+                    return dispatch.Outcome({"jobs": []})
                 started = loop.time()
                 try:
                     # The key again before each claim: admission ran before the reserve and
@@ -446,7 +437,7 @@ class Requests:
                     # to a socket nobody reads.
                     self.budget.give(conn, frame)
                     worker_id = args.get("worker_id") or conn.peer
-                    await self.release_unsent(outcome.result["jobs"], worker_id)
+                    await self.give_back(outcome.result["jobs"], worker_id)
                     return dispatch.Outcome({"jobs": []})
                 remaining = deadline - loop.time()
                 if outcome.result["jobs"] or remaining <= 0 or self.draining or conn.gone:
@@ -460,21 +451,75 @@ class Requests:
                     conn.waiting.discard(waiter.event)
                     self.wakeups.unsubscribe(waiter)
 
-    async def release_unsent(self, leases: list[dict[str, Any]], worker_id: str) -> None:
-        """Give back jobs leased to a connection that is gone, and wake their queues."""
+    def give_back(self, leases: list[dict[str, Any]], worker_id: str) -> asyncio.Future[Any]:
+        """Give back jobs leased to a reply that cannot be sent, and wake their queues.
+
+        Every release is queued now, without waiting (so a task being cancelled can call it
+        too): one write per job, each failing alone (``GroupCommit``), all in the same group
+        commit when they fit one (``writer.INLINE_MAX_WEIGHT``). A release refused (the lease
+        expired or was taken meanwhile) is logged. Returns a future that ends when every
+        release has been answered.
+        """
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Any]] = []
         for lease in leases:
+            future: asyncio.Future[Any] = loop.create_future()
             release = functools.partial(
                 self.service.release,
                 lease["job_id"],
                 worker_id=worker_id,
                 lease_token=lease["lease_token"],
             )
-            try:
-                await self.db.write(release)
-            except errors.RelayError as exc:
-                log.info("event=release_unsent_failed job_id=%s code=%s", lease["job_id"], exc.code)
-            else:
-                self.wakeups.wake([lease["queue"]])
+            self.db.put_write(release, future)
+            future.add_done_callback(functools.partial(self._given_back, lease))
+            futures.append(future)
+        return asyncio.gather(*futures, return_exceptions=True)
+
+    def _given_back(self, lease: dict[str, Any], future: asyncio.Future[Any]) -> None:
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is None:
+            self.wakeups.wake([lease["queue"]])
+        elif isinstance(exc, errors.RelayError):
+            log.info("event=release_unsent_failed job_id=%s code=%s", lease["job_id"], exc.code)
+        else:
+            log.error("event=release_unsent_failed job_id=%s", lease["job_id"], exc_info=exc)
+
+
+@dataclasses.dataclass(slots=True)
+class _LeaseReply:
+    """A reply that hands out jobs, sent in its turn (``Requests.answer_with_leases``): the
+    jobs go back when it does not go out, or when its task is cancelled (the connection
+    closing) before the line reached the kernel, whether or not the task had started.
+
+    Attributes:
+        conn: the connection; its reply budget holds ``len(line)`` until ``ended``.
+        line: the reply.
+        lost: gives the jobs back (``Requests.give_back``).
+        written: ``Conn.write_now`` already put part of it in the transport.
+    """
+
+    conn: Conn
+    line: bytes
+    lost: Callable[[], object]
+    written: bool
+    started: bool = False
+
+    async def send(self) -> None:
+        self.started = True
+        conn = self.conn
+        if self.written:
+            sent = await conn.drain_written(self.lost)
+        else:
+            sent = await conn.send(self.line, self.lost)
+        if not sent:
+            self.lost()
+
+    def ended(self, task: asyncio.Future[Any]) -> None:
+        self.conn.budget.give(self.conn, len(self.line))
+        if task.cancelled() and not self.started:  # cancelled before it ran: as send would
+            self.conn.cancelled_send(self.lost, self.written)
 
 
 def _weight(args: dict[str, Any]) -> int:

@@ -21,7 +21,7 @@ import pytest
 from django.test import override_settings
 
 from queue_core import auth
-from queue_core.models import Job
+from queue_core.models import Job, JobAttempt
 from queue_core.protocol import connection, dispatch, writer
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
@@ -1251,3 +1251,78 @@ def test_frames_with_them_are_refused_and_nothing_is_stored(
     assert client.recv()["error"]["code"] == "BAD_FRAME"
     assert client.ok("ping")["pong"] is True
     assert Job.objects.count() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Leases held up by the reply budget, and replies a shutdown cuts short (hostile review, round 9).
+
+
+def reset(client: Client) -> None:
+    """Close ``client`` with a reset (SO_LINGER 0), as a crashed or killed client does."""
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    client.close()
+
+
+@override_settings(
+    RELAY_MAX_FRAME_BYTES=256 * 1024,
+    RELAY_MAX_PAYLOAD_BYTES=200 * 1024,
+    RELAY_MAX_UNSENT_BYTES_PER_CONNECTION=256 * 1024,
+)
+def test_leases_waiting_for_their_budget_claim_nothing_once_the_client_is_gone(
+    start: Callable[..., Running],
+) -> None:
+    # The first lease's reply sits unread; each lease after it waits for the connection's
+    # budget (one frame). Once the client resets, they must end without claiming: before,
+    # each claimed a job for the dead socket and gave it back, one attempt per waiting lease.
+    running = start()
+    producer = Client(running.port)
+    for i in range(12):
+        producer.ok("submit", queue="gb", payload={"i": i, "blob": "x" * 150_000})
+    ghost = Client(running.port)
+    assert ghost.ok("ping")["pong"] is True
+    squeeze(running, ghost)
+    frames = [
+        orjson.dumps({"id": i, "op": "lease", "args": {"queues": ["gb"], "worker_id": "g"}})
+        for i in range(10)
+    ]
+    ghost.send_raw(b"\n".join(frames) + b"\n")
+    port = str(ghost.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    wait_for(lambda: conn.backed_up() and len(conn.tasks) >= 10)  # the rest wait for budget
+    assert JobAttempt.objects.count() == 1
+    reset(ghost)
+    wait_for(lambda: len(running.server._conns) == 1)
+    wait_for(lambda: Job.objects.filter(state="ready").count() == 12)
+    assert JobAttempt.objects.count() == 1  # the first lease's: no claim after the reset
+    producer.close()
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=256 * 1024, RELAY_MAX_PAYLOAD_BYTES=200 * 1024)
+def test_a_shutdown_gives_back_the_jobs_of_lease_replies_that_never_left(
+    start: Callable[..., Running],
+) -> None:
+    # A client pipelines leases of big jobs and reads nothing. At shutdown the server closes
+    # the connection with those replies unsent (one partly in its buffer, the rest waiting
+    # their turn): no reply reached the kernel whole, so every job must be READY again, not
+    # leased to a connection that is gone (on PostgreSQL no restart would recover them).
+    running = start()
+    producer = Client(running.port)
+    for i in range(8):
+        producer.ok("submit", queue="sd", payload={"i": i, "blob": "x" * 150_000})
+    producer.close()
+    ghost = Client(running.port)
+    assert ghost.ok("ping")["pong"] is True
+    squeeze(running, ghost)
+    frames = [
+        orjson.dumps({"id": i, "op": "lease", "args": {"queues": ["sd"], "worker_id": "s"}})
+        for i in range(6)
+    ]
+    ghost.send_raw(b"\n".join(frames) + b"\n")
+    port = str(ghost.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    wait_for(lambda: conn.backed_up())
+    assert Job.objects.filter(state="leased").exists()
+    running.stop()
+    assert Job.objects.filter(state="leased").count() == 0
+    assert Job.objects.filter(state="ready").count() == 8
+    reset(ghost)
