@@ -1263,6 +1263,24 @@ def reset(client: Client) -> None:
     client.close()
 
 
+def unread_leases(running: Running, queue: str, jobs: int, leases: int) -> tuple[Client, Any]:
+    """Submit ``jobs`` jobs of 150 KB to ``queue``, then pipeline ``leases`` leases of one job
+    each from a client that reads nothing (``squeeze``d buffers); return it and the
+    server's ``Conn`` for it."""
+    producer = Client(running.port)
+    for i in range(jobs):
+        producer.ok("submit", queue=queue, payload={"i": i, "blob": "x" * 150_000})
+    producer.close()
+    ghost = Client(running.port)
+    assert ghost.ok("ping")["pong"] is True
+    squeeze(running, ghost)
+    lease = {"op": "lease", "args": {"queues": [queue], "worker_id": "ghost"}}
+    ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(leases)))
+    port = str(ghost.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    return ghost, conn
+
+
 @override_settings(
     RELAY_MAX_FRAME_BYTES=256 * 1024,
     RELAY_MAX_PAYLOAD_BYTES=200 * 1024,
@@ -1275,26 +1293,13 @@ def test_leases_waiting_for_their_budget_claim_nothing_once_the_client_is_gone(
     # budget (one frame). Once the client resets, they must end without claiming: before,
     # each claimed a job for the dead socket and gave it back, one attempt per waiting lease.
     running = start()
-    producer = Client(running.port)
-    for i in range(12):
-        producer.ok("submit", queue="gb", payload={"i": i, "blob": "x" * 150_000})
-    ghost = Client(running.port)
-    assert ghost.ok("ping")["pong"] is True
-    squeeze(running, ghost)
-    frames = [
-        orjson.dumps({"id": i, "op": "lease", "args": {"queues": ["gb"], "worker_id": "g"}})
-        for i in range(10)
-    ]
-    ghost.send_raw(b"\n".join(frames) + b"\n")
-    port = str(ghost.sock.getsockname()[1])
-    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    ghost, conn = unread_leases(running, "gb", jobs=12, leases=10)
     wait_for(lambda: conn.backed_up() and len(conn.tasks) >= 10)  # the rest wait for budget
     assert JobAttempt.objects.count() == 1
     reset(ghost)
-    wait_for(lambda: len(running.server._conns) == 1)
+    wait_for(lambda: not running.server._conns)
     wait_for(lambda: Job.objects.filter(state="ready").count() == 12)
     assert JobAttempt.objects.count() == 1  # the first lease's: no claim after the reset
-    producer.close()
 
 
 @override_settings(RELAY_MAX_FRAME_BYTES=256 * 1024, RELAY_MAX_PAYLOAD_BYTES=200 * 1024)
@@ -1306,20 +1311,7 @@ def test_a_shutdown_gives_back_the_jobs_of_lease_replies_that_never_left(
     # their turn): no reply reached the kernel whole, so every job must be READY again, not
     # leased to a connection that is gone (on PostgreSQL no restart would recover them).
     running = start()
-    producer = Client(running.port)
-    for i in range(8):
-        producer.ok("submit", queue="sd", payload={"i": i, "blob": "x" * 150_000})
-    producer.close()
-    ghost = Client(running.port)
-    assert ghost.ok("ping")["pong"] is True
-    squeeze(running, ghost)
-    frames = [
-        orjson.dumps({"id": i, "op": "lease", "args": {"queues": ["sd"], "worker_id": "s"}})
-        for i in range(6)
-    ]
-    ghost.send_raw(b"\n".join(frames) + b"\n")
-    port = str(ghost.sock.getsockname()[1])
-    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    ghost, conn = unread_leases(running, "sd", jobs=8, leases=6)
     wait_for(lambda: conn.backed_up())
     assert Job.objects.filter(state="leased").exists()
     running.stop()
