@@ -1,4 +1,11 @@
-"""WSGI entry point for gunicorn: ``gunicorn relayproject.wsgi``."""
+"""The WSGI application, for a WSGI server (``gunicorn relayproject.wsgi`` with gunicorn's own
+sync workers, or uWSGI, mod_wsgi).
+
+Relay's gunicorn settings (``gunicorn.conf.py``, ``relayproject/gunicorn_conf.py``) serve
+``relayproject.asgi`` with gunicorn's ``asgi`` worker instead, so that waiting lease long-polls
+hold no thread: run ``gunicorn -c gunicorn.conf.py`` with no application argument (naming this
+module there hands a WSGI application to the ASGI worker, which answers 500).
+"""
 
 import os
 
