@@ -56,13 +56,18 @@ class Conn:
     # Loop time the last request that outlived an idle deadline ended (``ended``): the
     # connection is idle only from then on.
     busy_until: float = 0.0
-    # What to call should the line of a send cancelled midway (its task cancelled as the
-    # connection closed) not reach the kernel after all: run by ``abort`` when bytes are still
-    # unsent then (``send``'s ``lost``).
-    undelivered: list[Callable[[], object]] = dataclasses.field(default_factory=list)
+    written: int = 0  # reply bytes handed to the transport so far: the end offset of each
+    # Of ``written``, what had reached the kernel when ``abort`` dropped the rest; None
+    # before an abort.
+    kernel_had: int | None = None
+    # Sends cancelled midway (their tasks cancelled as the connection closed): the end offset
+    # of each line and what to call should it not reach the kernel after all (``send``'s
+    # ``lost``), decided by ``settle_undelivered``.
+    undelivered: list[tuple[int, Callable[[], object]]] = dataclasses.field(default_factory=list)
 
     async def send(self, line: bytes, lost: Callable[[], object] | None = None) -> bool:
-        """Write one reply line and wait until the socket buffer drains; return whether sent.
+        """Write one reply line and wait until all of it is with the kernel; return whether
+        it got there.
 
         Replies go out one at a time, each after the previous one drained, so at most one
         frame sits in the socket buffer. A client that reads nothing for ``SEND_TIMEOUT_S`` is
@@ -71,34 +76,59 @@ class Conn:
         Args:
             lost: called (once) when this task is cancelled (the connection closing) before
                 the line reached the kernel: at once when nothing of it was written yet, else
-                by ``abort`` if the rest is still unsent then. A reply that hands out jobs
-                gives them back this way (``requests.Requests.give_back``).
+                when the connection ends with it unsent (``settle_undelivered``). A reply
+                that hands out jobs gives them back this way
+                (``requests.Requests.give_back``).
         """
-        written = False
+        end: int | None = None
         try:
             async with self.send_lock:
                 if self.writer.is_closing() or self.eof_sent:
                     return False
-                self.writer.write(line)
-                written = True
+                end = self._write(line)
                 if not self.writer.transport.get_write_buffer_size():
                     # The kernel took the whole line (the usual case): nothing to wait for.
                     # A failed write closes the transport, so it is reported as not sent.
                     return not self.writer.is_closing()
-                return await self._drained()
+                return await self._drained() and self.reached_kernel(end)
         except asyncio.CancelledError:
-            self.cancelled_send(lost, written)
+            self.cancelled_send(lost, end)
             raise
 
-    def cancelled_send(self, lost: Callable[[], object] | None, written: bool) -> None:
-        """A send was cancelled: call ``lost`` now if nothing of its line was written, or
-        leave it to ``abort`` (the rest may still go out while the connection closes)."""
+    def _write(self, line: bytes) -> int:
+        """Hand ``line`` to the transport; return its end offset (``written``)."""
+        self.writer.write(line)
+        self.written += len(line)
+        return self.written
+
+    def reached_kernel(self, end: int) -> bool:
+        """Whether every reply byte up to offset ``end`` has gone to the kernel: not when an
+        ``abort`` dropped some of them, nor when the connection was lost (a reset) and the
+        transport threw its buffer away, what it held then unknown."""
+        if self.kernel_had is not None:
+            return self.kernel_had >= end
+        if self.writer.is_closing():
+            return False
+        return self.written - self.writer.transport.get_write_buffer_size() >= end
+
+    def cancelled_send(self, lost: Callable[[], object] | None, end: int | None) -> None:
+        """A send was cancelled: call ``lost`` now if nothing of its line was written
+        (``end`` None); keep it for ``settle_undelivered`` if part is still unsent (the rest
+        may yet go out while the connection closes)."""
         if lost is None:
             return
-        if written:
-            self.undelivered.append(lost)
-        else:
+        if end is None:
             lost()
+        elif not self.reached_kernel(end):
+            self.undelivered.append((end, lost))
+
+    def settle_undelivered(self) -> None:
+        """Call ``lost`` for each cancelled send whose line did not all reach the kernel, and
+        forget them (``abort``, and the end of the connection)."""
+        undelivered, self.undelivered = self.undelivered, []
+        for end, lost in undelivered:
+            if not self.reached_kernel(end):
+                lost()
 
     async def _drained(self) -> bool:
         """Wait (holding the send turn) for the socket buffer to drain; False if the reader
@@ -155,20 +185,25 @@ class Conn:
             return None
         if self.writer.is_closing() or self.eof_sent:
             return "dropped"
-        self.writer.write(line)
+        self._write(line)
         if self.writer.transport.get_write_buffer_size():
             return "buffered"
         # A failed write closes the transport: reported as not sent.
         return "dropped" if self.writer.is_closing() else "sent"
 
-    async def drain_written(self, lost: Callable[[], object] | None = None) -> bool:
+    async def drain_written(
+        self, lost: Callable[[], object] | None = None, end: int | None = None
+    ) -> bool:
         """Wait, holding the send turn, until a line ``write_now`` buffered has gone out;
-        return whether it did (see ``_drained``; ``lost``: see ``send``)."""
+        return whether it did (see ``_drained``). ``end``: the line's end offset
+        (``written`` just after ``write_now``; default: all written so far); ``lost``: see
+        ``send``."""
+        end = self.written if end is None else end
         try:
             async with self.send_lock:
-                return await self._drained()
+                return await self._drained() and self.reached_kernel(end)
         except asyncio.CancelledError:
-            self.cancelled_send(lost, True)
+            self.cancelled_send(lost, end)
             raise
 
     async def close_gracefully(self) -> None:
@@ -190,13 +225,13 @@ class Conn:
         self.writer.close()
 
     def abort(self) -> None:
-        """Drop the connection at once, unsent replies included (what cancelled sends left
-        unsent is reported lost: ``send``'s ``lost``)."""
+        """Drop the connection at once, unsent replies included (cancelled sends whose line
+        had not all reached the kernel are reported lost: ``send``'s ``lost``; a send waiting
+        for the drain learns it from ``reached_kernel``)."""
         self.hang_up()
-        if self.writer.transport.get_write_buffer_size():
-            undelivered, self.undelivered = self.undelivered, []
-            for lost in undelivered:
-                lost()
+        if self.kernel_had is None:
+            self.kernel_had = self.written - self.writer.transport.get_write_buffer_size()
+        self.settle_undelivered()
         self.writer.transport.abort()
 
     def backed_up(self) -> bool:

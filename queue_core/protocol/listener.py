@@ -139,6 +139,9 @@ class Listener:
         conn = Conn(
             reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection), self.budget
         )
+        # A send ends when the transport holds nothing more (not at a low-water mark), so a
+        # reply reported sent is all with the kernel (``Conn.reached_kernel``).
+        writer.transport.set_write_buffer_limits(high=0)
         full = len(self.conns) >= self.max_connections
         if full and not self.requests.draining:
             with contextlib.suppress(errors.RelayError):  # no key table now: refuse
@@ -169,18 +172,21 @@ class Listener:
                 if isinstance(task, asyncio.Task):
                     task.cancel()
             if writer.transport.get_write_buffer_size():
-                # A reply's tail may still be buffered (drain() returns at the low-water mark,
-                # not at empty), and a client that half-closed is still reading it: give it
-                # until the buffer empties, as long as a slow reader gets. What is left then
-                # has no reader: drop it.
+                # A reply may still be buffered (its send cancelled above), and a client that
+                # half-closed is still reading it: give it until the buffer empties, as long
+                # as a slow reader gets. What is left then has no reader: drop it.
                 await conn.flush(
                     CLOSE_WAIT_S if self.requests.draining else connection.SEND_TIMEOUT_S
                 )
-            if writer.transport.get_write_buffer_size():
+            dropped = bool(writer.transport.get_write_buffer_size())
+            if dropped:
                 conn.abort()
-            elif conn.read_task is not None:
+            # Cancelled sends: delivered if the flush got their lines to the kernel, lost if
+            # it did not or the connection was lost meanwhile (a reset drops the buffer).
+            conn.settle_undelivered()
+            if not dropped and conn.read_task is not None:
                 await conn.close_gracefully()
-            else:
+            elif not dropped:
                 writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()

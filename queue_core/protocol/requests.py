@@ -259,7 +259,8 @@ class Requests:
             task = self.give_back(leases, worker_id)
         else:
             lost = functools.partial(self.give_back, leases, worker_id)
-            reply = _LeaseReply(conn, line, lost, written=now is not None)
+            # Buffered: its end offset is what the transport has been given so far.
+            reply = _LeaseReply(conn, line, lost, None if now is None else conn.written)
             conn.budget.take(conn, len(line))  # held until sent or dropped (``Conn.reply_soon``)
             task = asyncio.ensure_future(reply.send())
             task.add_done_callback(reply.ended)
@@ -490,27 +491,28 @@ class Requests:
 @dataclasses.dataclass(slots=True)
 class _LeaseReply:
     """A reply that hands out jobs, sent in its turn (``Requests.answer_with_leases``): the
-    jobs go back when it does not go out, or when its task is cancelled (the connection
-    closing) before the line reached the kernel, whether or not the task had started.
+    jobs go back when it does not all reach the kernel, or when its task is cancelled (the
+    connection closing) before it did, whether or not the task had started.
 
     Attributes:
         conn: the connection; its reply budget holds ``len(line)`` until ``ended``.
         line: the reply.
         lost: gives the jobs back (``Requests.give_back``).
-        written: ``Conn.write_now`` already put part of it in the transport.
+        end: ``Conn.write_now`` already put part of it in the transport: its end offset
+            (``Conn.written``); None when nothing of it was written yet.
     """
 
     conn: Conn
     line: bytes
     lost: Callable[[], object]
-    written: bool
+    end: int | None
     started: bool = False
 
     async def send(self) -> None:
         self.started = True
         conn = self.conn
-        if self.written:
-            sent = await conn.drain_written(self.lost)
+        if self.end is not None:
+            sent = await conn.drain_written(self.lost, self.end)
         else:
             sent = await conn.send(self.line, self.lost)
         if not sent:
@@ -519,7 +521,7 @@ class _LeaseReply:
     def ended(self, task: asyncio.Future[Any]) -> None:
         self.conn.budget.give(self.conn, len(self.line))
         if task.cancelled() and not self.started:  # cancelled before it ran: as send would
-            self.conn.cancelled_send(self.lost, self.written)
+            self.conn.cancelled_send(self.lost, self.end)
 
 
 def _weight(args: dict[str, Any]) -> int:

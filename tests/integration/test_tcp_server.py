@@ -1318,3 +1318,37 @@ def test_a_shutdown_gives_back_the_jobs_of_lease_replies_that_never_left(
     assert Job.objects.filter(state="leased").count() == 0
     assert Job.objects.filter(state="ready").count() == 8
     reset(ghost)
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=256 * 1024, RELAY_MAX_PAYLOAD_BYTES=200 * 1024)
+def test_jobs_of_a_reply_an_abort_cuts_short_go_back(start: Callable[..., Running]) -> None:
+    # A budget cut aborts a connection from another task while its send waits for the drain;
+    # asyncio's drain then returns as if the reply had gone. It had not (no reply of 150 KB
+    # fits the squeezed buffers): its job, and those of the replies behind it, go back.
+    running = start()
+    ghost, conn = unread_leases(running, "ab", jobs=4, leases=3)
+    wait_for(lambda: conn.backed_up() and Job.objects.filter(state="leased").count() == 3)
+    loop = running.server._loop
+    assert loop is not None
+    loop.call_soon_threadsafe(conn.abort)
+    wait_for(lambda: not running.server._conns)
+    wait_for(lambda: Job.objects.filter(state="ready").count() == 4)
+    reset(ghost)
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=256 * 1024, RELAY_MAX_PAYLOAD_BYTES=200 * 1024)
+def test_a_reset_while_a_shutdown_flushes_gives_back_the_jobs_of_cancelled_sends(
+    start: Callable[..., Running],
+) -> None:
+    # At shutdown the connection's send tasks are cancelled with a reply half written; the
+    # server then waits for its buffer to flush. The client resets meanwhile, which throws
+    # the buffer away: that reply never reached the kernel, so its job goes back.
+    running = start()
+    ghost, conn = unread_leases(running, "rs", jobs=4, leases=3)
+    wait_for(lambda: conn.backed_up() and Job.objects.filter(state="leased").exists())
+    running.server.request_shutdown()
+    wait_for(lambda: bool(conn.undelivered))  # cancelled with its line in the transport
+    reset(ghost)
+    running.thread.join(30)
+    assert not running.thread.is_alive() and running.error is None
+    assert Job.objects.filter(state="leased").count() == 0
