@@ -417,12 +417,7 @@ class Requests:
                     # any wait, so a key revoked since leases nothing (UNAUTHENTICATED).
                     ring = await self.key_ring()
                     auth.still_allowed(conn.principal, verb.op, ring, surface="tcp", peer=conn.peer)
-                    outcome: dispatch.Outcome = await self.db.write(
-                        lambda: verb.handler(self.service, args, ctx),
-                        claims=True,
-                        durable=relay_settings().durable_leases,
-                        weight=_weight(args),
-                    )
+                    outcome: dispatch.Outcome = await self._claim(conn, verb, args, ctx)
                 except BaseException:
                     self.budget.give(conn, frame)
                     raise
@@ -451,6 +446,46 @@ class Requests:
                 if waiter is not None:
                     conn.waiting.discard(waiter.event)
                     self.wakeups.unsubscribe(waiter)
+
+    async def _claim(
+        self, conn: Conn, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context
+    ) -> dispatch.Outcome:
+        """Run one claim of ``lease`` in the next group commit and return its outcome.
+
+        Cancelled while the claim waits for the writer (its connection closing at shutdown,
+        the writer busy past the close's wait), the claim is abandoned: if it has not run
+        yet it claims nothing, and jobs it claimed all the same go back (``give_back``),
+        never leased to a request nobody answers.
+        """
+        abandoned = False
+
+        def claim() -> dispatch.Outcome:
+            if abandoned:
+                return dispatch.Outcome({"jobs": []})
+            return verb.handler(self.service, args, ctx)
+
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.db.put_write(
+            claim,
+            future,
+            claims=True,
+            durable=relay_settings().durable_leases,
+            weight=_weight(args),
+        )
+        try:
+            outcome: dispatch.Outcome = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            abandoned = True
+            worker_id = args.get("worker_id") or conn.peer
+            future.add_done_callback(functools.partial(self._claimed_for_nobody, worker_id))
+            raise
+        return outcome
+
+    def _claimed_for_nobody(self, worker_id: str, future: asyncio.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            jobs = future.result().result["jobs"]
+            if jobs:
+                self.give_back(jobs, worker_id)
 
     def give_back(self, leases: list[dict[str, Any]], worker_id: str) -> asyncio.Future[Any]:
         """Give back jobs leased to a reply that cannot be sent, and wake their queues.

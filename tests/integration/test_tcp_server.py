@@ -1352,3 +1352,41 @@ def test_a_reset_while_a_shutdown_flushes_gives_back_the_jobs_of_cancelled_sends
     running.thread.join(30)
     assert not running.thread.is_alive() and running.error is None
     assert Job.objects.filter(state="leased").count() == 0
+
+
+def test_a_long_poll_whose_claim_waits_past_a_shutdown_leases_nothing(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The writer is busy (a held submit) past the close's wait, so the shutdown cancels a
+    # long-poll whose claim is still queued. That claim must not lease the job afterwards to
+    # a request nobody answers (on PostgreSQL no restart would give it back).
+    monkeypatch.setattr(writer, "INLINE_WRITES", False)
+    running = start()
+    producer = Client(running.port)
+    job_id = producer.ok("submit", queue="sl", payload={})["job"]["id"]
+    holding, go_on = threading.Event(), threading.Event()
+    submit = QueueService.submit
+
+    def held_submit(self: QueueService, queue: str, *args: Any, **kwargs: Any) -> Any:
+        if queue == "hold":
+            holding.set()
+            assert go_on.wait(30)
+        return submit(self, queue, *args, **kwargs)
+
+    monkeypatch.setattr(QueueService, "submit", held_submit)
+    holder = Client(running.port, timeout=30)
+    holder.send("submit", queue="hold", payload={})
+    assert holding.wait(15)  # the writer thread is held
+    ghost = Client(running.port, timeout=30)
+    ghost.send("lease", queues=["sl"], worker_id="ghost", wait_ms=10_000)
+    conns = running.server._conns
+    port = ":" + str(ghost.sock.getsockname()[1])
+    wait_for(lambda: any(c.peer.endswith(port) and c.tasks for c in list(conns)))
+    running.server.request_shutdown()
+    wait_for(lambda: not conns, timeout_s=30)  # closed, its lease task cancelled
+    go_on.set()
+    running.thread.join(30)
+    assert not running.thread.is_alive() and running.error is None
+    assert Job.objects.get(pk=job_id).state == "ready"
+    for client in (producer, holder, ghost):
+        reset(client)
