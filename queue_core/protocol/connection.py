@@ -149,27 +149,32 @@ class Conn:
             return False
         return True
 
-    def reply_soon(self, line: bytes) -> None:
+    def reply_soon(self, line: bytes, lost: Callable[[], object] | None = None) -> None:
         """Send a write's reply, and free its in-flight slot once the kernel has it.
 
         Written at once when no reply is queued before it (the usual case); otherwise, or for
         the part the kernel did not take, a task waits its turn and the drain as ``send``
         does, so a connection still pins at most ``max_inflight_per_connection`` replies and
         a reader silent for ``SEND_TIMEOUT_S`` is cut off.
+
+        Args:
+            lost: called (once) when the line does not all reach the kernel: dropped, cut
+                off, or the connection closing before it went out (``send``). A reply that
+                hands out jobs gives them back this way (``requests.Requests.give_back``).
         """
-        task: asyncio.Future[Any]
         now = self.write_now(line)
-        if now is None:
-            task = asyncio.ensure_future(self.send(line))
-        elif now in ("dropped", "sent"):
+        if now in ("dropped", "sent"):
+            if now == "dropped" and lost is not None:
+                lost()
             self.slots.release()
             return
-        else:
-            task = asyncio.ensure_future(self.drain_written())
+        # Buffered: its end offset is what the transport has been given so far.
+        pending = _Pending(self, line, lost, None if now is None else self.written)
         self.budget.take(self, len(line))  # held until sent or dropped
+        task = asyncio.ensure_future(pending.send())
         self.tasks.add(task)
         task.add_done_callback(self.done)
-        task.add_done_callback(lambda _: self.budget.give(self, len(line)))
+        task.add_done_callback(pending.ended)
 
     def write_now(self, line: bytes) -> str | None:
         """Write ``line`` at once when no reply is queued before it; no task, no wait.
@@ -261,7 +266,7 @@ class Conn:
         transport = self.writer.transport
         if transport.is_closing():
             return
-        transport.set_write_buffer_limits(high=0)  # drain() now waits for an empty buffer
+        # drain() waits for an empty buffer: the listener set the high-water mark to 0.
         with contextlib.suppress(TimeoutError, ConnectionError):
             await asyncio.wait_for(self.writer.drain(), timeout_s)
 
@@ -284,6 +289,41 @@ class Conn:
             await self.send(codec.encode_error(None, refusal))
             return None
         return head
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """A reply ``Conn.reply_soon`` could not write whole at once, sent in its turn by a task.
+
+    Attributes:
+        conn: the connection; its reply budget holds ``len(line)`` until ``ended``.
+        line: the reply.
+        lost: see ``Conn.reply_soon``: called when it does not all reach the kernel, also
+            when the task is cancelled (the connection closing) before it ran.
+        end: ``Conn.write_now`` already put part of it in the transport: its end offset
+            (``Conn.written``); None when nothing of it was written yet.
+    """
+
+    conn: Conn
+    line: bytes
+    lost: Callable[[], object] | None
+    end: int | None
+    started: bool = False
+
+    async def send(self) -> None:
+        self.started = True
+        conn = self.conn
+        if self.end is not None:
+            sent = await conn.drain_written(self.lost, self.end)
+        else:
+            sent = await conn.send(self.line, self.lost)
+        if not sent and self.lost is not None:
+            self.lost()
+
+    def ended(self, task: asyncio.Future[Any]) -> None:
+        self.conn.budget.give(self.conn, len(self.line))
+        if task.cancelled() and not self.started:  # cancelled before it ran: as send would
+            self.conn.cancelled_send(self.lost, self.end)
 
 
 async def until_idle(conns: Iterable[Conn], timeout_s: float | None) -> None:

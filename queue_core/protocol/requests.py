@@ -26,7 +26,6 @@ Every reply reserves bytes of the server's ``ReplyBudget`` until the kernel has 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -135,7 +134,8 @@ class Requests:
         """
         wait_ms = request.args.get("wait_ms")
         ring = auth.cached_ring()
-        frame = relay_settings().max_frame_bytes
+        s = relay_settings()
+        frame = s.max_frame_bytes
         if wait_ms or ring is None or conn.gone or not self.budget.fits(conn, frame):
             return None
         loop = asyncio.get_running_loop()
@@ -152,7 +152,7 @@ class Requests:
                 functools.partial(verb.handler, self.service, args, ctx),
                 future,
                 claims=True,
-                durable=relay_settings().durable_leases,
+                durable=s.durable_leases,
                 weight=_weight(args),
             )
         # The frame first, then the reply (callbacks run in the order they were added).
@@ -239,33 +239,17 @@ class Requests:
         When the connection is already gone (the client closed, or it is closing after an
         oversize frame), the jobs go back at once and the reply, if it can still go out,
         carries none (``[]``), as ``lease`` answers a connection gone during its claim; when
-        the send fails, they go back too (``give_back``) rather than strand until their
-        leases expire.
+        the reply does not all reach the kernel (``Conn.reply_soon``'s ``lost``), they go
+        back too (``give_back``) rather than strand until their leases expire.
         """
         leases: list[dict[str, Any]] = result[key]
         worker_id = _next_worker_id(request.args, conn.peer)
         if conn.gone:
-            task = self.give_back(leases, worker_id)
-            conn.tasks.add(task)
-            task.add_done_callback(conn.tasks.discard)
+            self.give_back(leases, worker_id)
             conn.reply_soon(reply_line(request, {**result, key: []}))
             return
-        line = reply_line(request, result)
-        now = conn.write_now(line)  # the usual case: the kernel takes it, no task
-        if now == "sent":
-            conn.slots.release()
-            return
-        if now == "dropped":
-            task = self.give_back(leases, worker_id)
-        else:
-            lost = functools.partial(self.give_back, leases, worker_id)
-            # Buffered: its end offset is what the transport has been given so far.
-            reply = _LeaseReply(conn, line, lost, None if now is None else conn.written)
-            conn.budget.take(conn, len(line))  # held until sent or dropped (``Conn.reply_soon``)
-            task = asyncio.ensure_future(reply.send())
-            task.add_done_callback(reply.ended)
-        conn.tasks.add(task)
-        task.add_done_callback(conn.done)  # frees the request's in-flight slot
+        lost = functools.partial(self.give_back, leases, worker_id)
+        conn.reply_soon(reply_line(request, result), lost)
 
     def apply(self, outcome: dispatch.Outcome) -> None:
         """Wake the long-polls of the queues a commit made ready; schedule a due instant."""
@@ -521,42 +505,6 @@ class Requests:
             log.info("event=release_unsent_failed job_id=%s code=%s", lease["job_id"], exc.code)
         else:
             log.error("event=release_unsent_failed job_id=%s", lease["job_id"], exc_info=exc)
-
-
-@dataclasses.dataclass(slots=True)
-class _LeaseReply:
-    """A reply that hands out jobs, sent in its turn (``Requests.answer_with_leases``): the
-    jobs go back when it does not all reach the kernel, or when its task is cancelled (the
-    connection closing) before it did, whether or not the task had started.
-
-    Attributes:
-        conn: the connection; its reply budget holds ``len(line)`` until ``ended``.
-        line: the reply.
-        lost: gives the jobs back (``Requests.give_back``).
-        end: ``Conn.write_now`` already put part of it in the transport: its end offset
-            (``Conn.written``); None when nothing of it was written yet.
-    """
-
-    conn: Conn
-    line: bytes
-    lost: Callable[[], object]
-    end: int | None
-    started: bool = False
-
-    async def send(self) -> None:
-        self.started = True
-        conn = self.conn
-        if self.end is not None:
-            sent = await conn.drain_written(self.lost, self.end)
-        else:
-            sent = await conn.send(self.line, self.lost)
-        if not sent:
-            self.lost()
-
-    def ended(self, task: asyncio.Future[Any]) -> None:
-        self.conn.budget.give(self.conn, len(self.line))
-        if task.cancelled() and not self.started:  # cancelled before it ran: as send would
-            self.conn.cancelled_send(self.lost, self.end)
 
 
 def _weight(args: dict[str, Any]) -> int:

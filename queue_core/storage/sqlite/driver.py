@@ -711,7 +711,7 @@ class SqliteDriver:
                 durable (committed, but not known to be on disk).
         """
         local = self._local
-        if getattr(local, "depth", 0) == 1 and local.flat:
+        if self._depth() == 1 and local.flat:
             # A call of a flat group commit: no savepoint (the caller sets a failure apart
             # with mark/forgive, or rolls everything back). A plain object, not a generator:
             # this runs for every call of every batch.
