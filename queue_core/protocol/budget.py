@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable, Collection
 from typing import Protocol
 
@@ -41,8 +42,14 @@ class Holder(Protocol):
     unsent: int  # bytes reserved or unsent
     drained_at: float  # loop time it last had nothing held, or gave bytes back
     cut_off: bool  # cut by the budget: what it holds is on its way back
+    turn: asyncio.Lock | None  # its reserves' turn to wait for room (``reserve``)
 
     def abort(self) -> None: ...
+
+    def keeps_up(self) -> bool:
+        """Whether the client reads what reached its socket (little of it waits in the
+        kernel)."""
+        ...
 
     def backed_up(self) -> bool:
         """Whether bytes written to it wait for the client to read: the client, not the
@@ -75,22 +82,50 @@ class ReplyBudget:
         self._conns = conns
         self._clock = clock
         self._changed = asyncio.Event()
+        self._scanned = False  # _cut_stalled ran since bytes last came back
+        self._rescan_at = math.inf  # clock time the next connection could qualify
 
     def fits(self, conn: Holder, n: int) -> bool:
-        """Whether ``conn`` may hold ``n`` more bytes now."""
+        """Whether ``conn`` may hold ``n`` more bytes now.
+
+        A connection holding nothing may take one frame past its own budget, and past the
+        server's while its client keeps up (``Holder.keeps_up``): a client that reads is not
+        held up by those that do not, while a silent one gets nothing beyond the limit
+        (160 of them had each taken a frame past it, 160 MiB).
+        """
         if conn.unsent == 0:
-            return True
+            return self.held + n <= self.limit or conn.keeps_up()
         return conn.unsent + n <= self.per_connection and self.held + n <= self.limit
 
     def over(self, conn: Holder) -> bool:
         """Whether ``conn`` holds more than it may: its next frame is not read yet."""
         return conn.unsent > 0 and (conn.unsent > self.per_connection or self.held > self.limit)
 
+    def try_take(self, conn: Holder, n: int) -> bool:
+        """Hold ``n`` bytes for ``conn`` if it may hold them now and none of its reserves
+        waits; return whether it did (``reserve`` without the wait)."""
+        turn = conn.turn
+        if (turn is None or not turn.locked()) and self.fits(conn, n):
+            self.take(conn, n)
+            return True
+        return False
+
     async def reserve(self, conn: Holder, n: int) -> None:
-        """Wait until ``conn`` may hold ``n`` more bytes, then hold them."""
-        while not self.fits(conn, n):
-            await self._wait_for_room()
-        self.take(conn, n)
+        """Wait until ``conn`` may hold ``n`` more bytes, then hold them.
+
+        A connection's reserves that must wait take turns (``Holder.turn``, first come first
+        served), so at most one per connection waits for room: a client pipelining 64 reads
+        used to put 64 waiters on every wake-up.
+        """
+        if self.try_take(conn, n):
+            return
+        turn = conn.turn
+        if turn is None:
+            turn = conn.turn = asyncio.Lock()
+        async with turn:
+            while not self.fits(conn, n):
+                await self._wait_for_room()
+            self.take(conn, n)
 
     async def room(self, conn: Holder) -> None:
         """Wait until ``conn`` is no longer over budget (the read loop's back-pressure)."""
@@ -116,11 +151,26 @@ class ReplyBudget:
         self._changed.set()
 
     async def _wait_for_room(self) -> None:
-        """Wait for bytes to come back; over the server budget, cut the worst stalled holder."""
+        """Wait for bytes to come back; over the server budget, cut the worst stalled holder.
+
+        The connections are scanned for one to cut (``_cut_stalled``) once after bytes came
+        back and once when the next could qualify, by whichever waiter wakes first, not by
+        every waiter on every wake-up: that was connections x waiters of work per returned
+        reply, enough to stall the event loop with 160 silent clients.
+        """
         event = self._changed
         if event.is_set():
             event = self._changed = asyncio.Event()
-        timeout = self._cut_stalled() if self.held > self.limit else None
+            self._scanned = False  # bytes came back since the last scan
+        timeout = None
+        if self.held > self.limit:
+            now = self._clock()
+            if not self._scanned or now >= self._rescan_at:
+                after = self._cut_stalled()
+                self._scanned = True
+                self._rescan_at = math.inf if after is None else now + after
+            if self._rescan_at != math.inf:
+                timeout = max(0.0, self._rescan_at - now)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), timeout)
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import logging
+import sys
+import termios
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,6 +31,9 @@ LINGER_S = 1.0  # how long input is discarded after FRAME_TOO_LARGE before closi
 # A client that reads no reply for this long is cut off: its unread replies are the only
 # memory a connection can pin (at most max_inflight_per_connection of them, each <= 1 frame).
 SEND_TIMEOUT_S = 30.0
+# A client whose kernel send queue holds at most this many reply bytes keeps up with its
+# replies (``Conn.keeps_up``).
+KEEPING_UP_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -50,6 +56,7 @@ class Conn:
     unsent: int = 0  # reply bytes reserved or not yet taken by the kernel (ReplyBudget)
     drained_at: float = 0.0  # loop time it last held nothing or gave bytes back
     cut_off: bool = False  # cut by the reply budget
+    turn: asyncio.Lock | None = None  # its reserves' turn to wait for room (ReplyBudget)
     bad_frames: int = 0  # malformed lines so far
     opened: float = dataclasses.field(default_factory=time.monotonic)
     evicted: bool = False  # closed to make room for a newcomer (never authenticated)
@@ -243,6 +250,20 @@ class Conn:
         """Whether reply bytes wait in the transport for the client to read (``ReplyBudget``:
         only such a connection is cut for holding the server's budget)."""
         return bool(self.writer.transport.get_write_buffer_size())
+
+    def keeps_up(self) -> bool:
+        """Whether the client reads what it was sent: the kernel holds at most
+        ``KEEPING_UP_BYTES`` of it unsent or unacknowledged (Linux ``SIOCOUTQ``). Asked only
+        over the server budget (``ReplyBudget.fits``): a client that left a megabyte of
+        replies in the kernel takes no frame beyond it. True where it cannot be told."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return True
+        try:
+            queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+        except (OSError, ValueError):  # closed, or not a socket the ioctl knows
+            return True
+        return int.from_bytes(queued, sys.byteorder, signed=True) <= KEEPING_UP_BYTES
 
     def ended(self, task: asyncio.Future[Any]) -> None:
         """A request that was in progress at an idle deadline ended: idleness counts from now

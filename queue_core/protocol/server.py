@@ -149,10 +149,7 @@ class RelayServer:
         self._listener.max_connections = limits.connection_cap(relay_settings().max_connections)
         self._loop.set_exception_handler(limits.QuietAcceptErrors())
         try:
-            limit = relay_settings().max_frame_bytes + 2
-            server = await asyncio.start_server(
-                self._listener.on_connect, self.host, self.port, limit=limit
-            )
+            server = await self._loop.create_server(self._listener.protocol, self.host, self.port)
         except BaseException:
             self._db.close()
             await asyncio.to_thread(self._db.stop)
@@ -162,6 +159,7 @@ class RelayServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self.request_shutdown)
         reaper = asyncio.create_task(self._reaper(), name="relay-reaper")
+
         retention = asyncio.create_task(self._retention(), name="relay-retention")
         await self._heartbeat_once()  # in the registry before the ready line
         heart = asyncio.create_task(self._heartbeat(), name="relay-heartbeat")

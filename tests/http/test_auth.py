@@ -420,7 +420,9 @@ def test_a_tcp_lease_held_before_its_claim_claims_nothing_once_its_key_is_revoke
 ) -> None:
     """Hostile review, second round: a lease admitted with a valid key, then held by its
     connection's reply budget (its client read nothing) past the revoke, leased a job
-    submitted 15 s after it. Here the key is revoked while the lease reserves its budget."""
+    submitted 15 s after it. Here the key is revoked while the lease waits for its budget
+    (the read loop holds it there, before it is admitted, since the reply budget's round
+    with 160 silent clients; before that, after admission)."""
     worker, producer = make_key("worker"), make_key("producer")
     with RelayClient(tcp.address(), api_key=producer) as client:
         client.submit("held", {"n": 1})
@@ -440,7 +442,7 @@ def test_a_tcp_lease_held_before_its_claim_claims_nothing_once_its_key_is_revoke
     async def revoke_then_reserve(conn: Any, n: int) -> None:
         principal = getattr(conn, "principal", None)
         if principal is not None and principal.prefix == prefix:  # the lease, not the hello
-            await asyncio.to_thread(revoke)  # after admission, before the claim
+            await asyncio.to_thread(revoke)  # while it waits: before its claim
         await reserve(conn, n)
 
     fits = budget.fits

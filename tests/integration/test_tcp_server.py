@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import select
 import socket
 import threading
 import time
@@ -21,8 +22,9 @@ import pytest
 from django.test import override_settings
 
 from queue_core import auth
+from queue_core.conf import relay_settings
 from queue_core.models import Job, JobAttempt
-from queue_core.protocol import connection, dispatch, writer
+from queue_core.protocol import codec, connection, dispatch, writer
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 
@@ -1289,12 +1291,16 @@ def unread_leases(running: Running, queue: str, jobs: int, leases: int) -> tuple
 def test_leases_waiting_for_their_budget_claim_nothing_once_the_client_is_gone(
     start: Callable[..., Running],
 ) -> None:
-    # The first lease's reply sits unread; each lease after it waits for the connection's
-    # budget (one frame). Once the client resets, they must end without claiming: before,
-    # each claimed a job for the dead socket and gave it back, one attempt per waiting lease.
+    # The first lease's reply sits unread; the lease after it waits for the connection's
+    # budget (one frame), in the read loop, the rest unread behind it. Once the client
+    # resets, none may claim: before, each claimed a job for the dead socket and gave it
+    # back, one attempt per waiting lease.
     running = start()
     ghost, conn = unread_leases(running, "gb", jobs=12, leases=10)
-    wait_for(lambda: conn.backed_up() and len(conn.tasks) >= 10)  # the rest wait for budget
+    wait_for(lambda: conn.backed_up() and conn.turn is not None and conn.turn.locked())
+    # No task per waiting lease (before: one each, 10,000 with 160 such clients): the first
+    # lease's reply send, at most.
+    assert len(conn.tasks) <= 1, conn.tasks
     assert JobAttempt.objects.count() == 1
     reset(ghost)
     wait_for(lambda: not running.server._conns)
@@ -1390,3 +1396,72 @@ def test_a_long_poll_whose_claim_waits_past_a_shutdown_leases_nothing(
     assert Job.objects.get(pk=job_id).state == "ready"
     for client in (producer, holder, ghost):
         reset(client)
+
+
+def test_a_client_pipelining_past_its_slots_has_little_read_ahead_in_the_server(
+    start: Callable[..., Running],
+) -> None:
+    # Every in-flight slot of the connection is a long-poll, so its read loop waits; what
+    # the client sends on must wait in the kernel (TCP's window holds it back), not in the
+    # server: asyncio's reader buffered up to twice the frame limit (2 MiB) per connection,
+    # 17 MB for 160 such clients. Now reading pauses past READ_AHEAD_BYTES of whole frames.
+    from queue_core.protocol.listener import READ_AHEAD_BYTES
+
+    running = start()
+    client = Client(running.port)
+    assert client.ok("ping")["pong"] is True
+    slots = relay_settings().max_inflight_per_connection
+    poll = {
+        "op": "lease",
+        "args": {"queues": ["none"], "worker_id": "w", "wait_ms": relay_settings().max_wait_ms},
+    }
+    client.send_raw(b"".join(orjson.dumps({"id": i, **poll}) + b"\n" for i in range(slots)))
+    port = str(client.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    wait_for(lambda: len(conn.tasks) == slots)
+    pings = b'{"op":"ping"}\n' * (4 * 1024 * 1024 // 14)  # 4 MiB
+    client.sock.setblocking(False)
+    sent = 0
+    deadline = time.monotonic() + 10
+    while sent < len(pings) and time.monotonic() < deadline:
+        _, writable, _ = select.select([], [client.sock], [], 0.5)
+        if not writable:
+            break  # the kernel's buffers are full: the server reads no more
+        with contextlib.suppress(BlockingIOError):
+            sent += client.sock.send(pings[sent : sent + 65536])
+    reader: Any = conn.reader
+    wait_for(lambda: reader._paused)  # it stopped reading the socket
+    assert sent > 3 * READ_AHEAD_BYTES + 256 * 1024, sent  # far more than it buffered
+    # At most the read-ahead plus one read of the transport (256 KiB).
+    assert len(reader._buffer) <= READ_AHEAD_BYTES + 256 * 1024, len(reader._buffer)
+    reset(client)
+
+
+def test_a_read_cancelled_before_it_runs_gives_back_its_frame(
+    start: Callable[..., Running],
+) -> None:
+    # The read loop holds a read's frame before starting its task; a task cancelled before
+    # its first step runs none of its code (no ``finally``), so the frame must come back
+    # another way or the server's budget shrinks for good.
+    running = start()
+    client = Client(running.port)
+    assert client.ok("ping")["pong"] is True
+    port = str(client.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    requests = running.server._requests
+    budget = requests.budget
+    frame = relay_settings().max_frame_bytes
+    loop = running.server._loop
+    assert loop is not None
+    before: list[int] = []
+
+    def start_and_cancel() -> None:
+        before.append(budget.held)
+        budget.take(conn, frame)
+        request = codec.decode_request(b'{"id":"x","op":"ping"}\n', frame)
+        requests.start(conn, request, frame).cancel()
+
+    loop.call_soon_threadsafe(start_and_cancel)
+    wait_for(lambda: bool(before) and not conn.tasks)
+    assert (budget.held, conn.unsent) == (before[0], 0)
+    client.close()
