@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -113,6 +113,11 @@ AUTH_FAILURES = Counter(
     "relay_auth_failures",
     "Requests refused for a missing or invalid API key, or a scope that does not allow them.",
     ["surface", "code"],
+)
+REPLY_BUDGET_CUTS = Counter(
+    "relay_reply_budget_cuts",
+    "TCP connections cut off by the server's reply budget: past RELAY_MAX_UNSENT_BYTES, the "
+    "one holding most whose client left replies unread and drained nothing for a second.",
 )
 CLAIM_SECONDS = Histogram(
     "relay_claim_duration_seconds",
@@ -338,6 +343,39 @@ def _fold(queues: dict[str, dict[str, Any]], keep: int) -> list[tuple[str, dict[
                 rest[state] = rest.get(state, 0) + n
     rest["oldest_ready_age_ms"] = max(ages, default=None)
     return [*sorted(ranked[:keep]), (OTHER_QUEUES, rest)]
+
+
+class TcpServerCollector(Collector):
+    """``relay_tcp_connections`` and ``relay_reply_bytes_held`` of the TCP server running in
+    this process (``watch_tcp_server``), read at scrape time; nothing when none runs."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], tuple[int, int]] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        read = self.read
+        if read is None:
+            return
+        connections, held = read()  # two ints, read from the scrape's thread
+        yield GaugeMetricFamily(
+            "relay_tcp_connections", "Open TCP connections of this server.", value=connections
+        )
+        yield GaugeMetricFamily(
+            "relay_reply_bytes_held",
+            "Reply bytes this TCP server holds for its clients: reserved for reads and leases "
+            "in progress, or not yet taken by the kernel (RELAY_MAX_UNSENT_BYTES bounds them).",
+            value=held,
+        )
+
+
+TCP_SERVER = TcpServerCollector()
+REGISTRY.register(TCP_SERVER)
+
+
+def watch_tcp_server(read: Callable[[], tuple[int, int]] | None) -> None:
+    """Report a TCP server's open connections and reply bytes held (``read`` returns them),
+    or stop reporting (None). The latest server started in this process wins."""
+    TCP_SERVER.read = read
 
 
 _installed: list[CollectorRegistry] = []

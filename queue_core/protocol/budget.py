@@ -30,6 +30,8 @@ import math
 from collections.abc import Callable, Collection
 from typing import Protocol
 
+from queue_core import metrics
+
 log = logging.getLogger("relay.server")
 
 STALL_S = 1.0  # a connection over the server budget that drained nothing for this long is cut
@@ -199,6 +201,7 @@ class ReplyBudget:
         if stalled:
             worst = max(stalled, key=lambda c: c.unsent)
             self.cut += 1
+            metrics.REPLY_BUDGET_CUTS.inc()
             log.warning(
                 "event=reply_budget_cut peer=%s unsent_bytes=%d held_bytes=%d",
                 worst.peer,

@@ -43,6 +43,7 @@ import socket
 import threading
 import time
 
+from queue_core import metrics
 from queue_core.client import format_address
 from queue_core.conf import relay_settings
 from queue_core.protocol import limits
@@ -177,6 +178,12 @@ class RelayServer:
                 "loop": loop_name(self._loop),
             },
         )
+        budget = self._requests.budget
+
+        def gauges() -> tuple[int, int]:
+            return len(self._conns), budget.held
+
+        metrics.watch_tcp_server(gauges)
         self.ready.set()
         try:
             await self._stop.wait()
@@ -204,6 +211,8 @@ class RelayServer:
                 )
             self._db.close()
             await asyncio.to_thread(self._db.stop)
+            if metrics.TCP_SERVER.read is gauges:  # not a server started after this one
+                metrics.watch_tcp_server(None)
             log.info("event=stopped", extra={"event": "stopped"})
 
     async def _grace(self) -> None:

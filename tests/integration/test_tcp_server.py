@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import pytest
 from django.test import override_settings
+from prometheus_client import REGISTRY
 
 from queue_core import auth
 from queue_core.conf import relay_settings
@@ -1465,3 +1466,32 @@ def test_a_read_cancelled_before_it_runs_gives_back_its_frame(
     wait_for(lambda: bool(before) and not conn.tasks)
     assert (budget.held, conn.unsent) == (before[0], 0)
     client.close()
+
+
+def test_the_server_reports_its_connections_and_reply_bytes_held(
+    start: Callable[..., Running],
+) -> None:
+    # Read at scrape time (``metrics.TcpServerCollector``) from the running server.
+    from queue_core import metrics
+
+    def gauge(name: str) -> float | None:
+        return REGISTRY.get_sample_value(name)
+
+    running = start()
+    clients = [Client(running.port) for _ in range(3)]
+    for client in clients:
+        assert client.ok("ping")["pong"] is True
+    assert gauge("relay_tcp_connections") == 3
+    assert gauge("relay_reply_bytes_held") == 0
+    assert b"relay_tcp_connections 3.0" in metrics.exposition()
+    requests = running.server._requests
+    loop = running.server._loop
+    assert loop is not None
+    (conn, *_) = running.server._conns
+    loop.call_soon_threadsafe(requests.budget.take, conn, 1234)
+    wait_for(lambda: gauge("relay_reply_bytes_held") == 1234)
+    loop.call_soon_threadsafe(requests.budget.give, conn, 1234)
+    for client in clients:
+        client.close()
+    running.stop()
+    assert gauge("relay_tcp_connections") is None  # no server runs: no series

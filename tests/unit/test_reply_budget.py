@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from prometheus_client import REGISTRY
+
 from queue_core.protocol.budget import STALL_S, ReplyBudget
 
 
@@ -38,7 +40,12 @@ def budget(conns: list[FakeConn], now: list[float], limit: int = 100) -> ReplyBu
     return b
 
 
+def metrics_cuts() -> float:
+    return REGISTRY.get_sample_value("relay_reply_budget_cuts_total") or 0.0
+
+
 def test_it_cuts_the_stalled_connection_holding_most_and_only_it() -> None:
+    cuts_before = metrics_cuts()
     now = [0.0]
     a, b, c = FakeConn("a", 60), FakeConn("b", 50), FakeConn("c", 40)
     reply = budget([a, b, c], now)
@@ -51,6 +58,7 @@ def test_it_cuts_the_stalled_connection_holding_most_and_only_it() -> None:
     assert reply._cut_stalled() is None
     assert not b.aborted and not c.aborted
     assert reply.cut == 1
+    assert metrics_cuts() == cuts_before + 1  # relay_reply_budget_cuts_total
 
 
 def test_a_connection_whose_client_reads_is_not_cut_for_frames_its_claims_hold() -> None:
