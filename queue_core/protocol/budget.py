@@ -9,13 +9,15 @@ After Redis's ``client-output-buffer-limit`` (a hard limit per client) and the b
 of any stream reader:
 
 * **Per connection** (``RELAY_MAX_UNSENT_BYTES_PER_CONNECTION``): a read or lease claim waits
-  before it runs until its frame fits the connection's budget, and the connection's next
+  before it runs until its frame fits the connection's budget (a read, and a lease that will
+  not wait, in the read loop, which reads nothing more meanwhile), and the connection's next
   frame is not read while it is over budget. A connection holding nothing may always reserve
-  one frame, so every client can make progress.
+  one frame while the server is under its limit, so every client can make progress.
 * **Per server** (``RELAY_MAX_UNSENT_BYTES``): past it, a connection that already holds bytes
-  waits, and of the connections whose clients leave written replies unread, the one holding
-  the most bytes that has not drained any for ``STALL_S`` is cut off (its replies are
-  dropped), one at a time, so one set of silent clients cannot hold the rest up for the
+  waits, and so does one holding nothing unless its client reads what it was sent
+  (``Holder.keeps_up``); of the connections whose clients leave written replies unread, the
+  one holding the most bytes that has not drained any for ``STALL_S`` is cut off (its replies
+  are dropped), one at a time, so one set of silent clients cannot hold the rest up for the
   slow-reader deadline (``SEND_TIMEOUT_S`` in ``connection.py``).
 
 All methods run on the event-loop thread.
