@@ -38,6 +38,7 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "sqlite_checkpoint_wait_ms",
         "max_unsent_bytes_per_connection",
         "max_unsent_bytes",
+        "max_buffered_request_bytes",
         "max_bad_frames",
         "auth_timeout_ms",
         "metrics_max_queues",

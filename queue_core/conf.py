@@ -110,6 +110,9 @@ class RelaySettings:
             ``queue_core.protocol.budget``).
         max_unsent_bytes: reply bytes all connections may hold before one that drained
             nothing for a second is cut off (64 MiB).
+        max_buffered_request_bytes: request bytes all connections may have buffered in the
+            server (lines read ahead, lines still arriving) before those whose unfinished
+            line began over a second ago are cut off (64 MiB; ``queue_core.protocol.reading``).
         max_bad_frames: malformed lines a connection may send before it is closed (16); a
             first line that is not a request closes it at once.
         auth_timeout_ms: with API keys on, how long a connection may go without a successful
@@ -191,6 +194,7 @@ class RelaySettings:
     # Hostile clients (issue 13).
     max_unsent_bytes_per_connection: int = 2 * 1024 * 1024
     max_unsent_bytes: int = 64 * 1024 * 1024
+    max_buffered_request_bytes: int = 64 * 1024 * 1024
     max_bad_frames: int = 16
     auth_timeout_ms: int = 10_000
     max_connections_per_address: int = 0

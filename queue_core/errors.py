@@ -168,7 +168,9 @@ class TooManyConnections(RelayError):
 
 
 class Timeout(RelayError):
-    """The connection sent no complete frame within the idle timeout."""
+    """The connection sent no complete frame within the idle timeout, or its frame was still
+    arriving a second after it began while the server's request buffers were full
+    (``protocol.reading.InputBudget``)."""
 
     code = "TIMEOUT"
     http_status = 408

@@ -119,6 +119,11 @@ REPLY_BUDGET_CUTS = Counter(
     "TCP connections cut off by the server's reply budget: past RELAY_MAX_UNSENT_BYTES, the "
     "one holding most whose client left replies unread and drained nothing for a second.",
 )
+REQUEST_BUFFER_CUTS = Counter(
+    "relay_request_buffer_cuts",
+    "TCP connections cut off past RELAY_MAX_BUFFERED_REQUEST_BYTES: their request line was "
+    "still arriving a second after it began.",
+)
 CLAIM_SECONDS = Histogram(
     "relay_claim_duration_seconds",
     "Time of one claim (lease) transaction, from the request reaching the database layer to "

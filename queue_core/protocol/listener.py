@@ -1,13 +1,13 @@
 """Accepting TCP connections and reading their frames.
 
-``Listener.on_connect`` (each connection's callback, reading through a ``FrameReader``)
-admits a connection or refuses it (``TOO_MANY_CONNECTIONS``: over ``RELAY_MAX_CONNECTIONS``,
-where with API keys on a newcomer takes the slot of the oldest connection that never said
-hello, or over ``RELAY_MAX_CONNECTIONS_PER_ADDRESS``; ``UNAVAILABLE`` while draining), then
-runs its ``read_loop``: bounded lines, decoded, each handed to ``requests.Requests.start``
-once the connection has an in-flight slot (at most ``RELAY_MAX_INFLIGHT_PER_CONNECTION``).
-The loop enforces the idle, auth and bad-frame limits and the reply budget's back-pressure;
-it never touches the database.
+``Listener.on_connect`` (each connection's callback, reading through a
+``reading.FrameReader``) admits a connection or refuses it (``TOO_MANY_CONNECTIONS``: over
+``RELAY_MAX_CONNECTIONS``, where with API keys on a newcomer takes the slot of the oldest
+connection that never said hello, or over ``RELAY_MAX_CONNECTIONS_PER_ADDRESS``;
+``UNAVAILABLE`` while draining), then runs its ``read_loop``: bounded lines, decoded, each
+handed to ``requests.Requests.start`` once the connection has an in-flight slot (at most
+``RELAY_MAX_INFLIGHT_PER_CONNECTION``). The loop enforces the idle, auth and bad-frame limits
+and the reply budget's back-pressure; it never touches the database.
 """
 
 from __future__ import annotations
@@ -15,68 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterable
-from typing import Any, SupportsIndex
 
 from queue_core import auth, errors
 from queue_core.conf import relay_settings
 from queue_core.protocol import codec, connection, limits
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import CLOSE_WAIT_S, LINGER_S, Conn, until_idle
+from queue_core.protocol.reading import FrameReader, InputBudget
 from queue_core.protocol.requests import Requests
 
 log = logging.getLogger("relay.server")
-
-# Whole frames a connection may have read ahead of its read loop (bytes): past this, with a
-# frame complete in the buffer, the socket is not read until the loop catches up.
-READ_AHEAD_BYTES = 64 * 1024
-
-
-class FrameReader(asyncio.StreamReader):
-    """A ``StreamReader`` that stops reading the socket once whole frames wait in its buffer.
-
-    asyncio's reader pauses only past twice its limit (the frame limit), so a client that
-    pipelines requests while its read loop waits (for an in-flight slot, or for its reply
-    budget) had up to 2 MiB of them buffered in the server, per connection: 160 such clients
-    took a server to 688 MiB. Here reading also pauses when more than ``read_ahead`` bytes
-    are buffered and at least one frame in them is complete, and resumes once the loop has
-    consumed them below that (or when no complete frame is left: one frame may take up to
-    the limit, as before). The rest waits in the kernel, where TCP's window holds the client
-    back.
-
-    Args:
-        limit: the longest line in bytes (the frame limit + its newline).
-        read_ahead: bytes of whole frames to buffer at most (``READ_AHEAD_BYTES``).
-    """
-
-    # asyncio's StreamReader's own (private) state, the same in CPython 3.8 through 3.14.
-    _buffer: bytearray
-    _limit: int
-    _paused: bool
-    _transport: Any  # a transport, or None (uvloop's is no asyncio.ReadTransport)
-
-    def __init__(self, limit: int, read_ahead: int = READ_AHEAD_BYTES) -> None:
-        super().__init__(limit=limit)
-        self._read_ahead = read_ahead
-
-    def feed_data(self, data: Iterable[SupportsIndex]) -> None:
-        super().feed_data(data)
-        if (
-            len(self._buffer) > self._read_ahead
-            and not self._paused
-            and self._transport is not None
-            and self._buffer.find(b"\n") >= 0
-        ):
-            self._transport.pause_reading()
-            self._paused = True
-
-    def _maybe_resume_transport(self) -> None:
-        buffer = self._buffer
-        if not self._paused or len(buffer) > self._limit:
-            return
-        if len(buffer) <= self._read_ahead or buffer.find(b"\n") < 0:
-            self._paused = False
-            self._transport.resume_reading()
 
 
 class ReadDeadline:
@@ -154,13 +102,20 @@ class Listener:
         budget: the server's reply-byte budget.
         conns: the set of open connections (shared with the server).
         max_connections: ``RELAY_MAX_CONNECTIONS`` capped to the fd limit.
+        input_budget: the request bytes the connections' readers buffer.
     """
 
     def __init__(
-        self, requests: Requests, budget: ReplyBudget, conns: set[Conn], max_connections: int
+        self,
+        requests: Requests,
+        budget: ReplyBudget,
+        conns: set[Conn],
+        max_connections: int,
+        input_budget: InputBudget,
     ) -> None:
         self.requests = requests
         self.budget = budget
+        self.input = input_budget
         self.conns = conns
         self.max_connections = max_connections
         self.evictions = limits.Every(limits.FAILURE_LOG_EVERY_S)
@@ -168,7 +123,7 @@ class Listener:
     def protocol(self) -> asyncio.StreamReaderProtocol:
         """A new connection's protocol (``loop.create_server``'s factory)."""
         limit = relay_settings().max_frame_bytes + 2
-        return asyncio.StreamReaderProtocol(FrameReader(limit), self.on_connect)
+        return asyncio.StreamReaderProtocol(FrameReader(limit, self.input), self.on_connect)
 
     async def close_all(self) -> None:
         """Stop reading, let requests in progress answer (up to ``CLOSE_WAIT_S``), close."""
@@ -200,6 +155,8 @@ class Listener:
         conn = Conn(
             reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection), self.budget
         )
+        if isinstance(reader, FrameReader):
+            reader.owner = conn  # the input budget may cut it from here on
         # A send ends when the transport holds nothing more (not at a low-water mark), so a
         # reply reported sent is all with the kernel (``Conn.reached_kernel``).
         writer.transport.set_write_buffer_limits(high=0)
@@ -252,6 +209,8 @@ class Listener:
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
             self.conns.discard(conn)  # only now: until closed, a shutdown must see it
+            if isinstance(reader, FrameReader):
+                reader.release()
             log.debug("event=disconnected peer=%s", peer)
 
     def evict_unauthenticated(self, ring: auth.KeyRing) -> bool:

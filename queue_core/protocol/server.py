@@ -51,6 +51,7 @@ from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import Conn
 from queue_core.protocol.listener import Listener
 from queue_core.protocol.loops import loop_name
+from queue_core.protocol.reading import InputBudget
 from queue_core.protocol.requests import Requests
 from queue_core.protocol.wakeups import FeedFollower, Wakeups
 from queue_core.protocol.writer import Database
@@ -116,7 +117,13 @@ class RelayServer:
         )
         self._requests = Requests(self.service, self._db, self._wakeups, budget, self._schedule_due)
         # Its connection cap is set again in serve(), capped to the fd limit.
-        self._listener = Listener(self._requests, budget, self._conns, s.max_connections)
+        self._listener = Listener(
+            self._requests,
+            budget,
+            self._conns,
+            s.max_connections,
+            InputBudget(s.max_buffered_request_bytes, time.monotonic),
+        )
 
     @property
     def commits(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import select
 import socket
 import threading
@@ -1406,7 +1407,7 @@ def test_a_client_pipelining_past_its_slots_has_little_read_ahead_in_the_server(
     # the client sends on must wait in the kernel (TCP's window holds it back), not in the
     # server: asyncio's reader buffered up to twice the frame limit (2 MiB) per connection,
     # 17 MB for 160 such clients. Now reading pauses past READ_AHEAD_BYTES of whole frames.
-    from queue_core.protocol.listener import READ_AHEAD_BYTES
+    from queue_core.protocol.reading import READ_AHEAD_BYTES
 
     running = start()
     client = Client(running.port)
@@ -1495,3 +1496,41 @@ def test_the_server_reports_its_connections_and_reply_bytes_held(
         client.close()
     running.stop()
     assert gauge("relay_tcp_connections") is None  # no server runs: no series
+
+
+@override_settings(RELAY_MAX_BUFFERED_REQUEST_BYTES=512 * 1024)
+def test_connections_holding_unfinished_lines_past_the_server_limit_are_cut(
+    start: Callable[..., Running],
+) -> None:
+    # Four clients each send 200 KB of a submit and no newline (800 KB against 512 KiB):
+    # once their lines are a second old, the oldest are cut until the rest fit (two of
+    # them), each after a TIMEOUT line. Before, each kept its bytes until the idle timeout:
+    # 1,000 connections holding a megabyte each took a server to 1,084 MiB. The two left can
+    # still finish their lines.
+    running = start()
+    budget = running.server._listener.input
+    clients = []
+    for _ in range(4):
+        client = Client(running.port)
+        client.send_raw(b'{"op":"submit","args":{"queue":"slow","payload":"' + b"a" * 200_000)
+        clients.append(client)
+        wait_for(functools.partial(buffered, budget, len(clients) * 200_000))  # oldest first
+    sentinel = Client(running.port)
+    assert sentinel.ok("ping")["pong"] is True  # served meanwhile
+    wait_for(lambda: budget.cut == 2)
+    for cut in clients[:2]:
+        assert cut.recv()["error"]["code"] == "TIMEOUT"
+        assert cut.at_eof()
+    for kept in clients[2:]:
+        kept.send_raw(b'"}}\n')
+        assert kept.recv()["ok"] is True
+    assert budget.held == 0
+    assert Job.objects.filter(queue="slow").count() == 2
+    assert sentinel.ok("ping")["pong"] is True
+    for client in [*clients, sentinel]:
+        client.close()
+
+
+def buffered(budget: Any, n: int) -> bool:
+    """Whether the server's readers hold at least ``n`` request bytes."""
+    return bool(budget.held >= n)

@@ -1,0 +1,186 @@
+"""The request bytes the TCP server buffers: a connection's read-ahead, and all of them.
+
+Per connection, ``FrameReader`` (the ``StreamReader`` every connection reads through) stops
+reading its socket once ``READ_AHEAD_BYTES`` of whole lines wait for the read loop; one line
+may still take up to the frame limit while it arrives. Per server, ``InputBudget`` counts
+every reader's buffered bytes: past ``RELAY_MAX_BUFFERED_REQUEST_BYTES``, the connections
+whose unfinished line began longest ago (at least ``STALL_S`` ago) are cut off until the rest
+fit, after a ``TIMEOUT`` error line. Without it, 1,000 connections that each sent a megabyte
+without its newline held 1,084 MiB of the server's memory until their idle timeout (a
+hostile review); a request line that is still arriving a second after it began is a slow or
+hostile client's, as nginx's ``client_header_timeout`` and Redis's query-buffer limit judge.
+
+Everything here runs on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from queue_core import errors, metrics
+from queue_core.protocol import codec
+
+log = logging.getLogger("relay.server")
+
+# Whole frames a connection may have read ahead of its read loop (bytes): past this, with a
+# frame complete in the buffer, the socket is not read until the loop catches up.
+READ_AHEAD_BYTES = 64 * 1024
+STALL_S = 1.0  # past the server's limit, an unfinished line this old gets its connection cut
+
+
+class Owner(Protocol):
+    """What the budget needs of a reader's connection (``connection.Conn``)."""
+
+    peer: str
+
+    def write_now(self, line: bytes) -> str | None: ...
+
+    def abort(self) -> None: ...
+
+
+class FrameReader(asyncio.StreamReader):
+    """A ``StreamReader`` that stops reading the socket once whole frames wait in its buffer,
+    and reports what it buffers to the server's ``InputBudget``.
+
+    asyncio's reader pauses only past twice its limit (the frame limit), so a client that
+    pipelines requests while its read loop waits (for an in-flight slot, or for its reply
+    budget) had up to 2 MiB of them buffered in the server, per connection: 160 such clients
+    took a server to 688 MiB. Here reading also pauses when more than ``read_ahead`` bytes
+    are buffered and at least one frame in them is complete, and resumes once the loop has
+    consumed them below that (or when no complete frame is left: one frame may take up to
+    the limit, as before). The rest waits in the kernel, where TCP's window holds the client
+    back.
+
+    Args:
+        limit: the longest line in bytes (the frame limit + its newline).
+        budget: the server's count of buffered request bytes.
+        read_ahead: bytes of whole frames to buffer at most (``READ_AHEAD_BYTES``).
+    """
+
+    # asyncio's StreamReader's own (private) state, the same in CPython 3.8 through 3.14.
+    _buffer: bytearray
+    _limit: int
+    _paused: bool
+    _transport: Any  # a transport, or None (uvloop's is no asyncio.ReadTransport)
+
+    def __init__(self, limit: int, budget: InputBudget, read_ahead: int = READ_AHEAD_BYTES) -> None:
+        super().__init__(limit=limit)
+        self._read_ahead = read_ahead
+        self.budget = budget
+        self.counted = 0  # bytes of the buffer the budget holds
+        self.partial_since: float | None = None  # loop time its unfinished line began
+        self.owner: Owner | None = None  # its connection, once the listener has one
+        budget.readers.add(self)
+
+    def feed_data(self, data: bytes) -> None:  # type: ignore[override]
+        super().feed_data(data)
+        buffer = self._buffer
+        if buffer.endswith(b"\n"):
+            self.partial_since = None
+        elif self.partial_since is None or b"\n" in data:
+            self.partial_since = self.budget.clock()  # a line began in ``data``
+        if (
+            len(buffer) > self._read_ahead
+            and not self._paused
+            and self._transport is not None
+            and buffer.find(b"\n") >= 0
+        ):
+            self._transport.pause_reading()
+            self._paused = True
+        self.budget.recount(self)
+
+    def _maybe_resume_transport(self) -> None:
+        # Called by every read after it took bytes from the buffer.
+        buffer = self._buffer
+        if not buffer:
+            self.partial_since = None
+        if self.counted != len(buffer):
+            self.budget.recount(self)
+        if not self._paused or len(buffer) > self._limit:
+            return
+        if len(buffer) <= self._read_ahead or buffer.find(b"\n") < 0:
+            self._paused = False
+            self._transport.resume_reading()
+
+    def release(self) -> None:
+        """Drop what it buffers and leave the budget (its connection ended or was cut)."""
+        self._buffer.clear()
+        self.partial_since = None
+        self.budget.recount(self)
+        self.budget.readers.discard(self)
+
+
+class InputBudget:
+    """Request bytes buffered by all connections' ``FrameReader``s.
+
+    Args:
+        limit: bytes all readers may buffer before the stalled ones are cut
+            (``RELAY_MAX_BUFFERED_REQUEST_BYTES``).
+        clock: the loop's monotonic clock in seconds (``loop.time``).
+    """
+
+    def __init__(self, limit: int, clock: Callable[[], float]) -> None:
+        self.limit = limit
+        self.clock = clock
+        self.held = 0
+        self.cut = 0  # connections cut off
+        self.readers: set[FrameReader] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def recount(self, reader: FrameReader) -> None:
+        """Take ``reader``'s buffer size again; past the limit, cut stalled connections."""
+        size = len(reader._buffer)
+        self.held += size - reader.counted
+        reader.counted = size
+        if self.held > self.limit and self._timer is None:
+            self.trim()
+
+    def trim(self) -> None:
+        """Cut the connections whose unfinished line began longest ago, at least ``STALL_S``
+        ago, until the rest fit the limit; if some are still over it, look again when the
+        next could qualify."""
+        self._timer = None
+        now = self.clock()
+        partial = sorted(
+            (r for r in self.readers if r.partial_since is not None and r.owner is not None),
+            key=lambda r: r.partial_since or 0.0,
+        )
+        wait = STALL_S  # nothing to cut (whole lines read ahead): look again in a while
+        for reader in partial:
+            if self.held <= self.limit:
+                return
+            age = now - (reader.partial_since or 0.0)
+            if age < STALL_S:
+                wait = STALL_S - age
+                break
+            self._cut(reader)
+        if self.held > self.limit:
+            self._timer = asyncio.get_running_loop().call_later(wait, self.trim)
+
+    def _cut(self, reader: FrameReader) -> None:
+        owner = reader.owner
+        assert owner is not None
+        self.cut += 1
+        metrics.REQUEST_BUFFER_CUTS.inc()
+        log.warning(
+            "event=request_buffer_cut peer=%s unfinished_bytes=%d held_bytes=%d",
+            owner.peer,
+            reader.counted,
+            self.held,
+            extra={
+                "event": "request_buffer_cut",
+                "peer": owner.peer,
+                "unfinished_bytes": reader.counted,
+                "held_bytes": self.held,
+            },
+        )
+        refusal = errors.Timeout(
+            f"a request line was still arriving after {STALL_S:g} s while the server's "
+            "request buffers were full"
+        )
+        owner.write_now(codec.encode_error(None, refusal))  # unless replies wait before it
+        owner.abort()
+        reader.release()
