@@ -385,6 +385,9 @@ class Listener:
             held = self.requests.frame_for(request)
             if held and not self.budget.try_take(conn, held):
                 await self.budget.reserve(conn, held)  # without reading on
+                if conn.gone or conn.writer.is_closing():  # reset meanwhile: run nothing
+                    self.budget.give(conn, held)
+                    return
             task = self.requests.start(conn, request, held)  # its reply frees the slot
             if request.op == "hello":
                 # What follows a hello, even in the same write, runs as the hello leaves the

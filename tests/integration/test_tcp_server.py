@@ -1531,6 +1531,45 @@ def test_connections_holding_unfinished_lines_past_the_server_limit_are_cut(
         client.close()
 
 
+@override_settings(
+    RELAY_MAX_FRAME_BYTES=256 * 1024,
+    RELAY_MAX_PAYLOAD_BYTES=200 * 1024,
+    RELAY_MAX_UNSENT_BYTES_PER_CONNECTION=256 * 1024,
+)
+def test_reads_waiting_for_their_budget_do_not_run_once_the_client_resets(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first inspect's reply sits unread; the next waits in the read loop for the
+    # connection's budget. A reset empties the kernel's send queue, so the connection then
+    # looked like one whose client reads (hostile review, round 10: held jumped to 213 MiB
+    # as reads ran for 300 reset connections). Nothing more may run for it.
+    running = start()
+    producer = Client(running.port)
+    job = producer.ok("submit", queue="ri", payload={"blob": "x" * 150_000})["job"]["id"]
+    producer.close()
+    requests = running.server._requests
+    execute = requests.execute
+    ran: list[str] = []
+
+    async def counted(conn: Any, request: Any) -> Any:
+        ran.append(request.op)
+        return await execute(conn, request)
+
+    monkeypatch.setattr(requests, "execute", counted)
+    ghost = Client(running.port)
+    assert ghost.ok("ping")["pong"] is True
+    squeeze(running, ghost)
+    inspect = {"op": "inspect", "args": {"job_id": job}}
+    ghost.send_raw(b"".join(orjson.dumps({"id": i, **inspect}) + b"\n" for i in range(6)))
+    port = str(ghost.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    wait_for(lambda: conn.backed_up() and conn.turn is not None and conn.turn.locked())
+    reset(ghost)
+    wait_for(lambda: not running.server._conns)
+    assert ran == ["ping", "inspect"]
+    assert requests.budget.held == 0
+
+
 def buffered(budget: Any, n: int) -> bool:
     """Whether the server's readers hold at least ``n`` request bytes."""
     return bool(budget.held >= n)
