@@ -71,7 +71,7 @@ class FrameReader(asyncio.StreamReader):
         self._read_ahead = read_ahead
         self.budget = budget
         self.counted = 0  # bytes of the buffer the budget holds
-        self.partial_since: float | None = None  # loop time its unfinished line began
+        self.partial_since: float | None = None  # clock time its unfinished line began
         self.owner: Owner | None = None  # its connection, once the listener has one
         budget.readers.add(self)
 
@@ -119,7 +119,7 @@ class InputBudget:
     Args:
         limit: bytes all readers may buffer before the stalled ones are cut
             (``RELAY_MAX_BUFFERED_REQUEST_BYTES``).
-        clock: the loop's monotonic clock in seconds (``loop.time``).
+        clock: a monotonic clock in seconds (``time.monotonic``).
     """
 
     def __init__(self, limit: int, clock: Callable[[], float]) -> None:
@@ -166,14 +166,14 @@ class InputBudget:
         self.cut += 1
         metrics.REQUEST_BUFFER_CUTS.inc()
         log.warning(
-            "event=request_buffer_cut peer=%s unfinished_bytes=%d held_bytes=%d",
+            "event=request_buffer_cut peer=%s buffered_bytes=%d held_bytes=%d",
             owner.peer,
             reader.counted,
             self.held,
             extra={
                 "event": "request_buffer_cut",
                 "peer": owner.peer,
-                "unfinished_bytes": reader.counted,
+                "buffered_bytes": reader.counted,
                 "held_bytes": self.held,
             },
         )

@@ -167,7 +167,6 @@ class RelayServer:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self.request_shutdown)
         reaper = asyncio.create_task(self._reaper(), name="relay-reaper")
-
         retention = asyncio.create_task(self._retention(), name="relay-retention")
         await self._heartbeat_once()  # in the registry before the ready line
         heart = asyncio.create_task(self._heartbeat(), name="relay-heartbeat")
