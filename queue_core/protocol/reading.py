@@ -129,13 +129,14 @@ class InputBudget:
         self.cut = 0  # connections cut off
         self.readers: set[FrameReader] = set()
         self._timer: asyncio.TimerHandle | None = None
+        self._trimming = False
 
     def recount(self, reader: FrameReader) -> None:
         """Take ``reader``'s buffer size again; past the limit, cut stalled connections."""
         size = len(reader._buffer)
         self.held += size - reader.counted
         reader.counted = size
-        if self.held > self.limit and self._timer is None:
+        if self.held > self.limit and self._timer is None and not self._trimming:
             self.trim()
 
     def trim(self) -> None:
@@ -143,6 +144,13 @@ class InputBudget:
         ago, until the rest fit the limit; if some are still over it, look again when the
         next could qualify."""
         self._timer = None
+        self._trimming = True  # a cut's release recounts: no trim inside this one
+        try:
+            self._trim()
+        finally:
+            self._trimming = False
+
+    def _trim(self) -> None:
         now = self.clock()
         partial = sorted(
             (r for r in self.readers if r.partial_since is not None and r.owner is not None),
@@ -152,6 +160,8 @@ class InputBudget:
         for reader in partial:
             if self.held <= self.limit:
                 return
+            if reader not in self.readers:  # released since (its connection ended)
+                continue
             age = now - (reader.partial_since or 0.0)
             if age < STALL_S:
                 wait = STALL_S - age

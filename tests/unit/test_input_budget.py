@@ -73,3 +73,24 @@ def test_a_line_that_began_in_the_latest_data_is_young() -> None:
         r.release()
 
     asyncio.run(main())
+
+
+def test_a_thousand_cuts_in_one_trim_do_not_recurse() -> None:
+    # Each cut's release recounts the budget, which trimmed again from inside the trim: one
+    # Python frame chain per cut, a RecursionError past about 300 cuts (hostile review).
+    async def main() -> None:
+        now = [0.0]
+        budget = InputBudget(limit=100, clock=lambda: now[0])
+        pairs = [reader(budget, f"r{i}") for i in range(1500)]
+        # All arrive before any trim (a pending look-again holds the trims off)...
+        budget._timer = asyncio.get_running_loop().call_later(3600, lambda: None)
+        for r, _ in pairs:
+            r.feed_data(b'{"op":"ping","id":"' + b"x" * 10)  # 29 bytes each
+        budget._timer.cancel()
+        now[0] = STALL_S  # ...and are a second old at it
+        budget.trim()
+        assert budget.held <= 100
+        assert budget.cut == 1500 - 100 // 29
+        assert sum(owner.aborted for _, owner in pairs) == budget.cut
+
+    asyncio.run(main())
