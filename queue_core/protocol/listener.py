@@ -206,7 +206,8 @@ class Listener:
                 await conn.close_gracefully()
             elif not dropped:
                 writer.close()
-            with contextlib.suppress(ConnectionError):
+            # It re-raises what closed the transport (a fatal error the loop has logged).
+            with contextlib.suppress(Exception):
                 await writer.wait_closed()
             self.conns.discard(conn)  # only now: until closed, a shutdown must see it
             if isinstance(reader, FrameReader):

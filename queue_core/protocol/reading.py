@@ -3,9 +3,11 @@
 Per connection, ``FrameReader`` (the ``StreamReader`` every connection reads through) stops
 reading its socket once ``READ_AHEAD_BYTES`` of whole lines wait for the read loop; one line
 may still take up to the frame limit while it arrives. Per server, ``InputBudget`` counts
-every reader's buffered bytes: past ``RELAY_MAX_BUFFERED_REQUEST_BYTES``, the connections
-whose unfinished line began longest ago (at least ``STALL_S`` ago) are cut off until the rest
-fit, after a ``TIMEOUT`` error line. Without it, 1,000 connections that each sent a megabyte
+every reader's buffered bytes: past ``RELAY_MAX_BUFFERED_REQUEST_BYTES`` connections are cut
+off, after a ``TIMEOUT`` error line, until the rest fit: first those whose read loop has taken
+no line for ``STALL_S`` while whole lines wait (their client pipelines past its in-flight
+slots or leaves its replies unread), then those whose unfinished line began longest ago, at
+least ``STALL_S`` ago. Without it, 1,000 connections that each sent a megabyte
 without its newline held 1,084 MiB of the server's memory until their idle timeout (a
 hostile review); a request line that is still arriving a second after it began is a slow or
 hostile client's, as nginx's ``client_header_timeout`` and Redis's query-buffer limit judge.
@@ -72,6 +74,7 @@ class FrameReader(asyncio.StreamReader):
         self.budget = budget
         self.counted = 0  # bytes of the buffer the budget holds
         self.partial_since: float | None = None  # clock time its unfinished line began
+        self.consumed_at = budget.clock()  # clock time its read loop last took a line
         self.owner: Owner | None = None  # its connection, once the listener has one
         budget.readers.add(self)
 
@@ -98,6 +101,7 @@ class FrameReader(asyncio.StreamReader):
         if not buffer:
             self.partial_since = None
         if self.counted != len(buffer):
+            self.consumed_at = self.budget.clock()
             self.budget.recount(self)
         if not self._paused or len(buffer) > self._limit:
             return
@@ -151,22 +155,35 @@ class InputBudget:
             self._trimming = False
 
     def _trim(self) -> None:
+        """First the connections whose read loop has taken no line for ``STALL_S`` while
+        whole lines wait (it waits for in-flight slots or reply budget its client holds:
+        64 long-polls and more lines behind them), longest first; then those whose
+        unfinished line began longest ago, at least ``STALL_S`` ago."""
         now = self.clock()
+        blocked = sorted(
+            (
+                r
+                for r in self.readers
+                if r.owner is not None and r.counted and r._buffer.find(b"\n") >= 0
+            ),
+            key=lambda r: r.consumed_at,
+        )
         partial = sorted(
             (r for r in self.readers if r.partial_since is not None and r.owner is not None),
             key=lambda r: r.partial_since or 0.0,
         )
-        wait = STALL_S  # nothing to cut (whole lines read ahead): look again in a while
-        for reader in partial:
-            if self.held <= self.limit:
-                return
-            if reader not in self.readers:  # released since (its connection ended)
-                continue
-            age = now - (reader.partial_since or 0.0)
-            if age < STALL_S:
-                wait = STALL_S - age
-                break
-            self._cut(reader)
+        wait = STALL_S  # nothing to cut yet: look again in a while
+        for since, readers in (("consumed_at", blocked), ("partial_since", partial)):
+            for reader in readers:
+                if self.held <= self.limit:
+                    return
+                began = getattr(reader, since)
+                if reader not in self.readers or began is None:  # released, or taken since
+                    continue
+                if now - began < STALL_S:
+                    wait = min(wait, STALL_S - (now - began))
+                    break
+                self._cut(reader)
         if self.held > self.limit:
             self._timer = asyncio.get_running_loop().call_later(wait, self.trim)
 

@@ -41,17 +41,40 @@ def test_past_the_limit_the_oldest_unfinished_line_a_second_old_is_cut() -> None
         now[0] = 0.5
         young.feed_data(b'{"op":"ping","id":"' + b"b" * 50)
         whole.feed_data(b'{"op":"ping"}\n' * 2)
-        assert budget.held == 69 * 2 + 28
+        assert await whole.readline() == b'{"op":"ping"}\n'  # its read loop takes lines
+        assert budget.held == 69 * 2 + 14
         assert not old_owner.aborted  # over the limit, but no line is a second old yet
         now[0] = STALL_S
         budget.trim()
         assert old_owner.aborted and b'"TIMEOUT"' in old_owner.written
-        assert budget.held == 69 + 28 and budget.cut == 1
+        assert budget.held == 69 + 14 and budget.cut == 1
         # The rest fit: the young line and the whole lines stay.
         assert not young_owner.aborted and not whole_owner.aborted
         young.release()
         whole.release()
         assert budget.held == 0 and not budget.readers
+
+    asyncio.run(main())
+
+
+def test_a_read_loop_that_takes_no_line_for_a_second_is_cut_before_a_slow_upload() -> None:
+    # Hostile review, round 11: 120 clients each filled their 64 in-flight slots with
+    # long-polls and sent 1 MiB lines behind them, whole and so never cut, while a slow but
+    # honest upload (a 946 KB batch at 600 KB/s) was cut three times out of three.
+    async def main() -> None:
+        now = [0.0]
+        budget = InputBudget(limit=100, clock=lambda: now[0])
+        upload, upload_owner = reader(budget, "upload")
+        upload.feed_data(b'{"op":"submit_batch","args":{"jobs":[' + b" " * 40)
+        now[0] = 0.2
+        blocked, blocked_owner = reader(budget, "blocked")
+        blocked.feed_data(b'{"op":"ping","id":1}' + b" " * 50 + b"\n")  # its loop never takes it
+        assert not upload_owner.aborted and not blocked_owner.aborted
+        now[0] = 1.2
+        budget.trim()
+        assert blocked_owner.aborted and not upload_owner.aborted
+        assert budget.cut == 1
+        upload.release()
 
     asyncio.run(main())
 
