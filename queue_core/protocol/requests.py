@@ -312,7 +312,7 @@ class Requests:
             lost = None
             if request.op == "lease" and result and result.get("jobs"):
                 # Never leave jobs leased to a socket that is gone: give them back at once.
-                worker_id = request.args.get("worker_id") or conn.peer
+                worker_id = _next_worker_id(request.args, conn.peer)
                 lost = functools.partial(self.give_back, _fences(result["jobs"]), worker_id)
             result = None  # only the line waits for the client (a page's objects did too)
             sent = await conn.send(line, lost)
@@ -442,7 +442,7 @@ class Requests:
                     # the reply into the kernel, so give the jobs back rather than lease them
                     # to a socket nobody reads.
                     self.budget.give(conn, frame)
-                    worker_id = args.get("worker_id") or conn.peer
+                    worker_id = _next_worker_id(args, conn.peer)
                     await self.give_back(outcome.result["jobs"], worker_id)
                     return dispatch.Outcome({"jobs": []})
                 remaining = deadline - loop.time()
@@ -486,7 +486,7 @@ class Requests:
             outcome: dispatch.Outcome = await asyncio.shield(future)
         except asyncio.CancelledError:
             abandoned = True
-            worker_id = args.get("worker_id") or conn.peer
+            worker_id = _next_worker_id(args, conn.peer)
             future.add_done_callback(functools.partial(self._claimed_for_nobody, worker_id))
             raise
         return outcome
