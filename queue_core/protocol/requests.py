@@ -29,6 +29,7 @@ socket, not as tasks (160 such clients had 10,000 tasks waiting, about 100 MB).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -109,18 +110,16 @@ class Requests:
             started = self.start_lease(conn, request, verb, held)
             if started is not None:
                 return started
-        hold = [held]  # serve takes it; still here if the task is cancelled before it runs
+        hold = _Hold(held)
         task = asyncio.create_task(self.serve(conn, request, hold))
         conn.tasks.add(task)
         task.add_done_callback(conn.done)
-        if held:
-            task.add_done_callback(functools.partial(self._unheld, conn, hold))
+        # What the task holds goes back when it ends, also if cancelled before it ran.
+        task.add_done_callback(functools.partial(self._unhold, conn, hold))
         return task
 
-    def _unheld(self, conn: Conn, hold: list[int], task: asyncio.Future[Any]) -> None:
-        """Give back a frame held for a task cancelled before it ran (``serve`` took none)."""
-        if hold:
-            self.budget.give(conn, hold.pop())
+    def _unhold(self, conn: Conn, hold: _Hold, task: asyncio.Future[Any]) -> None:
+        self.budget.give(conn, hold.n)
 
     # ------------------------------------------------------------------ writes
 
@@ -284,40 +283,36 @@ class Requests:
 
     # ------------------------------------------------------------------ reads, hello, lease
 
-    async def serve(self, conn: Conn, request: codec.Request, hold: list[int]) -> None:
+    async def serve(self, conn: Conn, request: codec.Request, hold: _Hold) -> None:
         """Run one read, hello or lease and send its reply.
 
         A read runs holding the frame of the reply budget its read loop held for it
-        (``hold``: ``[bytes]``, ``frame_for``, emptied here); a lease reserves one each time
-        it claims (``lease``). The hold shrinks to the reply's size once it is made, and ends
-        when the kernel has it.
+        (``hold``, ``frame_for``); a lease reserves one each time it claims (``lease``). The
+        hold shrinks to the reply's size once it is made; ``start`` gives it back when this
+        task ends, the reply with the kernel or dropped.
         """
-        held = hold.pop()
         result: dict[str, Any] | None = None
         verb = dispatch.VERBS.get(request.op)
         frame = relay_settings().max_frame_bytes
-        if held and verb is not None and verb.kind is dispatch.Kind.LEASE:
-            self.budget.give(conn, held)  # ``lease`` reserves before each claim
-            held = 0
+        if hold.n and verb is not None and verb.kind is dispatch.Kind.LEASE:
+            self.budget.give(conn, hold.n)  # ``lease`` reserves before each claim
+            hold.n = 0
         try:
-            try:
-                result = await self.execute(conn, request)
-                if verb is not None and verb.kind is dispatch.Kind.LEASE and result["jobs"]:
-                    held = frame  # lease kept its claim's hold
-                line = reply_line(request, result)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
-                line = error_line(request, exc)
-            self.budget.give(conn, held - len(line))
-            held = len(line)
-            lost = None
-            if request.op == "lease" and result and result.get("jobs"):
-                # Never leave jobs leased to a socket that is gone: give them back at once.
-                worker_id = _next_worker_id(request.args, conn.peer)
-                lost = functools.partial(self.give_back, _fences(result["jobs"]), worker_id)
-            result = None  # only the line waits for the client (a page's objects did too)
-            sent = await conn.send(line, lost)
-        finally:
-            self.budget.give(conn, held)
+            result = await self.execute(conn, request)
+            if verb is not None and verb.kind is dispatch.Kind.LEASE and result["jobs"]:
+                hold.n = frame  # lease kept its claim's hold
+            line = reply_line(request, result)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an error reply
+            line = error_line(request, exc)
+        self.budget.give(conn, hold.n - len(line))
+        hold.n = len(line)
+        lost = None
+        if request.op == "lease" and result and result.get("jobs"):
+            # Never leave jobs leased to a socket that is gone: give them back at once.
+            worker_id = _next_worker_id(request.args, conn.peer)
+            lost = functools.partial(self.give_back, _fences(result["jobs"]), worker_id)
+        result = None  # only the line waits for the client (a page's objects did too)
+        sent = await conn.send(line, lost)
         if not sent and lost is not None:
             await lost()
 
@@ -531,6 +526,13 @@ class Requests:
             log.info("event=release_unsent_failed job_id=%s code=%s", lease["job_id"], exc.code)
         else:
             log.error("event=release_unsent_failed job_id=%s", lease["job_id"], exc_info=exc)
+
+
+@dataclasses.dataclass(slots=True)
+class _Hold:
+    """Reply-budget bytes a ``serve`` task holds (``n``), given back when the task ends."""
+
+    n: int
 
 
 def _fences(leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
