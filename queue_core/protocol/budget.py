@@ -95,7 +95,7 @@ class ReplyBudget:
         A connection holding nothing may take one frame past its own budget, and past the
         server's while its client keeps up (``Holder.keeps_up``): a client that reads is not
         held up by those that do not, while a silent one gets nothing beyond the limit
-        (160 of them had each taken a frame past it, 160 MiB).
+        (160 of them could each take a frame past it: up to 160 MiB more).
         """
         if conn.unsent == 0:
             return self.held + n <= self.limit or conn.keeps_up()
