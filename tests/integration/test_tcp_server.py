@@ -890,12 +890,18 @@ def spy_write_now(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
     return written
 
 
+def conn_of(running: Running, client: Client) -> Any:
+    """The server's ``Conn`` of ``client``'s connection."""
+    port = str(client.sock.getsockname()[1])
+    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    return conn
+
+
 def squeeze(running: Running, client: Client) -> None:
     """Small kernel buffers on both sides of ``client``'s connection (its receive buffer,
     the server's send buffer), so a reply of a few hundred KB cannot all go in at once."""
     client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # no autotuning
-    port = str(client.sock.getsockname()[1])
-    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    conn = conn_of(running, client)
     conn.writer.transport.get_extra_info("socket").setsockopt(
         socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
     )
@@ -1280,8 +1286,7 @@ def unread_leases(running: Running, queue: str, jobs: int, leases: int) -> tuple
     squeeze(running, ghost)
     lease = {"op": "lease", "args": {"queues": [queue], "worker_id": "ghost"}}
     ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(leases)))
-    port = str(ghost.sock.getsockname()[1])
-    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    conn = conn_of(running, ghost)
     return ghost, conn
 
 
@@ -1418,8 +1423,7 @@ def test_a_client_pipelining_past_its_slots_has_little_read_ahead_in_the_server(
         "args": {"queues": ["none"], "worker_id": "w", "wait_ms": relay_settings().max_wait_ms},
     }
     client.send_raw(b"".join(orjson.dumps({"id": i, **poll}) + b"\n" for i in range(slots)))
-    port = str(client.sock.getsockname()[1])
-    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    conn = conn_of(running, client)
     wait_for(lambda: len(conn.tasks) == slots)
     pings = b'{"op":"ping"}\n' * (4 * 1024 * 1024 // 14)  # 4 MiB
     client.sock.setblocking(False)
@@ -1448,8 +1452,7 @@ def test_a_read_cancelled_before_it_runs_gives_back_its_frame(
     running = start()
     client = Client(running.port)
     assert client.ok("ping")["pong"] is True
-    port = str(client.sock.getsockname()[1])
-    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    conn = conn_of(running, client)
     requests = running.server._requests
     budget = requests.budget
     frame = relay_settings().max_frame_bytes
@@ -1561,8 +1564,7 @@ def test_reads_waiting_for_their_budget_do_not_run_once_the_client_resets(
     squeeze(running, ghost)
     inspect = {"op": "inspect", "args": {"job_id": job}}
     ghost.send_raw(b"".join(orjson.dumps({"id": i, **inspect}) + b"\n" for i in range(6)))
-    port = str(ghost.sock.getsockname()[1])
-    (conn,) = [c for c in running.server._conns if c.peer.endswith(":" + port)]
+    conn = conn_of(running, ghost)
     wait_for(lambda: conn.backed_up() and conn.turn is not None and conn.turn.locked())
     reset(ghost)
     wait_for(lambda: not running.server._conns)
