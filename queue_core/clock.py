@@ -11,12 +11,11 @@ healthy leases early (docs/failure-model.md, "Wall-clock steps").
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import threading
 import time
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 log = logging.getLogger("relay.clock")
 
@@ -119,8 +118,7 @@ def clock_from_path(path: str) -> Clock:
     return clock
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Reading:
+class Reading(NamedTuple):
     """One reading of the clock through a ``StepGuard``.
 
     Attributes:
@@ -166,6 +164,7 @@ class StepGuard:
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
+        self._system = type(clock) is SystemClock  # exactly: a subclass may read otherwise
         self._lock = threading.Lock()
         self._last: tuple[int, float] | None = None  # (wall ms, monotonic s) of the last reading
         self._high = -1  # the highest wall reading so far, ms
@@ -183,12 +182,23 @@ class StepGuard:
                 forward step leases set before it may still be live.
         """
         with self._lock:
-            wall = self.clock.now_ms()
-            mono = self.clock.monotonic()
-            drift = 0
-            if self._last is not None:
-                last_wall, last_mono = self._last
-                drift = (wall - last_wall) - round((mono - last_mono) * 1000)
+            if self._system:  # SystemClock's own readings, without two Python calls
+                wall = time.time_ns() // 1_000_000
+                mono = time.monotonic()
+            else:
+                wall = self.clock.now_ms()
+                mono = self.clock.monotonic()
+            last = self._last
+            self._last = (wall, mono)
+            if wall > self._high:
+                self._high = wall
+            if last is None:
+                drift = 0
+            else:
+                drift = (wall - last[0]) - round((mono - last[1]) * 1000)
+                if -tolerance_ms <= drift <= tolerance_ms and not self._offset:
+                    # No step now and none outstanding: the reading of almost every call.
+                    return Reading(wall, wall, -1, self._high)
                 if drift > tolerance_ms:
                     # The old clock would read wall - drift now: every instant it stamped, in
                     # any process, is at most that; every instant the new one stamps is later.
@@ -197,8 +207,6 @@ class StepGuard:
                     self._until = self._mark + horizon_ms
                 elif drift < -tolerance_ms:
                     self._offset = max(0, self._offset + drift)
-            self._last = (wall, mono)
-            self._high = max(self._high, wall)
             settled = bool(self._offset) and wall - self._offset > self._until
             if settled:
                 self._offset, self._mark, self._until = 0, -1, -1

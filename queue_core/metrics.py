@@ -27,13 +27,12 @@ See ``docs/metrics.md`` for which process exports what.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
@@ -174,8 +173,7 @@ def queue_label(queue: str) -> str:
     return queue
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     """Something a request did, to be counted once it has committed.
 
     Attributes:

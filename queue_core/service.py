@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import functools
 import logging
 import math
@@ -129,6 +128,18 @@ _PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
 
 def _spell(value: int, pairs: int) -> str:
     """The last ``2 * pairs`` base32 characters of ``value`` (most significant first)."""
+    if pairs == 8:  # an id's random part, once per id: unrolled
+        p = _PAIRS
+        return (
+            p[value >> 70 & 1023]
+            + p[value >> 60 & 1023]
+            + p[value >> 50 & 1023]
+            + p[value >> 40 & 1023]
+            + p[value >> 30 & 1023]
+            + p[value >> 20 & 1023]
+            + p[value >> 10 & 1023]
+            + p[value & 1023]
+        )
     return "".join([_PAIRS[(value >> shift) & 1023] for shift in range(10 * pairs - 10, -1, -10)])
 
 
@@ -1132,8 +1143,7 @@ class QueueService:
                 # The controls' row locks may have waited for other servers' claims and
                 # the acks they saw: the lease starts now, after them.
                 now = max(now, self._now())
-            request = dataclasses.replace(
-                request,
+            request = request._replace(
                 queues=open_names,
                 now_ms=now,
                 expires_ms=now + lease_ms,

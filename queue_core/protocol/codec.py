@@ -7,8 +7,7 @@ functions directly. Framing errors raise ``BadFrame`` (the connection stays open
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -20,8 +19,7 @@ MAX_ID_LENGTH = 128
 _ENVELOPE_KEYS = frozenset({"id", "op", "args"})
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Request:
+class Request(NamedTuple):
     """One decoded request frame.
 
     Attributes:

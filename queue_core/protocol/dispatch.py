@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from queue_core import auth, errors, metrics
 from queue_core.protocol.codec import Request
-from queue_core.protocol.ops import OPS, Arg, Kind, check_args
+from queue_core.protocol.ops import OPS, Arg, Kind, check_args, required_args
 from queue_core.service import PRUNABLE_STATES, PRUNE_BATCH, QueueService
 from queue_core.states import JobState
 
@@ -40,8 +40,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Context:
+class Context(NamedTuple):
     """Who is asking.
 
     Attributes:
@@ -55,8 +54,7 @@ class Context:
     actor: str | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Outcome:
+class Outcome(NamedTuple):
     """A handler's result and its effects on waiting leases.
 
     Attributes:
@@ -354,6 +352,7 @@ class Verb:
     args: Mapping[str, Arg]
     handler: Handler
     kind: Kind
+    required: tuple[str, ...] = ()  # ``required_args(args)``
 
 
 # Handlers that do more than call the service method of the op's name (``_by_name``).
@@ -393,7 +392,9 @@ def _by_name(name: str) -> Handler:
 
 
 VERBS: dict[str, Verb] = {
-    name: Verb(name, op.args, _HANDLERS.get(name) or _by_name(name), op.kind)
+    name: Verb(
+        name, op.args, _HANDLERS.get(name) or _by_name(name), op.kind, required_args(op.args)
+    )
     for name, op in OPS.items()
 }
 
@@ -419,7 +420,7 @@ def validate(verb: Verb, args: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         InvalidArgument.
     """
-    return check_args(verb.args, args)
+    return check_args(verb.args, args, required=verb.required)
 
 
 def handle(service: QueueService, request: Request, ctx: Context | None = None) -> dict[str, Any]:

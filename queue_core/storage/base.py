@@ -23,7 +23,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from django.db.backends.utils import CursorDebugWrapper
 
@@ -74,8 +74,7 @@ class Capabilities:
     push_changes: bool
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ClaimRequest:
+class ClaimRequest(NamedTuple):
     """What one claim asks for (``Tx.claim``).
 
     Attributes:

@@ -1458,6 +1458,9 @@ def test_a_read_cancelled_before_it_runs_gives_back_its_frame(
     frame = relay_settings().max_frame_bytes
     loop = running.server._loop
     assert loop is not None
+    # The ping's reply is given back by its task's done callback, which may run after the
+    # client has the reply: start from a settled budget.
+    wait_for(lambda: not conn.tasks and budget.held == 0)
     before: list[int] = []
 
     def start_and_cancel() -> None:

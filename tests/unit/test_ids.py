@@ -20,3 +20,11 @@ def test_ids_sort_in_creation_order_within_one_millisecond() -> None:
     assert made == sorted(made)
     assert len(set(made)) == 1000
     assert ULID.from_str(made[0]).milliseconds == 1_767_225_600_000
+
+
+@given(st.integers(0, 2**48 - 1), st.integers(0, 2**80 - 1))
+def test_an_id_spells_its_time_and_random_parts_as_python_ulid(ms: int, rand: int) -> None:
+    # The id's random part has its own unrolled spelling; it must agree with the ULID.
+    ids = _MonotonicUlid()
+    ids._last_ms, ids._last_rand, ids._time_part = ms, rand - 1, encode_ulid(ms << 80)[:10]
+    assert ids.new(ms) == str(ULID(((ms << 80) | rand).to_bytes(16, "big")))
