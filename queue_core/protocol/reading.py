@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from queue_core import errors, metrics
@@ -66,7 +66,12 @@ class FrameReader(asyncio.StreamReader):
     _buffer: bytearray
     _limit: int
     _paused: bool
-    _transport: Any  # a transport, or None (uvloop's is no asyncio.ReadTransport)
+    _eof: bool
+    _exception: BaseException | None
+    _transport: Any
+    _wait_for_data: Callable[
+        [str], Awaitable[None]
+    ]  # a transport, or None (uvloop's is no asyncio.ReadTransport)
 
     def __init__(self, limit: int, budget: InputBudget, read_ahead: int = READ_AHEAD_BYTES) -> None:
         super().__init__(limit=limit)
@@ -108,6 +113,42 @@ class FrameReader(asyncio.StreamReader):
         if len(buffer) <= self._read_ahead or buffer.find(b"\n") < 0:
             self._paused = False
             self._transport.resume_reading()
+
+    async def readuntil(  # type: ignore[override]  # asyncio's takes any buffer; we, bytes
+        self, separator: bytes | tuple[bytes, ...] = b"\n"
+    ) -> bytes:
+        """``StreamReader.readuntil``, for a newline in fewer steps (the read loop's every
+        line); any other separator is asyncio's own. Its errors are asyncio's:
+        ``LimitOverrunError`` past the limit (the bytes stay buffered), ``IncompleteReadError``
+        at EOF without a newline (the buffer is emptied into it)."""
+        if separator != b"\n":
+            return await super().readuntil(separator)
+        if self._exception is not None:
+            raise self._exception
+        buffer = self._buffer
+        offset = 0
+        while True:
+            end = buffer.find(b"\n", offset)
+            if end >= 0:
+                break
+            offset = len(buffer)
+            if offset > self._limit:
+                raise asyncio.LimitOverrunError(
+                    "Separator is not found, and chunk exceed the limit", offset
+                )
+            if self._eof:
+                chunk = bytes(buffer)
+                buffer.clear()
+                raise asyncio.IncompleteReadError(chunk, None)
+            await self._wait_for_data("readuntil")
+        if end > self._limit:
+            raise asyncio.LimitOverrunError(
+                "Separator is found, but chunk is longer than limit", end
+            )
+        line = bytes(buffer[: end + 1])
+        del buffer[: end + 1]
+        self._maybe_resume_transport()
+        return line
 
     def release(self) -> None:
         """Drop what it buffers and leave the budget (its connection ended or was cut)."""

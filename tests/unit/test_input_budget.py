@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from queue_core.protocol.reading import STALL_S, FrameReader, InputBudget
 
 
@@ -118,3 +121,48 @@ def test_a_thousand_cuts_in_one_trim_do_not_recurse() -> None:
         assert sum(owner.aborted for _, owner in pairs) == budget.cut
 
     asyncio.run(main())
+
+
+async def _read_all(r: asyncio.StreamReader, chunks: list[bytes], eof: bool) -> list[object]:
+    """Feed ``chunks`` one loop pass apart while a task reads lines; what it read, and how
+    it stopped (the exception and what stayed buffered)."""
+    got: list[object] = []
+
+    async def read() -> None:
+        while True:
+            try:
+                got.append(await r.readuntil(b"\n"))
+            except (asyncio.LimitOverrunError, asyncio.IncompleteReadError) as exc:
+                got.append((type(exc).__name__, str(exc), exc.args[1:], bytes(r._buffer)))  # type: ignore[attr-defined]
+                return
+
+    task = asyncio.create_task(read())
+    for chunk in chunks:
+        await asyncio.sleep(0)
+        r.feed_data(chunk)
+    if eof:
+        r.feed_eof()
+    else:
+        r.feed_data(b"x" * 100)  # past every limit below: the reader must stop
+    await asyncio.wait_for(task, 5)
+    return got
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chunks=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\r", b"\n")), max_size=8),
+    limit=st.integers(1, 20),
+    eof=st.booleans(),
+)
+def test_its_newline_reads_answer_as_asyncios_reader(
+    chunks: list[bytes], limit: int, eof: bool
+) -> None:
+    # ``FrameReader.readuntil`` reads a newline its own way: lines, limit errors and EOF
+    # must be asyncio's, byte for byte, whatever the chunks.
+    async def both() -> tuple[list[object], list[object]]:
+        budget = InputBudget(limit=1 << 30, clock=lambda: 0.0)
+        ours = await _read_all(FrameReader(limit, budget), chunks, eof)
+        return ours, await _read_all(asyncio.StreamReader(limit=limit), chunks, eof)
+
+    ours, asyncios = asyncio.run(both())
+    assert ours == asyncios

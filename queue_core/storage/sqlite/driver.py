@@ -54,6 +54,7 @@ from queue_core.storage.base import (
     ClaimRequest,
     SqlTx,
     WriteLocked,
+    column_names,
     load_queries,
     run_callbacks,
 )
@@ -341,7 +342,7 @@ class SqliteTx(SqlTx):
             row = super().one(name, params)
         else:
             description, got = self._fetch(name, params or {}, True)
-            row = None if got is None else dict(zip([d[0] for d in description], got, strict=True))
+            row = None if got is None else dict(zip(column_names(description), got, strict=True))
         if row is not None and name in _JOB_INSERTS:
             self._count_one(params or {})
         return row
@@ -352,7 +353,7 @@ class SqliteTx(SqlTx):
         description, rows = self._fetch(name, params or {}, False)
         if not rows:
             return []
-        cols = [d[0] for d in description]
+        cols = column_names(description)
         return [dict(zip(cols, row, strict=True)) for row in rows]
 
     def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
