@@ -20,8 +20,8 @@
   With several writers, two calls in flight at once (from two connections, or pipelined on
   one) may commit in either order; on SQLite they commit in the order they were queued
   (``put_write``; a write that first waits for the key table's re-read is queued after it).
-* Where the change feed cannot push (SQLite), the loop polls it after each group commit and
-  every ``WATCH_INTERVAL_S`` (``wakeups.FeedFollower.poll``) on its own connection, whose
+* Where the change feed cannot push (SQLite), the loop polls it every ``WATCH_INTERVAL_S``
+  (``wakeups.FeedFollower.poll``) on its own connection, whose
   ``PRAGMA data_version`` changes only when *another* connection commits, so the server's
   own commits never count as foreign (its writer thread's do, and wake the waiters once).
 * A small **reader pool** runs read-only calls (ping, inspect, stats, dead_list, the key
@@ -496,12 +496,6 @@ class Database:
             try:
                 with self._no_running_loop():
                     outcomes = self.inline.run(batch, wait=False)
-                    if self._follower is not None:
-                        # Foreign commits since the last look. Dropped once in review: the
-                        # full-disk test (tests/crash/test_storage_faults.py) then logged a
-                        # false storage_recovered in 14 of 33 runs, against 0 of 32 with it
-                        # (cause not traced), so it stays.
-                        self._follower.poll()
             except WriteLocked:
                 pass
             else:

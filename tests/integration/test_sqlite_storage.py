@@ -257,6 +257,10 @@ def test_a_full_database_is_storage_full_and_writes_resume_with_room(
         assert results[1:] == ["full", "full"]
         with pytest.raises(JobNotFound):
             service.get(results[0], history=False)
+        # A commit that changed nothing (an idle sweep) appends nothing to the log, so it
+        # proves nothing about the disk: no recovery is logged for it.
+        service.sweep()
+        assert not [r for r in caplog.records if getattr(r, "event", None) == "storage_recovered"]
     faults = [r for r in caplog.records if getattr(r, "event", None) == "storage_fault"]
     assert len(faults) == 1 and faults[0].code == "STORAGE_FULL"  # type: ignore[attr-defined]
     assert not [r for r in caplog.records if r.exc_info]

@@ -750,6 +750,7 @@ class SqliteDriver:
             raw = conn.connection
             level = self._synchronous(raw, durable)
             self._local.durable = durable
+            changes = raw.total_changes
             try:
                 yield from self._transaction(cursor, conn, wait, flat=not savepoints)
             finally:
@@ -757,7 +758,9 @@ class SqliteDriver:
                     self._set_synchronous(raw, level)
         if level is not None and self._local.durable:
             self._sync_log()  # a durable write joined a relaxed transaction
-        if self._faults.failing:
+        if self._faults.failing and raw.total_changes != changes:
+            # Only a commit that wrote rows says the storage writes again: one that changed
+            # nothing (a reaper's idle sweep) appends nothing to the log, even on a full disk.
             self._faults.ok()
         callbacks, self._local.after = self._local.after, []
         run_callbacks(callbacks, log)
