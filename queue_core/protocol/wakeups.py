@@ -106,6 +106,10 @@ class Wakeups:
 
     def wake(self, queues: Iterable[str]) -> None:
         """Wake every waiter of ``queues`` (any thread)."""
+        if not self._waiters:
+            # Nobody waits (most commits under load). A lease subscribes before it claims,
+            # so one subscribing after this look claims after the commit and sees its jobs.
+            return
         with self._lock:
             found = {w for name in queues for w in self._waiters.get(name, ())}
         self._set(found)
