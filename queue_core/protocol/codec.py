@@ -81,16 +81,16 @@ def decode_request(line: bytes, max_frame_bytes: int | None = None) -> Request:
             envelope key, no string ``op``, an id that is neither an integer nor a string of at
             most 128 characters, or ``args`` not an object.
     """
-    body = _strip_newline(line)
+    body = line[:-1] if line.endswith(b"\n") else line
     _check_size(body, max_frame_bytes)
     obj = _loads(body)
     if not isinstance(obj, dict):
         raise errors.BadFrame("frame is not a JSON object")
-    unknown = sorted(set(obj) - _ENVELOPE_KEYS)
-    if unknown:
+    if not obj.keys() <= _ENVELOPE_KEYS:
+        unknown = sorted(set(obj) - _ENVELOPE_KEYS)
         raise errors.BadFrame(f"unknown frame key {unknown[0]!r}; expected id, op, args")
     req_id = obj.get("id")
-    if req_id is not None and not _valid_id(req_id):
+    if req_id is not None and type(req_id) is not int and not _valid_id(req_id):
         raise errors.BadFrame(
             f"id must be an integer or a string of at most {MAX_ID_LENGTH} characters"
         )

@@ -493,12 +493,17 @@ class Database:
             return
         assert self.inline is not None
         if sum(call.weight for call in batch) <= INLINE_MAX_WEIGHT:
+            # As _no_running_loop, inline: a generator context manager per commit cost more
+            # than the commit's own Python on the loop (relay_bench.bytecodes).
+            loop = asyncio.events._get_running_loop()
+            asyncio.events._set_running_loop(None)
             try:
-                with self._no_running_loop():
-                    outcomes = self.inline.run(batch, wait=False)
+                outcomes: list[tuple[bool, Any]] | None = self.inline.run(batch, wait=False)
             except WriteLocked:
-                pass
-            else:
+                outcomes = None
+            finally:
+                asyncio.events._set_running_loop(loop)
+            if outcomes is not None:
                 for call, (ok, value) in zip(batch, outcomes, strict=True):
                     settle(call.future, ok, value)
                 return

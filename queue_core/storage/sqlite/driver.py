@@ -574,6 +574,121 @@ class _FlatCall:
                 raise mapped from exc
 
 
+class _Transaction:
+    """A thread's outermost write transaction (``SqliteDriver.write`` at depth 0, outside a
+    caller's ``atomic()``): ``BEGIN IMMEDIATE``, the body, ``COMMIT`` (``ROLLBACK`` and the
+    mapped error when either fails), at the ``synchronous`` level ``durable`` asks for. Once
+    committed: the log synced if a durable write joined a relaxed transaction, a storage
+    recovery noted, the after-commit callbacks run. A class, not a generator: it runs for
+    every group commit, and a generator context manager cost about a tenth of a lone
+    request's Python (``relay_bench.bytecodes``).
+
+    Args:
+        driver: the driver (its thread-local state).
+        cursor: the Django cursor the transaction's statements run on.
+        conn: Django's connection (open).
+        durable: see ``SqliteDriver.write``.
+        wait: False: the write lock is not waited for (``WriteLocked``).
+        flat: see ``SqliteDriver.write(savepoints=False)``.
+    """
+
+    __slots__ = (
+        "_changes",
+        "_conn",
+        "_cursor",
+        "_driver",
+        "_durable",
+        "_flat",
+        "_level",
+        "_raw",
+        "_tx",
+        "_wait",
+    )
+
+    def __init__(
+        self, driver: SqliteDriver, cursor: Any, conn: Any, durable: bool, wait: bool, flat: bool
+    ) -> None:
+        self._driver = driver
+        self._cursor = cursor
+        self._conn = conn
+        self._durable = durable
+        self._wait = wait
+        self._flat = flat
+
+    def __enter__(self) -> SqliteTx:
+        driver = self._driver
+        local = driver._local
+        self._raw = raw = self._conn.connection
+        self._level = level = driver._synchronous(raw, self._durable)
+        local.durable = self._durable
+        self._changes = raw.total_changes
+        # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
+        # the server's group commit opens two savepoints per request).
+        self._tx = tx = SqliteTx(self._cursor, driver)
+        try:
+            driver._begin_immediate(tx.plain, raw, self._wait)
+        except BaseException:
+            if level is not None:
+                driver._set_synchronous(raw, level)
+            raise
+        local.tx = tx
+        local.raw = raw
+        local.flat = self._flat
+        local.depth = 1
+        local.swept = False  # sweep_plan: this transaction has not swept yet
+        local.aborted = None
+        return tx
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        driver = self._driver
+        local = driver._local
+        raw = self._raw
+        run = self._tx.plain
+        try:
+            if exc is not None:
+                local.depth = 0
+                local.after = []
+                with contextlib.suppress(Exception):
+                    run("ROLLBACK")
+                mapped = driver._fault(exc)
+                if mapped is not None:
+                    raise mapped from exc
+                return  # the body's own error goes on
+            try:
+                aborted = local.aborted
+                if aborted is not None and not raw.in_transaction:
+                    raise aborted  # SQLite rolled the whole transaction back (see _savepoint)
+                driver._check_file(self._conn)
+                run("COMMIT")
+            except (DatabaseError, RelayError) as err:
+                local.after = []
+                with contextlib.suppress(Exception):
+                    run("ROLLBACK")
+                if isinstance(err, RelayError):
+                    raise
+                driver._raise_mapped(err, StoreBusy())
+            finally:
+                local.depth = 0
+                local.tx = None
+                local.aborted = None
+        finally:
+            if self._level is not None:
+                driver._set_synchronous(raw, self._level)
+        if self._level is not None and local.durable:
+            driver._sync_log()  # a durable write joined a relaxed transaction
+        if driver._faults.failing and raw.total_changes != self._changes:
+            # Only a commit that wrote rows says the storage writes again: one that changed
+            # nothing (a reaper's idle sweep) appends nothing to the log, even on a full disk.
+            driver._faults.ok()
+        callbacks, local.after = local.after, []
+        run_callbacks(callbacks, log)
+
+
 class SqliteDriver:
     """SQLite access for the service layer (see ``queue_core.storage.base.Driver``).
 
@@ -719,6 +834,15 @@ class SqliteDriver:
             if durable:
                 local.durable = True
             return self._flat_call
+        if not self._depth():
+            conn = connections[self.alias]
+            if not conn.in_atomic_block:
+                kept = self._kept_cursor(conn)
+                if kept is not None:
+                    # The outermost transaction on a kept cursor (every group commit of the
+                    # server): the transaction object itself, not a generator around it.
+                    local.after = []
+                    return _Transaction(self, kept, conn, durable, wait, flat=not savepoints)
         return self._write(savepoints=savepoints, durable=durable, wait=wait)
 
     @contextlib.contextmanager
@@ -747,23 +871,8 @@ class SqliteDriver:
                     transaction.on_commit(fn, using=self.alias)
                 self._local.after = []
                 return
-            raw = conn.connection
-            level = self._synchronous(raw, durable)
-            self._local.durable = durable
-            changes = raw.total_changes
-            try:
-                yield from self._transaction(cursor, conn, wait, flat=not savepoints)
-            finally:
-                if level is not None:
-                    self._set_synchronous(raw, level)
-        if level is not None and self._local.durable:
-            self._sync_log()  # a durable write joined a relaxed transaction
-        if self._faults.failing and raw.total_changes != changes:
-            # Only a commit that wrote rows says the storage writes again: one that changed
-            # nothing (a reaper's idle sweep) appends nothing to the log, even on a full disk.
-            self._faults.ok()
-        callbacks, self._local.after = self._local.after, []
-        run_callbacks(callbacks, log)
+            with _Transaction(self, cursor, conn, durable, wait, flat=not savepoints) as tx:
+                yield tx
 
     def _kept_cursor(self, conn: Any) -> Any:
         """The Django cursor this thread's transactions run on, kept open between them
@@ -780,51 +889,6 @@ class SqliteDriver:
         cursor = conn.cursor()
         self._local.cursor = (raw, cursor)
         return cursor
-
-    def _transaction(
-        self, cursor: Any, conn: Any, wait: bool = True, *, flat: bool = False
-    ) -> Iterator[SqliteTx]:
-        """``BEGIN IMMEDIATE``, the body, ``COMMIT`` (``ROLLBACK`` and the mapped error when
-        either fails); ``flat``: see ``write(savepoints=False)``."""
-        # One Tx for the transaction and its savepoints (building one costs ~1.5 us, and
-        # the server's group commit opens two savepoints per request).
-        tx = SqliteTx(cursor, self)
-        run = tx.plain
-        self._begin_immediate(run, conn.connection, wait)
-        self._local.tx = tx
-        self._local.raw = conn.connection
-        self._local.flat = flat
-        self._local.depth = 1
-        self._local.swept = False  # sweep_plan: this transaction has not swept yet
-        self._local.aborted = None
-        try:
-            yield tx
-        except BaseException as exc:
-            self._local.depth = 0
-            self._local.after = []
-            with contextlib.suppress(Exception):
-                run("ROLLBACK")
-            mapped = self._fault(exc)
-            if mapped is not None:
-                raise mapped from exc
-            raise
-        try:
-            aborted = self._local.aborted
-            if aborted is not None and not conn.connection.in_transaction:
-                raise aborted  # SQLite rolled the whole transaction back (see _savepoint)
-            self._check_file(conn)
-            run("COMMIT")
-        except (DatabaseError, RelayError) as exc:
-            self._local.after = []
-            with contextlib.suppress(Exception):
-                run("ROLLBACK")
-            if isinstance(exc, RelayError):
-                raise
-            self._raise_mapped(exc, StoreBusy())
-        finally:
-            self._local.depth = 0
-            self._local.tx = None
-            self._local.aborted = None
 
     def _synchronous(self, raw: sqlite3.Connection, durable: bool) -> int | None:
         """Before BEGIN: put the connection at the level this transaction needs.
