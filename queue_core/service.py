@@ -128,6 +128,15 @@ _PAIRS = tuple(a + b for a in _CROCKFORD for b in _CROCKFORD)
 
 def _spell(value: int, pairs: int) -> str:
     """The last ``2 * pairs`` base32 characters of ``value`` (most significant first)."""
+    if pairs == 5:  # an id's time part, once per millisecond: unrolled
+        p = _PAIRS
+        return (
+            p[value >> 40 & 1023]
+            + p[value >> 30 & 1023]
+            + p[value >> 20 & 1023]
+            + p[value >> 10 & 1023]
+            + p[value & 1023]
+        )
     if pairs == 8:  # an id's random part, once per id: unrolled
         p = _PAIRS
         return (

@@ -203,9 +203,12 @@ class GroupCommit:
         try:
             # Lease bookkeeping alone need not wait for the disk; anything else in the batch
             # makes it durable (SQLite decides before BEGIN, so the batch says it here).
-            durable = any(call.durable for call in batch)
+            durable = claims = False
+            for call in batch:  # a loop, not two any(): most batches hold one call
+                durable = durable or call.durable
+                claims = claims or call.claims
             with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
-                if any(call.claims for call in batch):
+                if claims:
                     swept, value = self._guarded(self.sweep, flat=flat, durable=False)
                     if swept:
                         ready = value
