@@ -114,9 +114,15 @@ def _ping(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
 
 def _submit(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     # Never change ``args``: a call may run twice (the flat group commit's second round).
-    options = {k: v for k, v in args.items() if k not in ("queue", "payload")}
+    options = (
+        {k: v for k, v in args.items() if k not in ("queue", "payload")} if len(args) > 2 else {}
+    )
     out = svc.submit(args["queue"], args["payload"], **options)
-    return _submitted([(out["job"], out["deduplicated"])], out)
+    # ``_submitted`` for one job, without its loop and Counter (the common request).
+    job = out["job"]
+    queues, at_ms = _job_effects(job)
+    kind = "deduplicated" if out["deduplicated"] else "submitted"
+    return Outcome(out, frozenset(queues), at_ms, (metrics.Event(kind, job["queue"], 1),))
 
 
 def _submit_batch(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:

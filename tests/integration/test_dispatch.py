@@ -123,3 +123,20 @@ def test_jobs_leased_by_an_ack_or_a_batch_are_counted_as_leases_too(
     assert set(out.result) == {"results", "next"} and len(out.result["next"]) == 2
     names = [e.name for e in out.events if e.name != "start_delay"]
     assert names == ["acked", "leased", "leased_next", "leased", "leased_next"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"delay_ms": 5_000}, {"idempotency_key": "k"}, {"priority": "high", "meta": {"a": "b"}}],
+)
+def test_a_single_submit_has_the_effects_of_a_batch_of_one(
+    service: QueueService, options: dict[str, Any]
+) -> None:
+    # ``submit`` builds its outcome without ``_submitted``'s loop: the same wake-ups, due
+    # instant and metrics events as the general path, a repeated key included.
+    for _ in range(2):  # the second time an idempotency key finds its job (deduplicated)
+        out = run(service, "submit", queue="q", payload={"n": 1}, **options)
+        job = out.result["job"]
+        general = dispatch._submitted([(job, out.result["deduplicated"])], out.result)
+        assert out == general
+        assert out.events[0].name == ("deduplicated" if out.result["deduplicated"] else "submitted")
