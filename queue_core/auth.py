@@ -25,6 +25,7 @@ secret.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import hmac
 import logging
@@ -86,7 +87,7 @@ class Principal:
 
     def allows(self, op: str) -> bool:
         """Whether this principal may run ``op`` (a TCP op name or an HTTP action)."""
-        return allows(self.scopes, op)
+        return _allows_once(self.scopes, op)
 
     def describe(self) -> dict[str, object]:
         """The ``hello`` result: name, prefix and scopes (never the secret)."""
@@ -99,6 +100,13 @@ class Principal:
 
 
 ANONYMOUS = Principal(name="anonymous", prefix=None, scopes=frozenset(SCOPES))
+
+
+@functools.lru_cache(maxsize=4096)
+def _allows_once(scopes: frozenset[str], op: str) -> bool:
+    """``allows``, answered once per scope set and op (both tables are fixed at import;
+    it ran for every request)."""
+    return allows(scopes, op)
 
 
 def allows(scopes: Iterable[str], op: str) -> bool:

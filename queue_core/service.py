@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import math
+import os
 import random
 import secrets
 import threading
@@ -113,7 +114,9 @@ class _MonotonicUlid:
             if now_ms <= self._last_ms:
                 self._last_rand += 1
             else:
-                self._last_rand = secrets.randbits(79)  # headroom to increment
+                # 79 random bits (headroom to increment) from the OS, as secrets.randbits
+                # takes them, without its Python layer.
+                self._last_rand = int.from_bytes(os.urandom(10)) >> 1
                 self._last_ms = now_ms
                 self._time_part = _spell(now_ms, 5)
             return self._time_part + _spell(self._last_rand, 8)

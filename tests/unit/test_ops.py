@@ -228,3 +228,14 @@ def test_checking_with_the_required_names_answers_as_checking_the_whole_schema(
     args = data.draw(st.dictionaries(names, _VALUES, max_size=5))
     fast = _outcome(lambda: ops.check_args(schema, args, required=ops.required_args(schema)))
     assert fast == _outcome(lambda: ops.check_args(schema, args))
+
+
+def test_a_principal_allows_what_its_scopes_allow_asked_twice() -> None:
+    # ``Principal.allows`` answers once per scope set and op (cached): the same as the scopes
+    # checked afresh, for every scope set, every op and an HTTP-only action.
+    names = sorted(auth.SCOPE_OPS)
+    for mask in range(1 << len(names)):
+        scopes = frozenset(n for i, n in enumerate(names) if mask >> i & 1)
+        principal = auth.Principal(name="k", prefix="p", scopes=scopes)
+        for op in [*ops.OPS, "list_jobs", "no_such_op"]:
+            assert principal.allows(op) == auth.allows(scopes, op) == principal.allows(op)
