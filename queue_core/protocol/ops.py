@@ -181,14 +181,15 @@ def check_args(
     """
     if required is not None:
         out: dict[str, Any] = {}
+        clean = True
         try:
             for name, value in args.items():
                 arg = schema[name]  # an unknown name, even a null one, is refused below
                 if value is not None:
                     out[name] = arg.check(prefix + name, value)
-        except (KeyError, errors.InvalidArgument):
-            pass  # the checks below name the fault as they always have
-        else:
+        except Exception:  # noqa: BLE001 - raised again below, or an earlier fault
+            clean = False  # in the schema's order, as the checks always named it
+        if clean:
             for name in required:
                 if name not in out:
                     break

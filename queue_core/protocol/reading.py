@@ -68,10 +68,8 @@ class FrameReader(asyncio.StreamReader):
     _paused: bool
     _eof: bool
     _exception: BaseException | None
-    _transport: Any
-    _wait_for_data: Callable[
-        [str], Awaitable[None]
-    ]  # a transport, or None (uvloop's is no asyncio.ReadTransport)
+    _transport: Any  # a transport, or None (uvloop's is no asyncio.ReadTransport)
+    _wait_for_data: Callable[[str], Awaitable[None]]
 
     def __init__(self, limit: int, budget: InputBudget, read_ahead: int = READ_AHEAD_BYTES) -> None:
         super().__init__(limit=limit)
