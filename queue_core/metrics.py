@@ -36,17 +36,9 @@ from socketserver import ThreadingMixIn
 from typing import Any, NamedTuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import (
-    REGISTRY,
-    CollectorRegistry,
-    disable_created_metrics,
-)
-from prometheus_client import (
-    Counter as _LibraryCounter,
-)
-from prometheus_client import (
-    Histogram as _LibraryHistogram,
-)
+from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics
+from prometheus_client import Counter as _LibraryCounter
+from prometheus_client import Histogram as _LibraryHistogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
