@@ -307,6 +307,16 @@ class TcpTransport:
                 raise self._fail("connection closed by the server")
             self._buf += chunk
 
+    def stop_sending(self) -> None:
+        """Half-close the connection (``shutdown(SHUT_WR)``): the server answers what it
+        holds and sees the client is done, so a long-poll waiting for jobs is answered at
+        once with none (nothing leased to it), while a reply already on its way still
+        arrives. Safe from any thread; the next call reconnects."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+
     def close(self) -> None:
         """Shut the socket down (waking a thread blocked in ``recv``) and forget it."""
         sock, self._sock = self._sock, None
@@ -456,6 +466,14 @@ class RelayClient(ClientCore, ops.BlockingClient):
         """Close the connection. Safe from any thread: a call blocked on it fails with
         ``RelayConnectionError``. The client stays usable and reconnects on the next call."""
         self._transport.close()
+
+    def stop_sending(self) -> None:
+        """Tell the server this connection sends nothing more (``TcpTransport.stop_sending``):
+        a ``lease`` blocked in its long-poll returns at once, ``[]`` unless jobs were already
+        on their way. Safe from any thread; a transport without it does nothing."""
+        stop = getattr(self._transport, "stop_sending", None)
+        if stop is not None:
+            stop()
 
     def call(self, op: str, args: dict[str, Any] | None = None, *, wait_ms: int = 0) -> Any:
         """Send one request and return its ``result``.

@@ -1216,6 +1216,12 @@ class Worker:
         )
         lease_thread = self._lease_thread
         assert lease_thread is not None
+        # 0. A lease call in its long-poll returns at once: the lease connection tells the
+        # server it sends nothing more, and the server answers no jobs (an idle worker used to
+        # wait out --wait-ms, 5 s by default); jobs already on their way still arrive and run.
+        stop_sending = getattr(self._lease_client, "stop_sending", None)
+        if stop_sending is not None:
+            stop_sending()
         # 1. Running handlers finish and the lease call in flight returns, until the deadline.
         with self._cond:
             while self._held or lease_thread.is_alive():
