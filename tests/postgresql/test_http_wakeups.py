@@ -21,11 +21,11 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
 def test_a_commit_by_another_server_wakes_the_http_waiters_of_its_queue() -> None:
     service = QueueService(driver=driver_for("postgresql"))
     process = ProcessWakeups(lambda: service)
-    looked_again = threading.Event()
+    flushed = threading.Event()
 
     def hear(queue: str | None) -> None:
-        if queue is None:  # the listener's "look again" after it connected
-            looked_again.set()
+        if queue == "flush":
+            flushed.set()
 
     def submit_elsewhere(queue: str) -> None:
         other = QueueService(driver=PostgresDriver("postgresql"))  # another origin
@@ -35,10 +35,17 @@ def test_a_commit_by_another_server_wakes_the_http_waiters_of_its_queue() -> Non
             other.close()  # this thread's connection
 
     async def scenario() -> None:
-        await process.start()  # subscribes before hear: the listener calls it first
+        await process.start()
         assert process._thread is None  # it pushes: nothing polls
-        service.changes().subscribe(hear)
-        assert await asyncio.to_thread(looked_again.wait, 30)
+        feed = service.changes()
+        feed.subscribe(hear)
+        # Once LISTEN is on, the listener calls every subscriber once with None ("look
+        # again", waking every waiter), then takes notifications in order: a commit heard
+        # after that says the look-again is over (waiting for it to reach ``hear`` raced
+        # with the connection: hear could subscribe after it).
+        assert await asyncio.to_thread(feed.connected.wait, 30)
+        await asyncio.to_thread(submit_elsewhere, "flush")
+        assert await asyncio.to_thread(flushed.wait, 30)
         waiting = process.wakeups.subscribe(["wake-me"])
         elsewhere = process.wakeups.subscribe(["other"])
         await asyncio.to_thread(submit_elsewhere, "wake-me")
