@@ -164,7 +164,6 @@ class StepGuard:
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self._system = type(clock) is SystemClock  # exactly: a subclass may read otherwise
         self._lock = threading.Lock()
         self._last: tuple[int, float] | None = None  # (wall ms, monotonic s) of the last reading
         self._high = -1  # the highest wall reading so far, ms
@@ -182,12 +181,8 @@ class StepGuard:
                 forward step leases set before it may still be live.
         """
         with self._lock:
-            if self._system:  # SystemClock's own readings, without two Python calls
-                wall = time.time_ns() // 1_000_000
-                mono = time.monotonic()
-            else:
-                wall = self.clock.now_ms()
-                mono = self.clock.monotonic()
+            wall = self.clock.now_ms()
+            mono = self.clock.monotonic()
             last = self._last
             self._last = (wall, mono)
             if wall > self._high:

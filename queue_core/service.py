@@ -140,17 +140,10 @@ def _spell(value: int, pairs: int) -> str:
             + p[value >> 10 & 1023]
             + p[value & 1023]
         )
-    if pairs == 8:  # an id's random part, once per id: unrolled
+    if pairs == 8:  # an id's random part, once per id: its top 5 pairs, then the last 3
         p = _PAIRS
         return (
-            p[value >> 70 & 1023]
-            + p[value >> 60 & 1023]
-            + p[value >> 50 & 1023]
-            + p[value >> 40 & 1023]
-            + p[value >> 30 & 1023]
-            + p[value >> 20 & 1023]
-            + p[value >> 10 & 1023]
-            + p[value & 1023]
+            _spell(value >> 30, 5) + p[value >> 20 & 1023] + p[value >> 10 & 1023] + p[value & 1023]
         )
     return "".join([_PAIRS[(value >> shift) & 1023] for shift in range(10 * pairs - 10, -1, -10)])
 

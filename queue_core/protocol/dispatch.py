@@ -16,7 +16,6 @@ wait): the loopback transport and tests use it.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -89,16 +88,17 @@ def _job_effects(job: Mapping[str, Any]) -> tuple[set[str], int | None]:
 
 def _submitted(jobs: Iterable[tuple[Mapping[str, Any], bool]], result: dict[str, Any]) -> Outcome:
     ready: set[str] = set()
-    due: list[int] = []
-    counts: Counter[tuple[str, str]] = Counter()  # one metrics event per (kind, queue)
+    due: int | None = None
+    counts: dict[tuple[str, str], int] = {}  # one metrics event per (kind, queue)
     for job, deduplicated in jobs:
         queues, at_ms = _job_effects(job)
         ready |= queues
-        if at_ms is not None:
-            due.append(at_ms)
-        counts["deduplicated" if deduplicated else "submitted", job["queue"]] += 1
+        if at_ms is not None and (due is None or at_ms < due):
+            due = at_ms
+        key = ("deduplicated" if deduplicated else "submitted", job["queue"])
+        counts[key] = counts.get(key, 0) + 1
     events = tuple(metrics.Event(kind, queue, n) for (kind, queue), n in counts.items())
-    return Outcome(result, frozenset(ready), min(due, default=None), events)
+    return Outcome(result, frozenset(ready), due, events)
 
 
 def _hello(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -118,11 +118,7 @@ def _submit(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
         {k: v for k, v in args.items() if k not in ("queue", "payload")} if len(args) > 2 else {}
     )
     out = svc.submit(args["queue"], args["payload"], **options)
-    # ``_submitted`` for one job, without its loop and Counter (the common request).
-    job = out["job"]
-    queues, at_ms = _job_effects(job)
-    kind = "deduplicated" if out["deduplicated"] else "submitted"
-    return Outcome(out, frozenset(queues), at_ms, (metrics.Event(kind, job["queue"], 1),))
+    return _submitted([(out["job"], out["deduplicated"])], out)
 
 
 def _submit_batch(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:

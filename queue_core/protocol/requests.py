@@ -548,15 +548,15 @@ def _weight(args: dict[str, Any]) -> int:
     """How many jobs a request's write may touch (``writer.Database.put_write``'s ``weight``):
     a batch's length, plus a lease's or a ``lease_next``'s ``max_jobs`` (an argument the
     handler will refuse counts as 1)."""
-    if "jobs" not in args and "acks" not in args and "lease_next" not in args:
-        max_jobs = args.get("max_jobs")  # a lone job's request: the most common by far
-        return max_jobs if isinstance(max_jobs, int) and max_jobs > 1 else 1
-    batch = args.get("jobs") or args.get("acks")
-    weight = len(batch) if isinstance(batch, list) and batch else 1
-    spec = args.get("lease_next")
-    if isinstance(spec, dict):
-        more = spec.get("max_jobs", 1)
-        weight += more if isinstance(more, int) and more > 0 else 1
+    weight = 1
+    if "jobs" in args or "acks" in args or "lease_next" in args:  # a lone job's asks none
+        batch = args.get("jobs") or args.get("acks")
+        if isinstance(batch, list) and batch:
+            weight = len(batch)
+        spec = args.get("lease_next")
+        if isinstance(spec, dict):
+            more = spec.get("max_jobs", 1)
+            weight += more if isinstance(more, int) and more > 0 else 1
     max_jobs = args.get("max_jobs")
     if isinstance(max_jobs, int) and max_jobs > weight:
         weight = max_jobs

@@ -41,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from queue_core import errors
@@ -320,6 +320,22 @@ class Writer(DbThread):
                 next_watch = time.monotonic() + WATCH_INTERVAL_S
 
 
+class _NoRunningLoop:
+    """Run blocking database code on the loop thread: Django refuses a connection where an
+    event loop runs (``SynchronousOnlyOperation``), which is right for a coroutine and wrong
+    here, where the loop blocks on purpose for the length of one commit. A class, not a
+    generator context manager: the loop enters one for every commit."""
+
+    __slots__ = ("_loop",)
+
+    def __enter__(self) -> None:
+        self._loop = asyncio.events._get_running_loop()
+        asyncio.events._set_running_loop(None)
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.events._set_running_loop(self._loop)
+
+
 class Database:
     """The server's database threads and how the event loop hands them calls.
 
@@ -382,7 +398,7 @@ class Database:
             )
             self._follower, follower = follower, None
             if self._follower is not None:
-                with self._no_running_loop():
+                with _NoRunningLoop():
                     self._follower.poll()  # the starting position
                 self._watch = self._loop.call_later(WATCH_INTERVAL_S, self._poll_feed)
         self.writers = [
@@ -429,7 +445,7 @@ class Database:
             self._flush()
         self._closed = True
         if self.inline is not None:
-            with self._no_running_loop(), contextlib.suppress(Exception):
+            with _NoRunningLoop(), contextlib.suppress(Exception):
                 self.service.close()
 
     def put_write(
@@ -496,16 +512,11 @@ class Database:
             return
         assert self.inline is not None
         if sum(call.weight for call in batch) <= INLINE_MAX_WEIGHT:
-            # As _no_running_loop, inline: a generator context manager per commit cost more
-            # than the commit's own Python on the loop (relay_bench.bytecodes).
-            loop = asyncio.events._get_running_loop()
-            asyncio.events._set_running_loop(None)
             try:
-                outcomes: list[tuple[bool, Any]] | None = self.inline.run(batch, wait=False)
+                with _NoRunningLoop():
+                    outcomes: list[tuple[bool, Any]] | None = self.inline.run(batch, wait=False)
             except WriteLocked:
                 outcomes = None
-            finally:
-                asyncio.events._set_running_loop(loop)
             if outcomes is not None:
                 for call, (ok, value) in zip(batch, outcomes, strict=True):
                     settle(call.future, ok, value)
@@ -529,20 +540,7 @@ class Database:
         """Event loop, every ``WATCH_INTERVAL_S``: look at the change feed for commits made
         by other connections (``FeedFollower.poll``)."""
         if self._follower is not None:
-            with self._no_running_loop():
+            with _NoRunningLoop():
                 self._follower.poll()
         if self._loop is not None:
             self._watch = self._loop.call_later(WATCH_INTERVAL_S, self._poll_feed)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _no_running_loop() -> Iterator[None]:
-        """Run blocking database code on the loop thread: Django refuses a connection where
-        an event loop runs (``SynchronousOnlyOperation``), which is right for a coroutine and
-        wrong here, where the loop blocks on purpose for the length of one commit."""
-        loop = asyncio.events._get_running_loop()
-        asyncio.events._set_running_loop(None)
-        try:
-            yield
-        finally:
-            asyncio.events._set_running_loop(loop)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from queue_core import errors
+from queue_core import errors, metrics
 from queue_core.clock import FakeClock
 from queue_core.protocol import dispatch
 from queue_core.protocol.codec import Request
@@ -126,17 +126,21 @@ def test_jobs_leased_by_an_ack_or_a_batch_are_counted_as_leases_too(
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"delay_ms": 5_000}, {"idempotency_key": "k"}, {"priority": "high", "meta": {"a": "b"}}],
+    ("options", "ready", "delayed"),
+    [
+        ({}, True, False),
+        ({"delay_ms": 5_000}, False, True),
+        ({"idempotency_key": "k"}, True, False),
+    ],
 )
-def test_a_single_submit_has_the_effects_of_a_batch_of_one(
-    service: QueueService, options: dict[str, Any]
+def test_a_submit_wakes_its_queue_or_names_its_due_time_and_counts_once(
+    service: QueueService, clock: FakeClock, options: dict[str, Any], ready: bool, delayed: bool
 ) -> None:
-    # ``submit`` builds its outcome without ``_submitted``'s loop: the same wake-ups, due
-    # instant and metrics events as the general path, a repeated key included.
-    for _ in range(2):  # the second time an idempotency key finds its job (deduplicated)
+    for n in range(2):  # the second time an idempotency key finds its job (deduplicated)
         out = run(service, "submit", queue="q", payload={"n": 1}, **options)
-        job = out.result["job"]
-        general = dispatch._submitted([(job, out.result["deduplicated"])], out.result)
-        assert out == general
-        assert out.events[0].name == ("deduplicated" if out.result["deduplicated"] else "submitted")
+        assert out.ready_queues == ({"q"} if ready else set())
+        assert out.due_at_ms == (clock.now_ms() + 5_000 if delayed else None)
+        deduplicated = n == 1 and "idempotency_key" in options
+        assert out.result["deduplicated"] is deduplicated
+        kind = "deduplicated" if deduplicated else "submitted"
+        assert out.events == (metrics.Event(kind, "q", 1),)
