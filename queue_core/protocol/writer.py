@@ -514,10 +514,10 @@ class Database:
         if sum(call.weight for call in batch) <= INLINE_MAX_WEIGHT:
             try:
                 with _NoRunningLoop():
-                    outcomes: list[tuple[bool, Any]] | None = self.inline.run(batch, wait=False)
+                    outcomes = self.inline.run(batch, wait=False)
             except WriteLocked:
-                outcomes = None
-            if outcomes is not None:
+                pass
+            else:
                 for call, (ok, value) in zip(batch, outcomes, strict=True):
                     settle(call.future, ok, value)
                 return
