@@ -184,6 +184,7 @@ def test_operator_filters_replays_and_purges_dead_letters(
 ) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     dead = seed()
@@ -197,10 +198,19 @@ def test_operator_filters_replays_and_purges_dead_letters(
         WebDriverWait(browser, 10).until(condition)
 
     def navigate(element: Any) -> None:
-        """Click something that loads a new page and wait until the old page is gone (so no
-        element of the old page is read after the click)."""
+        """Click something that loads a new page and wait until the new page has loaded (so no
+        element of the old page is read after the click). The old page is marked in its
+        window, which a new document does not share; not ``staleness_of``: while the old page
+        goes, Chrome can answer its element with "Node with given id does not belong to the
+        document", a ``WebDriverException`` that is not the ``StaleElementReferenceException``
+        it waits for (a fresh clone's run failed so)."""
+        browser.execute_script("window.relayOldPage = true;")
         element.click()
-        until(ec.staleness_of(element))
+        WebDriverWait(browser, 10, ignored_exceptions=(WebDriverException,)).until(
+            lambda b: b.execute_script(
+                "return !window.relayOldPage && document.readyState === 'complete';"
+            )
+        )
 
     def messages() -> list[str]:
         return [m.text for m in browser.find_elements(By.CSS_SELECTOR, ".messagelist li")]
