@@ -182,9 +182,9 @@ def seed() -> dict[str, list[str]]:
 def test_operator_filters_replays_and_purges_dead_letters(
     live_server: Any, browser: Any, screenshots: Path
 ) -> None:
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
-    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     dead = seed()
