@@ -257,16 +257,6 @@ def _refused_ack(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
     }
 
 
-_NEXT = Reading(-1, -1, -1, -1)  # _Instant.at: pin the next reading
-
-
-class _Instant(threading.local):
-    """The clock reading a thread's group commit pins for its calls (``QueueService.pin_instant``):
-    None when none is pinned, ``_NEXT`` until the first call reads the clock."""
-
-    at: Reading | None = None
-
-
 class QueueService:
     """Submit, lease, renew, ack, fail, release, cancel, replay, purge, prune, expire and recover
     jobs.
@@ -295,7 +285,6 @@ class QueueService:
         self.driver: Driver = driver or driver_for(relay_settings().database)
         self.clock: Clock = clock or clock_from_path(relay_settings().clock)
         self._guard = StepGuard(self.clock)
-        self._instant = _Instant()
         self.rng = rng or random.Random()
         self.observer = observer
         self._defaults: tuple[RelaySettings, dict[str, Any]] | None = None
@@ -315,33 +304,9 @@ class QueueService:
         return relay_settings()
 
     def _read(self) -> Reading:
-        """Read the clock through the step guard (every instant this service stores), or
-        return the reading this thread's group commit pinned (``pin_instant``)."""
-        at = self._instant.at
-        if at is None or at is _NEXT:
-            s = self.settings
-            read = self._guard.read(
-                tolerance_ms=s.clock_step_tolerance_ms, horizon_ms=s.max_lease_ms
-            )
-            if at is None:
-                return read
-            self._instant.at = at = read
-        return at
-
-    def pin_instant(self) -> None:
-        """Read the clock once for every call of this thread's transaction, until
-        ``unpin_instant``: the calls of one group commit (``GroupCommit``) then store and judge
-        by one instant, as PostgreSQL's ``now()`` is its transaction's start. Call it after
-        BEGIN: the instant then follows the arrival of every request in the batch, so none is
-        judged by a time before it arrived (a lease's expiry included), and the calls agree
-        with each other (an ack's end and its ``lease_next`` lease's start are one instant).
-        The first call that reads the clock takes the reading: one per batch, not one to
-        three per call (``relay_bench.bytecodes``)."""
-        self._instant.at = _NEXT
-
-    def unpin_instant(self) -> None:
-        """Read the clock again at each call (``pin_instant``)."""
-        self._instant.at = None
+        """Read the clock through the step guard (every instant this service stores)."""
+        s = self.settings
+        return self._guard.read(tolerance_ms=s.clock_step_tolerance_ms, horizon_ms=s.max_lease_ms)
 
     def _now(self) -> int:
         """The wall clock, epoch ms, read through the step guard."""

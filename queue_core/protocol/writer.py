@@ -207,21 +207,16 @@ class GroupCommit:
             for call in batch:  # a loop, not two any(): most batches hold one call
                 durable = durable or call.durable
                 claims = claims or call.claims
-            service = self.service
-            with service.transaction(savepoints=not flat, durable=durable, wait=wait):
-                service.pin_instant()  # one clock reading for the batch, after BEGIN
-                try:
-                    if claims:
-                        swept, value = self._guarded(self.sweep, flat=flat, durable=False)
-                        if swept:
-                            ready = value
-                        else:
-                            log.error("event=sweep_failed", exc_info=value)
-                    outcomes = [
-                        self._guarded(call.fn, flat=flat, durable=call.durable) for call in batch
-                    ]
-                finally:
-                    service.unpin_instant()
+            with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
+                if claims:
+                    swept, value = self._guarded(self.sweep, flat=flat, durable=False)
+                    if swept:
+                        ready = value
+                    else:
+                        log.error("event=sweep_failed", exc_info=value)
+                outcomes = [
+                    self._guarded(call.fn, flat=flat, durable=call.durable) for call in batch
+                ]
             self.commits += 1
         except (_Redo, WriteLocked):
             raise

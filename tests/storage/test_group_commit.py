@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
-import random
 import sqlite3
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,12 +21,10 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 from queue_core import errors
-from queue_core.clock import FakeClock
 from queue_core.models import Job
 from queue_core.protocol import dispatch, limits
 from queue_core.protocol.writer import Call, GroupCommit
 from queue_core.service import QueueService
-from queue_core.storage import Driver
 from tests.storage.conftest import DATABASES
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -55,34 +51,31 @@ def statements(alias: str) -> Iterator[list[str]]:
     sent.extend(q["sql"] for q in captured.captured_queries)
 
 
-def run_group(
-    service: QueueService, alias: str, fns: list[Callable[[], Any]], *, claims: bool = False
-) -> tuple[list[Any], list[str]]:
-    """Run ``fns`` as one group commit of ``service``; return each call's result (or
-    exception) and the statements sent. ``claims``: the calls lease (the batch sweeps first)."""
-    loop = asyncio.new_event_loop()
-    try:
-        calls = [Call(fn, loop.create_future(), loop, claims) for fn in fns]
-        group = GroupCommit(
-            service,
-            sweep=lambda: set(service.sweep()),
-            on_ready=lambda queues: None,
-            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
-        )
-        assert group.flat
-        with statements(alias) as sent:
-            outcomes = group.run(calls)
-        assert group.commits == 1
-        return [value for _ok, value in outcomes], sent
-    finally:
-        loop.close()
-
-
 @pytest.fixture
 def run_batch(
     service: QueueService, alias: str
 ) -> Callable[[list[Callable[[], Any]]], tuple[list[Any], list[str]]]:
-    return lambda fns: run_group(service, alias, fns)
+    def run(fns: list[Callable[[], Any]]) -> tuple[list[Any], list[str]]:
+        """Run ``fns`` as one group commit; return each call's result (or exception) and the
+        statements sent."""
+        loop = asyncio.new_event_loop()
+        try:
+            calls = [Call(fn, loop.create_future(), loop) for fn in fns]
+            group = GroupCommit(
+                service,
+                sweep=lambda: set(service.sweep()),
+                on_ready=lambda queues: None,
+                failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
+            )
+            assert group.flat
+            with statements(alias) as sent:
+                outcomes = group.run(calls)
+            assert group.commits == 1
+            return [value for _ok, value in outcomes], sent
+        finally:
+            loop.close()
+
+    return run
 
 
 def savepoints(sql: list[str]) -> int:
@@ -207,87 +200,3 @@ def test_a_refused_ack_in_a_batch_of_acks_is_set_apart_in_the_flat_round(
     # statement for each trigger it fires.)
     job_updates = {t for t in sql if t.lstrip().upper().startswith("UPDATE RELAY_JOB")}
     assert len(job_updates) == 2, job_updates
-
-
-class TickingClock(FakeClock):
-    """A fake clock whose every wall reading is 1 ms after the last (both clocks move): the
-    instant a call stores tells which reading it took."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.readings = 0
-
-    def now_ms(self) -> int:
-        self.readings += 1
-        return self.advance(ms=1)
-
-
-def test_a_batch_stores_and_judges_by_one_instant(
-    driver: Driver, rng: random.Random, alias: str
-) -> None:
-    """One clock reading for a group commit's calls, its sweep included (as PostgreSQL's
-    ``now()`` is its transaction's start); a lone call, and the next batch, read again."""
-    clock = TickingClock()
-    service = QueueService(driver=driver, clock=clock, rng=rng)
-    lease = service.claim(["g"], worker_id="w0", max_jobs=1)  # nothing yet: reads the clock
-    assert lease == []
-    before = clock.readings
-    calls = [functools.partial(service.submit, "g", n) for n in range(3)]
-    results, _ = run_group(service, alias, calls)
-    assert clock.readings - before == 1
-    (instant,) = {r["job"]["created_at_ms"] for r in results}
-    lone = service.submit("g", "lone")["job"]
-    assert lone["created_at_ms"] > instant
-    # A batch that leases (it sweeps first) and acks with lease_next: the ack's end and the
-    # next lease's start are one instant, the batch's.
-    first = service.claim(["g"], worker_id="w1", max_jobs=1)[0]
-    before = clock.readings
-    results, _ = run_group(
-        service,
-        alias,
-        [
-            lambda: service.ack(
-                first["job_id"],
-                worker_id="w1",
-                lease_token=first["lease_token"],
-                lease_next={"queues": ["g"], "max_jobs": 1},
-            ),
-            lambda: service.claim(["g"], worker_id="w2", max_jobs=1),
-        ],
-        claims=True,
-    )
-    assert clock.readings - before == 1
-    acked = service.get(first["job_id"])
-    (nxt,) = results[0]["next"]
-    expiries = {nxt["lease_expires_at_ms"], results[1][0]["lease_expires_at_ms"]}
-    assert len(expiries) == 1
-    assert expiries.pop() - acked["finished_at_ms"] == service.settings.visibility_timeout_ms
-
-
-def test_a_batch_that_fails_reads_the_clock_again_after(
-    driver: Driver, rng: random.Random, alias: str
-) -> None:
-    """A batch sent round again with savepoints (a call failed after writing) reads the clock
-    once per round, and leaves nothing pinned: the next lone call reads it afresh."""
-    clock = TickingClock()
-    service = QueueService(driver=driver, clock=clock, rng=rng)
-    service.submit("g", {"v": 1}, idempotency_key="k")
-    before = clock.readings
-    results, _ = run_group(
-        service,
-        alias,
-        [
-            lambda: service.submit("g", "before"),
-            lambda: service.submit_batch(
-                [
-                    {"queue": "g", "payload": "half"},
-                    {"queue": "g", "payload": {"v": 2}, "idempotency_key": "k"},
-                ]
-            ),
-        ],
-    )
-    assert isinstance(results[1], errors.IdempotencyConflict)
-    assert clock.readings - before == 2  # the flat round, then the round with savepoints
-    after = service.submit("g", "after")["job"]["created_at_ms"]
-    assert after > results[0]["job"]["created_at_ms"]
-    assert clock.readings - before == 3
