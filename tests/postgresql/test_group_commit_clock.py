@@ -1,0 +1,242 @@
+"""On PostgreSQL several writers run at once (writer threads, servers), and a group commit's
+calls may wait for row locks another writer holds. Each call therefore reads the clock when it
+runs, not when its batch began: a reading taken before a wait would judge the call by a time
+before it ran. Round 11 (docs/benchmarking.md) tried one reading per group commit; a review
+found both faults below with it, and these tests fail with it:
+
+* a capped claim that waited for the queue's controls row must start its lease after the wait
+  (the ack it waited for ended the other lease then): else the attempt history shows more jobs
+  leased at once than the cap;
+* a renew in a batch that began before the lease expired, behind a claim that locked a queue's
+  controls row, must see the lease expired rather than wait for the expired job's row, which
+  another writer's sweep holds while it waits for that controls row: else the two writers
+  deadlock (PostgreSQL breaks the cycle after ``deadlock_timeout``, stalling both batches).
+
+Every wait here is for a condition PostgreSQL reports (a backend waiting for a lock) or a thread
+event, bounded in time; the clock is a ``FakeClock`` moved by the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connections
+
+from queue_core import errors
+from queue_core.clock import FakeClock
+from queue_core.protocol import limits
+from queue_core.protocol.writer import Call, GroupCommit
+from queue_core.service import QueueService
+from queue_core.storage import driver_for
+from tests.postgresql.conftest import DATABASES
+from tests.storage.conftest import database_url
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
+
+ALIAS = "postgresql"
+WAIT_S = 10.0  # the most any step here waits for a condition
+
+
+def _admin_url() -> str:
+    """A libpq URL of the test database (the one Django's ``postgresql`` alias uses)."""
+    base = database_url("postgresql")["RELAY_DATABASE_URL"].rpartition("/")[0]
+    return f"{base}/{connections[ALIAS].settings_dict['NAME']}"
+
+
+def _lock_waiters(url: str) -> int:
+    """Backends of the test database waiting for a lock now."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _deadlocks(url: str) -> int:
+    """The deadlocks PostgreSQL has counted in the test database so far."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` (a query of PostgreSQL's state) until true, at most ``WAIT_S``."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {WAIT_S:g} s: {what}")
+        time.sleep(0.01)
+
+
+def _group_commit(
+    service: QueueService, fns: list[Callable[[], Any]], *, claims: bool
+) -> list[tuple[bool, Any]]:
+    """Run ``fns`` as one group commit of the TCP server (this thread's own connection)."""
+    loop = asyncio.new_event_loop()
+    try:
+        calls = [Call(fn, loop.create_future(), loop, claims) for fn in fns]
+        group = GroupCommit(
+            service,
+            sweep=lambda: set(service.sweep()),
+            on_ready=lambda queues: None,
+            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
+        )
+        return group.run(calls)
+    finally:
+        loop.close()
+        connections.close_all()
+
+
+class _Thread(threading.Thread):
+    """A thread that keeps its target's result or exception."""
+
+    def __init__(self, target: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self._fn = target
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as exc:
+            self.error = exc
+
+    def outcome(self) -> Any:
+        self.join(WAIT_S * 3)
+        assert not self.is_alive(), "the thread did not end"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@pytest.fixture
+def service() -> Iterator[QueueService]:
+    yield QueueService(driver=driver_for(ALIAS), clock=FakeClock())
+    connections.close_all()
+
+
+def test_a_capped_claim_that_waited_for_the_controls_lock_leases_from_after_the_wait(
+    service: QueueService,
+) -> None:
+    clock = service.clock
+    assert isinstance(clock, FakeClock)
+    url = _admin_url()
+    service.set_queue_limits("capped", max_leased=1)
+    service.submit("capped", {"n": 1})
+    service.submit("capped", {"n": 2})
+    (first,) = service.claim(["capped"], worker_id="w1", max_jobs=1)
+
+    locked, go = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        """Another writer: a capped claim (it locks the controls row), then w1's ack."""
+        try:
+            with service.transaction():
+                assert service.claim(["capped"], worker_id="wb", max_jobs=1) == []
+                locked.set()
+                assert go.wait(WAIT_S)
+                service.ack(first["job_id"], worker_id="w1", lease_token=first["lease_token"])
+        finally:
+            connections.close_all()
+
+    other = _Thread(holder)
+    other.start()
+    assert locked.wait(WAIT_S)
+    claim = _Thread(
+        lambda: _group_commit(
+            service, [lambda: service.claim(["capped"], worker_id="w2", max_jobs=1)], claims=True
+        )
+    )
+    claim.start()
+    _until(lambda: _lock_waiters(url) >= 1, "the group commit's claim waits for the controls row")
+    clock.advance(ms=5_000)  # 5 s pass while it waits; then the ack frees the cap's slot
+    go.set()
+    other.outcome()
+    ((ok, leased),) = claim.outcome()
+    assert ok, leased
+    (second,) = leased
+    ended = service.get(first["job_id"])["finished_at_ms"]
+    history = service.get(second["job_id"])["history"]
+    assert history[-1]["started_at_ms"] == ended  # not before: never two leased under cap 1
+    assert second["lease_expires_at_ms"] == ended + service.settings.visibility_timeout_ms
+
+
+def test_a_renew_behind_a_controls_lock_does_not_wait_for_a_row_swept_meanwhile(
+    service: QueueService,
+) -> None:
+    clock = service.clock
+    assert isinstance(clock, FakeClock)
+    url = _admin_url()
+    service.set_queue_limits("capped", max_leased=10)
+    for queue, n in (("held", 1), ("other", 1), ("capped", 2)):
+        for i in range(n):
+            service.submit(queue, {"i": i})
+    (lease,) = service.claim(["held"], worker_id="w1", max_jobs=1, lease_ms=1_000)
+    clock.advance(ms=500)  # the lease has 500 ms left
+    deadlocks = _deadlocks(url)
+
+    y_began, y_go, x_swept, x_go = (threading.Event() for _ in range(4))
+
+    def y_pause() -> None:
+        y_began.set()
+        assert y_go.wait(WAIT_S)
+
+    def x_pause() -> None:
+        x_swept.set()
+        assert x_go.wait(WAIT_S)
+
+    # Y: a batch that begins before the lease expires; its claim locks the capped queue's
+    # controls row, then it renews the lease.
+    y = _Thread(
+        lambda: _group_commit(
+            service,
+            [
+                lambda: service.submit("other", {"y": 1}),
+                y_pause,
+                lambda: service.claim(["capped"], worker_id="wy", max_jobs=1),
+                lambda: service.renew(
+                    lease["job_id"], worker_id="w1", lease_token=lease["lease_token"]
+                ),
+            ],
+            claims=False,
+        )
+    )
+    y.start()
+    assert y_began.wait(WAIT_S)
+    clock.advance(ms=1_000)  # the lease has expired
+    # X: a batch whose sweep expires the lease (it holds that job's row until it commits),
+    # then a claim on the capped queue, which waits for Y's controls row.
+    x = _Thread(
+        lambda: _group_commit(
+            service,
+            [
+                lambda: service.claim(["other"], worker_id="wx", max_jobs=1),
+                x_pause,
+                lambda: service.claim(["capped"], worker_id="wx", max_jobs=1),
+            ],
+            claims=True,
+        )
+    )
+    x.start()
+    assert x_swept.wait(WAIT_S)
+    y_go.set()
+    # Y either ends (its renew finds the lease expired) or waits for the swept row.
+    _until(lambda: not y.is_alive() or _lock_waiters(url) >= 1, "Y ends or waits for a lock")
+    x_go.set()
+    y_outcomes, x_outcomes = y.outcome(), x.outcome()
+    assert _deadlocks(url) == deadlocks
+    assert [ok for ok, _ in y_outcomes] == [True, True, True, False]
+    assert isinstance(y_outcomes[3][1], errors.LeaseExpired), y_outcomes[3][1]
+    assert all(ok for ok, _ in x_outcomes), x_outcomes
+    assert len(x_outcomes[2][1]) == 1  # its capped claim leased, after Y's commit
