@@ -56,10 +56,9 @@ class Counter(_LibraryCounter):
     The library checks on every ``inc`` that the metric is observable (not a labelled
     parent), which a child always is: two Python calls per count (the metrics took about 500
     bytecodes of a lease+ack with them, ``relay_bench.bytecodes``). A child's ``inc`` here adds
-    to the library's own value
-    object, so the exposition is the library's; ``tests/unit/test_metrics.py`` checks it
-    against the stock class. Anything else (a parent, an exemplar, a negative amount) takes
-    the library's path and its errors.
+    to the library's own value object, so the exposition is the library's;
+    ``tests/unit/test_metrics.py`` checks it against the stock class. Anything else (a
+    parent, an exemplar, a negative amount) takes the library's path and its errors.
     """
 
     _labelvalues: tuple[str, ...]

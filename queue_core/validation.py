@@ -61,7 +61,7 @@ def text(field: str, value: Any, *, max_len: int, min_len: int = 1) -> str:
         raise _bad(field, f"must be {min_len} to {max_len} characters long")
     if "\x00" in value:
         raise _bad(field, "must not contain NUL characters")
-    if not value.isascii() and has_lone_surrogate(value):
+    if has_lone_surrogate(value):
         raise _bad(field, _SURROGATE)
     return value
 

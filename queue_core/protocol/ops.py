@@ -975,7 +975,8 @@ class BlockingClient(Ops, Blocking):
     """A blocking client: every op as a method returning its result (``RelayClient``).
 
     ``Worker`` takes one (``WorkerClient``); it calls ``lease``, ``renew``, ``ack``, ``fail``,
-    ``release`` and ``close``, so a test double may define just those.
+    ``release`` and ``close``, so a test double may define just those, and ``stop_sending``
+    (``RelayClient.stop_sending``) when the client has it.
     """
 
     def close(self) -> None:

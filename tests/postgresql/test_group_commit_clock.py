@@ -121,17 +121,25 @@ class _Thread(threading.Thread):
 
 
 @pytest.fixture
-def service() -> Iterator[QueueService]:
-    yield QueueService(driver=driver_for(ALIAS), clock=FakeClock())
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def service(clock: FakeClock) -> Iterator[QueueService]:
+    yield QueueService(driver=driver_for(ALIAS), clock=clock)
     connections.close_all()
 
 
+@pytest.fixture
+def url(service: QueueService) -> str:
+    """A libpq URL of the test database, for PostgreSQL's own views."""
+    return _admin_url()
+
+
 def test_a_capped_claim_that_waited_for_the_controls_lock_leases_from_after_the_wait(
-    service: QueueService,
+    service: QueueService, clock: FakeClock, url: str
 ) -> None:
-    clock = service.clock
-    assert isinstance(clock, FakeClock)
-    url = _admin_url()
     service.set_queue_limits("capped", max_leased=1)
     service.submit("capped", {"n": 1})
     service.submit("capped", {"n": 2})
@@ -173,11 +181,8 @@ def test_a_capped_claim_that_waited_for_the_controls_lock_leases_from_after_the_
 
 
 def test_a_renew_behind_a_controls_lock_does_not_wait_for_a_row_swept_meanwhile(
-    service: QueueService,
+    service: QueueService, clock: FakeClock, url: str
 ) -> None:
-    clock = service.clock
-    assert isinstance(clock, FakeClock)
-    url = _admin_url()
     service.set_queue_limits("capped", max_leased=10)
     for queue, n in (("held", 1), ("other", 1), ("capped", 2)):
         for i in range(n):

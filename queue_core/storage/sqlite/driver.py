@@ -618,6 +618,7 @@ class _Transaction:
     def __enter__(self) -> SqliteTx:
         driver = self._driver
         local = driver._local
+        local.after = []
         self._raw = raw = self._conn.connection
         self._level = level = driver._synchronous(raw, self._durable)
         local.durable = self._durable
@@ -841,7 +842,6 @@ class SqliteDriver:
                 if kept is not None:
                     # The outermost transaction on a kept cursor (every group commit of the
                     # server): the transaction object itself, not a generator around it.
-                    local.after = []
                     return _Transaction(self, kept, conn, durable, wait, flat=not savepoints)
         return self._write(savepoints=savepoints, durable=durable, wait=wait)
 
@@ -858,10 +858,10 @@ class SqliteDriver:
             yield from self._savepoint(self._local.raw, self._local.tx, depth)
             return
         conn = connections[self.alias]
-        self._local.after = []
         kept = self._kept_cursor(conn)
         with conn.cursor() if kept is None else contextlib.nullcontext(kept) as cursor:
             if conn.in_atomic_block:
+                self._local.after = []
                 self._check_file(conn)
                 self._local.raw = conn.connection
                 self._local.flat = False
