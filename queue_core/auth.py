@@ -203,13 +203,19 @@ class KeyRing:
 
 _lock = threading.Lock()
 _ring: KeyRing | None = None
+_invalidated = 0  # how many times ``invalidate`` ran: a read begun before the last one is stale
 
 
 def load_ring() -> KeyRing:
-    """Read the key table (one small query) and make it this process's snapshot."""
+    """Read the key table (one small query) and make it this process's snapshot, unless
+    ``invalidate`` ran while it read: a read begun before a revoke committed may not hold it,
+    and must not stand as the snapshot for ``RING_TTL_S`` after the revoke forgot the old one
+    (the caller still gets it: its request raced with the revoke)."""
     from queue_core.models import ApiKey
 
     global _ring
+    with _lock:
+        began = _invalidated
     rows = ApiKey.objects.values_list("prefix", "name", "secret_sha256", "scopes", "revoked_at_ms")
     entries = {
         prefix: _Entry(name, digest, frozenset(s for s in scopes.split(",") if s), revoked is None)
@@ -217,7 +223,8 @@ def load_ring() -> KeyRing:
     }
     ring = KeyRing(entries, time.monotonic())
     with _lock:
-        _ring = ring
+        if _invalidated == began:
+            _ring = ring
     return ring
 
 
@@ -236,9 +243,10 @@ def current_ring() -> KeyRing:
 
 def invalidate() -> None:
     """Forget the snapshot (after creating or revoking a key in this process)."""
-    global _ring
+    global _ring, _invalidated
     with _lock:
         _ring = None
+        _invalidated += 1
 
 
 # ---------------------------------------------------------------------- checking requests

@@ -387,6 +387,30 @@ def test_a_key_revoked_while_its_tcp_long_poll_waits_leases_nothing(
     assert _job_states("revq") == ["ready"]
 
 
+def test_a_key_table_read_that_a_revoke_overtook_is_not_kept_as_the_snapshot(
+    make_key: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh clone's run leased a job over HTTP to a key revoked while its long-poll
+    waited: a reload of the key table (the long-poll's own claim) read the key as active just
+    before the revoke committed, and stored that snapshot just after the revoke had forgotten
+    the old one, so the next claim trusted it for ``RING_TTL_S``. Here the revoke runs inside
+    the reload's read, after its rows were taken."""
+    worker = make_key("worker")
+    prefix = auth.parse_prefix(worker) or ""
+    read = ApiKey.objects.values_list
+
+    def read_then_revoke(*fields: str) -> list[Any]:
+        rows = list(read(*fields))
+        assert auth.revoke(prefix)
+        return rows
+
+    monkeypatch.setattr(ApiKey.objects, "values_list", read_then_revoke)
+    assert auth.load_ring().entries[prefix].active  # the read raced with the revoke
+    monkeypatch.undo()
+    assert auth.cached_ring() is None
+    assert not auth.current_ring().entries[prefix].active
+
+
 def test_a_key_revoked_while_its_http_long_poll_waits_leases_nothing(
     api: Api, make_key: Callable[..., str]
 ) -> None:
