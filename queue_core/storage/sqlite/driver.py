@@ -58,6 +58,7 @@ from queue_core.storage.base import (
     load_queries,
     run_callbacks,
 )
+from queue_core.storage.sqlite import wal
 
 log = logging.getLogger("relay.store")
 
@@ -1074,8 +1075,15 @@ class SqliteDriver:
         return SqliteChangeFeed(self.alias)
 
     def check(self, *, full: bool = True) -> list[str]:
-        """Run ``PRAGMA integrity_check`` (``PRAGMA quick_check`` when not ``full``); return
-        the problems found (``[]`` when healthy).
+        """Check the write-ahead log, then run ``PRAGMA integrity_check`` (``PRAGMA
+        quick_check`` when not ``full``); return the problems found (``[]`` when healthy).
+
+        The log is read before this process's first query, whose recovery would drop
+        committed transactions after a damaged frame without an error (``wal.problems``).
+        Such damage in a log last written before this machine booted is logged, not
+        returned: an OS crash or power loss can tear frames that were never synced (leases
+        commit without a sync, docs/design-decisions.md), and recovery dropping them is
+        what it is for.
 
         ``integrity_check`` also compares every index entry with its row (O(N log N) instead
         of O(N); https://sqlite.org/pragma.html#pragma_integrity_check). A file that is not a
@@ -1087,6 +1095,20 @@ class SqliteDriver:
                 file, folder or file system), whatever the file holds.
             StoreBusy: another process holds the database locked.
         """
+        path = self._path()
+        try:
+            damage = wal.problems(path)
+        except OSError as exc:
+            raise os_fault(exc) from exc
+        if damage and wal.written_since_boot(path) is False:
+            log.warning(
+                "event=wal_tail_dropped db=%s detail=%s",
+                path,
+                damage[0],
+                extra={"event": "wal_tail_dropped", "db": path, "detail": damage[0]},
+            )
+        elif damage:
+            return damage
         pragma = "integrity_check" if full else "quick_check"
         try:
             with connections[self.alias].cursor() as cursor:
