@@ -79,6 +79,16 @@ class RelaySettings:
             PostgreSQL parses and plans every statement, which here cost about half of its
             CPU per lease+ack (docs/benchmarking.md). Set False behind a pooler in transaction
             mode that cannot keep them (PgBouncer before 1.21).
+        lock_timeout_ms: on PostgreSQL, the longest a relay server's statement waits for a
+            row or table lock another transaction holds, in ms (2 000; PostgreSQL's
+            ``lock_timeout``); the call then gets ``BUSY`` (retryable) instead of holding its
+            whole group commit, and every other client's calls in it. 0: no limit.
+        pg_idle_in_transaction_timeout_ms: on PostgreSQL, how long a relay server's
+            connection may sit idle inside a transaction before PostgreSQL ends its session,
+            in ms (5 000; ``idle_in_transaction_session_timeout``). A server frozen mid-batch
+            (stopped, its VM paused, cut off from the database) otherwise holds the batch's
+            row locks and the sweep's advisory lock until it resumes, and no other server
+            expires a lease or makes a retry ready meanwhile. 0: no limit.
         server_heartbeat_ms: how often a server renews its row in the server registry, in
             ms (5 000); it counts as live for three of these.
         max_clock_skew_ms: the most a server's clock may differ from the database's, in ms
@@ -186,6 +196,8 @@ class RelaySettings:
     event_loop: str = "auto"
     database: str = "default"
     pg_prepared_statements: bool = True
+    lock_timeout_ms: int = 2_000
+    pg_idle_in_transaction_timeout_ms: int = 5_000
     server_heartbeat_ms: int = 5_000
     max_clock_skew_ms: int = 1_000
     # SQLite write-ahead log bound.

@@ -392,7 +392,7 @@ class QueueService:
         self.driver.heal()
 
     def claim_storage(self) -> Any:
-        """Claim the database for this server where only one may serve it; keep the handle.
+        """Claim the database for this server (``Driver.server_lock``); keep the handle.
 
         Raises:
             AlreadyServed: another server serves it.

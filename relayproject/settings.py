@@ -129,6 +129,10 @@ RELAY_DATABASE_URL = _env("RELAY_DATABASE_URL", "")
 # Relay's statements as prepared statements on PostgreSQL; 0 behind a transaction-mode pooler
 # that cannot keep them (PgBouncer before 1.21).
 RELAY_PG_PREPARED_STATEMENTS = _env("RELAY_PG_PREPARED_STATEMENTS", "1") == "1"
+# How long a statement waits for a lock another transaction holds, and how long a connection
+# may sit idle inside a transaction, on PostgreSQL, in ms (queue_core/conf.py).
+RELAY_LOCK_TIMEOUT_MS = _env_int("RELAY_LOCK_TIMEOUT_MS", 2000)
+RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS = _env_int("RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS", 5000)
 # The alias of the database Relay's tables live in.
 RELAY_DATABASE = "default"
 
@@ -180,13 +184,15 @@ def postgresql_database(url: str) -> dict[str, object]:
         "CONN_HEALTH_CHECKS": True,
         # Server-side binding: the driver prepares Relay's own statements on each connection
         # (RELAY_PG_PREPARED_STATEMENTS; Django's own queries stay unprepared, Django's
-        # default). lock_timeout bounds a wait for a row another transaction holds (two
-        # batches binding the same idempotency keys in opposite orders): the call gets BUSY
-        # (retryable) instead of holding its whole group commit, and every other client's
-        # calls in it, for as long as the other transaction lasts.
+        # default). Every process of this project (servers, HTTP workers, commands) gets
+        # the lock and idle-in-transaction limits; a relay server sets them itself on any
+        # project's database (PostgresDriver.server_lock).
         "OPTIONS": {
             "server_side_binding": True,
-            "options": f"-c lock_timeout={_env_int('RELAY_LOCK_TIMEOUT_MS', 2000)}",
+            "options": (
+                f"-c lock_timeout={RELAY_LOCK_TIMEOUT_MS} -c idle_in_transaction_session_timeout="
+                f"{RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS}"
+            ),
         },
     }
 

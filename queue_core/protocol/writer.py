@@ -113,7 +113,12 @@ STOP = object()
 
 
 class _Redo(Exception):
-    """A flat group commit must be rolled back and run again with savepoints."""
+    """A flat group commit must be rolled back and run again with savepoints.
+
+    ``index``: the call that failed (its place in the batch; -1 for the sweep).
+    """
+
+    index = -1
 
 
 class DbThread(threading.Thread):
@@ -190,16 +195,30 @@ class GroupCommit:
         Raises:
             WriteLocked: ``wait=False`` and the write lock was taken: nothing ran.
         """
+        settled: dict[int, BaseException] = {}
         if self.flat:
             try:
                 return self._run(batch, flat=True, wait=wait)
-            except _Redo:
-                pass
-        return self._run(batch, flat=False, wait=wait)
+            except _Redo as redo:
+                if isinstance(redo.__cause__, errors.StoreBusy):
+                    # It waited out a lock (RELAY_LOCK_TIMEOUT_MS) or lost a deadlock: it
+                    # is answered BUSY, not made to wait a second time.
+                    settled[redo.index] = redo.__cause__
+        return self._run(batch, flat=False, wait=wait, settled=settled)
 
-    def _run(self, batch: list[Call], *, flat: bool, wait: bool) -> list[tuple[bool, Any]]:
+    def _run(
+        self,
+        batch: list[Call],
+        *,
+        flat: bool,
+        wait: bool,
+        settled: dict[int, BaseException] | None = None,
+    ) -> list[tuple[bool, Any]]:
+        """Run one round of ``batch``: flat, or with savepoints and the calls in
+        ``settled`` (by index, -1 the sweep) answered with their exception, not run."""
         outcomes: list[tuple[bool, Any]] = []
         ready: set[str] = set()
+        index = -1  # the call running (-1: the sweep), for _Redo
         try:
             # Lease bookkeeping alone need not wait for the disk; anything else in the batch
             # makes it durable (SQLite decides before BEGIN, so the batch says it here).
@@ -209,16 +228,31 @@ class GroupCommit:
                 claims = claims or call.claims
             with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
                 if claims:
-                    swept, value = self._guarded(self.sweep, flat=flat, durable=False)
+                    value: Any
+                    swept, value = (
+                        self._guarded(self.sweep, flat=flat, durable=False)
+                        if not settled or -1 not in settled
+                        else (False, settled[-1])
+                    )
                     if swept:
                         ready = value
                     else:
                         log.error("event=sweep_failed", exc_info=value)
-                outcomes = [
-                    self._guarded(call.fn, flat=flat, durable=call.durable) for call in batch
-                ]
+                if settled:
+                    outcomes = [
+                        (False, settled[i])
+                        if i in settled
+                        else self._guarded(call.fn, flat=flat, durable=call.durable)
+                        for i, call in enumerate(batch)
+                    ]
+                else:
+                    for index, call in enumerate(batch):  # noqa: B007 - read by _Redo
+                        outcomes.append(self._guarded(call.fn, flat=flat, durable=call.durable))
             self.commits += 1
-        except (_Redo, WriteLocked):
+        except _Redo as redo:
+            redo.index = index
+            raise
+        except WriteLocked:
             raise
         except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
             limits.log_failure(self.failures, "group_commit_failed", exc)

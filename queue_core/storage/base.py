@@ -277,8 +277,10 @@ class Driver(Protocol):
         ...
 
     def server_lock(self) -> Any:
-        """Claim the database for this server where only one may serve it (SQLite); return
-        a handle to keep for the life of the process (None where none is needed).
+        """Claim the database for this server: where only one may serve it (SQLite), a lock;
+        where several may (PostgreSQL), the server's session limits on the connections it
+        opens from now on. Return a handle to keep for the life of the process (None where
+        none is needed).
 
         Raises:
             AlreadyServed: another server holds it.

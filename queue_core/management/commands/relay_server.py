@@ -184,8 +184,8 @@ class Command(RelayBaseCommand):
                 exporter.stop()
 
     def _prepare(self, service: QueueService, where: str) -> list[str]:
-        """Claim (SQLite) or check (PostgreSQL) the database, then run the start-up check;
-        return its problems.
+        """Claim the database (SQLite: the file lock; PostgreSQL: the server's session limits,
+        then a check of its migrations), then run the start-up check; return its problems.
 
         Raises:
             CommandError: as ``_claim`` and ``_check_migrations``.
@@ -194,6 +194,7 @@ class Command(RelayBaseCommand):
         if service.capabilities.single_writer:
             self.lock = _claim(service, where)
         else:
+            self.lock = service.claim_storage()  # the server's session limits, no lock
             _check_migrations(service, where)
         return service.check_storage(full=relay_settings().startup_check != "quick")
 

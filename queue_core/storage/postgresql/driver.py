@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import select
 import threading
 import time
@@ -37,6 +38,7 @@ from typing import Any
 
 import psycopg
 from django.db import DatabaseError, connections, transaction
+from django.db.backends.signals import connection_created
 from psycopg.pq import TransactionStatus
 
 from queue_core.conf import relay_settings
@@ -534,7 +536,37 @@ class PostgresDriver:
         return []
 
     def server_lock(self) -> None:
-        """None: any number of servers may serve one PostgreSQL database."""
+        """Return None (any number of servers may serve one PostgreSQL database), and give
+        every connection this process opens to the database from now on the server's limits:
+        ``lock_timeout`` (``RELAY_LOCK_TIMEOUT_MS``) and ``idle_in_transaction_session_timeout``
+        (``RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS``), set for the session as it opens, with
+        ``application_name`` ``relay server <pid>`` (which ``pg_stat_activity`` shows).
+
+        Set here, not in the project's database settings, because the alias may be a Django
+        project's own, whose web processes may sit in a transaction as long as they like:
+        only the server's sessions get them. The idle limit is what frees the batch's row
+        locks and the sweep's advisory lock (``sweep_lock``) of a server frozen mid-batch.
+        """
+        alias = self.alias
+
+        def limit(sender: Any, connection: Any, **kwargs: Any) -> None:
+            if connection.alias != alias:
+                return
+            s = relay_settings()
+            values = [
+                str(s.lock_timeout_ms),
+                str(s.pg_idle_in_transaction_timeout_ms),
+                f"relay server {os.getpid()}",
+            ]
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT set_config('lock_timeout', %s, false), "
+                    "set_config('idle_in_transaction_session_timeout', %s, false), "
+                    "set_config('application_name', %s, false)",
+                    values,
+                )
+
+        connection_created.connect(limit, weak=False, dispatch_uid=f"relay.server_limits.{alias}")
         return None
 
     def close(self) -> None:

@@ -1,0 +1,150 @@
+"""A server frozen inside a transaction (SIGSTOP: a stopped process, a paused VM, a partition
+from the database) must not stop the others' sweeps for as long as it stays frozen.
+
+Every claim batch may take the sweep's advisory lock (``pg_try_advisory_xact_lock``), so a
+server frozen mid-batch holds it, and its row locks, while its session sits idle in the
+transaction. The server's sessions carry ``idle_in_transaction_session_timeout``
+(``RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS``): PostgreSQL ends such a session, and the other
+server expires the lost lease. Found by a hostile review: before, the state stayed frozen for
+the whole 15 s of its run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connections
+from django.db.backends.signals import connection_created
+from django.test.utils import override_settings
+
+from queue_core import errors
+from queue_core.client import RelayClient
+from queue_core.storage.postgresql.driver import PostgresDriver
+from tests.audit import audit
+from tests.postgresql.conftest import DATABASES, Server
+from tests.storage.conftest import database_url
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
+
+Start = Callable[..., list[Server]]
+
+
+def sweep_lock_holder(url: str, pid: int) -> bool:
+    """Whether a session of server ``pid`` holds the sweep's advisory lock now."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = %s",
+            [f"relay server {pid}"],
+        ).fetchone()
+    return bool(row and row[0])
+
+
+@pytest.fixture
+def loaded() -> Iterator[Callable[[str], threading.Event]]:
+    """``loaded(address)``: four threads keep a server's claims going; returns an event set
+    at each of their acks (their progress)."""
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def start(address: str) -> threading.Event:
+        progress = threading.Event()
+
+        def load(n: int) -> None:
+            with RelayClient(address, timeout_s=30) as client:
+                while not stop.is_set():
+                    try:
+                        client.submit_batch([{"queue": "busy", "payload": i} for i in range(10)])
+                        for lease in client.lease(["busy"], worker_id=f"l{n}", max_jobs=10):
+                            client.ack(
+                                lease["job_id"], worker_id=f"l{n}", lease_token=lease["lease_token"]
+                            )
+                            progress.set()
+                    except errors.RelayError:
+                        pass  # UNAVAILABLE when its frozen session was ended: go on
+
+        threads.extend(threading.Thread(target=load, args=(n,)) for n in range(4))
+        for thread in threads:
+            thread.start()
+        return progress
+
+    yield start
+    stop.set()
+    for thread in threads:
+        thread.join(60)
+
+
+def test_a_server_frozen_holding_the_sweep_lock_stops_no_other_servers_sweep(
+    servers: Start, loaded: Callable[[str], threading.Event]
+) -> None:
+    env = {
+        "RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS": "1000",
+        "RELAY_MIN_LEASE_MS": "100",
+        "RELAY_REAPER_INTERVAL_MS": "200",
+    }
+    a, b = servers(2, **env)
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    progress = loaded(a.address)
+    for _ in range(300):  # freeze a at a moment one of its sessions holds the sweep lock
+        progress.clear()
+        assert progress.wait(30), "server a stopped serving its load"
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        if sweep_lock_holder(url, a.proc.pid):
+            break
+        os.kill(a.proc.pid, signal.SIGCONT)
+    else:
+        pytest.fail("never froze server a while it held the sweep lock")
+    try:
+        with RelayClient(b.address, timeout_s=30) as client:
+            job_id = client.submit("work", 1)["job"]["id"]
+            (lost,) = client.lease(["work"], worker_id="gone", lease_ms=300)
+            assert lost["job_id"] == job_id  # and its worker is never heard from again
+            started = time.monotonic()
+            back = client.lease(["work"], worker_id="w", wait_ms=15_000)
+            waited = time.monotonic() - started
+            assert [lease["job_id"] for lease in back] == [job_id], "the lease never expired"
+            assert back[0]["attempt"] == 2
+            assert waited < 10, waited
+            client.ack(job_id, worker_id="w", lease_token=back[0]["lease_token"])
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    # a lost the frozen session, and serves on with a new one.
+    with RelayClient(a.address, timeout_s=30) as client:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.submit("after", 1)
+                break
+            except errors.Unavailable:
+                assert time.monotonic() < deadline, "server a never served again"
+    audit(connections["postgresql"], quick_check=False)
+
+
+def test_a_servers_sessions_get_its_lock_and_idle_limits() -> None:
+    """``server_lock`` sets the limits on the connections the process opens from then on,
+    whatever the project's own database settings say."""
+    driver = PostgresDriver("postgresql")
+    try:
+        with override_settings(
+            RELAY_LOCK_TIMEOUT_MS=1234, RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS=4321
+        ):
+            assert driver.server_lock() is None
+            connections["postgresql"].close()
+            with connections["postgresql"].cursor() as cursor:
+                cursor.execute(
+                    "SELECT current_setting('lock_timeout'), "
+                    "current_setting('idle_in_transaction_session_timeout'), "
+                    "current_setting('application_name')"
+                )
+                row: Any = cursor.fetchone()
+        assert row == ("1234ms", "4321ms", f"relay server {os.getpid()}")
+    finally:
+        connection_created.disconnect(dispatch_uid="relay.server_limits.postgresql")
+        connections["postgresql"].close()
