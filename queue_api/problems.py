@@ -39,6 +39,7 @@ TITLES = {
     "STALE_TOKEN": "Stale lease token",
     "BUSY": "Database busy",
     "UNAVAILABLE": "Unavailable",
+    "OUTCOME_UNKNOWN": "Outcome unknown",
     "TOO_MANY_CONNECTIONS": "Too many connections",
     "TIMEOUT": "Timeout",
     "INTERNAL": "Internal error",

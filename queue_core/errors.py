@@ -152,10 +152,26 @@ class StoreBusy(RelayError):
 
 
 class Unavailable(RelayError):
-    """The server is shutting down and takes no new submits or leases; try another moment."""
+    """The server is shutting down and takes no new submits or leases, or cannot reach its
+    database; nothing changed. Try another moment."""
 
     code = "UNAVAILABLE"
     http_status = 503
+    retryable = True
+
+
+class OutcomeUnknown(RelayError):
+    """The server lost its database connection while the database committed: the change may
+    or may not have been made, as when a client's own connection breaks before the reply.
+    Retry a submit with the same idempotency key; an ack or fail is safe to repeat (a repeat
+    answers ``duplicate``); jobs a lease may have handed out come back when it expires.
+
+    After the ambiguous commit of PostgreSQL's docs (a connection lost during COMMIT) and
+    gRPC's ``UNKNOWN``.
+    """
+
+    code = "OUTCOME_UNKNOWN"
+    http_status = 500
     retryable = True
 
 

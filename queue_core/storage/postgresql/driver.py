@@ -42,7 +42,13 @@ from django.db.backends.signals import connection_created
 from psycopg.pq import TransactionStatus
 
 from queue_core.conf import relay_settings
-from queue_core.errors import InvalidArgument, RelayError, StoreBusy, Unavailable
+from queue_core.errors import (
+    InvalidArgument,
+    OutcomeUnknown,
+    RelayError,
+    StoreBusy,
+    Unavailable,
+)
 from queue_core.storage.base import (
     Capabilities,
     ClaimRequest,
@@ -368,7 +374,8 @@ class PostgresDriver:
                 asynchronous commit). The setting ends with the transaction.
         Raises:
             StoreBusy: deadlock, serialization failure or lock timeout, at a statement or at
-                COMMIT. Unavailable: the connection is lost.
+                COMMIT. Unavailable: the connection is lost before COMMIT (nothing was kept).
+            OutcomeUnknown: the connection is lost at COMMIT (it may have been kept).
         """
         conn = connections[self.alias]
         outermost = not conn.in_atomic_block
@@ -388,6 +395,7 @@ class PostgresDriver:
         # alone); deeper levels (the service's own transaction inside such a call) roll back
         # with it, so they need none.
         savepoint = depth <= 2 and not getattr(self._local, "flat", False)
+        committing = False
         try:
             with (
                 _relay_errors(),
@@ -398,6 +406,16 @@ class PostgresDriver:
                 yield tx
                 if outermost and not self._local.durable:
                     self._relax_commit(conn, tx)
+                committing = outermost
+        except Unavailable as exc:
+            self._local.notified = None
+            if committing:
+                # The COMMIT went out and no answer came back: it may have been applied.
+                raise OutcomeUnknown(
+                    "the database connection was lost while it committed: the change may or "
+                    "may not have been made"
+                ) from exc
+            raise
         except BaseException:
             # A savepoint that rolled back took its NOTIFY with it: send again if needed.
             self._local.notified = None
