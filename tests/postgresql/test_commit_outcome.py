@@ -52,6 +52,15 @@ class CommitCutter:
         self.ready.set()
         self.loop.run_forever()
         server.close()
+        self.loop.run_until_complete(self._end_tasks())
+        self.loop.close()
+
+    async def _end_tasks(self) -> None:
+        """Cancel the connections still being proxied, and wait for them to end."""
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         db_r, db_w = await asyncio.open_connection(*self.target)
@@ -86,7 +95,13 @@ class CommitCutter:
                     await client_w.drain()
             client_w.close()
 
-        await asyncio.gather(upstream(), downstream())
+        try:
+            await asyncio.gather(upstream(), downstream())
+        finally:
+            for writer in (client_w, db_w):
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
 
     def _wait_committed(self) -> None:
         """Until the submitted job is visible to another session (bounded)."""
