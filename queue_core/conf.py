@@ -89,6 +89,11 @@ class RelaySettings:
             (stopped, its VM paused, cut off from the database) otherwise holds the batch's
             row locks and the sweep's advisory lock until it resumes, and no other server
             expires a lease or makes a retry ready meanwhile. 0: no limit.
+        pg_stuck_transaction_ms: on PostgreSQL, a relay server ends another relay server's
+            session whose transaction has been open this long, in ms (15 000, three
+            heartbeats; ``pg_terminate_backend``, looked for every third of it): a server
+            frozen in the middle of a command, which the idle limit does not see (PostgreSQL
+            waits for the rest of the command). 0: never.
         server_heartbeat_ms: how often a server renews its row in the server registry, in
             ms (5 000); it counts as live for three of these.
         max_clock_skew_ms: the most a server's clock may differ from the database's, in ms
@@ -198,6 +203,7 @@ class RelaySettings:
     pg_prepared_statements: bool = True
     lock_timeout_ms: int = 2_000
     pg_idle_in_transaction_timeout_ms: int = 5_000
+    pg_stuck_transaction_ms: int = 15_000
     server_heartbeat_ms: int = 5_000
     max_clock_skew_ms: int = 1_000
     # SQLite write-ahead log bound.

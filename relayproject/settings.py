@@ -133,6 +133,8 @@ RELAY_PG_PREPARED_STATEMENTS = _env("RELAY_PG_PREPARED_STATEMENTS", "1") == "1"
 # may sit idle inside a transaction, on PostgreSQL, in ms (queue_core/conf.py).
 RELAY_LOCK_TIMEOUT_MS = _env_int("RELAY_LOCK_TIMEOUT_MS", 2000)
 RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS = _env_int("RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS", 5000)
+# A server ends other servers' sessions whose transaction has been open this long, in ms.
+RELAY_PG_STUCK_TRANSACTION_MS = _env_int("RELAY_PG_STUCK_TRANSACTION_MS", 15000)
 # The alias of the database Relay's tables live in.
 RELAY_DATABASE = "default"
 

@@ -2,15 +2,19 @@
 from the database) must not stop the others' sweeps for as long as it stays frozen.
 
 Every claim batch may take the sweep's advisory lock (``pg_try_advisory_xact_lock``), so a
-server frozen mid-batch holds it, and its row locks, while its session sits idle in the
-transaction. The server's sessions carry ``idle_in_transaction_session_timeout``
-(``RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS``): PostgreSQL ends such a session, and the other
-server expires the lost lease. Found by a hostile review: before, the state stayed frozen for
-the whole 15 s of its run.
+server frozen mid-batch holds it, and its row locks. Frozen between two commands, its session
+sits idle in the transaction, and PostgreSQL ends it after
+``RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS``. Frozen in the middle of one (psycopg's
+``executemany`` pipelines its rows; a large message goes out in several writes), the session
+is not idle: PostgreSQL waits for the rest of the command, and another server ends it after
+``RELAY_PG_STUCK_TRANSACTION_MS`` (``end_stuck_sessions``). Either way the other server then
+expires the lost lease. Found by a hostile review: before, the state stayed frozen for the
+whole 15 s of its run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -41,10 +45,23 @@ def sweep_lock_holder(url: str, pid: int) -> bool:
     with psycopg.connect(url, autocommit=True) as conn:
         row = conn.execute(
             "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = %s",
-            [f"relay server {pid}"],
+            "WHERE l.locktype = 'advisory' AND l.granted AND a.application_name LIKE %s",
+            [f"relay server {pid} %"],
         ).fetchone()
     return bool(row and row[0])
+
+
+def sessions(url: str) -> list[tuple[Any, ...]]:
+    """The test database's sessions: name, state, wait, locks held, the query (diagnostics)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        return conn.execute(
+            "SELECT a.pid, a.backend_start, a.xact_start, a.application_name, a.state, "
+            "a.wait_event_type, a.wait_event, "
+            "now() - a.state_change, (SELECT string_agg(l.locktype || ':' || l.mode, ',') "
+            "FROM pg_locks l WHERE l.pid = a.pid AND l.granted), left(a.query, 80) "
+            "FROM pg_stat_activity a WHERE a.datname = current_database() "
+            "AND a.pid <> pg_backend_pid()"
+        ).fetchall()
 
 
 @pytest.fixture
@@ -86,6 +103,7 @@ def test_a_server_frozen_holding_the_sweep_lock_stops_no_other_servers_sweep(
 ) -> None:
     env = {
         "RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS": "1000",
+        "RELAY_PG_STUCK_TRANSACTION_MS": "2000",
         "RELAY_MIN_LEASE_MS": "100",
         "RELAY_REAPER_INTERVAL_MS": "200",
     }
@@ -109,7 +127,9 @@ def test_a_server_frozen_holding_the_sweep_lock_stops_no_other_servers_sweep(
             started = time.monotonic()
             back = client.lease(["work"], worker_id="w", wait_ms=15_000)
             waited = time.monotonic() - started
-            assert [lease["job_id"] for lease in back] == [job_id], "the lease never expired"
+            assert [lease["job_id"] for lease in back] == [job_id], (
+                f"the lease never expired; sessions: {sessions(url)}"
+            )
             assert back[0]["attempt"] == 2
             assert waited < 10, waited
             client.ack(job_id, worker_id="w", lease_token=back[0]["lease_token"])
@@ -144,7 +164,33 @@ def test_a_servers_sessions_get_its_lock_and_idle_limits() -> None:
                     "current_setting('application_name')"
                 )
                 row: Any = cursor.fetchone()
-        assert row == ("1234ms", "4321ms", f"relay server {os.getpid()}")
+        assert row[:2] == ("1234ms", "4321ms")
+        assert row[2].startswith(f"relay server {os.getpid()} ")
     finally:
         connection_created.disconnect(dispatch_uid="relay.server_limits.postgresql")
         connections["postgresql"].close()
+
+
+def test_a_stuck_relay_session_mid_command_is_ended_by_another_server(servers: Start) -> None:
+    """Deterministic: a session named as a relay server's holds the sweep lock in a
+    transaction that the idle limit does not end (here: turned off for it, as for a session
+    waiting for the rest of a command). The live server ends it and sweeps."""
+    (b,) = servers(1, RELAY_PG_STUCK_TRANSACTION_MS="1000", RELAY_MIN_LEASE_MS="100")
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    # closing(), not the connection's own with: its exit would COMMIT on an ended session.
+    with contextlib.closing(
+        psycopg.connect(url, application_name="relay server 1 deadbeef")
+    ) as stuck:
+        stuck.execute("SET idle_in_transaction_session_timeout = 0")
+        stuck.execute("SELECT pg_advisory_xact_lock(hashtext('relay.sweep'))")
+        (pid,) = stuck.execute("SELECT pg_backend_pid()").fetchone() or (0,)
+        with RelayClient(b.address, timeout_s=30) as client:
+            job_id = client.submit("work", 1)["job"]["id"]
+            (lost,) = client.lease(["work"], worker_id="gone", lease_ms=300)
+            assert lost["job_id"] == job_id
+            back = client.lease(["work"], worker_id="w", wait_ms=15_000)
+            assert [lease["job_id"] for lease in back] == [job_id], sessions(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            alive = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
+            assert alive.fetchone() == (0,)
+    assert "stuck_sessions_ended" in b.proc.stderr_text()

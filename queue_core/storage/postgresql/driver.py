@@ -354,6 +354,9 @@ class PostgresDriver:
         self._local = threading.local()
         self._feed: PostgresChangeFeed | None = None
         self._feed_lock = threading.Lock()
+        # This process's sessions' application_name once it serves (``server_lock``).
+        self._name: str | None = None
+        self._stuck_check_at = 0.0  # monotonic s: when ``maintain`` looks next
 
     @contextlib.contextmanager
     def write(
@@ -558,7 +561,8 @@ class PostgresDriver:
         every connection this process opens to the database from now on the server's limits:
         ``lock_timeout`` (``RELAY_LOCK_TIMEOUT_MS``) and ``idle_in_transaction_session_timeout``
         (``RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS``), set for the session as it opens, with
-        ``application_name`` ``relay server <pid>`` (which ``pg_stat_activity`` shows).
+        ``application_name`` ``relay server <pid> <8 hex digits>`` (which ``pg_stat_activity``
+        shows, and by which ``maintain`` tells other servers' sessions).
 
         Set here, not in the project's database settings, because the alias may be a Django
         project's own, whose web processes may sit in a transaction as long as they like:
@@ -566,16 +570,13 @@ class PostgresDriver:
         locks and the sweep's advisory lock (``sweep_lock``) of a server frozen mid-batch.
         """
         alias = self.alias
+        self._name = name = f"relay server {os.getpid()} {self.origin[:8]}"
 
         def limit(sender: Any, connection: Any, **kwargs: Any) -> None:
             if connection.alias != alias:
                 return
             s = relay_settings()
-            values = [
-                str(s.lock_timeout_ms),
-                str(s.pg_idle_in_transaction_timeout_ms),
-                f"relay server {os.getpid()}",
-            ]
+            values = [str(s.lock_timeout_ms), str(s.pg_idle_in_transaction_timeout_ms), name]
             with connection.cursor() as cursor:
                 cursor.execute(
                     "SELECT set_config('lock_timeout', %s, false), "
@@ -592,7 +593,34 @@ class PostgresDriver:
         connections[self.alias].close()
 
     def maintain(self, now_s: float) -> None:
-        """Nothing: autovacuum keeps PostgreSQL's tables (migration 0006 tunes it)."""
+        """In a server, every third of ``RELAY_PG_STUCK_TRANSACTION_MS``: end the sessions of
+        other relay servers whose transaction has been open that long (``end_stuck_sessions``;
+        a server frozen mid-command holds its locks, and the sweep's, until then). Nothing
+        else: autovacuum keeps PostgreSQL's tables (migration 0006 tunes it).
+
+        Args:
+            now_s: a monotonic reading, in s.
+        """
+        stuck_ms = relay_settings().pg_stuck_transaction_ms
+        if self._name is None or stuck_ms <= 0 or now_s < self._stuck_check_at:
+            return
+        self._stuck_check_at = now_s + stuck_ms / 3000
+        try:
+            with connections[self.alias].cursor() as cursor:
+                cursor.execute(
+                    QUERIES["end_stuck_sessions"], {"me": self._name, "stuck_ms": stuck_ms}
+                )
+                row = cursor.fetchone()
+        except DatabaseError as exc:  # e.g. not allowed to end another role's session
+            log.warning("event=stuck_sessions_check_failed error=%r", exc)
+            return
+        if row and row[0]:
+            log.warning(
+                "event=stuck_sessions_ended sessions=%d stuck_ms=%d",
+                row[0],
+                stuck_ms,
+                extra={"event": "stuck_sessions_ended", "sessions": row[0], "stuck_ms": stuck_ms},
+            )
 
     def storage_error(self, exc: BaseException) -> RelayError | None:
         """Relay's error for a database error (``BUSY``, ``UNAVAILABLE``...), or None."""
