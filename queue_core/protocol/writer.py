@@ -115,10 +115,13 @@ STOP = object()
 class _Redo(Exception):
     """A flat group commit must be rolled back and run again with savepoints.
 
-    ``index``: the call that failed (its place in the batch; -1 for the sweep).
+    Args:
+        fn: the call (or the sweep) that failed.
     """
 
-    index = -1
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__()
+        self.fn = fn
 
 
 class DbThread(threading.Thread):
@@ -195,7 +198,6 @@ class GroupCommit:
         Raises:
             WriteLocked: ``wait=False`` and the write lock was taken: nothing ran.
         """
-        settled: dict[int, BaseException] = {}
         if self.flat:
             try:
                 return self._run(batch, flat=True, wait=wait)
@@ -203,8 +205,10 @@ class GroupCommit:
                 if isinstance(redo.__cause__, errors.StoreBusy):
                     # It waited out a lock (RELAY_LOCK_TIMEOUT_MS) or lost a deadlock: it
                     # is answered BUSY, not made to wait a second time.
-                    settled[redo.index] = redo.__cause__
-        return self._run(batch, flat=False, wait=wait, settled=settled)
+                    return self._run(
+                        batch, flat=False, wait=wait, settled=(redo.fn, redo.__cause__)
+                    )
+        return self._run(batch, flat=False, wait=wait)
 
     def _run(
         self,
@@ -212,13 +216,12 @@ class GroupCommit:
         *,
         flat: bool,
         wait: bool,
-        settled: dict[int, BaseException] | None = None,
+        settled: tuple[Callable[[], Any], BaseException] | None = None,
     ) -> list[tuple[bool, Any]]:
-        """Run one round of ``batch``: flat, or with savepoints and the calls in
-        ``settled`` (by index, -1 the sweep) answered with their exception, not run."""
+        """Run one round of ``batch``: flat, or with savepoints and the call (or the sweep)
+        ``settled`` names answered with its exception, not run."""
         outcomes: list[tuple[bool, Any]] = []
         ready: set[str] = set()
-        index = -1  # the call running (-1: the sweep), for _Redo
         try:
             # Lease bookkeeping alone need not wait for the disk; anything else in the batch
             # makes it durable (SQLite decides before BEGIN, so the batch says it here).
@@ -230,9 +233,9 @@ class GroupCommit:
                 if claims:
                     value: Any
                     swept, value = (
-                        self._guarded(self.sweep, flat=flat, durable=False)
-                        if not settled or -1 not in settled
-                        else (False, settled[-1])
+                        (False, settled[1])
+                        if settled and settled[0] is self.sweep
+                        else self._guarded(self.sweep, flat=flat, durable=False)
                     )
                     if swept:
                         ready = value
@@ -240,19 +243,17 @@ class GroupCommit:
                         log.error("event=sweep_failed", exc_info=value)
                 if settled:
                     outcomes = [
-                        (False, settled[i])
-                        if i in settled
+                        (False, settled[1])
+                        if call.fn is settled[0]
                         else self._guarded(call.fn, flat=flat, durable=call.durable)
-                        for i, call in enumerate(batch)
+                        for call in batch
                     ]
                 else:
-                    for index, call in enumerate(batch):  # noqa: B007 - read by _Redo
-                        outcomes.append(self._guarded(call.fn, flat=flat, durable=call.durable))
+                    outcomes = [
+                        self._guarded(call.fn, flat=flat, durable=call.durable) for call in batch
+                    ]
             self.commits += 1
-        except _Redo as redo:
-            redo.index = index
-            raise
-        except WriteLocked:
+        except (_Redo, WriteLocked):
             raise
         except Exception as exc:  # noqa: BLE001 - BEGIN/COMMIT failed: nothing is durable
             limits.log_failure(self.failures, "group_commit_failed", exc)
@@ -292,7 +293,7 @@ class GroupCommit:
             return True, fn()
         except Exception as exc:
             if not self.service.forgive(mark):
-                raise _Redo from exc
+                raise _Redo(fn) from exc
             return False, exc
 
 
