@@ -90,10 +90,11 @@ class RelaySettings:
             row locks and the sweep's advisory lock until it resumes, and no other server
             expires a lease or makes a retry ready meanwhile. 0: no limit.
         pg_stuck_transaction_ms: on PostgreSQL, a relay server ends another relay server's
-            session whose transaction has been open this long, in ms (15 000, three
-            heartbeats; ``pg_terminate_backend``, looked for every third of it): a server
-            frozen in the middle of a command, which the idle limit does not see (PostgreSQL
-            waits for the rest of the command). 0: never.
+            session that has waited this long for its server in the middle of a transaction
+            (no statement since), in ms (15 000, three heartbeats; ``pg_terminate_backend``,
+            looked for every third of it): a server frozen in the middle of a command, which
+            the idle limit does not see (PostgreSQL waits for the rest of the command). A
+            server waiting for locks is not ended. 0: never.
         server_heartbeat_ms: how often a server renews its row in the server registry, in
             ms (5 000); it counts as live for three of these.
         max_clock_skew_ms: the most a server's clock may differ from the database's, in ms

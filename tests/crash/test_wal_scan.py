@@ -84,12 +84,12 @@ def copy(db: Path, to: Path) -> Path:
     return to
 
 
-def flip(db: Path, at: int) -> None:
+def flip(db: Path, at: int, mask: int = 0xFF) -> None:
     with open(f"{db}-wal", "r+b") as f:
         f.seek(at)
         byte = f.read(1)
         f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
+        f.write(bytes([byte[0] ^ mask]))
 
 
 def frame_at(db: Path, index: int) -> int:
@@ -158,13 +158,17 @@ def test_a_damaged_frame_before_the_last_transaction_is_found(logs: Path, seed: 
     assert rows(copy(damaged, logs / "seen.db")) < whole  # what SQLite drops is real
 
 
-@pytest.mark.parametrize("at", [3, 10, 17, 26], ids=["magic", "page size", "salt", "checksum"])
-def test_a_damaged_header_is_found(logs: Path, at: int) -> None:
+@pytest.mark.parametrize(
+    ("at", "mask"),
+    [(3, 0xFF), (3, 0x01), (10, 0xFF), (17, 0xFF), (26, 0xFF)],
+    ids=["magic", "magic turned into the other byte order", "page size", "salt", "checksum"],
+)
+def test_a_damaged_header_is_found(logs: Path, at: int, mask: int) -> None:
     """SQLite replays nothing from a log whose header is damaged (the table it created is
     gone); the scan says so, in each of the header's fields."""
     db = logs / "h.db"
     crashed_log(db, commits=10, seed=7)
-    flip(db, at)
+    flip(db, at, mask)
     found = wal.scan(str(db))
     assert found is not None and found.first_bad == -1 and found.replayed == 0
     assert found.lost_commits >= 9

@@ -15,8 +15,10 @@ whole 15 s of its run.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -194,3 +196,53 @@ def test_a_stuck_relay_session_mid_command_is_ended_by_another_server(servers: S
             alive = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", [pid])
             assert alive.fetchone() == (0,)
     assert "stuck_sessions_ended" in b.proc.stderr_text()
+
+
+HELD = 8  # jobs whose rows another session holds: 8 waits of 500 ms, against a 1 s limit
+
+
+def test_a_server_waiting_for_locks_is_not_taken_for_stuck(servers: Start) -> None:
+    """A batch whose calls wait for rows another session holds runs longer than the stuck
+    limit, a statement at a time: the other server must leave it alone, and every answer
+    must match the database. (Ending sessions by the age of their transaction killed such a
+    batch in a hostile review.)"""
+    env = {"RELAY_PG_STUCK_TRANSACTION_MS": "1000", "RELAY_LOCK_TIMEOUT_MS": "500"}
+    started = time.monotonic()
+    a, b = servers(2, **env)
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    with RelayClient(a.address, timeout_s=60) as client:
+        for i in range(HELD):
+            client.submit("held", i)
+        leases = client.lease(["held"], worker_id="w", max_jobs=HELD, lease_ms=600_000)
+    assert len(leases) == HELD
+    frames = []
+    for n, lease in enumerate(leases):
+        args = {"job_id": lease["job_id"], "worker_id": "w", "lease_token": lease["lease_token"]}
+        frames.append({"id": 2 * n + 1, "op": "ack", "args": args})
+        frames.append({"id": 2 * n + 2, "op": "submit", "args": {"queue": "free", "payload": n}})
+    with psycopg.connect(url) as holder:
+        holder.execute(
+            "SELECT id FROM relay_job WHERE id = ANY(%s) FOR UPDATE",
+            [[lease["job_id"] for lease in leases]],
+        )
+        host, port = a.address.split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            # One write: the requests share a group commit, whose calls wait in turn.
+            sock.sendall(b"".join(json.dumps(f).encode() + b"\n" for f in frames))
+            replies: dict[int, dict[str, Any]] = {}
+            reader = sock.makefile("rb")
+            while len(replies) < len(frames):
+                reply = json.loads(reader.readline())
+                replies[reply["id"]] = reply
+        holder.rollback()
+    with psycopg.connect(url) as conn:
+        free = conn.execute("SELECT count(*) FROM relay_job WHERE queue = 'free'").fetchone()
+        done = conn.execute("SELECT count(*) FROM relay_job WHERE state = 'succeeded'").fetchone()
+    submitted = [replies[2 * n + 2] for n in range(HELD)]
+    acked = [replies[2 * n + 1] for n in range(HELD)]
+    assert all(r["ok"] for r in submitted), submitted
+    assert free == (HELD,)
+    assert all(not r["ok"] and r["error"]["code"] == "BUSY" for r in acked), acked
+    assert done == (0,)
+    assert "stuck_sessions_ended" not in b.proc.stderr_text()
+    assert time.monotonic() - started > 3  # the batch outlived the stuck limit

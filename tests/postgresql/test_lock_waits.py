@@ -82,3 +82,44 @@ def test_a_call_that_waited_out_a_lock_is_answered_busy_without_waiting_again() 
     assert runs == 1  # it waited once; before, the savepoint round ran it and waited again
     assert service.get(job["id"])["state"] == "leased"  # the ack did not happen
     assert service.ack(job["id"], worker_id="w", lease_token=lease["lease_token"])
+
+
+def test_a_connection_lost_in_the_savepoint_round_fails_every_call() -> None:
+    """The flat round fails (a refused statement), the savepoint round runs; the database
+    session ends during it. The calls that ran before must not be answered as committed:
+    Django's atomic rolls the doomed transaction back without raising, so the driver does.
+    Found by a hostile review: 4 of 5 submits answered ok were not in the database."""
+    service = QueueService(driver=driver_for(ALIAS))
+    base = database_url("postgresql")["RELAY_DATABASE_URL"].rpartition("/")[0]
+    url = f"{base}/{connections[ALIAS].settings_dict['NAME']}"
+    runs = 0
+
+    def refused_then_cut() -> None:
+        nonlocal runs
+        runs += 1
+        with connections[ALIAS].cursor() as cursor:
+            if runs == 1:
+                cursor.execute("SELECT 1 / 0")  # the flat round goes round again
+            cursor.execute("SELECT pg_backend_pid()")
+            (pid,) = cursor.fetchone()
+            with psycopg.connect(url, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", [pid])
+            cursor.execute("SELECT 1")  # the session is gone
+
+    try:
+        outcomes = run(
+            service,
+            [
+                lambda: service.submit("cut", "before"),
+                refused_then_cut,
+                lambda: service.submit("cut", "after"),
+            ],
+        )
+    finally:
+        connections[ALIAS].close()
+    assert runs == 2
+    assert [ok for ok, _ in outcomes] == [False, False, False], outcomes
+    assert all(isinstance(value, errors.Unavailable) for _, value in outcomes), outcomes
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM relay_job WHERE queue = 'cut'").fetchone()
+    assert row == (0,)

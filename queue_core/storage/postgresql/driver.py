@@ -407,6 +407,15 @@ class PostgresDriver:
             ):
                 tx = PostgresTx(cursor, self)
                 yield tx
+                if outermost and conn.needs_rollback:
+                    # A savepoint that could not roll back (the connection was lost in a
+                    # call the caller set apart) dooms the transaction: Django's atomic
+                    # would roll it back without a word, and the calls before it would
+                    # pass for committed.
+                    raise Unavailable(
+                        "the transaction was lost before it could commit (the database "
+                        "connection failed): nothing of it was kept"
+                    )
                 if outermost and not self._local.durable:
                     self._relax_commit(conn, tx)
                 committing = outermost
@@ -594,9 +603,10 @@ class PostgresDriver:
 
     def maintain(self, now_s: float) -> None:
         """In a server, every third of ``RELAY_PG_STUCK_TRANSACTION_MS``: end the sessions of
-        other relay servers whose transaction has been open that long (``end_stuck_sessions``;
-        a server frozen mid-command holds its locks, and the sweep's, until then). Nothing
-        else: autovacuum keeps PostgreSQL's tables (migration 0006 tunes it).
+        other relay servers that have waited that long for their server in the middle of a
+        transaction (``end_stuck_sessions``; a server frozen mid-command holds its locks, and
+        the sweep's, until then). Nothing else: autovacuum keeps PostgreSQL's tables
+        (migration 0006 tunes it).
 
         Args:
             now_s: a monotonic reading, in s.

@@ -567,19 +567,23 @@ SELECT pg_try_advisory_xact_lock(hashtext('relay.sweep')) AS locked;
 
 -- name: end_stuck_sessions
 -- End the sessions of other relay servers (application_name 'relay server ...', set by
--- server_lock) whose transaction has been open longer than stuck_ms: a server frozen in the
--- middle of a command (stopped, its VM paused, cut off from the database), which
--- idle_in_transaction_session_timeout does not see, since PostgreSQL is waiting for the rest
--- of a command, not idle. Ending it rolls its transaction back and frees its row locks and
--- the sweep's advisory lock. Params: me (this process's application_name), stuck_ms.
+-- server_lock) that have waited for their server in the middle of a transaction for longer
+-- than stuck_ms: no statement and no state change since, while PostgreSQL waits for the
+-- client (ClientRead, idle or in the middle of a command; ClientWrite). That is a server
+-- frozen mid-batch (stopped, its VM paused, cut off from the database); one that is only
+-- slow, or waiting for a lock, runs a statement at least every lock_timeout. The idle limit
+-- (idle_in_transaction_session_timeout) does not see a session waiting for the rest of a
+-- command. Ending it rolls its transaction back and frees its row locks and the sweep's
+-- advisory lock. Params: me (this process's application_name), stuck_ms.
 SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) AS ended
 FROM pg_stat_activity
 WHERE datname = current_database()
   AND pid <> pg_backend_pid()
   AND application_name LIKE 'relay server %%'
   AND application_name <> %(me)s
-  AND state <> 'idle'
-  AND xact_start < clock_timestamp() - make_interval(secs => %(stuck_ms)s / 1000.0);
+  AND xact_start IS NOT NULL
+  AND wait_event_type = 'Client'
+  AND state_change < clock_timestamp() - make_interval(secs => %(stuck_ms)s / 1000.0);
 
 -- name: sweep_probe
 -- The sweep lock, and whether a sweep has anything to do, in one round trip (the claim path

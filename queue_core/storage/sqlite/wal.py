@@ -15,7 +15,9 @@ the one that commit frame ends had been written whole before the crash: a proces
 keeps every byte written (an OS crash may not; see ``written_since_boot``). The last
 transaction has no such witness, and a crash can leave it with a frame that fails its
 checksum (cut mid-write, or killed while its commit rewrote the checksums of frames it had
-spilled earlier), so damage inside it is not told from a crash and goes unreported.
+spilled earlier), so damage inside it is not told from a crash and goes unreported; so is
+damage that runs to the end of the log (zeroed or cut-off last frames), which leaves no later
+frame to prove anything.
 
 Read the file only while no connection of this process has it open (before the server's
 first query: SQLite's recovery runs then).
@@ -125,9 +127,9 @@ def _read(db_path: str, fd: int) -> WalScan | None:
         known and version == VERSION and checksum(head[:24], (0, 0), magic == MAGIC_BIG) == (c0, c1)
     )
     # A bad header: recovery replays nothing, and the frames that still chain from the
-    # header's stored checksum are what it drops: in either byte order if the magic number
-    # is what was damaged, with frame 0's salts if the header's were.
-    orders = [magic == MAGIC_BIG] if known else [False, True]
+    # header's stored checksum are what it drops: in either byte order (one flipped bit turns
+    # one valid magic number into the other), with frame 0's salts if the header's were.
+    orders = [magic == MAGIC_BIG] if header_ok else [False, True]
     salts = {(salt1, salt2)}
     first = os.pread(fd, FRAME_HEADER_BYTES, HEADER_BYTES)
     if not header_ok and len(first) == FRAME_HEADER_BYTES:
