@@ -90,6 +90,12 @@ def _execute_prepared(cursor: psycopg.Cursor[Any], query: str, params: Any) -> A
 # altered ("cached plan must not change result type", which psycopg does not recover from):
 # ``heal`` replaces the connection.
 _STALE = threading.local()
+# When this thread's last statement ran out of lock_timeout (``at``, monotonic s): for one
+# lock_timeout after it, its transactions wait SHORT_LOCK_WAIT for a lock, not the whole
+# timeout again (``PostgresDriver.write``): a batch whose calls meet rows another session
+# holds answers them BUSY one after another at once, instead of a lock_timeout each.
+_LOCK_WAITS = threading.local()
+SHORT_LOCK_WAIT = "10ms"
 
 
 def _translate(exc: DatabaseError) -> Exception | None:
@@ -103,6 +109,8 @@ def _translate(exc: DatabaseError) -> Exception | None:
         _STALE.reset = True
         return Unavailable("a schema change made a prepared statement stale; try again")
     if state in _BUSY_STATES:
+        if state == "55P03":  # lock_not_available: it waited the whole lock_timeout
+            _LOCK_WAITS.at = time.monotonic()
         return StoreBusy(f"the database refused the write for now ({state}); try again")
     # No SQLSTATE (the socket is gone), class 08 (connection exception) or 57P (the server
     # shut the session down: pg_terminate_backend, a restart): the connection is lost.
@@ -384,6 +392,7 @@ class PostgresDriver:
         outermost = not conn.in_atomic_block
         if outermost:
             self.heal()  # a broken connection from an earlier error: open a new one
+            self._local.short_locks = False
             self._local.notified = None
             self._local.swept = False
             self._local.changed = 0
@@ -399,12 +408,23 @@ class PostgresDriver:
         # with it, so they need none.
         savepoint = depth <= 2 and not getattr(self._local, "flat", False)
         committing = False
+        waited = getattr(_LOCK_WAITS, "at", None)
+        shorten = (
+            waited is not None
+            and depth <= 2
+            and not getattr(self._local, "short_locks", False)
+            and time.monotonic() - waited < relay_settings().lock_timeout_ms / 1000
+        )
+        if shorten and not outermost:  # at the outer level, before this call's savepoint
+            self._shorten_lock_waits(conn)
         try:
             with (
                 _relay_errors(),
                 transaction.atomic(using=self.alias, savepoint=savepoint),
                 conn.cursor() as cursor,
             ):
+                if shorten and outermost:
+                    self._shorten_lock_waits(conn)
                 tx = PostgresTx(cursor, self)
                 yield tx
                 if outermost and conn.needs_rollback:
@@ -434,6 +454,13 @@ class PostgresDriver:
             raise
         finally:
             self._local.depth -= 1
+
+    def _shorten_lock_waits(self, conn: Any) -> None:
+        """``SET LOCAL lock_timeout`` to ``SHORT_LOCK_WAIT`` for the rest of this transaction
+        (one round trip, only after a lock wait ran out on this thread: ``_LOCK_WAITS``)."""
+        with _relay_errors(), conn.cursor() as cursor:
+            cursor.execute(f"SET LOCAL lock_timeout = '{SHORT_LOCK_WAIT}'")
+        self._local.short_locks = True
 
     @staticmethod
     def _relax_commit(conn: Any, tx: PostgresTx) -> None:
