@@ -263,3 +263,22 @@ def test_leftovers_of_a_rolled_back_transaction_prove_nothing(logs: Path) -> Non
     flip(db, frame_at(db, last) + 200)
     after = wal.scan(str(db))
     assert after is not None and after.first_bad == last and after.lost_commits == 0, after
+
+
+def test_damage_is_reported_only_where_two_reads_place_it(
+    logs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frame another process was writing during the first read (a web process sharing the
+    file) can look damaged once: the second read must find the same first bad frame."""
+    reads = iter(
+        [
+            wal.WalScan(frames=9, replayed=3, first_bad=4, lost_commits=1),
+            wal.WalScan(frames=12, replayed=7, first_bad=8, lost_commits=1),  # it moved
+            wal.WalScan(frames=9, replayed=3, first_bad=4, lost_commits=2),
+            wal.WalScan(frames=9, replayed=3, first_bad=4, lost_commits=2),  # it stayed
+        ]
+    )
+    monkeypatch.setattr(wal, "scan", lambda path: next(reads))
+    assert wal.problems(str(logs / "x.db")) == []
+    (found,) = wal.problems(str(logs / "x.db"))
+    assert "damaged at frame 4 of 9" in found and "at least 2 committed" in found

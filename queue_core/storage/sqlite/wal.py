@@ -189,8 +189,9 @@ def _scan(
 def problems(db_path: str) -> list[str]:
     """The start-up check's findings about ``<db_path>-wal`` (``[]`` when nothing is lost).
 
-    A damage found is read a second time before it is reported, so a frame another process
-    was writing at the first read is not taken for damage.
+    A damage found is read a second time, and reported only where both reads place it, so a
+    frame another process was writing at the first read (a Django project's web process
+    sharing the file) is not taken for damage.
 
     Raises:
         OSError: the log cannot be read.
@@ -199,7 +200,7 @@ def problems(db_path: str) -> list[str]:
     if first is None or not first.lost_commits:
         return []
     again = scan(db_path)
-    if again is None or not again.lost_commits:
+    if again is None or not again.lost_commits or again.first_bad != first.first_bad:
         return []
     where = "its header" if again.first_bad == -1 else f"frame {again.first_bad} of {again.frames}"
     return [
