@@ -415,9 +415,9 @@ class PostgresDriver:
             and not getattr(self._local, "short_locks", False)
             and time.monotonic() - waited < relay_settings().lock_timeout_ms / 1000
         )
-        if shorten and not outermost:  # at the outer level, before this call's savepoint
-            self._shorten_lock_waits(conn)
         try:
+            if shorten and not outermost:  # at the outer level, before this call's savepoint
+                self._shorten_lock_waits(conn)
             with (
                 _relay_errors(),
                 transaction.atomic(using=self.alias, savepoint=savepoint),
@@ -621,7 +621,9 @@ class PostgresDriver:
                     values,
                 )
 
-        connection_created.connect(limit, weak=False, dispatch_uid=f"relay.server_limits.{alias}")
+        uid = f"relay.server_limits.{alias}"
+        connection_created.disconnect(dispatch_uid=uid)  # a driver's earlier name, if any
+        connection_created.connect(limit, weak=False, dispatch_uid=uid)
         return None
 
     def close(self) -> None:
