@@ -160,8 +160,15 @@ def test_a_damaged_frame_before_the_last_transaction_is_found(logs: Path, seed: 
 
 @pytest.mark.parametrize(
     ("at", "mask"),
-    [(3, 0xFF), (3, 0x01), (10, 0xFF), (17, 0xFF), (26, 0xFF)],
-    ids=["magic", "magic turned into the other byte order", "page size", "salt", "checksum"],
+    [(3, 0xFF), (3, 0x01), (10, 0xFF), (10, 0x30), (17, 0xFF), (26, 0xFF)],
+    ids=[
+        "magic",
+        "magic turned into the other byte order",
+        "page size",
+        "page size turned into another valid one",
+        "salt",
+        "checksum",
+    ],
 )
 def test_a_damaged_header_is_found(logs: Path, at: int, mask: int) -> None:
     """SQLite replays nothing from a log whose header is damaged (the table it created is

@@ -116,16 +116,18 @@ def _read(db_path: str, fd: int) -> WalScan | None:
     if len(head) < HEADER_BYTES:
         return None
     magic, version, page_size, _seq, salt1, salt2, c0, c1 = struct.unpack(">8I", head)
-    if not _sane_page_size(page_size):
-        page_size = _page_size(db_path) or 0
-        if not _sane_page_size(page_size):
-            return None
-    size = FRAME_HEADER_BYTES + page_size
-    frames = (os.fstat(fd).st_size - HEADER_BYTES) // size
     known = magic in (MAGIC_LITTLE, MAGIC_BIG)
     header_ok = (
         known and version == VERSION and checksum(head[:24], (0, 0), magic == MAGIC_BIG) == (c0, c1)
     )
+    if not header_ok or not _sane_page_size(page_size):
+        # The database's own page size, unless it cannot be read (one flipped bit turns a
+        # page size into another valid one).
+        page_size = _page_size(db_path) or page_size
+        if not _sane_page_size(page_size):
+            return None
+    size = FRAME_HEADER_BYTES + page_size
+    frames = (os.fstat(fd).st_size - HEADER_BYTES) // size
     # A bad header: recovery replays nothing, and the frames that still chain from the
     # header's stored checksum are what it drops: in either byte order (one flipped bit turns
     # one valid magic number into the other), with frame 0's salts if the header's were.
