@@ -281,3 +281,16 @@ def test_backup_of_a_database_that_does_not_exist_is_refused(
     assert out.returncode == 1, out.stdout
     assert "INVALID_ARGUMENT: there is no database at" in out.stderr
     assert not missing.exists() and not copy.exists()
+
+
+def test_backup_into_a_folder_that_does_not_exist_names_the_folder(
+    procs: Spawner, tmp_path: Path
+) -> None:
+    # A fresh clone's review: sqlite3's "unable to open database file" was reported as
+    # STORAGE_IO, blaming the database, when the copy's folder was missing.
+    db = tmp_path / "relay.db"
+    procs.server("--db", str(db))  # a live server, as in the README's example
+    out = procs.run("relay_backup", str(tmp_path / "nowhere" / "copy.db"), RELAY_DB=str(db))
+    assert out.returncode == 1, out.stdout
+    assert f"INVALID_ARGUMENT: no folder {tmp_path / 'nowhere'}" in out.stderr, out.stderr
+    assert not (tmp_path / "nowhere").exists()

@@ -1147,6 +1147,9 @@ class SqliteDriver:
             )
         if target.exists() and not overwrite:
             raise FileExistsError(f"{path} exists (--force replaces it)")
+        if not target.parent.is_dir():
+            # Else sqlite3 says "unable to open database file", read as the database's fault.
+            raise InvalidArgument(f"no folder {target.parent} to write {path} in", field="path")
         partial = target.with_name(f".{target.name}.partial")
         partial.unlink(missing_ok=True)
         timeout_s = relay_settings().busy_retry_budget_ms / 1000
