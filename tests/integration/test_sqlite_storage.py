@@ -17,7 +17,6 @@ real server processes are in ``tests/crash/test_storage_faults.py``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -39,13 +38,12 @@ from queue_core import errors
 from queue_core.clock import FakeClock
 from queue_core.errors import JobNotFound, StorageFull, StorageLost
 from queue_core.models import ApiKey, Job
-from queue_core.protocol import limits
-from queue_core.protocol.writer import Call, GroupCommit
 from queue_core.service import QueueService
 from queue_core.storage.base import load_queries
 from queue_core.storage.sqlite import driver as sqlite_driver
 from queue_core.storage.sqlite.driver import SqliteDriver
 from relay_bench import floor
+from tests.groupcommit import run_group
 from tests.relay_db import put_a_copy_in_place
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -469,17 +467,8 @@ def test_maintain_looks_at_most_every_quarter_second(
 def _group(service: QueueService, fns: list[Any]) -> tuple[list[tuple[bool, Any]], int]:
     """Run ``fns`` as one group commit (flat first, as the server does); return each call's
     ``(ok, result or exception)`` and the commits it made."""
-    loop = asyncio.new_event_loop()
-    try:
-        group = GroupCommit(
-            service,
-            sweep=lambda: set(service.sweep()),
-            on_ready=lambda queues: None,
-            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
-        )
-        return group.run([Call(fn, loop.create_future(), loop) for fn in fns]), group.commits
-    finally:
-        loop.close()
+    outcomes, group = run_group(service, fns)
+    return outcomes, group.commits
 
 
 def test_a_call_set_apart_in_a_flat_group_commit_leaves_no_after_commit_callback() -> None:

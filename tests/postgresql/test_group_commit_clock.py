@@ -18,7 +18,6 @@ event, bounded in time; the clock is a ``FakeClock`` moved by the test.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,10 +29,9 @@ from django.db import connections
 
 from queue_core import errors
 from queue_core.clock import FakeClock
-from queue_core.protocol import limits
-from queue_core.protocol.writer import Call, GroupCommit
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
+from tests.groupcommit import run_group
 from tests.postgresql.conftest import DATABASES
 from tests.storage.conftest import database_url
 
@@ -45,8 +43,7 @@ WAIT_S = 10.0  # the most any step here waits for a condition
 
 def _admin_url() -> str:
     """A libpq URL of the test database (the one Django's ``postgresql`` alias uses)."""
-    base = database_url("postgresql")["RELAY_DATABASE_URL"].rpartition("/")[0]
-    return f"{base}/{connections[ALIAS].settings_dict['NAME']}"
+    return database_url("postgresql")["RELAY_DATABASE_URL"]
 
 
 def _lock_waiters(url: str) -> int:
@@ -82,18 +79,9 @@ def _group_commit(
     service: QueueService, fns: list[Callable[[], Any]], *, claims: bool
 ) -> list[tuple[bool, Any]]:
     """Run ``fns`` as one group commit of the TCP server (this thread's own connection)."""
-    loop = asyncio.new_event_loop()
     try:
-        calls = [Call(fn, loop.create_future(), loop, claims) for fn in fns]
-        group = GroupCommit(
-            service,
-            sweep=lambda: set(service.sweep()),
-            on_ready=lambda queues: None,
-            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
-        )
-        return group.run(calls)
+        return run_group(service, fns, claims=claims)[0]
     finally:
-        loop.close()
         connections.close_all()
 
 

@@ -10,7 +10,6 @@ the batch commit as before. Counted by how often the call runs, not by a clock.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -19,10 +18,9 @@ import pytest
 from django.db import connections
 
 from queue_core import errors
-from queue_core.protocol import limits
-from queue_core.protocol.writer import Call, GroupCommit
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
+from tests.groupcommit import run_group
 from tests.postgresql.conftest import DATABASES
 from tests.storage.conftest import database_url
 
@@ -33,25 +31,14 @@ ALIAS = "postgresql"
 
 def run(service: QueueService, fns: list[Callable[[], Any]]) -> list[tuple[bool, Any]]:
     """``fns`` as one group commit, as the server's writer runs them."""
-    loop = asyncio.new_event_loop()
-    try:
-        group = GroupCommit(
-            service,
-            sweep=lambda: set(service.sweep()),
-            on_ready=lambda queues: None,
-            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
-        )
-        return group.run([Call(fn, loop.create_future(), loop) for fn in fns])
-    finally:
-        loop.close()
+    return run_group(service, fns)[0]
 
 
 def test_a_call_that_waited_out_a_lock_is_answered_busy_without_waiting_again() -> None:
     service = QueueService(driver=driver_for(ALIAS))
     job = service.submit("locked", 1)["job"]
     (lease,) = service.claim(["locked"], worker_id="w")
-    base = database_url("postgresql")["RELAY_DATABASE_URL"].rpartition("/")[0]
-    url = f"{base}/{connections[ALIAS].settings_dict['NAME']}"
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]  # the test database
     runs = 0
 
     def ack_locked() -> Any:
@@ -90,8 +77,7 @@ def test_a_connection_lost_in_the_savepoint_round_fails_every_call() -> None:
     Django's atomic rolls the doomed transaction back without raising, so the driver does.
     Found by a hostile review: 4 of 5 submits answered ok were not in the database."""
     service = QueueService(driver=driver_for(ALIAS))
-    base = database_url("postgresql")["RELAY_DATABASE_URL"].rpartition("/")[0]
-    url = f"{base}/{connections[ALIAS].settings_dict['NAME']}"
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]  # the test database
     runs = 0
 
     def refused_then_cut() -> None:

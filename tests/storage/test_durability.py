@@ -26,9 +26,8 @@ import pytest
 from django.db import connections
 
 from queue_core.clock import FakeClock
-from queue_core.protocol import limits
-from queue_core.protocol.writer import Call, GroupCommit
 from queue_core.service import QueueService
+from tests.groupcommit import run_group
 from tests.storage.conftest import DATABASES
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -189,24 +188,11 @@ def test_a_relaxed_transaction_that_fails_leaves_the_connection_durable(
 
 def run_batch(service: QueueService, calls: list[tuple[Callable[[], Any], bool]]) -> None:
     """Run ``(fn, durable)`` calls as one group commit of the TCP server's writer (claims)."""
-    import asyncio
-
-    loop = asyncio.new_event_loop()
-    try:
-        batch = [
-            Call(fn, loop.create_future(), loop, claims=True, durable=durable)
-            for fn, durable in calls
-        ]
-        group = GroupCommit(
-            service,
-            sweep=lambda: set(service.sweep()),
-            on_ready=lambda queues: None,
-            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
-        )
-        for ok, value in group.run(batch):
-            assert ok, value
-    finally:
-        loop.close()
+    outcomes, _ = run_group(
+        service, [fn for fn, _ in calls], claims=True, durable=[d for _, d in calls]
+    )
+    for ok, value in outcomes:
+        assert ok, value
 
 
 def test_the_writer_commits_a_batch_of_claims_relaxed_and_a_mixed_batch_durably(

@@ -10,7 +10,6 @@ than the call keep their savepoints on SQLite (``ack_batch`` relies on them).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sqlite3
 from collections.abc import Callable, Iterator
@@ -22,9 +21,9 @@ from django.test.utils import CaptureQueriesContext
 
 from queue_core import errors
 from queue_core.models import Job
-from queue_core.protocol import dispatch, limits
-from queue_core.protocol.writer import Call, GroupCommit
+from queue_core.protocol import dispatch
 from queue_core.service import QueueService
+from tests.groupcommit import run_group
 from tests.storage.conftest import DATABASES
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -58,22 +57,10 @@ def run_batch(
     def run(fns: list[Callable[[], Any]]) -> tuple[list[Any], list[str]]:
         """Run ``fns`` as one group commit; return each call's result (or exception) and the
         statements sent."""
-        loop = asyncio.new_event_loop()
-        try:
-            calls = [Call(fn, loop.create_future(), loop) for fn in fns]
-            group = GroupCommit(
-                service,
-                sweep=lambda: set(service.sweep()),
-                on_ready=lambda queues: None,
-                failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
-            )
-            assert group.flat
-            with statements(alias) as sent:
-                outcomes = group.run(calls)
-            assert group.commits == 1
-            return [value for _ok, value in outcomes], sent
-        finally:
-            loop.close()
+        with statements(alias) as sent:
+            outcomes, group = run_group(service, fns)
+        assert group.flat and group.commits == 1
+        return [value for _ok, value in outcomes], sent
 
     return run
 
