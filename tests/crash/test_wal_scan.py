@@ -18,6 +18,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,13 +109,23 @@ def commit_frames(db: Path, upto: int) -> list[int]:
     return found
 
 
-@pytest.fixture
-def logs(tmp_path: Path) -> Path:
-    return tmp_path
+@contextlib.contextmanager
+def open_log(db: Path) -> Iterator[sqlite3.Connection]:
+    """A connection writing ``db``'s log by hand: WAL, no automatic checkpoint, a small page
+    cache (large transactions spill frames before they commit), a table ``t``."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA wal_autocheckpoint=0")
+        conn.execute("PRAGMA cache_size=8")
+        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT)")
+        yield conn
+    finally:
+        conn.close()
 
 
-def test_no_log_and_a_clean_log_have_nothing_lost(logs: Path) -> None:
-    db = logs / "clean.db"
+def test_no_log_and_a_clean_log_have_nothing_lost(tmp_path: Path) -> None:
+    db = tmp_path / "clean.db"
     assert wal.scan(str(db)) is None and wal.problems(str(db)) == []
     crashed_log(db, commits=30, seed=1)
     found = wal.scan(str(db))
@@ -123,10 +134,10 @@ def test_no_log_and_a_clean_log_have_nothing_lost(logs: Path) -> None:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_a_writer_killed_anywhere_leaves_no_lost_commit(logs: Path, seed: int) -> None:
+def test_a_writer_killed_anywhere_leaves_no_lost_commit(tmp_path: Path, seed: int) -> None:
     """The torn tail of SIGKILL is never called damage, whatever the kill interrupted: a
     spilled transaction, a rollback's leftovers, a checkpoint's restart of the log."""
-    db = logs / f"k{seed}.db"
+    db = tmp_path / f"k{seed}.db"
     rng = random.Random(seed)
     crashed_log(db, commits=rng.randrange(5, 60), seed=seed, autocheckpoint=rng.choice([0, 40]))
     found = wal.scan(str(db))
@@ -136,10 +147,10 @@ def test_a_writer_killed_anywhere_leaves_no_lost_commit(logs: Path, seed: int) -
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_a_damaged_frame_before_the_last_transaction_is_found(logs: Path, seed: int) -> None:
+def test_a_damaged_frame_before_the_last_transaction_is_found(tmp_path: Path, seed: int) -> None:
     """One byte flipped in a frame of any transaction but the last: the scan reports lost
     commits, and SQLite's recovery indeed sees fewer rows than the undamaged log holds."""
-    db = logs / "base.db"
+    db = tmp_path / "base.db"
     crashed_log(db, commits=20, seed=100 + seed)  # no checkpoint: every commit is in the log
     found = wal.scan(str(db))
     assert found is not None and found.lost_commits == 0
@@ -148,14 +159,14 @@ def test_a_damaged_frame_before_the_last_transaction_is_found(logs: Path, seed: 
     rng = random.Random(seed)
     frame = rng.randrange(0, commits[-2] + 1)  # at or before the second-to-last commit frame
     at = frame_at(db, frame) + rng.randrange(0, wal.FRAME_HEADER_BYTES + 4096)
-    whole = rows(copy(db, logs / "whole.db"))
-    damaged = copy(db, logs / "damaged.db")
+    whole = rows(copy(db, tmp_path / "whole.db"))
+    damaged = copy(db, tmp_path / "damaged.db")
     flip(damaged, at)
     after = wal.scan(str(damaged))
     assert after is not None and after.lost_commits >= 1, (frame, at, after)
     assert after.first_bad is not None and after.first_bad <= frame
     assert wal.problems(str(damaged))[0].startswith(f"write-ahead log {damaged}-wal is damaged")
-    assert rows(copy(damaged, logs / "seen.db")) < whole  # what SQLite drops is real
+    assert rows(copy(damaged, tmp_path / "seen.db")) < whole  # what SQLite drops is real
 
 
 @pytest.mark.parametrize(
@@ -170,22 +181,22 @@ def test_a_damaged_frame_before_the_last_transaction_is_found(logs: Path, seed: 
         "checksum",
     ],
 )
-def test_a_damaged_header_is_found(logs: Path, at: int, mask: int) -> None:
+def test_a_damaged_header_is_found(tmp_path: Path, at: int, mask: int) -> None:
     """SQLite replays nothing from a log whose header is damaged (the table it created is
     gone); the scan says so, in each of the header's fields."""
-    db = logs / "h.db"
+    db = tmp_path / "h.db"
     crashed_log(db, commits=10, seed=7)
     flip(db, at, mask)
     found = wal.scan(str(db))
     assert found is not None and found.first_bad == -1 and found.replayed == 0
     assert found.lost_commits >= 9
     with pytest.raises(sqlite3.OperationalError, match="no such table"):
-        rows(copy(db, logs / "seen.db"))
+        rows(copy(db, tmp_path / "seen.db"))
 
 
-def test_damage_in_the_last_transaction_is_not_told_from_a_torn_write(logs: Path) -> None:
+def test_damage_in_the_last_transaction_is_not_told_from_a_torn_write(tmp_path: Path) -> None:
     """The documented gap: nothing after the last commit proves it was complete."""
-    db = logs / "last.db"
+    db = tmp_path / "last.db"
     crashed_log(db, commits=10, seed=9)
     found = wal.scan(str(db))
     assert found is not None
@@ -195,30 +206,24 @@ def test_damage_in_the_last_transaction_is_not_told_from_a_torn_write(logs: Path
     assert after is not None and after.first_bad == last and after.lost_commits == 0
 
 
-def test_a_log_restarted_by_a_checkpoint_keeps_its_stale_frames_out(logs: Path) -> None:
+def test_a_log_restarted_by_a_checkpoint_keeps_its_stale_frames_out(tmp_path: Path) -> None:
     """After a checkpoint restarts the log, frames of the earlier generation beyond the new
     end carry other salts: recovery stops there, and nothing is lost."""
-    db = logs / "restart.db"
-    conn = sqlite3.connect(db, isolation_level=None)
-    try:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA wal_autocheckpoint=0")
-        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT)")
+    db = tmp_path / "restart.db"
+    with open_log(db) as conn:
         for _ in range(20):
             conn.execute("INSERT INTO t(v) VALUES (?)", ("x" * 3000,))
         assert conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 0
         conn.execute("INSERT INTO t(v) VALUES ('new generation')")  # restarts the log
-        copy(db, logs / "copy.db")  # the files as a crash would leave them
-    finally:
-        conn.close()
-    found = wal.scan(str(logs / "copy.db"))
+        copy(db, tmp_path / "copy.db")  # the files as a crash would leave them
+    found = wal.scan(str(tmp_path / "copy.db"))
     assert found is not None and found.frames > found.replayed >= 1
     assert found.first_bad == found.replayed and found.lost_commits == 0
-    assert rows(copy(logs / "copy.db", logs / "seen.db")) == 21
+    assert rows(copy(tmp_path / "copy.db", tmp_path / "seen.db")) == 21
 
 
-def test_a_partial_frame_at_the_end_is_not_counted(logs: Path) -> None:
-    db = logs / "partial.db"
+def test_a_partial_frame_at_the_end_is_not_counted(tmp_path: Path) -> None:
+    db = tmp_path / "partial.db"
     crashed_log(db, commits=20, seed=3)
     size = Path(f"{db}-wal").stat().st_size
     whole = (size - wal.HEADER_BYTES) // (wal.FRAME_HEADER_BYTES + 4096)
@@ -230,8 +235,8 @@ def test_a_partial_frame_at_the_end_is_not_counted(logs: Path) -> None:
     assert cut is not None and cut.frames == whole - 1 and cut.lost_commits == 0
 
 
-def test_written_since_boot_reads_the_logs_time_against_the_boot(logs: Path) -> None:
-    db = logs / "boot.db"
+def test_written_since_boot_reads_the_logs_time_against_the_boot(tmp_path: Path) -> None:
+    db = tmp_path / "boot.db"
     assert wal.written_since_boot(str(db)) is None  # no log
     crashed_log(db, commits=3, seed=5)
     assert wal.written_since_boot(str(db)) is True
@@ -244,25 +249,18 @@ def test_written_since_boot_reads_the_logs_time_against_the_boot(logs: Path) -> 
     assert wal.written_since_boot(str(db)) is False
 
 
-def test_leftovers_of_a_rolled_back_transaction_prove_nothing(logs: Path) -> None:
+def test_leftovers_of_a_rolled_back_transaction_prove_nothing(tmp_path: Path) -> None:
     """A rolled-back transaction that spilled frames leaves them past the next commit, with
     the log's salts and chained among themselves, but not from that commit: damage in the
     last transaction before them is still not called a lost commit."""
-    db = logs / "rollback.db"
-    conn = sqlite3.connect(db, isolation_level=None)
-    try:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA wal_autocheckpoint=0")
-        conn.execute("PRAGMA cache_size=8")
-        conn.execute("CREATE TABLE t(id INTEGER PRIMARY KEY, v TEXT)")
+    db = tmp_path / "rollback.db"
+    with open_log(db) as conn:
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany("INSERT INTO t(v) VALUES (?)", [("y" * 500,)] * 2000)  # spills
         conn.execute("ROLLBACK")
         conn.execute("INSERT INTO t(v) VALUES ('kept')")
-        copy(db, logs / "copy.db")
-    finally:
-        conn.close()
-    db = logs / "copy.db"
+        copy(db, tmp_path / "copy.db")
+    db = tmp_path / "copy.db"
     found = wal.scan(str(db))
     assert found is not None and found.lost_commits == 0
     assert found.frames > found.replayed + 10  # the leftovers
@@ -273,7 +271,7 @@ def test_leftovers_of_a_rolled_back_transaction_prove_nothing(logs: Path) -> Non
 
 
 def test_damage_is_reported_only_where_two_reads_place_it(
-    logs: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A frame another process was writing during the first read (a web process sharing the
     file) can look damaged once: the second read must find the same first bad frame."""
@@ -286,6 +284,6 @@ def test_damage_is_reported_only_where_two_reads_place_it(
         ]
     )
     monkeypatch.setattr(wal, "scan", lambda path: next(reads))
-    assert wal.problems(str(logs / "x.db")) == []
-    (found,) = wal.problems(str(logs / "x.db"))
+    assert wal.problems(str(tmp_path / "x.db")) == []
+    (found,) = wal.problems(str(tmp_path / "x.db"))
     assert "damaged at frame 4 of 9" in found and "at least 2 committed" in found
