@@ -9,7 +9,8 @@ Failure semantics, which callers must get right:
 * An error reply raises the ``RelayError`` subclass for its code (``errors.error_from_body``):
   the server answered, so the outcome is known (nothing changed), except for
   ``OutcomeUnknown`` (``OUTCOME_UNKNOWN``): the server lost its database connection while
-  the database committed, and knows no more than a caller whose connection broke (below).
+  the database committed, or the database's storage failed the commit's sync, and knows no
+  more than a caller whose connection broke (below).
 * A connection that cannot be opened raises ``RelayUnreachable``: nothing was sent.
 * A broken or timed-out connection raises ``RelayConnectionError`` (a ``ConnectionError``,
   and the base of ``RelayUnreachable``). The request may or may not have been applied: the

@@ -161,8 +161,9 @@ class Unavailable(RelayError):
 
 
 class OutcomeUnknown(RelayError):
-    """The server lost its database connection while the database committed: the change may
-    or may not have been made, as when a client's own connection breaks before the reply.
+    """The server lost its PostgreSQL connection while the database committed, or SQLite's
+    COMMIT failed an I/O operation (a log sync the disk refused): the change may or may not
+    have been made, as when a client's own connection breaks before the reply.
     Retry a submit with the same idempotency key; an ack or fail is safe to repeat (a repeat
     answers ``duplicate``); jobs a lease may have handed out come back when it expires.
 

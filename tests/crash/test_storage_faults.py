@@ -8,6 +8,10 @@
   line, not a traceback.
 * Database files removed or replaced under a running server: every write after it is refused
   with ``STORAGE_LOST`` (before, 50 of 50 submits were acknowledged into the unlinked file).
+* A commit whose write-ahead log cannot be synced (``failsync.c``, an ``LD_PRELOAD`` shim
+  that fails ``fsync`` and ``fdatasync`` with EIO) is ``OUTCOME_UNKNOWN``, not ``STORAGE_IO``:
+  its frames are in the file, and a restart before the next write recovers them (before,
+  a submit answered "nothing was written" was there after a kill -9 and a restart).
 
 Mounting a tmpfs needs root (CAP_SYS_ADMIN); those tests skip without it. As root, the
 read-only file and folder cases run the server without CAP_DAC_OVERRIDE (``setpriv``), so
@@ -29,7 +33,7 @@ from pathlib import Path
 import pytest
 
 from queue_core.client import RelayClient
-from queue_core.errors import RelayError, StorageFull, StorageLost
+from queue_core.errors import OutcomeUnknown, RelayError, StorageFull, StorageLost
 from tests.audit import audit
 from tests.procs import ROOT, Spawner, command_env, spawner
 from tests.relay_db import put_a_copy_in_place
@@ -37,6 +41,7 @@ from tests.relay_db import put_a_copy_in_place
 pytestmark = [pytest.mark.slow]
 
 NO_DAC = ["--bounding-set", "-dac_override,-dac_read_search"]
+FAILSYNC_C = Path(__file__).with_name("failsync.c")
 
 
 @pytest.fixture
@@ -239,3 +244,67 @@ def test_writes_after_the_database_was_removed_or_replaced_are_refused(
         assert server.wait_exit(30) == 0
         faults = [r for r in server.records if r.get("event") == "storage_fault"]
         assert [f["code"] for f in faults] == ["STORAGE_LOST"], faults
+
+
+# ------------------------------------------------------------------ a sync that fails
+
+
+@pytest.fixture(scope="module")
+def failsync(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``failsync.c`` built as a shared object (needs a C compiler: .ci/run installs gcc)."""
+    out = tmp_path_factory.mktemp("failsync") / "failsync.so"
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None, "a C compiler (cc or gcc) is needed to build tests/crash/failsync.c"
+    done = subprocess.run(
+        [cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(FAILSYNC_C), "-ldl"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_commit_whose_log_sync_fails_is_outcome_unknown_then_writes_resume(
+    tmp_path: Path, failsync: Path
+) -> None:
+    db = tmp_path / "relay.db"
+    failing = tmp_path / "fail-syncs"  # while it exists, the server's log syncs fail
+    with spawner(str(db)) as spawn:
+        server, port = spawn.server(LD_PRELOAD=str(failsync), RELAY_TEST_FAIL_SYNC=str(failing))
+        with RelayClient(f"127.0.0.1:{port}") as client:
+            acked = [client.submit("q", {"i": i})["job"]["id"] for i in range(5)]
+            lease = client.lease(["q"], worker_id="w")[0]
+            failing.touch()
+            unknown: list[RelayError] = []
+            for i in range(5):
+                with pytest.raises(RelayError) as err:
+                    client.submit("q", {"unknown": i})
+                unknown.append(err.value)
+            with pytest.raises(RelayError) as ack_err:
+                client.ack(lease["job_id"], worker_id="w", lease_token=lease["lease_token"])
+            unknown.append(ack_err.value)
+            assert {type(e) for e in unknown} == {OutcomeUnknown}, {e.code for e in unknown}
+            assert all(e.retryable for e in unknown)
+            # A lease alone commits without a sync (docs/design-decisions.md): still answered.
+            second = client.lease(["q"], worker_id="w")[0]
+            assert client.ping()["pong"]
+            failing.unlink()  # the disk syncs again: the same server takes writes
+            acked += [client.submit("q", {"later": i})["job"]["id"] for i in range(5)]
+            # The ack whose outcome was unknown is safe to repeat, as OUTCOME_UNKNOWN says.
+            client.ack(lease["job_id"], worker_id="w", lease_token=lease["lease_token"])
+            client.ack(second["job_id"], worker_id="w", lease_token=second["lease_token"])
+        faults = [r for r in server.records if r.get("event") == "storage_fault"]
+        assert faults and {f["code"] for f in faults} == {"OUTCOME_UNKNOWN"}, faults
+        assert [r for r in server.records if r.get("event") == "storage_recovered"]
+        assert "Traceback" not in server.stderr_text()
+        server.kill()  # kill -9: whatever the log holds is what a restart recovers
+        server.wait_exit(30)
+        server, port = spawn.server()
+        with RelayClient(f"127.0.0.1:{port}") as client:
+            states = {job_id: client.inspect(job_id)["job"]["state"] for job_id in acked}
+        assert states[lease["job_id"]] == states[second["job_id"]] == "succeeded", states
+        assert set(states.values()) <= {"ready", "succeeded"}, states
+        server.signal(signal.SIGTERM)
+        assert server.wait_exit(30) == 0
+    audit(db)

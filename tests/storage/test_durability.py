@@ -15,6 +15,7 @@ the process alone: the operating system keeps every write).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sqlite3
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 from django.db import connections
 
+from queue_core import errors
 from queue_core.clock import FakeClock
 from queue_core.service import QueueService
 from tests.groupcommit import run_group
@@ -210,6 +212,41 @@ def test_the_writer_commits_a_batch_of_claims_relaxed_and_a_mixed_batch_durably(
     first = leases[0]
     run_batch(service, [(claim, False), (lambda: service.ack(first["job_id"], **ids(first)), True)])
     assert commits == [RELAXED, DURABLE] and len(leases) == 3
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_log_sync_that_fails_after_a_relaxed_commit_is_outcome_unknown_and_the_commit_stands(
+    service: QueueService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A durable call that joined a relaxed transaction makes the driver sync the log after
+    COMMIT; when that sync fails the transaction is committed (others see it) but may not
+    be on disk: ``OUTCOME_UNKNOWN``, not ``STORAGE_IO``'s "nothing was written", and the
+    after-commit callbacks (wake-ups, observers) still run for the change that is there."""
+    service.submit_batch([{"queue": "q", "payload": i} for i in range(2)])
+    first = lease_one(service)
+    ran: list[str] = []
+
+    def broken(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    leased: list[dict[str, Any]] = []
+
+    def lease_and_ack() -> None:
+        with service.transaction(durable=False):
+            leased.append(lease_one(service))
+            service.ack(first["job_id"], **ids(first))
+            service.driver.after_commit(lambda: ran.append("after commit"))
+
+    monkeypatch.setattr(os, "fdatasync", broken)
+    with pytest.raises(errors.OutcomeUnknown) as caught:
+        lease_and_ack()
+    assert "may not survive" in caught.value.message
+    assert ran == ["after commit"]
+    monkeypatch.undo()
+    (second,) = leased
+    assert service.get(first["job_id"])["state"] == "succeeded"
+    assert service.get(second["job_id"])["state"] == "leased"
+    service.ack(second["job_id"], **ids(second))  # and the next transaction commits
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])

@@ -40,6 +40,7 @@ from queue_core.clock import Clock, SystemClock
 from queue_core.conf import relay_settings
 from queue_core.errors import (
     InvalidArgument,
+    OutcomeUnknown,
     RelayError,
     StorageFull,
     StorageIO,
@@ -140,6 +141,29 @@ def storage_fault(exc: BaseException, path: str) -> RelayError | None:
             f"or out of reach {said}"
         )
     return None
+
+
+def commit_fault(exc: BaseException) -> OutcomeUnknown | None:
+    """``OutcomeUnknown`` for an I/O error raised by ``COMMIT`` itself; None for any other.
+
+    Such an error (``SQLITE_IOERR_FSYNC``, a failed write of a frame or of the log's index)
+    may come after the commit frame reached the write-ahead log: SQLite rolls the transaction
+    back in this process, but the frame is in the file, and a restart before the next write
+    takes its place recovers it as committed. So it is not ``StorageIO``'s "nothing was
+    written". A full disk (``SQLITE_FULL``) fails the write of a frame, and the commit frame
+    is written last: that one stays ``StorageFull`` (``storage_fault``).
+
+    Args:
+        exc: what ``COMMIT`` raised (a ``sqlite3.Error`` or Django's wrapper of one).
+    """
+    cause = exc if isinstance(exc, sqlite3.Error) else exc.__cause__
+    code = getattr(cause, "sqlite_errorcode", None)
+    if not isinstance(code, int) or code & 0xFF != sqlite3.SQLITE_IOERR:
+        return None
+    return OutcomeUnknown(
+        f"the database's storage failed an I/O operation while committing (SQLite: {cause}): "
+        "the change may or may not have been made"
+    )
 
 
 def os_fault(exc: OSError) -> RelayError:
@@ -673,6 +697,10 @@ class _Transaction:
                     run("ROLLBACK")
                 if isinstance(err, RelayError):
                     raise
+                unknown = commit_fault(err)
+                if unknown is not None:
+                    driver._faults.fault(unknown, err)
+                    raise unknown from err
                 driver._raise_mapped(err, StoreBusy())
             finally:
                 local.depth = 0
@@ -681,14 +709,20 @@ class _Transaction:
         finally:
             if self._level is not None:
                 driver._set_synchronous(raw, self._level)
+        unsynced: OutcomeUnknown | None = None
         if self._level is not None and local.durable:
-            driver._sync_log()  # a durable write joined a relaxed transaction
-        if driver._faults.failing and raw.total_changes != self._changes:
+            try:
+                driver._sync_log()  # a durable write joined a relaxed transaction
+            except OutcomeUnknown as err:
+                unsynced = err
+        if unsynced is None and driver._faults.failing and raw.total_changes != self._changes:
             # Only a commit that wrote rows says the storage writes again: one that changed
             # nothing (a reaper's idle sweep) appends nothing to the log, even on a full disk.
             driver._faults.ok()
         callbacks, local.after = local.after, []
-        run_callbacks(callbacks, log)
+        run_callbacks(callbacks, log)  # committed, synced or not: the others see it
+        if unsynced is not None:
+            raise unsynced
 
 
 class SqliteDriver:
@@ -825,8 +859,9 @@ class SqliteDriver:
                 FULL would have (``_sync_log``).
         Raises:
             StoreBusy: the write lock could not be had within the retry budget.
-            StorageIO: the log could not be synced after a relaxed transaction turned
-                durable (committed, but not known to be on disk).
+            OutcomeUnknown: the log could not be synced after a relaxed transaction turned
+                durable (committed, but not known to be on disk), or COMMIT failed an I/O
+                operation (``commit_fault``).
         """
         local = self._local
         if self._depth() == 1 and local.flat:
@@ -929,7 +964,8 @@ class SqliteDriver:
         frame appended so far, this transaction's included, is then on disk.
 
         Raises:
-            StorageIO: the sync failed.
+            OutcomeUnknown: the sync failed: the transaction is committed (and seen by
+                others) but may not survive an OS crash or a power loss.
         """
         path = f"{self._path()}-wal"
         try:
@@ -939,9 +975,9 @@ class SqliteDriver:
             finally:
                 os.close(fd)
         except OSError as exc:
-            err = StorageIO(
-                f"the write-ahead log could not be synced after a commit ({exc.strerror}); "
-                "it may not survive a power loss"
+            err = OutcomeUnknown(
+                f"the write-ahead log could not be synced after a commit ({exc.strerror}): "
+                "the change was made, but may not survive an OS crash or a power loss"
             )
             self._faults.fault(err, exc)
             raise err from exc
