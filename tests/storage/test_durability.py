@@ -250,6 +250,26 @@ def test_a_log_sync_that_fails_after_a_relaxed_commit_is_outcome_unknown_and_the
 
 
 @pytest.mark.parametrize("backend", ["sqlite"])
+def test_a_backup_is_reported_done_only_once_its_rename_is_synced(
+    service: QueueService, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy's own commit syncs its pages; the rename that puts it in place changes the
+    folder, which an OS crash could undo after "done" unless the folder is synced too."""
+    service.submit("q", {"n": 1})
+    target = tmp_path / "copy.db"
+    synced: list[tuple[str, bool]] = []  # (what was synced, whether the copy was in place)
+    fsync = os.fsync
+
+    def recorded(fd: int) -> None:
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), target.exists()))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded)
+    service.backup(str(target))
+    assert (str(tmp_path), True) in synced, synced
+
+
+@pytest.mark.parametrize("backend", ["sqlite"])
 def test_an_os_crash_can_take_back_leases_after_the_last_durable_commit_and_nothing_else(
     service: QueueService, alias: str, tmp_path: Path
 ) -> None:

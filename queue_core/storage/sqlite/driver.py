@@ -1214,6 +1214,13 @@ class SqliteDriver:
             partial.unlink(missing_ok=True)
             raise ValueError(f"the copy failed its integrity check: {'; '.join(problems[:5])}")
         os.replace(partial, target)
+        # The copy's pages are synced by its own commit; the rename is a change of the folder,
+        # which an OS crash could undo after "done" without this.
+        fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         return {"path": str(target), "bytes": target.stat().st_size, "pages": pages}
 
     def server_lock(self) -> IO[bytes]:
