@@ -122,6 +122,25 @@ def test_the_rate_refills_exactly_when_a_token_is_due(
     assert len(lease(service, ["rated"])) == 2
 
 
+def test_two_servers_whose_clocks_differ_share_one_rate(
+    service: QueueService, driver: Driver, clock: FakeClock
+) -> None:
+    """Server A's clock runs 50 ms ahead of B's. Claims through both, with no time passing:
+    a claim through B (behind) refills nothing, and must not move the bucket's instant back,
+    or every claim through A earns the same 50 ms again (a hostile review: 2,531 jobs
+    started in 10 s at 100/s with a 20 ms offset)."""
+    ahead = QueueService(driver=driver, clock=FakeClock(start_ms=clock.now_ms() + 50))
+    submit(service, "rated", 40)
+    service.set_queue_limits("rated", rate_per_s=100, burst=10)  # a token per 10 ms
+    started = 0
+    for _ in range(20):
+        started += len(lease(service, ["rated"], n=1))
+        started += len(lease(ahead, ["rated"], n=1, worker="w2"))
+    # The burst of 10, and the one token A's 50 ms lead could add once to a bucket one short
+    # of full; with the instant moved back by each claim through B, all 40 started.
+    assert started == 11, started
+
+
 def test_a_fractional_rate_starts_one_job_every_two_seconds(
     service: QueueService, clock: FakeClock
 ) -> None:

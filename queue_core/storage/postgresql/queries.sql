@@ -692,8 +692,11 @@ ON CONFLICT (name) DO UPDATE
 DELETE FROM relay_queue WHERE name = %(name)s;
 
 -- name: queue_take_tokens
--- The token bucket after a claim started jobs. Params: name, tokens, at_ms.
-UPDATE relay_queue SET tokens = %(tokens)s, tokens_at_ms = %(at_ms)s WHERE name = %(name)s;
+-- The token bucket after a claim started jobs. Params: name, tokens, at_ms. Its instant never
+-- goes back: a server whose clock is behind the last claimer's (refilling nothing, see
+-- service._refill) must not hand the one ahead the same interval to earn again.
+UPDATE relay_queue SET tokens = %(tokens)s, tokens_at_ms = GREATEST(tokens_at_ms, %(at_ms)s)
+WHERE name = %(name)s;
 
 -- name: relax_commit
 -- Let this transaction's COMMIT return before its WAL is flushed (asynchronous commit), for
