@@ -132,7 +132,7 @@ class Requests:
         try:
             args, ctx = self.admit(conn, verb, request.args, ring)
         except errors.RelayError as exc:  # refused here (counted and logged once), answered below
-            future.set_exception(exc)
+            future.set_exception(exc.with_traceback(None))
         else:
             handler: Callable[[], dispatch.Outcome]
             handler = functools.partial(verb.handler, self.service, args, ctx)
@@ -169,7 +169,7 @@ class Requests:
         try:
             args, ctx = self.admit(conn, verb, request.args, ring)
         except errors.RelayError as exc:  # refused here, answered below
-            future.set_exception(exc)
+            future.set_exception(exc.with_traceback(None))
         else:
             self.db.put_write(
                 functools.partial(verb.handler, self.service, args, ctx),
