@@ -472,9 +472,27 @@ class QueueService:
         with self.driver.write() as tx:
             at = self._read()  # one instant for the whole batch
             pending: list[dict[str, Any]] = []
-            results = [self._insert(tx, row, at, s, pending) for row in rows]
+            keyed = [i for i, row in enumerate(rows) if row["idempotency_key"] is not None]
+            if len(keyed) < 2:
+                results = [self._insert(tx, row, at, s, pending) for row in rows]
+                self._flush(tx, pending)
+                return results
+            # Keyed jobs bind their keys in one order, (queue, key), whatever the batch's: two
+            # batches naming the same keys in other orders through two PostgreSQL servers
+            # otherwise each waited on a key the other had bound (deadlocks and lock
+            # timeouts, answered BUSY). Ids are drawn in the batch's order first, so FIFO
+            # follows the batch, not the keys.
+            for row in rows:
+                row["_id"] = f"job_{_ULIDS.new(at.now_ms)}"
+            out: list[dict[str, Any] | None] = [None] * len(rows)
+            keyed.sort(key=lambda i: (rows[i]["queue"], rows[i]["idempotency_key"], i))
+            for i in keyed:
+                out[i] = self._insert(tx, rows[i], at, s, pending)
+            for i, row in enumerate(rows):
+                if out[i] is None:
+                    out[i] = self._insert(tx, row, at, s, pending)
             self._flush(tx, pending)
-            return results
+            return cast(list[dict[str, Any]], out)
 
     def _prepare(
         self,
@@ -598,6 +616,7 @@ class QueueService:
         """
         now = at.now_ms
         payload = row.pop("_payload")
+        drawn = row.pop("_id", None)  # an id submit_batch drew in the batch's order
         delay_ms, run_at_ms = row.pop("_delay_ms"), row.pop("_run_at_ms")
         due = run_at_ms if run_at_ms is not None else now + delay_ms
         key = row["idempotency_key"]
@@ -608,7 +627,7 @@ class QueueService:
             if found is not None:
                 return found
         delayed = due > now
-        job_id = f"job_{_ULIDS.new(now)}"
+        job_id = drawn or f"job_{_ULIDS.new(now)}"
         entered = JobState.PENDING if delayed else JobState.READY
         check(Transition.SUBMIT, None, entered)
         state = entered.value
