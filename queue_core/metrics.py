@@ -31,6 +31,7 @@ import bisect
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any, NamedTuple
@@ -288,8 +289,59 @@ def observe(event: str, queue: str) -> None:
 # ---------------------------------------------------------------------- gauges
 
 
+class SharedRead:
+    """Scrapes of one process share the gauges' database read when it is slow.
+
+    One read runs at a time: a scrape that arrives meanwhile waits for it and takes its result.
+    A read that took ``t`` seconds, at least ``SLOW_S``, is also given to the scrapes of the
+    next ``REUSE_FACTOR * t`` seconds (at most ``MAX_REUSE_S``), so however many clients
+    scrape (``/metrics`` needs no key), reading the gauges keeps at most a fifth of the
+    process's time; a quick read (a small database, every test's) is never reused. Before,
+    16 clients scraping a database of 20,000 queues (170 ms a read) made the same
+    processes' API answers wait 6.7 s at p99 (a hostile review).
+
+    Args:
+        read: the read (``QueueService().stats(finished=False)``); its errors reach the
+            caller and are not kept.
+        clock: monotonic seconds (``time.monotonic``).
+    """
+
+    SLOW_S = 0.02
+    REUSE_FACTOR = 4.0
+    MAX_REUSE_S = 10.0
+
+    def __init__(self, read: Callable[[], Any], clock: Callable[[], float] = time.monotonic):
+        self._read = read
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._kept: tuple[float, Any] | None = None  # (until, result)
+
+    def get(self) -> Any:
+        """The read's result: a slow one's, kept, or a new one's."""
+        with self._lock:
+            now = self._clock()
+            if self._kept is not None and now < self._kept[0]:
+                return self._kept[1]
+            result = self._read()
+            took = self._clock() - now
+            self._kept = None
+            if took >= self.SLOW_S:
+                self._kept = (now + took + min(self.MAX_REUSE_S, self.REUSE_FACTOR * took), result)
+            return result
+
+
+def _read_stats() -> Any:
+    from queue_core.service import QueueService
+
+    return QueueService().stats(finished=False)
+
+
 class RelayCollector(Collector):
-    """Queue depth by queue and state, and the oldest ready job's age, read at scrape time."""
+    """Queue depth by queue and state, and the oldest ready job's age, read at scrape time
+    (``SharedRead``: a slow read is shared by the scrapes of the next moments)."""
+
+    def __init__(self) -> None:
+        self.stats = SharedRead(_read_stats)
 
     def describe(self) -> Iterator[Metric]:
         """Name the families without reading the database (the registry calls this)."""
@@ -337,11 +389,10 @@ class RelayCollector(Collector):
         (``relay_queue_paused``, ``relay_queue_max_leased``, ``relay_queue_rate_per_second``;
         a series per controlled queue, at most ``RELAY_METRICS_MAX_QUEUES`` of them)."""
         from queue_core.conf import relay_settings
-        from queue_core.service import QueueService
 
         jobs, age, up = self._families()
         try:
-            stats = QueueService().stats(finished=False)
+            stats = self.stats.get()
         except Exception:
             log.exception("event=metrics_collect_failed")
             up.add_metric([], 0)

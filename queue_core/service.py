@@ -830,19 +830,22 @@ class QueueService:
             after = v.queue_name(after, self.settings, field="after")
         now = self._now()
         with self.driver.read() as tx:
-            counts = tx.all("counts" if finished else "counts_live")
-            oldest = {r["queue"]: r["oldest"] for r in tx.all("oldest_ready")}
+            if queue is None:
+                counts = tx.all("counts" if finished else "counts_live")
+                oldest = {r["queue"]: r["oldest"] for r in tx.all("oldest_ready")}
+                controls = {r["name"]: _controls_view(r) for r in tx.all("queue_controls_all")}
+            else:  # one queue's rows only: its cost does not grow with the other queues
+                counts = tx.all("counts_of_queue", {"queue": queue})
+                row = tx.one("oldest_ready_of_queue", {"queue": queue})
+                oldest = {queue: row["oldest"]} if row and row["oldest"] is not None else {}
+                row = tx.one("queue_get", {"name": queue})
+                controls = {queue: _controls_view(row)} if row else {}
             servers = self._live_servers(tx, now)
-            controls = {
-                r["name"]: _controls_view(r)
-                for r in tx.all("queue_controls_all")
-                if queue is None or r["name"] == queue
-            }
         blank = {s.value: 0 for s in JobState if finished or s is not JobState.SUCCEEDED}
         queues: dict[str, dict[str, Any]] = {}
         totals = dict(blank)
         for r in counts:
-            if queue is not None and r["queue"] != queue:
+            if r["state"] not in blank:  # SUCCEEDED, read by counts_of_queue: not asked for
                 continue
             q = queues.setdefault(r["queue"], dict(blank))
             q[r["state"]] = r["n"]
@@ -922,6 +925,19 @@ class QueueService:
             )
             tx.run("forget_servers", {"before_ms": after - SERVER_FORGET_MS})
         return skew
+
+    def health(self) -> dict[str, Any]:
+        """Read the database once (its clock: the cheapest statement that needs it to answer)
+        and return ``{"server_time_ms": int}``, this process's time in epoch ms: what a
+        liveness probe asks, at a cost that does not grow with the queues or the jobs.
+
+        Raises:
+            Unavailable, StoreBusy, StorageIO: the database cannot be read (mapped by the
+                driver).
+        """
+        with self.driver.read() as tx:
+            tx.one("database_now")
+        return {"server_time_ms": self._now()}
 
     def clock_skew_ms(self) -> int:
         """Return this process's clock minus the database's, in ms, good to half a database

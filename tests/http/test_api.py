@@ -12,6 +12,7 @@ import orjson
 import pytest
 from django.http import HttpResponse
 from django.test import Client, RequestFactory, override_settings
+from django.test.utils import CaptureQueriesContext
 
 from queue_api import calls
 from queue_api.middleware import BodyLimitMiddleware
@@ -560,6 +561,19 @@ def test_openapi_schema_and_docs_page_are_served(api: Api) -> None:
 def test_health_needs_no_key(api: Api) -> None:
     body = api.get("/api/v1/health").json()
     assert body["ok"] is True
+
+
+def test_health_reads_the_database_once_and_no_job_or_count(api: Api) -> None:
+    """It answered with ``stats()``: every queue's counts and oldest job, about 130 ms a
+    probe among 20,000 queues, with no key needed (a hostile review)."""
+    from django.db import connection
+
+    api.post(JOBS, {"payload": 1})
+    with CaptureQueriesContext(connection) as seen:
+        body = api.get("/api/v1/health").json()
+    assert body["ok"] is True and isinstance(body["server_time_ms"], int)
+    sqls = [q["sql"] for q in seen.captured_queries]
+    assert len(sqls) == 1 and "relay_job" not in sqls[0], sqls
 
 
 # ------------------------------------------ NaN, ±Infinity and lone surrogates (#11, #12)

@@ -528,6 +528,19 @@ UNION ALL
 SELECT queue, state, COUNT(*) AS n FROM relay_job
  WHERE state = 'cancelled' GROUP BY queue, state;
 
+-- name: counts_of_queue
+-- One queue's jobs by state (a range of relay_job_queue_state), so a stats call for one
+-- queue does not count the others'. Params: queue.
+SELECT queue, state, COUNT(*) AS n FROM relay_job WHERE queue = %(queue)s GROUP BY queue, state;
+
+-- name: oldest_ready_of_queue
+-- When one queue's longest-waiting READY job became ready: one seek per base class on
+-- relay_job_ready. Params: queue.
+SELECT MIN(h.oldest) AS oldest
+  FROM (VALUES (0), (1), (2), (3)) AS p(cls)
+ CROSS JOIN LATERAL (SELECT MIN(ready_since_ms) AS oldest FROM relay_job
+                      WHERE state = 'ready' AND queue = %(queue)s AND priority = p.cls) AS h;
+
 -- name: queue_has_ready
 -- Whether a queue has a READY job: one seek on relay_job_ready (the long-poll fallback poll
 -- asks this for each queue somebody waits on). Params: queue.

@@ -586,6 +586,19 @@ SELECT queue, state, n FROM relay_job_count WHERE n > 0;
 -- Jobs by queue and live state (SUCCEEDED left out). Params: none.
 SELECT queue, state, n FROM relay_job_count WHERE n > 0 AND state <> 'succeeded';
 
+-- name: counts_of_queue
+-- One queue's jobs by state: its rows of relay_job_count (a primary-key range), so a stats
+-- call for one queue costs the same among 20,000 queues as among 2. Params: queue.
+SELECT queue, state, n FROM relay_job_count WHERE queue = %(queue)s AND n > 0;
+
+-- name: oldest_ready_of_queue
+-- When one queue's longest-waiting READY job became ready: one seek per base class on
+-- relay_job_ready. Params: queue.
+SELECT MIN((SELECT MIN(j.ready_since_ms) FROM relay_job j
+             WHERE j.state = 'ready' AND j.queue = %(queue)s AND j.priority = p.column1))
+       AS oldest
+  FROM (VALUES (0), (1), (2), (3)) AS p;
+
 -- name: queue_has_ready
 -- Whether a queue has a READY job: one seek on relay_job_ready (the long-poll fallback poll
 -- asks this for each queue somebody waits on). Params: queue.
