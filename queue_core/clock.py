@@ -15,6 +15,7 @@ import importlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 log = logging.getLogger("relay.clock")
@@ -103,6 +104,65 @@ class FakeClock:
                 raise ValueError("a clock never goes back")
             self._mono += (now_ms - self._now_ms) / 1000
             self._now_ms = now_ms
+
+
+BOOTTIME: int | None = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def boot_seconds() -> float:
+    """Seconds since boot, counting time suspended (Linux ``CLOCK_BOOTTIME``; elsewhere
+    ``time.monotonic``)."""
+    return time.clock_gettime(BOOTTIME) if BOOTTIME is not None else time.monotonic()
+
+
+class AnchoredClock:
+    """The database's time, carried between readings of it by an interval clock: what every
+    server sharing one PostgreSQL database reads, so they agree on every instant whatever
+    their machines' wall clocks do.
+
+    It reads ``source``'s wall clock once, at creation; from then on it advances with
+    ``elapsed`` alone (seconds), and ``correct`` moves it by what a reading of the
+    database's clock found it off (the server does at start and at each heartbeat, every
+    ``RELAY_SERVER_HEARTBEAT_MS``). So a step of this machine's wall clock changes nothing it
+    reads: before, a server whose clock was stepped an hour forward expired the healthy leases
+    other servers had renewed, and one stepped back let delayed jobs and retries run early
+    through the others (a hostile review). River's servers read every instant from the database
+    in SQL (``now()``); this keeps one injectable clock (``FakeClock`` in tests) and still
+    takes the database's time. Between corrections it drifts as the interval clock does
+    (crystals: some ppm); each correction is good to half the round trip of its reading.
+
+    Args:
+        source: the clock it starts from and sleeps with.
+        elapsed: the interval clock in seconds (default ``source.monotonic``; the server
+            passes ``boot_seconds``, which counts time suspended, so a resumed machine does
+            not read the time it was suspended at).
+    """
+
+    def __init__(self, source: Clock, elapsed: Callable[[], float] | None = None) -> None:
+        self.source = source
+        self._elapsed = elapsed or source.monotonic
+        # (epoch ms, elapsed s) of the last anchor: one tuple, replaced whole.
+        self._anchor = (float(source.now_ms()), self._elapsed())
+
+    def now_ms(self) -> int:
+        """The database's time as last measured, advanced by ``elapsed`` since: epoch ms."""
+        base_ms, base_s = self._anchor
+        return int(base_ms + (self._elapsed() - base_s) * 1000)
+
+    def monotonic(self) -> float:
+        """``elapsed``: the interval clock ``now_ms`` advances with, in seconds."""
+        return self._elapsed()
+
+    def sleep(self, seconds: float) -> None:
+        """``source.sleep``."""
+        self.source.sleep(seconds)
+
+    def correct(self, off_ms: int) -> None:
+        """Read ``off_ms`` less from now on: this clock was found that far ahead of the
+        database's (``QueueService.clock_skew_ms``; negative: behind)."""
+        now_s = self._elapsed()
+        base_ms, base_s = self._anchor
+        self._anchor = (base_ms + (now_s - base_s) * 1000 - off_ms, now_s)
 
 
 def clock_from_path(path: str) -> Clock:

@@ -97,9 +97,11 @@ class RelaySettings:
             server waiting for locks is not ended. 0: never.
         server_heartbeat_ms: how often a server renews its row in the server registry, in
             ms (5 000); it counts as live for three of these.
-        max_clock_skew_ms: the most a server's clock may differ from the database's, in ms
-            (1 000); a server further off refuses to start, and logs it at each heartbeat
-            (several servers judge lease expiry and due times by their own clocks).
+        max_clock_skew_ms: past this many ms (1 000) between a server's clock and the
+            database's, the server logs it: ``event=clock_skew`` when its own time (the
+            database's, ``AnchoredClock``, corrected at each heartbeat) was found that far
+            off, ``event=host_clock_off`` when its machine's wall clock is (the HTTP API and
+            ``django.tasks`` on that machine stamp by it).
 
         SQLite write-ahead log bound (docs/failure-model.md, item 6):
 

@@ -45,6 +45,7 @@ import time
 
 from queue_core import metrics
 from queue_core.client import format_address
+from queue_core.clock import AnchoredClock
 from queue_core.conf import relay_settings
 from queue_core.protocol import limits
 from queue_core.protocol.budget import ReplyBudget
@@ -68,6 +69,23 @@ DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs
 RETENTION_EVERY = 5
 RETENTION_YIELD = 2
 RETENTION_BACKLOG_PAUSE_S = 0.05
+
+
+def report_host_clock(clock: AnchoredClock) -> int:
+    """Log ``event=host_clock_off`` (a warning) when this machine's wall clock is more than
+    ``RELAY_MAX_CLOCK_SKEW_MS`` off ``clock`` (the database's time: a server does not use its
+    machine's clock, but the processes beside it that write jobs, the HTTP API and
+    ``django.tasks``, stamp by it); return the offset in ms (positive: ahead)."""
+    off = clock.source.now_ms() - clock.now_ms()
+    limit = relay_settings().max_clock_skew_ms
+    if abs(off) > limit:
+        log.warning(
+            "event=host_clock_off offset_ms=%s limit_ms=%s",
+            off,
+            limit,
+            extra={"event": "host_clock_off", "offset_ms": off, "limit_ms": limit},
+        )
+    return off
 
 
 class RelayServer:
@@ -108,6 +126,8 @@ class RelayServer:
         self._reap_kick = asyncio.Event()
         self._reap_at = 0.0  # loop time of the next reaper pass
         self._failures = limits.Every(limits.FAILURE_LOG_EVERY_S)  # rate of failure lines
+        # This machine's clock's offset from the database's when last reported (AnchoredClock).
+        self._host_off_told: int | None = None
         self._conns: set[Conn] = set()
         self._wakeups = Wakeups()
         self._follower = FeedFollower(self.service, self._foreign_commit)
@@ -289,6 +309,13 @@ class RelayServer:
                 limit,
                 extra={"event": "clock_skew", "skew_ms": skew, "limit_ms": limit},
             )
+        clock = self.service.clock
+        if isinstance(clock, AnchoredClock):
+            clock.correct(skew)  # the database's time again (its clock stepped, or drift)
+            off = clock.source.now_ms() - clock.now_ms()
+            told = self._host_off_told
+            if told is None or abs(off - told) > relay_settings().clock_step_tolerance_ms:
+                self._host_off_told = report_host_clock(clock)
 
     async def _heartbeat(self) -> None:
         """Renew the registry row every ``RELAY_SERVER_HEARTBEAT_MS`` until cancelled."""

@@ -13,15 +13,16 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from django.core.management.base import CommandError
 from django.db import connections
 
-from queue_core.clock import FakeClock
-from queue_core.management.commands.relay_server import _check_clock
+from queue_core.client import RelayClient
+from queue_core.clock import AnchoredClock, FakeClock
+from queue_core.management.commands.relay_server import _anchor_clock
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from tests.postgresql.conftest import DATABASES
 from tests.procs import Spawner
+from tests.stepclock import STEP_FILE_ENV, step_to
 from tests.storage.conftest import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -68,14 +69,34 @@ def test_an_unreachable_database_refuses_to_serve(pg_spawn: Spawner) -> None:
     assert "UNAVAILABLE: cannot reach database postgresql://127.0.0.1:1/relay" in out.stderr
 
 
-def test_a_clock_beyond_the_skew_bound_refuses_to_serve() -> None:
-    ahead = QueueService(
-        driver=driver_for("postgresql"), clock=FakeClock(start_ms=int(time.time() * 1000) + 5_000)
+def test_a_server_takes_the_databases_time_whatever_its_machines_clock() -> None:
+    """Before, a server more than RELAY_MAX_CLOCK_SKEW_MS off the database refused to start, and
+    one that went off while serving only logged it (a hostile review: its leases and due
+    times then moved the other servers'). Now its clock is the database's."""
+    source = FakeClock(start_ms=int(time.time() * 1000) + 5_000)
+    ahead = QueueService(driver=driver_for("postgresql"), clock=AnchoredClock(source))
+    assert ahead.clock_skew_ms() > 4_000
+    _anchor_clock(ahead, "the test database")
+    assert abs(ahead.clock_skew_ms()) < 100
+    source.step(3_600_000)  # the machine's clock, stepped: nothing it reads moves
+    assert abs(ahead.clock_skew_ms()) < 100
+
+
+def test_a_server_whose_machine_clock_is_an_hour_off_serves_the_databases_time(
+    pg_spawn: Spawner, tmp_path: Path
+) -> None:
+    step_file = tmp_path / "clock-step"
+    step_to(step_file, 3_600_000)  # before it starts
+    server, port = pg_spawn.server(
+        **database_url("postgresql"),
+        RELAY_CLOCK="tests.stepclock.FileStepClock",
+        **{STEP_FILE_ENV: str(step_file)},
     )
-    with pytest.raises(CommandError, match=r"UNAVAILABLE: this machine's clock is 4\d{3} ms off"):
-        _check_clock(ahead, "the test database")
-    within = QueueService(driver=driver_for("postgresql"))
-    _check_clock(within, "the test database")  # the real clock: well within 1,000 ms
+    off = server.wait_event("host_clock_off")
+    assert abs(off["offset_ms"] - 3_600_000) < 1_000 and off["level"] == "WARNING"
+    with RelayClient(f"127.0.0.1:{port}") as client:
+        served = client.ping()["server_time_ms"]
+    assert abs(served - int(time.time() * 1000)) < 1_000
 
 
 def test_two_servers_share_one_database_without_a_lock(pg_spawn: Spawner) -> None:

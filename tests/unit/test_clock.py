@@ -10,7 +10,7 @@ import logging
 
 import pytest
 
-from queue_core.clock import FakeClock, StepGuard, SystemClock, clock_from_path
+from queue_core.clock import AnchoredClock, FakeClock, StepGuard, SystemClock, clock_from_path
 
 HOUR_MS = 3_600_000
 TOLERANCE_MS = 1_000
@@ -123,3 +123,39 @@ def test_clock_from_path_builds_the_named_clock() -> None:
     assert isinstance(clock_from_path("queue_core.clock.FakeClock"), FakeClock)
     with pytest.raises(AttributeError):
         clock_from_path("queue_core.clock.NoSuchClock")
+
+
+# ------------------------------------------------------------------ AnchoredClock
+
+
+def test_an_anchored_clock_ignores_its_sources_wall_steps() -> None:
+    source = FakeClock(start_ms=1_000_000)
+    clock = AnchoredClock(source)
+    assert clock.now_ms() == 1_000_000
+    source.step(3_600_000)  # the machine's clock stepped an hour forward
+    assert clock.now_ms() == 1_000_000
+    source.step(-7_200_000)  # and back past where it was
+    assert clock.now_ms() == 1_000_000
+    source.advance(ms=1_500)  # time passes: the interval clock moves it
+    assert clock.now_ms() == 1_001_500
+    assert clock.monotonic() == source.monotonic()
+
+
+def test_a_correction_moves_an_anchored_clock_by_exactly_what_was_measured() -> None:
+    source = FakeClock(start_ms=5_000_000)
+    clock = AnchoredClock(source)
+    clock.correct(250)  # found 250 ms ahead of the database
+    assert clock.now_ms() == 4_999_750
+    source.advance(ms=1_000)
+    clock.correct(-40)  # then 40 ms behind
+    assert clock.now_ms() == 5_000_790
+    source.advance(ms=10)
+    assert clock.now_ms() == 5_000_800
+
+
+def test_an_anchored_clock_advances_with_the_interval_clock_it_is_given() -> None:
+    source = FakeClock(start_ms=0)
+    elapsed = [100.0]
+    clock = AnchoredClock(source, lambda: elapsed[0])
+    elapsed[0] += 2.5  # 2.5 s, counted while the source's monotonic clock stood still
+    assert clock.now_ms() == 2_500 and clock.monotonic() == 102.5

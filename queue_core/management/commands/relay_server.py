@@ -20,6 +20,7 @@ from django.db import DatabaseError, connections
 
 from queue_core import exposure, metrics
 from queue_core.client import parse_address
+from queue_core.clock import AnchoredClock, SystemClock, boot_seconds
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
 from queue_core.management.relay_command import RelayBaseCommand, ensure_log_output
@@ -92,8 +93,7 @@ class Command(RelayBaseCommand):
                 written (I/O error; read-only file, folder or file system);
                 ``INVALID_ARGUMENT`` for a bad address, grace or
                 database path; ``UNAVAILABLE`` when the database cannot be written, or (on
-                PostgreSQL) has unapplied migrations or a clock off by more than
-                ``RELAY_MAX_CLOCK_SKEW_MS``; ``PUBLIC_WITHOUT_KEYS`` (exit code 5) for an
+                PostgreSQL) has unapplied migrations; ``PUBLIC_WITHOUT_KEYS`` (exit code 5) for an
                 ``--address`` beyond loopback while no API key exists.
         """
         ensure_log_output()
@@ -113,6 +113,15 @@ class Command(RelayBaseCommand):
             use_database(options["db"])
         # The observer counts the lease expiries the service's sweeps commit.
         service = QueueService(observer=metrics.observe)
+        if not service.capabilities.single_writer:
+            # Servers sharing a database keep its time, not their machines' (AnchoredClock).
+            source = service.clock
+            elapsed = boot_seconds if isinstance(source, SystemClock) else None
+            service = QueueService(
+                driver=service.driver,
+                clock=AnchoredClock(source, elapsed),
+                observer=metrics.observe,
+            )
         where = _describe(service)
         try:
             problems = self._prepare(service, where)
@@ -126,7 +135,7 @@ class Command(RelayBaseCommand):
                 )
             raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
         if not service.capabilities.single_writer:
-            _check_clock(service, where)
+            _anchor_clock(service, where)
         if service.capabilities.single_writer:
             _migrate(where)  # the key table must exist before it is read below
         # /metrics is read-only and takes no key: only the protocol address counts here.
@@ -295,23 +304,21 @@ def _check_migrations(service: QueueService, where: str) -> None:
         )
 
 
-def _check_clock(service: QueueService, where: str) -> None:
-    """Refuse to serve a shared database whose clock is more than ``RELAY_MAX_CLOCK_SKEW_MS``
-    from this machine's: servers judge lease expiry and due times by their own clocks.
+def _anchor_clock(service: QueueService, where: str) -> None:
+    """Set a server's clock (an ``AnchoredClock``) to the database's before it touches a job;
+    its heartbeats keep it there, and the first, before the ready line, logs
+    ``event=host_clock_off`` when this machine's own clock is off it (``report_host_clock``).
 
     Raises:
-        CommandError: ``UNAVAILABLE`` when the clocks differ by more than the bound.
+        CommandError: ``UNAVAILABLE`` when the database cannot be reached.
     """
     try:
-        skew = service.clock_skew_ms()
+        off = service.clock_skew_ms()
     except DatabaseError as exc:
         raise CommandError(f"UNAVAILABLE: cannot reach database {where}: {exc}") from exc
-    limit = relay_settings().max_clock_skew_ms
-    if abs(skew) > limit:
-        raise CommandError(
-            f"UNAVAILABLE: this machine's clock is {skew} ms off the clock of database {where} "
-            f"(RELAY_MAX_CLOCK_SKEW_MS is {limit}); synchronise it (NTP) first"
-        )
+    clock = service.clock
+    assert isinstance(clock, AnchoredClock)
+    clock.correct(off)
 
 
 def use_database(path: str) -> None:
