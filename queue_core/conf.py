@@ -130,7 +130,9 @@ class RelaySettings:
             nothing for a second is cut off (64 MiB).
         max_buffered_request_bytes: request bytes all connections may have buffered in the
             server (lines read ahead, lines still arriving) before those whose unfinished
-            line began over a second ago are cut off (64 MiB; ``queue_core.protocol.reading``).
+            line began over a second ago are cut off; with the lines of the requests in
+            progress, past it a connection with a request in progress reads no further line
+            until there is room (64 MiB; ``queue_core.protocol.reading``).
         max_bad_frames: malformed lines a connection may send before it is closed (16); a
             first line that is not a request closes it at once.
         auth_timeout_ms: with API keys on, how long a connection may go without a successful

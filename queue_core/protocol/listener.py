@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 
 from queue_core import auth, errors
@@ -313,9 +314,13 @@ class Listener:
         s = relay_settings()
         loop = asyncio.get_running_loop()
         idle_s = s.idle_timeout_ms / 1000
+        reader = conn.reader
+        framed = reader if isinstance(reader, FrameReader) else None
         while True:
             if self.budget.over(conn):
                 await self.budget.room(conn)
+            if framed is not None and self.input.full(framed):
+                await self.input.room(framed)  # the server holds too many request bytes
             authed = auth_by is None or (
                 conn.principal is not None and conn.principal.authenticated
             )
@@ -390,6 +395,9 @@ class Listener:
                     self.budget.give(conn, held)
                     return
             task = self.requests.start(conn, request, held)  # its reply frees the slot
+            if framed is not None:
+                self.input.started(framed, len(line))
+                task.add_done_callback(functools.partial(self.input.ended, framed, len(line)))
             if request.op == "hello":
                 # What follows a hello, even in the same write, runs as the hello leaves the
                 # connection: read on only once it is decided.

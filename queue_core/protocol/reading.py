@@ -1,4 +1,5 @@
-"""The request bytes the TCP server buffers: a connection's read-ahead, and all of them.
+"""The request bytes the TCP server holds: a connection's read-ahead, all of them, and the
+lines of the requests in progress.
 
 Per connection, ``FrameReader`` (the ``StreamReader`` every connection reads through) stops
 reading its socket once ``READ_AHEAD_BYTES`` of whole lines wait for the read loop; one line
@@ -11,6 +12,14 @@ least ``STALL_S`` ago. Without it, 1,000 connections that each sent a megabyte
 without its newline held 1,084 MiB of the server's memory until their idle timeout (a
 hostile review); a request line that is still arriving a second after it began is a slow or
 hostile client's, as nginx's ``client_header_timeout`` and Redis's query-buffer limit judge.
+
+Lines taken by read loops count too while their requests run (``started``/``ended``): past the
+same limit, buffered and in progress together, a connection that has a request in progress
+takes no further line until there is room (``full``, ``room``); one with none may always
+start one, so every client can make progress. Without it, 30 clients pipelining 1 MB submits
+(refused as too large, but parsed and validated first) faster than the server answered them
+held 606 MiB in requests waiting for the writer, and 120 such clients 2.4 GB (up to 64 in
+flight per connection, ``RELAY_MAX_INFLIGHT_PER_CONNECTION``).
 
 Everything here runs on the event-loop thread.
 """
@@ -79,6 +88,8 @@ class FrameReader(asyncio.StreamReader):
         self.partial_since: float | None = None  # clock time its unfinished line began
         self.consumed_at = budget.clock()  # clock time its read loop last took a line
         self.owner: Owner | None = None  # its connection, once the listener has one
+        self.taken = 0  # bytes of its lines whose requests are in progress (InputBudget.started)
+        self.waiter: asyncio.Future[None] | None = None  # its read loop's wait for room
         budget.readers.add(self)
 
     def feed_data(self, data: bytes) -> None:  # type: ignore[override]
@@ -168,11 +179,13 @@ class InputBudget:
     def __init__(self, limit: int, clock: Callable[[], float]) -> None:
         self.limit = limit
         self.clock = clock
-        self.held = 0
+        self.held = 0  # bytes the readers buffer
+        self.in_progress = 0  # bytes of the lines whose requests run
         self.cut = 0  # connections cut off
         self.readers: set[FrameReader] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._trimming = False
+        self._room: list[asyncio.Future[None]] = []  # read loops waiting for room (``room``)
 
     def recount(self, reader: FrameReader) -> None:
         """Take ``reader``'s buffer size again; past the limit, cut stalled connections."""
@@ -181,6 +194,50 @@ class InputBudget:
         reader.counted = size
         if self.held > self.limit and self._timer is None and not self._trimming:
             self.trim()
+        if self._room and self.held + self.in_progress <= self.limit:
+            self._wake()
+
+    def started(self, reader: FrameReader, size: int) -> None:
+        """A line of ``size`` bytes that ``reader`` delivered now runs as a request."""
+        self.in_progress += size
+        reader.taken += size
+
+    def ended(self, reader: FrameReader, size: int, _done: object = None) -> None:
+        """The request ``started`` counted has ended (a done-callback: ``_done`` is its
+        future); read loops waiting for room look again once there is."""
+        self.in_progress -= size
+        reader.taken -= size
+        if self._room and self.held + self.in_progress <= self.limit:
+            self._wake()
+        elif not reader.taken and reader.waiter is not None and not reader.waiter.done():
+            reader.waiter.set_result(None)  # nothing of its own in progress: it may go on
+
+    def full(self, reader: FrameReader) -> bool:
+        """Whether ``reader``'s read loop must wait before it takes another line: the server
+        holds more request bytes than its limit, buffered and in progress, and this
+        connection has a request in progress (one with none may always start one)."""
+        return reader.taken > 0 and self.held + self.in_progress > self.limit
+
+    async def room(self, reader: FrameReader) -> None:
+        """Wait until ``full(reader)`` is false (without reading: the client's further lines
+        wait in the kernel, where TCP's window holds it back)."""
+        loop = asyncio.get_running_loop()
+        while self.full(reader):
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._room.append(waiter)
+            reader.waiter = waiter
+            try:
+                await waiter
+            finally:
+                reader.waiter = None
+                if waiter in self._room:  # cancelled, or woken by its own request's end
+                    self._room.remove(waiter)
+
+    def _wake(self) -> None:
+        waiters, self._room = self._room, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def trim(self) -> None:
         """Cut the connections whose unfinished line began longest ago, at least ``STALL_S``

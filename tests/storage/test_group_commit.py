@@ -11,7 +11,9 @@ than the call keep their savepoints on SQLite (``ack_batch`` relies on them).
 from __future__ import annotations
 
 import contextlib
+import gc
 import sqlite3
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -187,3 +189,35 @@ def test_a_refused_ack_in_a_batch_of_acks_is_set_apart_in_the_flat_round(
     # statement for each trigger it fires.)
     job_updates = {t for t in sql if t.lstrip().upper().startswith("UPDATE RELAY_JOB")}
     assert len(job_updates) == 2, job_updates
+
+
+def test_a_refused_call_leaves_no_reference_cycle_holding_its_arguments(
+    service: QueueService,
+) -> None:
+    """A refusal's traceback held the frames it passed, and through ``f_back`` the batch's
+    own frame, whose outcomes held the refusal: a cycle that kept each refused request's
+    arguments until the cyclic collector ran (30 clients sending 1 MB payloads over the
+    limit held 458 MiB). A ``RelayError`` comes back without its traceback; the call's
+    locals then go with the outcome."""
+
+    class Big:
+        pass
+
+    held: list[weakref.ref[Big]] = []
+
+    def refused() -> None:
+        big = Big()  # what a request's arguments are to a real refusal
+        held.append(weakref.ref(big))
+        raise errors.FrameTooLarge("payload is over the limit", field="payload", limit=1)
+
+    gc.disable()  # nothing but reference counts frees it
+    try:
+        outcomes, group = run_group(service, [refused, lambda: service.submit("q", 1)])
+        assert group.commits == 1 and outcomes[1][0] is True
+        ok, exc = outcomes[0]
+        assert not ok and isinstance(exc, errors.FrameTooLarge)
+        assert exc.__traceback__ is None
+        del outcomes, exc, group
+        assert held[0]() is None, "a refusal's arguments outlived it"
+    finally:
+        gc.enable()

@@ -82,6 +82,57 @@ def test_a_read_loop_that_takes_no_line_for_a_second_is_cut_before_a_slow_upload
     asyncio.run(main())
 
 
+def test_past_the_limit_a_connection_with_a_request_in_progress_waits_for_room() -> None:
+    # Lines taken by read loops count while their requests run: 30 clients pipelining 1 MB
+    # submits faster than the writer committed them held 978 MiB in requests in progress.
+    async def main() -> None:
+        budget = InputBudget(limit=100, clock=lambda: 0.0)
+        busy, _ = reader(budget, "busy")
+        idle, _ = reader(budget, "idle")
+        budget.started(busy, 80)
+        assert not budget.full(busy) and budget.in_progress == 80  # under the limit
+        budget.started(busy, 40)
+        assert budget.full(busy)  # over it, with requests of its own in progress
+        assert not budget.full(idle)  # none of its own: it may always start one
+        waiting = asyncio.ensure_future(budget.room(busy))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        budget.ended(busy, 80)  # back under the limit: it goes on
+        await asyncio.wait_for(waiting, 1)
+        assert budget.in_progress == 40 and busy.taken == 40
+        busy.release()
+        idle.release()
+
+    asyncio.run(main())
+
+
+def test_a_waiting_connection_goes_on_once_its_own_requests_end() -> None:
+    # The server stays over its limit (other clients' requests), but this connection's last
+    # request ended: nothing of its own holds bytes, so it may start one more (a sentinel
+    # whose read loop had parked right after its lease was cut for a "stalled" line).
+    async def main() -> None:
+        budget = InputBudget(limit=100, clock=lambda: 0.0)
+        mine, _ = reader(budget, "mine")
+        other, _ = reader(budget, "other")
+        budget.started(other, 500)
+        budget.started(mine, 10)
+        waiting = asyncio.ensure_future(budget.room(mine))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        budget.ended(mine, 10)
+        await asyncio.wait_for(waiting, 1)
+        assert budget.full(other) and not budget.full(mine)
+        cancelled = asyncio.ensure_future(budget.room(other))
+        await asyncio.sleep(0)
+        cancelled.cancel()  # its connection closes while it waits: it leaves the queue
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert budget._room == []
+        mine.release()
+        other.release()
+
+    asyncio.run(main())
+
+
 def test_a_line_that_began_in_the_latest_data_is_young() -> None:
     # A client pipelining fast sends chunks that end mid-line: each such line began in the
     # chunk, not when the first unfinished line arrived long ago.

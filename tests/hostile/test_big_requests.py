@@ -1,0 +1,117 @@
+"""Clients that send megabyte requests faster than the server answers them, against a real
+``relay_server`` (hostile review, December 5; ``queue_core.protocol.reading``).
+
+* **Refused**: each client sends a 1 MB ``submit`` (its payload over the 256 KiB limit) every
+  0.8 s and begins the next in the same write, without reading its replies. Each refusal's
+  traceback held the batch's frame, and with it the request's payload, the batch and its
+  futures, in a reference cycle until Python's cyclic collector ran: 30 such clients took the
+  server to 726 MiB, 120 to 1.8 GB.
+* **Committed**: each client pipelines 1 MB ``submit_batch`` lines (four 240 KB payloads) as
+  fast as its socket takes them. The writer commits them slower than they arrive, and each
+  connection may have 64 requests in progress: 30 such clients took the server to 1.18 GB,
+  and the sentinel's slowest cycle to 11 s. The lines of requests in progress now count
+  against ``RELAY_MAX_BUFFERED_REQUEST_BYTES`` with the buffered ones, and past it a
+  connection with a request in progress reads no further line until there is room.
+
+A sentinel cycles submit, lease and ack throughout; the server's peak RSS is read from
+``/proc`` (``VmHWM``).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.hostile.support import Sentinel, rss_kib
+from tests.procs import spawner
+
+pytestmark = [pytest.mark.slow]
+
+CLIENTS = 30
+RSS_LIMIT_KIB = 400 * 1024
+HEAD = b'{"op":"submit","id":"x","args":{"queue":"big","payload":"'
+REFUSED = HEAD + b"a" * 1_000_000 + b'"}}\n'
+COMMITTED = (
+    orjson.dumps(
+        {
+            "op": "submit_batch",
+            "id": "b",
+            "args": {"jobs": [{"queue": "big", "payload": "p" * 240_000} for _ in range(4)]},
+        }
+    )
+    + b"\n"
+)
+
+
+def _client(port: int, line: bytes, pace_s: float, until: float, sent: list[int]) -> None:
+    """Send ``line`` every ``pace_s`` (0: back to back), the next one begun in the same write
+    as the end of the last, until ``until``; read nothing."""
+    head, tail = line[:-100_000], line[-100_000:]
+    count = 0
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.settimeout(max(0.1, until - time.monotonic()))
+        sock.sendall(head)
+        while time.monotonic() < until:
+            if pace_s and stop_wait(pace_s, until):
+                break
+            sock.settimeout(max(0.1, until - time.monotonic()))
+            sock.sendall(tail + head)
+            count += 1
+    except OSError:  # the send blocked past the deadline (back-pressure), or we were cut
+        pass
+    finally:
+        sent.append(count)
+        sock.close()
+
+
+def stop_wait(pace_s: float, until: float) -> bool:
+    """Wait ``pace_s`` (the client's pace, not a synchronisation); True past ``until``."""
+    time.sleep(min(pace_s, max(0.0, until - time.monotonic())))
+    return time.monotonic() >= until
+
+
+@pytest.mark.parametrize(
+    ("kind", "line", "pace_s", "seconds"),
+    [
+        ("refused", REFUSED, 0.8, 6.0),
+        ("committed", COMMITTED, 0.0, 4.0),
+    ],
+)
+def test_megabyte_requests_faster_than_answers_keep_the_server_bounded(
+    tmp_path: Path, kind: str, line: bytes, pace_s: float, seconds: float
+) -> None:
+    with spawner(str(tmp_path / "relay.db")) as spawn:
+        proc, port = spawn.server()
+        sentinel = Sentinel(port)
+        sentinel.wait_cycles(3)
+        before = rss_kib(proc.popen.pid)[0]
+        sent: list[int] = []
+        until = time.monotonic() + seconds
+        threads = [
+            threading.Thread(target=_client, args=(port, line, pace_s, until, sent))
+            for _ in range(CLIENTS)
+        ]
+        for t in threads:
+            t.start()
+        sentinel.wait_cycles(3, timeout=seconds + 20)  # served while the attack runs
+        for t in threads:
+            t.join(seconds + 30)
+        sentinel.wait_cycles(3)
+        sentinel.stop()
+        peak = rss_kib(proc.popen.pid)[1]
+        assert sum(sent) >= CLIENTS, (kind, sent)  # the lines went out
+        assert not sentinel.errors, sentinel.errors
+        assert sentinel.worst_s < 5, f"a sentinel cycle took {sentinel.worst_s:.1f}s"
+        assert peak < RSS_LIMIT_KIB, (
+            f"{kind}: server RSS peaked at {peak // 1024} MiB (from {before // 1024})"
+        )
+        assert proc.popen.poll() is None
+        log = proc.stderr_text()
+        assert "Traceback" not in log and "internal_error" not in log, log[-3000:]
