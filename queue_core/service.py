@@ -482,15 +482,14 @@ class QueueService:
             # otherwise each waited on a key the other had bound (deadlocks and lock
             # timeouts, answered BUSY). Ids are drawn in the batch's order first, so FIFO
             # follows the batch, not the keys.
-            for row in rows:
-                row["_id"] = f"job_{_ULIDS.new(at.now_ms)}"
+            ids = [f"job_{_ULIDS.new(at.now_ms)}" for _ in rows]
             out: list[dict[str, Any] | None] = [None] * len(rows)
             keyed.sort(key=lambda i: (rows[i]["queue"], rows[i]["idempotency_key"], i))
             for i in keyed:
-                out[i] = self._insert(tx, rows[i], at, s, pending)
+                out[i] = self._insert(tx, rows[i], at, s, pending, ids[i])
             for i, row in enumerate(rows):
                 if out[i] is None:
-                    out[i] = self._insert(tx, row, at, s, pending)
+                    out[i] = self._insert(tx, row, at, s, pending, ids[i])
             self._flush(tx, pending)
             return cast(list[dict[str, Any]], out)
 
@@ -606,9 +605,11 @@ class QueueService:
         at: Reading,
         s: RelaySettings,
         pending: list[dict[str, Any]] | None = None,
+        job_id: str | None = None,
     ) -> dict[str, Any]:
         """Insert one prepared job (``row``, consumed), or queue it on ``pending`` for one
-        ``executemany`` (a batch), at the instant ``at``.
+        ``executemany`` (a batch), at the instant ``at``, with id ``job_id`` (None: a new
+        one; ``submit_batch`` draws its keyed jobs' ids in the batch's order).
 
         A job with an idempotency key flushes ``pending`` first, so a key repeated within one
         batch finds the earlier job. A READY job's ``ready_since_ms`` is ``at.ready_ms``: after
@@ -616,7 +617,6 @@ class QueueService:
         """
         now = at.now_ms
         payload = row.pop("_payload")
-        drawn = row.pop("_id", None)  # an id submit_batch drew in the batch's order
         delay_ms, run_at_ms = row.pop("_delay_ms"), row.pop("_run_at_ms")
         due = run_at_ms if run_at_ms is not None else now + delay_ms
         key = row["idempotency_key"]
@@ -627,7 +627,8 @@ class QueueService:
             if found is not None:
                 return found
         delayed = due > now
-        job_id = drawn or f"job_{_ULIDS.new(now)}"
+        if job_id is None:
+            job_id = f"job_{_ULIDS.new(now)}"
         entered = JobState.PENDING if delayed else JobState.READY
         check(Transition.SUBMIT, None, entered)
         state = entered.value

@@ -22,7 +22,7 @@ from queue_core.conf import relay_settings
 from queue_core.protocol import codec, connection, limits
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import CLOSE_WAIT_S, LINGER_S, Conn, until_idle
-from queue_core.protocol.reading import FrameReader, InputBudget
+from queue_core.protocol.reading import COUNTED_LINE_BYTES, FrameReader, InputBudget
 from queue_core.protocol.requests import Requests
 
 log = logging.getLogger("relay.server")
@@ -319,7 +319,7 @@ class Listener:
         while True:
             if self.budget.over(conn):
                 await self.budget.room(conn)
-            if framed is not None and self.input.full(framed):
+            if framed is not None and framed.taken and self.input.full(framed):
                 await self.input.room(framed)  # the server holds too many request bytes
             authed = auth_by is None or (
                 conn.principal is not None and conn.principal.authenticated
@@ -395,9 +395,10 @@ class Listener:
                     self.budget.give(conn, held)
                     return
             task = self.requests.start(conn, request, held)  # its reply frees the slot
-            if framed is not None:
-                self.input.started(framed, len(line))
-                task.add_done_callback(functools.partial(self.input.ended, framed, len(line)))
+            size = len(line)
+            if size > COUNTED_LINE_BYTES and framed is not None:
+                self.input.started(framed, size)
+                task.add_done_callback(functools.partial(self.input.ended, framed, size))
             if request.op == "hello":
                 # What follows a hello, even in the same write, runs as the hello leaves the
                 # connection: read on only once it is decided.

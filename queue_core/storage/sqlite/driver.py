@@ -709,20 +709,19 @@ class _Transaction:
         finally:
             if self._level is not None:
                 driver._set_synchronous(raw, self._level)
-        unsynced: OutcomeUnknown | None = None
         if self._level is not None and local.durable:
             try:
                 driver._sync_log()  # a durable write joined a relaxed transaction
-            except OutcomeUnknown as err:
-                unsynced = err
-        if unsynced is None and driver._faults.failing and raw.total_changes != self._changes:
+            except OutcomeUnknown:
+                callbacks, local.after = local.after, []
+                run_callbacks(callbacks, log)  # committed, if not synced: the others see it
+                raise
+        if driver._faults.failing and raw.total_changes != self._changes:
             # Only a commit that wrote rows says the storage writes again: one that changed
             # nothing (a reaper's idle sweep) appends nothing to the log, even on a full disk.
             driver._faults.ok()
         callbacks, local.after = local.after, []
-        run_callbacks(callbacks, log)  # committed, synced or not: the others see it
-        if unsynced is not None:
-            raise unsynced
+        run_callbacks(callbacks, log)
 
 
 class SqliteDriver:
