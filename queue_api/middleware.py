@@ -137,6 +137,30 @@ def is_json(content_type: str) -> bool:
     return content_type.partition(";")[0].strip().lower() == "application/json"
 
 
+class HostProblemMiddleware(_Guard):
+    """400 ``BAD_FRAME`` problem details for a request under ``/api/`` whose ``Host`` is not in
+    ``ALLOWED_HOSTS`` (``RELAY_ALLOWED_HOSTS``). Django's ``CommonMiddleware`` raised
+    ``DisallowedHost`` there, answered with its HTML "Bad Request (400)" page and a logged
+    traceback, so an API client behind a proxy with another host name got HTML (hostile
+    review)."""
+
+    def refuse(self, request: HttpRequest, *, streaming: bool) -> HttpResponse | None:
+        """Refuse an API request whose Host is not allowed (None: allowed, or not the API)."""
+        if not request.path.startswith("/api/"):
+            return None
+        try:
+            request.get_host()
+        except DisallowedHost:
+            sent = request.META.get("HTTP_HOST", "")[:100]
+            return problem_response(
+                request,
+                errors.BadFrame(
+                    f"Host {sent!r} is not one this server answers to (RELAY_ALLOWED_HOSTS)"
+                ),
+            )
+        return None
+
+
 class JsonOnlyMiddleware(_Guard):
     """415 for a request under ``/api/`` with a body that is not ``application/json``."""
 

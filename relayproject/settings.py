@@ -76,6 +76,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
+    # 400 problem details for an API request whose Host is not in RELAY_ALLOWED_HOSTS.
+    "queue_api.middleware.HostProblemMiddleware",
     # 413 for bodies over RELAY_MAX_FRAME_BYTES before anything reads them.
     "queue_api.middleware.BodyLimitMiddleware",
     # 415 for an API request body that is not application/json (no CORS-simple requests).

@@ -33,6 +33,25 @@ def _location(job_id: str) -> str:
     return f"/api/v1/jobs/{job_id}"
 
 
+def header_text(value: str, name: str) -> str:
+    """A header's value as the UTF-8 text its client sent.
+
+    WSGI (PEP 3333) and Django's ASGI handler give each byte of a header as the Latin-1
+    character of that byte, so a UTF-8 key read as it came was stored as other text
+    (``ключ`` as ``ÐºÐ»Ñ...``), and the same key in a body or over TCP made a second job
+    (hostile review).
+
+    Raises:
+        InvalidArgument: the bytes are not UTF-8.
+    """
+    if value.isascii():
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise errors.InvalidArgument(f"{name}: not UTF-8 text", field=name) from None
+
+
 @router.post(
     "/queues/{queue}/jobs",
     response={201: SubmitOut, 200: SubmitOut, **ERRORS},
@@ -54,6 +73,7 @@ def submit(
     """
     args = body.dict()
     if idempotency_key is not None:
+        idempotency_key = header_text(idempotency_key, "Idempotency-Key")
         if args.get("idempotency_key") not in (None, idempotency_key):
             raise errors.InvalidArgument(
                 "idempotency_key: the body and the Idempotency-Key header differ",

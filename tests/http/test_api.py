@@ -80,6 +80,38 @@ def test_idempotency_key_with_another_payload_is_a_409_problem(api: Api) -> None
     assert body["details"]["job_id"].startswith("job_")
 
 
+def test_a_utf8_idempotency_key_header_is_the_same_key_as_in_the_body(api: Api) -> None:
+    """A server hands Django each header byte as a Latin-1 character (WSGI, and Django's
+    ASGI handler): a UTF-8 key was stored as other text, and the same key in the body made a
+    second job (hostile review). The header is sent here as a server passes it on."""
+    key = "ключ-42"
+    as_passed = key.encode("utf-8").decode("latin-1")
+    first = api.post(JOBS, {"payload": 1}, headers={"Idempotency-Key": as_passed})
+    in_body = api.post(JOBS, {"payload": 1, "idempotency_key": key})
+    both = api.post(
+        JOBS, {"payload": 1, "idempotency_key": key}, headers={"Idempotency-Key": as_passed}
+    )
+    assert (first.status_code, in_body.status_code, both.status_code) == (201, 200, 200)
+    assert first.json()["job"]["idempotency_key"] == key
+    assert in_body.json()["job"]["id"] == both.json()["job"]["id"] == first.json()["job"]["id"]
+    not_utf8 = b"\xff\xfe".decode("latin-1")
+    body = problem(
+        api.post(JOBS, {"payload": 1}, headers={"Idempotency-Key": not_utf8}),
+        422,
+        "INVALID_ARGUMENT",
+    )
+    assert body["details"]["field"] == "Idempotency-Key"
+
+
+def test_an_api_request_to_a_host_not_allowed_gets_a_problem_not_html(api: Api) -> None:
+    """Django answered a Host outside ALLOWED_HOSTS with its HTML "Bad Request (400)" page and
+    a logged traceback, under /api/ too (hostile review)."""
+    response = api.client.get("/api/v1/health", headers={"Host": "evil.example"})
+    body = problem(response, 400, "BAD_FRAME")
+    assert "evil.example" in body["detail"] and "RELAY_ALLOWED_HOSTS" in body["detail"]
+    assert api.get("/api/v1/health").status_code == 200
+
+
 def test_header_and_body_keys_must_agree(api: Api) -> None:
     response = api.post(
         JOBS, {"payload": 1, "idempotency_key": "a"}, headers={"Idempotency-Key": "b"}
