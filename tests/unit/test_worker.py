@@ -966,15 +966,29 @@ def test_rejected_ack_is_logged_not_retried(
         with relay.cond:  # the lease moved on while the handler ran
             relay.held[ctx.job_id] = "someone-else"
 
+    class Rejected(logging.Handler):  # the worker logs the rejection after the ack's reply
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen = threading.Event()
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if getattr(record, "event", None) == "ack_rejected":
+                self.seen.set()
+
+    rejected = Rejected()
     relay.add({})
     log = logging.getLogger("relay.worker")  # "relay" does not propagate to caplog's root
     log.addHandler(caplog.handler)
+    log.addHandler(rejected)
     try:
         running = make_worker(handler)
         relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
+        # Stopping before the reply is handled would race the log line (it once lost).
+        assert rejected.seen.wait(WAIT_S), "no ack_rejected line"
         running.stop()
     finally:
         log.removeHandler(caplog.handler)
+        log.removeHandler(rejected)
     assert len(relay.calls_of("ack")) == 1
     assert running.worker.acked == 0
     assert any(getattr(r, "event", None) == "ack_rejected" for r in caplog.records)
