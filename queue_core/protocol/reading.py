@@ -41,8 +41,8 @@ log = logging.getLogger("relay.server")
 READ_AHEAD_BYTES = 64 * 1024
 STALL_S = 1.0  # past the server's limit, an unfinished line this old gets its connection cut
 # Lines longer than this count while their requests run (``InputBudget.started``); shorter
-# ones, almost every request, skip the bookkeeping: at most 64 in flight per connection, they
-# hold at most 256 KiB each.
+# ones, almost every request, skip the bookkeeping: with at most 64 in flight per connection
+# (RELAY_MAX_INFLIGHT_PER_CONNECTION), they come to at most 256 KiB a connection.
 COUNTED_LINE_BYTES = 4096
 
 
