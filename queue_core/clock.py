@@ -122,32 +122,45 @@ class AnchoredClock:
 
     It reads ``source``'s wall clock once, at creation; from then on it advances with
     ``elapsed`` alone (seconds), and ``correct`` moves it by what a reading of the
-    database's clock found it off (the server does at start and at each heartbeat, every
-    ``RELAY_SERVER_HEARTBEAT_MS``). So a step of this machine's wall clock changes nothing it
-    reads: before, a server whose clock was stepped an hour forward expired the healthy leases
-    other servers had renewed, and one stepped back let delayed jobs and retries run early
-    through the others (a hostile review). River's servers read every instant from the database
-    in SQL (``now()``); this keeps one injectable clock (``FakeClock`` in tests) and still
-    takes the database's time. Between corrections it drifts as the interval clock does
-    (crystals: some ppm); each correction is good to half the round trip of its reading.
+    database's clock found it off. Once ``every_s`` has passed since the last reading it
+    says so (``due``), and its ``QueueService`` reads the database's clock again before
+    its next instant (``QueueService._read``); a server also corrects it at each heartbeat.
+    So a step of this machine's wall clock changes nothing it reads: before, a server whose
+    clock was stepped an hour forward expired the healthy leases other servers had renewed,
+    and one stepped back let delayed jobs and retries run early through the others (a hostile
+    review). River's servers read every instant from the database in SQL (``now()``); this
+    keeps one injectable clock (``FakeClock`` in tests) and still takes the database's time.
+    Between readings it drifts as the interval clock does (crystals: some ppm); each reading
+    is good to half its round trip.
 
     Args:
         source: the clock it starts from and sleeps with.
-        elapsed: the interval clock in seconds (default ``source.monotonic``; the server
-            passes ``boot_seconds``, which counts time suspended, so a resumed machine does
-            not read the time it was suspended at).
+        elapsed: the interval clock in seconds (default ``source.monotonic``; for the
+            system clock, ``boot_seconds``, which counts time suspended, so a resumed machine
+            does not read the time it was suspended at).
+        every_s: how long a reading of the database's clock serves (seconds).
     """
 
-    def __init__(self, source: Clock, elapsed: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, source: Clock, elapsed: Callable[[], float] | None = None, every_s: float = 5.0
+    ) -> None:
         self.source = source
         self._elapsed = elapsed or source.monotonic
+        self.every_s = every_s
         # (epoch ms, elapsed s) of the last anchor: one tuple, replaced whole.
         self._anchor = (float(source.now_ms()), self._elapsed())
+        self._due_s = float("-inf")  # elapsed s from which a new reading is due (none yet)
+        self.anchored_s = float("-inf")  # elapsed s of the last reading that set it
 
     def now_ms(self) -> int:
         """The database's time as last measured, advanced by ``elapsed`` since: epoch ms."""
         base_ms, base_s = self._anchor
         return int(base_ms + (self._elapsed() - base_s) * 1000)
+
+    def due(self) -> bool:
+        """Whether a new reading of the database's clock is due (``every_s`` since the last
+        one was made or tried, or none yet)."""
+        return self._elapsed() >= self._due_s
 
     def monotonic(self) -> float:
         """``elapsed``: the interval clock ``now_ms`` advances with, in seconds."""
@@ -163,6 +176,35 @@ class AnchoredClock:
         now_s = self._elapsed()
         base_ms, base_s = self._anchor
         self._anchor = (base_ms + (now_s - base_s) * 1000 - off_ms, now_s)
+        self.anchored_s = now_s
+        self.checked()
+
+    def checked(self) -> None:
+        """A reading of the database's clock was made or tried: the next is due in
+        ``every_s``."""
+        self._due_s = self._elapsed() + self.every_s
+
+
+_DATABASE_CLOCKS: dict[str, AnchoredClock] = {}
+_DATABASE_CLOCKS_LOCK = threading.Lock()
+
+
+def database_clock(alias: str, source: Clock, every_s: float) -> AnchoredClock:
+    """The process's ``AnchoredClock`` for database ``alias``: one per process, so every
+    ``QueueService`` on that database (the HTTP API's, the console's, ``django.tasks``') keeps
+    its time from the same readings.
+
+    Args:
+        source: the clock a new one starts from (``RELAY_CLOCK``); for ``SystemClock`` it
+            advances with ``boot_seconds``.
+        every_s: how long a reading of the database's clock serves, seconds.
+    """
+    with _DATABASE_CLOCKS_LOCK:
+        clock = _DATABASE_CLOCKS.get(alias)
+        if clock is None or type(clock.source) is not type(source):
+            elapsed = boot_seconds if isinstance(source, SystemClock) else None
+            clock = _DATABASE_CLOCKS[alias] = AnchoredClock(source, elapsed, every_s)
+        return clock
 
 
 def clock_from_path(path: str) -> Clock:

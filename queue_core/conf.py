@@ -99,9 +99,9 @@ class RelaySettings:
             ms (5 000); it counts as live for three of these.
         max_clock_skew_ms: past this many ms (1 000) between a server's clock and the
             database's, the server logs it: ``event=clock_skew`` when its own time (the
-            database's, ``AnchoredClock``, corrected at each heartbeat) was found that far
-            off, ``event=host_clock_off`` when its machine's wall clock is (the HTTP API and
-            ``django.tasks`` on that machine stamp by it).
+            database's, ``AnchoredClock``, read again every ``server_heartbeat_ms``) was
+            found that far off, ``event=host_clock_off`` when its machine's wall clock is
+            (Relay does not use it).
 
         SQLite write-ahead log bound (docs/failure-model.md, item 6):
 

@@ -31,7 +31,14 @@ import orjson
 from django.apps import apps
 
 from queue_core import validation as v
-from queue_core.clock import Clock, Reading, StepGuard, clock_from_path
+from queue_core.clock import (
+    AnchoredClock,
+    Clock,
+    Reading,
+    StepGuard,
+    clock_from_path,
+    database_clock,
+)
 from queue_core.conf import RelaySettings, relay_settings
 from queue_core.errors import (
     IdempotencyConflict,
@@ -157,6 +164,10 @@ def encode_ulid(value: int) -> str:
 
 
 _ULIDS = _MonotonicUlid()
+# A reading of the database's clock that took longer is not taken while the clock has one
+# from the last CLOCK_READING_KEPT_S (QueueService._reanchor): its error is up to half of it.
+CLOCK_READING_MAX_MS = 5
+CLOCK_READING_KEPT_S = 60.0
 
 # Job listings (dead_list, list_jobs): the largest page, and the rows read per fetch while a
 # page fills (a page also ends at one frame of JSON: with 256 KiB payloads, four jobs).
@@ -283,7 +294,15 @@ class QueueService:
         observer: Callable[[str, str], None] | None = None,
     ) -> None:
         self.driver: Driver = driver or driver_for(relay_settings().database)
-        self.clock: Clock = clock or clock_from_path(relay_settings().clock)
+        if clock is None:
+            clock = clock_from_path(relay_settings().clock)
+            if not self.driver.capabilities.single_writer:
+                # Processes sharing a database keep its time (docs/design-decisions.md).
+                every_s = relay_settings().server_heartbeat_ms / 1000
+                clock = database_clock(self.driver.alias, clock, every_s)
+        self.clock: Clock = clock
+        # Read the database's clock again before an instant when it says it is due.
+        self._anchored = clock if isinstance(clock, AnchoredClock) else None
         self._guard = StepGuard(self.clock)
         self.rng = rng or random.Random()
         self.observer = observer
@@ -304,9 +323,38 @@ class QueueService:
         return relay_settings()
 
     def _read(self) -> Reading:
-        """Read the clock through the step guard (every instant this service stores)."""
+        """Read the clock through the step guard (every instant this service stores); on a
+        shared database, read the database's clock first when a new reading is due."""
+        anchored = self._anchored
+        if anchored is not None and anchored.due():
+            self._reanchor(anchored)
         s = self.settings
         return self._guard.read(tolerance_ms=s.clock_step_tolerance_ms, horizon_ms=s.max_lease_ms)
+
+    def _reanchor(self, clock: AnchoredClock) -> None:
+        """Set ``clock`` to the database's time: one ``database_now`` (inside the caller's
+        transaction when there is one), once per ``RELAY_SERVER_HEARTBEAT_MS`` per process.
+
+        A reading is good to half its round trip, so a reading that took longer than
+        ``CLOCK_READING_MAX_MS`` (a busy process, a busy database) is not taken while the
+        clock has one from the last ``CLOCK_READING_KEPT_S``: the next is tried a period
+        later. A failed reading keeps the old one too; the caller's own statements then meet
+        the fault themselves.
+        """
+        try:
+            with self.driver.read() as tx:
+                before = clock.now_ms()
+                row = tx.one("database_now")
+                after = clock.now_ms()
+        except Exception:  # the call's own statements report it
+            log.debug("event=clock_reading_failed", exc_info=True)
+            clock.checked()
+            return
+        recent = clock.monotonic() - clock.anchored_s < CLOCK_READING_KEPT_S
+        if row is None or (recent and after - before > CLOCK_READING_MAX_MS):
+            clock.checked()
+            return
+        clock.correct((before + after) // 2 - int(row["now_ms"]))
 
     def _now(self) -> int:
         """The wall clock, epoch ms, read through the step guard."""

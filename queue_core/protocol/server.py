@@ -73,9 +73,9 @@ RETENTION_BACKLOG_PAUSE_S = 0.05
 
 def report_host_clock(clock: AnchoredClock) -> int:
     """Log ``event=host_clock_off`` (a warning) when this machine's wall clock is more than
-    ``RELAY_MAX_CLOCK_SKEW_MS`` off ``clock`` (the database's time: a server does not use its
-    machine's clock, but the processes beside it that write jobs, the HTTP API and
-    ``django.tasks``, stamp by it); return the offset in ms (positive: ahead)."""
+    ``RELAY_MAX_CLOCK_SKEW_MS`` off ``clock`` (the database's time; Relay does not use the
+    machine's clock, but an operator wants to know, and other software there may); return
+    the offset in ms (positive: ahead)."""
     off = clock.source.now_ms() - clock.now_ms()
     limit = relay_settings().max_clock_skew_ms
     if abs(off) > limit:
@@ -310,8 +310,7 @@ class RelayServer:
                 extra={"event": "clock_skew", "skew_ms": skew, "limit_ms": limit},
             )
         clock = self.service.clock
-        if isinstance(clock, AnchoredClock):
-            clock.correct(skew)  # the database's time again (its clock stepped, or drift)
+        if isinstance(clock, AnchoredClock):  # its service keeps it (QueueService._reanchor)
             off = clock.source.now_ms() - clock.now_ms()
             told = self._host_off_told
             if told is None or abs(off - told) > relay_settings().clock_step_tolerance_ms:

@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from django.db import connections
+from django.test.utils import CaptureQueriesContext
 
 from queue_core.client import RelayClient
 from queue_core.clock import AnchoredClock, FakeClock
@@ -80,6 +81,32 @@ def test_a_server_takes_the_databases_time_whatever_its_machines_clock() -> None
     assert abs(ahead.clock_skew_ms()) < 100
     source.step(3_600_000)  # the machine's clock, stepped: nothing it reads moves
     assert abs(ahead.clock_skew_ms()) < 100
+
+
+def test_every_service_on_a_shared_database_keeps_its_time_read_once_a_period() -> None:
+    """Not only the servers: the HTTP API's, the console's and django.tasks' services stamp
+    and judge instants too (an HTTP lease sweeps expired leases). Every service on PostgreSQL
+    gets the process's AnchoredClock, and reads the database's clock again before an instant
+    once a reading is RELAY_SERVER_HEARTBEAT_MS old."""
+    driver = driver_for("postgresql")
+    first, second = QueueService(driver=driver), QueueService(driver=driver)
+    assert isinstance(first.clock, AnchoredClock) and first.clock is second.clock
+    source = FakeClock(start_ms=int(time.time() * 1000) + 60_000)  # a machine a minute ahead
+    svc = QueueService(driver=driver, clock=AnchoredClock(source, every_s=5.0))
+    conn = connections["postgresql"]
+
+    def readings() -> int:
+        return sum("clock_timestamp()" in q["sql"] for q in conn.queries)
+
+    with CaptureQueriesContext(conn):
+        job = svc.submit("anchored", {"n": 1})["job"]
+        assert readings() == 1  # the first instant waits for a reading
+        assert abs(job["created_at_ms"] - int(time.time() * 1000)) < 1_000
+        svc.submit("anchored", {"n": 2})
+        assert readings() == 1  # within the period: none
+        source.advance(seconds=5)
+        svc.submit("anchored", {"n": 3})
+        assert readings() == 2
 
 
 def test_a_server_whose_machine_clock_is_an_hour_off_serves_the_databases_time(

@@ -20,7 +20,7 @@ from django.db import DatabaseError, connections
 
 from queue_core import exposure, metrics
 from queue_core.client import parse_address
-from queue_core.clock import AnchoredClock, SystemClock, boot_seconds
+from queue_core.clock import AnchoredClock
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
 from queue_core.management.relay_command import RelayBaseCommand, ensure_log_output
@@ -112,16 +112,8 @@ class Command(RelayBaseCommand):
         if options["db"]:
             use_database(options["db"])
         # The observer counts the lease expiries the service's sweeps commit.
+        # On a shared database its clock keeps the database's time (AnchoredClock).
         service = QueueService(observer=metrics.observe)
-        if not service.capabilities.single_writer:
-            # Servers sharing a database keep its time, not their machines' (AnchoredClock).
-            source = service.clock
-            elapsed = boot_seconds if isinstance(source, SystemClock) else None
-            service = QueueService(
-                driver=service.driver,
-                clock=AnchoredClock(source, elapsed),
-                observer=metrics.observe,
-            )
         where = _describe(service)
         try:
             problems = self._prepare(service, where)
@@ -305,9 +297,10 @@ def _check_migrations(service: QueueService, where: str) -> None:
 
 
 def _anchor_clock(service: QueueService, where: str) -> None:
-    """Set a server's clock (an ``AnchoredClock``) to the database's before it touches a job;
-    its heartbeats keep it there, and the first, before the ready line, logs
-    ``event=host_clock_off`` when this machine's own clock is off it (``report_host_clock``).
+    """Set a server's clock (an ``AnchoredClock``) to the database's before it touches a job
+    (its service reads the database's clock again every ``RELAY_SERVER_HEARTBEAT_MS``); the
+    first heartbeat, before the ready line, logs ``event=host_clock_off`` when this machine's
+    own clock is off it (``report_host_clock``).
 
     Raises:
         CommandError: ``UNAVAILABLE`` when the database cannot be reached.

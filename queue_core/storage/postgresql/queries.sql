@@ -8,6 +8,10 @@
 -- update carries its state guard and skips rows other transactions hold (FOR UPDATE SKIP
 -- LOCKED), the claim is one statement that locks what it takes, and an idempotency key is
 -- bound by INSERT ... ON CONFLICT (two servers may insert the same key at the same moment).
+-- And a row's instants never go back: servers' clocks agree to within a reading of the
+-- database's (queue_core.clock.AnchoredClock), not exactly, so a change stamps GREATEST(now,
+-- the row's last change) and an attempt ends no earlier than it started (the audit's order of
+-- attempts holds when one server leases a job and another acks it).
 
 -- name: insert_job
 -- Create a job. Params: every column below.
@@ -92,7 +96,7 @@ SELECT COUNT(*) AS n FROM relay_event WHERE job_id = %(job_id)s;
 -- Bounded so one sweep never holds the write lock for long. Params: now_ms, limit.
 UPDATE relay_job
    SET state = 'ready', ready_since_ms = available_at_ms, available_at_ms = NULL,
-       updated_at_ms = %(now_ms)s
+       updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id IN (SELECT id FROM relay_job
                WHERE state IN ('pending', 'retrying') AND available_at_ms <= %(now_ms)s
                ORDER BY available_at_ms
@@ -123,7 +127,7 @@ SELECT id, queue, attempt, failures, max_retries, unique_scope, lease_expires_at
 UPDATE relay_job
    SET state = 'ready', failures = failures + 1, ready_since_ms = lease_expires_at_ms,
        last_error = %(reason)s, lease_token = NULL, leased_by = NULL,
-       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+       lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
 
 -- name: expire_to_dead
@@ -131,8 +135,8 @@ UPDATE relay_job
 -- now_ms, reason (as expire_to_ready).
 UPDATE relay_job
    SET state = 'dead', failures = failures + 1, last_error = %(reason)s,
-       dead_reason = %(reason)s, finished_at_ms = %(now_ms)s, lease_token = NULL,
-       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+       dead_reason = %(reason)s, finished_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms), lease_token = NULL,
+       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
 
 -- name: expire_to_cancelled
@@ -140,8 +144,8 @@ UPDATE relay_job
 -- every lost lease, it counts a failed attempt. Params: job_id, attempt, now_ms, reason.
 UPDATE relay_job
    SET state = 'cancelled', failures = failures + 1, last_error = %(reason)s,
-       finished_at_ms = %(now_ms)s, lease_token = NULL,
-       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+       finished_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms), lease_token = NULL,
+       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND attempt = %(attempt)s;
 
 -- name: claim
@@ -243,7 +247,8 @@ VALUES (%(job_id)s, %(attempt)s, %(worker_id)s, %(token)s, %(now_ms)s);
 -- Close the history row of a delivery. Params: job_id, attempt, now_ms, outcome, error,
 -- retry_at_ms (a failure's retry time, NULL otherwise).
 UPDATE relay_attempt
-   SET ended_at_ms = %(now_ms)s, outcome = %(outcome)s, error = %(error)s,
+   SET ended_at_ms = GREATEST(%(now_ms)s::bigint, started_at_ms), outcome = %(outcome)s,
+       error = %(error)s,
        retry_at_ms = %(retry_at_ms)s
  WHERE job_id = %(job_id)s AND attempt = %(attempt)s AND ended_at_ms IS NULL;
 
@@ -267,7 +272,7 @@ SELECT queue, attempt, failures, max_retries, backoff, backoff_base_ms, backoff_
 -- cancel was requested (the worker is told to stop). Params: job_id, lease_token, worker_id,
 -- now_ms, judge_ms, mark_ms (as expired_leases), expires_ms.
 UPDATE relay_job
-   SET lease_expires_at_ms = %(expires_ms)s, updated_at_ms = %(now_ms)s
+   SET lease_expires_at_ms = %(expires_ms)s, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
    AND leased_by = %(worker_id)s
    AND (lease_expires_at_ms > %(now_ms)s
@@ -281,8 +286,8 @@ RETURNING lease_expires_at_ms, attempt, cancel_requested_at_ms;
 -- Returns the queue too, so counting the ack needs no second read, and unique_scope (an
 -- "active" job's key is freed: release_unique_key).
 UPDATE relay_job
-   SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
-       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+   SET state = 'succeeded', finished_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms), lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
    AND leased_by = %(worker_id)s
    AND (lease_expires_at_ms > %(now_ms)s
@@ -299,8 +304,8 @@ RETURNING attempt, queue, unique_scope;
 -- through the partial index relay_job_leased, whose statistics of expiry times lie in the past
 -- as soon as leases are short; so each entry is one primary-key lookup, as in ack.
 UPDATE relay_job
-   SET state = 'succeeded', finished_at_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
-       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+   SET state = 'succeeded', finished_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms), lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
   FROM jsonb_to_recordset(%(acks)s::jsonb) AS a(job_id text, lease_token text, worker_id text)
  WHERE relay_job.id = a.job_id
    AND relay_job.lease_token = a.lease_token AND relay_job.leased_by = a.worker_id
@@ -314,15 +319,15 @@ RETURNING relay_job.id, relay_job.attempt, relay_job.queue, relay_job.unique_sco
 UPDATE relay_job
    SET state = 'retrying', failures = failures + 1, available_at_ms = %(retry_at_ms)s,
        last_error = %(error)s, lease_token = NULL, leased_by = NULL,
-       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+       lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s;
 
 -- name: fail_dead
 -- Leased -> dead. Params: job_id, lease_token, now_ms, error, reason.
 UPDATE relay_job
    SET state = 'dead', failures = failures + 1, last_error = %(error)s,
-       dead_reason = %(reason)s, finished_at_ms = %(now_ms)s, lease_token = NULL,
-       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+       dead_reason = %(reason)s, finished_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms), lease_token = NULL,
+       leased_by = NULL, lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s;
 
 -- name: release
@@ -330,7 +335,7 @@ UPDATE relay_job
 -- Params: job_id, lease_token, worker_id, now_ms, judge_ms, mark_ms (as expired_leases).
 UPDATE relay_job
    SET state = 'ready', ready_since_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
-       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+       lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
    AND leased_by = %(worker_id)s
    AND (lease_expires_at_ms > %(now_ms)s
@@ -342,9 +347,9 @@ RETURNING attempt, queue;
 -- (after live_lease, in the same transaction). No failure is counted; a fail's text is kept.
 -- Params: job_id, lease_token, now_ms, error (or NULL).
 UPDATE relay_job
-   SET state = 'cancelled', finished_at_ms = %(now_ms)s,
+   SET state = 'cancelled', finished_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms),
        last_error = COALESCE(%(error)s::text, last_error), lease_token = NULL, leased_by = NULL,
-       lease_expires_at_ms = NULL, updated_at_ms = %(now_ms)s
+       lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = 'leased' AND lease_token = %(lease_token)s
 RETURNING attempt, queue;
 
@@ -352,8 +357,8 @@ RETURNING attempt, queue;
 -- Ready, pending or retrying -> cancelled, guarded by the state the service read (it names
 -- the move it checked). Params: job_id, from_state, now_ms.
 UPDATE relay_job
-   SET state = 'cancelled', cancel_requested_at_ms = %(now_ms)s, finished_at_ms = %(now_ms)s,
-       available_at_ms = NULL, updated_at_ms = %(now_ms)s
+   SET state = 'cancelled', cancel_requested_at_ms = %(now_ms)s, finished_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms),
+       available_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = %(from_state)s
 RETURNING queue;
 
@@ -384,7 +389,7 @@ SELECT attempt, worker_id, outcome, ended_at_ms, retry_at_ms
 -- from_state, now_ms.
 UPDATE relay_job
    SET state = 'ready', failures = 0, ready_since_ms = %(now_ms)s, dead_reason = NULL,
-       finished_at_ms = NULL, cancel_requested_at_ms = NULL, updated_at_ms = %(now_ms)s
+       finished_at_ms = NULL, cancel_requested_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
  WHERE id = %(job_id)s AND state = %(from_state)s AND state IN ('dead', 'cancelled')
 RETURNING queue;
 
