@@ -492,10 +492,46 @@ def test_acks_finished_while_a_batch_is_in_flight_go_out_together(
     assert len(senders) == ACK_SENDERS and not any(t.is_alive() for t in senders)
 
 
+@pytest.fixture
+def logged() -> Iterator[Callable[[str], Logged]]:
+    """``logged(event)``: a ``Logged`` handler on the worker's logger, removed at teardown."""
+    logger = logging.getLogger("relay.worker")
+    handlers: list[Logged] = []
+
+    def add(event: str) -> Logged:
+        handler = Logged(event)
+        logger.addHandler(handler)
+        handlers.append(handler)
+        return handler
+
+    yield add
+    for handler in handlers:
+        logger.removeHandler(handler)
+
+
+class Logged(logging.Handler):
+    """Sets ``seen`` once the worker logs ``event``: it logs a refused ack after handling the
+    reply, so a test that stops the worker as soon as the fake server answered raced the
+    line (each of two such tests failed once in a full run)."""
+
+    def __init__(self, event: str) -> None:
+        super().__init__()
+        self.event = event
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "event", None) == self.event:
+            self.seen.set()
+
+
 def test_a_stale_ack_in_a_batch_is_refused_alone(
-    relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
+    relay: FakeRelay,
+    make_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+    logged: Callable[[str], Logged],
 ) -> None:
     gate = threading.Event()
+    rejected = logged("ack_rejected")
     first, _ = relay.add({"n": 1}, {"n": 2})
     relay.batch_gate = threading.Event()
     running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=2)
@@ -506,6 +542,7 @@ def test_a_stale_ack_in_a_batch_is_refused_alone(
     relay.wait_for(lambda: len(relay.calls_of("ack_batch")) >= 1, "a batch")
     relay.batch_gate.set()
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "both acks answered")
+    assert rejected.seen.wait(WAIT_S), "no ack_rejected line"
     running.stop()
     assert running.worker.counters()["acked"] == 1
     assert relay.held == {first: "taken-over"}  # untouched; the other ack went through
@@ -960,26 +997,19 @@ def test_a_non_retryable_lease_error_stops_the_worker(relay: FakeRelay, make_wor
 
 
 def test_rejected_ack_is_logged_not_retried(
-    relay: FakeRelay, make_worker: Any, caplog: pytest.LogCaptureFixture
+    relay: FakeRelay,
+    make_worker: Any,
+    caplog: pytest.LogCaptureFixture,
+    logged: Callable[[str], Logged],
 ) -> None:
     def handler(payload: Any, ctx: JobContext) -> None:
         with relay.cond:  # the lease moved on while the handler ran
             relay.held[ctx.job_id] = "someone-else"
 
-    class Rejected(logging.Handler):  # the worker logs the rejection after the ack's reply
-        def __init__(self) -> None:
-            super().__init__()
-            self.seen = threading.Event()
-
-        def emit(self, record: logging.LogRecord) -> None:
-            if getattr(record, "event", None) == "ack_rejected":
-                self.seen.set()
-
-    rejected = Rejected()
+    rejected = logged("ack_rejected")
     relay.add({})
     log = logging.getLogger("relay.worker")  # "relay" does not propagate to caplog's root
     log.addHandler(caplog.handler)
-    log.addHandler(rejected)
     try:
         running = make_worker(handler)
         relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
@@ -988,7 +1018,6 @@ def test_rejected_ack_is_logged_not_retried(
         running.stop()
     finally:
         log.removeHandler(caplog.handler)
-        log.removeHandler(rejected)
     assert len(relay.calls_of("ack")) == 1
     assert running.worker.acked == 0
     assert any(getattr(r, "event", None) == "ack_rejected" for r in caplog.records)
