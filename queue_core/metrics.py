@@ -290,19 +290,20 @@ def observe(event: str, queue: str) -> None:
 
 
 class SharedRead:
-    """Scrapes of one process share the gauges' database read when it is slow.
+    """Scrapes of one process share the gauges' work when it is slow.
 
-    One read runs at a time: a scrape that arrives meanwhile waits for it and takes its result.
-    A read that took ``t`` seconds, at least ``SLOW_S``, is also given to the scrapes of the
-    next ``REUSE_FACTOR * t`` seconds (at most ``MAX_REUSE_S``), so however many clients
-    scrape (``/metrics`` needs no key), reading the gauges keeps at most a fifth of the
-    process's time; a quick read (a small database, every test's) is never reused. Before,
-    16 clients scraping a database of 20,000 queues (170 ms a read) made the same
-    processes' API answers wait 6.7 s at p99 (a hostile review).
+    The work (the gauges' database read and folding the queues into at most
+    ``RELAY_METRICS_MAX_QUEUES`` series; counters are rendered fresh) runs once at a time: a
+    scrape that arrives meanwhile waits for it and takes its result. Work that took ``t``
+    seconds, at least ``SLOW_S``, is also given to the scrapes of the next ``REUSE_FACTOR *
+    t`` seconds (at most ``MAX_REUSE_S``), so however many clients scrape (``/metrics``
+    needs no key), the gauges keep at most a fifth of the process's time; quick work (a
+    small database) is never reused. Before, 16 clients scraping a database of 20,000
+    queues (170 ms a read, 32 ms a fold) made the same processes' API answers wait 6.7 s at
+    p99, and a TCP server's own ``--metrics-address`` its clients' 0.9 s (hostile reviews).
 
     Args:
-        read: the read (``QueueService().stats(finished=False)``); its errors reach the
-            caller and are not kept.
+        read: the work; its errors reach the caller and are not kept.
         clock: monotonic seconds (``time.monotonic``).
     """
 
@@ -316,8 +317,13 @@ class SharedRead:
         self._lock = threading.Lock()
         self._kept: tuple[float, Any] | None = None  # (until, result)
 
+    def forget(self) -> None:
+        """Keep nothing: the next ``get`` does the work (a test's fresh database)."""
+        with self._lock:
+            self._kept = None
+
     def get(self) -> Any:
-        """The read's result: a slow one's, kept, or a new one's."""
+        """The work's result: a slow one's, kept, or a new one's."""
         with self._lock:
             now = self._clock()
             if self._kept is not None and now < self._kept[0]:
@@ -330,18 +336,29 @@ class SharedRead:
             return result
 
 
-def _read_stats() -> Any:
+class Gauges(NamedTuple):
+    """What ``RelayCollector`` reads for a scrape: the folded queues (``_fold``) and the
+    controlled queues' controls, at most ``RELAY_METRICS_MAX_QUEUES`` of each."""
+
+    queues: list[tuple[str, dict[str, Any]]]
+    controls: list[tuple[str, dict[str, Any]]]
+
+
+def _read_gauges() -> Gauges:
+    from queue_core.conf import relay_settings
     from queue_core.service import QueueService
 
-    return QueueService().stats(finished=False)
+    stats = QueueService().stats(finished=False)
+    keep = relay_settings().metrics_max_queues
+    return Gauges(_fold(stats["queues"], keep), sorted(stats.get("controls", {}).items())[:keep])
 
 
 class RelayCollector(Collector):
     """Queue depth by queue and state, and the oldest ready job's age, read at scrape time
-    (``SharedRead``: a slow read is shared by the scrapes of the next moments)."""
+    (``SharedRead``: slow reads are shared by the scrapes of the next moments)."""
 
     def __init__(self) -> None:
-        self.stats = SharedRead(_read_stats)
+        self.gauges = SharedRead(_read_gauges)
 
     def describe(self) -> Iterator[Metric]:
         """Name the families without reading the database (the registry calls this)."""
@@ -388,17 +405,15 @@ class RelayCollector(Collector):
         ``relay_database_up``, and the controls of paused, capped and rate-limited queues
         (``relay_queue_paused``, ``relay_queue_max_leased``, ``relay_queue_rate_per_second``;
         a series per controlled queue, at most ``RELAY_METRICS_MAX_QUEUES`` of them)."""
-        from queue_core.conf import relay_settings
-
         jobs, age, up = self._families()
         try:
-            stats = self.stats.get()
+            gauges = self.gauges.get()
         except Exception:
             log.exception("event=metrics_collect_failed")
             up.add_metric([], 0)
             yield up
             return
-        for queue, counts in _fold(stats["queues"], relay_settings().metrics_max_queues):
+        for queue, counts in gauges.queues:
             for state, n in counts.items():
                 if state != "oldest_ready_age_ms":
                     jobs.add_metric([queue, state], n)
@@ -406,8 +421,7 @@ class RelayCollector(Collector):
             age.add_metric([queue], 0.0 if ms is None else ms / 1000)
         up.add_metric([], 1)
         paused, cap, rate = self._controls()
-        controls = sorted(stats.get("controls", {}).items())
-        for queue, c in controls[: relay_settings().metrics_max_queues]:
+        for queue, c in gauges.controls:
             paused.add_metric([queue], 1 if c["paused"] else 0)
             if c["max_leased"] is not None:
                 cap.add_metric([queue], c["max_leased"])
@@ -482,12 +496,25 @@ _installed: list[CollectorRegistry] = []
 _install_lock = threading.Lock()
 
 
+_collectors: list[RelayCollector] = []
+
+
 def install_collector(registry: CollectorRegistry = REGISTRY) -> None:
     """Register ``RelayCollector`` on ``registry`` once per process."""
     with _install_lock:
         if registry not in _installed:
-            registry.register(RelayCollector())
+            collector = RelayCollector()
+            registry.register(collector)
             _installed.append(registry)
+            _collectors.append(collector)
+
+
+def forget_gauges() -> None:
+    """Make the next scrape read the gauges, whatever an earlier slow read left kept
+    (``SharedRead.forget``): for tests, each on a fresh database."""
+    with _install_lock:
+        for collector in _collectors:
+            collector.gauges.forget()
 
 
 def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:

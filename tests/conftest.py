@@ -53,6 +53,16 @@ def _forget_the_key_ring() -> Iterator[None]:
     auth.invalidate()
 
 
+@pytest.fixture(autouse=True)
+def _forget_kept_gauges() -> Iterator[None]:
+    """Drop the gauges a slow scrape left kept (``metrics.SharedRead``) after each test: the
+    next test's database is another."""
+    yield
+    from queue_core import metrics
+
+    metrics.forget_gauges()
+
+
 @pytest.fixture(scope="session")
 def django_db_modify_db_settings() -> None:
     """Give each pytest process its own file-backed test DB (children processes share it),
