@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 
 from queue_core import auth, errors
@@ -22,7 +21,14 @@ from queue_core.conf import relay_settings
 from queue_core.protocol import codec, connection, limits
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import CLOSE_WAIT_S, LINGER_S, Conn, until_idle
-from queue_core.protocol.reading import COUNTED_LINE_BYTES, FrameReader, InputBudget
+from queue_core.protocol.reading import (
+    COUNTED_LINE_BYTES,
+    WEIGHED_LINE_BYTES,
+    FrameReader,
+    InputBudget,
+    Ticket,
+    line_weight,
+)
 from queue_core.protocol.requests import Requests
 
 log = logging.getLogger("relay.server")
@@ -371,38 +377,48 @@ class Listener:
                 conn.hang_up()
                 return
             first, head = bool(head), b""
+            ticket: Ticket | None = None
+            if framed is not None and len(line) > WEIGHED_LINE_BYTES:
+                # Counted, as what it will decode to, from before it is decoded until its
+                # request ends; past the limit it waits (InputBudget.admit).
+                weight = line_weight(line)
+                if weight > COUNTED_LINE_BYTES:
+                    ticket = await self.input.admit(framed, weight)
             try:
-                request = codec.decode_request(line, s.max_frame_bytes)
-            except errors.FrameTooLarge as exc:
-                await self.refuse_frame(conn, exc)
-                return
-            except errors.BadFrame as exc:
-                conn.bad_frames += 1
-                log.debug("event=bad_frame peer=%s error=%s", conn.peer, exc.message)
-                if first or conn.bad_frames >= s.max_bad_frames:
-                    why = "the first line" if first else f"{conn.bad_frames} malformed lines"
-                    exc = errors.BadFrame(f"{exc.message}; closing after {why}")
+                try:
+                    request = codec.decode_request(line, s.max_frame_bytes)
+                except errors.FrameTooLarge as exc:
+                    await self.refuse_frame(conn, exc)
+                    return
+                except errors.BadFrame as exc:
+                    conn.bad_frames += 1
+                    log.debug("event=bad_frame peer=%s error=%s", conn.peer, exc.message)
+                    if first or conn.bad_frames >= s.max_bad_frames:
+                        why = "the first line" if first else f"{conn.bad_frames} malformed lines"
+                        exc = errors.BadFrame(f"{exc.message}; closing after {why}")
+                        await conn.send(codec.encode_error(codec.request_id_of(line), exc))
+                        return
                     await conn.send(codec.encode_error(codec.request_id_of(line), exc))
-                    return
-                await conn.send(codec.encode_error(codec.request_id_of(line), exc))
-                continue
-            active_at = loop.time()
-            await conn.slots.acquire()  # at most max_inflight per connection: else stop reading
-            held = self.requests.frame_for(request)
-            if held and not self.budget.try_take(conn, held):
-                await self.budget.reserve(conn, held)  # without reading on
-                if conn.gone or conn.writer.is_closing():  # reset meanwhile: run nothing
-                    self.budget.give(conn, held)
-                    return
-            task = self.requests.start(conn, request, held)  # its reply frees the slot
-            size = len(line)
-            if size > COUNTED_LINE_BYTES and framed is not None:
-                self.input.started(framed, size)
-                task.add_done_callback(functools.partial(self.input.ended, framed, size))
-            if request.op == "hello":
-                # What follows a hello, even in the same write, runs as the hello leaves the
-                # connection: read on only once it is decided.
-                await asyncio.wait([task])
+                    continue
+                active_at = loop.time()
+                await conn.slots.acquire()  # at most max_inflight per connection: else stop
+                held = self.requests.frame_for(request)
+                if held and not self.budget.try_take(conn, held):
+                    await self.budget.reserve(conn, held)  # without reading on
+                    if conn.gone or conn.writer.is_closing():  # reset meanwhile: run nothing
+                        self.budget.give(conn, held)
+                        return
+                task = self.requests.start(conn, request, held)  # its reply frees the slot
+                if ticket is not None:
+                    task.add_done_callback(ticket.end)
+                    ticket = None  # its request's end ends it
+                if request.op == "hello":
+                    # What follows a hello, even in the same write, runs as the hello leaves
+                    # the connection: read on only once it is decided.
+                    await asyncio.wait([task])
+            finally:
+                if ticket is not None:  # not started: refused, or the connection ends
+                    ticket.end()
 
     async def refuse_frame(self, conn: Conn, exc: errors.FrameTooLarge) -> None:
         """Reply FRAME_TOO_LARGE and answer the requests before it; the connection then

@@ -27,6 +27,7 @@ Everything here runs on the event-loop thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -40,10 +41,26 @@ log = logging.getLogger("relay.server")
 # frame complete in the buffer, the socket is not read until the loop catches up.
 READ_AHEAD_BYTES = 64 * 1024
 STALL_S = 1.0  # past the server's limit, an unfinished line this old gets its connection cut
-# Lines longer than this count while their requests run (``InputBudget.started``); shorter
-# ones, almost every request, skip the bookkeeping: with at most 64 in flight per connection
-# (RELAY_MAX_INFLIGHT_PER_CONNECTION), they come to at most 256 KiB a connection.
+# Lines that will decode to more than this (``line_weight``) count while their requests run
+# (``InputBudget.admit``). Lines up to WEIGHED_LINE_BYTES long are not even weighed (almost
+# every request: one length compare): such a line decodes to at most about 18 KiB, and with
+# at most 64 in flight per connection (RELAY_MAX_INFLIGHT_PER_CONNECTION) a connection holds
+# at most about 1.2 MiB of them. Before lines of 4 KiB were weighed, 200 clients pipelining
+# 3,977-byte lines of empty objects held 1.3 GB uncounted (hostile review).
 COUNTED_LINE_BYTES = 4096
+WEIGHED_LINE_BYTES = 256
+# What one JSON object or array costs once decoded, beyond its bytes (an empty dict is 64
+# bytes, a list 56, plus the reference that holds it): line_weight's estimate.
+DECODED_CONTAINER_BYTES = 72
+
+
+def line_weight(line: bytes) -> int:
+    """What a request line will hold in memory once decoded, estimated in bytes: its length,
+    plus ``DECODED_CONTAINER_BYTES`` for each object or array it opens (brackets inside
+    strings count too: the estimate errs high). A 1 MB batch of payloads like
+    ``[{},{},...]`` decodes to 23 MiB of objects: counted by its length alone, 30 clients
+    held 2.2 GB while the budget saw 87 MiB (hostile review)."""
+    return len(line) + DECODED_CONTAINER_BYTES * (line.count(b"{") + line.count(b"["))
 
 
 class Owner(Protocol):
@@ -171,6 +188,25 @@ class FrameReader(asyncio.StreamReader):
         self.budget.readers.discard(self)
 
 
+class Ticket:
+    """A line counted by ``InputBudget.admit``; ``end`` (idempotent, and a done-callback) gives
+    its bytes back."""
+
+    __slots__ = ("budget", "done", "reader", "size")
+
+    def __init__(self, budget: InputBudget, reader: FrameReader, size: int) -> None:
+        self.budget = budget
+        self.reader = reader
+        self.size = size
+        self.done = False
+
+    def end(self, _future: object = None) -> None:
+        """Its request ended (or never started): give its bytes back, once."""
+        if not self.done:
+            self.done = True
+            self.budget.ended(self.reader, self.size)
+
+
 class InputBudget:
     """Request bytes buffered by all connections' ``FrameReader``s.
 
@@ -190,6 +226,7 @@ class InputBudget:
         self._timer: asyncio.TimerHandle | None = None
         self._trimming = False
         self._room: list[asyncio.Future[None]] = []  # read loops waiting for room (``room``)
+        self._lines: collections.deque[asyncio.Future[None]] = collections.deque()  # ``admit``
 
     def recount(self, reader: FrameReader) -> None:
         """Take ``reader``'s buffer size again; past the limit, cut stalled connections."""
@@ -204,6 +241,51 @@ class InputBudget:
         self.in_progress += size
         reader.taken += size
 
+    def fits(self, size: int) -> bool:
+        """Whether a line of ``size`` (estimated) bytes may start now: it keeps the requests
+        in progress within the limit, or none is in progress (one always may, so nothing
+        waits forever)."""
+        return not self.in_progress or self.in_progress + size <= self.limit
+
+    async def admit(self, reader: FrameReader, size: int) -> Ticket:
+        """Count a line of ``size`` (estimated) bytes as in progress, once it ``fits``: until
+        then its read loop waits, first come first served, and the line is not decoded.
+        Each request's end lets the first waiting line look again.
+
+        Returns:
+            The ``Ticket`` to ``end`` when its request ends (or does not start).
+        """
+        queued_first = False
+        while self._lines or not self.fits(size):
+            if queued_first and self.fits(size):
+                break  # woken at the head of the line, and it fits
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            # The first wait joins the end of the queue; a wake that did not fit keeps its place.
+            if queued_first:
+                self._lines.appendleft(waiter)
+            else:
+                self._lines.append(waiter)
+            queued_first = True
+            try:
+                await waiter
+            except asyncio.CancelledError:  # the connection is closing
+                if waiter in self._lines:
+                    self._lines.remove(waiter)
+                elif not waiter.cancelled():
+                    self._wake_line()  # it was woken: the wake goes to the next line
+                raise
+        self.started(reader, size)
+        return Ticket(self, reader, size)
+
+    def _wake_line(self) -> None:
+        """Let the first line waiting in ``admit`` look again."""
+        lines = self._lines
+        while lines:
+            waiter = lines.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
     def ended(self, reader: FrameReader, size: int, _done: object = None) -> None:
         """The request ``started`` counted has ended (a done-callback: ``_done`` is its
         future); read loops waiting for room look again once there is, and this one's once
@@ -211,6 +293,8 @@ class InputBudget:
         of these always comes: buffered bytes going down need not wake anyone.)"""
         self.in_progress -= size
         reader.taken -= size
+        if self._lines:
+            self._wake_line()
         if self._room and self.held + self.in_progress <= self.limit:
             self._wake()
         elif not reader.taken and reader.waiter is not None and not reader.waiter.done():

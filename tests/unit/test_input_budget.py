@@ -10,7 +10,13 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from queue_core.protocol.reading import STALL_S, FrameReader, InputBudget
+from queue_core.protocol.reading import (
+    DECODED_CONTAINER_BYTES,
+    STALL_S,
+    FrameReader,
+    InputBudget,
+    line_weight,
+)
 
 
 @dataclasses.dataclass(eq=False)
@@ -129,6 +135,61 @@ def test_a_waiting_connection_goes_on_once_its_own_requests_end() -> None:
         assert budget._room == []
         mine.release()
         other.release()
+
+    asyncio.run(main())
+
+
+def test_a_line_weighs_what_it_will_decode_to() -> None:
+    assert line_weight(b'{"op":"ping"}\n') == 14 + DECODED_CONTAINER_BYTES
+    objects = b'{"args":{"payload":[' + b",".join([b"{}"] * 1000) + b"]}}\n"
+    assert line_weight(objects) == len(objects) + DECODED_CONTAINER_BYTES * 1003
+
+
+def test_lines_past_the_limit_wait_in_order_and_one_always_may_start() -> None:
+    # A counted line is admitted before it is decoded; past the limit it waits, first come
+    # first served, and one line may always start when nothing is in progress.
+    async def main() -> None:
+        budget = InputBudget(limit=100, clock=lambda: 0.0)
+        a, _ = reader(budget, "a")
+        b, _ = reader(budget, "b")
+        c, _ = reader(budget, "c")
+        huge = await budget.admit(a, 500)  # nothing in progress: it starts, over the limit
+        assert budget.in_progress == 500
+        second = asyncio.ensure_future(budget.admit(b, 60))
+        third = asyncio.ensure_future(budget.admit(c, 10))
+        await asyncio.sleep(0)
+        assert not second.done() and not third.done()  # the 10 fits no better: it queued
+        huge.end()
+        huge.end()  # once only
+        assert budget.in_progress == 0
+        first_in = await asyncio.wait_for(second, 1)
+        assert not third.done()  # one wake per end
+        first_in.end()
+        (await asyncio.wait_for(third, 1)).end()
+        assert budget.in_progress == 0 and a.taken == b.taken == c.taken == 0
+        for r in (a, b, c):
+            r.release()
+
+    asyncio.run(main())
+
+
+def test_a_woken_line_whose_connection_closes_passes_its_wake_on() -> None:
+    async def main() -> None:
+        budget = InputBudget(limit=100, clock=lambda: 0.0)
+        a, _ = reader(budget, "a")
+        b, _ = reader(budget, "b")
+        c, _ = reader(budget, "c")
+        running = await budget.admit(a, 90)
+        closing = asyncio.ensure_future(budget.admit(b, 50))
+        waiting = asyncio.ensure_future(budget.admit(c, 50))
+        await asyncio.sleep(0)
+        running.end()  # wakes b's line ...
+        closing.cancel()  # ... whose connection closes before it runs
+        await asyncio.gather(closing, return_exceptions=True)
+        (await asyncio.wait_for(waiting, 1)).end()  # the wake went on to c: nothing stuck
+        assert budget.in_progress == 0
+        for r in (a, b, c):
+            r.release()
 
     asyncio.run(main())
 
