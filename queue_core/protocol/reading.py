@@ -13,13 +13,15 @@ without its newline held 1,084 MiB of the server's memory until their idle timeo
 hostile review); a request line that is still arriving a second after it began is a slow or
 hostile client's, as nginx's ``client_header_timeout`` and Redis's query-buffer limit judge.
 
-Lines taken by read loops (of more than ``COUNTED_LINE_BYTES``) count too while their
-requests run (``started``/``ended``): past the same limit, buffered and in progress together,
-a connection that has such a request in progress takes no further line until there is room
-(``full``, ``room``); one with none may always start one, so every client can make progress.
-Without it, 30 clients pipelining 1 MB ``submit_batch`` lines faster than the writer
-committed them held 978 MiB in requests in progress (up to 64 per connection,
-``RELAY_MAX_INFLIGHT_PER_CONNECTION``), and a sentinel's cycle took 6 s.
+Request lines count too while their requests run, as what they will decode to
+(``line_weight``): a line that weighs more than ``COUNTED_LINE_BYTES`` waits its turn, first
+come first served, before it is decoded, until the requests in progress leave it room under
+the same limit (``admit``; one may always start when nothing is in progress), and past the
+limit a connection with such a request in progress takes no further line (``full``,
+``room``). Without it, 30 clients pipelining 1 MB ``submit_batch`` lines faster than the
+writer committed them held 978 MiB in requests in progress (up to 64 per connection,
+``RELAY_MAX_INFLIGHT_PER_CONNECTION``), and 1 MB lines of empty objects (23 MiB decoded)
+2.2 GB.
 
 Everything here runs on the event-loop thread.
 """
