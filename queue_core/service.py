@@ -304,6 +304,9 @@ class QueueService:
         # Read the database's clock again before an instant when it says it is due.
         self._anchored = clock if isinstance(clock, AnchoredClock) else None
         self._guard = StepGuard(self.clock)
+        self._read: Callable[[], Reading] = (
+            self._read_clock if self._anchored is None else self._read_database_time
+        )
         self.rng = rng or random.Random()
         self.observer = observer
         self._defaults: tuple[RelaySettings, dict[str, Any]] | None = None
@@ -322,14 +325,18 @@ class QueueService:
         """The current Relay settings."""
         return relay_settings()
 
-    def _read(self) -> Reading:
-        """Read the clock through the step guard (every instant this service stores); on a
-        shared database, read the database's clock first when a new reading is due."""
+    def _read_clock(self) -> Reading:
+        """Read the clock through the step guard: every instant this service stores comes
+        from ``_read``, which is this, or ``_read_database_time`` on a shared database."""
+        s = self.settings
+        return self._guard.read(tolerance_ms=s.clock_step_tolerance_ms, horizon_ms=s.max_lease_ms)
+
+    def _read_database_time(self) -> Reading:
+        """``_read_clock``, after a reading of the database's clock when one is due."""
         anchored = self._anchored
         if anchored is not None and anchored.due():
             self._reanchor(anchored)
-        s = self.settings
-        return self._guard.read(tolerance_ms=s.clock_step_tolerance_ms, horizon_ms=s.max_lease_ms)
+        return self._read_clock()
 
     def _reanchor(self, clock: AnchoredClock) -> None:
         """Set ``clock`` to the database's time: one ``database_now`` (inside the caller's

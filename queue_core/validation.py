@@ -292,7 +292,9 @@ def json_text(value: Any, *, field: str, limit: int) -> str:
     # Walk the value (in Python: slow) only when the encoding shows it is needed: too deep
     # (nests_deeper, over the bytes), or NaN or ±Infinity, which come out as null, so the
     # value then differs from its decoding (decoded and compared in C, ~20x quicker).
-    deep = nests_deeper(encoded, MAX_PAYLOAD_DEPTH)
+    deep = encoded.count(b"[") + encoded.count(b"{") > MAX_PAYLOAD_DEPTH and nests_deeper(
+        encoded, MAX_PAYLOAD_DEPTH
+    )
     if deep or (encoded.find(b"null") >= 0 and orjson.loads(encoded) != value):
         depth = MAX_PAYLOAD_DEPTH if deep else None
         found = unfaithful(value, max_depth=depth, root=field, encoded=True)
