@@ -150,6 +150,7 @@ class AnchoredClock:
         # (epoch ms, elapsed s) of the last anchor: one tuple, replaced whole.
         self._anchor = (float(source.now_ms()), self._elapsed())
         self._due_s = float("-inf")  # elapsed s from which a new reading is due (none yet)
+        self.reading = threading.Lock()  # held by the thread taking a reading (``due`` says)
         self.anchored_s = float("-inf")  # elapsed s of the last reading that set it
 
     def now_ms(self) -> int:
@@ -177,6 +178,14 @@ class AnchoredClock:
         base_ms, base_s = self._anchor
         self._anchor = (base_ms + (now_s - base_s) * 1000 - off_ms, now_s)
         self.anchored_s = now_s
+        self.checked()
+
+    def set(self, database_ms: int, at_s: float) -> None:
+        """Read ``database_ms`` at ``at_s`` (``elapsed``): a reading of the database's clock,
+        taken whole. Unlike ``correct`` it does not depend on what the clock read before, so
+        two threads' readings of one moment set it once, not twice."""
+        self._anchor = (float(database_ms), at_s)
+        self.anchored_s = at_s
         self.checked()
 
     def checked(self) -> None:

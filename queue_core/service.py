@@ -332,10 +332,15 @@ class QueueService:
         return self._guard.read(tolerance_ms=s.clock_step_tolerance_ms, horizon_ms=s.max_lease_ms)
 
     def _read_database_time(self) -> Reading:
-        """``_read_clock``, after a reading of the database's clock when one is due."""
+        """``_read_clock``, after a reading of the database's clock when one is due (by one
+        thread at a time: the others read the clock as it is meanwhile)."""
         anchored = self._anchored
-        if anchored is not None and anchored.due():
-            self._reanchor(anchored)
+        if anchored is not None and anchored.due() and anchored.reading.acquire(blocking=False):
+            try:
+                if anchored.due():
+                    self._reanchor(anchored)
+            finally:
+                anchored.reading.release()
         return self._read_clock()
 
     def _reanchor(self, clock: AnchoredClock) -> None:
@@ -350,18 +355,18 @@ class QueueService:
         """
         try:
             with self.driver.read() as tx:
-                before = clock.now_ms()
+                before = clock.monotonic()
                 row = tx.one("database_now")
-                after = clock.now_ms()
+                after = clock.monotonic()
         except Exception:  # the call's own statements report it
             log.debug("event=clock_reading_failed", exc_info=True)
             clock.checked()
             return
-        recent = clock.monotonic() - clock.anchored_s < CLOCK_READING_KEPT_S
-        if row is None or (recent and after - before > CLOCK_READING_MAX_MS):
+        recent = after - clock.anchored_s < CLOCK_READING_KEPT_S
+        if row is None or (recent and (after - before) * 1000 > CLOCK_READING_MAX_MS):
             clock.checked()
             return
-        clock.correct((before + after) // 2 - int(row["now_ms"]))
+        clock.set(int(row["now_ms"]), (before + after) / 2)
 
     def _now(self) -> int:
         """The wall clock, epoch ms, read through the step guard."""

@@ -125,8 +125,9 @@ def nests_deeper(encoded: bytes, limit: int) -> bool:
     The check it replaces counted every bracket in the payload and, past ``limit`` of them,
     walked the decoded value in Python: a valid 25 KB payload of 1,000 empty objects took
     that walk, and a 1 MB batch of 40 of them 170 ms of the writer's time (hostile review).
-    This costs about a millisecond a megabyte; ``unfaithful`` still names the path of a
-    payload found too deep.
+    This takes about a millisecond a megabyte for such payloads; one built to need every
+    pass (2,000 chains 64 deep, 256 KB) takes about 35 ms. ``unfaithful`` still names the
+    path of a payload found too deep.
     """
     if encoded.count(b"[") + encoded.count(b"{") <= limit:
         return False  # almost every payload: too few brackets to nest that deep

@@ -18,7 +18,7 @@ import logging
 
 from queue_core import auth, errors
 from queue_core.conf import relay_settings
-from queue_core.protocol import codec, connection, limits
+from queue_core.protocol import codec, connection, dispatch, limits
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import CLOSE_WAIT_S, LINGER_S, Conn, until_idle
 from queue_core.protocol.reading import (
@@ -32,6 +32,13 @@ from queue_core.protocol.reading import (
 from queue_core.protocol.requests import Requests
 
 log = logging.getLogger("relay.server")
+
+
+def holds_its_arguments(op: str) -> bool:
+    """Whether a request of ``op`` keeps its decoded arguments until it ends: a write, until
+    its commit (a read, a lease, hello keep only what they validated, which is small)."""
+    verb = dispatch.VERBS.get(op)
+    return verb is not None and verb.kind is dispatch.Kind.WRITE
 
 
 class ReadDeadline:
@@ -401,6 +408,12 @@ class Listener:
                     await conn.send(codec.encode_error(codec.request_id_of(line), exc))
                     continue
                 active_at = loop.time()
+                if ticket is not None and not holds_its_arguments(request.op):
+                    # A read or lease keeps little of its line once decoded, and a long-poll
+                    # may wait 20 s: it gives its bytes back now (a review padded long-poll
+                    # lines with 1 MB of spaces and held every large write back for 18 s).
+                    ticket.end()
+                    ticket = None
                 await conn.slots.acquire()  # at most max_inflight per connection: else stop
                 held = self.requests.frame_for(request)
                 if held and not self.budget.try_take(conn, held):

@@ -32,6 +32,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from queue_core.client import RelayClient
 from tests.hostile.support import Sentinel, rss_kib
 from tests.procs import spawner
 
@@ -148,3 +149,33 @@ def test_megabyte_requests_faster_than_answers_keep_the_server_bounded(
         assert proc.popen.poll() is None
         log = proc.stderr_text()
         assert "Traceback" not in log and "internal_error" not in log, log[-3000:]
+
+
+def test_long_polls_padded_to_a_megabyte_hold_no_large_write_back(tmp_path: Path) -> None:
+    """A second review padded ``lease`` lines with 1 MB of spaces and ``wait_ms`` 20 s: each
+    counted its megabyte for its whole wait, so 16 connections of 5 such long-polls filled the
+    request budget and a 5 KB submit from another client waited 17.85 s for room. A read or
+    lease now gives its line's bytes back once decoded (it keeps only what it validated)."""
+    pad = b" " * 1_000_000
+    long_poll = (
+        b'{"op":"lease","id":"l",' + pad + b'"args":{"queues":["empty"],"worker_id":"w",'
+        b'"wait_ms":20000}}\n'
+    )
+    with spawner(str(tmp_path / "relay.db")) as spawn:
+        proc, port = spawn.server()
+        socks = []
+        try:
+            for _ in range(16):
+                sock = socket.create_connection(("127.0.0.1", port))
+                sock.sendall(long_poll * 5)
+                socks.append(sock)
+            with RelayClient(f"127.0.0.1:{port}", timeout_s=30) as client:
+                client.ping()  # the long-polls' lines are in by now, or arriving
+                began = time.monotonic()
+                client.submit("victim", {"pad": "x" * 5_000})
+                took = time.monotonic() - began
+        finally:
+            for sock in socks:
+                sock.close()
+        assert took < 5, f"a 5 KB submit waited {took:.1f} s behind padded long-polls"
+        assert proc.popen.poll() is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from django.db import connections
 from django.test.utils import CaptureQueriesContext
 
 from queue_core.client import RelayClient
-from queue_core.clock import AnchoredClock, FakeClock
+from queue_core.clock import AnchoredClock, FakeClock, SystemClock
 from queue_core.management.commands.relay_server import _anchor_clock
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
@@ -107,6 +108,38 @@ def test_every_service_on_a_shared_database_keeps_its_time_read_once_a_period() 
         source.advance(seconds=5)
         svc.submit("anchored", {"n": 3})
         assert readings() == 2
+
+
+def test_threads_reading_the_databases_time_at_once_set_the_clock_once() -> None:
+    """A review released 8 threads at once into a service whose machine clock was an hour
+    ahead: each took a reading and shifted the clock by what it found, so it ended up to an
+    hour behind (2 threads: half an hour). One thread now reads while the others go on with
+    the clock as it is, and a reading sets the clock whole, not by a difference."""
+    driver = driver_for("postgresql")
+    source = SystemClock()
+    ahead = FakeClock(start_ms=source.now_ms() + 3_600_000)
+    clock = AnchoredClock(ahead, elapsed=time.monotonic, every_s=3600.0)
+    svc = QueueService(driver=driver, clock=clock)
+    start = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            connections["postgresql"].ensure_connection()  # a warm connection per thread
+            start.wait(10)
+            svc._now()
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=read) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not failures, failures
+    assert abs(svc.clock_skew_ms()) < 100
 
 
 def test_a_server_whose_machine_clock_is_an_hour_off_serves_the_databases_time(
