@@ -121,10 +121,10 @@ class AnchoredClock:
     their machines' wall clocks do.
 
     It reads ``source``'s wall clock once, at creation; from then on it advances with
-    ``elapsed`` alone (seconds), and ``correct`` moves it by what a reading of the
-    database's clock found it off. Once ``every_s`` has passed since the last reading it
-    says so (``due``), and its ``QueueService`` reads the database's clock again before
-    its next instant (``QueueService._read``); a server also corrects it at each heartbeat.
+    ``elapsed`` alone (seconds), and a reading of the database's clock sets it (``set``).
+    Once ``every_s`` has passed since the last reading it says so (``due``), and its
+    ``QueueService`` reads the database's clock again before its next instant
+    (``QueueService._read``).
     So a step of this machine's wall clock changes nothing it reads: before, a server whose
     clock was stepped an hour forward expired the healthy leases other servers had renewed,
     and one stepped back let delayed jobs and retries run early through the others (a hostile
@@ -171,19 +171,10 @@ class AnchoredClock:
         """``source.sleep``."""
         self.source.sleep(seconds)
 
-    def correct(self, off_ms: int) -> None:
-        """Read ``off_ms`` less from now on: this clock was found that far ahead of the
-        database's (``QueueService.clock_skew_ms``; negative: behind)."""
-        now_s = self._elapsed()
-        base_ms, base_s = self._anchor
-        self._anchor = (base_ms + (now_s - base_s) * 1000 - off_ms, now_s)
-        self.anchored_s = now_s
-        self.checked()
-
     def set(self, database_ms: int, at_s: float) -> None:
         """Read ``database_ms`` at ``at_s`` (``elapsed``): a reading of the database's clock,
-        taken whole. Unlike ``correct`` it does not depend on what the clock read before, so
-        two threads' readings of one moment set it once, not twice."""
+        taken whole, not as a difference from what the clock read before (two threads'
+        readings of one moment then set it once, not twice)."""
         self._anchor = (float(database_ms), at_s)
         self.anchored_s = at_s
         self.checked()

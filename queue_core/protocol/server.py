@@ -71,23 +71,6 @@ RETENTION_YIELD = 2
 RETENTION_BACKLOG_PAUSE_S = 0.05
 
 
-def report_host_clock(clock: AnchoredClock) -> int:
-    """Log ``event=host_clock_off`` (a warning) when this machine's wall clock is more than
-    ``RELAY_MAX_CLOCK_SKEW_MS`` off ``clock`` (the database's time; Relay does not use the
-    machine's clock, but an operator wants to know, and other software there may); return
-    the offset in ms (positive: ahead)."""
-    off = clock.source.now_ms() - clock.now_ms()
-    limit = relay_settings().max_clock_skew_ms
-    if abs(off) > limit:
-        log.warning(
-            "event=host_clock_off offset_ms=%s limit_ms=%s",
-            off,
-            limit,
-            extra={"event": "host_clock_off", "offset_ms": off, "limit_ms": limit},
-        )
-    return off
-
-
 class RelayServer:
     """Serve the NDJSON protocol for one ``QueueService``.
 
@@ -311,10 +294,30 @@ class RelayServer:
             )
         clock = self.service.clock
         if isinstance(clock, AnchoredClock):  # its service keeps it (QueueService._reanchor)
-            off = clock.source.now_ms() - clock.now_ms()
-            told = self._host_off_told
-            if told is None or abs(off - told) > relay_settings().clock_step_tolerance_ms:
-                self._host_off_told = report_host_clock(clock)
+            self._report_host_clock(clock)
+
+    def _report_host_clock(self, clock: AnchoredClock) -> None:
+        """Log ``event=host_clock_off`` (a warning) when this machine's wall clock is more than
+        ``RELAY_MAX_CLOCK_SKEW_MS`` off ``clock`` (the database's time: Relay does not use the
+        machine's clock, but an operator wants to know, and other software there may), at the
+        first heartbeat and again when the offset moves by more than a step."""
+        s = relay_settings()
+        off = clock.source.now_ms() - clock.now_ms()  # positive: the machine is ahead
+        told = self._host_off_told
+        if told is not None and abs(off - told) <= s.clock_step_tolerance_ms:
+            return
+        self._host_off_told = off
+        if abs(off) > s.max_clock_skew_ms:
+            log.warning(
+                "event=host_clock_off offset_ms=%s limit_ms=%s",
+                off,
+                s.max_clock_skew_ms,
+                extra={
+                    "event": "host_clock_off",
+                    "offset_ms": off,
+                    "limit_ms": s.max_clock_skew_ms,
+                },
+            )
 
     async def _heartbeat(self) -> None:
         """Renew the registry row every ``RELAY_SERVER_HEARTBEAT_MS`` until cancelled."""

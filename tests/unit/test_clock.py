@@ -141,16 +141,19 @@ def test_an_anchored_clock_ignores_its_sources_wall_steps() -> None:
     assert clock.monotonic() == source.monotonic()
 
 
-def test_a_correction_moves_an_anchored_clock_by_exactly_what_was_measured() -> None:
+def test_a_reading_sets_an_anchored_clock_whole() -> None:
     source = FakeClock(start_ms=5_000_000)
     clock = AnchoredClock(source)
-    clock.correct(250)  # found 250 ms ahead of the database
-    assert clock.now_ms() == 4_999_750
+    assert clock.due()  # no reading yet
+    clock.set(4_999_750, source.monotonic())  # the database read 250 ms behind
+    assert clock.now_ms() == 4_999_750 and not clock.due()
     source.advance(ms=1_000)
-    clock.correct(-40)  # then 40 ms behind
-    assert clock.now_ms() == 5_000_790
-    source.advance(ms=10)
-    assert clock.now_ms() == 5_000_800
+    clock.set(5_000_790, source.monotonic() - 0.5)  # a reading whose midpoint was 500 ms ago
+    assert clock.now_ms() == 5_001_290
+    clock.set(5_000_790, source.monotonic() - 0.5)  # the same reading again: no change
+    assert clock.now_ms() == 5_001_290
+    source.advance(seconds=clock.every_s)
+    assert clock.due()
 
 
 def test_an_anchored_clock_advances_with_the_interval_clock_it_is_given() -> None:

@@ -20,7 +20,6 @@ from django.db import DatabaseError, connections
 
 from queue_core import exposure, metrics
 from queue_core.client import parse_address
-from queue_core.clock import AnchoredClock
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
 from queue_core.management.relay_command import RelayBaseCommand, ensure_log_output
@@ -112,7 +111,8 @@ class Command(RelayBaseCommand):
         if options["db"]:
             use_database(options["db"])
         # The observer counts the lease expiries the service's sweeps commit.
-        # On a shared database its clock keeps the database's time (AnchoredClock).
+        # On a shared database its clock keeps the database's time (AnchoredClock), read
+        # before its first instant (QueueService._read_database_time).
         service = QueueService(observer=metrics.observe)
         where = _describe(service)
         try:
@@ -126,8 +126,6 @@ class Command(RelayBaseCommand):
                     returncode=EXIT_CORRUPT,
                 )
             raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
-        if not service.capabilities.single_writer:
-            _anchor_clock(service, where)
         if service.capabilities.single_writer:
             _migrate(where)  # the key table must exist before it is read below
         # /metrics is read-only and takes no key: only the protocol address counts here.
@@ -294,24 +292,6 @@ def _check_migrations(service: QueueService, where: str) -> None:
             f"UNAVAILABLE: database {where} has {len(plan)} unapplied migration(s) ({names}); "
             "run `relay migrate` (manage.py migrate) first"
         )
-
-
-def _anchor_clock(service: QueueService, where: str) -> None:
-    """Set a server's clock (an ``AnchoredClock``) to the database's before it touches a job
-    (its service reads the database's clock again every ``RELAY_SERVER_HEARTBEAT_MS``); the
-    first heartbeat, before the ready line, logs ``event=host_clock_off`` when this machine's
-    own clock is off it (``report_host_clock``).
-
-    Raises:
-        CommandError: ``UNAVAILABLE`` when the database cannot be reached.
-    """
-    try:
-        off = service.clock_skew_ms()
-    except DatabaseError as exc:
-        raise CommandError(f"UNAVAILABLE: cannot reach database {where}: {exc}") from exc
-    clock = service.clock
-    assert isinstance(clock, AnchoredClock)
-    clock.correct(off)
 
 
 def use_database(path: str) -> None:
