@@ -14,6 +14,7 @@ succeed on its first delivery. Once per storage driver.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -72,6 +73,63 @@ def events() -> Iterator[_WorkerEvents]:
         logger.setLevel(level)
 
 
+class Renewer:
+    """A real worker (threads, TCP) holding ``JOBS`` jobs of ``queue`` through ``address``
+    and renewing their ``LEASE_MS`` leases every half second until ``finish``."""
+
+    def __init__(self, address: str, queue: str, events: _WorkerEvents) -> None:
+        self.events = events
+        self._running: set[str] = set()
+        self._cond = threading.Condition()
+        self._finish = threading.Event()
+        self.worker = Worker(
+            lambda: RelayClient(address),
+            [queue],
+            concurrency=JOBS,
+            handler=self._hold,
+            lease_ms=LEASE_MS,
+            wait_ms=500,
+            worker_id="renewer",
+        )
+        self._thread = threading.Thread(target=self.worker.run, name="renewer", daemon=True)
+
+    def _hold(self, payload: Any, ctx: JobContext) -> None:
+        with self._cond:
+            self._running.add(ctx.job_id)
+            self._cond.notify_all()
+        assert self._finish.wait(120), "the test never let the job finish"
+
+    def renewed_again(self, what: str) -> None:
+        """Wait until every lease renewed at least four more times (two lease lengths) while
+        the reapers swept, or a renewal was rejected: the lease was lost."""
+        with self.events.cond:
+            base = self.events.counts["renewed"]
+        self.events.wait(
+            lambda c: c["renewed"] >= base + 4 * JOBS or c["lease_lost"] > 0,
+            f"renewals after {what}",
+        )
+
+    def finish(self) -> None:
+        """Let the jobs finish, and wait for their acks (or lost leases)."""
+        self._finish.set()
+        self.events.wait(lambda c: c["acked"] + c["lease_lost"] >= JOBS, "the acks")
+
+
+@contextlib.contextmanager
+def renewer(address: str, queue: str, events: _WorkerEvents) -> Iterator[Renewer]:
+    """Start a ``Renewer``, yield it once it holds every job, and stop it on the way out."""
+    held = Renewer(address, queue, events)
+    held._thread.start()
+    try:
+        with held._cond:
+            assert held._cond.wait_for(lambda: len(held._running) == JOBS, 60), held._running
+        yield held
+    finally:
+        held._finish.set()
+        held.worker.stop()
+        held._thread.join(30)
+
+
 def test_forward_hour_step_of_a_server_keeps_renewing_leases(
     relay_db: RelayDb, spawn: Spawner, tmp_path: Path, events: _WorkerEvents
 ) -> None:
@@ -86,30 +144,7 @@ def test_forward_hour_step_of_a_server_keeps_renewing_leases(
     with RelayClient(address) as client:
         ids = [client.submit("steps", {"i": i}, max_retries=0)["job"]["id"] for i in range(JOBS)]
 
-    running: set[str] = set()
-    cond = threading.Condition()
-    finish = threading.Event()
-
-    def hold(payload: Any, ctx: JobContext) -> None:
-        with cond:
-            running.add(ctx.job_id)
-            cond.notify_all()
-        assert finish.wait(120), "the test never let the job finish"
-
-    worker = Worker(
-        lambda: RelayClient(address),
-        ["steps"],
-        concurrency=JOBS,
-        handler=hold,
-        lease_ms=LEASE_MS,
-        wait_ms=500,
-        worker_id="renewer",
-    )
-    thread = threading.Thread(target=worker.run, name="renewer", daemon=True)
-    thread.start()
-    try:
-        with cond:
-            assert cond.wait_for(lambda: len(running) == JOBS, 60), running
+    with renewer(address, "steps", events) as held:
         step_to(step_file, HOUR_MS)
         if relay_db.backend == "sqlite":
             record = server.wait_event("clock_step", timeout=30)
@@ -117,21 +152,9 @@ def test_forward_hour_step_of_a_server_keeps_renewing_leases(
         else:  # the server keeps the database's time (AnchoredClock): the step is only reported
             record = server.wait_event("host_clock_off", timeout=30)
             assert abs(record["offset_ms"] - HOUR_MS) < 1_000
-        # Every lease renewed at least four more times (over two lease lengths) since the step,
-        # while the reaper swept every 100 ms; or a renewal rejected: the lease was lost.
-        with events.cond:
-            base = events.counts["renewed"]
-        events.wait(
-            lambda c: c["renewed"] >= base + 4 * JOBS or c["lease_lost"] > 0,
-            "renewals after the step",
-        )
-        finish.set()
-        events.wait(lambda c: c["acked"] + c["lease_lost"] >= JOBS, "the acks")
-    finally:
-        finish.set()
-        worker.stop()
-        thread.join(30)
-    stats = worker.counters()
+        held.renewed_again("the step")
+        held.finish()
+    stats = held.worker.counters()
     assert (stats["lost"], stats["acked"]) == (0, JOBS), stats
     marks = ", ".join(["%s"] * JOBS)
     rows = relay_db.rows(f"SELECT state, attempt FROM relay_job WHERE id IN ({marks})", ids)

@@ -12,7 +12,6 @@ forward, then an hour back, while both reapers sweep every 100 ms.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,7 @@ from typing import Any
 import pytest
 
 from queue_core.client import RelayClient
-from queue_core.worker import Worker
-from queue_core.worker.handlers import JobContext
-from tests.crash.test_clock_step import _WorkerEvents, events
+from tests.crash.test_clock_step import JOBS, _WorkerEvents, events, renewer
 from tests.postgresql.conftest import DATABASES, Server
 from tests.relay_db import RelayDb
 from tests.stepclock import STEP_FILE_ENV, step_to
@@ -32,8 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, database
 __all__ = ["events"]  # the worker-events fixture, shared with tests/crash/test_clock_step.py
 
 HOUR_MS = 3_600_000
-JOBS = 4
-LEASE_MS = 1_500  # renewed every 500 ms
 DELAY_MS = 60_000
 
 
@@ -65,60 +60,28 @@ def test_a_step_of_one_servers_machine_clock_moves_no_lease_or_due_time(
     with RelayClient(b.address) as client:
         ids = [client.submit("held", {"i": i}, max_retries=0)["job"]["id"] for i in range(JOBS)]
 
-    running: set[str] = set()
-    cond = threading.Condition()
-    finish = threading.Event()
-
-    def hold(payload: Any, ctx: JobContext) -> None:
-        with cond:
-            running.add(ctx.job_id)
-            cond.notify_all()
-        assert finish.wait(120), "the test never let the job finish"
-
-    worker = Worker(
-        lambda: RelayClient(b.address),
-        ["held"],
-        concurrency=JOBS,
-        handler=hold,
-        lease_ms=LEASE_MS,
-        wait_ms=500,
-        worker_id="renewer",
-    )
-    thread = threading.Thread(target=worker.run, name="renewer", daemon=True)
-    thread.start()
     early: list[str] = []
-    try:
-        with cond:
-            assert cond.wait_for(lambda: len(running) == JOBS, 60), running
-        with RelayClient(a.address) as via_a, RelayClient(b.address) as via_b:
-            for n, offset in enumerate((HOUR_MS, -HOUR_MS), start=1):
-                step_to(step_file, offset)
-                # A says it saw the step: host_clock_off (before this fix, clock_step).
-                seen = saw_steps(a, n, offset)
-                if seen[-1]["event"] == "host_clock_off":
-                    assert abs(seen[-1]["offset_ms"] - offset) < 1_000, seen
-                # A delayed job submitted through the stepped server is not due early anywhere.
-                delayed = via_a.submit("delayed", {"offset": offset}, delay_ms=DELAY_MS)
-                assert delayed["job"]["available_at_ms"] - via_b.ping()["server_time_ms"] > (
-                    DELAY_MS - 5_000
-                ), delayed
-                early += [job["job_id"] for job in via_b.lease(["delayed"], worker_id="x")]
-                # Every lease renewed at least four more times (two lease lengths) while both
-                # reapers swept, or one was lost.
-                with events.cond:
-                    base = events.counts["renewed"]
-                events.wait(
-                    lambda c, base=base: c["renewed"] >= base + 4 * JOBS or c["lease_lost"] > 0,  # type: ignore[misc]
-                    f"renewals after a step of {offset} ms",
-                )
-        finish.set()
-        events.wait(lambda c: c["acked"] + c["lease_lost"] >= JOBS, "the acks")
-    finally:
-        finish.set()
-        worker.stop()
-        thread.join(30)
+    with (
+        renewer(b.address, "held", events) as held,
+        RelayClient(a.address) as via_a,
+        RelayClient(b.address) as via_b,
+    ):
+        for n, offset in enumerate((HOUR_MS, -HOUR_MS), start=1):
+            step_to(step_file, offset)
+            # A says it saw the step: host_clock_off (before this fix, clock_step).
+            seen = saw_steps(a, n, offset)
+            if seen[-1]["event"] == "host_clock_off":
+                assert abs(seen[-1]["offset_ms"] - offset) < 1_000, seen
+            # A delayed job submitted through the stepped server is not due early anywhere.
+            delayed = via_a.submit("delayed", {"offset": offset}, delay_ms=DELAY_MS)
+            assert delayed["job"]["available_at_ms"] - via_b.ping()["server_time_ms"] > (
+                DELAY_MS - 5_000
+            ), delayed
+            early += [job["job_id"] for job in via_b.lease(["delayed"], worker_id="x")]
+            held.renewed_again(f"a step of {offset} ms")
+        held.finish()
     assert early == [], "a delayed job was leased before its time"
-    stats = worker.counters()
+    stats = held.worker.counters()
     assert (stats["lost"], stats["acked"]) == (0, JOBS), stats
     db = RelayDb("postgresql", "")
     marks = ", ".join(["%s"] * JOBS)
