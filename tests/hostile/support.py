@@ -29,6 +29,32 @@ def rss_kib(pid: int) -> tuple[int, int]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
+def send_until(port: int, until: float, first: bytes, again: bytes, pace_s: float = 0.0) -> int:
+    """On a new connection that reads nothing (a 4 KiB receive buffer): send ``first``, then
+    ``again`` every ``pace_s`` (0: back to back; the client's pace, not a synchronisation)
+    until ``until`` (``time.monotonic``), or until a send blocks past it (back-pressure) or
+    the server cuts the connection. Return how many times ``again`` went out."""
+    count = 0
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.settimeout(max(0.1, until - time.monotonic()))
+        sock.sendall(first)
+        while (left := until - time.monotonic()) > 0:
+            if pace_s:
+                time.sleep(min(pace_s, left))
+                if time.monotonic() >= until:
+                    break
+            sock.settimeout(max(0.1, until - time.monotonic()))
+            sock.sendall(again)
+            count += 1
+    except OSError:  # the send blocked past the deadline (back-pressure), or we were cut
+        pass
+    finally:
+        sock.close()
+    return count
+
+
 class Raw:
     """A raw socket speaking (or abusing) NDJSON."""
 

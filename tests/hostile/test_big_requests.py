@@ -33,7 +33,7 @@ import orjson
 import pytest
 
 from queue_core.client import RelayClient
-from tests.hostile.support import Sentinel, rss_kib
+from tests.hostile.support import Sentinel, rss_kib, send_until
 from tests.procs import spawner
 
 pytestmark = [pytest.mark.slow]
@@ -75,29 +75,7 @@ def _client(port: int, line: bytes, pace_s: float, until: float, sent: list[int]
     as the end of the last, until ``until``; read nothing."""
     cut = min(100_000, len(line) // 2)
     head, tail = line[:-cut], line[-cut:]
-    count = 0
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    try:
-        sock.settimeout(max(0.1, until - time.monotonic()))
-        sock.sendall(head)
-        while time.monotonic() < until:
-            if pace_s and stop_wait(pace_s, until):
-                break
-            sock.settimeout(max(0.1, until - time.monotonic()))
-            sock.sendall(tail + head)
-            count += 1
-    except OSError:  # the send blocked past the deadline (back-pressure), or we were cut
-        pass
-    finally:
-        sent.append(count)
-        sock.close()
-
-
-def stop_wait(pace_s: float, until: float) -> bool:
-    """Wait ``pace_s`` (the client's pace, not a synchronisation); True past ``until``."""
-    time.sleep(min(pace_s, max(0.0, until - time.monotonic())))
-    return time.monotonic() >= until
+    sent.append(send_until(port, until, head, tail + head, pace_s))
 
 
 @pytest.mark.parametrize(

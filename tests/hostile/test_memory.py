@@ -13,7 +13,6 @@ too), and every waiter scanned every connection on every returned reply. The ser
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import orjson
 import pytest
 
 from queue_core.client import RelayClient
-from tests.hostile.support import Sentinel, rss_kib
+from tests.hostile.support import Sentinel, rss_kib, send_until
 from tests.procs import spawner
 
 pytestmark = [pytest.mark.slow]
@@ -56,19 +55,7 @@ def _dead_letters(client: RelayClient, jobs: int, size: int) -> None:
 def _hog(port: int, until: float, sent: list[int]) -> None:
     """Pipeline ``dead_list`` and read nothing, until ``until`` or the server cuts us off."""
     frames = orjson.dumps({"op": "dead_list", "args": {"limit": 1000}}) + b"\n"
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    count = 0
-    try:
-        while (left := until - time.monotonic()) > 0:
-            sock.settimeout(left)
-            sock.sendall(frames * 16)
-            count += 16
-    except OSError:  # the send blocked past the deadline (back-pressure), or we were cut
-        pass
-    finally:
-        sent.append(count)
-        sock.close()
+    sent.append(16 * send_until(port, until, b"", frames * 16))
 
 
 @pytest.mark.parametrize("hogs", [HOGS, 10 * HOGS])
