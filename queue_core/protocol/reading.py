@@ -16,7 +16,8 @@ hostile client's, as nginx's ``client_header_timeout`` and Redis's query-buffer 
 Request lines count too while their requests run, as what they will decode to
 (``line_weight``): a line that weighs more than ``COUNTED_LINE_BYTES`` waits its turn, first
 come first served, before it is decoded, until the requests in progress leave it room under
-the same limit (``admit``; one may always start when nothing is in progress), and past the
+a sixteenth of the limit (``admit``, ``ADMIT_SHARE``: they wait in the writer's queue ahead of
+every small request; one may always start when nothing is in progress), and past the
 limit a connection with such a request in progress takes no further line (``full``,
 ``room``). Without it, 30 clients pipelining 1 MB ``submit_batch`` lines faster than the
 writer committed them held 978 MiB in requests in progress (up to 64 per connection,
@@ -54,6 +55,10 @@ WEIGHED_LINE_BYTES = 256
 # What one JSON object or array costs once decoded, beyond its bytes (an empty dict is 64
 # bytes, a list 56, plus the reference that holds it): line_weight's estimate.
 DECODED_CONTAINER_BYTES = 72
+# The share of RELAY_MAX_BUFFERED_REQUEST_BYTES that counted lines in progress may hold
+# (``InputBudget.admit_limit``): with the whole of it, 30 clients pipelining 1 MB batches kept
+# 64 MiB queued for the writer ahead of every small request, first come first served.
+ADMIT_SHARE = 16
 
 
 def line_weight(line: bytes) -> int:
@@ -216,10 +221,16 @@ class InputBudget:
         limit: bytes all readers may buffer before the stalled ones are cut
             (``RELAY_MAX_BUFFERED_REQUEST_BYTES``).
         clock: a monotonic clock in seconds (``time.monotonic``).
+        admit_limit: estimated bytes of counted lines whose requests may run at once
+            (``admit``); None: ``limit``. The server gives a quarter of ``limit``
+            (``ADMIT_SHARE``): what waits in the writer's queue ahead of a small request.
     """
 
-    def __init__(self, limit: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, limit: int, clock: Callable[[], float], admit_limit: int | None = None
+    ) -> None:
         self.limit = limit
+        self.admit_limit = limit if admit_limit is None else admit_limit
         self.clock = clock
         self.held = 0  # bytes the readers buffer
         self.in_progress = 0  # bytes of the lines whose requests run
@@ -245,9 +256,9 @@ class InputBudget:
 
     def fits(self, size: int) -> bool:
         """Whether a line of ``size`` (estimated) bytes may start now: it keeps the requests
-        in progress within the limit, or none is in progress (one always may, so nothing
-        waits forever)."""
-        return not self.in_progress or self.in_progress + size <= self.limit
+        in progress within ``admit_limit``, or none is in progress (one always may, so
+        nothing waits forever)."""
+        return not self.in_progress or self.in_progress + size <= self.admit_limit
 
     async def admit(self, reader: FrameReader, size: int) -> Ticket:
         """Count a line of ``size`` (estimated) bytes as in progress, once it ``fits``: until

@@ -52,7 +52,7 @@ from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import Conn
 from queue_core.protocol.listener import Listener
 from queue_core.protocol.loops import loop_name
-from queue_core.protocol.reading import InputBudget
+from queue_core.protocol.reading import ADMIT_SHARE, InputBudget
 from queue_core.protocol.requests import Requests
 from queue_core.protocol.wakeups import FeedFollower, Wakeups
 from queue_core.protocol.writer import Database
@@ -125,7 +125,11 @@ class RelayServer:
             budget,
             self._conns,
             s.max_connections,
-            InputBudget(s.max_buffered_request_bytes, time.monotonic),
+            InputBudget(
+                s.max_buffered_request_bytes,
+                time.monotonic,
+                s.max_buffered_request_bytes // ADMIT_SHARE,
+            ),
         )
 
     @property

@@ -78,16 +78,20 @@ def _client(port: int, line: bytes, pace_s: float, until: float, sent: list[int]
     sent.append(send_until(port, until, head, tail + head, pace_s))
 
 
+# The sentinel's slowest cycle: the lines in progress wait in the writer's queue ahead of its
+# small requests, first come first served, so they are held to a sixteenth of the request
+# budget (reading.ADMIT_SHARE). With all of it (64 MiB), its slowest cycle took 1.6 s among
+# the committed batches and 1.0 s among the small objects (0.2 s each since, on a busy machine).
 @pytest.mark.parametrize(
-    ("kind", "line", "pace_s", "seconds", "clients", "rss_limit_kib"),
+    ("kind", "line", "pace_s", "seconds", "clients", "rss_limit_kib", "worst_s"),
     [
-        ("refused", REFUSED, 0.8, 6.0, CLIENTS, RSS_LIMIT_KIB),
-        ("committed", COMMITTED, 0.0, 4.0, CLIENTS, RSS_LIMIT_KIB),
-        # The budget counts about 23 MiB a line here, at most about three at a time, but
-        # the server's RSS still reaches about 880 MiB (2.2 GB before): what Python keeps
-        # of the freed objects' memory. Bounded, not small.
-        ("objects", OBJECTS, 0.0, 4.0, CLIENTS, 1_200 * 1024),
-        ("small objects", SMALL_OBJECTS, 0.0, 4.0, 150, RSS_LIMIT_KIB),
+        ("refused", REFUSED, 0.8, 6.0, CLIENTS, RSS_LIMIT_KIB, 1.0),
+        ("committed", COMMITTED, 0.0, 4.0, CLIENTS, RSS_LIMIT_KIB, 0.8),
+        # The budget counts about 23 MiB a line here, one at a time, but the server's RSS
+        # still reaches about 880 MiB (2.2 GB before): what Python keeps of the freed
+        # objects' memory. Bounded, not small.
+        ("objects", OBJECTS, 0.0, 4.0, CLIENTS, 1_200 * 1024, 2.0),
+        ("small objects", SMALL_OBJECTS, 0.0, 4.0, 150, RSS_LIMIT_KIB, 0.5),
     ],
 )
 def test_megabyte_requests_faster_than_answers_keep_the_server_bounded(
@@ -98,6 +102,7 @@ def test_megabyte_requests_faster_than_answers_keep_the_server_bounded(
     seconds: float,
     clients: int,
     rss_limit_kib: int,
+    worst_s: float,
 ) -> None:
     with spawner(str(tmp_path / "relay.db")) as spawn:
         proc, port = spawn.server()
@@ -120,7 +125,7 @@ def test_megabyte_requests_faster_than_answers_keep_the_server_bounded(
         peak = rss_kib(proc.popen.pid)[1]
         assert sum(sent) >= clients, (kind, sent)  # the lines went out
         assert not sentinel.errors, sentinel.errors
-        assert sentinel.worst_s < 5, f"a sentinel cycle took {sentinel.worst_s:.1f}s"
+        assert sentinel.worst_s < worst_s, f"{kind}: a sentinel cycle took {sentinel.worst_s:.2f}s"
         assert peak < rss_limit_kib, (
             f"{kind}: server RSS peaked at {peak // 1024} MiB (from {before // 1024})"
         )

@@ -173,6 +173,29 @@ def test_lines_past_the_limit_wait_in_order_and_one_always_may_start() -> None:
     asyncio.run(main())
 
 
+def test_lines_in_progress_are_held_to_the_admit_limit_not_the_whole_budget() -> None:
+    # What is in progress waits in the writer's queue ahead of every small request: a fifth
+    # line of 10 waits at an admit limit of 40, though the budget's 100 would take it.
+    async def main() -> None:
+        budget = InputBudget(limit=100, clock=lambda: 0.0, admit_limit=40)
+        readers = [reader(budget, str(n))[0] for n in range(5)]
+        running = [await budget.admit(r, 10) for r in readers[:4]]
+        fifth = asyncio.ensure_future(budget.admit(readers[4], 10))
+        await asyncio.sleep(0)
+        assert not fifth.done() and budget.in_progress == 40
+        running.pop(0).end()
+        running.append(await asyncio.wait_for(fifth, 1))  # the end made room
+        assert budget.in_progress == 40
+        for ticket in running:
+            ticket.end()
+        assert budget.in_progress == 0
+        assert InputBudget(limit=100, clock=lambda: 0.0).admit_limit == 100  # the default
+        for r in readers:
+            r.release()
+
+    asyncio.run(main())
+
+
 def test_a_woken_line_whose_connection_closes_passes_its_wake_on() -> None:
     async def main() -> None:
         budget = InputBudget(limit=100, clock=lambda: 0.0)
