@@ -152,8 +152,10 @@ def unfaithful(
 ) -> tuple[str, str] | None:
     """Find what JSON would not carry faithfully in ``value`` (dicts, lists and tuples walked
     without recursion): a float that is NaN or ±Infinity (orjson writes ``null`` for it), a
-    string or key holding a lone surrogate (no UTF-8 form; orjson raises), or, given
-    ``max_depth``, nesting deeper than that many arrays/objects.
+    string or key holding a lone surrogate (no UTF-8 form; orjson raises), an integer outside
+    -2**63..2**64-1 (orjson's range), a key that is not a string, a value orjson cannot encode
+    (a set, ``object()``; a ``datetime`` or ``UUID`` it can), or, given ``max_depth``, nesting
+    deeper than that many arrays/objects.
 
     Args:
         value: a JSON-like value (what is to be encoded, or was decoded).
@@ -183,12 +185,31 @@ def unfaithful(
                 return root or "value", f"is nested deeper than {max_depth} levels"
             if isinstance(item, dict):
                 for key, child in item.items():
-                    if isinstance(key, str) and has_lone_surrogate(key):
+                    if not isinstance(key, str):
+                        return path or "value", f"key {key!r} is not a string"
+                    if has_lone_surrogate(key):
                         return path or "value", f"key {key!r} {_SURROGATE}"
                     stack.append((child, _path(path, key), depth + 1))
             else:
                 stack.extend((child, _path(path, i), depth + 1) for i, child in enumerate(item))
+        elif isinstance(item, int):
+            if not _INT_MIN <= item <= _INT_MAX:
+                return path or "value", "is an integer outside -2**63..2**64-1"
+        elif item is not None and not encoded and not _encodes(item):
+            return path or "value", f"a {type(item).__name__} is not a JSON value"
     return None
+
+
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what orjson encodes
+
+
+def _encodes(item: Any) -> bool:
+    """Whether orjson encodes ``item`` (a leaf that is no str, number, list or dict)."""
+    try:
+        orjson.dumps(item)
+    except TypeError:
+        return False
+    return True
 
 
 def _suspect(value: Any, max_depth: int | None) -> bool:

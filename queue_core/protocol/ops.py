@@ -586,6 +586,8 @@ class Ops:
             InvalidArgument, StoreBusy, Unavailable, RelayConnectionError (jobs leased by a
             lost reply come back when their lease expires).
         """
+        if isinstance(queues, str):  # a str is a Sequence[str]: "ab" would lease from a and b
+            raise _bad("queues", f"must be a list of queue names, not a string: [{queues!r}]")
         args = {**locals(), "queues": list(queues)}
         return Call.of("lease", args, wait_ms=wait_ms, unwrap="jobs")
 

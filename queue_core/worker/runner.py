@@ -323,7 +323,7 @@ class Worker:
             ``ack_batch`` requests (default True; turned off by itself when the server does
             not know ``ack_batch``). False: every ack is its own request.
     Raises:
-        ValueError: an argument is out of range.
+        ValueError: an argument is out of range, or ``queues`` is a string.
 
     Attributes:
         leased, acked, failed, released, renewed, lost: counters (``lost``: leases found gone
@@ -354,6 +354,8 @@ class Worker:
         lease_next: bool = True,
         batch_acks: bool = True,
     ) -> None:
+        if isinstance(queues, str):  # a str is a Sequence[str]: "emails" would be six queues
+            raise ValueError(f"queues must be a list of queue names, not a string: [{queues!r}]")
         if not queues:
             raise ValueError("a worker needs at least one queue")
         if concurrency < 1:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import math
+import uuid
 from typing import Any
 
 import orjson
@@ -200,6 +202,33 @@ def test_encode_request_refuses_nan_infinity_and_surrogates(
         codec.encode_request(1, "op", args)
     expected = "jobs[1].payload[0]" if field is None else field
     assert info.value.details == {"field": expected}
+
+
+@pytest.mark.parametrize(
+    ("value", "field", "problem"),
+    [
+        (object(), "result", "a object is not a JSON value"),
+        ({"a": [1, {"b": {3}}]}, "result.a[1].b", "a set is not a JSON value"),
+        ({(1, 2): 3}, "result", "key (1, 2) is not a string"),
+        (2**64, "result", "outside -2**63..2**64-1"),
+        (-(2**63) - 1, "result", "outside -2**63..2**64-1"),
+    ],
+)
+def test_encode_request_names_what_orjson_cannot_encode(
+    value: Any, field: str, problem: str
+) -> None:
+    # These raised with no field: the worker could not tell a result it cannot store from
+    # any other refused ack, held the lease until it expired and ran the job again (review).
+    with pytest.raises(errors.InvalidArgument) as info:
+        codec.encode_request(1, "ack", {"job_id": "j", "result": value})
+    assert info.value.details == {"field": field} and problem in info.value.message
+    edges = [2**64 - 1, -(2**63), dt.datetime(2026, 1, 1), uuid.UUID(int=0)]
+    assert orjson.loads(codec.encode_request(1, "ack", {"result": edges}))["args"]["result"][
+        :2
+    ] == [
+        2**64 - 1,
+        -(2**63),
+    ]
 
 
 def test_encode_request_still_sends_nulls_and_finite_floats() -> None:

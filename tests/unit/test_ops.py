@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from ninja import Schema
 
 from queue_api import calls, schemas
-from queue_core import auth, client, types
+from queue_core import auth, client, errors, types
 from queue_core.aclient import AsyncRelayClient
 from queue_core.errors import RelayError
 from queue_core.protocol import dispatch, ops
@@ -126,6 +126,16 @@ def test_a_lease_returns_its_jobs_and_waits_as_long_as_it_asks() -> None:
         _Recorder({}).lease(["q"], worker_id="w")
     with pytest.raises(ValueError, match="ack reply has no result object"):
         _Recorder(None).ack("j", worker_id="w", lease_token="t")
+
+
+def test_a_lease_of_a_string_is_refused_not_split_into_one_letter_queues() -> None:
+    # A str is a Sequence[str]: lease("ab") once leased from queues a and b (hostile review).
+    recorder = _Recorder({"jobs": []})
+    with pytest.raises(errors.InvalidArgument) as refused:
+        recorder.lease("ab", worker_id="w")
+    assert refused.value.details["field"] == "queues" and not recorder.sent
+    assert recorder.lease(("ab",), worker_id="w") == []
+    assert recorder.sent[0].args["queues"] == ["ab"]
 
 
 # ---------------------------------------------------------------------- HTTP schemas

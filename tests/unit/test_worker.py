@@ -18,6 +18,7 @@ import pytest
 
 from queue_core import errors
 from queue_core.clock import FakeClock
+from queue_core.protocol import codec
 from queue_core.worker import (
     JobContext,
     JobInterrupted,
@@ -171,6 +172,7 @@ class FakeClient:
         args = {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
         if result is not None:
             args["result"] = result
+            codec.encode_request(None, "ack", args)  # what the real client refuses to send
             if self.relay.refuse_result is not None:
                 with self.relay.cond:
                     self.relay.record("ack", args)
@@ -317,6 +319,11 @@ def make_worker(relay: FakeRelay, clock: FakeClock) -> Iterator[Callable[..., Ru
         running.worker.stop()
         clock.advance(seconds=3600)
         running.thread.join(WAIT_S)
+
+
+def test_a_string_of_queues_is_refused_not_split_into_letters(relay: FakeRelay) -> None:
+    with pytest.raises(ValueError, match="not a string"):
+        Worker(relay.connect, "emails", lease_ms=1_000, max_error_bytes=1, max_result_bytes=1)
 
 
 def test_holds_at_most_concurrency_jobs(relay: FakeRelay, make_worker: Any) -> None:
@@ -807,6 +814,22 @@ def test_a_result_the_server_refuses_fails_the_job_for_good(
     assert call["error"].startswith("the result cannot be stored: result is 70000 bytes")
     assert call["exception_class"] == "queue_core.errors.FrameTooLarge"
     assert running.worker.failed == 1 and running.worker.acked == 0
+
+
+@pytest.mark.parametrize("value", [{1, 2}, object(), {(1, 2): 3}, 2**70])
+def test_a_result_the_client_cannot_encode_fails_the_job_for_good(
+    relay: FakeRelay, make_worker: Any, value: Any
+) -> None:
+    # Refused with no field, the ack was dropped: the lease expired and the job ran again
+    # until it died "lease expired", with no error stored (hostile review).
+    relay.add({})
+    running = make_worker(lambda payload, ctx: StoredResult(value))
+    relay.wait_for(lambda: bool(relay.calls_of("fail")), "the fail")
+    running.stop()
+    (call,) = relay.calls_of("fail")
+    assert call["retryable"] is False
+    assert call["error"].startswith("the result cannot be stored: result")
+    assert call["exception_class"] == "queue_core.errors.InvalidArgument"
 
 
 def test_non_retryable_error_fails_without_retry(relay: FakeRelay, make_worker: Any) -> None:
