@@ -115,6 +115,7 @@ __all__ = [
     "RelayBackend",
     "ReturnValueRefused",
     "TaskAttemptFailed",
+    "TimeLimitExceeded",
     "check_worker_setup",
     "execute_task",
     "relay_backends",
@@ -150,6 +151,12 @@ _R = TypeVar("_R")
 
 class TaskAttemptFailed(Exception):
     """An attempt failed but the worker left no traceback (the error text is all there is)."""
+
+
+class TimeLimitExceeded(Exception):
+    """An attempt ran past its time limit (``RELAY_QUEUE_TIME_LIMITS``; the attempt's outcome
+    ``timeout``): the server failed it at a renew. A task body cannot see the worker's stop
+    signal, so it ran on; what it returned then was discarded."""
 
 
 class ReturnValueRefused(NonRetryableError):
@@ -686,7 +693,7 @@ class RelayBackend(BaseTaskBackend):
         recorded = {e["attempt"]: e for e in found.get("errors") or []}
         task_errors: list[TaskError] = []
         for attempt in history:
-            if attempt["outcome"] not in ("failed", "lease_expired"):
+            if attempt["outcome"] not in ("failed", "lease_expired", "timeout"):
                 continue
             entry = recorded.get(attempt["attempt"])
             if entry is not None:
@@ -699,6 +706,11 @@ class RelayBackend(BaseTaskBackend):
                     exception_class_path=f"{LeaseExpired.__module__}.{LeaseExpired.__qualname__}",
                     traceback="lease expired: the worker neither finished nor renewed in time "
                     "(it crashed, hung or lost its connection)",
+                )
+            elif attempt["outcome"] == "timeout":
+                error = TaskError(
+                    exception_class_path=f"{__name__}.{TimeLimitExceeded.__qualname__}",
+                    traceback="timeout: the attempt ran past its queue's time limit",
                 )
             else:
                 error = TaskError(

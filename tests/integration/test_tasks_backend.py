@@ -33,6 +33,7 @@ from queue_core.tasks_backend import (
     RelayBackend,
     ReturnValueRefused,
     TaskAttemptFailed,
+    TimeLimitExceeded,
     execute_task,
     relay_priority,
 )
@@ -487,6 +488,26 @@ def test_expired_lease_reads_as_an_error() -> None:
         result.refresh()
     assert result.status == TaskResultStatus.FAILED
     assert result.errors[0].exception_class is LeaseExpired
+
+
+def test_an_attempt_past_its_time_limit_reads_as_an_error() -> None:
+    # Its attempt's outcome "timeout" was left out: FAILED with errors == [] (hostile review).
+    clock = FakeClock()
+    clock.set_ms(QueueService().clock.now_ms())  # the backend reads times on the wall clock
+    with override_settings(
+        TASKS=relay_tasks(MAX_RETRIES=0), RELAY_QUEUE_TIME_LIMITS="default=1000ms"
+    ):
+        service = QueueService(clock=clock)
+        result = tasks.add.enqueue(1, 2)
+        (lease,) = service.claim(["default"], worker_id="w1", lease_ms=5_000)
+        clock.advance(seconds=1)  # at the limit exactly: not extended
+        ids = {"worker_id": "w1", "lease_token": lease["lease_token"]}
+        assert service.renew(lease["job_id"], **ids)["stop"] == "timeout"
+        result.refresh()
+    assert result.status == TaskResultStatus.FAILED
+    (error,) = result.errors
+    assert error.exception_class is TimeLimitExceeded
+    assert error.traceback.startswith("timeout:")
 
 
 def test_failure_without_a_recorded_traceback_keeps_the_error_text(
