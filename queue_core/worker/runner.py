@@ -292,8 +292,10 @@ class Worker:
     jobs still held (back to ready, no failure counted) and returns. A lease request already in
     flight is allowed to finish within the timeout (the jobs it brings are released at once), as
     cutting it off would strand those jobs until their leases expire. ``run()`` returns within
-    about the timeout plus a few seconds for the releases, even if a handler hangs (its thread
-    is abandoned; it is a daemon thread).
+    about the timeout plus about 9 s (releases 5, then 2 for settles under way and 2 for
+    threads), even if a handler hangs (its thread is abandoned; it is a daemon thread) or the
+    server takes requests and answers none (the releases go out on a connection of their own,
+    closed when their 5 s are up).
 
     Args:
         client_factory: builds a connected-on-demand client (``RelayClient``); called once for
@@ -1123,10 +1125,44 @@ class Worker:
             _Outcome(reported=refused),
         )
 
-    def _release(self, job: _HeldJob, *, reason: str) -> None:
+    def _release_all(self, stuck: list[_HeldJob]) -> None:
+        """Release ``stuck`` at the shutdown deadline within ``_RELEASE_BUDGET_S``.
+
+        On a connection of its own: the pooled ones may all wait on acks in flight, each for
+        the client's timeout (30 s), and a server that takes requests and answers none would
+        hold each release as long. The connection is closed when the budget is up (a call
+        blocked on it fails), and the jobs not released by then come back when their leases
+        expire. A review's worker took 36 s to exit a 2 s shutdown timeout that way.
+        """
+        client = self._client_factory()
+        cut = threading.Event()
+
+        def cut_off() -> None:
+            cut.set()
+            client.close()
+
+        cutoff = threading.Timer(_RELEASE_BUDGET_S, cut_off)  # real time, as a socket's
+        cutoff.daemon = True
+        cutoff.start()
+        budget_end = self._clock.monotonic() + _RELEASE_BUDGET_S
         try:
-            with self._clients.client() as client:
-                client.release(job.job_id, worker_id=self.worker_id, lease_token=job.lease_token)
+            for job in stuck:
+                if cut.is_set() or self._clock.monotonic() > budget_end:
+                    _log(logging.WARNING, "release_skipped", job_id=job.job_id, code="NO_TIME")
+                    continue
+                self._release(job, reason="shutdown_timeout", client=client)
+        finally:
+            cutoff.cancel()
+            client.close()
+
+    def _release(self, job: _HeldJob, *, reason: str, client: WorkerClient | None = None) -> None:
+        """Release ``job`` (on ``client``, or on one from the pool); a refusal or a broken
+        connection is logged, and the lease then expires."""
+        try:
+            with (
+                contextlib.nullcontext(client) if client is not None else self._clients.client()
+            ) as sender:
+                sender.release(job.job_id, worker_id=self.worker_id, lease_token=job.lease_token)
         except _LEASE_GONE as exc:
             _log(logging.INFO, "release_skipped", job_id=job.job_id, code=exc.code)
         except (ConnectionError, errors.RelayError) as exc:
@@ -1240,12 +1276,8 @@ class Worker:
             stuck = [job for job in self._held.values() if job.status == "running"]
             for job in stuck:
                 job.status = "released"
-        budget_end = self._clock.monotonic() + _RELEASE_BUDGET_S
-        for job in stuck:
-            if self._clock.monotonic() > budget_end:
-                _log(logging.WARNING, "release_skipped", job_id=job.job_id, code="NO_TIME")
-                continue
-            self._release(job, reason="shutdown_timeout")
+        if stuck:
+            self._release_all(stuck)
         with self._cond:
             for job in stuck:
                 self._held.pop(job.job_id, None)

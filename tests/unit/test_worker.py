@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from queue_core import errors
+from queue_core.client import RelayConnectionError
 from queue_core.clock import FakeClock
 from queue_core.protocol import codec
 from queue_core.worker import (
@@ -58,6 +59,7 @@ class FakeRelay:
         self.max_batch: int | None = None  # a larger ack_batch is refused FRAME_TOO_LARGE
         self.malformed_batches = 0  # the next ack_batch replies hold a result that is no object
         self.bad_leases = 0  # the next ack_batch replies with lease_next bring a lease without ids
+        self.unanswered_releases = False  # a release waits until its client is closed
         self._seq = 0
 
     def add(self, *payloads: Any, queue: str = "q") -> list[str]:
@@ -123,6 +125,7 @@ class FakeClient:
 
     def __init__(self, relay: FakeRelay) -> None:
         self.relay = relay
+        self.closed = threading.Event()
 
     def lease(
         self,
@@ -248,11 +251,15 @@ class FakeClient:
         )
 
     def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
+        if self.relay.unanswered_releases:  # a server that takes requests and answers none
+            assert self.closed.wait(WAIT_S), "a release waited for an answer until the end"
+            raise RelayConnectionError("127.0.0.1:1", "closed by another thread")
         return self.relay.settle(
             "release", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
         )
 
     def close(self) -> None:
+        self.closed.set()
         with self.relay.cond:
             self.relay.record("close", {})
 
@@ -968,6 +975,25 @@ def test_stop_releases_jobs_still_running_at_the_deadline(
     assert len(relay.ready) == 1  # the third job was never leased
     gate.set()  # the abandoned handlers return; their results are discarded
     assert relay.calls_of("ack") == []
+
+
+def test_releases_a_server_never_answers_end_with_their_budget(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A review's server took requests and answered none: the shutdown's release waited for
+    # a pooled connection, then for its answer, and a 2 s shutdown timeout took 36 s. The
+    # releases now go out on a connection of their own, closed when their budget is up.
+    monkeypatch.setattr(runner, "_RELEASE_BUDGET_S", 0.2)
+    gate = threading.Event()
+    relay.add({}, {})
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), shutdown_timeout_ms=1_000)
+    relay.wait_for(lambda: len(relay.held) == 2, "two leases")
+    relay.unanswered_releases = True
+    running.worker.stop()
+    clock.advance(ms=1_001)
+    running.join()  # within WAIT_S: the budget's cut-off, not the fake's own end
+    assert running.worker.released == 0 and set(relay.held) == {"job_1", "job_2"}
+    gate.set()
 
 
 def test_interrupted_demo_sleep_releases_the_job(relay: FakeRelay, make_worker: Any) -> None:
