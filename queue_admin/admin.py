@@ -33,6 +33,7 @@ from django.contrib.admin import helpers
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, QuerySet
+from django.db.models.constants import LOOKUP_SEP
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
 from django.template.loader import render_to_string
 from django.template.response import TemplateResponse
@@ -64,6 +65,10 @@ else:  # ModelAdmin is generic only in django-stubs
     _AdminBase = admin.ModelAdmin
 
 
+# Columns whose values are credentials: a lease's token settles its job (ack, fail, release).
+SECRET_FIELDS = frozenset({"lease_token"})
+
+
 class ReadOnlyAdmin(_AdminBase):
     """Lists and detail pages without add, change or delete, sized for large tables."""
 
@@ -80,6 +85,15 @@ class ReadOnlyAdmin(_AdminBase):
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Jobs are created by producers, never in the console."""
         return False
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
+        """Django allows any lookup on a model's own fields in a list's query string; one on
+        a ``SECRET_FIELDS`` column (400 Bad Request) would let a user who may only view jobs
+        read a live lease's token a character at a time (``?lease_token__gte=...``: a
+        review recovered one in 257 requests and acked the job with another worker key)."""
+        if any(part in SECRET_FIELDS for part in lookup.split(LOOKUP_SEP)):
+            return False
+        return super().lookup_allowed(lookup, value, request)
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Job state changes only through the replay and purge actions."""
