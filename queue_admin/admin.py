@@ -86,7 +86,7 @@ class ReadOnlyAdmin(_AdminBase):
         """Jobs are created by producers, never in the console."""
         return False
 
-    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
         """Django allows any lookup on a model's own fields in a list's query string; one on
         a ``SECRET_FIELDS`` column (400 Bad Request) would let a user who may only view jobs
         read a live lease's token a character at a time (``?lease_token__gte=...``: a

@@ -57,7 +57,8 @@ def test_job_list_columns(
 
 
 @pytest.mark.parametrize(
-    "lookup", ["lease_token", "lease_token__gte", "lease_token__startswith", "attempts__lease_token"]
+    "lookup",
+    ["lease_token", "lease_token__gte", "lease_token__startswith", "attempts__lease_token"],
 )
 def test_no_lookup_on_a_lease_token_in_the_query_string(
     client: Client, leased_job: Factory, lookup: str
