@@ -52,6 +52,9 @@ class Conn:
     gone: bool = False  # the client closed its side: long-polls stop waiting
     eof_sent: bool = False  # we closed our side (after FRAME_TOO_LARGE): nothing more to send
     principal: auth.Principal | None = None  # set by a successful hello
+    # Loop time by which it must hold a key (keys required): RELAY_AUTH_TIMEOUT_MS from its
+    # connect, or from when it lost the key it had (``unauthenticate``). None: no deadline.
+    auth_by: float | None = None
     send_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     unsent: int = 0  # reply bytes reserved or not yet taken by the kernel (ReplyBudget)
     drained_at: float = 0.0  # loop time it last held nothing or gave bytes back
@@ -71,6 +74,17 @@ class Conn:
     # of each line and what to call should it not reach the kernel after all (``send``'s
     # ``lost``), decided by ``settle_undelivered``.
     undelivered: list[tuple[int, Callable[[], object]]] = dataclasses.field(default_factory=list)
+
+    def unauthenticate(self) -> None:
+        """Forget the connection's key (refused at a later ``hello``, or revoked): it may
+        only ping again, may be evicted for a newcomer, and has ``RELAY_AUTH_TIMEOUT_MS``
+        from now to say ``hello`` with another key before it is closed. A connection that
+        never held a key keeps the deadline it had."""
+        had = self.principal is not None and self.principal.authenticated
+        self.principal = None
+        if had:
+            timeout_s = relay_settings().auth_timeout_ms / 1000
+            self.auth_by = asyncio.get_running_loop().time() + timeout_s
 
     async def send(self, line: bytes, lost: Callable[[], object] | None = None) -> bool:
         """Write one reply line and wait until all of it is with the kernel; return whether

@@ -230,11 +230,12 @@ class Listener:
 
     def evict_unauthenticated(self, ring: auth.KeyRing) -> bool:
         """With API keys on and every slot taken, close the oldest connection that has not
-        completed a ``hello`` (it gets ``TOO_MANY_CONNECTIONS``); return whether one was.
+        completed a ``hello``, or whose key was revoked since (it gets
+        ``TOO_MANY_CONNECTIONS``); return whether one was.
 
         Such a connection can only ping, so holding slots without a key buys nothing: a
         client with a key always gets in, however many keyless connections wait for their
-        hello deadline. Authenticated connections are never closed for a newcomer.
+        hello deadline. Connections with a live key are never closed for a newcomer.
         """
         if not ring.required:
             return False
@@ -244,7 +245,11 @@ class Listener:
             if c.read_task is not None
             and not c.gone
             and not c.evicted
-            and (c.principal is None or not c.principal.authenticated)
+            and (
+                c.principal is None
+                or not c.principal.authenticated
+                or not ring.is_active(c.principal.prefix)  # its key was revoked since
+            )
         ]
         if not waiting:
             return False
@@ -303,7 +308,7 @@ class Listener:
             required = (await self.requests.key_ring()).required
         except errors.RelayError:  # the table cannot be read now: requests will say so
             required = False
-        auth_by = loop.time() + s.auth_timeout_ms / 1000 if required else None
+        conn.auth_by = auth_by = loop.time() + s.auth_timeout_ms / 1000 if required else None
         head = await conn.first_byte(idle_s if auth_by is None else auth_by - loop.time())
         if head is None:
             return
@@ -311,7 +316,7 @@ class Listener:
         assert task is not None
         deadline = ReadDeadline(task)
         try:
-            await self._read_requests(conn, head, active_at, auth_by, deadline)
+            await self._read_requests(conn, head, active_at, deadline)
         finally:
             deadline.close()
 
@@ -320,7 +325,6 @@ class Listener:
         conn: Conn,
         head: bytes,
         active_at: float,
-        auth_by: float | None,
         deadline: ReadDeadline,
     ) -> None:
         """``read_loop`` after the first byte (``head``): read, decode and start requests."""
@@ -334,6 +338,7 @@ class Listener:
                 await self.budget.room(conn)
             if framed is not None and framed.taken and self.input.full(framed):
                 await self.input.room(framed)  # the server holds too many request bytes
+            auth_by = conn.auth_by  # later if it loses its key (Conn.unauthenticate)
             authed = auth_by is None or (
                 conn.principal is not None and conn.principal.authenticated
             )
@@ -350,6 +355,7 @@ class Listener:
             except asyncio.CancelledError:
                 if not deadline.expired():
                     raise
+                auth_by = conn.auth_by
                 authed = auth_by is None or (
                     conn.principal is not None and conn.principal.authenticated
                 )

@@ -352,7 +352,11 @@ class Requests:
         if ring is None:
             principal = conn.principal or auth.ANONYMOUS
         else:
-            principal = auth.check_session(conn.principal, ring, surface="tcp", peer=conn.peer)
+            try:
+                principal = auth.check_session(conn.principal, ring, surface="tcp", peer=conn.peer)
+            except errors.Unauthenticated:
+                conn.unauthenticate()  # revoked: evictable, and closed unless it says hello
+                raise
             auth.authorize(principal, verb.op, surface="tcp", peer=conn.peer)
         args = dispatch.validate(verb, raw_args)
         if self.draining and verb.op in dispatch.REFUSED_WHILE_DRAINING:
@@ -383,7 +387,7 @@ class Requests:
     async def hello(self, conn: Conn, args: dict[str, Any]) -> dict[str, Any]:
         """Check an API key and tie it to this connection (a refused key unties the old one)."""
         ring = await self.key_ring()
-        conn.principal = None
+        conn.unauthenticate()
         principal: auth.Principal = await self.db.read(
             lambda: auth.authenticate(args["api_key"], surface="tcp", peer=conn.peer, ring=ring)
         )

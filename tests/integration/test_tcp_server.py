@@ -620,6 +620,67 @@ def test_at_the_limit_a_client_with_a_key_evicts_the_oldest_unauthenticated_conn
                     c.close()
 
 
+def test_a_revoked_keys_connections_are_evictable_and_must_say_hello_again(
+    start: Callable[..., Running],
+) -> None:
+    # A review revoked the key of 8 connections holding every slot: they kept the slots
+    # (still counted as authenticated), and every newcomer got TOO_MANY_CONNECTIONS.
+    from queue_core import auth
+
+    bad = auth.create_key("abuser", ["worker"])
+    good = auth.create_key("w", ["worker"]).key
+    with override_settings(RELAY_MAX_CONNECTIONS=2, RELAY_AUTH_TIMEOUT_MS=300):
+        running = start()
+        first, second = Client(running.port, timeout=5), Client(running.port, timeout=5)
+        newcomer: Client | None = None
+        try:
+            for c in (first, second):
+                assert c.ok("hello", api_key=bad.key)["name"] == "abuser"
+            assert auth.revoke(bad.prefix)
+            newcomer = Client(running.port, timeout=5)
+            assert newcomer.ok("hello", api_key=good)["name"] == "w"  # admitted at once
+            assert first.recv()["error"]["code"] == "TOO_MANY_CONNECTIONS"  # the oldest
+            assert first.at_eof()
+            # The other learns of the revoke at its next request, and then has the hello
+            # deadline, from then on, to say hello with another key.
+            refused = second.call("stats")
+            assert refused["error"]["code"] == "UNAUTHENTICATED", refused
+            began = time.monotonic()
+            while (reply := second.call("ping"))["ok"]:
+                assert time.monotonic() - began < 2, "never asked to authenticate again"
+            assert "hello within 300 ms" in reply["error"]["message"]
+            assert time.monotonic() - began >= 0.2
+            assert newcomer.ok("ping")["pong"] is True
+        finally:
+            for c in (first, second, newcomer):
+                if c is not None:
+                    c.close()
+
+
+def test_a_refused_hello_on_an_old_connection_leaves_time_for_another(
+    start: Callable[..., Running],
+) -> None:
+    # Past the connect's hello deadline, a refused hello (a key made in another process is
+    # unknown here for up to a second) closed the connection at once, with the message that
+    # no hello had come, before the client could try another key (a review).
+    from queue_core import auth
+
+    key = auth.create_key("w", ["worker"]).key
+    with override_settings(RELAY_AUTH_TIMEOUT_MS=300):
+        running = start()
+        c = Client(running.port, timeout=5)
+        try:
+            assert c.ok("hello", api_key=key)["name"] == "w"
+            time.sleep(0.35)  # the connection ages past its first hello deadline
+            refused = c.call("hello", api_key="rk_000000000000_wrong")
+            assert refused["error"]["code"] == "UNAUTHENTICATED", refused
+            assert "hello within" not in refused["error"]["message"]
+            assert c.ok("hello", api_key=key)["name"] == "w"
+            assert c.ok("ping")["pong"] is True
+        finally:
+            c.close()
+
+
 def test_connections_per_address_cap(start: Callable[..., Running]) -> None:
     with override_settings(RELAY_MAX_CONNECTIONS_PER_ADDRESS=2):
         running = start()
