@@ -40,6 +40,20 @@ class ApiKeyCreateForm(forms.ModelForm):  # type: ignore[type-arg]
         fields = ["name"]
 
 
+class WorkerKeyCreateForm(ApiKeyCreateForm):
+    """The creation form of a user who is not a superuser: no ``operator`` scope (a forged
+    POST asking for it is refused as an invalid choice)."""
+
+    scope_choices = forms.MultipleChoiceField(
+        label="Scopes",
+        choices=[(s, s) for s in auth.SCOPES if s != "operator"],
+        widget=forms.CheckboxSelectMultiple,
+        help_text="producer: submit, inspect, stats. worker: lease, renew, ack, fail, release, "
+        "inspect. An operator key (everything, dead letters included) is made by a superuser "
+        "or with relay keys create.",
+    )
+
+
 @admin.register(ApiKey)
 class ApiKeyAdmin(_KeyAdminBase):
     """List, create and revoke API keys; no secret is ever shown after its creation page."""
@@ -66,12 +80,21 @@ class ApiKeyAdmin(_KeyAdminBase):
         """Revocation time, or ``-`` for an active key."""
         return iso(obj.revoked_at_ms) or "-"
 
+    def has_delete_permission(self, request: HttpRequest, obj: ApiKey | None = None) -> bool:
+        """Keys are revoked, never deleted here: with no key row left access control is off
+        (every request runs anonymous), so a user allowed to delete keys switched it off for
+        every surface (a hostile review). ``relay keys`` keeps its own commands."""
+        return False
+
     def get_form(
         self, request: HttpRequest, obj: ApiKey | None = None, change: bool = False, **kwargs: Any
     ) -> Any:
-        """The creation form asks for scopes; the change form edits the name only."""
+        """The creation form asks for scopes (``operator`` only of a superuser: an operator
+        key does everything the console's own permissions guard, purge and replay included);
+        the change form edits the name only."""
         if obj is None:
-            kwargs["form"] = ApiKeyCreateForm
+            superuser = getattr(request.user, "is_superuser", False)
+            kwargs["form"] = ApiKeyCreateForm if superuser else WorkerKeyCreateForm
             kwargs["fields"] = ["name", "scope_choices"]
         return super().get_form(request, obj, change, **kwargs)
 
@@ -90,7 +113,7 @@ class ApiKeyAdmin(_KeyAdminBase):
     ) -> HttpResponse:
         """On a valid POST, make the key with ``auth.create_key`` and show it once."""
         if request.method == "POST" and self.has_add_permission(request):
-            form = ApiKeyCreateForm(request.POST)
+            form = self.get_form(request)(request.POST)
             if form.is_valid():
                 new = auth.create_key(form.cleaned_data["name"], form.cleaned_data["scope_choices"])
                 self.log_addition(request, ApiKey.objects.get(prefix=new.prefix), "created")

@@ -206,6 +206,45 @@ def test_admin_creates_a_key_shows_it_once_and_revokes(transactional_db: None) -
     assert row.revoked_at_ms is not None
 
 
+def test_admin_keys_are_revoked_not_deleted_and_only_a_superuser_makes_operator_keys(
+    transactional_db: None,
+) -> None:
+    # A review's user with view+delete on keys deleted every row, which switches access
+    # control off; one with view+add made an operator key and purged dead letters with it.
+    from django.contrib.auth.models import Permission
+
+    kept = auth.create_key("kept", ["worker"])
+    staff = User.objects.create_user("keys", password="pw", is_staff=True)
+    codenames = ["view_apikey", "add_apikey", "change_apikey", "delete_apikey"]
+    staff.user_permissions.set(Permission.objects.filter(codename__in=codenames))
+    client = Client()
+    client.force_login(staff)
+    page = client.get("/admin/queue_core/apikey/").content.decode()
+    assert "delete_selected" not in page and "revoke_keys" in page
+    response = client.post(
+        "/admin/queue_core/apikey/", {"action": "delete_selected", "_selected_action": [1]}
+    )
+    assert ApiKey.objects.filter(prefix=kept.prefix).exists()
+    row = ApiKey.objects.get(prefix=kept.prefix)
+    assert (
+        client.post(f"/admin/queue_core/apikey/{row.pk}/delete/", {"post": "yes"}).status_code
+        == 403
+    )
+    assert ApiKey.objects.count() == 1
+    form = client.get("/admin/queue_core/apikey/add/").content.decode()
+    assert 'value="worker"' in form and 'value="operator"' not in form
+    response = client.post(
+        "/admin/queue_core/apikey/add/", {"name": "ops", "scope_choices": ["operator"]}
+    )
+    assert response.status_code == 200 and "valid choice" in response.content.decode()
+    assert ApiKey.objects.count() == 1  # no operator key, and no row without a hash either
+    response = client.post(
+        "/admin/queue_core/apikey/add/", {"name": "w", "scope_choices": ["worker"]}
+    )
+    assert ApiKey.objects.get(name="w").scopes == "worker"
+
+
+# ---------------------------------------------------------------------- TCP
 # ---------------------------------------------------------------------- TCP
 
 
