@@ -83,7 +83,7 @@ class ApiKeyAdmin(_KeyAdminBase):
     def has_delete_permission(self, request: HttpRequest, obj: ApiKey | None = None) -> bool:
         """Keys are revoked, never deleted here: with no key row left access control is off
         (every request runs anonymous), so a user allowed to delete keys switched it off for
-        every surface (a hostile review). ``relay keys`` keeps its own commands."""
+        every surface (a hostile review). ``relay keys`` deletes none either."""
         return False
 
     def get_form(
