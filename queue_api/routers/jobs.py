@@ -74,12 +74,16 @@ def submit(
     args = body.dict()
     if idempotency_key is not None:
         idempotency_key = header_text(idempotency_key, "Idempotency-Key")
-        if args.get("idempotency_key") not in (None, idempotency_key):
+        in_body = args.get("idempotency_key")
+        # A header arrives without its outer spaces and tabs (RFC 9110 section 5.5): the
+        # same key in the body keeps them.
+        if in_body is None:
+            args["idempotency_key"] = idempotency_key
+        elif not isinstance(in_body, str) or in_body.strip(" \t") != idempotency_key:
             raise errors.InvalidArgument(
                 "idempotency_key: the body and the Idempotency-Key header differ",
                 field="idempotency_key",
             )
-        args["idempotency_key"] = idempotency_key
     result = calls.run(request, "submit", {"queue": queue, **args})
     response["Location"] = _location(result["job"]["id"])
     return Status(200 if result["deduplicated"] else 201, result)

@@ -103,6 +103,24 @@ def test_a_utf8_idempotency_key_header_is_the_same_key_as_in_the_body(api: Api) 
     assert body["details"]["field"] == "Idempotency-Key"
 
 
+def test_a_key_with_outer_spaces_in_the_body_agrees_with_the_header_that_lost_them(
+    api: Api,
+) -> None:
+    # A header arrives without its outer spaces (RFC 9110 section 5.5; the test client strips
+    # them as a server does): the same key in both got 422 "differ" (hostile review).
+    both = api.post(
+        JOBS, {"payload": 1, "idempotency_key": " k "}, headers={"Idempotency-Key": "k"}
+    )
+    in_body = api.post(JOBS, {"payload": 1, "idempotency_key": " k "})
+    assert (both.status_code, in_body.status_code) == (201, 200)
+    assert both.json()["job"]["idempotency_key"] == " k "
+    assert in_body.json()["job"]["id"] == both.json()["job"]["id"]
+    other = api.post(
+        JOBS, {"payload": 1, "idempotency_key": " k "}, headers={"Idempotency-Key": "j"}
+    )
+    assert problem(other, 422, "INVALID_ARGUMENT")["details"]["field"] == "idempotency_key"
+
+
 def test_an_api_request_to_a_host_not_allowed_gets_a_problem_not_html(api: Api) -> None:
     """Django answered a Host outside ALLOWED_HOSTS with its HTML "Bad Request (400)" page and
     a logged traceback, under /api/ too (hostile review)."""
