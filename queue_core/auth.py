@@ -346,7 +346,8 @@ def check_session(
         _fail(
             "revoked", surface=surface, peer=peer, prefix=principal.prefix, code="UNAUTHENTICATED"
         )
-        raise errors.Unauthenticated("API key refused (revoked); send hello with another key")
+        then = "send hello with another key" if surface == "tcp" else "use another key"
+        raise errors.Unauthenticated(f"API key refused (revoked); {then}")
     return principal
 
 

@@ -306,9 +306,22 @@ LOGGING = {
             "rename_fields": {"asctime": "ts", "levelname": "level", "name": "logger"},
         },
     },
+    "filters": {
+        "not_an_auth_refusal": {
+            "()": "django.utils.log.CallbackFilter",
+            "callback": "ext://queue_core.logformat.not_an_auth_refusal",
+        },
+    },
     "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json"}},
     "loggers": {
         "relay": {"handlers": ["stderr"], "level": RELAY_LOG, "propagate": False},
         "django": {"handlers": ["stderr"], "level": "WARNING"},
+        # Refused keys are logged by Relay, rate-limited (queue_core.logformat).
+        "django.request": {
+            "handlers": ["stderr"],
+            "level": "WARNING",
+            "filters": ["not_an_auth_refusal"],
+            "propagate": False,
+        },
     },
 }

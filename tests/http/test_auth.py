@@ -176,6 +176,26 @@ def test_relay_keys_json_create(transactional_db: None) -> None:
     assert body["key"].startswith(f"rk_{body['prefix']}_")
 
 
+def test_a_refused_key_is_not_logged_by_django_once_per_request(
+    api: Api, make_key: Callable[..., str]
+) -> None:
+    # Django logs every 4xx as a warning: a flood of bad keys made one line a request, beside
+    # Relay's own rate-limited auth_failed (a review counted 582 against 8).
+    make_key("producer")
+    lines: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = lines.append  # type: ignore[method-assign]
+    logger = logging.getLogger("django.request")
+    logger.addHandler(handler)
+    try:
+        for _ in range(3):
+            api.get("/api/v1/stats", headers={"Authorization": "Bearer rk_000000000000_bad"})
+        assert api.get("/api/v1/nothing-here").status_code == 404
+    finally:
+        logger.removeHandler(handler)
+    assert [r.status_code for r in lines] == [404]  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------------- admin
 
 
