@@ -66,7 +66,9 @@ class JobInterrupted(Exception):
 
     The worker releases the job (back to ready, no failure counted) instead of failing it;
     after a cancel the release ends it CANCELLED, and past its time limit the worker fails it
-    with reason ``timeout`` instead.
+    with reason ``timeout`` instead. Raised when nothing asked the handler to stop, it is a
+    failure like any other exception (retried with backoff): a release would hand the job
+    straight back, in a loop that never ends.
     """
 
 

@@ -708,23 +708,17 @@ class Worker:
             returned = self._handler(job.payload, ctx)
             if isinstance(returned, StoredResult):
                 outcome = _Outcome(result=returned.value)
-        except JobInterrupted:
+        except JobInterrupted as exc:
             action = "release"
+            if not job.stop.is_set() and not self.shutdown_event.is_set():
+                # Nothing asked it to stop: a failure, retried with backoff as any other.
+                # Released, the job came straight back to the same handler, about 600
+                # times a second, an attempt row each, and never went dead (a review).
+                action = "fail"
+                error, retryable, outcome = self._failed(job, exc, "no stop was asked for: ")
         except BaseException as exc:  # noqa: BLE001 - any handler failure, even SystemExit, fails the job
             action = "fail"
-            error = truncate_utf8(error_text(exc), self.max_error_bytes)
-            retryable = not isinstance(exc, NonRetryableError)
-            outcome = _Outcome(reported=self._reported(exc))
-            _log(
-                logging.WARNING,
-                "handler_failed",
-                job_id=job.job_id,
-                attempt=job.attempt,
-                retryable=retryable,
-                error_type=type(exc).__name__,
-                error=error,
-                exc_info=logger.isEnabledFor(logging.DEBUG),  # tracebacks with RELAY_LOG=debug
-            )
+            error, retryable, outcome = self._failed(job, exc)
         if job.stop.reason == "timeout" and action != "ack":
             # A stop at the time limit is a failed attempt (reason "timeout"), never a release.
             action, error, retryable = "fail", "timeout", True
@@ -750,6 +744,25 @@ class Worker:
                 # wake-up of the lease thread per job, for nothing).
                 if self._drop(job):
                     self._cond.notify_all()
+
+    def _failed(
+        self, job: _HeldJob, exc: BaseException, why: str = ""
+    ) -> tuple[str, bool, _Outcome]:
+        """The fail a handler's exception makes, logged: ``(error, retryable, outcome)``;
+        ``why`` goes before the exception's text."""
+        error = truncate_utf8(why + error_text(exc), self.max_error_bytes)
+        retryable = not isinstance(exc, NonRetryableError)
+        _log(
+            logging.WARNING,
+            "handler_failed",
+            job_id=job.job_id,
+            attempt=job.attempt,
+            retryable=retryable,
+            error_type=type(exc).__name__,
+            error=error,
+            exc_info=logger.isEnabledFor(logging.DEBUG),  # tracebacks with RELAY_LOG=debug
+        )
+        return error, retryable, _Outcome(reported=self._reported(exc))
 
     def _reported(self, exc: BaseException) -> ReportedError | None:
         """The class and traceback a failure is sent with, the traceback cut to fit."""

@@ -996,6 +996,25 @@ def test_releases_a_server_never_answers_end_with_their_budget(
     gate.set()
 
 
+def test_job_interrupted_with_no_stop_asked_for_is_a_failure_not_a_release(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # Released, the job came straight back to the same handler: a review's reached attempt
+    # 4,712 in 8 s, an attempt row each, and never went dead.
+    def handler(payload: Any, ctx: JobContext) -> None:
+        raise JobInterrupted("bored")
+
+    relay.add({})
+    running = make_worker(handler)
+    relay.wait_for(lambda: bool(relay.calls_of("fail")), "the fail")
+    running.stop()
+    (call,) = relay.calls_of("fail")
+    assert call["retryable"] is True
+    assert call["error"] == "no stop was asked for: bored"
+    assert call["exception_class"] == "queue_core.worker.handlers.JobInterrupted"
+    assert relay.calls_of("release") == [] and running.worker.released == 0
+
+
 def test_interrupted_demo_sleep_releases_the_job(relay: FakeRelay, make_worker: Any) -> None:
     relay.add({"sleep_ms": 60_000})
     running = make_worker()
