@@ -73,6 +73,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from traceback import format_exception
 from typing import Any, ParamSpec, Protocol, TypeVar
 
@@ -147,6 +148,33 @@ _OPTIONS = frozenset({"DATABASE", "MAX_RETRIES", "ADDRESS", "API_KEY", "TIMEOUT"
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+
+
+# A networked call whose connection broke before its reply, or that the server refused for
+# now (UNAVAILABLE, BUSY, OUTCOME_UNKNOWN), is sent again after each of these pauses (s).
+NETWORK_PAUSES_S = (0.2, 0.5)
+
+
+def _again[T](call: Callable[[], T]) -> T:
+    """Run ``call`` (a networked submit with its idempotency key, or a read: safe to repeat),
+    again after each of ``NETWORK_PAUSES_S`` while it fails for a reason that can pass.
+
+    Without it a reply lost to a blip raised from ``enqueue`` with the job committed, and
+    the caller, who never learns the key the backend drew, made a second job by trying again;
+    and a ``--tasks`` worker recorded a blip while loading the task's call as the task's own
+    failure, its body never run (a hostile review).
+
+    Raises:
+        What the last try raised; a refusal that cannot pass (``retryable`` False) at once.
+    """
+    for pause in (*NETWORK_PAUSES_S, None):
+        try:
+            return call()
+        except (ConnectionError, RelayError) as exc:
+            if pause is None or (isinstance(exc, RelayError) and not exc.retryable):
+                raise
+            time.sleep(pause)  # a backoff before the next try, not a synchronisation
+    raise AssertionError("unreachable")  # the last pause is None: it raised or returned
 
 
 class TaskAttemptFailed(Exception):
@@ -529,8 +557,9 @@ class RelayBackend(BaseTaskBackend):
         submit is sent when that transaction commits (``on_commit``), never if it rolls back;
         the payload is checked against ``RELAY_MAX_PAYLOAD_BYTES`` here, so an oversized one
         fails inside the transaction. A submit repeated after a lost reply is safe (same key,
-        same payload: the same job). The ``enqueued_at`` of the returned result is filled in
-        when the submit is answered.
+        same payload: the same job), so the backend repeats it itself after a broken
+        connection or a refusal that can pass (``_again``). The ``enqueued_at`` of the
+        returned result is filled in when the submit is answered.
 
         Raises:
             FrameTooLarge: the payload is over ``RELAY_MAX_PAYLOAD_BYTES``.
@@ -543,7 +572,9 @@ class RelayBackend(BaseTaskBackend):
         result = self._new_result(task, f"{task.queue_name}/{key}", args, kwargs, enqueued_at=None)
 
         def submit() -> None:
-            reply = self.client.submit(task.queue_name, payload, idempotency_key=key, **options)
+            reply = _again(
+                lambda: self.client.submit(task.queue_name, payload, idempotency_key=key, **options)
+            )
             enqueued = _instant(reply["job"]["created_at_ms"])
             object.__setattr__(result, "enqueued_at", enqueued)
             task_enqueued.send(type(self), task_result=result)
@@ -592,15 +623,28 @@ class RelayBackend(BaseTaskBackend):
             ImportError: the task's module path cannot be imported here.
             RelayError, ConnectionError: networked: the server refused or is unreachable.
         """
+        return self._from_result(result_id, self._read_result(result_id))
+
+    def _read_result(self, result_id: str) -> dict[str, Any]:
+        """The ``result`` op's answer for ``result_id`` (``get_result``'s errors)."""
         by = self._lookup(result_id)
         try:
             if self.networked:
-                found: dict[str, Any] = dict(self.client.result(**by))
-            else:
-                found = self._with_legacy_row(self.service.result(**by))
+                return dict(_again(lambda: self.client.result(**by)))
+            return self._with_legacy_row(self.service.result(**by))
         except (JobNotFound, InvalidArgument):
             raise TaskResultDoesNotExist(result_id) from None
-        return self._from_result(result_id, found)
+
+    @staticmethod
+    def _enqueued_id(job: dict[str, Any]) -> str:
+        """The id ``enqueue`` returned for ``job``: ``"<queue>/<key>"`` when it has an
+        idempotency key (only a networked enqueue gives a task's job one), else its job id."""
+        key = job.get("idempotency_key")
+        if isinstance(key, str):
+            result_id = f"{job['queue']}/{key}"
+            if _split_result_id(result_id) == (job["queue"], key):
+                return result_id
+        return str(job["id"])
 
     def _with_legacy_row(self, found: dict[str, Any]) -> dict[str, Any]:
         """Shared-database mode: for a job finished before results moved to ``relay_result``
@@ -762,7 +806,9 @@ class RelayBackend(BaseTaskBackend):
                 is FAILED without a retry.
         """
         try:
-            result = self.get_result(ctx.job_id)
+            found = self._read_result(ctx.job_id)
+            # The id enqueue returned, as the task's context must show it.
+            result = self._from_result(self._enqueued_id(found["job"]), found)
         except (ImportError, InvalidTask) as exc:
             raise _reporting(
                 NonRetryableError(f"cannot load the task of {ctx.job_id}: {exc}"),

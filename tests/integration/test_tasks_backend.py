@@ -468,6 +468,13 @@ def test_takes_context_sees_the_delivery_number(worker_service: QueueService) ->
     assert [error.exception_class for error in result.errors] == [RuntimeError]
 
 
+def test_a_task_sees_its_own_result_id_in_its_context(worker_service: QueueService) -> None:
+    result = tasks.own_id.enqueue()
+    run_next(worker_service)
+    result.refresh()
+    assert result.return_value == result.id
+
+
 def test_async_task_runs(worker_service: QueueService) -> None:
     result = tasks.async_double.enqueue(21)
     run_next(worker_service)

@@ -27,6 +27,7 @@ from queue_core.client import RelayClient
 from queue_core.tasks_backend import RelayBackend
 from tests.procs import Proc, Spawner
 from tests.tasks_app import tasks
+from tests.unit.canned_server import CannedServer, error, ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -81,6 +82,39 @@ def start(spawn: Spawner) -> tuple[str, Proc]:
     return address, worker
 
 
+def test_a_lost_reply_is_sent_again_with_the_same_key_and_reads_retry_what_can_pass() -> None:
+    # A reply lost to a blip raised from enqueue with the job committed: the caller never
+    # learned the backend's key, and trying again made a second job; and a worker's read of
+    # the task's call failed the task for a blip (hostile review).
+    submits: list[dict[str, Any]] = []
+    reads: list[dict[str, Any]] = []
+
+    def script(request: dict[str, Any], connection: int) -> bytes | None:
+        if request["op"] == "submit":
+            submits.append(request["args"])
+            if len(submits) == 1:
+                return None  # the connection breaks before the reply
+            job = {"id": "job_1", "created_at_ms": 1_700_000_000_000}
+            return ok(request, {"job": job, "deduplicated": True})
+        reads.append(request["args"])
+        if len(reads) == 1:
+            return error(request, "UNAVAILABLE", "draining")
+        return error(request, "NOT_FOUND", "no such job")
+
+    server = CannedServer(script)
+    try:
+        with networked(server.address):
+            result = tasks.add.enqueue(1, 2)
+            assert result.enqueued_at is not None
+            with pytest.raises(TaskResultDoesNotExist):
+                tasks.add.get_backend().get_result(result.id)
+    finally:
+        server.close()
+    assert len(submits) == 2 and submits[0] == submits[1]  # the same key: one job
+    assert submits[0]["idempotency_key"] == result.id.split("/")[1]
+    assert len(reads) == 2  # UNAVAILABLE passes; NOT_FOUND is an answer
+
+
 def test_networked_backend_runs_tasks_and_reads_results_over_tcp(spawn: Spawner) -> None:
     address, worker = start(spawn)
     with networked(address):
@@ -92,10 +126,12 @@ def test_networked_backend_runs_tasks_and_reads_results_over_tcp(spawn: Spawner)
         nan = tasks.identity.enqueue(float("nan"))
         big = tasks.identity.enqueue(2**70)
         failing = tasks.refuse.enqueue("no thanks")
-        for result in (added, nan, big, failing):
+        own = tasks.own_id.enqueue()
+        for result in (added, nan, big, failing, own):
             wait_for(lambda result=result: finished(result), result.id)
         assert added.status == TaskResultStatus.SUCCESSFUL
         assert added.return_value == 5
+        assert own.return_value == own.id  # its context shows the id enqueue returned
         assert added.attempts == 1 and len(added.worker_ids) == 1
         assert added.started_at is not None and added.finished_at is not None
         assert big.return_value == 2**70  # beyond 64 bits: acked as return_json

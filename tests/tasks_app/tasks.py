@@ -34,6 +34,12 @@ def refuse(message: str) -> None:
 
 
 @task(takes_context=True)
+def own_id(context: TaskContext) -> str:
+    """The result id the task sees in its context."""
+    return context.task_result.id
+
+
+@task(takes_context=True)
 def attempt_number(context: TaskContext, fail_until: int = 0) -> int:
     """Fail on attempts ``1..fail_until``, then return the attempt number."""
     if context.attempt <= fail_until:
