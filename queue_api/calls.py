@@ -26,6 +26,21 @@ def service() -> QueueService:
     return QueueService(observer=metrics.observe)
 
 
+def key_ring() -> auth.KeyRing:
+    """The key table's snapshot (``auth.cached_ring``); a stale one is read again through the
+    storage driver's read, as the TCP server reads it, so a locked or lost database gets the
+    code TCP gives (``BUSY``, ``UNAVAILABLE``, ``STORAGE_*``), not 500 ``INTERNAL``.
+
+    Raises:
+        RelayError: the table cannot be read now.
+    """
+    ring = auth.cached_ring()
+    if ring is None:
+        with service().driver.read():
+            ring = auth.load_ring()
+    return ring
+
+
 @functools.cache
 def wakeups() -> ProcessWakeups:
     """The process's long-poll wake-ups (the TCP server's ``Wakeups`` and ``FeedFollower``),

@@ -52,9 +52,13 @@ class ApiKey(AuthBase):
         """Return the request's principal.
 
         Raises:
-            Unauthenticated, PermissionDenied.
+            Unauthenticated, PermissionDenied; RelayError: the key table cannot be read now.
         """
+        from queue_api.calls import key_ring  # calls imports this module
+
         peer = peer_of(request)
-        principal = auth.authenticate(presented_key(request), surface="http", peer=peer)
+        principal = auth.authenticate(
+            presented_key(request), surface="http", peer=peer, ring=key_ring()
+        )
         auth.authorize(principal, self.op, surface="http", peer=peer)
         return principal

@@ -95,7 +95,7 @@ def _claim(
     auth.still_allowed(
         getattr(request, "auth", None),
         "lease",
-        auth.current_ring(),
+        calls.key_ring(),
         surface="http",
         peer=peer_of(request),
     )

@@ -304,6 +304,32 @@ def raw_call(client: RelayClient, op: str, **args: Any) -> Any:
     return client.call(op, args or None)
 
 
+def test_a_key_table_that_cannot_be_read_gets_the_same_code_over_http_and_tcp(
+    tcp: _Server, api: Api, make_key: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # HTTP read the table outside the storage driver: a failing disk was 500 INTERNAL there
+    # and STORAGE_IO over TCP (a review read it in the code).
+    import sqlite3
+
+    from django.db import OperationalError
+
+    key = make_key("producer")
+    cause = sqlite3.OperationalError("disk I/O error")
+    cause.sqlite_errorcode = sqlite3.SQLITE_IOERR
+
+    def failing_read() -> auth.KeyRing:
+        raise OperationalError("disk I/O error") from cause
+
+    monkeypatch.setattr(auth, "load_ring", failing_read)
+    auth.invalidate()
+    response = api.get("/api/v1/stats", headers={"Authorization": f"Bearer {key}"})
+    http_code = response.json()["code"]
+    with RelayClient(tcp.address()) as client, pytest.raises(errors.RelayError) as tcp_error:
+        raw_call(client, "hello", api_key=key)
+    assert http_code == tcp_error.value.code == "STORAGE_IO"
+    assert response.status_code == errors.StorageIO.http_status
+
+
 def test_tcp_needs_hello_once_keys_exist(tcp: _Server, make_key: Callable[..., str]) -> None:
     with RelayClient(tcp.address()) as anonymous:
         assert raw_call(anonymous, "submit", queue="q", payload=1)["job"]["state"] == "ready"
