@@ -222,7 +222,7 @@ class InputBudget:
             (``RELAY_MAX_BUFFERED_REQUEST_BYTES``).
         clock: a monotonic clock in seconds (``time.monotonic``).
         admit_limit: estimated bytes of counted lines whose requests may run at once
-            (``admit``); None: ``limit``. The server gives a quarter of ``limit``
+            (``admit``); None: ``limit``. The server gives a sixteenth of ``limit``
             (``ADMIT_SHARE``): what waits in the writer's queue ahead of a small request.
     """
 
