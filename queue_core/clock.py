@@ -151,7 +151,6 @@ class AnchoredClock:
         self._anchor = (float(source.now_ms()), self._elapsed())
         self._due_s = float("-inf")  # elapsed s from which a new reading is due (none yet)
         self.reading = threading.Lock()  # held by the thread taking a reading (``due`` says)
-        self.anchored_s = float("-inf")  # elapsed s of the last reading that set it
 
     def now_ms(self) -> int:
         """The database's time as last measured, advanced by ``elapsed`` since: epoch ms."""
@@ -176,8 +175,31 @@ class AnchoredClock:
         taken whole, not as a difference from what the clock read before (two threads'
         readings of one moment then set it once, not twice)."""
         self._anchor = (float(database_ms), at_s)
-        self.anchored_s = at_s
         self.checked()
+
+    def bound(self, database_ms: int, before_s: float, after_s: float) -> bool:
+        """Take a slow reading of the database's clock: ``database_ms``, read some time between
+        ``before_s`` and ``after_s`` (``elapsed``). The clock moves only as far as the reading
+        proves it wrong: onto the nearer end of what it read over that interval, or not at all
+        when the reading falls inside it (NTP's and Marzullo's interval, not a midpoint).
+        Return whether it moved.
+
+        A midpoint is good to half the round trip, and a statement held for a whole network
+        stall runs only when the stall ends: a server cut off for 80 s set its clock 40 s
+        ahead, expired a lease another server had just renewed and started a delayed job
+        early (a hostile review).
+        """
+        base_ms, base_s = self._anchor
+        low = base_ms + (before_s - base_s) * 1000
+        high = base_ms + (after_s - base_s) * 1000
+        if database_ms > high:
+            self.set(database_ms, after_s)  # behind by at least this much
+        elif database_ms < low:
+            self.set(database_ms, before_s)  # ahead by at least this much
+        else:
+            self.checked()
+            return False
+        return True
 
     def checked(self) -> None:
         """A reading of the database's clock was made or tried: the next is due in

@@ -164,10 +164,10 @@ def encode_ulid(value: int) -> str:
 
 
 _ULIDS = _MonotonicUlid()
-# A reading of the database's clock that took longer is not taken while the clock has one
-# from the last CLOCK_READING_KEPT_S (QueueService._reanchor): its error is up to half of it.
+# A reading of the database's clock that took longer moves the clock only as far as it
+# proves it wrong (QueueService._reanchor, AnchoredClock.bound): a midpoint's error is up to
+# half the round trip.
 CLOCK_READING_MAX_MS = 5
-CLOCK_READING_KEPT_S = 60.0
 
 # Job listings (dead_list, list_jobs): the largest page, and the rows read per fetch while a
 # page fills (a page also ends at one frame of JSON: with 256 KiB payloads, four jobs).
@@ -347,11 +347,11 @@ class QueueService:
         """Set ``clock`` to the database's time: one ``database_now`` (inside the caller's
         transaction when there is one), once per ``RELAY_SERVER_HEARTBEAT_MS`` per process.
 
-        A reading is good to half its round trip, so a reading that took longer than
-        ``CLOCK_READING_MAX_MS`` (a busy process, a busy database) is not taken while the
-        clock has one from the last ``CLOCK_READING_KEPT_S``: the next is tried a period
-        later. A failed reading keeps the old one too; the caller's own statements then meet
-        the fault themselves.
+        A reading is good to half its round trip: one that took at most
+        ``CLOCK_READING_MAX_MS`` sets the clock at its midpoint; a slower one (a busy process
+        or database, a network stall) moves it only as far as it proves it wrong
+        (``AnchoredClock.bound``). A failed reading keeps the old one; the caller's own
+        statements then meet the fault themselves.
         """
         try:
             with self.driver.read() as tx:
@@ -362,11 +362,12 @@ class QueueService:
             log.debug("event=clock_reading_failed", exc_info=True)
             clock.checked()
             return
-        recent = after - clock.anchored_s < CLOCK_READING_KEPT_S
-        if row is None or (recent and (after - before) * 1000 > CLOCK_READING_MAX_MS):
+        if row is None:
             clock.checked()
-            return
-        clock.set(int(row["now_ms"]), (before + after) / 2)
+        elif (after - before) * 1000 > CLOCK_READING_MAX_MS:
+            clock.bound(int(row["now_ms"]), before, after)
+        else:
+            clock.set(int(row["now_ms"]), (before + after) / 2)
 
     def _now(self) -> int:
         """The wall clock, epoch ms, read through the step guard."""
@@ -1001,16 +1002,24 @@ class QueueService:
         return {"server_time_ms": self._now()}
 
     def clock_skew_ms(self) -> int:
-        """Return this process's clock minus the database's, in ms, good to half a database
-        round trip (on SQLite, whose clock is this machine's, about 0)."""
+        """Return this process's clock minus the database's, in ms: as much as one reading of
+        the database's clock proves (``_skew``; on SQLite, whose clock is this machine's, 0)."""
         with self.driver.read() as tx:
             return self._skew(tx)[0]
 
     def _skew(self, tx: Tx) -> tuple[int, int]:
+        """``(skew_ms, after_ms)``: how far this process's clock is off the database's at
+        least, by one reading (0 when the database's clock falls inside what this clock read
+        over the round trip; the distance to the nearer end when not), and this clock after
+        it. A midpoint is good to half the round trip only: after a 25 s network stall
+        servers logged ``clock_skew`` of -11.7 s with nothing wrong (a hostile review)."""
         before = self.clock.now_ms()
         row = tx.one("database_now")
         after = self.clock.now_ms()
-        return (before + after) // 2 - int(row["now_ms"] if row else after), after
+        database = int(row["now_ms"]) if row else after
+        if database < before:
+            return before - database, after
+        return min(0, after - database), after
 
     def deregister_server(self, server_id: str) -> None:
         """Take a server that stops cleanly out of the registry (a dead one ages out)."""

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -139,6 +140,30 @@ def test_threads_reading_the_databases_time_at_once_set_the_clock_once() -> None
         t.join(30)
     assert not failures, failures
     assert abs(svc.clock_skew_ms()) < 100
+
+
+def test_a_reading_held_up_by_a_stall_moves_the_clock_only_as_far_as_it_proves() -> None:
+    """A review held a server's database traffic for 80 s: the reading in flight came back
+    then and, its last good one over a minute old, was taken at its midpoint, which set the
+    clock 40 s ahead (the server expired a lease another had just renewed, and started a
+    delayed job early). A slow reading now moves the clock only as far as it proves it wrong
+    (``AnchoredClock.bound``): here, not at all."""
+    driver = driver_for("postgresql")
+    elapsed = [1_000.0]
+    source = FakeClock(start_ms=SystemClock().now_ms())
+    clock = AnchoredClock(source, elapsed=lambda: elapsed[0], every_s=0.0)  # always due
+    svc = QueueService(driver=driver, clock=clock)
+    first = svc._now()  # a quick reading: taken at its midpoint
+
+    def held(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        result = execute(sql, params, many, context)
+        if "clock_timestamp" in sql:
+            elapsed[0] += 80.0  # its reply held up 80 s on the way back
+        return result
+
+    with connections["postgresql"].execute_wrapper(held):
+        svc._now()
+    assert abs(clock.now_ms() - (first + 80_000)) < 1_000  # unmoved: 40 s off before
 
 
 def test_a_server_whose_machine_clock_is_an_hour_off_serves_the_databases_time(

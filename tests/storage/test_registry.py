@@ -7,6 +7,7 @@ process's clock with the database's."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from django.test.utils import override_settings
@@ -85,6 +86,23 @@ def test_clock_skew_is_measured_against_the_database(service: QueueService) -> N
     skew = service.clock_skew_ms()
     assert 59_000 < skew < 61_000  # a minute ahead, give or take the round trip
     assert 59_000 < register(service, new_server_id()) < 61_000
+
+
+@pytest.mark.parametrize(("database_at_s", "skew_ms"), [(12.5, 0), (-1, 1_000), (26, -1_000)])
+def test_clock_skew_is_what_a_reading_proves_not_its_midpoint(
+    service: QueueService, database_at_s: float, skew_ms: int
+) -> None:
+    # A reading held up 25 s by a network stall: the database's clock, read anywhere in it,
+    # proves nothing wrong. Its midpoint made servers log clock_skew of -11.7 s (a review).
+    clock = service.clock = FakeClock(start_ms=1_000_000)
+
+    class Stalled:
+        def one(self, name: str, params: Any = None) -> dict[str, Any]:
+            assert name == "database_now"
+            clock.advance(seconds=25)
+            return {"now_ms": 1_000_000 + int(database_at_s * 1000)}
+
+    assert service._skew(Stalled()) == (skew_ms, 1_025_000)  # type: ignore[arg-type]
 
 
 def test_stats_without_finished_jobs_counts_only_live_states(service: QueueService) -> None:

@@ -156,6 +156,21 @@ def test_a_reading_sets_an_anchored_clock_whole() -> None:
     assert clock.due()
 
 
+def test_a_slow_reading_moves_an_anchored_clock_only_as_far_as_it_proves() -> None:
+    # Read some time in [before, after]: the clock read 1,000,000..1,080,000 over it.
+    source = FakeClock(start_ms=1_000_000)
+    clock = AnchoredClock(source)
+    before = source.monotonic()
+    source.advance(seconds=80)
+    after = source.monotonic()
+    assert clock.bound(1_079_999, before, after) is False  # inside: no news (a midpoint: -40 s)
+    assert clock.now_ms() == 1_080_000 and not clock.due()
+    assert clock.bound(1_083_000, before, after) is True  # 3 s past its end: 3 s behind
+    assert clock.now_ms() == 1_083_000  # it read 1,003,000..1,083,000 over the interval now
+    assert clock.bound(1_001_000, before, after) is True  # 2 s before its start: 2 s ahead
+    assert clock.now_ms() == 1_081_000
+
+
 def test_an_anchored_clock_advances_with_the_interval_clock_it_is_given() -> None:
     source = FakeClock(start_ms=0)
     elapsed = [100.0]
