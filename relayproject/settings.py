@@ -135,6 +135,10 @@ RELAY_PG_PREPARED_STATEMENTS = _env("RELAY_PG_PREPARED_STATEMENTS", "1") == "1"
 # may sit idle inside a transaction, on PostgreSQL, in ms (queue_core/conf.py).
 RELAY_LOCK_TIMEOUT_MS = _env_int("RELAY_LOCK_TIMEOUT_MS", 2000)
 RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS = _env_int("RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS", 5000)
+# How long data sent to PostgreSQL may go unacknowledged before the connection is given up,
+# in ms (libpq's tcp_user_timeout; with keepalives on idle connections and a 5 s
+# connect_timeout): a partitioned database fails calls UNAVAILABLE, not after Linux's ~15 min.
+RELAY_PG_TCP_USER_TIMEOUT_MS = _env_int("RELAY_PG_TCP_USER_TIMEOUT_MS", 15000)
 # A server ends other servers' sessions whose transaction has been open this long, in ms.
 RELAY_PG_STUCK_TRANSACTION_MS = _env_int("RELAY_PG_STUCK_TRANSACTION_MS", 15000)
 # The alias of the database Relay's tables live in.
@@ -193,6 +197,16 @@ def postgresql_database(url: str) -> dict[str, object]:
         # project's database (PostgresDriver.server_lock).
         "OPTIONS": {
             "server_side_binding": True,
+            # A host or network that stops answering: a connect waits 5 s at most, an idle
+            # connection is found dead in about 25 s, one with a statement in flight in
+            # RELAY_PG_TCP_USER_TIMEOUT_MS (libpq's options; a hostile review's servers cut
+            # off from PostgreSQL answered nothing for the whole cut).
+            "connect_timeout": 5,
+            "keepalives": 1,
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 3,
+            "tcp_user_timeout": RELAY_PG_TCP_USER_TIMEOUT_MS,
             "options": (
                 f"-c lock_timeout={RELAY_LOCK_TIMEOUT_MS} -c idle_in_transaction_session_timeout="
                 f"{RELAY_PG_IDLE_IN_TRANSACTION_TIMEOUT_MS}"

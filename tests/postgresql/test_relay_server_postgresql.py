@@ -142,6 +142,24 @@ def test_threads_reading_the_databases_time_at_once_set_the_clock_once() -> None
     assert abs(svc.clock_skew_ms()) < 100
 
 
+def test_connections_give_up_on_a_database_that_stops_answering() -> None:
+    """Without these a server cut off from PostgreSQL by a partition waited for the kernel
+    (about 15 minutes) with its calls in flight (a hostile review's servers answered nothing
+    for the whole of a cut): libpq's connect timeout, keepalives and tcp_user_timeout."""
+    connection = connections["postgresql"]
+    connection.ensure_connection()
+    given = connection.connection.info.get_parameters()
+    assert {k: given.get(k) for k in ("connect_timeout", "keepalives", "tcp_user_timeout")} == {
+        "connect_timeout": "5",
+        "keepalives": "1",
+        "tcp_user_timeout": "15000",
+    }
+    idle_s = int(given["keepalives_idle"]) + int(given["keepalives_interval"]) * int(
+        given["keepalives_count"]
+    )
+    assert idle_s == 25  # an idle connection to a dead host
+
+
 def test_a_reading_held_up_by_a_stall_moves_the_clock_only_as_far_as_it_proves() -> None:
     """A review held a server's database traffic for 80 s: the reading in flight came back
     then and, its last good one over a minute old, was taken at its midpoint, which set the
