@@ -196,7 +196,7 @@ def unfaithful(
             if not _INT_MIN <= item <= _INT_MAX:
                 return path or "value", "is an integer outside -2**63..2**64-1"
         elif item is not None and not encoded and not _encodes(item):
-            return path or "value", f"a {type(item).__name__} is not a JSON value"
+            return path or "value", f"{type(item).__name__} is not a JSON type"
     return None
 
 

@@ -207,8 +207,8 @@ def test_encode_request_refuses_nan_infinity_and_surrogates(
 @pytest.mark.parametrize(
     ("value", "field", "problem"),
     [
-        (object(), "result", "a object is not a JSON value"),
-        ({"a": [1, {"b": {3}}]}, "result.a[1].b", "a set is not a JSON value"),
+        (object(), "result", "object is not a JSON type"),
+        ({"a": [1, {"b": {3}}]}, "result.a[1].b", "set is not a JSON type"),
         ({(1, 2): 3}, "result", "key (1, 2) is not a string"),
         (2**64, "result", "outside -2**63..2**64-1"),
         (-(2**63) - 1, "result", "outside -2**63..2**64-1"),
