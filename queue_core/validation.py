@@ -154,8 +154,9 @@ def unfaithful(
     without recursion): a float that is NaN or ±Infinity (orjson writes ``null`` for it), a
     string or key holding a lone surrogate (no UTF-8 form; orjson raises), an integer outside
     -2**63..2**64-1 (orjson's range), a key that is not a string, a value orjson cannot encode
-    (a set, ``object()``; a ``datetime`` or ``UUID`` it can), or, given ``max_depth``, nesting
-    deeper than that many arrays/objects.
+    (a set, ``object()``; a ``datetime`` or ``UUID`` it can), or nesting deeper than
+    ``max_depth`` arrays/objects (``WALK_MAX_DEPTH`` when not given: also a value that holds
+    itself).
 
     Args:
         value: a JSON-like value (what is to be encoded, or was decoded).
@@ -170,6 +171,9 @@ def unfaithful(
     """
     if encoded and not _suspect(value, max_depth):
         return None
+    # Without a max_depth, still no deeper than orjson goes: a value that holds itself
+    # (r["self"] = r) made an endless walk that took a process to 6.5 GB (a review).
+    deepest = max_depth if max_depth is not None else WALK_MAX_DEPTH
     stack: list[tuple[Any, str, int]] = [(value, root, 1)]
     while stack:
         item, path, depth = stack.pop()
@@ -181,8 +185,11 @@ def unfaithful(
             if has_lone_surrogate(item):
                 return path or "value", _SURROGATE
         elif isinstance(item, (dict, list, tuple)):
-            if max_depth is not None and depth > max_depth:
-                return root or "value", f"is nested deeper than {max_depth} levels"
+            if depth > deepest:
+                if max_depth is not None:
+                    return root or "value", f"is nested deeper than {max_depth} levels"
+                top = re.split(r"[.\[]", path, maxsplit=1)[0] or "value"  # a cycle's path is long
+                return top, f"is nested deeper than {deepest} levels, or holds itself"
             if isinstance(item, dict):
                 for key, child in item.items():
                     if not isinstance(key, str):
@@ -201,6 +208,7 @@ def unfaithful(
 
 
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1  # what orjson encodes
+WALK_MAX_DEPTH = 256  # past orjson's own recursion limit (it refuses deeper values)
 
 
 def _encodes(item: Any) -> bool:

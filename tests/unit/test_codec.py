@@ -231,6 +231,20 @@ def test_encode_request_names_what_orjson_cannot_encode(
     ]
 
 
+def test_encode_request_refuses_a_value_that_holds_itself_at_once() -> None:
+    # The walk that names the bad part had no bound: a value holding itself took a process
+    # to 6.5 GB and never returned, and froze an async client's loop (a review).
+    looped: dict[str, Any] = {"a": 1}
+    looped["self"] = looped
+    pair: list[Any] = []
+    pair += [pair, pair]
+    for value in (looped, pair):
+        with pytest.raises(errors.InvalidArgument) as info:
+            codec.encode_request(1, "ack", {"job_id": "j", "result": value})
+        assert info.value.details == {"field": "result"}
+        assert "holds itself" in info.value.message
+
+
 def test_encode_request_still_sends_nulls_and_finite_floats() -> None:
     frame = codec.encode_request(7, "submit", {"queue": "q", "payload": {"a": None, "b": 0.5}})
     assert frame == b'{"op":"submit","id":7,"args":{"queue":"q","payload":{"a":null,"b":0.5}}}\n'

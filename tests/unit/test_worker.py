@@ -823,7 +823,13 @@ def test_a_result_the_server_refuses_fails_the_job_for_good(
     assert running.worker.failed == 1 and running.worker.acked == 0
 
 
-@pytest.mark.parametrize("value", [{1, 2}, object(), {(1, 2): 3}, 2**70])
+def _holding_itself() -> dict[str, Any]:
+    looped: dict[str, Any] = {}
+    looped["self"] = looped
+    return looped
+
+
+@pytest.mark.parametrize("value", [{1, 2}, object(), {(1, 2): 3}, 2**70, _holding_itself()])
 def test_a_result_the_client_cannot_encode_fails_the_job_for_good(
     relay: FakeRelay, make_worker: Any, value: Any
 ) -> None:
