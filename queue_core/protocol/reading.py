@@ -234,6 +234,7 @@ class InputBudget:
         self.clock = clock
         self.held = 0  # bytes the readers buffer
         self.in_progress = 0  # bytes of the lines whose requests run
+        self.queued = 0  # what they count against admit_limit (``share``)
         self.cut = 0  # connections cut off
         self.readers: set[FrameReader] = set()
         self._timer: asyncio.TimerHandle | None = None
@@ -252,13 +253,25 @@ class InputBudget:
     def started(self, reader: FrameReader, size: int) -> None:
         """A line of ``size`` bytes that ``reader`` delivered now runs as a request."""
         self.in_progress += size
+        self.queued += self.share(size)
         reader.taken += size
+
+    def share(self, size: int) -> int:
+        """What a line of ``size`` counts against ``admit_limit``: at most half of it, so a
+        line heavier than the limit waits only for room, not for every request in progress
+        to end. Otherwise each one drained the writer's queue and ran alone: 12 clients
+        pipelining small batches beside one sending 5 MB-weight ones committed 170,000 jobs
+        in 15 s instead of 440,000 (a review)."""
+        return min(size, self.admit_limit // 2)
 
     def fits(self, size: int) -> bool:
         """Whether a line of ``size`` (estimated) bytes may start now: it keeps the requests
-        in progress within ``admit_limit``, or none is in progress (one always may, so
-        nothing waits forever)."""
-        return not self.in_progress or self.in_progress + size <= self.admit_limit
+        in progress within ``limit`` and their shares within ``admit_limit``, or none is in
+        progress (one always may, so nothing waits forever)."""
+        return not self.in_progress or (
+            self.in_progress + size <= self.limit
+            and self.queued + self.share(size) <= self.admit_limit
+        )
 
     async def admit(self, reader: FrameReader, size: int) -> Ticket:
         """Count a line of ``size`` (estimated) bytes as in progress, once it ``fits``: until
@@ -305,6 +318,7 @@ class InputBudget:
         nothing of its own is in progress. (Every waiter has a request in progress, so one
         of these always comes: buffered bytes going down need not wake anyone.)"""
         self.in_progress -= size
+        self.queued -= self.share(size)
         reader.taken -= size
         if self._lines:
             self._wake_line()
