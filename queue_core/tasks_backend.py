@@ -68,6 +68,7 @@ the server cannot commit while one holds the lock.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import math
 import threading
@@ -151,13 +152,16 @@ _R = TypeVar("_R")
 
 
 # A networked call whose connection broke before its reply, or that the server refused for
-# now (UNAVAILABLE, BUSY, OUTCOME_UNKNOWN), is sent again after each of these pauses (s).
-NETWORK_PAUSES_S = (0.2, 0.5)
+# now (UNAVAILABLE, BUSY, OUTCOME_UNKNOWN), is sent again after these pauses (s; the last
+# repeats) while the backend's TIMEOUT, counted from the first try, lasts.
+NETWORK_PAUSES_S = (0.2, 0.5, 1.0, 2.0)
 
 
-def _again[T](call: Callable[[], T]) -> T:
+def _again[T](call: Callable[[], T], within_s: float) -> T:
     """Run ``call`` (a networked submit with its idempotency key, or a read: safe to repeat),
-    again after each of ``NETWORK_PAUSES_S`` while it fails for a reason that can pass.
+    again after each pause of ``NETWORK_PAUSES_S`` while it fails for a reason that can pass
+    and ``within_s`` seconds from the first try leave room: a server that answers nothing
+    still costs one TIMEOUT, not one per try (a review found three).
 
     Without it a reply lost to a blip raised from ``enqueue`` with the job committed, and
     the caller, who never learns the key the backend drew, made a second job by trying again;
@@ -167,14 +171,18 @@ def _again[T](call: Callable[[], T]) -> T:
     Raises:
         What the last try raised; a refusal that cannot pass (``retryable`` False) at once.
     """
-    for pause in (*NETWORK_PAUSES_S, None):
+    deadline = time.monotonic() + within_s
+    for tries in itertools.count():
         try:
             return call()
         except (ConnectionError, RelayError) as exc:
-            if pause is None or (isinstance(exc, RelayError) and not exc.retryable):
+            pause = NETWORK_PAUSES_S[min(tries, len(NETWORK_PAUSES_S) - 1)]
+            if (isinstance(exc, RelayError) and not exc.retryable) or (
+                time.monotonic() + pause >= deadline
+            ):
                 raise
             time.sleep(pause)  # a backoff before the next try, not a synchronisation
-    raise AssertionError("unreachable")  # the last pause is None: it raised or returned
+    raise AssertionError("unreachable")  # itertools.count() never ends
 
 
 class TaskAttemptFailed(Exception):
@@ -573,7 +581,10 @@ class RelayBackend(BaseTaskBackend):
 
         def submit() -> None:
             reply = _again(
-                lambda: self.client.submit(task.queue_name, payload, idempotency_key=key, **options)
+                lambda: self.client.submit(
+                    task.queue_name, payload, idempotency_key=key, **options
+                ),
+                float(self.timeout_s),
             )
             enqueued = _instant(reply["job"]["created_at_ms"])
             object.__setattr__(result, "enqueued_at", enqueued)
@@ -630,7 +641,7 @@ class RelayBackend(BaseTaskBackend):
         by = self._lookup(result_id)
         try:
             if self.networked:
-                return dict(_again(lambda: self.client.result(**by)))
+                return dict(_again(lambda: self.client.result(**by), float(self.timeout_s)))
             return self._with_legacy_row(self.service.result(**by))
         except (JobNotFound, InvalidArgument):
             raise TaskResultDoesNotExist(result_id) from None

@@ -115,6 +115,40 @@ def test_a_lost_reply_is_sent_again_with_the_same_key_and_reads_retry_what_can_p
     assert len(reads) == 2  # UNAVAILABLE passes; NOT_FOUND is an answer
 
 
+def test_a_server_that_answers_nothing_costs_one_timeout_not_one_per_try() -> None:
+    # The repeats after a lost reply made a black-holed server cost three TIMEOUTs, 30 s at
+    # the default, in the caller's request thread (a review).
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])  # read nothing, answer nothing
+            except TimeoutError:
+                continue
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        with networked(f"127.0.0.1:{listener.getsockname()[1]}", TIMEOUT=1):
+            began = time.monotonic()
+            with pytest.raises(ConnectionError):
+                tasks.add.enqueue(1, 2)
+            took = time.monotonic() - began
+    finally:
+        stop.set()
+        acceptor.join(5)
+        for sock in (*held, listener):
+            sock.close()
+    assert 0.9 <= took < 2.5, took  # one TIMEOUT of 1 s; three were 3.7 s with the pauses
+
+
 def test_networked_backend_runs_tasks_and_reads_results_over_tcp(spawn: Spawner) -> None:
     address, worker = start(spawn)
     with networked(address):
