@@ -41,6 +41,12 @@ def holds_its_arguments(op: str) -> bool:
     return verb is not None and verb.kind is dispatch.Kind.WRITE
 
 
+def _host_of(conn: Conn) -> str | None:
+    """The IP address ``conn``'s peer connects from (None: not an IP socket)."""
+    peer = conn.writer.get_extra_info("peername")
+    return peer[0] if isinstance(peer, tuple) else None
+
+
 class ReadDeadline:
     """The deadline of a connection's reads, with one timer armed per connection.
 
@@ -179,7 +185,12 @@ class Listener:
             with contextlib.suppress(errors.RelayError):  # no key table now: refuse
                 if self.evict_unauthenticated(await self.requests.key_ring()):
                     full = False  # the newcomer takes the slot of one that never said hello
-        over_limit = full or self.over_address_cap(peername)
+        over_cap = not full and self.over_address_cap(peername)
+        if over_cap and not self.requests.draining and isinstance(peername, tuple):
+            with contextlib.suppress(errors.RelayError):  # the same, among its address's own
+                ring = await self.requests.key_ring()
+                over_cap = not self.evict_unauthenticated(ring, host=peername[0])
+        over_limit = full or over_cap
         self.conns.add(conn)  # tracked from the start, so a shutdown can always close it
         try:
             if self.requests.draining or over_limit:
@@ -228,9 +239,10 @@ class Listener:
                 reader.release()
             log.debug("event=disconnected peer=%s", peer)
 
-    def evict_unauthenticated(self, ring: auth.KeyRing) -> bool:
-        """With API keys on and every slot taken, close the oldest connection that has not
-        completed a ``hello``, or whose key was revoked since (it gets
+    def evict_unauthenticated(self, ring: auth.KeyRing, host: str | None = None) -> bool:
+        """With API keys on and every slot taken (of the server, or of ``host``'s address
+        under ``RELAY_MAX_CONNECTIONS_PER_ADDRESS``), close the oldest connection (of that
+        address) that has not completed a ``hello``, or whose key was revoked since (it gets
         ``TOO_MANY_CONNECTIONS``); return whether one was.
 
         Such a connection can only ping, so holding slots without a key buys nothing: a
@@ -250,6 +262,7 @@ class Listener:
                 or not c.principal.authenticated
                 or not ring.is_active(c.principal.prefix)  # its key was revoked since
             )
+            and (host is None or _host_of(c) == host)
         ]
         if not waiting:
             return False
@@ -282,11 +295,7 @@ class Listener:
         if not cap or not isinstance(peername, tuple):
             return False
         host = peername[0]
-        held = sum(
-            1
-            for c in self.conns
-            if (p := c.writer.get_extra_info("peername")) and isinstance(p, tuple) and p[0] == host
-        )
+        held = sum(1 for c in self.conns if _host_of(c) == host)
         return held >= cap  # this connection is not in the set yet
 
     async def read_loop(self, conn: Conn) -> None:
@@ -338,6 +347,17 @@ class Listener:
                 await self.budget.room(conn)
             if framed is not None and framed.taken and self.input.full(framed):
                 await self.input.room(framed)  # the server holds too many request bytes
+            principal = conn.principal
+            if principal is not None and principal.authenticated:
+                # Revoked: found before each line too, so a connection that only pings is
+                # closed unless it says hello with another key (a review's kept their slots).
+                # The snapshot is read again at most once a second, in the reader pool.
+                ring = auth.cached_ring()
+                if ring is None:
+                    with contextlib.suppress(errors.RelayError):  # its requests will say so
+                        ring = await self.requests.key_ring()
+                if ring is not None and not ring.is_active(principal.prefix):
+                    conn.unauthenticate()
             auth_by = conn.auth_by  # later if it loses its key (Conn.unauthenticate)
             authed = auth_by is None or (
                 conn.principal is not None and conn.principal.authenticated

@@ -657,6 +657,37 @@ def test_a_revoked_keys_connections_are_evictable_and_must_say_hello_again(
                     c.close()
 
 
+def test_a_revoked_keys_connection_that_only_pings_is_closed_or_evicted_by_its_address(
+    start: Callable[..., Running],
+) -> None:
+    # A review's revoked connections pinged every 3 s and kept their slots: under
+    # RELAY_MAX_CONNECTIONS_PER_ADDRESS nothing evicted them, and pings never checked the key.
+    from queue_core import auth
+
+    bad = auth.create_key("abuser", ["worker"])
+    good = auth.create_key("w", ["worker"]).key
+    with override_settings(RELAY_MAX_CONNECTIONS_PER_ADDRESS=2, RELAY_AUTH_TIMEOUT_MS=300):
+        running = start()
+        first, second = Client(running.port, timeout=5), Client(running.port, timeout=5)
+        newcomer: Client | None = None
+        try:
+            for c in (first, second):
+                assert c.ok("hello", api_key=bad.key)["name"] == "abuser"
+            assert auth.revoke(bad.prefix)
+            newcomer = Client(running.port, timeout=5)  # the same address, over its cap
+            assert newcomer.ok("hello", api_key=good)["name"] == "w"
+            assert first.recv()["error"]["code"] == "TOO_MANY_CONNECTIONS"  # its oldest
+            began = time.monotonic()
+            while (reply := second.call("ping"))["ok"]:  # pings alone, never a checked op
+                assert time.monotonic() - began < 3, "a revoked key's pings kept it open"
+            assert "hello within 300 ms" in reply["error"]["message"]
+            assert newcomer.ok("ping")["pong"] is True
+        finally:
+            for c in (first, second, newcomer):
+                if c is not None:
+                    c.close()
+
+
 def test_a_refused_hello_on_an_old_connection_leaves_time_for_another(
     start: Callable[..., Running],
 ) -> None:
