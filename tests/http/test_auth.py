@@ -191,9 +191,13 @@ def test_a_refused_key_is_not_logged_by_django_once_per_request(
         for _ in range(3):
             api.get("/api/v1/stats", headers={"Authorization": "Bearer rk_000000000000_bad"})
         assert api.get("/api/v1/nothing-here").status_code == 404
+        staff = User.objects.create_user("viewer", password="pw", is_staff=True)
+        console = Client()
+        console.force_login(staff)
+        assert console.get("/admin/queue_core/apikey/").status_code == 403  # logged still
     finally:
         logger.removeHandler(handler)
-    assert [r.status_code for r in lines] == [404]  # type: ignore[attr-defined]
+    assert [r.status_code for r in lines] == [404, 403]  # type: ignore[attr-defined]
 
 
 # ---------------------------------------------------------------------- admin
