@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from django import forms
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
@@ -107,6 +108,24 @@ class ApiKeyAdmin(_KeyAdminBase):
     def get_readonly_fields(self, request: HttpRequest, obj: ApiKey | None = None) -> Any:
         """Nothing is read-only on the add page."""
         return [] if obj is None else self.readonly_fields
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        """Django's form, but no "save as new" (which it honours even with ``save_as`` off):
+        that saved a row with no key and answered 500 (a review). Keys are made on the add
+        page only, by ``auth.create_key``.
+
+        Raises:
+            PermissionDenied: a POST with ``_saveasnew``.
+        """
+        if request.method == "POST" and "_saveasnew" in request.POST:
+            raise PermissionDenied("API keys are made on the add page")
+        return super().changeform_view(request, object_id, form_url, extra_context)
 
     def add_view(
         self, request: HttpRequest, form_url: str = "", extra_context: dict[str, Any] | None = None

@@ -266,6 +266,11 @@ def test_admin_keys_are_revoked_not_deleted_and_only_a_superuser_makes_operator_
         "/admin/queue_core/apikey/add/", {"name": "w", "scope_choices": ["worker"]}
     )
     assert ApiKey.objects.get(name="w").scopes == "worker"
+    # "Save as new" on the change page saved a row with no key: 500 (a second review).
+    again = client.post(
+        f"/admin/queue_core/apikey/{row.pk}/change/", {"name": "x", "_saveasnew": "1"}
+    )
+    assert again.status_code == 403 and ApiKey.objects.count() == 2
 
 
 # ---------------------------------------------------------------------- TCP
