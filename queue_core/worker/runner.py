@@ -61,6 +61,7 @@ from queue_core import errors, types
 from queue_core.clock import Clock, SystemClock
 from queue_core.protocol.ops import BlockingClient
 from queue_core.retry import RetryPolicy, jittered_ms
+from queue_core.validation import holds_itself
 from queue_core.worker.handlers import (
     Handler,
     JobContext,
@@ -707,6 +708,10 @@ class Worker:
         try:
             returned = self._handler(job.payload, ctx)
             if isinstance(returned, StoredResult):
+                if isinstance(returned.value, dict | list | tuple) and holds_itself(returned.value):
+                    # orjson 3.13 crashes the process on some such values: the worker died
+                    # with every job it held (a review). Checked here, before any encoding.
+                    raise NonRetryableError("the result cannot be stored: it holds itself")
                 outcome = _Outcome(result=returned.value)
         except JobInterrupted as exc:
             action = "release"

@@ -845,6 +845,27 @@ def test_a_result_the_client_cannot_encode_fails_the_job_for_good(
     assert call["exception_class"] == "queue_core.errors.InvalidArgument"
 
 
+def test_a_result_holding_itself_through_a_tuple_fails_before_any_encoding(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # orjson 3.13 crashes the process (SIGSEGV) on this value: a review's worker died with
+    # every job it held. The fake's ack encodes as the real client does, so the worker
+    # process of this test would die too if the value reached it.
+    def handler(payload: Any, ctx: JobContext) -> StoredResult:
+        looped: list[Any] = [1]
+        looped.append((looped,))
+        return StoredResult({"r": looped})
+
+    relay.add({})
+    running = make_worker(handler)
+    relay.wait_for(lambda: bool(relay.calls_of("fail")), "the fail")
+    running.stop()
+    (call,) = relay.calls_of("fail")
+    assert call["retryable"] is False
+    assert call["error"] == "the result cannot be stored: it holds itself"
+    assert relay.calls_of("ack") == []
+
+
 def test_non_retryable_error_fails_without_retry(relay: FakeRelay, make_worker: Any) -> None:
     relay.add({"fail": True, "error": "bad input", "retryable": False}, {"fail": True})
     running = make_worker()
