@@ -161,7 +161,8 @@ def _again[T](call: Callable[[], T], within_s: float) -> T:
     """Run ``call`` (a networked submit with its idempotency key, or a read: safe to repeat),
     again after each pause of ``NETWORK_PAUSES_S`` while it fails for a reason that can pass
     and ``within_s`` seconds from the first try leave room: a server that answers nothing
-    still costs one TIMEOUT, not one per try (a review found three).
+    costs one TIMEOUT, two at most (a try begun inside the first still has the client's
+    whole timeout), not one per try (a review found three).
 
     Without it a reply lost to a blip raised from ``enqueue`` with the job committed, and
     the caller, who never learns the key the backend drew, made a second job by trying again;
