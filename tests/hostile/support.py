@@ -106,6 +106,7 @@ class Sentinel:
         self.cycles = 0
         self.errors: list[str] = []
         self.worst_s = 0.0
+        self.took_s: list[float] = []  # each completed cycle
         self._stop = threading.Event()
         self._progress = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -126,7 +127,9 @@ class Sentinel:
                     self._progress.notify_all()
                 return
             with self._progress:
-                self.worst_s = max(self.worst_s, time.monotonic() - began)
+                took = time.monotonic() - began
+                self.took_s.append(took)
+                self.worst_s = max(self.worst_s, took)
                 self.cycles += 1
                 self._progress.notify_all()
 
