@@ -708,10 +708,6 @@ class Worker:
         try:
             returned = self._handler(job.payload, ctx)
             if isinstance(returned, StoredResult):
-                if isinstance(returned.value, dict | list | tuple) and holds_itself(returned.value):
-                    # orjson 3.13 crashes the process on some such values: the worker died
-                    # with every job it held (a review). Checked here, before any encoding.
-                    raise NonRetryableError("the result cannot be stored: it holds itself")
                 outcome = _Outcome(result=returned.value)
         except JobInterrupted as exc:
             action = "release"
@@ -927,16 +923,22 @@ class Worker:
         """Send one ack or fail on a pooled connection; return its reply.
 
         Raises:
-            RelayError, ConnectionError: as the client's ``ack`` / ``fail``.
+            RelayError, ConnectionError: as the client's ``ack`` / ``fail``;
+                ``InvalidArgument`` (field ``result``) for a result that holds itself, before
+                it is encoded: orjson 3.13 crashes the process on some such values, and a
+                review's worker died with every job it held.
         """
         extra = {"lease_next": lease_next} if lease_next else {}
+        result = outcome.result
+        if action == "ack" and isinstance(result, dict | list | tuple) and holds_itself(result):
+            raise errors.InvalidArgument("result: holds itself", field="result")
         with self._clients.client() as client:
             if action == "ack":
                 return client.ack(
                     job.job_id,
                     worker_id=self.worker_id,
                     lease_token=job.lease_token,
-                    result=outcome.result,
+                    result=result,
                     **extra,
                 )
             reported = outcome.reported
