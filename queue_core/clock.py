@@ -115,6 +115,17 @@ def boot_seconds() -> float:
     return time.clock_gettime(BOOTTIME) if BOOTTIME is not None else time.monotonic()
 
 
+def outside(value: float, low: float, high: float) -> float:
+    """How far ``value`` lies past ``high`` (positive) or short of ``low`` (negative); 0
+    inside: the least a clock that read ``low``..``high`` while a reading ``value`` was taken
+    is off by (``AnchoredClock.bound``, ``QueueService._skew``)."""
+    if value > high:
+        return value - high
+    if value < low:
+        return value - low
+    return 0
+
+
 class AnchoredClock:
     """The database's time, carried between readings of it by an interval clock: what every
     server sharing one PostgreSQL database reads, so they agree on every instant whatever
@@ -191,10 +202,10 @@ class AnchoredClock:
         """
         base_ms, base_s = self._anchor
         low = base_ms + (before_s - base_s) * 1000
-        high = base_ms + (after_s - base_s) * 1000
-        if database_ms > high:
+        off = outside(database_ms, low, base_ms + (after_s - base_s) * 1000)
+        if off > 0:
             self.set(database_ms, after_s)  # behind by at least this much
-        elif database_ms < low:
+        elif off < 0:
             self.set(database_ms, before_s)  # ahead by at least this much
         else:
             self.checked()

@@ -38,6 +38,7 @@ from queue_core.clock import (
     StepGuard,
     clock_from_path,
     database_clock,
+    outside,
 )
 from queue_core.conf import RelaySettings, relay_settings
 from queue_core.errors import (
@@ -1017,9 +1018,7 @@ class QueueService:
         row = tx.one("database_now")
         after = self.clock.now_ms()
         database = int(row["now_ms"]) if row else after
-        if database < before:
-            return before - database, after
-        return min(0, after - database), after
+        return -int(outside(database, before, after)), after
 
     def deregister_server(self, server_id: str) -> None:
         """Take a server that stops cleanly out of the registry (a dead one ages out)."""
