@@ -27,18 +27,14 @@ def service() -> QueueService:
 
 
 def key_ring() -> auth.KeyRing:
-    """The key table's snapshot (``auth.cached_ring``); a stale one is read again through the
-    storage driver's read, as the TCP server reads it, so a locked or lost database gets the
-    code TCP gives (``BUSY``, ``UNAVAILABLE``, ``STORAGE_*``), not 500 ``INTERNAL``.
+    """The key table's snapshot (``auth.cached_ring``); a stale one is read again as the TCP
+    server reads it (``auth.read_ring``), so a locked or lost database gets the code TCP
+    gives (``BUSY``, ``UNAVAILABLE``, ``STORAGE_*``), not 500 ``INTERNAL``.
 
     Raises:
         RelayError: the table cannot be read now.
     """
-    ring = auth.cached_ring()
-    if ring is None:
-        with service().driver.read():
-            ring = auth.load_ring()
-    return ring
+    return auth.cached_ring() or auth.read_ring(service().driver)
 
 
 @functools.cache

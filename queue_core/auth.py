@@ -34,6 +34,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from django.conf import settings
 from django.db import DatabaseError
@@ -42,6 +43,9 @@ from django.db.models import Q
 from queue_core import errors
 from queue_core.clock import Clock, SystemClock
 from queue_core.protocol.ops import OPS
+
+if TYPE_CHECKING:
+    from queue_core.storage.base import Driver
 
 log = logging.getLogger("relay.auth")
 
@@ -226,6 +230,19 @@ def load_ring() -> KeyRing:
         if _invalidated == began:
             _ring = ring
     return ring
+
+
+def read_ring(driver: Driver) -> KeyRing:
+    """``load_ring`` inside ``driver``'s read: its error mapping (a lost database is
+    ``UNAVAILABLE``, a failing disk ``STORAGE_IO``, not ``INTERNAL``) and, on PostgreSQL, a
+    fresh connection after one was terminated. What the TCP server and the HTTP API call
+    for a stale snapshot (a blocking call: the server runs it in its reader pool).
+
+    Raises:
+        RelayError: the table cannot be read now.
+    """
+    with driver.read():
+        return load_ring()
 
 
 def cached_ring() -> KeyRing | None:

@@ -375,14 +375,8 @@ class Requests:
         """
         ring = auth.cached_ring()
         if ring is None:
-            ring = await self.db.read(self._load_ring)
+            ring = await self.db.read(functools.partial(auth.read_ring, self.service.driver))
         return ring
-
-    def _load_ring(self) -> auth.KeyRing:
-        """Reader thread: read the key table through the driver's read (its error mapping,
-        and on PostgreSQL a fresh connection after one was terminated)."""
-        with self.service.driver.read():
-            return auth.load_ring()
 
     async def hello(self, conn: Conn, args: dict[str, Any]) -> dict[str, Any]:
         """Check an API key and tie it to this connection (a refused key unties the old one)."""
