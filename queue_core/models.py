@@ -86,6 +86,10 @@ class Job(models.Model):
             ),
             models.Index(fields=["id"], name="relay_job_dead", condition=Q(state="dead")),
             models.Index(fields=["queue", "state", "id"], name="relay_job_queue_state"),
+            # The console's job list of one queue, newest first: a seek, not a sort of the
+            # queue (migration 0015; queue and id never change, so only inserts and deletes
+            # maintain it).
+            models.Index(fields=["queue", "id"], name="relay_job_queue_id"),
             # Retention: the oldest finished jobs of each state, found without a scan.
             models.Index(
                 fields=["finished_at_ms"],
@@ -170,6 +174,15 @@ class JobAttempt(models.Model):
 
     class Meta:
         db_table = "relay_attempt"
+        indexes = [
+            # The console's recent failures, newest first (migrations 0003, 0015); partial, so
+            # acks and successful attempts never touch it.
+            models.Index(
+                fields=["ended_at_ms"],
+                name="relay_attempt_failed",
+                condition=Q(outcome="failed"),
+            ),
+        ]
         constraints = [
             models.UniqueConstraint(fields=["job", "attempt"], name="relay_attempt_unique"),
         ]

@@ -208,7 +208,14 @@ def test_changelists_use_fixed_queries_and_no_full_counts(
     assert len(sql) == queries, "\n".join(sql)
     assert_no_full_count(sql)
     for query in job_queries(sql):
-        assert_indexed(query)
+        p = assert_indexed(query)
+        page = 'ORDER BY "relay_job"."id" DESC' in query and "COUNT" not in query.upper()
+        if page and params.get("state") != "leased":
+            # The page itself: an index walk in id order that stops after a page, never a
+            # sort of every matching job (the queue filter sorted 50,000 rows without
+            # relay_job_queue_id, which SQLite lost from migration 0011 to 0015). Leased
+            # jobs are sorted: as many as the workers' slots, read from their partial index.
+            assert "TEMP B-TREE" not in p, (query, p)
     cl = response.context["cl"]
     if not params or params == {"p": "50"}:
         assert cl.paginator.capped and cl.result_count == 10_000
