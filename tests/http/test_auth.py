@@ -506,14 +506,28 @@ def test_a_key_table_read_that_a_revoke_overtook_is_not_kept_as_the_snapshot(
 
 
 def test_a_key_revoked_while_its_http_long_poll_waits_leases_nothing(
-    api: Api, make_key: Callable[..., str]
+    api: Api, make_key: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from django.db import connection
 
     from queue_api import calls
+    from queue_api.routers import workers
 
     worker, producer = make_key("worker"), make_key("producer")
     got: dict[str, Any] = {}
+    # The long-poll subscribes before its first claim, so "subscribed" alone may still be
+    # the first claim, whose key check can come before the revoke and its claim after the
+    # submit (a request racing with the revoke, which may finish: a CI run leased the job).
+    # The revoke comes once a claim has found nothing: the poll is then waiting.
+    claims: list[int] = []
+    claim = workers._claim
+
+    def counted(*args: Any) -> Any:
+        result = claim(*args)
+        claims.append(len(result[0]["jobs"]))
+        return result
+
+    monkeypatch.setattr(workers, "_claim", counted)
 
     def poll() -> None:
         try:
@@ -525,7 +539,7 @@ def test_a_key_revoked_while_its_http_long_poll_waits_leases_nothing(
 
     thread = threading.Thread(target=poll)
     thread.start()
-    _until(lambda: "revh" in calls.wakeups().wakeups.queues(), "the lease to wait")
+    _until(lambda: claims and "revh" in calls.wakeups().wakeups.queues(), "the lease to wait")
     assert auth.revoke(auth.parse_prefix(worker) or "")
     assert api.post("/api/v1/queues/revh/jobs", {"payload": 1}, key=producer).status_code == 201
     thread.join(20)
