@@ -5,12 +5,18 @@
   with ``NO_SECRET_KEY`` and exit code ``EXIT_NO_SECRET_KEY``.
 * No address beyond loopback while no API key exists (``queue_core.exposure``), unless
   ``RELAY_ALLOW_PUBLIC_WITHOUT_KEYS=1``: ``PUBLIC_WITHOUT_KEYS``, exit code 5.
+* A database whose migrations are this code's (``queue_core.schema.problem``): one behind
+  (an upgrade whose ``relay migrate`` has not run yet: every submit answered 500 ``INTERNAL``)
+  is refused with ``UNAVAILABLE``, exit code 1, which the unit's restart retries; one a newer
+  Relay migrated with ``NEWER_SCHEMA``, exit code 9. A database that cannot be reached is not
+  a reason: the API answers ``UNAVAILABLE`` until it is back.
 """
 
 from __future__ import annotations
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError, connections
 
 from queue_core import exposure
 from queue_core.conf import relay_settings
@@ -36,6 +42,24 @@ def secret_key_refusal() -> str | None:
     )
 
 
+def schema_refusal() -> tuple[str, int] | None:
+    """The refusal, with its exit code, when the database's migrations are not this code's."""
+    from queue_core import schema
+    from queue_core.storage import driver_for
+
+    alias = driver_for().alias
+    try:
+        found = schema.problem(alias)
+    except DatabaseError:
+        return None  # unreachable now: each request says UNAVAILABLE until it is back
+    if found is None:
+        return None
+    where = connections[alias].settings_dict.get("NAME")
+    if found.newer:
+        return f"NEWER_SCHEMA: the HTTP API refuses to start: database {where} {found.message}", 9
+    return f"UNAVAILABLE: the HTTP API refuses to start: database {where} {found.message}", 1
+
+
 def refusal(binds: list[object]) -> tuple[str, int] | None:
     """The first reason not to start, with its exit code, or None.
 
@@ -47,6 +71,9 @@ def refusal(binds: list[object]) -> tuple[str, int] | None:
     secret = secret_key_refusal()
     if secret:
         return secret, EXIT_NO_SECRET_KEY
+    behind = schema_refusal()
+    if behind:
+        return behind
     tcp: list[tuple[str, int]] = []
     for bind in binds:
         if isinstance(bind, tuple):

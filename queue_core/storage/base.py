@@ -67,12 +67,18 @@ class Capabilities:
             LOCKED``); SQLite needs none, its write lock admits one writer at a time.
         push_changes: the change feed pushes wake-ups (``ChangeFeed.subscribe``); otherwise
             it is polled.
+        kept_counts: the jobs per queue and state are kept in a table beside the jobs
+            (SQLite's ``relay_job_count``: triggers and the driver's inserts), so a writer that
+            does not keep them (a Relay older than migration 0008) can leave them wrong:
+            ``QueueService.repair_counts`` checks them at server start. PostgreSQL counts
+            from the jobs' indexes at each read.
     """
 
     vendor: str
     single_writer: bool
     skip_locked: bool
     push_changes: bool
+    kept_counts: bool = False
 
 
 class ClaimRequest(NamedTuple):

@@ -4,6 +4,8 @@ private SECRET_KEY while DEBUG is off (6)."""
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +78,30 @@ def test_opt_in_or_a_key_lets_the_http_side_listen_publicly(spawn: Spawner, how:
         auth.create_key("ops", ["operator"])
     server = start_gunicorn(spawn, "--bind", "0.0.0.0:0", **env)
     assert server.request("GET", "/api/v1/health")[0] == 200  # over loopback
+
+
+def test_http_side_refuses_a_database_behind_or_ahead_of_its_code(
+    spawn: Spawner, tmp_path: Path
+) -> None:
+    # An upgrade review: the HTTP API on a file not yet migrated answered every submit with
+    # 500 INTERNAL ("no column named unique_scope"). Behind: exit 1, which the unit retries
+    # while relay-server migrates; migrated by a newer Relay: exit 9, which it does not.
+    db = str(tmp_path / "behind.db")
+    out = spawn.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
+    assert out.returncode == 0, out.stderr
+    behind = run_gunicorn(spawn, "127.0.0.1:0", RELAY_DB=db)
+    assert behind.returncode == 1, behind.stderr
+    last = behind.stderr.strip().splitlines()[-1]
+    assert last.startswith("UNAVAILABLE: the HTTP API refuses to start: database"), last
+    assert "unapplied migration(s)" in last and "run `relay migrate`" in last
+    assert "http_ready" not in behind.stderr
+    assert spawn.run("migrate", RELAY_DB=db).returncode == 0
+    with contextlib.closing(sqlite3.connect(db)) as sql, sql:
+        sql.execute(
+            "INSERT INTO django_migrations (app, name, applied) "
+            "VALUES ('queue_core', '0999_from_the_future', CURRENT_TIMESTAMP)"
+        )
+    ahead = run_gunicorn(spawn, "127.0.0.1:0", RELAY_DB=db)
+    assert ahead.returncode == 9, ahead.stderr
+    assert "NEWER_SCHEMA: the HTTP API refuses to start" in ahead.stderr
+    assert "queue_core.0999_from_the_future" in ahead.stderr

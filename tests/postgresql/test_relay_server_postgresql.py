@@ -246,3 +246,44 @@ def test_relay_migrate_on_a_missing_database_says_so_in_one_line() -> None:
     assert out.returncode == 1
     assert out.stderr.startswith("UNAVAILABLE: cannot reach the database:"), out.stderr
     assert "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_two_relay_migrates_at_once_on_one_database_both_succeed() -> None:
+    # Each server's unit runs `relay migrate` before its start: an upgrade review ran two at
+    # once on a fresh database, and one failed halfway (duplicate pg_class entries, a column
+    # that "already exists") with django_migrations rows written twice. Relay's migrate now
+    # holds an advisory lock: the second runs after the first, with nothing left to do.
+    base = database_url("postgresql")["RELAY_DATABASE_URL"]
+    admin, _, _ = base.rpartition("/")
+    name = f"relay_migrate_race_{os.getpid()}"
+    relay = str(Path(sys.executable).parent / "relay")
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        runs = [
+            subprocess.Popen(
+                [relay, "--database-url", f"{admin}/{name}", "migrate"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for _ in range(2)
+        ]
+        outs = [run.communicate(timeout=120) for run in runs]
+        assert [run.returncode for run in runs] == [0, 0], outs
+        with psycopg.connect(f"{admin}/{name}") as conn:
+            twice = conn.execute(
+                "SELECT app, name, COUNT(*) FROM django_migrations "
+                "GROUP BY app, name HAVING COUNT(*) > 1"
+            ).fetchall()
+            likes = conn.execute(
+                "SELECT indexname FROM pg_indexes WHERE tablename LIKE 'relay\\_%%' "
+                "AND tablename <> 'relay_task_result' AND indexname LIKE '%%\\_like'"
+            ).fetchall()
+        assert twice == []
+        assert likes == []  # migrations 0006 and 0016: no LIKE index on queue_core's tables
+    finally:
+        with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

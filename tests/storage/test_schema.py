@@ -60,3 +60,48 @@ def test_the_console_job_list_of_one_queue_is_a_seek(alias: str) -> None:
         plan = " | ".join(str(row[-1]) for row in cursor.fetchall())
     assert "relay_job_queue_id" in plan, plan
     assert "TEMP B-TREE" not in plan and "Sort" not in plan, plan
+
+
+def test_the_migrations_applied_are_this_codes(alias: str) -> None:
+    from queue_core import schema
+
+    assert schema.problem(alias) is None
+
+
+def test_a_database_a_newer_relay_migrated_is_named_so(alias: str) -> None:
+    # An older server on a database a newer one had migrated answered stats with INTERNAL
+    # once a job was CANCELLED, and ignored pauses (an upgrade review): it must refuse.
+    from queue_core import schema
+
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "INSERT INTO django_migrations (app, name, applied) "
+            "VALUES ('queue_core', '0999_from_the_future', CURRENT_TIMESTAMP)"
+        )
+    try:
+        found = schema.problem(alias)
+        assert found is not None and found.newer
+        assert "queue_core.0999_from_the_future" in found.message
+    finally:
+        with connections[alias].cursor() as cursor:
+            cursor.execute("DELETE FROM django_migrations WHERE name = '0999_from_the_future'")
+
+
+def test_a_database_behind_the_code_is_named_so(alias: str) -> None:
+    from queue_core import schema
+
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            "DELETE FROM django_migrations WHERE app = 'queue_core' "
+            "AND name = '0016_postgresql_like_indexes'"
+        )
+    try:
+        found = schema.problem(alias)
+        assert found is not None and not found.newer
+        assert "1 unapplied migration(s) (queue_core.0016_postgresql_like_indexes)" in found.message
+    finally:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(
+                "INSERT INTO django_migrations (app, name, applied) "
+                "VALUES ('queue_core', '0016_postgresql_like_indexes', CURRENT_TIMESTAMP)"
+            )

@@ -18,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError, CommandParser
 from django.db import DatabaseError, connections
 
-from queue_core import exposure, metrics
+from queue_core import exposure, metrics, schema
 from queue_core.client import parse_address
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
@@ -33,6 +33,7 @@ log = logging.getLogger("relay.server")
 EXIT_CORRUPT = 3
 EXIT_STORAGE_FULL = 7  # STORAGE_FULL: the disk holding the database is full
 EXIT_STORAGE_IO = 8  # STORAGE_IO: I/O error, or a read-only file, folder or file system
+EXIT_NEWER_SCHEMA = 9  # NEWER_SCHEMA: a newer Relay migrated the database
 
 
 class Command(RelayBaseCommand):
@@ -92,7 +93,8 @@ class Command(RelayBaseCommand):
                 written (I/O error; read-only file, folder or file system);
                 ``INVALID_ARGUMENT`` for a bad address, grace or
                 database path; ``UNAVAILABLE`` when the database cannot be written, or (on
-                PostgreSQL) has unapplied migrations; ``PUBLIC_WITHOUT_KEYS`` (exit code 5) for an
+                PostgreSQL) has unapplied migrations; ``NEWER_SCHEMA`` (exit code 9) when a
+                newer Relay migrated it; ``PUBLIC_WITHOUT_KEYS`` (exit code 5) for an
                 ``--address`` beyond loopback while no API key exists.
         """
         ensure_log_output()
@@ -128,6 +130,7 @@ class Command(RelayBaseCommand):
             raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
         if service.capabilities.single_writer:
             _migrate(where)  # the key table must exist before it is read below
+            _check_migrations(service, where)  # a file a newer Relay migrated
         # /metrics is read-only and takes no key: only the protocol address counts here.
         refused = exposure.refusal(
             "relay server", [(host, port)], allowed=options["allow_public_without_keys"]
@@ -136,6 +139,7 @@ class Command(RelayBaseCommand):
             raise CommandError(refused, returncode=exposure.EXIT_PUBLIC_WITHOUT_KEYS)
         try:
             recovered = service.recover()
+            repaired = service.repair_counts()
         except (StorageFull, StorageIO) as exc:
             raise _storage_exit(exc, where) from None
         except DatabaseError as exc:
@@ -150,6 +154,14 @@ class Command(RelayBaseCommand):
                     f"CORRUPT: database {where} is damaged: {exc}", returncode=EXIT_CORRUPT
                 ) from exc
             raise CommandError(f"UNAVAILABLE: cannot write database {where}: {exc}") from exc
+        if repaired:
+            log.warning(
+                "event=counts_repaired pairs=%d first=%s db=%s",
+                len(repaired),
+                repaired[:5],
+                where,
+                extra={"event": "counts_repaired", "pairs": repaired[:50], "db": where},
+            )
         if service.capabilities.single_writer:
             log.info(
                 "event=recovered leases=%d db=%s",
@@ -271,27 +283,25 @@ def _claim(service: QueueService, path: str) -> Any:
 
 
 def _check_migrations(service: QueueService, where: str) -> None:
-    """Refuse to serve a shared database whose migrations are not all applied.
-
-    Several servers share it, so none migrates it on its own at start: the operator runs
-    ``manage.py migrate`` once (a migration racing another server's start would be worse).
+    """Refuse to serve a database whose migrations are not this code's: behind (on a shared
+    PostgreSQL database none migrates it on its own at start: the operator runs ``relay
+    migrate`` once), or migrated by a newer Relay (an older server on it answered ``stats``
+    with ``INTERNAL`` once a job was CANCELLED, and ignored pauses: an upgrade review).
 
     Raises:
-        CommandError: ``UNAVAILABLE`` when the database cannot be reached or is behind.
+        CommandError: ``NEWER_SCHEMA`` (exit code 9) for a database a newer Relay migrated;
+            ``UNAVAILABLE`` when it cannot be reached or is behind.
     """
-    from django.db.migrations.executor import MigrationExecutor
-
     try:
-        executor = MigrationExecutor(connections[service.driver.alias])
-        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+        found = schema.problem(service.driver.alias)
     except DatabaseError as exc:
         raise CommandError(f"UNAVAILABLE: cannot reach database {where}: {exc}") from exc
-    if plan:
-        names = ", ".join(f"{m.app_label}.{m.name}" for m, _ in plan[:5])
+    if found is not None and found.newer:
         raise CommandError(
-            f"UNAVAILABLE: database {where} has {len(plan)} unapplied migration(s) ({names}); "
-            "run `relay migrate` (manage.py migrate) first"
+            f"NEWER_SCHEMA: database {where} {found.message}", returncode=EXIT_NEWER_SCHEMA
         )
+    if found is not None:
+        raise CommandError(f"UNAVAILABLE: database {where} {found.message}")
 
 
 def use_database(path: str) -> None:

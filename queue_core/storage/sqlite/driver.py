@@ -204,6 +204,14 @@ def watch_connections() -> None:
 _SERVED: dict[str, tuple[tuple[int, int], IO[bytes], Callable[[str], StorageLost]]] = {}
 
 
+def serves(path: str) -> bool:
+    """Whether this process serves (holds the server lock of) the file at ``path``."""
+    identity = _file_identity(path)
+    return identity is not None and any(
+        served[0] == identity and not served[1].closed for served in _SERVED.values()
+    )
+
+
 class ServedFile:
     """Mixed into the ``sqlite3.Connection`` class Django connects with (the ``factory`` of
     ``sqlite3.connect``, set in the database's ``OPTIONS`` by ``server_lock``): in a server,
@@ -732,7 +740,7 @@ class SqliteDriver:
     """
 
     capabilities = Capabilities(
-        vendor="sqlite", single_writer=True, skip_locked=False, push_changes=False
+        vendor="sqlite", single_writer=True, skip_locked=False, push_changes=False, kept_counts=True
     )
 
     def __init__(self, alias: str = "default") -> None:
