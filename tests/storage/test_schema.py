@@ -9,6 +9,9 @@ operator's are, and compare them with the models.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 from django.apps import apps
 from django.db import connections
@@ -68,40 +71,43 @@ def test_the_migrations_applied_are_this_codes(alias: str) -> None:
     assert schema.problem(alias) is None
 
 
+@contextlib.contextmanager
+def recorded(alias: str, name: str, *, applied: bool) -> Iterator[None]:
+    """``queue_core.<name>`` recorded as applied (or not) in ``django_migrations`` for the
+    block, as it was after it."""
+    insert = (
+        "INSERT INTO django_migrations (app, name, applied) "
+        "VALUES ('queue_core', %s, CURRENT_TIMESTAMP)"
+    )
+    delete = "DELETE FROM django_migrations WHERE app = 'queue_core' AND name = %s"
+    with connections[alias].cursor() as cursor:
+        cursor.execute(insert if applied else delete, [name])
+    try:
+        yield
+    finally:
+        with connections[alias].cursor() as cursor:
+            cursor.execute(delete if applied else insert, [name])
+
+
 def test_a_database_a_newer_relay_migrated_is_named_so(alias: str) -> None:
     # An older server on a database a newer one had migrated answered stats with INTERNAL
     # once a job was CANCELLED, and ignored pauses (an upgrade review): it must refuse.
     from queue_core import schema
 
-    with connections[alias].cursor() as cursor:
-        cursor.execute(
-            "INSERT INTO django_migrations (app, name, applied) "
-            "VALUES ('queue_core', '0999_from_the_future', CURRENT_TIMESTAMP)"
-        )
-    try:
+    with recorded(alias, "0999_from_the_future", applied=True):
         found = schema.problem(alias)
-        assert found is not None and found.newer
-        assert "queue_core.0999_from_the_future" in found.message
-    finally:
-        with connections[alias].cursor() as cursor:
-            cursor.execute("DELETE FROM django_migrations WHERE name = '0999_from_the_future'")
+    assert found is not None and found.newer
+    assert "queue_core.0999_from_the_future" in found.message
 
 
 def test_a_database_behind_the_code_is_named_so(alias: str) -> None:
+    from django.db.migrations.loader import MigrationLoader
+
     from queue_core import schema
 
-    with connections[alias].cursor() as cursor:
-        cursor.execute(
-            "DELETE FROM django_migrations WHERE app = 'queue_core' "
-            "AND name = '0016_postgresql_like_indexes'"
-        )
-    try:
+    graph = MigrationLoader(None, ignore_no_migrations=True).graph
+    (last,) = [name for app, name in graph.leaf_nodes() if app == "queue_core"]
+    with recorded(alias, last, applied=False):
         found = schema.problem(alias)
-        assert found is not None and not found.newer
-        assert "1 unapplied migration(s) (queue_core.0016_postgresql_like_indexes)" in found.message
-    finally:
-        with connections[alias].cursor() as cursor:
-            cursor.execute(
-                "INSERT INTO django_migrations (app, name, applied) "
-                "VALUES ('queue_core', '0016_postgresql_like_indexes', CURRENT_TIMESTAMP)"
-            )
+    assert found is not None and not found.newer
+    assert f"1 unapplied migration(s) (queue_core.{last})" in found.message
