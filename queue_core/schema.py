@@ -83,8 +83,10 @@ def migration_lock(alias: str = "default") -> Iterator[None]:
     """Hold the database's migration lock while migrating.
 
     SQLite: the server's own lock (an exclusive ``flock`` on the file,
-    ``SqliteDriver.server_lock``), taken without waiting; a process that already serves the
-    file (``relay server`` migrating at its start) holds it already. PostgreSQL: a
+    ``SqliteDriver.server_lock``), taken without waiting, when Relay has migrations left to
+    apply there (a project's own migrations beside a serving ``relay server`` are left
+    alone); a process that already serves the file (``relay server`` migrating at its start)
+    holds it already. PostgreSQL: a
     session advisory lock (``pg_advisory_lock``), waited for, so a second ``relay migrate``
     starts once the first ended and finds nothing left to do. Other databases, and SQLite in
     memory: nothing.
@@ -112,8 +114,8 @@ def migration_lock(alias: str = "default") -> Iterator[None]:
         yield
         return
     path = Path(name)
-    if not path.exists():
-        yield  # a new file: nothing serves it yet
+    if not path.exists() or not _relay_behind(alias):
+        yield  # a new file (nothing serves it yet), or nothing of Relay's to change
         return
     with open(path, "rb") as handle:
         try:
@@ -127,6 +129,15 @@ def migration_lock(alias: str = "default") -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _relay_behind(alias: str) -> bool:
+    """Whether ``queue_core`` or ``relay_tasks`` have migrations not applied on ``alias``."""
+    from django.db.migrations.executor import MigrationExecutor
+
+    executor = MigrationExecutor(connections[alias])
+    plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+    return any(migration.app_label in (APP, "relay_tasks") for migration, _ in plan)
 
 
 def _a_file(name: str) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -154,17 +155,25 @@ def test_relay_migrate_is_refused_while_a_server_serves_the_file(
     procs: Spawner, tmp_path: Path
 ) -> None:
     # An upgrade review migrated a file under a live older server, whose inserts then went
-    # uncounted. The server migrates its file at its start: a migration beside it is refused.
+    # uncounted. While anything holds the server lock, Relay's own migrations are refused;
+    # with none of them left to apply (a project's own, or nothing), migrate runs.
     db = str(tmp_path / "relay.db")
-    server, port = procs.server("--db", db)
-    out = procs.run("migrate", RELAY_DB=db)
-    assert out.returncode == 4, out.stderr
-    assert f"ALREADY_SERVED: a relay server is serving {db}" in out.stderr
+    out = procs.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
+    assert out.returncode == 0, out.stderr
+    with open(db, "rb") as held:  # as a server of an older Relay holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        out = procs.run("migrate", RELAY_DB=db)
+        assert out.returncode == 4, out.stderr
+        assert f"ALREADY_SERVED: a relay server is serving {db}" in out.stderr
+        with contextlib.closing(sqlite3.connect(db)) as sql:
+            applied = {r[0] for r in sql.execute("SELECT name FROM django_migrations")}
+        assert "0016_postgresql_like_indexes" not in applied  # nothing ran
+    server, port = procs.server("--db", db)  # it migrates the file itself
+    out = procs.run("migrate", RELAY_DB=db)  # nothing of Relay's left: allowed beside it
+    assert out.returncode == 0, out.stderr
     assert call(port, "ping")["ok"]
     server.signal(signal.SIGTERM)
     assert server.wait_exit(timeout=15) == 0
-    out = procs.run("migrate", RELAY_DB=db)  # stopped: nothing left to do, and allowed
-    assert out.returncode == 0, out.stderr
 
 
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:
