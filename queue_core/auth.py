@@ -343,13 +343,20 @@ def authenticate(
 
 
 def check_session(
-    principal: Principal | None, ring: KeyRing, *, surface: str, peer: str
+    principal: Principal | None,
+    ring: KeyRing,
+    *,
+    surface: str,
+    peer: str,
+    revoked: bool = False,
 ) -> Principal:
     """Return who a connection runs as now, for a connection that may have said hello.
 
     Args:
         principal: what the connection's ``hello`` established (None when it sent none).
         ring: the current snapshot of the key table.
+        revoked: the connection's key was revoked and already forgotten (``principal`` is
+            None): it is refused as revoked, not as missing a key.
     Returns:
         ``principal``, or ``ANONYMOUS`` while no key exists.
     Raises:
@@ -358,14 +365,16 @@ def check_session(
     if not ring.required:
         return ANONYMOUS
     if principal is None or not principal.authenticated:
-        return authenticate(None, surface=surface, peer=peer, ring=ring)
-    if not ring.is_active(principal.prefix):
-        _fail(
-            "revoked", surface=surface, peer=peer, prefix=principal.prefix, code="UNAUTHENTICATED"
-        )
-        then = "send hello with another key" if surface == "tcp" else "use another key"
-        raise errors.Unauthenticated(f"API key refused (revoked); {then}")
-    return principal
+        if not revoked:
+            return authenticate(None, surface=surface, peer=peer, ring=ring)
+        prefix = None
+    elif ring.is_active(principal.prefix):
+        return principal
+    else:
+        prefix = principal.prefix
+    _fail("revoked", surface=surface, peer=peer, prefix=prefix, code="UNAUTHENTICATED")
+    then = "send hello with another key" if surface == "tcp" else "use another key"
+    raise errors.Unauthenticated(f"API key refused (revoked); {then}")
 
 
 def authorize(principal: Principal, op: str, *, surface: str, peer: str) -> None:

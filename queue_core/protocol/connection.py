@@ -52,6 +52,7 @@ class Conn:
     gone: bool = False  # the client closed its side: long-polls stop waiting
     eof_sent: bool = False  # we closed our side (after FRAME_TOO_LARGE): nothing more to send
     principal: auth.Principal | None = None  # set by a successful hello
+    key_revoked: bool = False  # it lost its key to a revoke (its refusals say so)
     # Loop time by which it must hold a key (keys required): RELAY_AUTH_TIMEOUT_MS from its
     # connect, or from when it lost the key it had (``unauthenticate``). None: no deadline.
     auth_by: float | None = None
@@ -75,13 +76,15 @@ class Conn:
     # ``lost``), decided by ``settle_undelivered``.
     undelivered: list[tuple[int, Callable[[], object]]] = dataclasses.field(default_factory=list)
 
-    def unauthenticate(self) -> None:
-        """Forget the connection's key (refused at a later ``hello``, or revoked): it may
+    def unauthenticate(self, *, revoked: bool = False) -> None:
+        """Forget the connection's key (refused at a later ``hello``, or ``revoked``): it may
         only ping again, may be evicted for a newcomer, and has ``RELAY_AUTH_TIMEOUT_MS``
         from now to say ``hello`` with another key before it is closed. A connection that
-        never held a key keeps the deadline it had."""
+        never held a key keeps the deadline it had. While it holds none after a revoke, its
+        requests are refused as revoked, not as missing a key."""
         had = self.principal is not None and self.principal.authenticated
         self.principal = None
+        self.key_revoked = revoked
         if had:
             timeout_s = relay_settings().auth_timeout_ms / 1000
             self.auth_by = asyncio.get_running_loop().time() + timeout_s

@@ -360,7 +360,7 @@ class Listener:
                     with contextlib.suppress(errors.RelayError):  # its requests will say so
                         ring = await self.requests.key_ring()
                 if ring is not None and not ring.is_active(principal.prefix):
-                    conn.unauthenticate()
+                    conn.unauthenticate(revoked=True)
             auth_by = conn.auth_by  # later if it loses its key (Conn.unauthenticate)
             authed = auth_by is None or (
                 conn.principal is not None and conn.principal.authenticated

@@ -353,9 +353,13 @@ class Requests:
             principal = conn.principal or auth.ANONYMOUS
         else:
             try:
-                principal = auth.check_session(conn.principal, ring, surface="tcp", peer=conn.peer)
+                principal = auth.check_session(
+                    conn.principal, ring, surface="tcp", peer=conn.peer, revoked=conn.key_revoked
+                )
             except errors.Unauthenticated:
-                conn.unauthenticate()  # revoked: evictable, and closed unless it says hello
+                # Revoked (now or before): evictable, and closed unless it says hello.
+                held = conn.principal is not None and conn.principal.authenticated
+                conn.unauthenticate(revoked=held or conn.key_revoked)
                 raise
             auth.authorize(principal, verb.op, surface="tcp", peer=conn.peer)
         args = dispatch.validate(verb, raw_args)

@@ -404,6 +404,21 @@ def test_revoked_key_stops_working_on_an_open_connection(
             client.stats()
 
 
+def test_a_revoked_connection_is_told_so_on_every_request_after(
+    tcp: _Server, make_key: Callable[..., str]
+) -> None:
+    # The read loop finds a revoke before the next line too (a ping is enough) and forgets
+    # the key: the requests after it said "an API key is required" (a CI run), not revoked.
+    key = make_key("producer")
+    with RelayClient(tcp.address(), api_key=key) as client:
+        client.stats()
+        auth.revoke(auth.parse_prefix(key) or "")
+        client.ping()  # the read loop, not the request, sees the revoke first
+        for _ in range(2):
+            with pytest.raises(errors.Unauthenticated, match="revoked"):
+                client.stats()
+
+
 def test_cli_hands_the_api_key_to_client_commands_only() -> None:
     from queue_core.cli import translate
 
