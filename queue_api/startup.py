@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import os
+
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
@@ -47,7 +49,10 @@ def schema_refusal() -> tuple[str, int] | None:
     from queue_core import schema
     from queue_core.storage import driver_for
 
-    alias = driver_for().alias
+    alias = driver_for(relay_settings().database).alias
+    conf = connections[alias].settings_dict
+    if connections[alias].vendor == "sqlite" and not os.path.exists(str(conf.get("NAME"))):
+        return None  # not made here (a typo left an empty file); requests say UNAVAILABLE
     try:
         found = schema.problem(alias)
     except DatabaseError:

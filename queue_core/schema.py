@@ -21,11 +21,12 @@ import contextlib
 import fcntl
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 from django.db import connections
 
 APP = "queue_core"
+RELAY_APPS = (APP, "relay_tasks")
 # pg_advisory_lock's key for migrations: "relaymig" as a 64-bit integer.
 PG_MIGRATION_LOCK = int.from_bytes(b"relaymig", "big") - (1 << 63)
 
@@ -53,23 +54,26 @@ def problem(alias: str = "default") -> Problem | None:
     from django.db.migrations.executor import MigrationExecutor
 
     executor = MigrationExecutor(connections[alias])
-    known = {name for app, name in executor.loader.graph.nodes if app == APP}
+    known = set(executor.loader.graph.nodes)
     newer = sorted(
-        name for app, name in executor.loader.applied_migrations if app == APP and name not in known
+        f"{app}.{name}"
+        for app, name in executor.loader.applied_migrations
+        if app in RELAY_APPS and (app, name) not in known
     )
     if newer:
         return Problem(
             True,
-            f"was migrated by a newer Relay ({', '.join(f'{APP}.{n}' for n in newer[:5])}); "
+            f"was migrated by a newer Relay ({', '.join(newer[:5])}); "
             "run that version or a later one (going back is not supported)",
         )
     plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
     if plan:
         names = ", ".join(f"{m.app_label}.{m.name}" for m, _ in plan[:5])
+        database = "" if alias == "default" else f" --database {alias}"
         return Problem(
             False,
-            f"has {len(plan)} unapplied migration(s) ({names}); run `relay migrate` "
-            "(manage.py migrate) first",
+            f"has {len(plan)} unapplied migration(s) ({names}); run `relay migrate{database}` "
+            f"(manage.py migrate{database}) first",
         )
     return None
 
@@ -79,56 +83,90 @@ class MigrationRefused(Exception):
 
 
 @contextlib.contextmanager
-def migration_lock(alias: str = "default") -> Iterator[None]:
+def migration_lock(alias: str = "default", *, relay_changes: bool = True) -> Iterator[None]:
     """Hold the database's migration lock while migrating.
 
-    SQLite: the server's own lock (an exclusive ``flock`` on the file,
-    ``SqliteDriver.server_lock``), taken without waiting, when Relay has migrations left to
-    apply there (a project's own migrations beside a serving ``relay server`` are left
-    alone); a process that already serves the file (``relay server`` migrating at its start)
-    holds it already. PostgreSQL: a
-    session advisory lock (``pg_advisory_lock``), waited for, so a second ``relay migrate``
-    starts once the first ended and finds nothing left to do. Other databases, and SQLite in
-    memory: nothing.
+    PostgreSQL: a transaction-level advisory lock (``pg_advisory_xact_lock``) taken on a
+    connection of its own, whose transaction stays open while the migrations run on Django's
+    connection and ends (releasing it) when they end or the process dies. A transaction, not a
+    session lock, so a pooler in transaction mode (PgBouncer) keeps that connection on one
+    backend for as long as it is held (a review: a session lock there was taken and released
+    on different backends, and left held); waited for without Relay's ``lock_timeout``
+    (2 s: a review's second migrate gave up at 3.4 s behind a 3-million-job upgrade).
+
+    SQLite, when ``relay_changes`` (Relay's own migrations would run): the file's ``flock``
+    taken shared, without waiting, so it is refused while a server holds it exclusively
+    (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it. A process
+    that serves the file (``relay server`` migrating at its start) holds it already. The
+    descriptor is kept open after: closing one would drop the POSIX locks SQLite holds on the
+    file in this process. Other databases, and SQLite in memory: nothing.
 
     Raises:
         MigrationRefused: a server serves the SQLite file.
     """
     connection = connections[alias]
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_lock(%s)", [PG_MIGRATION_LOCK])
-        try:
+        with _pg_lock(alias):
             yield
-        finally:
-            with contextlib.suppress(Exception), connection.cursor() as cursor:
-                cursor.execute("SELECT pg_advisory_unlock(%s)", [PG_MIGRATION_LOCK])
         return
     name = str(connection.settings_dict.get("NAME") or "")
-    if connection.vendor != "sqlite" or not _a_file(name):
+    if connection.vendor != "sqlite" or not _a_file(name) or not relay_changes:
         yield
         return
     from queue_core.storage.sqlite.driver import serves
 
-    if serves(name):
-        yield
-        return
     path = Path(name)
-    if not path.exists() or not _relay_behind(alias):
-        yield  # a new file (nothing serves it yet), or nothing of Relay's to change
+    if serves(name) or not path.exists():
+        yield  # held by this process's server, or a new file (nothing serves it yet)
         return
-    with open(path, "rb") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise MigrationRefused(
-                f"a relay server is serving {name}; it migrates the file itself when it "
-                "starts: stop it (then run `relay migrate`, or start the new server)"
-            ) from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    handle = open(path, "rb")  # noqa: SIM115 - kept open (see above)
+    _KEPT.append(handle)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise MigrationRefused(
+            f"a relay server is serving {name}; it migrates the file itself when it "
+            "starts: stop it (then run `relay migrate`, or start the new server)"
+        ) from None
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_KEPT: list[IO[bytes]] = []  # migration_lock's descriptors, open until the process ends
+
+
+@contextlib.contextmanager
+def _pg_lock(alias: str) -> Iterator[None]:
+    """``pg_advisory_xact_lock`` on a connection of its own, for the block (see above)."""
+    connection = connections[alias]
+    locker = connection.get_new_connection(connection.get_connection_params())
+    try:
+        with locker.cursor() as cursor:  # opens the transaction that holds the lock
+            cursor.execute("SET LOCAL lock_timeout = 0")
+            cursor.execute("SET LOCAL statement_timeout = 0")
+            cursor.execute("SET LOCAL idle_in_transaction_session_timeout = 0")
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [PG_MIGRATION_LOCK])
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            locker.rollback()
+        with contextlib.suppress(Exception):
+            locker.close()
+
+
+def relay_changes(alias: str, options: dict[str, object]) -> bool:
+    """Whether ``migrate`` with ``options`` may apply or unapply Relay's migrations on
+    ``alias``: a named app of Relay's (forwards or backwards: a review unapplied 0016 to
+    0011 under a live server), or no app named and Relay's behind. ``--plan`` and
+    ``--check`` change nothing."""
+    if options.get("plan") or options.get("check_unapplied"):
+        return False
+    app = options.get("app_label")
+    if app:
+        return app in RELAY_APPS
+    return _relay_behind(alias)
 
 
 def _relay_behind(alias: str) -> bool:
@@ -137,7 +175,7 @@ def _relay_behind(alias: str) -> bool:
 
     executor = MigrationExecutor(connections[alias])
     plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
-    return any(migration.app_label in (APP, "relay_tasks") for migration, _ in plan)
+    return any(migration.app_label in RELAY_APPS for migration, _ in plan)
 
 
 def _a_file(name: str) -> bool:

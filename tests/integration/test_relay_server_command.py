@@ -171,9 +171,33 @@ def test_relay_migrate_is_refused_while_a_server_serves_the_file(
     server, port = procs.server("--db", db)  # it migrates the file itself
     out = procs.run("migrate", RELAY_DB=db)  # nothing of Relay's left: allowed beside it
     assert out.returncode == 0, out.stderr
+    assert procs.run("migrate", "--plan", RELAY_DB=db).returncode == 0  # changes nothing
+    # Backwards is a change too (a review unapplied 0016 to 0011 under a live server, and
+    # every submit answered INTERNAL after).
+    out = procs.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
+    assert out.returncode == 4, out.stderr
     assert call(port, "ping")["ok"]
     server.signal(signal.SIGTERM)
     assert server.wait_exit(timeout=15) == 0
+
+
+def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_path: Path) -> None:
+    # A review started the server while `relay migrate` held the file (13 s at a million
+    # jobs): it exited 4, "another relay server is serving", which its unit does not restart.
+    db = str(tmp_path / "relay.db")
+    assert procs.run("migrate", RELAY_DB=db).returncode == 0
+    held = open(db, "rb")  # noqa: SIM115 - released below, as migrate's lock is
+    fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)  # as `relay migrate` holds it
+    try:
+        proc = procs("relay_server", "--db", db, "--address", "127.0.0.1:0")
+        proc.wait_event("waiting_for_migration")
+        assert proc.popen.poll() is None
+    finally:
+        fcntl.flock(held, fcntl.LOCK_UN)
+    proc.wait_event("ready")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait_exit(timeout=15) == 0
+    held.close()
 
 
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:

@@ -287,3 +287,42 @@ def test_two_relay_migrates_at_once_on_one_database_both_succeed() -> None:
     finally:
         with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_relay_migrate_waits_for_the_migration_lock_past_lock_timeout() -> None:
+    # Relay's connections give up on a lock after RELAY_LOCK_TIMEOUT_MS (2 s); a review's
+    # second migrate behind a long upgrade failed at 3.4 s that way. The migration lock is
+    # waited for as long as another migration holds it.
+    from queue_core.schema import PG_MIGRATION_LOCK
+
+    base = database_url("postgresql")["RELAY_DATABASE_URL"]
+    admin, _, _ = base.rpartition("/")
+    name = f"relay_migrate_wait_{os.getpid()}"
+    relay = str(Path(sys.executable).parent / "relay")
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        with psycopg.connect(f"{admin}/{name}") as holder:
+            holder.execute("SELECT pg_advisory_xact_lock(%s)", [PG_MIGRATION_LOCK])
+            run = subprocess.Popen(
+                [relay, "--database-url", f"{admin}/{name}", "migrate"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            with psycopg.connect(f"{admin}/{name}", autocommit=True) as watcher:
+                deadline = time.monotonic() + 30
+                while not watcher.execute(
+                    "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                ).fetchone():
+                    assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+                    time.sleep(0.05)
+            time.sleep(2.5)  # what is tested: a wait longer than lock_timeout (2 s)
+            assert run.poll() is None  # still waiting, not failed
+        out = run.communicate(timeout=120)  # the holder's transaction ended: it goes on
+        assert run.returncode == 0, out
+    finally:
+        with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -129,7 +129,7 @@ class Command(RelayBaseCommand):
                 )
             raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
         if service.capabilities.single_writer:
-            _migrate(where)  # the key table must exist before it is read below
+            _migrate(where, service.driver.alias)  # the key table must exist before it is read
             _check_migrations(service, where)  # a file a newer Relay migrated
         # /metrics is read-only and takes no key: only the protocol address counts here.
         refused = exposure.refusal(
@@ -216,15 +216,15 @@ def _storage_exit(exc: StorageFull | StorageIO, where: str) -> CommandError:
     return CommandError(f"{exc.code}: database {where}: {exc.message}", returncode=code)
 
 
-def _migrate(where: str) -> None:
-    """Bring a SQLite database's tables up to date.
+def _migrate(where: str, alias: str) -> None:
+    """Bring a SQLite database's tables up to date (``alias``: Relay's, ``RELAY_DATABASE``).
 
     Raises:
         CommandError: ``CORRUPT`` (exit code 3) when migrating finds damage, ``UNAVAILABLE``
             when the database cannot be written.
     """
     try:
-        call_command("migrate", interactive=False, verbosity=0)
+        call_command("migrate", database=alias, interactive=False, verbosity=0)
     except DatabaseError as exc:
         if "malformed" in str(exc) or "corrupt" in str(exc).lower():
             raise CommandError(

@@ -204,6 +204,17 @@ def watch_connections() -> None:
 _SERVED: dict[str, tuple[tuple[int, int], IO[bytes], Callable[[str], StorageLost]]] = {}
 
 
+def _migrating(handle: IO[bytes]) -> bool:
+    """Whether the file's ``flock`` is held shared (by migrations), not by a server: a shared
+    lock can be taken beside it. Any shared lock taken here is let go at once."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(handle, fcntl.LOCK_UN)
+    return True
+
+
 def serves(path: str) -> bool:
     """Whether this process serves (holds the server lock of) the file at ``path``."""
     identity = _file_identity(path)
@@ -1253,10 +1264,17 @@ class SqliteDriver:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            handle.close()
-            raise AlreadyServed(
-                f"another relay server is serving {path} ({_identity(path)}); stop it first"
-            ) from None
+            if not _migrating(handle):
+                handle.close()
+                raise AlreadyServed(
+                    f"another relay server is serving {path} ({_identity(path)}); stop it first"
+                ) from None
+            # `relay migrate` holds the file shared (``schema.migration_lock``): wait for it,
+            # as the server did before migrations took the lock (a review: exit 4, for good).
+            log.info(
+                "event=waiting_for_migration db=%s", path, extra={"event": "waiting_for_migration"}
+            )
+            fcntl.flock(handle, fcntl.LOCK_EX)
         st = os.fstat(handle.fileno())
         self._served = (path, (st.st_dev, st.st_ino))
         _SERVED[path] = (self._served[1], handle, self._lost)
