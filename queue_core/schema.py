@@ -35,8 +35,8 @@ class Problem(NamedTuple):
     """Why a database cannot be served by this code.
 
     Attributes:
-        newer: it holds migrations of ``queue_core`` this code does not have (a newer Relay
-            migrated it); otherwise it is behind (unapplied migrations).
+        newer: it holds migrations of ``queue_core`` or ``relay_tasks`` this code does not
+            have (a newer Relay migrated it); otherwise it is behind (unapplied migrations).
         message: one line, e.g. ``has 2 unapplied migration(s) (...); run `relay migrate` ...``.
     """
 
