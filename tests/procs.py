@@ -12,6 +12,7 @@ import contextlib
 import functools
 import os
 import resource
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -119,3 +120,17 @@ def spawner(db_path: str) -> Iterator[Spawner]:
         yield s
     finally:
         s.cleanup()
+
+
+FUTURE_MIGRATION = "0999_from_the_future"
+
+
+def record_future_migration(db_path: str) -> None:
+    """Record in a SQLite file a ``queue_core`` migration this code does not have, as a
+    newer Relay's migrate would have left it (``FUTURE_MIGRATION``)."""
+    with contextlib.closing(sqlite3.connect(db_path)) as sql, sql:
+        sql.execute(
+            "INSERT INTO django_migrations (app, name, applied) "
+            "VALUES ('queue_core', ?, CURRENT_TIMESTAMP)",
+            (FUTURE_MIGRATION,),
+        )

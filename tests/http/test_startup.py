@@ -4,8 +4,6 @@ private SECRET_KEY while DEBUG is off (6)."""
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +13,7 @@ import pytest
 from queue_api.startup import EXIT_NO_SECRET_KEY
 from queue_core import auth, exposure
 from tests.http.conftest import start_gunicorn
-from tests.procs import ROOT, Spawner, command_env
+from tests.procs import FUTURE_MIGRATION, ROOT, Spawner, command_env, record_future_migration
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -96,12 +94,8 @@ def test_http_side_refuses_a_database_behind_or_ahead_of_its_code(
     assert "unapplied migration(s)" in last and "run `relay migrate`" in last
     assert "http_ready" not in behind.stderr
     assert spawn.run("migrate", RELAY_DB=db).returncode == 0
-    with contextlib.closing(sqlite3.connect(db)) as sql, sql:
-        sql.execute(
-            "INSERT INTO django_migrations (app, name, applied) "
-            "VALUES ('queue_core', '0999_from_the_future', CURRENT_TIMESTAMP)"
-        )
+    record_future_migration(db)
     ahead = run_gunicorn(spawn, "127.0.0.1:0", RELAY_DB=db)
     assert ahead.returncode == 9, ahead.stderr
     assert "NEWER_SCHEMA: the HTTP API refuses to start" in ahead.stderr
-    assert "queue_core.0999_from_the_future" in ahead.stderr
+    assert f"queue_core.{FUTURE_MIGRATION}" in ahead.stderr

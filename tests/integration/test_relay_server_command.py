@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.procs import Spawner, spawner
+from tests.procs import Spawner, record_future_migration, spawner
 
 
 @pytest.fixture
@@ -203,11 +203,7 @@ def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_p
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:
     db = str(tmp_path / "relay.db")
     assert procs.run("migrate", RELAY_DB=db).returncode == 0
-    with contextlib.closing(sqlite3.connect(db)) as sql, sql:
-        sql.execute(
-            "INSERT INTO django_migrations (app, name, applied) "
-            "VALUES ('queue_core', '0999_from_the_future', CURRENT_TIMESTAMP)"
-        )
+    record_future_migration(db)
     out = procs.run("relay_server", "--db", db, "--address", "127.0.0.1:0")
     assert out.returncode == 9, out.stderr
     assert f"NEWER_SCHEMA: database {db} was migrated by a newer Relay" in out.stderr

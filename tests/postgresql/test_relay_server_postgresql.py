@@ -248,81 +248,57 @@ def test_relay_migrate_on_a_missing_database_says_so_in_one_line() -> None:
     assert "does not exist" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_two_relay_migrates_at_once_on_one_database_both_succeed() -> None:
+def _relay_migrate(url: str) -> subprocess.Popen[str]:
+    """Start ``relay --database-url URL migrate`` (the command the server's unit runs)."""
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "relay"), "--database-url", url, "migrate"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"},
+    )
+
+
+def test_two_relay_migrates_at_once_on_one_database_both_succeed(empty_database: str) -> None:
     # Each server's unit runs `relay migrate` before its start: an upgrade review ran two at
     # once on a fresh database, and one failed halfway (duplicate pg_class entries, a column
     # that "already exists") with django_migrations rows written twice. Relay's migrate now
     # holds an advisory lock: the second runs after the first, with nothing left to do.
-    base = database_url("postgresql")["RELAY_DATABASE_URL"]
-    admin, _, _ = base.rpartition("/")
-    name = f"relay_migrate_race_{os.getpid()}"
-    relay = str(Path(sys.executable).parent / "relay")
-    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        runs = [
-            subprocess.Popen(
-                [relay, "--database-url", f"{admin}/{name}", "migrate"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            for _ in range(2)
-        ]
-        outs = [run.communicate(timeout=120) for run in runs]
-        assert [run.returncode for run in runs] == [0, 0], outs
-        with psycopg.connect(f"{admin}/{name}") as conn:
-            twice = conn.execute(
-                "SELECT app, name, COUNT(*) FROM django_migrations "
-                "GROUP BY app, name HAVING COUNT(*) > 1"
-            ).fetchall()
-            likes = conn.execute(
-                "SELECT indexname FROM pg_indexes WHERE tablename LIKE 'relay\\_%%' "
-                "AND tablename <> 'relay_task_result' AND indexname LIKE '%%\\_like'"
-            ).fetchall()
-        assert twice == []
-        assert likes == []  # migrations 0006 and 0016: no LIKE index on queue_core's tables
-    finally:
-        with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    runs = [_relay_migrate(empty_database) for _ in range(2)]
+    outs = [run.communicate(timeout=120) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outs
+    with psycopg.connect(empty_database) as conn:
+        twice = conn.execute(
+            "SELECT app, name, COUNT(*) FROM django_migrations "
+            "GROUP BY app, name HAVING COUNT(*) > 1"
+        ).fetchall()
+        likes = conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename LIKE 'relay\\_%%' "
+            "AND tablename <> 'relay_task_result' AND indexname LIKE '%%\\_like'"
+        ).fetchall()
+    assert twice == []
+    assert likes == []  # migrations 0006 and 0016: no LIKE index on queue_core's tables
 
 
-def test_relay_migrate_waits_for_the_migration_lock_past_lock_timeout() -> None:
+def test_relay_migrate_waits_for_the_migration_lock_past_lock_timeout(
+    empty_database: str,
+) -> None:
     # Relay's connections give up on a lock after RELAY_LOCK_TIMEOUT_MS (2 s); a review's
     # second migrate behind a long upgrade failed at 3.4 s that way. The migration lock is
     # waited for as long as another migration holds it.
     from queue_core.schema import PG_MIGRATION_LOCK
 
-    base = database_url("postgresql")["RELAY_DATABASE_URL"]
-    admin, _, _ = base.rpartition("/")
-    name = f"relay_migrate_wait_{os.getpid()}"
-    relay = str(Path(sys.executable).parent / "relay")
-    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
-    with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        with psycopg.connect(f"{admin}/{name}") as holder:
-            holder.execute("SELECT pg_advisory_xact_lock(%s)", [PG_MIGRATION_LOCK])
-            run = subprocess.Popen(
-                [relay, "--database-url", f"{admin}/{name}", "migrate"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            with psycopg.connect(f"{admin}/{name}", autocommit=True) as watcher:
-                deadline = time.monotonic() + 30
-                while not watcher.execute(
-                    "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-                ).fetchone():
-                    assert time.monotonic() < deadline and run.poll() is None, run.communicate()
-                    time.sleep(0.05)
-            time.sleep(2.5)  # what is tested: a wait longer than lock_timeout (2 s)
-            assert run.poll() is None  # still waiting, not failed
-        out = run.communicate(timeout=120)  # the holder's transaction ended: it goes on
-        assert run.returncode == 0, out
-    finally:
-        with psycopg.connect(f"{admin}/postgres", autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with psycopg.connect(empty_database) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(%s)", [PG_MIGRATION_LOCK])
+        run = _relay_migrate(empty_database)
+        with psycopg.connect(empty_database, autocommit=True) as watcher:
+            deadline = time.monotonic() + 30
+            while not watcher.execute(
+                "SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            ).fetchone():
+                assert time.monotonic() < deadline and run.poll() is None, run.communicate()
+                time.sleep(0.05)
+        time.sleep(2.5)  # what is tested: a wait longer than lock_timeout (2 s)
+        assert run.poll() is None  # still waiting, not failed
+    out = run.communicate(timeout=120)  # the holder's transaction ended: it goes on
+    assert run.returncode == 0, out

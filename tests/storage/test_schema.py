@@ -17,6 +17,7 @@ from django.apps import apps
 from django.db import connections
 from django.db.models import Index, UniqueConstraint
 
+from tests.procs import FUTURE_MIGRATION
 from tests.storage.conftest import DATABASES
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -94,10 +95,10 @@ def test_a_database_a_newer_relay_migrated_is_named_so(alias: str) -> None:
     # once a job was CANCELLED, and ignored pauses (an upgrade review): it must refuse.
     from queue_core import schema
 
-    with recorded(alias, "0999_from_the_future", applied=True):
+    with recorded(alias, FUTURE_MIGRATION, applied=True):
         found = schema.problem(alias)
     assert found is not None and found.newer
-    assert "queue_core.0999_from_the_future" in found.message
+    assert f"queue_core.{FUTURE_MIGRATION}" in found.message
 
 
 def test_a_database_behind_the_code_is_named_so(alias: str) -> None:
