@@ -50,8 +50,8 @@ def schema_refusal() -> tuple[str, int] | None:
     from queue_core.storage import driver_for
 
     alias = driver_for(relay_settings().database).alias
-    conf = connections[alias].settings_dict
-    if connections[alias].vendor == "sqlite" and not os.path.exists(str(conf.get("NAME"))):
+    where = str(connections[alias].settings_dict.get("NAME"))
+    if connections[alias].vendor == "sqlite" and not os.path.exists(where):
         return None  # not made here (a typo left an empty file); requests say UNAVAILABLE
     try:
         found = schema.problem(alias)
@@ -59,7 +59,6 @@ def schema_refusal() -> tuple[str, int] | None:
         return None  # unreachable now: each request says UNAVAILABLE until it is back
     if found is None:
         return None
-    where = connections[alias].settings_dict.get("NAME")
     if found.newer:
         return f"NEWER_SCHEMA: the HTTP API refuses to start: database {where} {found.message}", 9
     return f"UNAVAILABLE: the HTTP API refuses to start: database {where} {found.message}", 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, NamedTuple
 
@@ -83,7 +83,9 @@ class MigrationRefused(Exception):
 
 
 @contextlib.contextmanager
-def migration_lock(alias: str = "default", *, relay_changes: bool = True) -> Iterator[None]:
+def migration_lock(
+    alias: str = "default", options: Mapping[str, object] | None = None
+) -> Iterator[None]:
     """Hold the database's migration lock while migrating.
 
     PostgreSQL: a transaction-level advisory lock (``pg_advisory_xact_lock``) taken on a
@@ -94,7 +96,8 @@ def migration_lock(alias: str = "default", *, relay_changes: bool = True) -> Ite
     on different backends, and left held); waited for without Relay's ``lock_timeout``
     (2 s: a review's second migrate gave up at 3.4 s behind a 3-million-job upgrade).
 
-    SQLite, when ``relay_changes`` (Relay's own migrations would run): the file's ``flock``
+    SQLite, when Relay's own migrations would run (``relay_changes``: ``migrate``'s
+    ``options``; None for a plain ``migrate``): the file's ``flock``
     taken shared, without waiting, so it is refused while a server holds it exclusively
     (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it. A process
     that serves the file (``relay server`` migrating at its start) holds it already. The
@@ -110,14 +113,14 @@ def migration_lock(alias: str = "default", *, relay_changes: bool = True) -> Ite
             yield
         return
     name = str(connection.settings_dict.get("NAME") or "")
-    if connection.vendor != "sqlite" or not _a_file(name) or not relay_changes:
+    if connection.vendor != "sqlite" or not _a_file(name):
         yield
         return
     from queue_core.storage.sqlite.driver import serves
 
     path = Path(name)
-    if serves(name) or not path.exists():
-        yield  # held by this process's server, or a new file (nothing serves it yet)
+    if serves(name) or not path.exists() or not relay_changes(alias, options or {}):
+        yield  # held by this process's server, a new file, or nothing of Relay's to change
         return
     handle = open(path, "rb")  # noqa: SIM115 - kept open (see above)
     _KEPT.append(handle)
@@ -156,7 +159,7 @@ def _pg_lock(alias: str) -> Iterator[None]:
             locker.close()
 
 
-def relay_changes(alias: str, options: dict[str, object]) -> bool:
+def relay_changes(alias: str, options: Mapping[str, object]) -> bool:
     """Whether ``migrate`` with ``options`` may apply or unapply Relay's migrations on
     ``alias``: a named app of Relay's (forwards or backwards: a review unapplied 0016 to
     0011 under a live server), or no app named and Relay's behind. ``--plan`` and

@@ -15,7 +15,7 @@ from typing import Any
 from django.core.management.base import CommandError
 from django.core.management.commands.migrate import Command as DjangoMigrate
 
-from queue_core.schema import MigrationRefused, migration_lock, relay_changes
+from queue_core.schema import MigrationRefused, migration_lock
 
 EXIT_ALREADY_SERVED = 4  # as relay server's
 
@@ -25,8 +25,7 @@ class Command(DjangoMigrate):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            alias = options["database"]
-            with migration_lock(alias, relay_changes=relay_changes(alias, options)):
+            with migration_lock(options["database"], options):
                 super().handle(*args, **options)
         except MigrationRefused as exc:
             raise CommandError(f"ALREADY_SERVED: {exc}", returncode=EXIT_ALREADY_SERVED) from None

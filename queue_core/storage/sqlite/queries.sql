@@ -573,7 +573,7 @@ ON CONFLICT (queue, state) DO UPDATE SET n = n + excluded.n;
 SELECT queue, state, n FROM relay_job_count;
 
 -- name: counts_scanned
--- Jobs by queue and state counted from the jobs (a scan of relay_job_queue_state: about 0.2 s
+-- Jobs by queue and state counted from the jobs (a scan of relay_job_queue_state: 0.2-0.3 s
 -- a million jobs). Params: none.
 SELECT queue, state, COUNT(*) AS n FROM relay_job GROUP BY queue, state;
 
