@@ -144,7 +144,8 @@ _KEPT: list[IO[bytes]] = []  # migration_lock's descriptors, open until the proc
 def _pg_lock(alias: str) -> Iterator[None]:
     """``pg_advisory_xact_lock`` on a connection of its own, for the block (see above)."""
     connection = connections[alias]
-    locker = connection.get_new_connection(connection.get_connection_params())
+    with connection.wrap_database_errors:  # Django's errors, as its own connection raises
+        locker = connection.get_new_connection(connection.get_connection_params())
     try:
         with locker.cursor() as cursor:  # opens the transaction that holds the lock
             cursor.execute("SET LOCAL lock_timeout = 0")
