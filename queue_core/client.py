@@ -137,9 +137,14 @@ class Transport(Protocol):
     Implementations need not be thread-safe: ``RelayClient`` serialises calls.
     """
 
-    def roundtrip(self, frame: bytes, *, timeout_s: float) -> bytes:
+    def roundtrip(self, frame: bytes, *, timeout_s: float, deadline: float | None = None) -> bytes:
         """Send ``frame`` (ending in ``\\n``) and return the reply line without its newline.
 
+        Args:
+            frame: one encoded request.
+            timeout_s: how long to wait for the reply, in seconds.
+            deadline: a ``time.monotonic()`` instant (s) by which the whole call, connecting
+                and a ``hello`` included, ends; None for none beyond ``timeout_s``.
         Raises:
             RelayConnectionError: the exchange failed; the transport reconnects next time.
         """
@@ -201,7 +206,7 @@ class TcpTransport:
         self._index = (self._index + 1) % len(self.servers)  # fail over next time
         return err
 
-    def _connected(self) -> socket.socket:
+    def _connected(self, deadline: float | None) -> socket.socket:
         sock = self._sock
         if sock is not None and (self._buf or _readable(sock)):
             # Between requests the server has nothing to say: unread bytes or EOF mean it
@@ -210,47 +215,68 @@ class TcpTransport:
             self.close()
             sock = None
         if sock is None:
-            sock = self._open()
+            sock = self._open(deadline)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
             self._buf.clear()
             if self.handshake is not None:
-                self._shake(sock, self.handshake)
+                self._shake(sock, self.handshake, deadline)
         return sock
 
-    def _open(self) -> socket.socket:
-        """Open a TCP connection to the first server that accepts, starting at the current
-        one; when none does, retry them all ``connect_retries`` times with jittered backoff
-        (safe: nothing was sent).
+    def _within(self, deadline: float | None) -> float:
+        """``connect_timeout_s``, or less to end by ``deadline``.
 
         Raises:
-            RelayUnreachable: every try failed.
+            TimeoutError: the deadline has passed.
+        """
+        if deadline is None:
+            return self.connect_timeout_s
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the call's deadline passed")
+        return min(self.connect_timeout_s, remaining)
+
+    def _open(self, deadline: float | None) -> socket.socket:
+        """Open a TCP connection to the first server that accepts, starting at the current
+        one; when none does, retry them all ``connect_retries`` times with jittered backoff
+        (safe: nothing was sent), but not past ``deadline``.
+
+        Raises:
+            RelayUnreachable: every try failed, or the deadline passed.
         """
         failures = 0
         while True:
             for _ in self.servers:
                 try:
                     return socket.create_connection(
-                        self.servers[self._index], timeout=self.connect_timeout_s
+                        self.servers[self._index], timeout=self._within(deadline)
                     )
                 except OSError as exc:
                     error = exc
                     self._index = (self._index + 1) % len(self.servers)
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
             failures += 1
-            if failures > self.connect_retries:
+            pause_s = jittered_ms(RECONNECT_BACKOFF, failures, _RNG) / 1000
+            if failures > self.connect_retries or (
+                deadline is not None and time.monotonic() + pause_s >= deadline
+            ):
                 raise RelayUnreachable(
                     f"cannot connect: {error}", address=format_addresses(self.servers)
                 ) from error
-            time.sleep(jittered_ms(RECONNECT_BACKOFF, failures, _RNG) / 1000)
+            time.sleep(pause_s)
 
-    def _shake(self, sock: socket.socket, frame: bytes) -> None:
+    def _shake(self, sock: socket.socket, frame: bytes, deadline: float | None) -> None:
         """Send the handshake on a new connection; raise its error reply (nothing else sent).
 
         Raises:
             RelayError: the server refused it (``UNAUTHENTICATED``); the connection is closed.
-            RelayConnectionError: the exchange failed.
+            RelayConnectionError: the exchange failed or did not end by ``deadline``.
         """
-        timeout_s = self.connect_timeout_s
+        try:
+            timeout_s = self._within(deadline)
+        except TimeoutError as exc:
+            raise self._fail("no time left for the hello", exc) from exc
         try:
             sock.settimeout(timeout_s)
             sock.sendall(frame)
@@ -269,23 +295,28 @@ class TcpTransport:
             self.close()
             raise errors.error_from_body(reply["error"])
 
-    def roundtrip(self, frame: bytes, *, timeout_s: float) -> bytes:
-        """Send one frame and read one reply line, each step bounded by ``timeout_s``.
+    def roundtrip(self, frame: bytes, *, timeout_s: float, deadline: float | None = None) -> bytes:
+        """Send one frame and read one reply line, each step bounded by ``timeout_s``, and
+        everything (connecting and the hello included) by ``deadline`` if given.
 
         Raises:
             RelayConnectionError: connect failure, send/receive error, no reply in time, the
                 server closed the connection, or a reply longer than ``max_frame_bytes``.
         """
-        sock = self._connected()
-        deadline = time.monotonic() + timeout_s
+        sock = self._connected(deadline)
+        began = time.monotonic()
+        ends = began + timeout_s if deadline is None else min(began + timeout_s, deadline)
+        timeout_s = ends - began
         try:
+            if timeout_s <= 0:
+                raise TimeoutError
             sock.settimeout(timeout_s)
             sock.sendall(frame)
-            return self._read_line(sock, deadline)
+            return self._read_line(sock, ends)
         except RelayConnectionError:
             raise  # already explained (and the socket closed) by _fail
         except TimeoutError as exc:
-            raise self._fail(f"no reply within {timeout_s:g} s", exc) from exc
+            raise self._fail(f"no reply within {max(timeout_s, 0.0):g} s", exc) from exc
         except OSError as exc:
             raise self._fail(f"connection failed: {exc}", exc) from exc
 
@@ -478,7 +509,14 @@ class RelayClient(ClientCore, ops.BlockingClient):
         if stop is not None:
             stop()
 
-    def call(self, op: str, args: dict[str, Any] | None = None, *, wait_ms: int = 0) -> Any:
+    def call(
+        self,
+        op: str,
+        args: dict[str, Any] | None = None,
+        *,
+        wait_ms: int = 0,
+        deadline: float | None = None,
+    ) -> Any:
         """Send one request and return its ``result``.
 
         Args:
@@ -486,6 +524,9 @@ class RelayClient(ClientCore, ops.BlockingClient):
             args: its arguments; ``None`` values must already be left out.
             wait_ms: how long the server may hold the request (long-poll) before replying, in
                 ms; added to the reply timeout.
+            deadline: a ``time.monotonic()`` instant (s) by which the call ends, connecting
+                and the ``hello`` included (``RelayConnectionError`` after it); None: the
+                reply timeout alone bounds it.
         Returns:
             The reply's ``result`` (a dict for every op in the protocol).
         Raises:
@@ -499,7 +540,9 @@ class RelayClient(ClientCore, ops.BlockingClient):
             self._next_id += 1
             req_id = self._next_id
             frame = request_frame(req_id, op, args, self.max_frame_bytes)
-            line = self._transport.roundtrip(frame, timeout_s=self.timeout_s + wait_ms / 1000)
+            line = self._transport.roundtrip(
+                frame, timeout_s=self.timeout_s + wait_ms / 1000, deadline=deadline
+            )
             try:
                 reply = codec.decode_response(line)
             except errors.BadFrame as exc:
@@ -521,11 +564,12 @@ class RelayClient(ClientCore, ops.BlockingClient):
             raise errors.error_from_body(reply["error"])
         return reply["result"]
 
-    def send[T](self, call: ops.Call[T]) -> T:
-        """Send one op's ``call`` (what an ``Ops`` method builds) and return its result.
+    def send[T](self, call: ops.Call[T], *, deadline: float | None = None) -> T:
+        """Send one op's ``call`` (what an ``Ops`` method builds: ``RelayClient.submit(...)``
+        on the class) and return its result, by ``deadline`` if given (see ``call``).
 
         Raises:
             as ``call``; RelayConnectionError also when the result is not the op's object.
         """
-        result = self.call(call.op, call.args or None, wait_ms=call.wait_ms)
+        result = self.call(call.op, call.args or None, wait_ms=call.wait_ms, deadline=deadline)
         return decode_result(call, result, self.address)

@@ -67,6 +67,7 @@ the server cannot commit while one holds the lock.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import itertools
 import json
@@ -74,7 +75,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from traceback import format_exception
 from typing import Any, ParamSpec, Protocol, TypeVar
 
@@ -101,6 +102,7 @@ from django.utils.module_loading import import_string
 from queue_core import types, validation
 from queue_core.conf import relay_settings
 from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired, RelayError
+from queue_core.protocol.ops import Ops
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from queue_core.worker.handlers import (
@@ -157,12 +159,14 @@ _R = TypeVar("_R")
 NETWORK_PAUSES_S = (0.2, 0.5, 1.0, 2.0)
 
 
-def _again[T](call: Callable[[], T], within_s: float) -> T:
-    """Run ``call`` (a networked submit with its idempotency key, or a read: safe to repeat),
+def _again[T](call: Callable[[float], T], within_s: float) -> T:
+    """Run ``call(deadline)`` (a networked submit with its idempotency key, or a read: safe
+    to repeat; ``deadline`` the ``time.monotonic()`` instant in s by which every try ends),
     again after each pause of ``NETWORK_PAUSES_S`` while it fails for a reason that can pass
-    and ``within_s`` seconds from the first try leave room: a server that answers nothing
-    costs one TIMEOUT, two at most (a try begun inside the first still has the client's
-    whole timeout), not one per try (a review found three).
+    and ``within_s`` seconds from the first try leave room: every try ends by the first
+    try's start plus ``within_s`` (the backend's TIMEOUT), connecting included. A review
+    found three TIMEOUTs when each repeat had the client's whole timeout; with that fixed,
+    a try begun late in the first TIMEOUT still had all of one, so a call could take two.
 
     Without it a reply lost to a blip raised from ``enqueue`` with the job committed, and
     the caller, who never learns the key the backend drew, made a second job by trying again;
@@ -175,7 +179,7 @@ def _again[T](call: Callable[[], T], within_s: float) -> T:
     deadline = time.monotonic() + within_s
     for tries in itertools.count():
         try:
-            return call()
+            return call(deadline)
         except (ConnectionError, RelayError) as exc:
             pause = NETWORK_PAUSES_S[min(tries, len(NETWORK_PAUSES_S) - 1)]
             if (isinstance(exc, RelayError) and not exc.retryable) or (
@@ -183,6 +187,34 @@ def _again[T](call: Callable[[], T], within_s: float) -> T:
             ):
                 raise
             time.sleep(pause)  # a backoff before the next try, not a synchronisation
+    raise AssertionError("unreachable")  # itertools.count() never ends
+
+
+async def _again_async[T](call: Callable[[], Awaitable[T]], within_s: float, address: str) -> T:
+    """``_again`` for an ``AsyncRelayClient`` call: the same repeats, all of them (connecting
+    included) ended by ``asyncio.timeout`` at the first try's start plus ``within_s``.
+
+    Raises:
+        What the last try raised; ``RelayConnectionError`` when ``within_s`` ran out.
+    """
+    from queue_core.client import RelayConnectionError
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    try:
+        async with asyncio.timeout_at(deadline):
+            for tries in itertools.count():
+                try:
+                    return await call()
+                except (ConnectionError, RelayError) as exc:
+                    pause = NETWORK_PAUSES_S[min(tries, len(NETWORK_PAUSES_S) - 1)]
+                    if (isinstance(exc, RelayError) and not exc.retryable) or (
+                        loop.time() + pause >= deadline
+                    ):
+                        raise
+                    await asyncio.sleep(pause)  # a backoff, not a synchronisation
+    except TimeoutError:
+        raise RelayConnectionError(f"no reply within {within_s:g} s", address=address) from None
     raise AssertionError("unreachable")  # itertools.count() never ends
 
 
@@ -326,7 +358,7 @@ class RelayBackend(BaseTaskBackend):
                 "OPTIONS": {
                     "ADDRESS": "relay-1:7400,relay-2:7400",  # networked mode; omit: shared DB
                     "API_KEY": "rk_...",  # networked mode, when the server has keys
-                    "TIMEOUT": 10,  # networked mode: seconds per request
+                    "TIMEOUT": 10,  # networked mode: seconds a call may take
                     "DATABASE": "default",
                     "MAX_RETRIES": 3,
                 },
@@ -339,7 +371,8 @@ class RelayBackend(BaseTaskBackend):
             database). Given, the backend is networked (see the module docstring).
         API_KEY: the key (``rk_...``) the networked backend sends; it needs the ``producer``
             scope (``submit``, ``result``). Default none.
-        TIMEOUT: the networked backend's reply timeout per request, in seconds (default 10).
+        TIMEOUT: how long a networked call may take, its repeats and connecting included, in
+            seconds (default 10).
         DATABASE: networked: the alias of the caller's database whose transactions an
             enqueue follows (``on_commit``); shared: the alias of Relay's database. Default
             ``"default"``.
@@ -581,10 +614,9 @@ class RelayBackend(BaseTaskBackend):
         result = self._new_result(task, f"{task.queue_name}/{key}", args, kwargs, enqueued_at=None)
 
         def submit() -> None:
+            submitting = Ops.submit(task.queue_name, payload, idempotency_key=key, **options)
             reply = _again(
-                lambda: self.client.submit(
-                    task.queue_name, payload, idempotency_key=key, **options
-                ),
+                lambda deadline: self.client.send(submitting, deadline=deadline),
                 float(self.timeout_s),
             )
             enqueued = _instant(reply["job"]["created_at_ms"])
@@ -642,7 +674,13 @@ class RelayBackend(BaseTaskBackend):
         by = self._lookup(result_id)
         try:
             if self.networked:
-                return dict(_again(lambda: self.client.result(**by), float(self.timeout_s)))
+                reading = Ops.result(**by)
+                return dict(
+                    _again(
+                        lambda deadline: self.client.send(reading, deadline=deadline),
+                        float(self.timeout_s),
+                    )
+                )
             return self._with_legacy_row(self.service.result(**by))
         except (JobNotFound, InvalidArgument):
             raise TaskResultDoesNotExist(result_id) from None
@@ -686,7 +724,8 @@ class RelayBackend(BaseTaskBackend):
 
     async def aget_result(self, result_id: str) -> TaskResult[..., Any]:
         """``get_result`` without blocking the event loop; networked, over an
-        ``AsyncRelayClient`` (one connection per call)."""
+        ``AsyncRelayClient`` (one connection per call), repeated as ``get_result`` is and
+        ended within ``TIMEOUT``."""
         if not self.networked:
             return await super().aget_result(result_id)
         from queue_core.aclient import AsyncRelayClient
@@ -695,11 +734,17 @@ class RelayBackend(BaseTaskBackend):
         client = AsyncRelayClient(
             str(self.address),
             timeout_s=float(self.timeout_s),
+            connect_timeout_s=min(5.0, float(self.timeout_s)),
             max_frame_bytes=relay_settings().max_frame_bytes,
             api_key=self.api_key,
+            connect_retries=0,  # _again_async repeats, within TIMEOUT
         )
         try:
-            found: dict[str, Any] = dict(await client.result(**by))
+            found: dict[str, Any] = dict(
+                await _again_async(
+                    lambda: client.result(**by), float(self.timeout_s), client.address
+                )
+            )
         except (JobNotFound, InvalidArgument):
             raise TaskResultDoesNotExist(result_id) from None
         finally:

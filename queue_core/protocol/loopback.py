@@ -32,12 +32,12 @@ class LoopbackTransport:
         self.service = service
         self.ctx = ctx or dispatch.Context(peer="loopback")
 
-    def roundtrip(self, frame: bytes, *, timeout_s: float) -> bytes:
+    def roundtrip(self, frame: bytes, *, timeout_s: float, deadline: float | None = None) -> bytes:
         """Run one request frame; return its reply line without the newline.
 
         Args:
             frame: one encoded request ending in ``\\n``.
-            timeout_s: unused: the call runs to its end on this thread.
+            timeout_s, deadline: unused: the call runs to its end on this thread.
         Returns:
             The reply: the result, or the error body of what the request raised (an exception
             that is not a ``RelayError`` is logged and answered ``INTERNAL``, as over TCP).

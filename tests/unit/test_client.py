@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -245,6 +246,26 @@ def test_no_reply_in_time_is_a_connection_error(serve: Any) -> None:
         silent.set()
 
 
+def test_a_deadline_bounds_the_hello_and_the_reply_together(serve: Any) -> None:
+    # The django.tasks backend's repeats end by one deadline; before it, a hello took up to
+    # connect_timeout_s and then the reply its whole timeout_s.
+    silent = threading.Event()
+    server = serve(lambda req, conn: b"" if silent.wait(5) else None)
+    try:
+        with RelayClient(
+            server.address, timeout_s=5, connect_timeout_s=5, api_key="rk_x"
+        ) as client:
+            began = time.monotonic()
+            with pytest.raises(RelayConnectionError, match="no hello reply"):
+                client.send(RelayClient.ping(), deadline=began + 0.2)
+            took = time.monotonic() - began
+            with pytest.raises(RelayConnectionError, match="deadline passed"):
+                client.send(RelayClient.ping(), deadline=time.monotonic() - 1)
+    finally:
+        silent.set()
+    assert 0.15 <= took < 1.0, took
+
+
 def test_a_refused_connection_is_unreachable() -> None:
     with socket.create_server(("127.0.0.1", 0)) as probe:
         address = format_address("127.0.0.1", probe.getsockname()[1])
@@ -259,7 +280,9 @@ def test_the_lease_timeout_covers_its_wait() -> None:
     seen: list[float] = []
 
     class Recording:
-        def roundtrip(self, frame: bytes, *, timeout_s: float) -> bytes:
+        def roundtrip(
+            self, frame: bytes, *, timeout_s: float, deadline: float | None = None
+        ) -> bytes:
             seen.append(timeout_s)
             request = orjson.loads(frame)
             return ok(request, {"jobs": []})[:-1]
