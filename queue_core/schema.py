@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -99,7 +100,8 @@ def migration_lock(
     SQLite, when Relay's own migrations would run (``relay_changes``: ``migrate``'s
     ``options``; None for a plain ``migrate``): the file's ``flock``
     taken shared, without waiting, so it is refused while a server holds it exclusively
-    (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it. A process
+    (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it; then
+    ``<file>-migrate.lock`` exclusively, waited for, so two migrations take turns. A process
     that serves the file (``relay server`` migrating at its start) holds it already. The
     descriptor is kept open after: closing one would drop the POSIX locks SQLite holds on the
     file in this process. Other databases, and SQLite in memory: nothing.
@@ -132,9 +134,31 @@ def migration_lock(
             "starts: stop it (then run `relay migrate`, or start the new server)"
         ) from None
     try:
-        yield
+        with _one_migration(name):
+            yield
     finally:
         fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _one_migration(name: str) -> Iterator[None]:
+    """Hold ``<name>-migrate.lock`` exclusively: one migration of a SQLite file at a time.
+
+    The file's own ``flock`` is taken shared so a server waits for every migration; two
+    migrations under it both ran their plan, and the second failed on what the first had
+    just applied. The second now waits here, on a lock file of its own (SQLite's POSIX locks
+    are on the database file), and finds nothing left to do. The lock file is left behind.
+    """
+    lock = open(f"{name}-migrate.lock", "ab")  # noqa: SIM115 - closed below
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another migration of {name} to end", file=sys.stderr, flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        lock.close()  # releases the flock
 
 
 _KEPT: list[IO[bytes]] = []  # migration_lock's descriptors, open until the process ends

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -179,6 +180,35 @@ def test_relay_migrate_is_refused_while_a_server_serves_the_file(
     assert call(port, "ping")["ok"]
     server.signal(signal.SIGTERM)
     assert server.wait_exit(timeout=15) == 0
+
+
+def test_two_migrations_of_one_file_take_turns(procs: Spawner, tmp_path: Path) -> None:
+    # Both took the file's lock shared and ran their plans: the second failed on what the
+    # first had just applied. The second now waits for the first and finds nothing to do.
+    db = str(tmp_path / "relay.db")
+    out = procs.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
+    assert out.returncode == 0, out.stderr
+    with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        waiting = procs("migrate", RELAY_DB=db)
+        waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
+        assert waiting.popen.poll() is None
+        with contextlib.closing(sqlite3.connect(db)) as sql:
+            applied = [r[0] for r in sql.execute("SELECT name FROM django_migrations")]
+        assert "0016_postgresql_like_indexes" not in applied  # it waits before its plan
+    assert waiting.wait_exit(timeout=60) == 0
+    # Two at once from 0010 (one of them exited 1 in 4 of 4 tries before the lock file).
+    db = str(tmp_path / "older.db")
+    out = procs.run("migrate", "queue_core", "0010_queue_controls", RELAY_DB=db)
+    assert out.returncode == 0, out.stderr
+    runs = [procs("migrate", RELAY_DB=db) for _ in range(2)]
+    assert [run.wait_exit(timeout=120) for run in runs] == [0, 0], [r.stderr_text() for r in runs]
+    with contextlib.closing(sqlite3.connect(db)) as sql:
+        twice = sql.execute(
+            "SELECT app, name FROM django_migrations GROUP BY app, name HAVING COUNT(*) > 1"
+        ).fetchall()
+        applied = [r[0] for r in sql.execute("SELECT name FROM django_migrations")]
+    assert twice == [] and "0016_postgresql_like_indexes" in applied
 
 
 def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_path: Path) -> None:
