@@ -7,12 +7,19 @@ thread has answered them all, writes run on the loop again.
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import sqlite3
+import time
+import weakref
 from collections.abc import Callable
+from typing import Any
 
+import pytest
 from django.db import connection
 
-from queue_core.protocol import writer
+from queue_core.protocol import limits, writer
+from queue_core.service import QueueService
 from tests.integration.test_tcp_server import Client, Running, wait_for
 
 
@@ -69,3 +76,51 @@ def test_a_heavy_batch_commits_on_the_writer_thread_and_a_light_one_on_the_loop(
     assert db.writers[0].commits == thread_commits
     assert db.inline.commits > inline_commits
     client.close()
+
+
+class _Arguments:
+    """Stands for a request's arguments: a weak reference tells when nothing holds them."""
+
+
+@pytest.mark.parametrize("kind", ["writer", "reader"])
+def test_a_database_thread_keeps_nothing_of_its_last_call_while_it_waits(
+    service: QueueService, kind: str
+) -> None:
+    # The read loop's locals kept each connection's last request (December 5); a writer's
+    # kept its last batch (up to 256 calls of up to a frame each), a reader its last call,
+    # for as long as it waited for the next.
+    loop = asyncio.new_event_loop()
+    calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    thread: writer.DbThread
+    if kind == "writer":
+        group = writer.GroupCommit(
+            service,
+            sweep=lambda: set(),
+            on_ready=lambda queues: None,
+            failures=limits.Every(limits.FAILURE_LOG_EVERY_S),
+        )
+        thread = writer.Writer(calls, group)
+    else:
+        thread = writer.DbThread("relay-reader-test", calls, service)
+    thread.start()
+    try:
+        arguments = _Arguments()
+        gone = weakref.ref(arguments)
+
+        def fn(held: _Arguments = arguments) -> int:
+            return service.stats()["totals"]["ready"] + (0 if held else 1)
+
+        future = loop.create_future()
+        calls.put(writer.Call(fn, future, loop))
+        del arguments, fn
+        assert loop.run_until_complete(future) == 0
+        del future
+        deadline = time.monotonic() + 10
+        while gone() is not None:  # the thread lets go just after it answers
+            assert time.monotonic() < deadline, "the thread still holds its last call"
+            time.sleep(0.01)
+        assert thread.is_alive()  # waiting for the next call, not ended
+    finally:
+        calls.put(writer.STOP)
+        thread.join(10)
+        loop.close()
