@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -101,12 +102,12 @@ def migration_lock(
     ``options``; None for a plain ``migrate``): the file's ``flock``
     taken shared, without waiting, so it is refused while a server holds it exclusively
     (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it; then
-    ``<file>-migrate.lock`` exclusively, waited for, so two migrations take turns. A process
-    that serves the file (``relay server`` migrating at its start) holds it already. The
-    descriptor is kept open after: closing one would drop the POSIX locks SQLite holds on the
-    file in this process. A file not made yet: the lock file alone (two ``relay migrate`` of
-    a new file at once: one exited 1 in 3 of 3 tries). Other databases, and SQLite in
-    memory: nothing.
+    ``<file>-migrate.lock`` exclusively (removed after), waited for, so two migrations take
+    turns. A process that serves the file (``relay server`` migrating at its start) holds it
+    already. The descriptor is kept open after: closing one would drop the POSIX locks SQLite
+    holds on the file in this process. A file not made yet: the lock file alone (two
+    ``relay migrate`` of a new file at once: one exited 1 in 3 of 3 tries). Other
+    databases, and SQLite in memory: nothing.
 
     Raises:
         MigrationRefused: a server serves the SQLite file.
@@ -156,22 +157,45 @@ def _one_migration(name: str) -> Iterator[None]:
     The file's own ``flock`` is taken shared so a server waits for every migration; two
     migrations under it both ran their plan, and the second failed on what the first had
     just applied. The second now waits here, on a lock file of its own (SQLite's POSIX locks
-    are on the database file), and finds nothing left to do. The lock file is left behind.
+    are on the database file), and finds nothing left to do. The holder removes the lock
+    file before it lets go, so none is left beside the database; a waiter that then holds a
+    removed file's lock opens the path again (the usual check: the inode it locked is still
+    the one at the path). One left by a killed migration is taken and removed by the next.
     """
-    try:
-        lock = open(f"{name}-migrate.lock", "ab")  # noqa: SIM115 - closed below
-    except FileNotFoundError:  # no such directory: the migration says so itself
-        yield
-        return
-    try:
+    path = f"{name}-migrate.lock"
+    said = False
+    while True:
+        try:
+            lock = open(path, "ab")  # noqa: SIM115 - closed below
+        except FileNotFoundError:  # no such directory: the migration says so itself
+            yield
+            return
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"waiting for another migration of {name} to end", file=sys.stderr, flush=True)
+            if not said:
+                print(f"waiting for another migration of {name} to end", file=sys.stderr)
+                said = True
             fcntl.flock(lock, fcntl.LOCK_EX)
+        if _same_file(lock, path):
+            break
+        lock.close()  # the holder removed it: lock the path's file
+    try:
         yield
     finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
         lock.close()  # releases the flock
+
+
+def _same_file(handle: IO[bytes], path: str) -> bool:
+    """Whether ``path`` still names the file ``handle`` has open."""
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle.fileno())
+    return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
 
 
 _KEPT: list[IO[bytes]] = []  # migration_lock's descriptors, open until the process ends
