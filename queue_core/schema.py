@@ -167,7 +167,7 @@ def _one_migration(name: str) -> Iterator[None]:
     while True:
         try:
             lock = open(path, "ab")  # noqa: SIM115 - closed below
-        except FileNotFoundError:  # no such directory: the migration says so itself
+        except OSError:  # no such directory, or not writable: the migration says so itself
             yield
             return
         try:
