@@ -162,7 +162,7 @@ def _one_migration(name: str) -> Iterator[None]:
     removed file's lock opens the path again (the usual check: the inode it locked is still
     the one at the path). One left by a killed migration is taken and removed by the next.
     """
-    path = f"{name}-migrate.lock"
+    path = f"{os.path.realpath(name)}-migrate.lock"  # beside the file, as SQLite's -wal
     said = False
     while True:
         try:

@@ -213,6 +213,11 @@ def test_two_migrations_of_one_file_take_turns(procs: Spawner, tmp_path: Path) -
     runs = [procs("migrate", RELAY_DB=db) for _ in range(3)]
     assert [run.wait_exit(timeout=120) for run in runs] == [0] * 3, [r.stderr_text() for r in runs]
     assert not list(tmp_path.glob("*-migrate.lock"))  # each holder removed it
+    (tmp_path / "data").mkdir()  # one file by two names: one lock file, beside the file
+    db = str(tmp_path / "data" / "real.db")
+    os.symlink(db, tmp_path / "link.db")
+    runs = [procs("migrate", RELAY_DB=name) for name in (db, str(tmp_path / "link.db"))]
+    assert [run.wait_exit(timeout=120) for run in runs] == [0, 0], [r.stderr_text() for r in runs]
 
 
 def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_path: Path) -> None:
