@@ -5,6 +5,7 @@ queues, 170 ms a read and 32 ms a fold, made the API wait 6.7 s at p99), with a 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -105,3 +106,79 @@ def test_forget_drops_what_is_kept() -> None:
     assert shared.get() == 1
     shared.forget()
     assert shared.get() == 2
+
+
+def _arrive(shared: SharedRead, callers: int) -> None:
+    """Wait until ``callers`` calls are inside ``shared.get`` (running or waiting)."""
+    deadline = time.monotonic() + 10
+    while shared._callers < callers:
+        assert time.monotonic() < deadline, "the calls did not arrive"
+        time.sleep(0.001)
+
+
+def test_a_quick_read_others_waited_for_is_theirs_and_kept_for_four_times_its_length() -> None:
+    # A render takes 6 ms (150 queues): quick, so it was never kept, and 16 clients scraping
+    # at once rendered it back to back; the API waited 1.1 s at p99 behind them.
+    started, release = threading.Event(), threading.Event()
+    now = [0.0]
+    calls = [0]
+
+    def read() -> int:
+        calls[0] += 1
+        started.set()
+        release.wait(10)
+        now[0] += SharedRead.SLOW_S / 4  # quick
+        return calls[0]
+
+    shared = SharedRead(read, lambda: now[0])
+    got: list[int] = []
+    threads = [threading.Thread(target=lambda: got.append(shared.get())) for _ in range(5)]
+    threads[0].start()
+    assert started.wait(10)
+    for t in threads[1:]:
+        t.start()
+    _arrive(shared, 5)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert got == [1] * 5 and calls == [1]
+    ended = now[0]
+    now[0] = ended + 4 * SharedRead.SLOW_S / 4 - 0.0001
+    assert shared.get() == 1  # others waited for it: kept for four times its length
+    now[0] = ended + 4 * SharedRead.SLOW_S / 4
+    assert shared.get() == 2  # then read again, and a lone call's quick read is not kept
+    assert shared.get() == 3
+
+
+def test_the_calls_that_waited_for_a_failed_read_get_its_error_and_nothing_is_kept() -> None:
+    started, release = threading.Event(), threading.Event()
+    fail = [True]
+
+    def read() -> int:
+        started.set()
+        release.wait(10)
+        if fail[0]:
+            raise RuntimeError("database gone")
+        return 7
+
+    shared = SharedRead(read)
+    errors: list[BaseException] = []
+
+    def scrape() -> None:
+        try:
+            shared.get()
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=scrape) for _ in range(3)]
+    threads[0].start()
+    assert started.wait(10)
+    for t in threads[1:]:
+        t.start()
+    _arrive(shared, 3)
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert len(errors) == 3
+    fail[0] = False
+    assert shared.get() == 7
