@@ -98,16 +98,17 @@ def migration_lock(
     on different backends, and left held); waited for without Relay's ``lock_timeout``
     (2 s: a review's second migrate gave up at 3.4 s behind a 3-million-job upgrade).
 
-    SQLite, when Relay's own migrations would run (``relay_changes``: ``migrate``'s
-    ``options``; None for a plain ``migrate``): the file's ``flock``
-    taken shared, without waiting, so it is refused while a server holds it exclusively
-    (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it; then
-    ``<file>-migrate.lock`` exclusively (removed after), waited for, so two migrations take
-    turns. A process that serves the file (``relay server`` migrating at its start) holds it
-    already. The descriptor is kept open after: closing one would drop the POSIX locks SQLite
-    holds on the file in this process. A file not made yet: the lock file alone (two
-    ``relay migrate`` of a new file at once: one exited 1 in 3 of 3 tries). Other
-    databases, and SQLite in memory: nothing.
+    SQLite (a file; not for ``--plan`` or ``--check``, which change nothing): when Relay's own
+    migrations would run (``relay_changes``: ``migrate``'s ``options``; None for a plain
+    ``migrate``; always for a file not made yet, which is made here, empty), the file's
+    ``flock`` taken shared, without waiting, so it is refused while a server holds it
+    exclusively (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it;
+    then, always, ``<file>-migrate.lock`` exclusively (removed after), waited for, so two
+    migrations take turns (a review: with Relay's migrations applied and Django's own not,
+    three of four migrates at once failed on duplicate rows). A process that serves the file
+    (``relay server`` migrating at its start) holds it already. The descriptor is kept open
+    after: closing one would drop the POSIX locks SQLite holds on the file in this process.
+    Other databases, and SQLite in memory: nothing.
 
     Raises:
         MigrationRefused: a server serves the SQLite file.
@@ -127,27 +128,35 @@ def migration_lock(
     if serves(name):
         yield  # held by this process's server
         return
-    if not path.exists():  # a new file: no server to refuse, but a second migration to wait for
-        with _one_migration(name):
-            yield
+    options = options or {}
+    if options.get("plan") or options.get("check_unapplied"):
+        yield  # changes nothing
         return
-    if not relay_changes(alias, options or {}):
-        yield  # nothing of Relay's to change
-        return
-    handle = open(path, "rb")  # noqa: SIM115 - kept open (see above)
-    _KEPT.append(handle)
-    try:
-        fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise MigrationRefused(
-            f"a relay server is serving {name}; it migrates the file itself when it "
-            "starts: stop it (then run `relay migrate`, or start the new server)"
-        ) from None
+    handle: IO[bytes] | None = None
+    if not path.exists() or relay_changes(alias, options):
+        # Relay's migrations would change it (a new file: all of them): refused while a server
+        # serves it, and a server starting meanwhile waits. A new file is made here, empty
+        # (SQLite takes it for a new database), so that a server started with this migration
+        # finds it held (a review: both migrated a new file at once, and 4 of 7 servers died).
+        try:
+            handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
+        except OSError:
+            yield  # no such directory, say: the migration says so itself
+            return
+        _KEPT.append(handle)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MigrationRefused(
+                f"a relay server is serving {name}; it migrates the file itself when it "
+                "starts: stop it (then run `relay migrate`, or start the new server)"
+            ) from None
     try:
         with _one_migration(name):
             yield
     finally:
-        fcntl.flock(handle, fcntl.LOCK_UN)
+        if handle is not None:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
