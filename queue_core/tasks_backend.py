@@ -412,11 +412,21 @@ class RelayBackend(BaseTaskBackend):
                 self._client = RelayClient(
                     str(self.address),
                     timeout_s=float(self.timeout_s),
-                    connect_timeout_s=min(5.0, float(self.timeout_s)),
+                    connect_timeout_s=self._connect_timeout_s(),
                     max_frame_bytes=relay_settings().max_frame_bytes,
                     api_key=self.api_key,
                 )
             return self._client
+
+    def _connect_timeout_s(self) -> float:
+        """Each TCP connection attempt's share of ``TIMEOUT``: at most 5 s, and little enough
+        that every server of ``ADDRESS`` can be tried with time left for the reply (a review:
+        with the first of two servers not accepting, each ``aget_result``, on a new client
+        that starts at the first, spent its whole TIMEOUT connecting there)."""
+        from queue_core.client import parse_addresses
+
+        servers = len(parse_addresses(str(self.address)))
+        return min(5.0, float(self.timeout_s) / (servers + 1))
 
     @property
     def service(self) -> QueueService:
@@ -734,7 +744,7 @@ class RelayBackend(BaseTaskBackend):
         client = AsyncRelayClient(
             str(self.address),
             timeout_s=float(self.timeout_s),
-            connect_timeout_s=min(5.0, float(self.timeout_s)),
+            connect_timeout_s=self._connect_timeout_s(),
             max_frame_bytes=relay_settings().max_frame_bytes,
             api_key=self.api_key,
             connect_retries=0,  # _again_async repeats, within TIMEOUT

@@ -165,6 +165,45 @@ def test_a_server_that_answers_nothing_costs_one_timeout_not_one_per_try(
     assert 0.9 <= took < 1.4, took
 
 
+def test_a_server_that_does_not_accept_leaves_time_for_the_next_one() -> None:
+    # A review: aget_result makes a new client per call, which starts at the first address;
+    # with that server not accepting, the connection attempt took the whole TIMEOUT, and
+    # every call failed though the second server answered.
+    import socket
+
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)  # never accepted: once its queue is full, connections hang
+    queued: list[socket.socket] = []
+    for _ in range(8):
+        sock = socket.socket()
+        sock.settimeout(0.2)
+        queued.append(sock)
+        try:
+            sock.connect(full.getsockname())
+        except TimeoutError:
+            break  # the queue is full: this one hung
+    else:
+        pytest.fail("the listen queue never filled")
+    answering = CannedServer(lambda request, n: error(request, "NOT_FOUND", "no such job"))
+    try:
+        address = f"127.0.0.1:{full.getsockname()[1]},{answering.address}"
+        with networked(address, TIMEOUT=2):
+            backend = tasks.add.get_backend()
+            for read in (
+                lambda: asyncio.run(backend.aget_result("default/x")),
+                lambda: backend.get_result("default/y"),
+            ):
+                began = time.monotonic()
+                with pytest.raises(TaskResultDoesNotExist):  # the second server's answer
+                    read()
+                assert time.monotonic() - began < 1.5
+    finally:
+        answering.close()
+        for sock in (*queued, full):
+            sock.close()
+
+
 def test_networked_backend_runs_tasks_and_reads_results_over_tcp(spawn: Spawner) -> None:
     address, worker = start(spawn)
     with networked(address):
