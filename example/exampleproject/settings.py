@@ -15,9 +15,8 @@ ALLOWED_HOSTS: list[str] = []
 INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.auth",
-    # Relay: the queue's tables and commands, and the table of task results.
+    # Relay: the queue's tables (task results too) and commands.
     "queue_core.apps.QueueCoreConfig",
-    "relay_tasks.apps.RelayTasksConfig",
     "shop",
 ]
 
@@ -57,6 +56,7 @@ LOGGING = {
     "handlers": {"stderr": {"class": "logging.StreamHandler"}},
     "loggers": {
         "relay": {"handlers": ["stderr"], "level": "INFO"},
-        "django.tasks": {"handlers": ["stderr"], "level": "INFO"},
+        # Not also through Django's own console handler (DEBUG): each line once.
+        "django.tasks": {"handlers": ["stderr"], "level": "INFO", "propagate": False},
     },
 }

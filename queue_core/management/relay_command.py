@@ -89,8 +89,13 @@ def ensure_log_output() -> None:
 
 
 def command_error(exc: errors.RelayError) -> CommandError:
-    """Return ``CommandError("CODE: message", returncode=1)`` for a Relay error."""
-    return CommandError(f"{exc.code}: {exc.message}", returncode=EXIT_ERROR)
+    """Return ``CommandError("CODE: message", returncode=1)`` for a Relay error; an
+    ``UNAUTHENTICATED`` one also says how a ``relay`` command sends a key (the server's
+    message names only the protocol's ways)."""
+    message = exc.message
+    if exc.code == errors.Unauthenticated.code:
+        message += " (relay commands: --api-key or RELAY_API_KEY)"
+    return CommandError(f"{exc.code}: {message}", returncode=EXIT_ERROR)
 
 
 def invalid_argument(message: str) -> CommandError:

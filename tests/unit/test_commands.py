@@ -125,6 +125,17 @@ def test_submit_prints_the_job_id_and_sends_the_options(server: Any) -> None:
     }
 
 
+def test_a_refused_key_says_how_relay_commands_send_one(server: Any) -> None:
+    # The server's message names the protocol's ways (a Bearer header, a hello op); a
+    # newcomer at the command line needs the option (the README walkthrough).
+    canned = server(lambda req, conn: error(req, "UNAUTHENTICATED", "an API key is required"))
+    refused = fails("relay_stats", "--address", canned.address)
+    assert str(refused) == (
+        "UNAUTHENTICATED: an API key is required (relay commands: --api-key or RELAY_API_KEY)"
+    )
+    assert refused.returncode == 1
+
+
 def test_submit_sends_meta_and_unique(server: Any) -> None:
     canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": False}))
     run(
