@@ -534,9 +534,17 @@ class RelayClient(ClientCore, ops.BlockingClient):
                 with nothing sent, the request is over ``max_frame_bytes`` (``FrameTooLarge``)
                 or not JSON-serialisable (``InvalidArgument``: a float that is NaN or
                 ±Infinity, a string with a lone surrogate, a type JSON does not have).
-            RelayConnectionError: no complete reply (outcome unknown).
+            RelayConnectionError: no complete reply (outcome unknown); or, with nothing
+                sent, the deadline passed while other threads' calls held the connection.
         """
-        with self._lock:
+        if deadline is None:
+            self._lock.acquire()
+        elif not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise RelayConnectionError(
+                "the call's deadline passed while other calls held the connection",
+                address=self.address,
+            )
+        try:
             self._next_id += 1
             req_id = self._next_id
             frame = request_frame(req_id, op, args, self.max_frame_bytes)
@@ -560,6 +568,8 @@ class RelayClient(ClientCore, ops.BlockingClient):
                     f"reply id {reply.get('id')!r} does not match request id {req_id}",
                     address=self.address,
                 )
+        finally:
+            self._lock.release()
         if not reply["ok"]:
             raise errors.error_from_body(reply["error"])
         return reply["result"]

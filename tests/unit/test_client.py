@@ -266,6 +266,31 @@ def test_a_deadline_bounds_the_hello_and_the_reply_together(serve: Any) -> None:
     assert 0.15 <= took < 1.0, took
 
 
+def test_a_deadline_bounds_the_wait_for_another_threads_call(serve: Any) -> None:
+    # One client shared by threads: a call waits for the one before it, and with a deadline
+    # no longer than that (a review: a thread with a 1 s deadline waited on the lock first).
+    release = threading.Event()
+    server = serve(lambda req, conn: ok(req, {"pong": True}) if release.wait(5) else None)
+    try:
+        with RelayClient(server.address, timeout_s=5) as client:
+            first = threading.Thread(target=client.ping)
+            first.start()
+            until = time.monotonic() + 5
+            while not server.requests:  # the first call holds the connection
+                assert time.monotonic() < until, "the first call never arrived"
+                time.sleep(0.005)
+            began = time.monotonic()
+            with pytest.raises(RelayConnectionError, match="while other calls held"):
+                client.send(RelayClient.ping(), deadline=began + 0.2)
+            took = time.monotonic() - began
+            release.set()
+            first.join(5)
+            assert client.ping()["pong"] is True  # the connection is still good
+    finally:
+        release.set()
+    assert 0.15 <= took < 1.0, took
+
+
 def test_a_refused_connection_is_unreachable() -> None:
     with socket.create_server(("127.0.0.1", 0)) as probe:
         address = format_address("127.0.0.1", probe.getsockname()[1])
