@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import sys
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 from django.db import connections
+
+log = logging.getLogger("relay.store")
 
 APP = "queue_core"
 RELAY_APPS = (APP, "relay_tasks")
@@ -125,8 +128,9 @@ def migration_lock(
     from queue_core.storage.sqlite.driver import serves
 
     path = Path(name)
-    if serves(name):
-        yield  # held by this process's server
+    if serves(name):  # this process's server migrating its file: the file is held already
+        with _one_migration(name, server=True):  # but a `relay migrate` may be running
+            yield
         return
     options = options or {}
     if options.get("plan") or options.get("check_unapplied"):
@@ -160,7 +164,7 @@ def migration_lock(
 
 
 @contextlib.contextmanager
-def _one_migration(name: str) -> Iterator[None]:
+def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
     """Hold ``<name>-migrate.lock`` exclusively: one migration of a SQLite file at a time.
 
     The file's own ``flock`` is taken shared so a server waits for every migration; two
@@ -170,6 +174,9 @@ def _one_migration(name: str) -> Iterator[None]:
     file before it lets go, so none is left beside the database; a waiter that then holds a
     removed file's lock opens the path again (the usual check: the inode it locked is still
     the one at the path). One left by a killed migration is taken and removed by the next.
+    A server migrating its file at its start takes it too (``server``: it logs its wait): a
+    review's ``relay migrate`` with nothing of Relay's left to apply, which takes no hold
+    on the file, applied Django's own migrations at once with a server starting beside it.
     """
     path = f"{os.path.realpath(name)}-migrate.lock"  # beside the file, as SQLite's -wal
     said = False
@@ -182,9 +189,16 @@ def _one_migration(name: str) -> Iterator[None]:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if not said:
+            if not said and server:
+                log.info(
+                    "event=waiting_for_migration db=%s lock=%s",
+                    name,
+                    path,
+                    extra={"event": "waiting_for_migration"},
+                )
+            elif not said:
                 print(f"waiting for another migration of {name} to end", file=sys.stderr)
-                said = True
+            said = True
             fcntl.flock(lock, fcntl.LOCK_EX)
         if _same_file(lock, path):
             break
