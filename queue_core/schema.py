@@ -128,44 +128,70 @@ def migration_lock(
     from queue_core.storage.sqlite.driver import serves
 
     path = Path(name)
-    if serves(name):  # this process's server migrating its file: the file is held already
-        with _one_migration(name, server=True):  # but a `relay migrate` may be running
+    if serves(name):  # this process's server migrating its file at its start: its turn
+        with _TURNS.pop(os.path.realpath(name), None) or _one_migration(name, server=True):
             yield
         return
     options = options or {}
     if options.get("plan") or options.get("check_unapplied"):
         yield  # changes nothing
         return
-    handle: IO[bytes] | None = None
-    if not path.exists() or relay_changes(alias, options):
-        # Relay's migrations would change it (a new file: all of them): refused while a server
-        # serves it, and a server starting meanwhile waits. A new file is made here, empty
-        # (SQLite takes it for a new database), so that a server started with this migration
-        # finds it held (a review: both migrated a new file at once, and 4 of 7 servers died).
+    while True:
+        handle: IO[bytes] | None = None
+        if not path.exists() or relay_changes(alias, options):
+            # Relay's migrations would change it (a new file: all of them): refused while a
+            # server serves it, and a server starting meanwhile waits. A new file is made here,
+            # empty (SQLite takes it for a new database), so that a server started with this
+            # migration finds it held (a review: both migrated a new file at once, and 4 of 7
+            # servers died).
+            try:
+                handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
+            except OSError:
+                yield  # no such directory, say: the migration says so itself
+                return
+            _KEPT.append(handle)
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                # A server holds the file. One that is starting holds the turn until its own
+                # migration has ended (``take_server_turn``): wait for that, then look again
+                # (a review: bin/http's migrate, started with a server on a new file, exited 4
+                # in 3 of 5 tries). One that serves holds no turn: refused.
+                with _one_migration(name) as waited:
+                    pass
+                if waited:
+                    continue
+                raise MigrationRefused(
+                    f"a relay server is serving {name}; it migrates the file itself when it "
+                    "starts: stop it (then run `relay migrate`, or start the new server)"
+                ) from None
         try:
-            handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
-        except OSError:
-            yield  # no such directory, say: the migration says so itself
-            return
-        _KEPT.append(handle)
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise MigrationRefused(
-                f"a relay server is serving {name}; it migrates the file itself when it "
-                "starts: stop it (then run `relay migrate`, or start the new server)"
-            ) from None
-    try:
-        with _one_migration(name):
-            yield
-    finally:
-        if handle is not None:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            with _one_migration(name):
+                yield
+        finally:
+            if handle is not None:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+        return
+
+
+_TURNS: dict[str, contextlib.ExitStack] = {}  # file (real path) -> the turn its server holds
+
+
+def take_server_turn(name: str) -> None:
+    """A server that has just taken its SQLite file (``SqliteDriver.server_lock``) takes the
+    migration turn too, waiting for a ``relay migrate`` that holds it, and keeps it until its
+    own migration at start has ended (``migration_lock`` lets it go): a ``relay migrate``
+    refused by the file's lock meanwhile waits for the turn and looks again, rather than
+    exiting 4 while the server is about to migrate the file itself."""
+    turn = contextlib.ExitStack()
+    turn.enter_context(_one_migration(name, server=True))
+    _TURNS[os.path.realpath(name)] = turn
 
 
 @contextlib.contextmanager
-def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
-    """Hold ``<name>-migrate.lock`` exclusively: one migration of a SQLite file at a time.
+def _one_migration(name: str, *, server: bool = False) -> Iterator[bool]:
+    """Hold ``<name>-migrate.lock`` exclusively: one migration of a SQLite file at a time;
+    yield whether it had to wait for it.
 
     The file's own ``flock`` is taken shared so a server waits for every migration; two
     migrations under it both ran their plan, and the second failed on what the first had
@@ -174,9 +200,10 @@ def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
     file before it lets go, so none is left beside the database; a waiter that then holds a
     removed file's lock opens the path again (the usual check: the inode it locked is still
     the one at the path). One left by a killed migration is taken and removed by the next.
-    A server migrating its file at its start takes it too (``server``: it logs its wait): a
-    review's ``relay migrate`` with nothing of Relay's left to apply, which takes no hold
-    on the file, applied Django's own migrations at once with a server starting beside it.
+    A server starting on its file takes it too (``server``: it logs its wait;
+    ``take_server_turn``): a review's ``relay migrate`` with nothing of Relay's left to
+    apply, which takes no hold on the file, applied Django's own migrations at once with a
+    server starting beside it (8 of 9 tries).
     """
     path = f"{os.path.realpath(name)}-migrate.lock"  # beside the file, as SQLite's -wal
     said = False
@@ -184,7 +211,7 @@ def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
         try:
             lock = open(path, "ab")  # noqa: SIM115 - closed below
         except OSError:  # no such directory, or not writable: the migration says so itself
-            yield
+            yield False
             return
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -204,7 +231,7 @@ def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
             break
         lock.close()  # the holder removed it: lock the path's file
     try:
-        yield
+        yield said
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -269,6 +269,34 @@ def test_a_server_started_with_a_migration_of_a_new_file_waits_for_it(
     assert proc.wait_exit(timeout=15) == 0
 
 
+def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
+    procs: Spawner, tmp_path: Path
+) -> None:
+    # A second review: `relay server` and `bin/http` (which migrates first) started together
+    # on a new file; when the server took the file first, bin/http's migrate exited 4
+    # (3 of 5 tries). A starting server holds the migration turn until its own migration has
+    # ended; a migrate refused by the file's lock waits for that turn and looks again.
+    db = str(tmp_path / "relay.db")
+    for target in (("queue_core", "0015_console_indexes_in_state"), ("relay_tasks",)):
+        out = procs.run("migrate", *target, RELAY_DB=db)
+        assert out.returncode == 0, out.stderr
+    with open(db, "rb") as file, open(f"{db}-migrate.lock", "ab") as turn:  # as a server
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # starting holds them
+        fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        waiting = procs("migrate", RELAY_DB=db)
+        waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
+        with contextlib.closing(sqlite3.connect(db)) as sql:  # the server migrates: 0016
+            sql.execute(  # changes nothing on SQLite, so recording it is applying it
+                "INSERT INTO django_migrations (app, name, applied) "
+                "VALUES ('queue_core', '0016_postgresql_like_indexes', datetime('now'))"
+            )
+            sql.commit()
+        os.unlink(f"{db}-migrate.lock")  # its turn ends, as _one_migration ends one
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        assert waiting.wait_exit(timeout=60) == 0  # nothing of Relay's left: it ran beside
+        assert "ALREADY_SERVED" not in waiting.stderr_text()
+
+
 def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_path: Path) -> None:
     # A review started the server while `relay migrate` held the file (13 s at a million
     # jobs): it exited 4, "another relay server is serving", which its unit does not restart.
