@@ -259,7 +259,13 @@ class AsyncRelayClient(ClientCore, ops.Ops, ops.Asynchronous):
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.connects += 1
                 if self._hello is not None:
-                    await self._shake(reader, writer, self._hello)
+                    try:
+                        await self._shake(reader, writer, self._hello)
+                    except RelayConnectionError:
+                        # The next try starts at the next server, as after a broken
+                        # connection (a review: each repeat went back to a stopped server).
+                        self._index = (self._index + 1) % len(self.servers)
+                        raise
                 self._conn = _Connection(
                     reader,
                     writer,

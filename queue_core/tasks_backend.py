@@ -395,6 +395,7 @@ class RelayBackend(BaseTaskBackend):
         self._service: QueueService | None = None
         self._client: Any = None
         self._client_lock = threading.Lock()
+        self._async_first = 0  # the server of ADDRESS aget_result's next client starts at
 
     @property
     def networked(self) -> bool:
@@ -739,10 +740,13 @@ class RelayBackend(BaseTaskBackend):
         if not self.networked:
             return await super().aget_result(result_id)
         from queue_core.aclient import AsyncRelayClient
+        from queue_core.client import format_addresses, parse_addresses
 
         by = self._lookup(result_id)
+        servers = parse_addresses(str(self.address))
+        start = self._async_first % len(servers)
         client = AsyncRelayClient(
-            str(self.address),
+            format_addresses(servers[start:] + servers[:start]),
             timeout_s=float(self.timeout_s),
             connect_timeout_s=self._connect_timeout_s(),
             max_frame_bytes=relay_settings().max_frame_bytes,
@@ -757,6 +761,12 @@ class RelayBackend(BaseTaskBackend):
             )
         except (JobNotFound, InvalidArgument):
             raise TaskResultDoesNotExist(result_id) from None
+        except ConnectionError:
+            # Each call has a client of its own: the next starts at the next server, so a
+            # server that accepts and never answers costs one call, as the blocking client's
+            # persistent connection does (a review: every aget_result went back to it).
+            self._async_first = start + 1
+            raise
         finally:
             await client.close()
         return self._from_result(result_id, found)

@@ -204,6 +204,60 @@ def test_a_server_that_does_not_accept_leaves_time_for_the_next_one() -> None:
             sock.close()
 
 
+def test_aget_result_moves_past_a_server_that_accepts_and_never_answers() -> None:
+    # A second review: each aget_result has a client of its own, which started at the first
+    # address every time; with that server accepting and never answering (a stopped
+    # process), every call failed though the second answered. With a key, the hello that
+    # timed out now moves the client on within the call; without one, the reply that timed
+    # out moves the next call on, as the blocking client's persistent connection does.
+    import socket
+    import threading
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        silent.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(silent.accept()[0])  # read nothing, answer nothing
+            except TimeoutError:
+                continue
+
+    def script(request: dict[str, Any], n: int) -> bytes:
+        if request["op"] == "hello":
+            return ok(request, {"key": "rk_x", "scopes": ["producer"]})
+        return error(request, "NOT_FOUND", "no such job")
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    answering = CannedServer(script)
+    try:
+        address = f"127.0.0.1:{silent.getsockname()[1]},{answering.address}"
+        with networked(address, TIMEOUT=1.5, API_KEY="rk_x"):
+            backend = tasks.add.get_backend()
+            began = time.monotonic()
+            with pytest.raises(TaskResultDoesNotExist):  # within the call
+                asyncio.run(backend.aget_result("default/x"))
+            assert time.monotonic() - began < 1.5
+        with networked(address, TIMEOUT=1):
+            backend = tasks.add.get_backend()
+            with pytest.raises(ConnectionError):
+                asyncio.run(backend.aget_result("default/x"))
+            for _ in range(3):  # the next calls start at the server that answers
+                began = time.monotonic()
+                with pytest.raises(TaskResultDoesNotExist):
+                    asyncio.run(backend.aget_result("default/x"))
+                assert time.monotonic() - began < 0.5
+    finally:
+        stop.set()
+        acceptor.join(5)
+        answering.close()
+        for sock in (*held, silent):
+            sock.close()
+
+
 def test_networked_backend_runs_tasks_and_reads_results_over_tcp(spawn: Spawner) -> None:
     address, worker = start(spawn)
     with networked(address):
