@@ -307,16 +307,18 @@ class TcpTransport:
         began = time.monotonic()
         ends = began + timeout_s if deadline is None else min(began + timeout_s, deadline)
         timeout_s = ends - began
+        if timeout_s <= 0:  # nothing sent, and the connection stays good for the next call
+            raise RelayConnectionError(
+                "the call's deadline passed before it was sent", address=self.address
+            )
         try:
-            if timeout_s <= 0:
-                raise TimeoutError
             sock.settimeout(timeout_s)
             sock.sendall(frame)
             return self._read_line(sock, ends)
         except RelayConnectionError:
             raise  # already explained (and the socket closed) by _fail
         except TimeoutError as exc:
-            raise self._fail(f"no reply within {max(timeout_s, 0.0):g} s", exc) from exc
+            raise self._fail(f"no reply within {timeout_s:g} s", exc) from exc
         except OSError as exc:
             raise self._fail(f"connection failed: {exc}", exc) from exc
 

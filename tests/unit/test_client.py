@@ -291,6 +291,24 @@ def test_a_deadline_bounds_the_wait_for_another_threads_call(serve: Any) -> None
     assert 0.15 <= took < 1.0, took
 
 
+def test_a_deadline_already_past_sends_nothing_and_keeps_the_connection(serve: Any) -> None:
+    # A second review: it sent nothing, yet said "no reply within 0 s" (outcome unknown) and
+    # closed a healthy connection.
+    connections: list[int] = []
+
+    def script(request: dict[str, Any], conn: int) -> bytes:
+        connections.append(conn)
+        return ok(request, {"pong": True})
+
+    server = serve(script)
+    with RelayClient(server.address) as client:
+        client.ping()
+        with pytest.raises(RelayConnectionError, match="passed before it was sent"):
+            client.send(RelayClient.ping(), deadline=time.monotonic() - 0.001)
+        client.ping()
+    assert len(connections) == 2 and len(set(connections)) == 1
+
+
 def test_a_refused_connection_is_unreachable() -> None:
     with socket.create_server(("127.0.0.1", 0)) as probe:
         address = format_address("127.0.0.1", probe.getsockname()[1])
