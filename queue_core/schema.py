@@ -159,7 +159,10 @@ def migration_lock(
                 # in 3 of 5 tries). One that serves holds no turn: refused.
                 with _one_migration(name) as waited:
                     pass
-                if waited:
+                if waited or not relay_changes(alias, options):
+                    # Looked at again: a server may have migrated the file since this looked
+                    # (a third review, with a delay injected there: exit 4 though nothing
+                    # of Relay's was left to apply).
                     continue
                 raise MigrationRefused(
                     f"a relay server is serving {name}; it migrates the file itself when it "
@@ -177,15 +180,28 @@ def migration_lock(
 _TURNS: dict[str, contextlib.ExitStack] = {}  # file (real path) -> the turn its server holds
 
 
-def take_server_turn(name: str) -> None:
-    """A server that has just taken its SQLite file (``SqliteDriver.server_lock``) takes the
-    migration turn too, waiting for a ``relay migrate`` that holds it, and keeps it until its
-    own migration at start has ended (``migration_lock`` lets it go): a ``relay migrate``
-    refused by the file's lock meanwhile waits for the turn and looks again, rather than
-    exiting 4 while the server is about to migrate the file itself."""
+def take_server_turn(alias: str) -> None:
+    """``relay server``, once it holds its SQLite file (``SqliteDriver.server_lock``), takes
+    the migration turn too, waiting for a ``relay migrate`` that holds it, and keeps it
+    until its own migration at start has ended (``migration_lock`` lets it go, or
+    ``end_server_turn``): a ``relay migrate`` refused by the file's lock meanwhile waits for
+    the turn and looks again, rather than exiting 4 while the server is about to migrate the
+    file itself. Only the command takes it: a server embedded elsewhere (the tests' own)
+    that never migrates would keep it for the life of its process."""
+    name = str(connections[alias].settings_dict.get("NAME") or "")
+    if connections[alias].vendor != "sqlite" or not _a_file(name):
+        return
     turn = contextlib.ExitStack()
     turn.enter_context(_one_migration(name, server=True))
     _TURNS[os.path.realpath(name)] = turn
+
+
+def end_server_turn(alias: str) -> None:
+    """Let go of the turn ``take_server_turn`` took, if it is still held."""
+    name = str(connections[alias].settings_dict.get("NAME") or "")
+    turn = _TURNS.pop(os.path.realpath(name), None) if name else None
+    if turn is not None:
+        turn.close()
 
 
 @contextlib.contextmanager

@@ -117,19 +117,24 @@ class Command(RelayBaseCommand):
         # before its first instant (QueueService._read_database_time).
         service = QueueService(observer=metrics.observe)
         where = _describe(service)
-        try:
-            problems = self._prepare(service, where)
-        except (StorageFull, StorageIO) as exc:
-            raise _storage_exit(exc, where) from None
-        if problems:
+        try:  # SQLite: the migration turn _claim takes ends with _migrate, or here
+            try:
+                problems = self._prepare(service, where)
+            except (StorageFull, StorageIO) as exc:
+                raise _storage_exit(exc, where) from None
+            if problems:
+                if service.capabilities.single_writer:
+                    raise CommandError(
+                        f"CORRUPT: database {where} failed integrity check: "
+                        f"{'; '.join(problems[:5])}",
+                        returncode=EXIT_CORRUPT,
+                    )
+                raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
             if service.capabilities.single_writer:
-                raise CommandError(
-                    f"CORRUPT: database {where} failed integrity check: {'; '.join(problems[:5])}",
-                    returncode=EXIT_CORRUPT,
-                )
-            raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
+                _migrate(where, service.driver.alias)  # the key table must exist before it's read
+        finally:
+            schema.end_server_turn(service.driver.alias)
         if service.capabilities.single_writer:
-            _migrate(where, service.driver.alias)  # the key table must exist before it is read
             _check_migrations(service, where)  # a file a newer Relay migrated
         # /metrics is read-only and takes no key: only the protocol address counts here.
         refused = exposure.refusal(
@@ -277,9 +282,11 @@ def _claim(service: QueueService, path: str) -> Any:
     if Path(path).is_dir() or not folder.is_dir():
         raise CommandError(f"INVALID_ARGUMENT: --db {path}: no such file or folder to create it")
     try:
-        return service.claim_storage()
+        held = service.claim_storage()
     except AlreadyServed as exc:
         raise CommandError(f"ALREADY_SERVED: {exc}", returncode=EXIT_ALREADY_SERVED) from None
+    schema.take_server_turn(service.driver.alias)  # until _migrate has ended: migrate waits
+    return held
 
 
 def _check_migrations(service: QueueService, where: str) -> None:

@@ -1275,9 +1275,6 @@ class SqliteDriver:
                 "event=waiting_for_migration db=%s", path, extra={"event": "waiting_for_migration"}
             )
             fcntl.flock(handle, fcntl.LOCK_EX)
-        from queue_core.schema import take_server_turn
-
-        take_server_turn(path)  # until its migration at start: `relay migrate` waits for that
         st = os.fstat(handle.fileno())
         self._served = (path, (st.st_dev, st.st_ino))
         _SERVED[path] = (self._served[1], handle, self._lost)
