@@ -202,6 +202,11 @@ class AsyncRelayClient(ClientCore, ops.Ops, ops.Asynchronous):
         self.connects = 0
         """How many connections this client has opened (a reconnect adds one)."""
 
+    @property
+    def server_index(self) -> int:
+        """The position in ``servers`` of the server in use, or tried next."""
+        return self._index
+
     async def __aenter__(self) -> Self:
         return self
 

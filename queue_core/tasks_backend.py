@@ -159,6 +159,19 @@ _R = TypeVar("_R")
 NETWORK_PAUSES_S = (0.2, 0.5, 1.0, 2.0)
 
 
+# A try is not worth starting with less time than this left (s).
+LAST_TRY_S = 0.1
+
+
+def _pause(tries: int, remaining_s: float) -> float | None:
+    """The pause before try ``tries + 1`` (``NETWORK_PAUSES_S``), shortened to leave
+    ``LAST_TRY_S`` for it; None when not even that is left (a review: with 0.24 s left the
+    0.5 s pause was refused, and a call failed though the next server was healthy)."""
+    if remaining_s < LAST_TRY_S:
+        return None
+    return min(NETWORK_PAUSES_S[min(tries, len(NETWORK_PAUSES_S) - 1)], remaining_s - LAST_TRY_S)
+
+
 def _again[T](call: Callable[[float], T], within_s: float) -> T:
     """Run ``call(deadline)`` (a networked submit with its idempotency key, or a read: safe
     to repeat; ``deadline`` the ``time.monotonic()`` instant in s by which every try ends),
@@ -181,10 +194,8 @@ def _again[T](call: Callable[[float], T], within_s: float) -> T:
         try:
             return call(deadline)
         except (ConnectionError, RelayError) as exc:
-            pause = NETWORK_PAUSES_S[min(tries, len(NETWORK_PAUSES_S) - 1)]
-            if (isinstance(exc, RelayError) and not exc.retryable) or (
-                time.monotonic() + pause >= deadline
-            ):
+            pause = _pause(tries, deadline - time.monotonic())
+            if (isinstance(exc, RelayError) and not exc.retryable) or pause is None:
                 raise
             time.sleep(pause)  # a backoff before the next try, not a synchronisation
     raise AssertionError("unreachable")  # itertools.count() never ends
@@ -207,10 +218,8 @@ async def _again_async[T](call: Callable[[], Awaitable[T]], within_s: float, add
                 try:
                     return await call()
                 except (ConnectionError, RelayError) as exc:
-                    pause = NETWORK_PAUSES_S[min(tries, len(NETWORK_PAUSES_S) - 1)]
-                    if (isinstance(exc, RelayError) and not exc.retryable) or (
-                        loop.time() + pause >= deadline
-                    ):
+                    pause = _pause(tries, deadline - loop.time())
+                    if (isinstance(exc, RelayError) and not exc.retryable) or pause is None:
                         raise
                     await asyncio.sleep(pause)  # a backoff, not a synchronisation
     except TimeoutError:
@@ -753,21 +762,25 @@ class RelayBackend(BaseTaskBackend):
             api_key=self.api_key,
             connect_retries=0,  # _again_async repeats, within TIMEOUT
         )
+        # Each call has a client of its own: the next starts at the server that answered
+        # this one, or after the one this one failed on, so a server that accepts and never
+        # answers costs one call, as the blocking client's persistent connection does
+        # (reviews: every aget_result went back to it, or paid its hello timeout again).
+        answered = start + 1
         try:
             found: dict[str, Any] = dict(
                 await _again_async(
                     lambda: client.result(**by), float(self.timeout_s), client.address
                 )
             )
-        except (JobNotFound, InvalidArgument):
-            raise TaskResultDoesNotExist(result_id) from None
-        except ConnectionError:
-            # Each call has a client of its own: the next starts at the next server, so a
-            # server that accepts and never answers costs one call, as the blocking client's
-            # persistent connection does (a review: every aget_result went back to it).
-            self._async_first = start + 1
+            answered = start + client.server_index
+        except RelayError as exc:  # an answer too
+            answered = start + client.server_index
+            if isinstance(exc, JobNotFound | InvalidArgument):
+                raise TaskResultDoesNotExist(result_id) from None
             raise
         finally:
+            self._async_first = answered
             await client.close()
         return self._from_result(result_id, found)
 
