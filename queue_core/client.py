@@ -63,7 +63,8 @@ class RelayConnectionError(ConnectionError):
 
 
 class RelayUnreachable(RelayConnectionError):
-    """The TCP connection could not be opened, so nothing was sent (the outcome is known)."""
+    """Nothing was sent (the outcome is known): the TCP connection could not be opened, or a
+    call's deadline passed before its turn to send came."""
 
 
 def parse_address(address: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
@@ -308,7 +309,7 @@ class TcpTransport:
         ends = began + timeout_s if deadline is None else min(began + timeout_s, deadline)
         timeout_s = ends - began
         if timeout_s <= 0:  # nothing sent, and the connection stays good for the next call
-            raise RelayConnectionError(
+            raise RelayUnreachable(
                 "the call's deadline passed before it was sent", address=self.address
             )
         try:
@@ -536,13 +537,14 @@ class RelayClient(ClientCore, ops.BlockingClient):
                 with nothing sent, the request is over ``max_frame_bytes`` (``FrameTooLarge``)
                 or not JSON-serialisable (``InvalidArgument``: a float that is NaN or
                 ±Infinity, a string with a lone surrogate, a type JSON does not have).
-            RelayConnectionError: no complete reply (outcome unknown); or, with nothing
-                sent, the deadline passed while other threads' calls held the connection.
+            RelayConnectionError: no complete reply (outcome unknown); its subclass
+                ``RelayUnreachable`` when nothing was sent (no connection, or the deadline
+                passed first, while other threads' calls held the connection, say).
         """
         if deadline is None:
             self._lock.acquire()
         elif not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise RelayConnectionError(
+            raise RelayUnreachable(
                 "the call's deadline passed while other calls held the connection",
                 address=self.address,
             )
