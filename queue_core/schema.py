@@ -109,7 +109,9 @@ def migration_lock(
     then, always, ``<file>-migrate.lock`` exclusively (removed after), waited for, so two
     migrations take turns (a review: with Relay's migrations applied and Django's own not,
     three of four migrates at once failed on duplicate rows). A process that serves the file
-    (``relay server`` migrating at its start) holds it already. The descriptor is kept open
+    (``relay server`` migrating at its start) holds it already, and the turn since it took
+    the file (``take_server_turn``); a migrate refused by the file's lock waits for a turn
+    a server holds, then looks again. The descriptor is kept open
     after: closing one would drop the POSIX locks SQLite holds on the file in this process.
     Other databases, and SQLite in memory: nothing.
 
