@@ -118,13 +118,12 @@ def migration_lock(
     Raises:
         MigrationRefused: a server serves the SQLite file.
     """
-    connection = connections[alias]
-    if connection.vendor == "postgresql":
+    if connections[alias].vendor == "postgresql":
         with _pg_lock(alias):
             yield
         return
-    name = str(connection.settings_dict.get("NAME") or "")
-    if connection.vendor != "sqlite" or not _a_file(name):
+    name = _sqlite_file(alias)
+    if name is None:
         yield
         return
     from queue_core.storage.sqlite.driver import serves
@@ -190,8 +189,8 @@ def take_server_turn(alias: str) -> None:
     the turn and looks again, rather than exiting 4 while the server is about to migrate the
     file itself. Only the command takes it: a server embedded elsewhere (the tests' own)
     that never migrates would keep it for the life of its process."""
-    name = str(connections[alias].settings_dict.get("NAME") or "")
-    if connections[alias].vendor != "sqlite" or not _a_file(name):
+    name = _sqlite_file(alias)
+    if name is None:
         return
     turn = contextlib.ExitStack()
     turn.enter_context(_one_migration(name, server=True))
@@ -200,8 +199,8 @@ def take_server_turn(alias: str) -> None:
 
 def end_server_turn(alias: str) -> None:
     """Let go of the turn ``take_server_turn`` took, if it is still held."""
-    name = str(connections[alias].settings_dict.get("NAME") or "")
-    turn = _TURNS.pop(os.path.realpath(name), None) if name else None
+    name = _sqlite_file(alias)
+    turn = None if name is None else _TURNS.pop(os.path.realpath(name), None)
     if turn is not None:
         turn.close()
 
@@ -290,12 +289,10 @@ def _pg_lock(alias: str) -> Iterator[None]:
 
 
 def relay_changes(alias: str, options: Mapping[str, object]) -> bool:
-    """Whether ``migrate`` with ``options`` may apply or unapply Relay's migrations on
-    ``alias``: a named app of Relay's (forwards or backwards: a review unapplied 0016 to
-    0011 under a live server), or no app named and Relay's behind. ``--plan`` and
-    ``--check`` change nothing."""
-    if options.get("plan") or options.get("check_unapplied"):
-        return False
+    """Whether ``migrate`` with ``options`` (not ``--plan`` or ``--check``, which change
+    nothing: ``migration_lock`` looks at them first) may apply or unapply Relay's migrations
+    on ``alias``: a named app of Relay's (forwards or backwards: a review unapplied 0016 to
+    0011 under a live server), or no app named and Relay's behind."""
     app = options.get("app_label")
     if app:
         return app in RELAY_APPS
@@ -311,6 +308,11 @@ def _relay_behind(alias: str) -> bool:
     return any(migration.app_label in RELAY_APPS for migration, _ in plan)
 
 
-def _a_file(name: str) -> bool:
-    """Whether a SQLite ``NAME`` is a file on disk (not ``:memory:`` or a memory URI)."""
-    return bool(name) and name != ":memory:" and "mode=memory" not in name
+def _sqlite_file(alias: str) -> str | None:
+    """The ``NAME`` of ``alias`` when it is a SQLite file on disk (not ``:memory:`` or a
+    memory URI); None for another database."""
+    connection = connections[alias]
+    name = str(connection.settings_dict.get("NAME") or "")
+    if connection.vendor != "sqlite" or not name or name == ":memory:" or "mode=memory" in name:
+        return None
+    return name

@@ -132,10 +132,9 @@ class Command(RelayBaseCommand):
                 raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
             if service.capabilities.single_writer:
                 _migrate(where, service.driver.alias)  # the key table must exist before it's read
+                _check_migrations(service, where)  # a file a newer Relay migrated
         finally:
             schema.end_server_turn(service.driver.alias)
-        if service.capabilities.single_writer:
-            _check_migrations(service, where)  # a file a newer Relay migrated
         # /metrics is read-only and takes no key: only the protocol address counts here.
         refused = exposure.refusal(
             "relay server", [(host, port)], allowed=options["allow_public_without_keys"]
