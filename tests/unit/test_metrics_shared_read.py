@@ -74,30 +74,60 @@ def test_a_failed_read_is_not_kept() -> None:
     assert shared.get() == 7
 
 
-def test_scrapes_that_arrive_during_a_read_wait_for_it_and_run_no_other() -> None:
-    started, release = threading.Event(), threading.Event()
-    calls = [0]
-    now = [0.0]
+class Held:
+    """A read held until ``release``: it counts its calls, adds ``took`` to the fake clock
+    ``now``, and fails while ``fail`` is set."""
 
-    def read() -> int:
-        calls[0] += 1
-        started.set()
-        release.wait(10)
-        now[0] += 1.0  # a slow read
-        return calls[0]
+    def __init__(self, took: float) -> None:
+        self.started, self.release = threading.Event(), threading.Event()
+        self.now = 0.0
+        self.took = took
+        self.calls = 0
+        self.fail = False
 
-    shared = SharedRead(read, lambda: now[0])
-    got: list[int] = []
-    first = threading.Thread(target=lambda: got.append(shared.get()))
-    first.start()
-    assert started.wait(10)
-    others = [threading.Thread(target=lambda: got.append(shared.get())) for _ in range(4)]
-    for t in others:
+    def read(self) -> int:
+        self.calls += 1
+        self.started.set()
+        self.release.wait(10)
+        self.now += self.took
+        if self.fail:
+            raise RuntimeError("database gone")
+        return self.calls
+
+    def clock(self) -> float:
+        return self.now
+
+
+def together(shared: SharedRead, held: Held, callers: int) -> list[object]:
+    """Call ``shared.get`` from ``callers`` threads, all of them inside it (one running the
+    held read, the others waiting) before the read is let go; return what each got or raised."""
+    got: list[object] = []
+
+    def scrape() -> None:
+        try:
+            got.append(shared.get())
+        except RuntimeError as exc:
+            got.append(exc)
+
+    threads = [threading.Thread(target=scrape) for _ in range(callers)]
+    threads[0].start()
+    assert held.started.wait(10)
+    for t in threads[1:]:
         t.start()
-    release.set()
-    for t in [first, *others]:
+    deadline = time.monotonic() + 10
+    while shared._callers < callers:  # all inside get: running or waiting
+        assert time.monotonic() < deadline, "the calls did not arrive"
+        time.sleep(0.001)
+    held.release.set()
+    for t in threads:
         t.join(10)
-    assert got == [1] * 5 and calls == [1]
+    return got
+
+
+def test_scrapes_that_arrive_during_a_read_wait_for_it_and_run_no_other() -> None:
+    held = Held(took=1.0)  # a slow read
+    shared = SharedRead(held.read, held.clock)
+    assert together(shared, held, 5) == [1] * 5 and held.calls == 1
 
 
 def test_forget_drops_what_is_kept() -> None:
@@ -109,80 +139,28 @@ def test_forget_drops_what_is_kept() -> None:
     assert shared.get() == 2
 
 
-def _arrive(shared: SharedRead, callers: int) -> None:
-    """Wait until ``callers`` calls are inside ``shared.get`` (running or waiting)."""
-    deadline = time.monotonic() + 10
-    while shared._callers < callers:
-        assert time.monotonic() < deadline, "the calls did not arrive"
-        time.sleep(0.001)
-
-
 def test_a_quick_read_others_waited_for_is_theirs_and_kept_for_four_times_its_length() -> None:
     # A render takes 6 ms (150 queues): quick, so it was never kept, and 16 clients scraping
     # at once rendered it back to back; the API waited 1.1 s at p99 behind them.
-    started, release = threading.Event(), threading.Event()
-    now = [0.0]
-    calls = [0]
-
-    def read() -> int:
-        calls[0] += 1
-        started.set()
-        release.wait(10)
-        now[0] += SharedRead.SLOW_S / 4  # quick
-        return calls[0]
-
-    shared = SharedRead(read, lambda: now[0])
-    got: list[int] = []
-    threads = [threading.Thread(target=lambda: got.append(shared.get())) for _ in range(5)]
-    threads[0].start()
-    assert started.wait(10)
-    for t in threads[1:]:
-        t.start()
-    _arrive(shared, 5)
-    release.set()
-    for t in threads:
-        t.join(10)
-    assert got == [1] * 5 and calls == [1]
-    ended = now[0]
-    now[0] = ended + 4 * SharedRead.SLOW_S / 4 - 0.0001
+    held = Held(took=SharedRead.SLOW_S / 4)  # quick
+    shared = SharedRead(held.read, held.clock)
+    assert together(shared, held, 5) == [1] * 5 and held.calls == 1
+    ended = held.now
+    held.now = ended + held.took * 4 - 0.0001
     assert shared.get() == 1  # others waited for it: kept for four times its length
-    now[0] = ended + 4 * SharedRead.SLOW_S / 4
+    held.now = ended + held.took * 4
     assert shared.get() == 2  # then read again, and a lone call's quick read is not kept
     assert shared.get() == 3
 
 
 def test_the_calls_that_waited_for_a_failed_read_get_its_error_and_nothing_is_kept() -> None:
-    started, release = threading.Event(), threading.Event()
-    fail = [True]
-
-    def read() -> int:
-        started.set()
-        release.wait(10)
-        if fail[0]:
-            raise RuntimeError("database gone")
-        return 7
-
-    shared = SharedRead(read)
-    errors: list[BaseException] = []
-
-    def scrape() -> None:
-        try:
-            shared.get()
-        except RuntimeError as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=scrape) for _ in range(3)]
-    threads[0].start()
-    assert started.wait(10)
-    for t in threads[1:]:
-        t.start()
-    _arrive(shared, 3)
-    release.set()
-    for t in threads:
-        t.join(10)
-    assert len(errors) == 3
-    fail[0] = False
-    assert shared.get() == 7
+    held = Held(took=0.5)
+    held.fail = True
+    shared = SharedRead(held.read, held.clock)
+    got = together(shared, held, 3)
+    assert [type(g) for g in got] == [RuntimeError] * 3 and held.calls == 1
+    held.fail = False
+    assert shared.get() == 2
 
 
 def test_without_keep_slow_a_lone_callers_slow_read_is_fresh_and_a_shared_one_capped() -> None:
@@ -190,6 +168,14 @@ def test_without_keep_slow_a_lone_callers_slow_read_is_fresh_and_a_shared_one_ca
     shared = SharedRead(r.read, r.clock, keep_slow=False, max_reuse_s=1.0)
     r.took = 0.5
     assert [shared.get() for _ in range(3)] == [1, 2, 3]  # slow, but nobody waited
+    held = Held(took=0.5)
+    shared = SharedRead(held.read, held.clock, keep_slow=False, max_reuse_s=1.0)
+    assert together(shared, held, 2) == [1, 1]
+    ended = held.now
+    held.now = ended + 0.9999
+    assert shared.get() == 1  # kept for 1 s, not four times 0.5 s
+    held.now = ended + 1.0
+    assert shared.get() == 2
 
 
 def test_a_lone_scrape_always_renders_afresh_however_slow_the_rendering(
