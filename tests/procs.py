@@ -92,6 +92,13 @@ class Spawner:
             check=False,
         )
 
+    def migrate(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        """Run ``manage.py migrate *args`` as a test's set-up step; fail the test unless it
+        exits 0."""
+        out = self.run("migrate", *args, timeout=120.0, **env)
+        assert out.returncode == 0, out.stderr
+        return out
+
     def server(self, *args: str, nofile: int | None = None, **env: str) -> tuple[Proc, int]:
         """Start ``relay_server`` on a free loopback port; return it and its port once ready."""
         proc = self(

@@ -61,7 +61,7 @@ def test_secret_key_from_the_key_file_or_debug_lets_it_start(
 
 
 def test_http_side_refuses_a_public_address_without_keys(spawn: Spawner) -> None:
-    assert spawn.run("migrate").returncode == 0
+    spawn.migrate()
     out = run_gunicorn(spawn, "0.0.0.0:0")
     assert out.returncode == exposure.EXIT_PUBLIC_WITHOUT_KEYS, out.stderr
     last = out.stderr.strip().splitlines()[-1]
@@ -85,15 +85,14 @@ def test_http_side_refuses_a_database_behind_or_ahead_of_its_code(
     # 500 INTERNAL ("no column named unique_scope"). Behind: exit 1, which the unit retries
     # while relay-server migrates; migrated by a newer Relay: exit 9, which it does not.
     db = str(tmp_path / "behind.db")
-    out = spawn.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
-    assert out.returncode == 0, out.stderr
+    spawn.migrate("queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
     behind = run_gunicorn(spawn, "127.0.0.1:0", RELAY_DB=db)
     assert behind.returncode == 1, behind.stderr
     last = behind.stderr.strip().splitlines()[-1]
     assert last.startswith("UNAVAILABLE: the HTTP API refuses to start: database"), last
     assert "unapplied migration(s)" in last and "run `relay migrate`" in last
     assert "http_ready" not in behind.stderr
-    assert spawn.run("migrate", RELAY_DB=db).returncode == 0
+    spawn.migrate(RELAY_DB=db)
     record_future_migration(db)
     ahead = run_gunicorn(spawn, "127.0.0.1:0", RELAY_DB=db)
     assert ahead.returncode == 9, ahead.stderr

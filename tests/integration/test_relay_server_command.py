@@ -152,6 +152,14 @@ def test_database_in_a_missing_folder_is_a_usage_error(procs: Spawner, tmp_path:
     assert "INVALID_ARGUMENT" in out.stderr and "CORRUPT" not in out.stderr
 
 
+def _applied(db: str) -> list[str]:
+    """``app.name`` of every row of the file's ``django_migrations`` (twice if recorded twice)."""
+    with contextlib.closing(sqlite3.connect(db)) as sql:
+        return [
+            f"{app}.{name}" for app, name in sql.execute("SELECT app, name FROM django_migrations")
+        ]
+
+
 def test_relay_migrate_is_refused_while_a_server_serves_the_file(
     procs: Spawner, tmp_path: Path
 ) -> None:
@@ -159,16 +167,13 @@ def test_relay_migrate_is_refused_while_a_server_serves_the_file(
     # uncounted. While anything holds the server lock, Relay's own migrations are refused;
     # with none of them left to apply (a project's own, or nothing), migrate runs.
     db = str(tmp_path / "relay.db")
-    out = procs.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
-    assert out.returncode == 0, out.stderr
+    procs.migrate("queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
     with open(db, "rb") as held:  # as a server of an older Relay holds it
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         out = procs.run("migrate", RELAY_DB=db)
         assert out.returncode == 4, out.stderr
         assert f"ALREADY_SERVED: a relay server is serving {db}" in out.stderr
-        with contextlib.closing(sqlite3.connect(db)) as sql:
-            applied = {r[0] for r in sql.execute("SELECT name FROM django_migrations")}
-        assert "0016_postgresql_like_indexes" not in applied  # nothing ran
+        assert "queue_core.0016_postgresql_like_indexes" not in _applied(db)  # nothing ran
     server, port = procs.server("--db", db)  # it migrates the file itself
     out = procs.run("migrate", RELAY_DB=db)  # nothing of Relay's left: allowed beside it
     assert out.returncode == 0, out.stderr
@@ -186,29 +191,23 @@ def test_two_migrations_of_one_file_take_turns(procs: Spawner, tmp_path: Path) -
     # Both took the file's lock shared and ran their plans: the second failed on what the
     # first had just applied. The second now waits for the first and finds nothing to do.
     db = str(tmp_path / "relay.db")
-    out = procs.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
-    assert out.returncode == 0, out.stderr
+    procs.migrate("queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
     with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         assert waiting.popen.poll() is None
-        with contextlib.closing(sqlite3.connect(db)) as sql:
-            applied = [r[0] for r in sql.execute("SELECT name FROM django_migrations")]
-        assert "0016_postgresql_like_indexes" not in applied  # it waits before its plan
+        assert "queue_core.0016_postgresql_like_indexes" not in _applied(db)  # waits first
     assert waiting.wait_exit(timeout=60) == 0
     # Two at once from 0010 (one of them exited 1 in 4 of 4 tries before the lock file).
     db = str(tmp_path / "older.db")
-    out = procs.run("migrate", "queue_core", "0010_queue_controls", RELAY_DB=db)
-    assert out.returncode == 0, out.stderr
+    procs.migrate("queue_core", "0010_queue_controls", RELAY_DB=db)
     runs = [procs("migrate", RELAY_DB=db) for _ in range(3)]
     assert [run.wait_exit(timeout=120) for run in runs] == [0] * 3, [r.stderr_text() for r in runs]
-    with contextlib.closing(sqlite3.connect(db)) as sql:
-        twice = sql.execute(
-            "SELECT app, name FROM django_migrations GROUP BY app, name HAVING COUNT(*) > 1"
-        ).fetchall()
-        applied = [r[0] for r in sql.execute("SELECT name FROM django_migrations")]
-    assert twice == [] and "0016_postgresql_like_indexes" in applied
+    applied = _applied(db)
+    assert (
+        len(set(applied)) == len(applied) and "queue_core.0016_postgresql_like_indexes" in applied
+    )
     db = str(tmp_path / "new.db")  # and a file not made yet (one exited 1 in 3 of 3 before)
     runs = [procs("migrate", RELAY_DB=db) for _ in range(3)]
     assert [run.wait_exit(timeout=120) for run in runs] == [0] * 3, [r.stderr_text() for r in runs]
@@ -227,7 +226,7 @@ def test_a_migration_with_nothing_of_relays_to_do_still_takes_its_turn(
     # and three of four at once failed on duplicate rows (auth, content types).
     db = str(tmp_path / "relay.db")
     for app in ("queue_core", "relay_tasks"):
-        assert procs.run("migrate", app, RELAY_DB=db).returncode == 0
+        procs.migrate(app, RELAY_DB=db)
     with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         waiting = procs("migrate", RELAY_DB=db)
@@ -242,11 +241,8 @@ def test_a_migration_with_nothing_of_relays_to_do_still_takes_its_turn(
     assert call(port, "ping")["ok"]
     server.signal(signal.SIGTERM)
     assert server.wait_exit(timeout=15) == 0
-    with contextlib.closing(sqlite3.connect(db)) as sql:
-        twice = sql.execute(
-            "SELECT app, name FROM django_migrations GROUP BY app, name HAVING COUNT(*) > 1"
-        ).fetchall()
-    assert twice == []
+    applied = _applied(db)
+    assert len(set(applied)) == len(applied)  # none recorded twice
 
 
 def test_a_server_started_with_a_migration_of_a_new_file_waits_for_it(
@@ -278,8 +274,7 @@ def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
     # ended; a migrate refused by the file's lock waits for that turn and looks again.
     db = str(tmp_path / "relay.db")
     for target in (("queue_core", "0015_console_indexes_in_state"), ("relay_tasks",)):
-        out = procs.run("migrate", *target, RELAY_DB=db)
-        assert out.returncode == 0, out.stderr
+        procs.migrate(*target, RELAY_DB=db)
     with open(db, "rb") as file, open(f"{db}-migrate.lock", "ab") as turn:  # as a server
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # starting holds them
         fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -301,7 +296,7 @@ def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_p
     # A review started the server while `relay migrate` held the file (13 s at a million
     # jobs): it exited 4, "another relay server is serving", which its unit does not restart.
     db = str(tmp_path / "relay.db")
-    assert procs.run("migrate", RELAY_DB=db).returncode == 0
+    procs.migrate(RELAY_DB=db)
     held = open(db, "rb")  # noqa: SIM115 - released below, as migrate's lock is
     fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)  # as `relay migrate` holds it
     try:
@@ -318,7 +313,7 @@ def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_p
 
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:
     db = str(tmp_path / "relay.db")
-    assert procs.run("migrate", RELAY_DB=db).returncode == 0
+    procs.migrate(RELAY_DB=db)
     record_future_migration(db)
     out = procs.run("relay_server", "--db", db, "--address", "127.0.0.1:0")
     assert out.returncode == 9, out.stderr

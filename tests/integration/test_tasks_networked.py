@@ -11,10 +11,13 @@ back through the ``result`` op, stored by the service from the worker's ack and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import signal
+import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -43,6 +46,40 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S)
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
     return value
+
+
+@contextlib.contextmanager
+def silent_server(first_breaks_after_s: float | None = None) -> Iterator[str]:
+    """A server that accepts connections and answers nothing (a stopped process, a black
+    hole); ``first_breaks_after_s``: the first connection is reset that long after its first
+    request instead. Yields its ``HOST:PORT``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn = listener.accept()[0]
+            except TimeoutError:
+                continue
+            held.append(conn)
+            if first_breaks_after_s is not None and len(held) == 1:
+                conn.recv(65536)  # the request
+                stop.wait(first_breaks_after_s)  # a server slow to fail, not a synchronisation
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+                conn.close()  # a reset: the reply is lost
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        acceptor.join(5)
+        for sock in (*held, listener):
+            sock.close()
 
 
 def finished(result: Any) -> bool:
@@ -125,42 +162,11 @@ def test_a_server_that_answers_nothing_costs_one_timeout_not_one_per_try(
     # the default, in the caller's request thread (a review). And a try begun late in the
     # first TIMEOUT had a whole one of its own: a first connection broken at 0.7 s of a 1 s
     # TIMEOUT made the call take 1.9 s. Each try now ends by the first's start + TIMEOUT.
-    import socket
-    import threading
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn = listener.accept()[0]
-            except TimeoutError:
-                continue
-            if first_breaks_after_s is not None and not held:
-                conn.recv(65536)  # the submit
-                stop.wait(first_breaks_after_s)  # a server slow to fail, not a synchronisation
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-                conn.close()  # a reset: the reply is lost
-                held.append(listener)  # the next connections are black-holed
-                continue
-            held.append(conn)  # read nothing, answer nothing
-
-    acceptor = threading.Thread(target=accept, daemon=True)
-    acceptor.start()
-    try:
-        with networked(f"127.0.0.1:{listener.getsockname()[1]}", TIMEOUT=1):
-            began = time.monotonic()
-            with pytest.raises(ConnectionError):
-                tasks.add.enqueue(1, 2)
-            took = time.monotonic() - began
-    finally:
-        stop.set()
-        acceptor.join(5)
-        for sock in {*held, listener}:
-            sock.close()
+    with silent_server(first_breaks_after_s) as address, networked(address, TIMEOUT=1):
+        began = time.monotonic()
+        with pytest.raises(ConnectionError):
+            tasks.add.enqueue(1, 2)
+        took = time.monotonic() - began
     # one TIMEOUT of 1 s; three were 3.7 s with the pauses, and a late second try 1.9 s
     assert 0.9 <= took < 1.4, took
 
@@ -210,57 +216,37 @@ def test_aget_result_moves_past_a_server_that_accepts_and_never_answers() -> Non
     # process), every call failed though the second answered. With a key, the hello that
     # timed out now moves the client on within the call; without one, the reply that timed
     # out moves the next call on, as the blocking client's persistent connection does.
-    import socket
-    import threading
-
-    silent = socket.create_server(("127.0.0.1", 0))
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        silent.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(silent.accept()[0])  # read nothing, answer nothing
-            except TimeoutError:
-                continue
-
     def script(request: dict[str, Any], n: int) -> bytes:
         if request["op"] == "hello":
             return ok(request, {"key": "rk_x", "scopes": ["producer"]})
         return error(request, "NOT_FOUND", "no such job")
 
-    acceptor = threading.Thread(target=accept, daemon=True)
-    acceptor.start()
     answering = CannedServer(script)
     try:
-        address = f"127.0.0.1:{silent.getsockname()[1]},{answering.address}"
-        with networked(address, TIMEOUT=1.5, API_KEY="rk_x"):
-            backend = tasks.add.get_backend()
-            began = time.monotonic()
-            with pytest.raises(TaskResultDoesNotExist):  # within the call
-                asyncio.run(backend.aget_result("default/x"))
-            assert time.monotonic() - began < 1.5
-            for _ in range(3):  # and the next calls start at the server that answered
-                began = time.monotonic()  # (a third review: each paid the hello's 0.5 s)
-                with pytest.raises(TaskResultDoesNotExist):
-                    asyncio.run(backend.aget_result("default/x"))
-                assert time.monotonic() - began < 0.4
-        with networked(address, TIMEOUT=1):
-            backend = tasks.add.get_backend()
-            with pytest.raises(ConnectionError):
-                asyncio.run(backend.aget_result("default/x"))
-            for _ in range(3):  # the next calls start at the server that answers
+        with silent_server() as silent:
+            address = f"{silent},{answering.address}"
+            with networked(address, TIMEOUT=1.5, API_KEY="rk_x"):
+                backend = tasks.add.get_backend()
                 began = time.monotonic()
-                with pytest.raises(TaskResultDoesNotExist):
+                with pytest.raises(TaskResultDoesNotExist):  # within the call
                     asyncio.run(backend.aget_result("default/x"))
-                assert time.monotonic() - began < 0.5
+                assert time.monotonic() - began < 1.5
+                for _ in range(3):  # and the next calls start at the server that answered
+                    began = time.monotonic()  # (a third review: each paid the hello's 0.5 s)
+                    with pytest.raises(TaskResultDoesNotExist):
+                        asyncio.run(backend.aget_result("default/x"))
+                    assert time.monotonic() - began < 0.4
+            with networked(address, TIMEOUT=1):
+                backend = tasks.add.get_backend()
+                with pytest.raises(ConnectionError):
+                    asyncio.run(backend.aget_result("default/x"))
+                for _ in range(3):  # the next calls start at the server that answers
+                    began = time.monotonic()
+                    with pytest.raises(TaskResultDoesNotExist):
+                        asyncio.run(backend.aget_result("default/x"))
+                    assert time.monotonic() - began < 0.5
     finally:
-        stop.set()
-        acceptor.join(5)
         answering.close()
-        for sock in (*held, silent):
-            sock.close()
 
 
 def test_networked_backend_runs_tasks_and_reads_results_over_tcp(spawn: Spawner) -> None:
