@@ -101,17 +101,18 @@ def migration_lock(
     on different backends, and left held); waited for without Relay's ``lock_timeout``
     (2 s: a review's second migrate gave up at 3.4 s behind a 3-million-job upgrade).
 
-    SQLite (a file; not for ``--plan`` or ``--check``, which change nothing): when Relay's own
+    SQLite (a file; not for ``--plan`` or ``--check``, which change nothing): first, always,
+    the turn: ``<file>-migrate.lock`` exclusively (removed after), waited for, so two
+    migrations take turns (a review: with Relay's migrations applied and Django's own not,
+    three of four migrates at once failed on duplicate rows). Then, when Relay's own
     migrations would run (``relay_changes``: ``migrate``'s ``options``; None for a plain
     ``migrate``; always for a file not made yet, which is made here, empty), the file's
     ``flock`` taken shared, without waiting, so it is refused while a server holds it
-    exclusively (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it;
-    then, always, ``<file>-migrate.lock`` exclusively (removed after), waited for, so two
-    migrations take turns (a review: with Relay's migrations applied and Django's own not,
-    three of four migrates at once failed on duplicate rows). A process that serves the file
-    (``relay server`` migrating at its start) holds it already, and the turn since it took
-    the file (``take_server_turn``); a migrate refused by the file's lock waits for a turn
-    a server holds, then looks again. The descriptor is kept open
+    exclusively (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it.
+    A starting ``relay server`` takes the turn before its file and keeps it until its own
+    migration at start has ended (``take_server_turn``), so a server holding the file while
+    this holds the turn has migrated it: what is left is looked at again. A process that
+    serves the file (that server migrating) holds both already. The descriptor is kept open
     after: closing one would drop the POSIX locks SQLite holds on the file in this process.
     Other databases, and SQLite in memory: nothing.
 
@@ -137,14 +138,16 @@ def migration_lock(
     if options.get("plan") or options.get("check_unapplied"):
         yield  # changes nothing
         return
-    while True:
+    # The turn first, then the file: a starting server takes them in the same order and keeps
+    # the turn until its own migration has ended, so a server that holds the file while this
+    # holds the turn has migrated it and serves (a third review: a migrate that looked between
+    # a starting server taking its file and taking its turn exited 4).
+    with _one_migration(name):
         handle: IO[bytes] | None = None
         if not path.exists() or relay_changes(alias, options):
             # Relay's migrations would change it (a new file: all of them): refused while a
             # server serves it, and a server starting meanwhile waits. A new file is made here,
-            # empty (SQLite takes it for a new database), so that a server started with this
-            # migration finds it held (a review: both migrated a new file at once, and 4 of 7
-            # servers died).
+            # empty (SQLite takes it for a new database).
             try:
                 handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
             except OSError:
@@ -154,41 +157,34 @@ def migration_lock(
             try:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                # A server holds the file. One that is starting holds the turn until its own
-                # migration has ended (``take_server_turn``): wait for that, then look again
+                handle = None
+                # A server that started while this waited for the turn migrated the file
                 # (a review: bin/http's migrate, started with a server on a new file, exited 4
-                # in 3 of 5 tries). One that serves holds no turn: refused.
-                with _one_migration(name) as waited:
-                    pass
-                if waited or not relay_changes(alias, options):
-                    # Looked at again: a server may have migrated the file since this looked
-                    # (a third review, with a delay injected there: exit 4 though nothing
-                    # of Relay's was left to apply).
-                    continue
-                raise MigrationRefused(
-                    f"a relay server is serving {name}; it migrates the file itself when it "
-                    "starts: stop it (then run `relay migrate`, or start the new server)"
-                ) from None
+                # in 3 of 5 tries): look again at what is left.
+                if relay_changes(alias, options):
+                    raise MigrationRefused(
+                        f"a relay server is serving {name}; it migrates the file itself when it "
+                        "starts: stop it (then run `relay migrate`, or start the new server)"
+                    ) from None
         try:
-            with _one_migration(name):
-                yield
+            yield
         finally:
             if handle is not None:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-        return
+                fcntl.flock(handle, fcntl.LOCK_UN)  # before the turn: a server waits for both
 
 
 _TURNS: dict[str, contextlib.ExitStack] = {}  # file (real path) -> the turn its server holds
 
 
 def take_server_turn(alias: str) -> None:
-    """``relay server``, once it holds its SQLite file (``SqliteDriver.server_lock``), takes
-    the migration turn too, waiting for a ``relay migrate`` that holds it, and keeps it
-    until its own migration at start has ended (``migration_lock`` lets it go, or
-    ``end_server_turn``): a ``relay migrate`` refused by the file's lock meanwhile waits for
-    the turn and looks again, rather than exiting 4 while the server is about to migrate the
-    file itself. Only the command takes it: a server embedded elsewhere (the tests' own)
-    that never migrates would keep it for the life of its process."""
+    """``relay server``, before it takes its SQLite file (``SqliteDriver.server_lock``), takes
+    the migration turn, waiting for a ``relay migrate`` that holds it, and keeps it until its
+    own migration at start has ended (``migration_lock`` lets it go, or ``end_server_turn``):
+    a ``relay migrate`` meanwhile waits for the turn, then finds the file migrated, rather
+    than exiting 4 while the server is about to migrate it. The same order as a migrate's
+    (turn, then file), so neither waits for the other's second lock while holding its first.
+    Only the command takes it: a server embedded elsewhere (the tests' own) that never
+    migrates would keep it for the life of its process."""
     name = _sqlite_file(alias)
     if name is None:
         return
@@ -206,9 +202,9 @@ def end_server_turn(alias: str) -> None:
 
 
 @contextlib.contextmanager
-def _one_migration(name: str, *, server: bool = False) -> Iterator[bool]:
-    """Hold ``<name>-migrate.lock`` exclusively: one migration of a SQLite file at a time;
-    yield whether it had to wait for it.
+def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
+    """Hold ``<name>-migrate.lock`` exclusively (the turn): one migration of a SQLite file at
+    a time.
 
     The file's own ``flock`` is taken shared so a server waits for every migration; two
     migrations under it both ran their plan, and the second failed on what the first had
@@ -228,7 +224,7 @@ def _one_migration(name: str, *, server: bool = False) -> Iterator[bool]:
         try:
             lock = open(path, "ab")  # noqa: SIM115 - closed below
         except OSError:  # no such directory, or not writable: the migration says so itself
-            yield False
+            yield
             return
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -248,7 +244,7 @@ def _one_migration(name: str, *, server: bool = False) -> Iterator[bool]:
             break
         lock.close()  # the holder removed it: lock the path's file
     try:
-        yield said
+        yield
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -250,9 +250,9 @@ def test_a_server_started_with_a_migration_of_a_new_file_waits_for_it(
 ) -> None:
     # A review: the migration of a file not made yet held only the lock file, so a server
     # started with it migrated at the same time (4 of 7 servers died, "table relay_job
-    # already exists"). The migration now makes the file and holds it before it waits.
+    # already exists"). Both now wait for the turn, and whichever takes it first migrates.
     db = str(tmp_path / "new.db")
-    with open(f"{db}-migrate.lock", "ab") as other:  # the migration waits its turn, holding
+    with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
@@ -309,6 +309,30 @@ def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_p
     proc.signal(signal.SIGTERM)
     assert proc.wait_exit(timeout=15) == 0
     held.close()
+
+
+def test_a_starting_server_takes_its_turn_before_its_file(procs: Spawner, tmp_path: Path) -> None:
+    # A third review: a migrate that looked between a starting server taking its file and
+    # taking its turn found the file held and no turn held, and exited 4 (seen with a delay
+    # injected there by strace). The server now takes the turn first, as a migrate does, so
+    # while another holds the turn the server does not hold the file.
+    db = str(tmp_path / "relay.db")
+    procs.migrate(RELAY_DB=db)
+    with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = procs("relay_server", "--db", db, "--address", "127.0.0.1:0")
+        proc.wait_event("waiting_for_migration")
+        with open(db, "rb") as probe:  # BlockingIOError: the server took the file first
+            fcntl.flock(probe, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(probe, fcntl.LOCK_UN)
+        assert proc.popen.poll() is None
+    port = int(proc.wait_event("ready", timeout=60)["port"])
+    assert call(port, "ping")["ok"]
+    out = procs.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
+    assert out.returncode == 4, out.stderr  # then it holds the file: refused
+    proc.signal(signal.SIGTERM)
+    assert proc.wait_exit(timeout=15) == 0
+    assert not list(tmp_path.glob("*-migrate.lock"))
 
 
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:

@@ -280,12 +280,11 @@ def _claim(service: QueueService, path: str) -> Any:
     folder = Path(path).resolve().parent
     if Path(path).is_dir() or not folder.is_dir():
         raise CommandError(f"INVALID_ARGUMENT: --db {path}: no such file or folder to create it")
+    schema.take_server_turn(service.driver.alias)  # before the file, until _migrate has ended
     try:
-        held = service.claim_storage()
+        return service.claim_storage()
     except AlreadyServed as exc:
         raise CommandError(f"ALREADY_SERVED: {exc}", returncode=EXIT_ALREADY_SERVED) from None
-    schema.take_server_turn(service.driver.alias)  # until _migrate has ended: migrate waits
-    return held
 
 
 def _check_migrations(service: QueueService, where: str) -> None:
