@@ -308,15 +308,17 @@ class Conn:
         with contextlib.suppress(TimeoutError, ConnectionError):
             await asyncio.wait_for(self.writer.drain(), timeout_s)
 
-    async def first_byte(self, timeout_s: float) -> bytes | None:
-        """Read the connection's first byte; None (after an error line, or at EOF) when it
-        cannot begin a JSON request: an HTTP request line or a TLS hello ends here, before
-        anything runs (a browser's cross-origin POST must not reach the NDJSON body)."""
+    async def first_byte(self, timeout_s: float, late: errors.RelayError) -> bytes | None:
+        """Read the connection's first byte within ``timeout_s`` (seconds); None (after an
+        error line: ``late`` when none came in time, the idle ``Timeout`` or, with API keys
+        on and the hello deadline first, ``Unauthenticated``; or at EOF) when it cannot begin
+        a JSON request: an HTTP request line or a TLS hello ends here, before anything runs (a
+        browser's cross-origin POST must not reach the NDJSON body)."""
         try:
             async with asyncio.timeout(timeout_s):
                 head = await self.reader.readexactly(1)
         except TimeoutError:
-            await self.send(codec.encode_error(None, errors.Timeout()))
+            await self.send(codec.encode_error(None, late))
             return None
         except (asyncio.IncompleteReadError, ConnectionError):
             self.gone = True

@@ -319,7 +319,10 @@ class Listener:
         except errors.RelayError:  # the table cannot be read now: requests will say so
             required = False
         conn.auth_by = auth_by = loop.time() + s.auth_timeout_ms / 1000 if required else None
-        head = await conn.first_byte(idle_s if auth_by is None else auth_by - loop.time())
+        if auth_by is not None and auth_by - loop.time() <= idle_s:
+            head = await conn.first_byte(auth_by - loop.time(), self._no_hello())
+        else:
+            head = await conn.first_byte(idle_s, errors.Timeout())
         if head is None:
             return
         task = asyncio.current_task()
@@ -329,6 +332,13 @@ class Listener:
             await self._read_requests(conn, head, active_at, deadline)
         finally:
             deadline.close()
+
+    @staticmethod
+    def _no_hello() -> errors.RelayError:
+        """The refusal of a connection that made no successful ``hello`` in time."""
+        return errors.Unauthenticated(
+            f"no successful hello within {relay_settings().auth_timeout_ms} ms"
+        )
 
     async def _read_requests(
         self,
@@ -384,10 +394,7 @@ class Listener:
                 )
                 if not authed and loop.time() >= auth_by:  # type: ignore[operator]
                     log.debug("event=auth_timeout peer=%s", conn.peer)
-                    refusal: errors.RelayError = errors.Unauthenticated(
-                        f"no successful hello within {s.auth_timeout_ms} ms"
-                    )
-                    await conn.send(codec.encode_error(None, refusal))
+                    await conn.send(codec.encode_error(None, self._no_hello()))
                     return
                 active_at = max(active_at, conn.busy_until)
                 if loop.time() < active_at + idle_s:  # woken early (a hello deadline, a

@@ -551,6 +551,19 @@ def test_with_keys_on_a_connection_must_say_hello_in_time(start: Callable[..., R
                 assert orjson.loads(line)["result"]["pong"] is True
             assert lurker.at_eof()
             assert worker.ok("ping")["pong"] is True  # authenticated in time: kept
+            # One that sends nothing at all is told the same (it was told TIMEOUT, retryable,
+            # "within the idle timeout": an audit of docs/protocol.md).
+            silent = Client(running.port, timeout=5)
+            try:
+                began = time.monotonic()
+                reply = orjson.loads(silent.file.readline())
+                assert reply["error"]["code"] == "UNAUTHENTICATED", reply
+                assert "hello within 300 ms" in reply["error"]["message"]
+                assert reply["error"]["retryable"] is False
+                assert 0.25 <= time.monotonic() - began < 2
+                assert silent.at_eof()
+            finally:
+                silent.close()
         finally:
             lurker.close()
             worker.close()
