@@ -6,8 +6,10 @@
 * No address beyond loopback while no API key exists (``queue_core.exposure``), unless
   ``RELAY_ALLOW_PUBLIC_WITHOUT_KEYS=1``: ``PUBLIC_WITHOUT_KEYS``, exit code 5.
 * A database whose migrations are this code's (``queue_core.schema.problem``): one behind
-  (an upgrade whose ``relay migrate`` has not run yet: every submit answered 500 ``INTERNAL``)
-  is refused with ``UNAVAILABLE``, exit code 1, which the unit's restart retries; one a newer
+  (an upgrade whose ``relay migrate`` has not run yet: every submit answered 500 ``INTERNAL``),
+  or a SQLite file that does not exist (``bin/http`` migrates first; gunicorn started by hand
+  on a mistyped path made an empty file, and every request answered 500 ``INTERNAL``), is
+  refused with ``UNAVAILABLE``, exit code 1, which the unit's restart retries; one a newer
   Relay migrated with ``NEWER_SCHEMA``, exit code 9. A database that cannot be reached is not
   a reason: the API answers ``UNAVAILABLE`` until it is back.
 """
@@ -52,7 +54,12 @@ def schema_refusal() -> tuple[str, int] | None:
     alias = driver_for(relay_settings().database).alias
     where = str(connections[alias].settings_dict.get("NAME"))
     if connections[alias].vendor == "sqlite" and not os.path.exists(where):
-        return None  # not made here (a typo left an empty file); requests say UNAVAILABLE
+        # Not made here: a typo would leave an empty file, whose every request failed.
+        return (
+            f"UNAVAILABLE: the HTTP API refuses to start: database {where} does not exist: "
+            "run `relay migrate` (or start `relay server`, which makes and migrates it)",
+            1,
+        )
     try:
         found = schema.problem(alias)
     except DatabaseError:

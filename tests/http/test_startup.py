@@ -98,3 +98,21 @@ def test_http_side_refuses_a_database_behind_or_ahead_of_its_code(
     assert ahead.returncode == 9, ahead.stderr
     assert "NEWER_SCHEMA: the HTTP API refuses to start" in ahead.stderr
     assert f"queue_core.{FUTURE_MIGRATION}" in ahead.stderr
+
+
+def test_http_side_refuses_a_sqlite_file_that_does_not_exist(
+    spawn: Spawner, tmp_path: Path
+) -> None:
+    # An audit of docs/http-api.md: started on a path with no file (a typo; `bin/http`
+    # migrates first, gunicorn run by hand does not), it listened, its first request made an
+    # empty file there, and every request answered 500 INTERNAL ("no such table").
+    db = tmp_path / "typo.db"
+    out = run_gunicorn(spawn, "127.0.0.1:0", RELAY_DB=str(db))
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last == (
+        f"UNAVAILABLE: the HTTP API refuses to start: database {db} does not exist: run "
+        "`relay migrate` (or start `relay server`, which makes and migrates it)"
+    ), last
+    assert "http_ready" not in out.stderr
+    assert not db.exists()
