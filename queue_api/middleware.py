@@ -254,8 +254,7 @@ def mend(request: HttpRequest, response: HttpResponse, *, head: bool = False) ->
         ),
         request.path,
     )
-    body["status"] = 405
-    mended = HttpResponse(orjson.dumps(body), status=405, content_type=CONTENT_TYPE)
+    mended = HttpResponse(orjson.dumps(body), status=body["status"], content_type=CONTENT_TYPE)
     mended["Allow"] = allow
     return mended
 

@@ -68,10 +68,11 @@ class UnsupportedMediaType(RelayError):
 
 
 class UnknownOp(RelayError):
-    """The op is not one Relay knows."""
+    """The op is not one Relay knows; over HTTP, a method a route does not take (405, with
+    ``Allow``: ``queue_api.middleware``)."""
 
     code = "UNKNOWN_OP"
-    http_status = 400
+    http_status = 405
     retryable = False
 
 
