@@ -405,6 +405,7 @@ class RelayBackend(BaseTaskBackend):
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._async_first = 0  # the server of ADDRESS aget_result's next client starts at
+        self._checked = False  # _usable found no error
 
     @property
     def networked(self) -> bool:
@@ -516,6 +517,23 @@ class RelayBackend(BaseTaskBackend):
                 )
         return messages
 
+    def _usable(self) -> None:
+        """Refuse a use of this backend while ``check()`` finds an error in it (``relay.E101``
+        ...), once per instance. Django 6.0 runs the tasks checks only once ``django.tasks``
+        is imported, which a project without ``queue_core`` may not do before ``manage.py
+        check`` (a docs audit: a networked producer with ``ADDRESS "nohost"`` and ``TIMEOUT
+        0`` passed it, and its enqueue went on with them).
+
+        Raises:
+            InvalidTaskBackend: naming each error.
+        """
+        if self._checked:
+            return
+        found = [message for message in self.check() if message.is_serious()]
+        if found:
+            raise InvalidTaskBackend("; ".join(f"{m.id}: {m.msg}" for m in found))
+        self._checked = True
+
     def _check_network_options(self) -> list[checks.CheckMessage]:
         """``relay.E106``: ADDRESS, API_KEY and TIMEOUT of the networked mode."""
         from queue_core.client import parse_addresses
@@ -575,7 +593,9 @@ class RelayBackend(BaseTaskBackend):
             TypeError, ValueError: ``normalize_json`` refused an argument (Django's errors).
             RelayError: Relay refused the job (``FrameTooLarge`` for a payload over
                 ``RELAY_MAX_PAYLOAD_BYTES``; ``StoreBusy``).
+            InvalidTaskBackend: the backend fails its checks (``_usable``).
         """
+        self._usable()
         self.validate_task(task)
         args, kwargs = _json_round_trip(list(args)), _json_round_trip(dict(kwargs))
         payload: dict[str, Any] = {
@@ -686,7 +706,9 @@ class RelayBackend(BaseTaskBackend):
                 committed, purged), or the job is not a Django task.
             ImportError: the task's module path cannot be imported here.
             RelayError, ConnectionError: networked: the server refused or is unreachable.
+            InvalidTaskBackend: the backend fails its checks (``_usable``).
         """
+        self._usable()
         return self._from_result(result_id, self._read_result(result_id))
 
     def _read_result(self, result_id: str) -> dict[str, Any]:
@@ -746,6 +768,7 @@ class RelayBackend(BaseTaskBackend):
         """``get_result`` without blocking the event loop; networked, over an
         ``AsyncRelayClient`` (one connection per call), repeated as ``get_result`` is and
         ended within ``TIMEOUT``."""
+        self._usable()
         if not self.networked:
             return await super().aget_result(result_id)
         from queue_core.aclient import AsyncRelayClient

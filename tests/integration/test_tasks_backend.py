@@ -19,7 +19,12 @@ import pytest
 from django.conf import settings
 from django.db import connections, transaction
 from django.tasks import TaskResultStatus, default_task_backend, task_backends
-from django.tasks.exceptions import InvalidTask, TaskResultDoesNotExist, TaskResultMismatch
+from django.tasks.exceptions import (
+    InvalidTask,
+    InvalidTaskBackend,
+    TaskResultDoesNotExist,
+    TaskResultMismatch,
+)
 from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.test import override_settings
 
@@ -682,6 +687,29 @@ def test_networked_options_are_checked() -> None:
     assert "ADDRESS 'no-port'" in messages[0]
     assert "API_KEY must be a string" in messages[1]
     assert "TIMEOUT must be a number of seconds > 0, got True" in messages[2]
+
+
+def test_a_backend_that_fails_its_checks_is_refused_at_first_use() -> None:
+    # A docs audit: Django 6.0 runs the tasks checks only once django.tasks is imported, so
+    # a networked producer without queue_core passed `manage.py check` with ADDRESS "nohost"
+    # and TIMEOUT 0; its enqueue then went on with them.
+    with override_settings(TASKS=relay_tasks(ADDRESS="nohost", TIMEOUT=0)):
+        for use in (
+            lambda: tasks.add.enqueue(1, 2),
+            lambda: default_task_backend.get_result("default/key"),
+            lambda: asyncio.run(default_task_backend.aget_result("default/key")),
+            lambda: asyncio.run(tasks.add.aenqueue(1, 2)),
+        ):
+            with pytest.raises(InvalidTaskBackend) as refused:
+                use()
+            assert "relay.E106" in str(refused.value) and "'nohost'" in str(refused.value)
+            assert "TIMEOUT must be a number of seconds > 0, got 0" in str(refused.value)
+    with (
+        override_settings(TASKS=relay_tasks(DATABASE="nope")),
+        pytest.raises(InvalidTaskBackend, match=r"relay\.E102: .*'nope'"),
+    ):
+        tasks.add.enqueue(1, 2)
+    assert Job.objects.count() == 0
 
 
 def test_networked_enqueue_waits_for_the_commit_and_a_rollback_never_connects() -> None:
