@@ -262,11 +262,13 @@ RELAY_MAX_CLOCK_SKEW_MS = _env_int("RELAY_MAX_CLOCK_SKEW_MS", 1_000)
 # and how long that checkpoint waits for older readers.
 RELAY_SQLITE_WAL_LIMIT_BYTES = _env_int("RELAY_SQLITE_WAL_LIMIT_BYTES", 16 * 1024 * 1024)
 RELAY_SQLITE_CHECKPOINT_WAIT_MS = _env_int("RELAY_SQLITE_CHECKPOINT_WAIT_MS", 200)
-# Hostile clients: reply-byte budgets, malformed lines, the hello deadline, a per-address cap.
+# Hostile clients: reply and request byte budgets, malformed lines, the hello deadline, a
+# per-address cap.
 RELAY_MAX_UNSENT_BYTES_PER_CONNECTION = _env_int(
     "RELAY_MAX_UNSENT_BYTES_PER_CONNECTION", 2 * 1024 * 1024
 )
 RELAY_MAX_UNSENT_BYTES = _env_int("RELAY_MAX_UNSENT_BYTES", 64 * 1024 * 1024)
+RELAY_MAX_BUFFERED_REQUEST_BYTES = _env_int("RELAY_MAX_BUFFERED_REQUEST_BYTES", 64 * 1024 * 1024)
 RELAY_MAX_BAD_FRAMES = _env_int("RELAY_MAX_BAD_FRAMES", 16)
 RELAY_AUTH_TIMEOUT_MS = _env_int("RELAY_AUTH_TIMEOUT_MS", 10_000)
 RELAY_MAX_CONNECTIONS_PER_ADDRESS = _env_int("RELAY_MAX_CONNECTIONS_PER_ADDRESS", 0)

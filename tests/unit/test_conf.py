@@ -150,3 +150,41 @@ def test_checks_catch_bad_queue_time_limits(value: object) -> None:
         with pytest.raises(ValueError, match=r"duration|queue|RELAY_MAX_DELAY_MS"):
             relay_settings().time_limits_ms()
         assert "relay.E011" in ids()
+
+
+def test_the_standalone_project_reads_every_number_from_the_environment() -> None:
+    # A docs audit: RELAY_MAX_BUFFERED_REQUEST_BYTES was documented as a setting and read
+    # nowhere in relayproject/settings.py, so the service kept 64 MiB whatever was set.
+    # RELAY_DATABASE is the one field left out: the service's alias is fixed there.
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    numbers = {
+        f.name: f.default + 7
+        for f in dataclasses.fields(RelaySettings)
+        if f.type in (int, "int") and isinstance(f.default, int)
+    }
+    assert "max_buffered_request_bytes" in numbers and len(numbers) > 40
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RELAY_")}
+    env |= {f"RELAY_{name.upper()}": str(value) for name, value in numbers.items()}
+    env |= {"DJANGO_SETTINGS_MODULE": "relayproject.settings", "RELAY_SECRET_KEY": "x" * 50}
+    script = (
+        "import dataclasses, json, django; django.setup()\n"
+        "from queue_core.conf import relay_settings\n"
+        "print(json.dumps(dataclasses.asdict(relay_settings()), default=str))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    read = json.loads(out.stdout)
+    assert {name: read[name] for name in numbers} == numbers
