@@ -28,6 +28,8 @@ from typing import IO, NamedTuple
 
 from django.db import connections
 
+from queue_core.errors import StorageIO
+
 log = logging.getLogger("relay.store")
 
 APP = "queue_core"
@@ -118,6 +120,8 @@ def migration_lock(
 
     Raises:
         MigrationRefused: a server serves the SQLite file.
+        StorageIO: the SQLite file has more than one name (hard links: ``one_name``), or its
+            folder cannot be opened for the turn.
     """
     if connections[alias].vendor == "postgresql":
         with _pg_lock(alias):
@@ -127,9 +131,15 @@ def migration_lock(
     if name is None:
         yield
         return
-    from queue_core.storage.sqlite.driver import serves
+    from queue_core.storage.sqlite.driver import one_name, serves
 
     path = Path(name)
+    try:
+        one_name(path.stat())
+    except FileNotFoundError:
+        pass  # a new file: made below
+    except StorageIO as exc:
+        raise StorageIO(f"database {name}: {exc.message}") from None
     if serves(name):  # this process's server migrating its file at its start: its turn
         with _TURNS.pop(os.path.realpath(name), None) or _one_migration(name, server=True):
             yield
@@ -203,62 +213,49 @@ def end_server_turn(alias: str) -> None:
 
 @contextlib.contextmanager
 def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
-    """Hold ``<name>-migrate.lock`` exclusively (the turn): one migration of a SQLite file at
-    a time.
+    """Hold the turn: one migration of a SQLite file at a time, by an exclusive ``flock`` on
+    the folder that holds the file (its real path's), so it needs no file of its own.
 
     The file's own ``flock`` is taken shared so a server waits for every migration; two
     migrations under it both ran their plan, and the second failed on what the first had
-    just applied. The second now waits here, on a lock file of its own (SQLite's POSIX locks
-    are on the database file), and finds nothing left to do. The holder removes the lock
-    file before it lets go, so none is left beside the database; a waiter that then holds a
-    removed file's lock opens the path again (the usual check: the inode it locked is still
-    the one at the path). One left by a killed migration is taken and removed by the next.
-    A server starting on its file takes it too (``server``: it logs its wait;
-    ``take_server_turn``): a review's ``relay migrate`` with nothing of Relay's left to
-    apply, which takes no hold on the file, applied Django's own migrations at once with a
-    server starting beside it (8 of 9 tries).
+    just applied. The second now waits here and finds nothing left to do. A server starting
+    on its file takes the turn too (``server``: it logs its wait; ``take_server_turn``): a
+    review's ``relay migrate`` with nothing of Relay's left to apply, which takes no hold on
+    the file, applied Django's own migrations at once with a server starting beside it (8 of
+    9 tries). The turn was a lock file beside the database once; where that file could not
+    be made (a name too long for it, a read-only folder) migrations ran without a turn, and
+    one that could not be removed failed the migration after it had run (a hostile review).
+    Migrations of other files in the same folder wait for this one too. The lock ends with
+    the descriptor, also when the process is killed.
+
+    Raises:
+        StorageIO: the folder exists but cannot be opened (no read permission).
     """
-    path = f"{os.path.realpath(name)}-migrate.lock"  # beside the file, as SQLite's -wal
-    said = False
-    while True:
+    folder = os.path.dirname(os.path.realpath(name))
+    try:
+        held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:  # no such folder: the migration says so itself
+        yield
+        return
+    except OSError as exc:
+        raise StorageIO(f"cannot take the migration turn of {name} ({folder}: {exc})") from exc
+    try:
         try:
-            lock = open(path, "ab")  # noqa: SIM115 - closed below
-        except OSError:  # no such directory, or not writable: the migration says so itself
-            yield
-            return
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if not said and server:
+            if server:
                 log.info(
-                    "event=waiting_for_migration db=%s lock=%s",
+                    "event=waiting_for_migration db=%s folder=%s",
                     name,
-                    path,
+                    folder,
                     extra={"event": "waiting_for_migration"},
                 )
-            elif not said:
+            else:
                 print(f"waiting for another migration of {name} to end", file=sys.stderr)
-            said = True
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        if _same_file(lock, path):
-            break
-        lock.close()  # the holder removed it: lock the path's file
-    try:
+            fcntl.flock(held, fcntl.LOCK_EX)
         yield
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        lock.close()  # releases the flock
-
-
-def _same_file(handle: IO[bytes], path: str) -> bool:
-    """Whether ``path`` still names the file ``handle`` has open."""
-    try:
-        at_path = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(handle.fileno())
-    return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
+        os.close(held)  # releases the flock
 
 
 _KEPT: list[IO[bytes]] = []  # migration_lock's descriptors, open until the process ends

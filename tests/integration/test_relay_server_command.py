@@ -138,8 +138,12 @@ def test_a_second_server_through_another_path_to_the_file_is_refused(
     else:
         os.link(db, other)
     out = procs.run("relay_server", "--db", str(other), "--address", "127.0.0.1:0")
-    assert out.returncode == 4, out.stderr
-    assert "ALREADY_SERVED" in out.stderr
+    if link == "symlink":
+        assert out.returncode == 4, out.stderr
+        assert "ALREADY_SERVED" in out.stderr
+    else:  # a file with two names is refused before its lock is looked at
+        assert out.returncode == 8, out.stderr
+        assert "has 2 names (hard links)" in out.stderr
     acked = call(port, "ack", job_id=job["id"], worker_id="w", lease_token=lease["lease_token"])
     assert acked["ok"], acked
     first.signal(signal.SIGTERM)
@@ -150,6 +154,18 @@ def test_database_in_a_missing_folder_is_a_usage_error(procs: Spawner, tmp_path:
     out = procs.run("relay_server", "--db", str(tmp_path / "nope" / "relay.db"))
     assert out.returncode == 1, out.stderr
     assert "INVALID_ARGUMENT" in out.stderr and "CORRUPT" not in out.stderr
+
+
+@contextlib.contextmanager
+def _turn(folder: Path) -> Iterator[int]:
+    """Hold the migration turn of the SQLite files in ``folder`` (its flock), as a migrate
+    does; yield the folder's descriptor."""
+    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield held
+    finally:
+        os.close(held)
 
 
 def _applied(db: str) -> list[str]:
@@ -192,8 +208,7 @@ def test_two_migrations_of_one_file_take_turns(procs: Spawner, tmp_path: Path) -
     # first had just applied. The second now waits for the first and finds nothing to do.
     db = str(tmp_path / "relay.db")
     procs.migrate("queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
-    with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with _turn(tmp_path):  # as another `relay migrate` holds it
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         assert waiting.popen.poll() is None
@@ -211,7 +226,6 @@ def test_two_migrations_of_one_file_take_turns(procs: Spawner, tmp_path: Path) -
     db = str(tmp_path / "new.db")  # and a file not made yet (one exited 1 in 3 of 3 before)
     runs = [procs("migrate", RELAY_DB=db) for _ in range(3)]
     assert [run.wait_exit(timeout=120) for run in runs] == [0] * 3, [r.stderr_text() for r in runs]
-    assert not list(tmp_path.glob("*-migrate.lock"))  # each holder removed it
     (tmp_path / "data").mkdir()  # one file by two names: one lock file, beside the file
     db = str(tmp_path / "data" / "real.db")
     os.symlink(db, tmp_path / "link.db")
@@ -227,8 +241,7 @@ def test_a_migration_with_nothing_of_relays_to_do_still_takes_its_turn(
     db = str(tmp_path / "relay.db")
     for app in ("queue_core", "relay_tasks"):
         procs.migrate(app, RELAY_DB=db)
-    with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with _turn(tmp_path):  # as another `relay migrate` holds it
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         # A server migrating at its start takes its turn too (a second review: one started
@@ -252,8 +265,7 @@ def test_a_server_started_with_a_migration_of_a_new_file_waits_for_it(
     # started with it migrated at the same time (4 of 7 servers died, "table relay_job
     # already exists"). Both now wait for the turn, and whichever takes it first migrates.
     db = str(tmp_path / "new.db")
-    with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with _turn(tmp_path):  # as another `relay migrate` holds it
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         proc = procs("relay_server", "--db", db, "--address", "127.0.0.1:0")
@@ -275,9 +287,8 @@ def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
     db = str(tmp_path / "relay.db")
     for target in (("queue_core", "0015_console_indexes_in_state"), ("relay_tasks",)):
         procs.migrate(*target, RELAY_DB=db)
-    with open(db, "rb") as file, open(f"{db}-migrate.lock", "ab") as turn:  # as a server
-        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # starting holds them
-        fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(db, "rb") as file, _turn(tmp_path) as turn:  # as a server starting holds them
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         with contextlib.closing(sqlite3.connect(db)) as sql:  # the server migrates: 0016
@@ -286,8 +297,7 @@ def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
                 "VALUES ('queue_core', '0016_postgresql_like_indexes', datetime('now'))"
             )
             sql.commit()
-        os.unlink(f"{db}-migrate.lock")  # its turn ends, as _one_migration ends one
-        fcntl.flock(turn, fcntl.LOCK_UN)
+        fcntl.flock(turn, fcntl.LOCK_UN)  # its turn ends
         assert waiting.wait_exit(timeout=60) == 0  # nothing of Relay's left: it ran beside
         assert "ALREADY_SERVED" not in waiting.stderr_text()
 
@@ -318,8 +328,7 @@ def test_a_starting_server_takes_its_turn_before_its_file(procs: Spawner, tmp_pa
     # while another holds the turn the server does not hold the file.
     db = str(tmp_path / "relay.db")
     procs.migrate(RELAY_DB=db)
-    with open(f"{db}-migrate.lock", "ab") as other:  # as another `relay migrate` holds it
-        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with _turn(tmp_path):  # as another `relay migrate` holds it
         proc = procs("relay_server", "--db", db, "--address", "127.0.0.1:0")
         proc.wait_event("waiting_for_migration")
         with open(db, "rb") as probe:  # BlockingIOError: the server took the file first
@@ -332,7 +341,48 @@ def test_a_starting_server_takes_its_turn_before_its_file(procs: Spawner, tmp_pa
     assert out.returncode == 4, out.stderr  # then it holds the file: refused
     proc.signal(signal.SIGTERM)
     assert proc.wait_exit(timeout=15) == 0
-    assert not list(tmp_path.glob("*-migrate.lock"))
+
+
+def test_a_file_with_two_names_is_refused(procs: Spawner, tmp_path: Path) -> None:
+    # A hostile review: SQLite keeps a write-ahead log per name, so two hard links of one
+    # file opened at once are two databases over one file (two migrates, one per link, both
+    # applied every migration, and one overwrote the other's pages); each name also had a
+    # migration turn of its own. A symlink is one name: SQLite resolves it.
+    db = tmp_path / "relay.db"
+    procs.migrate(RELAY_DB=str(db))
+    os.link(db, tmp_path / "other.db")
+    said = "has 2 names (hard links): SQLite keeps a write-ahead log per name"
+    out = procs.run("relay_server", "--db", str(db), "--address", "127.0.0.1:0")
+    assert out.returncode == 8, out.stderr
+    assert f"STORAGE_IO: database {db}: " in out.stderr and said in out.stderr
+    for name in (db, tmp_path / "other.db"):
+        out = procs.run("migrate", RELAY_DB=str(name))
+        assert out.returncode == 1, out.stderr
+        assert "STORAGE_IO: " in out.stderr and said in out.stderr
+    out = procs.run("relay_prune", "--older-than", "1d", RELAY_DB=str(db))  # any connection
+    assert out.returncode == 1, out.stderr
+    assert f"STORAGE_IO: database {db}: the file {said}" in out.stderr
+    os.unlink(tmp_path / "other.db")
+    server, port = procs.server("--db", str(db))  # one name again: served
+    assert call(port, "ping")["ok"]
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(timeout=15) == 0
+
+
+def test_the_turn_needs_no_file_beside_the_database(procs: Spawner, tmp_path: Path) -> None:
+    # A hostile review: the turn was a lock file beside the database, and where it could not
+    # be made (a name 243 characters long: its -wal fits the file system's 255, its
+    # "-migrate.lock" does not; a read-only folder) the migration ran without one: two at
+    # once left duplicate django_migrations rows in 4 of 5 rounds. The turn is now the
+    # folder's own flock.
+    db = str(tmp_path / ("r" * 240 + ".db"))
+    with _turn(tmp_path):  # as another `relay migrate` holds it
+        waiting = procs("migrate", RELAY_DB=db)
+        waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
+        assert waiting.popen.poll() is None
+        assert not os.path.exists(db)  # nothing ran
+    assert waiting.wait_exit(timeout=60) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(db)]
 
 
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:

@@ -181,13 +181,47 @@ def _file_identity(path: str) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
+def one_name(st: os.stat_result) -> None:
+    """Refuse a database file with more than one name (hard links; ``st``: its ``stat``).
+
+    SQLite keeps the write-ahead log and its index beside the name a process opened, so two
+    processes that open one file by two names write two logs over one file, and a commit of
+    one can be lost to the other (SQLite's "How To Corrupt An SQLite Database File", section
+    2.5: multiple links to the same file). A hostile review ran two migrations by two hard
+    links at once: both applied every migration. A symbolic link is one name: SQLite
+    resolves it.
+
+    Raises:
+        StorageIO: the file has more than one hard link.
+    """
+    if st.st_nlink > 1:
+        raise StorageIO(
+            f"the file has {st.st_nlink} names (hard links): SQLite keeps a write-ahead log "
+            "per name, so processes that open it by different names lose each other's "
+            "commits; give it one name (a symbolic link is fine)"
+        )
+
+
 def _remember_file(sender: Any, connection: Any, **kwargs: Any) -> None:
-    """On each new connection to Relay's SQLite database: note which file it opened (its
-    device and inode), and bound its write-ahead log (``journal_size_limit``)."""
+    """On each new connection to Relay's SQLite database: refuse a file with two names
+    (``one_name``: the connection is closed, ``StorageIO`` raised; not in the process that
+    serves it, which checked before it took the file, so that a link made later does not stop
+    a live server), note which file it opened
+    (its device and inode), and bound its write-ahead log (``journal_size_limit``)."""
     s = relay_settings()
     if connection.vendor != "sqlite" or connection.alias != s.database:
         return
     path = str(connection.settings_dict["NAME"])
+    try:
+        st: os.stat_result | None = os.stat(path)
+    except (OSError, ValueError):  # gone, or not a path (":memory:")
+        st = None
+    if st is not None and st.st_nlink > 1 and not serves(path):  # a server checked at start
+        connection.close()
+        try:
+            one_name(st)
+        except StorageIO as exc:
+            raise StorageIO(f"database {path}: {exc.message}") from None
     identity = _file_identity(path)
     setattr(connection, _IDENTITY_ATTR, (path, identity) if identity else None)
     limit = int(s.sqlite_wal_limit_bytes)
@@ -1245,22 +1279,28 @@ class SqliteDriver:
         """Hold an exclusive ``flock`` on the database file itself for the life of the process.
 
         ``flock`` locks the file (its inode), not a path: a second server reaching the same
-        file through a symlink or a hard link is refused too (a lock file beside the path was
-        not: it re-leased live jobs). SQLite's own locks are POSIX ``fcntl`` locks, which
-        ``flock`` does not touch on Linux. An absent file is created empty (SQLite takes an
-        empty file as an empty database). From then on no connection of this process opens
+        file through a symlink is refused too (a lock file beside the path was not: it
+        re-leased live jobs); a file with hard links is refused before (``one_name``).
+        SQLite's own locks are POSIX ``fcntl`` locks, which ``flock`` does not touch on Linux.
+        An absent file is created empty (SQLite takes an empty file as an empty database).
+        From then on no connection of this process opens
         the path once it names another file (``ServedFile``, made the connections' factory).
 
         Raises:
             AlreadyServed: another process holds it.
             StorageFull, StorageIO: the file cannot be opened for writing (a read-only file,
-                folder or file system; a full disk).
+                folder or file system; a full disk), or has more than one name (``one_name``).
         """
         path = self._path()
         try:
             handle = open(path, "ab")  # noqa: SIM115 - held until exit
         except OSError as exc:
             raise os_fault(exc) from exc
+        try:
+            one_name(os.fstat(handle.fileno()))
+        except StorageIO:
+            handle.close()
+            raise
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
