@@ -45,11 +45,13 @@ from queue_admin import display, maintenance
 from queue_admin.listing import CappedPaginator, JobChangeList, QueueFilter, StateFilter
 from queue_admin.operations import CHUNK, BulkRunner, Op, describe
 from queue_admin.overview import build_overview
-from queue_core.clock import Clock, SystemClock
+from queue_core.clock import Clock
+from queue_core.conf import relay_settings
 from queue_core.errors import RelayError
 from queue_core.models import DeadLetter, Job, JobAttempt, JobEvent, JobResult
-from queue_core.service import QueueService
+from queue_core.service import QueueService, default_clock
 from queue_core.states import WAITING_STATES, JobState, Priority
+from queue_core.storage import driver_for
 from queue_core.worker.handlers import is_django_task
 
 JOB_ID_RE = re.compile(r"job_[0-9A-Za-z]{1,36}")
@@ -108,7 +110,7 @@ class ReadOnlyAdmin(_AdminBase):
 class JobAdmin(ReadOnlyAdmin):
     """Every job: filters, search, and a read-only detail page with its history."""
 
-    clock: Clock = SystemClock()
+    clock: Clock | None = None  # None: the service's own (the database's time on PostgreSQL)
     # Purge from this list takes any finished job (SUCCEEDED or DEAD).
     purge_dead_only = False
     noun = "job"
@@ -180,12 +182,15 @@ class JobAdmin(ReadOnlyAdmin):
     # ----------------------------------------------------------------- plumbing
 
     def service(self) -> QueueService:
-        """The service the console reads through and writes with."""
+        """The service the console reads through and writes with, on the clock every service
+        of the process keeps (``default_clock``; a structural audit: a ``SystemClock`` of the
+        console's own judged and stamped instants by the web host's clock on PostgreSQL)."""
         return QueueService(clock=self.clock)
 
     def now_ms(self) -> int:
-        """The console's current time, epoch ms."""
-        return self.clock.now_ms()
+        """The console's current time, epoch ms (the service's clock)."""
+        clock = self.clock or default_clock(driver_for(relay_settings().database))
+        return clock.now_ms()
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         """A changelist that does not load payloads."""

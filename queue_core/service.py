@@ -269,6 +269,19 @@ def _refused_ack(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
     }
 
 
+def default_clock(driver: Driver) -> Clock:
+    """The clock a ``QueueService`` on ``driver`` keeps when given none: the class
+    ``RELAY_CLOCK`` names (``SystemClock``), kept to the database's time on a database that
+    several processes write (PostgreSQL: the process's ``AnchoredClock`` of that database,
+    ``database_clock``; docs/design-decisions.md). The console reads its instants from it too.
+    """
+    clock = clock_from_path(relay_settings().clock)
+    if not driver.capabilities.single_writer:
+        every_s = relay_settings().server_heartbeat_ms / 1000
+        clock = database_clock(driver.alias, clock, every_s)
+    return clock
+
+
 class QueueService:
     """Submit, lease, renew, ack, fail, release, cancel, replay, purge, prune, expire and recover
     jobs.
@@ -276,8 +289,9 @@ class QueueService:
     Args:
         driver: the storage driver (default: the process's driver for ``RELAY_DATABASE``,
             ``driver_for(alias)``).
-        clock: source of time (default: the class ``RELAY_CLOCK`` names, ``SystemClock``);
-            inject ``FakeClock`` in tests. The service reads it through a ``StepGuard``, so a
+        clock: source of time (default: ``default_clock(driver)``: the class ``RELAY_CLOCK``
+            names, ``SystemClock``, kept to the database's time on PostgreSQL); inject
+            ``FakeClock`` in tests. The service reads it through a ``StepGuard``, so a
             step of its wall clock does not expire healthy leases early.
         rng: source of retry jitter (default an unseeded ``random.Random``). Lease tokens
             always come from ``secrets``, never from ``rng``.
@@ -295,13 +309,7 @@ class QueueService:
         observer: Callable[[str, str], None] | None = None,
     ) -> None:
         self.driver: Driver = driver or driver_for(relay_settings().database)
-        if clock is None:
-            clock = clock_from_path(relay_settings().clock)
-            if not self.driver.capabilities.single_writer:
-                # Processes sharing a database keep its time (docs/design-decisions.md).
-                every_s = relay_settings().server_heartbeat_ms / 1000
-                clock = database_clock(self.driver.alias, clock, every_s)
-        self.clock: Clock = clock
+        self.clock: Clock = default_clock(self.driver) if clock is None else clock
         # Read the database's clock again before an instant when it says it is due.
         self._anchored = clock if isinstance(clock, AnchoredClock) else None
         self._guard = StepGuard(self.clock)

@@ -110,6 +110,25 @@ def test_every_service_on_a_shared_database_keeps_its_time_read_once_a_period() 
         assert readings() == 2
 
 
+def test_the_console_keeps_the_databases_time_too() -> None:
+    """A structural audit: the console's job pages built their service with a SystemClock of
+    their own, so on PostgreSQL its replay, cancel, purge and prune stamped and judged
+    instants by the web host's clock, not the database's as every other service does."""
+    from django.contrib import admin
+    from django.test import override_settings
+
+    from queue_admin.admin import DeadLetterAdmin, JobAdmin
+    from queue_core.models import DeadLetter, Job
+
+    with override_settings(RELAY_DATABASE="postgresql"):
+        shared = QueueService().clock
+        assert isinstance(shared, AnchoredClock)
+        for page in (JobAdmin(Job, admin.site), DeadLetterAdmin(DeadLetter, admin.site)):
+            service = page.service()
+            assert service.driver.alias == "postgresql" and service.clock is shared
+            assert abs(page.now_ms() - int(time.time() * 1000)) < 1_000
+
+
 def test_threads_reading_the_databases_time_at_once_set_the_clock_once() -> None:
     """A review released 8 threads at once into a service whose machine clock was an hour
     ahead: each took a reading and shifted the clock by what it found, so it ended up to an
