@@ -476,7 +476,8 @@ class QueueService:
 
         Args:
             queue: queue name (``[A-Za-z0-9][A-Za-z0-9_.:-]*``, at most 128 characters).
-            payload: any JSON value, at most ``RELAY_MAX_PAYLOAD_BYTES`` encoded.
+            payload: any JSON value but None (null), at most ``RELAY_MAX_PAYLOAD_BYTES``
+                encoded.
             **options: ``priority`` (``low|normal|high|critical`` or 0-3), ``max_retries``
                 (0..RELAY_MAX_RETRIES), ``backoff`` (``fixed|exponential``), ``backoff_base_ms``,
                 ``backoff_cap_ms`` (ms), ``jitter`` (bool), ``delay_ms`` (ms from now, >= 0)

@@ -291,7 +291,13 @@ def payload(value: Any, settings: RelaySettings) -> str:
     """Return the payload as canonical JSON text (sorted keys, compact).
 
     See ``json_text`` (``field`` ``payload``, limit ``max_payload_bytes``).
+
+    Raises:
+        InvalidArgument: None (JSON null, or no payload at all: a job carries a value), or
+            as ``json_text``.
     """
+    if value is None:
+        raise _bad("payload", "is required: any JSON value but null")
     return json_text(value, field="payload", limit=settings.max_payload_bytes)
 
 

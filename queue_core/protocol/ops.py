@@ -491,7 +491,8 @@ class Ops:
 
         Args:
             queue: queue name (``[A-Za-z0-9][A-Za-z0-9_.:-]*``, at most 128 characters).
-            payload: any JSON value, at most ``RELAY_MAX_PAYLOAD_BYTES`` as compact JSON.
+            payload: any JSON value but null, at most ``RELAY_MAX_PAYLOAD_BYTES`` as compact
+                JSON.
             priority: ``"low"``, ``"normal"``, ``"high"`` or ``"critical"`` (or 0-3).
             max_retries: failures that are retried before the job goes dead
                 (0..``RELAY_MAX_RETRIES``).

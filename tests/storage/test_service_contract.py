@@ -206,6 +206,21 @@ def test_submit_batch_entries_name_state_and_due_time(
     assert service.get(results[1]["job_id"])["available_at_ms"] == now + 5_000
 
 
+def test_a_job_needs_a_payload_that_is_not_null(service: QueueService) -> None:
+    # A structural audit: the rule lived in the TCP op's arguments and the HTTP schema only,
+    # so a batch entry without a payload (TCP) or with null (HTTP) made a job of null.
+    for spec in ({"queue": "q"}, {"queue": "q", "payload": None}):
+        with pytest.raises(errors.InvalidArgument) as exc:
+            service.submit_batch([{"queue": "q", "payload": 1}, spec])
+        assert exc.value.details["field"] == "jobs[1].payload"
+        assert "null" in exc.value.message
+    with pytest.raises(errors.InvalidArgument) as exc:
+        service.submit("q", None)
+    assert exc.value.details["field"] == "payload"
+    assert Job.objects.count() == 0
+    assert service.submit("q", 0)["job"]["payload"] == 0  # falsy values are payloads
+
+
 @override_settings(RELAY_MAX_BATCH_SUBMIT=2)
 def test_submit_batch_is_bounded(service: QueueService) -> None:
     with pytest.raises(errors.InvalidArgument):
