@@ -59,6 +59,17 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
                 id="relay.E003",
             )
         )
+    from queue_core.service import MAX_BATCH_ACKS
+
+    if s.max_jobs_per_lease > MAX_BATCH_ACKS:
+        # A structural audit: with 200, a lease of 150 jobs could not be acked in one batch.
+        errors.append(
+            checks.Error(
+                f"RELAY_MAX_JOBS_PER_LEASE must be at most {MAX_BATCH_ACKS}, the most acks one "
+                "ack_batch takes (and the most jobs relay worker asks for at once)",
+                id="relay.E013",
+            )
+        )
     if s.default_backoff not in ("fixed", "exponential"):
         errors.append(
             checks.Error("RELAY_DEFAULT_BACKOFF must be 'fixed' or 'exponential'", id="relay.E004")

@@ -39,7 +39,8 @@ class RelaySettings:
         min_lease_ms / max_lease_ms: bounds for a requested lease in ms (1 000 / 12 h, as SQS).
         max_wait_ms: longest long-poll wait of a lease request in ms (20 000, as SQS).
         max_queues_per_lease: queues one lease request may subscribe to (16).
-        max_jobs_per_lease: jobs one lease request may take (100).
+        max_jobs_per_lease: jobs one lease request may take (100; at most 100, the acks one
+            ``ack_batch`` takes: ``relay.E013``).
         max_batch_submit: jobs in one batch submit (1 000).
         max_connections: concurrent TCP connections (1 024).
         max_inflight_per_connection: requests one connection may have in progress (64).

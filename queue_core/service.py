@@ -70,7 +70,9 @@ log = logging.getLogger("relay.service")
 
 # The names a job's options may have (the op catalogue declares them with their wire types).
 SUBMIT_OPTIONS = frozenset(ops.SUBMIT_OPTIONS)
-MAX_BATCH_ACKS = 100  # acks in one ack_batch (the most jobs one lease hands out)
+# Acks in one ack_batch: the most jobs one lease may hand out (relay.E013 keeps
+# RELAY_MAX_JOBS_PER_LEASE at or under it).
+MAX_BATCH_ACKS = 100
 SWEEP_LIMIT = 500
 # Inserts of a keyed job tried while other transactions bind and free its key (unique: "active").
 KEYED_INSERT_TRIES = 3

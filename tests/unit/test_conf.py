@@ -47,6 +47,10 @@ def test_checks_catch_bad_settings() -> None:
         assert "relay.E002" in ids()
     with override_settings(RELAY_EVENT_LOOP="trio"):
         assert "relay.E012" in ids()
+    with override_settings(RELAY_MAX_JOBS_PER_LEASE=101):  # one ack_batch takes 100 acks
+        assert "relay.E013" in ids()
+    with override_settings(RELAY_MAX_JOBS_PER_LEASE=100):
+        assert ids() == set()
 
 
 def test_the_event_loop_setting_picks_the_servers_loop(monkeypatch: pytest.MonkeyPatch) -> None:
