@@ -70,6 +70,11 @@ log = logging.getLogger("relay.service")
 
 # The names a job's options may have (the op catalogue declares them with their wire types).
 SUBMIT_OPTIONS = frozenset(ops.SUBMIT_OPTIONS)
+# The fields of an ack's (or fail's) lease_next, and of one entry of an ack_batch (an ack's
+# arguments but lease_next): the op catalogue declares both as plain objects, and
+# tests/unit/test_ops.py holds these to it and to the HTTP schemas.
+LEASE_NEXT_FIELDS = frozenset({"queues", "max_jobs", "lease_ms", "worker_id"})
+ACK_ENTRY_FIELDS = frozenset({"job_id", "worker_id", "lease_token", "result"})
 # Acks in one ack_batch: the most jobs one lease may hand out (relay.E013 keeps
 # RELAY_MAX_JOBS_PER_LEASE at or under it).
 MAX_BATCH_ACKS = 100
@@ -1463,8 +1468,7 @@ class QueueService:
         if not isinstance(lease_next, Mapping):
             raise InvalidArgument("lease_next: must be an object", field="lease_next")
         lease_next = {k: val for k, val in lease_next.items() if val is not None}
-        allowed = {"queues", "max_jobs", "lease_ms", "worker_id"}
-        unknown = sorted(set(lease_next) - allowed)
+        unknown = sorted(set(lease_next) - LEASE_NEXT_FIELDS)
         if unknown:
             field = f"lease_next.{unknown[0]}"
             raise InvalidArgument(f"{field}: unknown argument", field=field)
@@ -1730,11 +1734,10 @@ class QueueService:
             raise InvalidArgument(
                 f"acks: must be a list of 1 to {MAX_BATCH_ACKS} acks", field="acks"
             )
-        allowed = {"job_id", "worker_id", "lease_token", "result"}
         for index, item in enumerate(acks):
             if not isinstance(item, Mapping):
                 raise InvalidArgument(f"acks[{index}]: must be an object", index=index)
-            unknown = sorted(set(item) - allowed)
+            unknown = sorted(set(item) - ACK_ENTRY_FIELDS)
             if unknown:
                 field = f"acks[{index}].{unknown[0]}"
                 raise InvalidArgument(f"{field}: unknown argument", field=field, index=index)

@@ -208,6 +208,18 @@ def test_http_request_schemas_take_the_wire_arguments(
     assert set(schema.model_fields) | in_path == set(ops.OPS[op].args)
 
 
+def test_the_nested_arguments_are_the_services_the_catalogues_and_the_http_schemas() -> None:
+    # A structural audit: ops declares lease_next and ack_batch's entries as plain objects;
+    # their fields were spelled in the service and again in the HTTP schemas, and nothing
+    # held an ack argument added later to the batch entries (or lease_next's to its schema).
+    from queue_core import service
+
+    assert set(ops.OPS["ack"].args) - {"lease_next"} == service.ACK_ENTRY_FIELDS
+    assert set(schemas.AckItemIn.model_fields) == service.ACK_ENTRY_FIELDS
+    assert set(schemas.LeaseNextIn.model_fields) == service.LEASE_NEXT_FIELDS
+    assert {"lease_next"} <= set(ops.OPS["ack"].args) & set(ops.OPS["fail"].args)
+
+
 _VALUES = st.one_of(
     st.none(),
     st.booleans(),
