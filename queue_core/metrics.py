@@ -270,9 +270,11 @@ def queue_of(job_id: str) -> str:
     The ack and fail results do not name the queue; inside the service's transaction this
     read sees the job as the request left it.
     """
+    from queue_core.conf import relay_settings
     from queue_core.models import Job
 
-    queue = Job.objects.filter(pk=job_id).values_list("queue", flat=True).first()
+    jobs = Job.objects.using(relay_settings().database)  # Relay's alias, not Django's default
+    queue = jobs.filter(pk=job_id).values_list("queue", flat=True).first()
     return queue if queue is not None else "unknown"
 
 

@@ -129,6 +129,20 @@ def test_the_console_keeps_the_databases_time_too() -> None:
             assert abs(page.now_ms() - int(time.time() * 1000)) < 1_000
 
 
+def test_a_duplicate_acks_queue_label_is_read_from_relays_database() -> None:
+    """A structural audit: the metrics read a job's queue (for an outcome that does not name
+    it) through Django's default alias, so with RELAY_DATABASE another alias it read
+    "unknown"."""
+    from django.test import override_settings
+
+    from queue_core import metrics
+
+    with override_settings(RELAY_DATABASE="postgresql"):
+        job = QueueService().submit("labelled", {"n": 1})["job"]
+        assert metrics.queue_of(job["id"]) == "labelled"
+        assert metrics.queue_of("job_gone") == "unknown"
+
+
 def test_threads_reading_the_databases_time_at_once_set_the_clock_once() -> None:
     """A review released 8 threads at once into a service whose machine clock was an hour
     ahead: each took a reading and shifted the clock by what it found, so it ended up to an
