@@ -66,6 +66,12 @@ class ApiKeyAdmin(_KeyAdminBase):
     readonly_fields = ["prefix", "scopes", "created", "last_used", "revoked"]
     fields = ["name", "prefix", "scopes", "created", "last_used", "revoked"]
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ApiKey]:
+        """The keys in Relay's database (``auth.keys``), not Django's default alias: a name
+        changed here is saved back there too (an instance saves to the database it came
+        from)."""
+        return auth.keys()
+
     @admin.display(description="created")
     def created(self, obj: ApiKey) -> str:
         """Creation time, ISO 8601."""
@@ -135,7 +141,7 @@ class ApiKeyAdmin(_KeyAdminBase):
             form = self.get_form(request)(request.POST)
             if form.is_valid():
                 new = auth.create_key(form.cleaned_data["name"], form.cleaned_data["scope_choices"])
-                self.log_addition(request, ApiKey.objects.get(prefix=new.prefix), "created")
+                self.log_addition(request, auth.keys().get(prefix=new.prefix), "created")
                 context = {
                     **self.admin_site.each_context(request),
                     "title": "API key created",

@@ -45,6 +45,9 @@ from queue_core.clock import Clock, SystemClock
 from queue_core.protocol.ops import OPS
 
 if TYPE_CHECKING:
+    from django.db.models import QuerySet
+
+    from queue_core.models import ApiKey
     from queue_core.storage.base import Driver
 
 log = logging.getLogger("relay.auth")
@@ -210,17 +213,26 @@ _ring: KeyRing | None = None
 _invalidated = 0  # how many times ``invalidate`` ran: a read begun before the last one is stale
 
 
+def keys() -> QuerySet[ApiKey]:
+    """The key table, in Relay's database (``RELAY_DATABASE``), where Relay's other tables
+    are: the key table was read and written through Django's default alias once, so with
+    another alias the server looked keys up in another database than the one it served (a
+    structural audit)."""
+    from queue_core.conf import relay_settings
+    from queue_core.models import ApiKey
+
+    return ApiKey.objects.using(relay_settings().database)
+
+
 def load_ring() -> KeyRing:
     """Read the key table (one small query) and make it this process's snapshot, unless
     ``invalidate`` ran while it read: a read begun before a revoke committed may not hold it,
     and must not stand as the snapshot for ``RING_TTL_S`` after the revoke forgot the old one
     (the caller still gets it: its request raced with the revoke)."""
-    from queue_core.models import ApiKey
-
     global _ring
     with _lock:
         began = _invalidated
-    rows = ApiKey.objects.values_list("prefix", "name", "secret_sha256", "scopes", "revoked_at_ms")
+    rows = keys().values_list("prefix", "name", "secret_sha256", "scopes", "revoked_at_ms")
     entries = {
         prefix: _Entry(name, digest, frozenset(s for s in scopes.split(",") if s), revoked is None)
         for prefix, name, digest, scopes, revoked in rows
@@ -423,15 +435,13 @@ def touch(prefix: str | None, *, clock: Clock | None = None) -> None:
     """
     if prefix is None:
         return
-    from queue_core.models import ApiKey
-
     now = time.monotonic()
     if now - _touched.get(prefix, -1e9) < TOUCH_INTERVAL_MS / 1000:
         return
     _touched[prefix] = now
     now_ms = (clock or SystemClock()).now_ms()
     try:
-        ApiKey.objects.filter(
+        keys().filter(
             Q(last_used_at_ms__isnull=True) | Q(last_used_at_ms__lt=now_ms - TOUCH_INTERVAL_MS),
             prefix=prefix,
         ).update(last_used_at_ms=now_ms)
@@ -470,18 +480,16 @@ def create_key(name: str, scopes: Iterable[str], *, clock: Clock | None = None) 
     Raises:
         InvalidArgument: bad name or scopes.
     """
-    from queue_core.models import ApiKey
-
     name = name.strip()
     if not 1 <= len(name) <= 100:
         raise errors.InvalidArgument("name: must be 1 to 100 characters", field="name")
     chosen = check_scopes(scopes)
     while True:
         prefix = secrets.token_hex(PREFIX_HEX_CHARS // 2)
-        if not ApiKey.objects.filter(prefix=prefix).exists():
+        if not keys().filter(prefix=prefix).exists():
             break
     key = f"{KEY_PREFIX}_{prefix}_{secrets.token_urlsafe(SECRET_BYTES)}"
-    ApiKey.objects.create(
+    keys().create(
         name=name,
         prefix=prefix,
         secret_sha256=hash_key(key),
@@ -505,12 +513,10 @@ def revoke(prefix: str, *, clock: Clock | None = None) -> bool:
     Returns:
         True when a key with this prefix exists (revoked now or before), False otherwise.
     """
-    from queue_core.models import ApiKey
-
     now_ms = (clock or SystemClock()).now_ms()
-    ApiKey.objects.filter(prefix=prefix, revoked_at_ms__isnull=True).update(revoked_at_ms=now_ms)
+    keys().filter(prefix=prefix, revoked_at_ms__isnull=True).update(revoked_at_ms=now_ms)
     invalidate()
-    found = ApiKey.objects.filter(prefix=prefix).exists()
+    found = keys().filter(prefix=prefix).exists()
     if found:
         log.info(
             "event=key_revoked prefix=%s", prefix, extra={"event": "key_revoked", "prefix": prefix}

@@ -497,14 +497,20 @@ def test_a_key_table_read_that_a_revoke_overtook_is_not_kept_as_the_snapshot(
     the reload's read, after its rows were taken."""
     worker = make_key("worker")
     prefix = auth.parse_prefix(worker) or ""
-    read = ApiKey.objects.values_list
+    table = auth.keys
 
-    def read_then_revoke(*fields: str) -> list[Any]:
-        rows = list(read(*fields))
-        assert auth.revoke(prefix)
-        return rows
+    class ReadThenRevoke:
+        """The key table, whose read of the rows a revoke overtakes."""
 
-    monkeypatch.setattr(ApiKey.objects, "values_list", read_then_revoke)
+        def __getattr__(self, name: str) -> Any:
+            return getattr(table(), name)
+
+        def values_list(self, *fields: str) -> list[Any]:
+            rows = list(table().values_list(*fields))
+            assert auth.revoke(prefix)
+            return rows
+
+    monkeypatch.setattr(auth, "keys", ReadThenRevoke)
     assert auth.load_ring().entries[prefix].active  # the read raced with the revoke
     monkeypatch.undo()
     assert auth.cached_ring() is None

@@ -23,7 +23,6 @@ from queue_core.management.relay_command import (
     console_width,
     fmt_ms,
 )
-from queue_core.models import ApiKey
 
 
 class Command(RelayBaseCommand):
@@ -89,7 +88,7 @@ class Command(RelayBaseCommand):
                 "last_used_at_ms": key.last_used_at_ms,
                 "revoked_at_ms": key.revoked_at_ms,
             }
-            for key in ApiKey.objects.order_by("created_at_ms", "id")
+            for key in auth.keys().order_by("created_at_ms", "id")
         ]
         if options["json"]:
             self.stdout.write(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
