@@ -84,6 +84,11 @@ class ReadOnlyAdmin(_AdminBase):
     class Media:
         css: ClassVar[dict[str, list[str]]] = {"all": ["queue_admin/relay.css"]}
 
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        """Rows of Relay's database (``RELAY_DATABASE``), not Django's default alias (a
+        structural audit: with another alias the console showed another database's jobs)."""
+        return super().get_queryset(request).using(relay_settings().database)
+
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Jobs are created by producers, never in the console."""
         return False
@@ -388,7 +393,7 @@ class JobAdmin(ReadOnlyAdmin):
         """The result the job's worker sent (``relay_result``), if any; read once per page."""
         cached: JobResult | bool | None = getattr(obj, "_relay_result", False)
         if cached is False:
-            cached = JobResult.objects.filter(job_id=obj.pk).first()
+            cached = JobResult.objects.using(obj._state.db).filter(job_id=obj.pk).first()
             obj._relay_result = cached  # type: ignore[attr-defined]
         return cached if isinstance(cached, JobResult) else None
 
@@ -424,7 +429,7 @@ class JobAdmin(ReadOnlyAdmin):
     def history(self, obj: Job) -> SafeString:
         """Every delivery (with its error) and every operator or recovery event, in order."""
         rows: list[dict[str, Any]] = []
-        for a in JobAttempt.objects.filter(job_id=obj.pk).order_by("attempt"):
+        for a in JobAttempt.objects.using(obj._state.db).filter(job_id=obj.pk).order_by("attempt"):
             took = None if a.ended_at_ms is None else a.ended_at_ms - a.started_at_ms
             rows.append(
                 {
@@ -438,7 +443,7 @@ class JobAdmin(ReadOnlyAdmin):
                     "error": a.error or "",
                 }
             )
-        for e in JobEvent.objects.filter(job_id=obj.pk).order_by("id"):
+        for e in JobEvent.objects.using(obj._state.db).filter(job_id=obj.pk).order_by("id"):
             rows.append(
                 {
                     "at_ms": e.at_ms,
@@ -525,7 +530,7 @@ class JobAdmin(ReadOnlyAdmin):
         """
         if select_across:
             return queryset.order_by()
-        return Job.objects.filter(pk__in=ids).order_by()
+        return Job.objects.using(queryset.db).filter(pk__in=ids).order_by()
 
     def _confirmation(
         self,

@@ -22,6 +22,7 @@ from django.core.paginator import Paginator
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
+from queue_core.conf import relay_settings
 from queue_core.models import Job
 from queue_core.states import JobState
 
@@ -84,7 +85,8 @@ def queue_names() -> list[str]:
     names: list[str] | None = cache.get(QUEUE_CHOICES_CACHE_KEY)
     if names is None:
         names = list(
-            Job.objects.order_by("queue")
+            Job.objects.using(relay_settings().database)
+            .order_by("queue")
             .values_list("queue", flat=True)
             .distinct()[:MAX_QUEUE_CHOICES]
         )

@@ -205,7 +205,8 @@ class BulkRunner:
         latest: dict[str, dict[str, Any]] = {}
         for ids in chunked((item.job_id for item in pool), 500):
             rows = (
-                JobEvent.objects.filter(job_id__in=ids, event=event)
+                JobEvent.objects.using(self.service.driver.alias)
+                .filter(job_id__in=ids, event=event)
                 .order_by("job_id", "id")
                 .values("job_id", "actor", "at_ms")
             )

@@ -82,7 +82,8 @@ def build_overview(service: QueueService) -> Overview:
     # expiry range (always true for a leased job) selects the small leased-only index.
     leases: list[dict[str, Any]] = [
         dict(row)
-        for row in Job.objects.filter(state=JobState.LEASED, lease_expires_at_ms__gte=0)
+        for row in Job.objects.using(service.driver.alias)
+        .filter(state=JobState.LEASED, lease_expires_at_ms__gte=0)
         .values("queue", "leased_by")
         .annotate(
             jobs=Count("id"),
@@ -93,7 +94,8 @@ def build_overview(service: QueueService) -> Overview:
     ]
     failures: list[dict[str, Any]] = [
         dict(row)
-        for row in JobAttempt.objects.filter(outcome="failed")
+        for row in JobAttempt.objects.using(service.driver.alias)
+        .filter(outcome="failed")
         .order_by("-ended_at_ms")
         .values("job_id", "job__queue", "attempt", "worker_id", "ended_at_ms", "error")[
             :RECENT_FAILURES

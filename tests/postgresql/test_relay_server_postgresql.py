@@ -143,6 +143,52 @@ def test_a_duplicate_acks_queue_label_is_read_from_relays_database() -> None:
         assert metrics.queue_of("job_gone") == "unknown"
 
 
+def test_api_keys_live_in_relays_database() -> None:
+    """A structural audit: the key table was read and written through Django's default
+    alias, so with RELAY_DATABASE another alias (django.md: "Relay's tables go in the alias
+    named by RELAY_DATABASE") keys were made, looked up and revoked in another database
+    than the one the server serves, or in none."""
+    from django.test import override_settings
+
+    from queue_core import auth
+    from queue_core.models import ApiKey
+
+    with override_settings(RELAY_DATABASE="postgresql"):
+        auth.invalidate()
+        made = auth.create_key("pg-worker", ["worker"])
+        assert ApiKey.objects.using("postgresql").filter(prefix=made.prefix).exists()
+        assert not ApiKey.objects.using("default").exists()
+        ring = auth.read_ring(driver_for("postgresql"))
+        assert ring.required and made.prefix in ring.entries
+        assert auth.revoke(made.prefix)
+        assert ApiKey.objects.using("postgresql").get(prefix=made.prefix).revoked_at_ms
+    auth.invalidate()
+
+
+def test_the_console_reads_relays_database() -> None:
+    """A structural audit: the console's pages read jobs, attempts, events and results
+    through Django's default alias, so with RELAY_DATABASE another alias they showed
+    another database's jobs (here: none)."""
+    from django.contrib.auth.models import User
+    from django.test import Client, override_settings
+
+    with override_settings(RELAY_DATABASE="postgresql"):
+        svc = QueueService()
+        job = svc.submit("console-pg", {"n": 1})["job"]
+        (lease,) = svc.claim(["console-pg"], worker_id="w-pg")
+        svc.fail(job["id"], worker_id="w-pg", lease_token=lease["lease_token"], error="boom-pg")
+        client = Client()
+        client.force_login(User.objects.create_superuser("pg-admin", "a@example.com", "x"))
+        listed = client.get("/admin/queue_core/job/", {"q": job["id"]})
+        assert listed.status_code == 200 and job["id"] in listed.content.decode()
+        page = client.get(f"/admin/queue_core/job/{job['id']}/change/")
+        assert page.status_code == 200 and "boom-pg" in page.content.decode()
+        overview = client.get("/admin/queue_core/job/overview/").content.decode()
+        assert "console-pg" in overview
+        events = client.get("/admin/queue_core/jobevent/", {"q": job["id"]})
+        assert events.status_code == 200
+
+
 def test_threads_reading_the_databases_time_at_once_set_the_clock_once() -> None:
     """A review released 8 threads at once into a service whose machine clock was an hour
     ahead: each took a reading and shifted the clock by what it found, so it ended up to an
