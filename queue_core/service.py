@@ -1125,7 +1125,7 @@ class QueueService:
         text) are held beyond the page itself, however large ``limit`` is.
         """
         limit = v.integer("limit", limit, lo=1, hi=PAGE_MAX_JOBS)
-        cursor = "" if after is None else v.job_id(after)
+        cursor = "" if after is None else v.job_id(after, field="after")
         jobs: list[dict[str, Any]] = []
         room = self.settings.max_frame_bytes - REPLY_OVERHEAD_BYTES
         with self.driver.read() as tx:

@@ -409,9 +409,10 @@ def error_text(value: Any, settings: RelaySettings) -> str:
     return value.replace("\x00", "\ufffd")
 
 
-def job_id(value: Any) -> str:
-    """Return a plausible job id string (existence is checked by the query)."""
-    return text("job_id", value, max_len=40)
+def job_id(value: Any, field: str = "job_id") -> str:
+    """Return a plausible job id string (existence is checked by the query); an error names
+    ``field`` (a page's ``after`` cursor is a job id too)."""
+    return text(field, value, max_len=40)
 
 
 def worker_id(value: Any) -> str:

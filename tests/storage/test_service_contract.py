@@ -902,6 +902,9 @@ def test_dead_list_pages_by_keyset(service: QueueService, dead_job: Factory) -> 
     only_a = service.dead_list("a")
     assert [j["id"] for j in only_a["jobs"]] == ids[1::2]
     assert only_a["jobs"][0]["dead_reason"] == "non-retryable: boom"
+    with pytest.raises(errors.InvalidArgument) as exc:  # it named job_id (a structural audit)
+        service.dead_list(after="j" * 41)
+    assert exc.value.details["field"] == "after" and exc.value.message.startswith("after:")
 
 
 def test_list_jobs_merges_states_by_id_and_pages_by_keyset(
