@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import struct
 import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -103,12 +104,13 @@ def migration_lock(
     on different backends, and left held); waited for without Relay's ``lock_timeout``
     (2 s: a review's second migrate gave up at 3.4 s behind a 3-million-job upgrade).
 
-    SQLite (a file; not for ``--plan`` or ``--check``, which change nothing): first, always,
-    the turn: ``<file>-migrate.lock`` exclusively (removed after), waited for, so two
-    migrations take turns (a review: with Relay's migrations applied and Django's own not,
-    three of four migrates at once failed on duplicate rows). Then, when Relay's own
+    SQLite (a file; not for ``--plan`` or ``--check``, which change nothing): a file with
+    more than one name is refused (``one_name``); then, always, the turn (``_one_migration``:
+    a lock on one byte of the file, which it makes empty when it is not there yet), waited
+    for, so two migrations take turns (a review: with Relay's migrations applied and Django's
+    own not, three of four migrates at once failed on duplicate rows). Then, when Relay's own
     migrations would run (``relay_changes``: ``migrate``'s ``options``; None for a plain
-    ``migrate``; always for a file not made yet, which is made here, empty), the file's
+    ``migrate``; always for a new file), the file's
     ``flock`` taken shared, without waiting, so it is refused while a server holds it
     exclusively (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it.
     A starting ``relay server`` takes the turn before its file and keeps it until its own
@@ -120,8 +122,7 @@ def migration_lock(
 
     Raises:
         MigrationRefused: a server serves the SQLite file.
-        StorageIO: the SQLite file has more than one name (hard links: ``one_name``), or its
-            folder cannot be opened for the turn.
+        StorageIO: the SQLite file has more than one name (hard links: ``one_name``).
     """
     if connections[alias].vendor == "postgresql":
         with _pg_lock(alias):
@@ -134,12 +135,6 @@ def migration_lock(
     from queue_core.storage.sqlite.driver import one_name, serves
 
     path = Path(name)
-    try:
-        one_name(path.stat())
-    except FileNotFoundError:
-        pass  # a new file: made below
-    except StorageIO as exc:
-        raise StorageIO(f"database {name}: {exc.message}") from None
     if serves(name):  # this process's server migrating its file at its start: its turn
         with _TURNS.pop(os.path.realpath(name), None) or _one_migration(name, server=True):
             yield
@@ -148,6 +143,12 @@ def migration_lock(
     if options.get("plan") or options.get("check_unapplied"):
         yield  # changes nothing
         return
+    try:
+        one_name(path.stat())
+    except FileNotFoundError:
+        pass  # a new file: made by the turn
+    except StorageIO as exc:
+        raise StorageIO(f"database {name}: {exc.message}") from None
     # The turn first, then the file: a starting server takes them in the same order and keeps
     # the turn until its own migration has ended, so a server that holds the file while this
     # holds the turn has migrated it and serves (a third review: a migrate that looked between
@@ -155,9 +156,9 @@ def migration_lock(
     with _one_migration(name):
         handle: IO[bytes] | None = None
         if not path.exists() or relay_changes(alias, options):
-            # Relay's migrations would change it (a new file: all of them): refused while a
-            # server serves it, and a server starting meanwhile waits. A new file is made here,
-            # empty (SQLite takes it for a new database).
+            # Relay's migrations would change it (a new file, which the turn made empty: all
+            # of them): refused while a server serves it, and a server starting meanwhile
+            # waits.
             try:
                 handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
             except OSError:
@@ -211,10 +212,19 @@ def end_server_turn(alias: str) -> None:
         turn.close()
 
 
+# The byte of a SQLite database file whose lock is the migration turn: far past any file's
+# end and the bytes SQLite locks itself (from 1 GiB, PENDING_BYTE, up by 512).
+TURN_BYTE = 1 << 62
+# struct flock of x86-64 and aarch64 Linux: l_type, l_whence, l_start, l_len, l_pid.
+_FLOCK = struct.Struct("hhxxxxqqixxxx")
+
+
 @contextlib.contextmanager
 def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
-    """Hold the turn: one migration of a SQLite file at a time, by an exclusive ``flock`` on
-    the folder that holds the file (its real path's), so it needs no file of its own.
+    """Hold the turn: one migration of a SQLite file at a time, by a write lock on one byte
+    of the file itself (``TURN_BYTE``), an open-file-description lock (``F_OFD_SETLKW``)
+    that ends with its process, at ``kill -9`` too. A file not made yet is made, empty
+    (SQLite takes it for a new database).
 
     The file's own ``flock`` is taken shared so a server waits for every migration; two
     migrations under it both ran their plan, and the second failed on what the first had
@@ -222,40 +232,49 @@ def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
     on its file takes the turn too (``server``: it logs its wait; ``take_server_turn``): a
     review's ``relay migrate`` with nothing of Relay's left to apply, which takes no hold on
     the file, applied Django's own migrations at once with a server starting beside it (8 of
-    9 tries). The turn was a lock file beside the database once; where that file could not
-    be made (a name too long for it, a read-only folder) migrations ran without a turn, and
-    one that could not be removed failed the migration after it had run (a hostile review).
-    Migrations of other files in the same folder wait for this one too. The lock ends with
-    the descriptor, also when the process is killed.
-
-    Raises:
-        StorageIO: the folder exists but cannot be opened (no read permission).
+    9 tries). Two hostile reviews shaped where the turn lives: a lock file beside the
+    database could not always be made (a name too long for it, a read-only folder: then
+    migrations ran without a turn) or removed (the migration failed after it had run); a lock
+    on the folder held up every database in it, and any user who could read the folder could
+    hold it. Only a process that may write the file can take this one (a reader could hold
+    a read lock on the byte against it, as it can hold SQLite's own locks: keep the file
+    readable by Relay's user alone). The descriptor stays open after (``_KEPT``): closing it
+    would drop the POSIX locks SQLite holds on the file in this process.
     """
-    folder = os.path.dirname(os.path.realpath(name))
     try:
-        held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:  # no such folder: the migration says so itself
+        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        # No such folder, or a file, folder or file system that cannot be written: nothing
+        # can change it, and the migration says so itself if it must.
         yield
         return
-    except OSError as exc:
-        raise StorageIO(f"cannot take the migration turn of {name} ({folder}: {exc})") from exc
+    _KEPT.append(os.fdopen(fd, "rb", buffering=0))
     try:
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if server:
-                log.info(
-                    "event=waiting_for_migration db=%s folder=%s",
-                    name,
-                    folder,
-                    extra={"event": "waiting_for_migration"},
-                )
-            else:
-                print(f"waiting for another migration of {name} to end", file=sys.stderr)
-            fcntl.flock(held, fcntl.LOCK_EX)
+        _turn_lock(fd, fcntl.F_WRLCK, wait=False)
+    except (BlockingIOError, PermissionError):
+        if server:
+            log.info(
+                "event=waiting_for_migration db=%s",
+                name,
+                extra={"event": "waiting_for_migration"},
+            )
+        else:
+            print(f"waiting for another migration of {name} to end", file=sys.stderr)
+        _turn_lock(fd, fcntl.F_WRLCK, wait=True)
+    try:
         yield
     finally:
-        os.close(held)  # releases the flock
+        _turn_lock(fd, fcntl.F_UNLCK, wait=False)
+
+
+def _turn_lock(fd: int, kind: int, *, wait: bool) -> None:
+    """Lock (``F_WRLCK``) or unlock (``F_UNLCK``) ``TURN_BYTE`` of the file ``fd`` has open.
+
+    Raises:
+        BlockingIOError, PermissionError: ``wait`` False and another process holds it.
+    """
+    command = fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK
+    fcntl.fcntl(fd, command, _FLOCK.pack(kind, os.SEEK_SET, TURN_BYTE, 1, 0))
 
 
 _KEPT: list[IO[bytes]] = []  # migration_lock's descriptors, open until the process ends

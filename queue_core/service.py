@@ -501,10 +501,10 @@ class QueueService:
             its job with ``deduplicated: true``. A key is bound to its job for
             ``RELAY_IDEMPOTENCY_WINDOW_MS``; with ``unique: "active"`` it is freed sooner,
             in the transaction that moves the job to a terminal state (``states.is_terminal``:
-            SUCCEEDED, DEAD), so a submit after that makes a new job (unique while active:
-            Sidekiq Enterprise's ``unique_until: :success``, Solid Queue's concurrency keys,
-            PgQueuer's dedupe keys). A job's ``unique`` is its own: the job holding the key
-            decides when the key is freed.
+            SUCCEEDED, DEAD, CANCELLED), so a submit after that makes a new job (unique
+            while active: Sidekiq Enterprise's ``unique_until: :success``, Solid Queue's
+            concurrency keys, PgQueuer's dedupe keys). A job's ``unique`` is its own: the job
+            holding the key decides when the key is freed.
         Raises:
             InvalidArgument, FrameTooLarge, IdempotencyConflict (same key, other payload),
             StoreBusy.
@@ -976,18 +976,20 @@ class QueueService:
         """Enter a server in the registry (or renew its row: the heartbeat); forget servers
         unseen for ``SERVER_FORGET_MS``. Return this server's clock skew.
 
-        Several servers judge lease expiry and due times by their own clocks, so each must
-        stay within ``RELAY_MAX_CLOCK_SKEW_MS`` of the database's (the bounded-skew rule of
-        docs/design-decisions.md); the caller decides what an excess means (``relay
-        server`` refuses to start, and logs it at each heartbeat).
+        Several servers judge lease expiry and due times by the clocks their services keep
+        (on PostgreSQL the database's, ``AnchoredClock``), and each machine's own clock should
+        stay within ``RELAY_MAX_CLOCK_SKEW_MS`` of the database's (docs/design-decisions.md);
+        the caller decides what an excess means (``relay server`` logs ``event=clock_skew``
+        at each heartbeat past it).
 
         Args:
             server_id: the server's id (``new_server_id()``), the same at each heartbeat.
             address: where its clients connect, ``HOST:PORT``.
             host: the machine's name; pid: the process id.
         Returns:
-            This server's clock minus the database's, in ms (the database read's round trip
-            is split evenly, so the figure is good to half of it).
+            This server's clock minus the database's, in ms: as much as one reading proves
+            (``_skew``: 0 when the database's clock falls inside what this clock read over the
+            round trip, else the distance to the nearer end).
         """
         with self.driver.write() as tx:
             skew, after = self._skew(tx)
@@ -1162,8 +1164,10 @@ class QueueService:
             ]
 
     def next_due_ms(self) -> int | None:
-        """Return the earliest future instant (epoch ms) a job becomes due, a lease expires,
-        or a rate-limited queue that a claim here found without a token gets its next one."""
+        """Return the earliest instant (epoch ms) a job becomes due, a lease expires, or a
+        rate-limited queue that a claim here found without a token gets its next one; it may
+        be past already (a job due that no sweep has promoted yet): the reaper then sweeps at
+        once. None when nothing is scheduled."""
         with self.driver.read() as tx:
             due = [tx.one("next_scheduled"), tx.one("next_expiry")]
         times = [r["at_ms"] for r in due if r and r["at_ms"] is not None]
@@ -1605,8 +1609,9 @@ class QueueService:
         traceback: str | None = None,
         lease_next: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Record a failed attempt (LEASED -> RETRYING, or LEASED -> DEAD), and optionally
-        lease the worker's next jobs in the same transaction (``lease_next``, as ``ack``).
+        """Record a failed attempt (LEASED -> RETRYING, or LEASED -> DEAD; LEASED -> CANCELLED
+        when a cancel was asked for), and optionally lease the worker's next jobs in the same
+        transaction (``lease_next``, as ``ack``).
 
         Decide, then apply: ``retry.decide`` picks retry-at or dead-letter from the job's
         policy and failure count (Oban's executor outcomes), then one guarded UPDATE applies it.
@@ -2102,10 +2107,12 @@ class QueueService:
         return queues
 
     def expire_leases(self) -> list[str]:
-        """Reclaim expired leases (LEASED -> READY, or DEAD once the retry budget is spent).
+        """Reclaim expired leases (LEASED -> READY, or DEAD once the retry budget is spent;
+        CANCELLED when a cancel was asked for).
 
         An expiry counts as a failed attempt, so a job that crashes its workers ends in DEAD
-        with the reason "lease expired" instead of looping forever.
+        with the reason "lease expired" (``timeout`` at or past its time limit) instead of
+        looping forever.
 
         Returns:
             The queues that got jobs back as READY; ``[]`` when another server's sweep holds

@@ -505,8 +505,9 @@ class Ops:
             idempotency_key: deduplicate resubmits with the same key and payload (1..255
                 characters) within ``RELAY_IDEMPOTENCY_WINDOW_MS``.
             unique: ``"window"`` (default: the key stays bound for the window whatever the
-                job's state) or ``"active"`` (the key is also freed when the job succeeds or
-                goes dead: unique while active, as Sidekiq Enterprise's unique jobs).
+                job's state) or ``"active"`` (the key is also freed when the job succeeds,
+                goes dead or is cancelled: unique while active, as Sidekiq Enterprise's unique
+                jobs).
             meta: a small map of strings stored with the job and returned with its lease
                 (``RELAY_MAX_META_KEYS`` keys, ``RELAY_MAX_META_BYTES`` encoded), e.g. the
                 W3C ``traceparent`` of the producer's span.

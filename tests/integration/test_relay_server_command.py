@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 import pytest
 
+from queue_core import schema
 from tests.procs import Spawner, record_future_migration, spawner
 
 
@@ -138,12 +139,8 @@ def test_a_second_server_through_another_path_to_the_file_is_refused(
     else:
         os.link(db, other)
     out = procs.run("relay_server", "--db", str(other), "--address", "127.0.0.1:0")
-    if link == "symlink":
-        assert out.returncode == 4, out.stderr
-        assert "ALREADY_SERVED" in out.stderr
-    else:  # a file with two names is refused before its lock is looked at
-        assert out.returncode == 8, out.stderr
-        assert "has 2 names (hard links)" in out.stderr
+    assert out.returncode == 4, out.stderr  # the lock first, then the names (a review)
+    assert "ALREADY_SERVED" in out.stderr
     acked = call(port, "ack", job_id=job["id"], worker_id="w", lease_token=lease["lease_token"])
     assert acked["ok"], acked
     first.signal(signal.SIGTERM)
@@ -157,15 +154,21 @@ def test_database_in_a_missing_folder_is_a_usage_error(procs: Spawner, tmp_path:
 
 
 @contextlib.contextmanager
-def _turn(folder: Path) -> Iterator[int]:
-    """Hold the migration turn of the SQLite files in ``folder`` (its flock), as a migrate
-    does; yield the folder's descriptor."""
-    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+def _turn(db: str | Path) -> Iterator[int]:
+    """Hold the migration turn of the SQLite file ``db`` (a write lock on its
+    ``schema.TURN_BYTE``; the file is made empty if it is not there), as a migrate does;
+    yield the descriptor, whose ``_unlock`` ends the turn."""
+    held = os.open(db, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        schema._turn_lock(held, fcntl.F_WRLCK, wait=False)
         yield held
     finally:
         os.close(held)
+
+
+def _unlock(held: int) -> None:
+    """End the turn ``_turn`` took (before its block ends)."""
+    schema._turn_lock(held, fcntl.F_UNLCK, wait=False)
 
 
 def _applied(db: str) -> list[str]:
@@ -208,7 +211,7 @@ def test_two_migrations_of_one_file_take_turns(procs: Spawner, tmp_path: Path) -
     # first had just applied. The second now waits for the first and finds nothing to do.
     db = str(tmp_path / "relay.db")
     procs.migrate("queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
-    with _turn(tmp_path):  # as another `relay migrate` holds it
+    with _turn(db):  # as another `relay migrate` holds it
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         assert waiting.popen.poll() is None
@@ -241,7 +244,7 @@ def test_a_migration_with_nothing_of_relays_to_do_still_takes_its_turn(
     db = str(tmp_path / "relay.db")
     for app in ("queue_core", "relay_tasks"):
         procs.migrate(app, RELAY_DB=db)
-    with _turn(tmp_path):  # as another `relay migrate` holds it
+    with _turn(db):  # as another `relay migrate` holds it
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         # A server migrating at its start takes its turn too (a second review: one started
@@ -265,7 +268,7 @@ def test_a_server_started_with_a_migration_of_a_new_file_waits_for_it(
     # started with it migrated at the same time (4 of 7 servers died, "table relay_job
     # already exists"). Both now wait for the turn, and whichever takes it first migrates.
     db = str(tmp_path / "new.db")
-    with _turn(tmp_path):  # as another `relay migrate` holds it
+    with _turn(db):  # as another `relay migrate` holds it
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         proc = procs("relay_server", "--db", db, "--address", "127.0.0.1:0")
@@ -287,7 +290,7 @@ def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
     db = str(tmp_path / "relay.db")
     for target in (("queue_core", "0015_console_indexes_in_state"), ("relay_tasks",)):
         procs.migrate(*target, RELAY_DB=db)
-    with open(db, "rb") as file, _turn(tmp_path) as turn:  # as a server starting holds them
+    with _turn(db) as turn, open(db, "rb") as file:  # as a server starting holds them
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
@@ -297,7 +300,7 @@ def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
                 "VALUES ('queue_core', '0016_postgresql_like_indexes', datetime('now'))"
             )
             sql.commit()
-        fcntl.flock(turn, fcntl.LOCK_UN)  # its turn ends
+        _unlock(turn)  # its turn ends
         assert waiting.wait_exit(timeout=60) == 0  # nothing of Relay's left: it ran beside
         assert "ALREADY_SERVED" not in waiting.stderr_text()
 
@@ -328,7 +331,7 @@ def test_a_starting_server_takes_its_turn_before_its_file(procs: Spawner, tmp_pa
     # while another holds the turn the server does not hold the file.
     db = str(tmp_path / "relay.db")
     procs.migrate(RELAY_DB=db)
-    with _turn(tmp_path):  # as another `relay migrate` holds it
+    with _turn(db):  # as another `relay migrate` holds it
         proc = procs("relay_server", "--db", db, "--address", "127.0.0.1:0")
         proc.wait_event("waiting_for_migration")
         with open(db, "rb") as probe:  # BlockingIOError: the server took the file first
@@ -373,16 +376,24 @@ def test_the_turn_needs_no_file_beside_the_database(procs: Spawner, tmp_path: Pa
     # A hostile review: the turn was a lock file beside the database, and where it could not
     # be made (a name 243 characters long: its -wal fits the file system's 255, its
     # "-migrate.lock" does not; a read-only folder) the migration ran without one: two at
-    # once left duplicate django_migrations rows in 4 of 5 rounds. The turn is now the
-    # folder's own flock.
+    # once left duplicate django_migrations rows in 4 of 5 rounds. A second review: a lock on
+    # the folder instead held up every database in it, and any user who could read the
+    # folder could hold it. The turn is a lock on a byte of the database file itself.
     db = str(tmp_path / ("r" * 240 + ".db"))
-    with _turn(tmp_path):  # as another `relay migrate` holds it
+    with _turn(db):  # as another `relay migrate` holds it
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
         assert waiting.popen.poll() is None
-        assert not os.path.exists(db)  # nothing ran
+        assert os.path.getsize(db) == 0  # nothing ran
+        other = str(tmp_path / "other.db")  # another file of the folder takes its own turn
+        assert procs("migrate", RELAY_DB=other).wait_exit(timeout=60) == 0
+        server, port = procs.server("--db", other)
+        assert call(port, "ping")["ok"]
+        server.signal(signal.SIGTERM)
+        assert server.wait_exit(timeout=15) == 0
+        assert waiting.popen.poll() is None
     assert waiting.wait_exit(timeout=60) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(db)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([os.path.basename(db), "other.db"])
 
 
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:

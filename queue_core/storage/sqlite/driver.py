@@ -1297,11 +1297,6 @@ class SqliteDriver:
         except OSError as exc:
             raise os_fault(exc) from exc
         try:
-            one_name(os.fstat(handle.fileno()))
-        except StorageIO:
-            handle.close()
-            raise
-        try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             if not _migrating(handle):
@@ -1316,6 +1311,11 @@ class SqliteDriver:
             )
             fcntl.flock(handle, fcntl.LOCK_EX)
         st = os.fstat(handle.fileno())
+        try:  # after the lock: a second server through a hard link is ALREADY_SERVED (exit 4)
+            one_name(st)
+        except StorageIO:
+            handle.close()
+            raise
         self._served = (path, (st.st_dev, st.st_ino))
         _SERVED[path] = (self._served[1], handle, self._lost)
         options = connections.settings[self.alias].setdefault("OPTIONS", {})
