@@ -146,7 +146,8 @@ class _Connection:
 
 
 class AsyncRelayClient(ClientCore, ops.Ops, ops.Asynchronous):
-    """Asyncio client for one Relay server; many tasks may share it (requests are pipelined).
+    """Asyncio client for a Relay server (or several of one PostgreSQL database, failing
+    over); many tasks may share it (requests are pipelined).
 
     Connects on the first call and again on the call after a broken connection. The op
     methods are ``RelayClient``'s (``queue_core.protocol.ops.Ops``), as coroutines returning

@@ -428,7 +428,8 @@ class ClientCore:
     """What both clients share: the servers, the ``ClientOptions`` and the request ids.
 
     Raises:
-        ValueError: ``address`` is malformed or ``connect_retries`` < 0.
+        ValueError: ``address`` is malformed, ``timeout_s`` or ``connect_timeout_s`` is not
+            above 0, ``max_frame_bytes`` is below 1, or ``connect_retries`` < 0.
     """
 
     DEFAULT_CONNECT_RETRIES = 0
@@ -442,6 +443,12 @@ class ClientCore:
         self.connect_retries = options.get("connect_retries", self.DEFAULT_CONNECT_RETRIES)
         if self.connect_retries < 0:
             raise ValueError("connect_retries must be >= 0")
+        # A structural audit: timeout_s=-1 was taken, though ValueError was documented.
+        for option in ("timeout_s", "connect_timeout_s"):
+            if not getattr(self, option) > 0:
+                raise ValueError(f"{option} must be above 0 seconds")
+        if self.max_frame_bytes < 1:
+            raise ValueError("max_frame_bytes must be >= 1")
         api_key = options.get("api_key")
         self._hello = (
             codec.encode_request("hello", "hello", {"api_key": api_key}) if api_key else None
@@ -450,7 +457,8 @@ class ClientCore:
 
 
 class RelayClient(ClientCore, ops.BlockingClient):
-    """Blocking client for one Relay server; thread-safe, one request in flight at a time.
+    """Blocking client for a Relay server (or several of one PostgreSQL database, failing
+    over); thread-safe, one request in flight at a time.
 
     Connects on the first call and again on the call after a broken connection. The op
     methods (``submit``, ``lease``, ``ack``, ...) come from the op catalogue

@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from queue_core import errors
+from queue_core.aclient import AsyncRelayClient
 from queue_core.client import (
     RelayClient,
     RelayConnectionError,
@@ -404,6 +405,26 @@ def test_parse_address_may_allow_port_zero() -> None:
 def test_a_bad_address_fails_at_construction() -> None:
     with pytest.raises(ValueError, match="HOST:PORT"):
         RelayClient("nohost")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"timeout_s": -1}, "timeout_s must be above 0"),
+        ({"timeout_s": 0}, "timeout_s must be above 0"),
+        ({"connect_timeout_s": 0.0}, "connect_timeout_s must be above 0"),
+        ({"max_frame_bytes": 0}, "max_frame_bytes must be >= 1"),
+        ({"connect_retries": -1}, "connect_retries must be >= 0"),
+    ],
+)
+def test_an_option_out_of_range_fails_at_construction(
+    options: dict[str, Any], message: str
+) -> None:
+    # A structural audit: timeout_s=-1 was taken, though its docstring promised ValueError.
+    with pytest.raises(ValueError, match=message):
+        RelayClient("127.0.0.1:7400", **options)
+    with pytest.raises(ValueError, match=message):
+        AsyncRelayClient("127.0.0.1:7400", **options)
 
 
 def _wait_readable(client: RelayClient) -> None:
