@@ -93,7 +93,7 @@ def chunked(ids: Iterable[str], size: int = CHUNK) -> Iterator[list[str]]:
 
 
 class BulkRunner:
-    """Apply replay or purge to chunks of job ids through the service.
+    """Apply replay, purge or cancel to chunks of job ids through the service.
 
     Args:
         service: the QueueService to call (its ``transaction()`` holds each chunk).

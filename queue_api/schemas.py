@@ -77,7 +77,7 @@ class SubmitOptions(_In):
     unique: Literal["window", "active"] | None = Field(
         None,
         description="window (default): the key stays bound for the window; active: it is "
-        "also freed when the job succeeds or goes dead (needs idempotency_key).",
+        "also freed when the job succeeds, goes dead or is cancelled (needs idempotency_key).",
     )
     meta: dict[str, str] | None = Field(
         None,

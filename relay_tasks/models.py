@@ -1,4 +1,4 @@
-"""The result row of one Django task run on Relay."""
+"""The legacy result row of one Django task run on Relay (read only now)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from django.db import models
 class TaskResultRecord(models.Model):
     """Return value and errors of the Django task that Relay job ``job_id`` runs.
 
-    Written by the ``relay_worker --tasks`` executor (``RelayBackend.run``) before it acks or
-    fails the job; the job's state stays the truth about whether the task finished, so a row
-    written by an attempt whose ack never landed is simply overwritten by the next attempt.
-    No foreign key to ``relay_job``: ``QueueService.purge`` deletes the job and this row in one
-    transaction with raw SQL (``delete_task_result``); a row left without its job reads as "no
-    such result".
+    Written by the ``relay_worker --tasks`` executor of releases before migration 0013; results
+    now go to ``queue_core``'s ``relay_result`` with the ack or fail, and this table is only
+    read (``RelayBackend`` on the shared database, for jobs that finished before the upgrade)
+    and deleted from with its jobs. No foreign key to ``relay_job``: ``QueueService.purge``
+    deletes the job and this row in one transaction with raw SQL (``delete_task_result``); a
+    row left without its job reads as "no such result".
     """
 
     job_id = models.CharField(primary_key=True, max_length=40)

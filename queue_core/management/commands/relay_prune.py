@@ -21,7 +21,8 @@ from queue_core.service import PRUNABLE_STATES, PRUNE_BATCH, QueueService
 
 
 class Command(RelayBaseCommand):
-    """Delete SUCCEEDED and/or DEAD jobs that finished more than ``--older-than`` ago."""
+    """Delete SUCCEEDED, DEAD and CANCELLED jobs (or those of one ``--state``) that finished
+    more than ``--older-than`` ago."""
 
     help = (
         "Delete finished jobs (with their attempts, events and task results) that finished "
