@@ -29,6 +29,7 @@ from ninja import Schema
 from pydantic import BeforeValidator, ConfigDict, Field, computed_field, create_model
 
 from queue_core import types
+from queue_core.service import PRUNE_BATCH, PRUNE_LIMIT_MAX
 from queue_core.states import class_name
 
 
@@ -411,4 +412,6 @@ class PruneIn(_In):
 
     older_than_ms: int = Field(..., ge=1, description="Finished more than this long ago (ms).")
     state: Literal["succeeded", "dead", "cancelled", "all"] = "all"
-    limit: int = Field(100, ge=1, le=10_000, description="The most jobs this call deletes.")
+    limit: int = Field(
+        PRUNE_BATCH, ge=1, le=PRUNE_LIMIT_MAX, description="The most jobs this call deletes."
+    )

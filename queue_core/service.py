@@ -84,6 +84,7 @@ KEYED_INSERT_TRIES = 3
 # Jobs one prune transaction deletes at most, with their attempts, events and task results:
 # about 30 ms of write lock on a 1M-job SQLite file (docs/failure-model.md, "Retention").
 PRUNE_BATCH = 100
+PRUNE_LIMIT_MAX = 10_000  # the most jobs one prune call may delete
 # The oldest age a prune takes, in ms (100 years): beyond it now - age leaves int64 on SQLite.
 PRUNE_MAX_AGE_MS = 100 * 365 * 86_400_000
 PRUNABLE_STATES = ("succeeded", "dead", "cancelled")
@@ -2716,8 +2717,10 @@ class QueueService:
         Raises:
             InvalidArgument, StoreBusy.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 10_000:
-            raise InvalidArgument("prune: limit must be 1..10000", field="limit")
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            limit = -1
+        if not 1 <= limit <= PRUNE_LIMIT_MAX:
+            raise InvalidArgument(f"prune: limit must be 1..{PRUNE_LIMIT_MAX}", field="limit")
         deleted = dict.fromkeys(PRUNABLE_STATES, 0)
         with self.driver.write() as tx:
             cutoffs = (

@@ -220,6 +220,22 @@ def test_the_nested_arguments_are_the_services_the_catalogues_and_the_http_schem
     assert {"lease_next"} <= set(ops.OPS["ack"].args) & set(ops.OPS["fail"].args)
 
 
+def test_prunes_states_and_limits_are_the_services() -> None:
+    # A structural audit: they were spelled as literals in the HTTP schema and the catalogue.
+    import inspect
+    import typing
+
+    from queue_core import service
+
+    state = schemas.PruneIn.model_fields["state"].annotation
+    assert set(typing.get_args(state)) == {*service.PRUNABLE_STATES, "all"}
+    limit = schemas.PruneIn.model_fields["limit"]
+    assert limit.default == service.PRUNE_BATCH
+    assert [m.le for m in limit.metadata if hasattr(m, "le")] == [service.PRUNE_LIMIT_MAX]
+    signature = inspect.signature(ops.Ops.prune)
+    assert signature.parameters["limit"].default == service.PRUNE_BATCH
+
+
 _VALUES = st.one_of(
     st.none(),
     st.booleans(),
