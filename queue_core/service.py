@@ -319,7 +319,7 @@ class QueueService:
         self.driver: Driver = driver or driver_for(relay_settings().database)
         self.clock: Clock = default_clock(self.driver) if clock is None else clock
         # Read the database's clock again before an instant when it says it is due.
-        self._anchored = clock if isinstance(clock, AnchoredClock) else None
+        self._anchored = self.clock if isinstance(self.clock, AnchoredClock) else None
         self._guard = StepGuard(self.clock)
         self._read: Callable[[], Reading] = (
             self._read_clock if self._anchored is None else self._read_database_time
