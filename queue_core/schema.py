@@ -18,12 +18,15 @@ start); ``migration_lock`` serialises migrations (``relay migrate``, ``manage.py
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import functools
 import logging
 import os
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, NamedTuple
 
@@ -153,18 +156,21 @@ def migration_lock(
     # the turn until its own migration has ended, so a server that holds the file while this
     # holds the turn has migrated it and serves (a third review: a migrate that looked between
     # a starting server taking its file and taking its turn exited 4).
-    with _one_migration(name):
-        handle: IO[bytes] | None = None
+    with _one_migration(name) as kept:
+        handle: int | None = None
         if not path.exists() or relay_changes(alias, options):
             # Relay's migrations would change it (a new file, which the turn made empty: all
             # of them): refused while a server serves it, and a server starting meanwhile
-            # waits.
-            try:
-                handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
-            except OSError:
-                yield  # no such directory, say: the migration says so itself
-                return
-            _KEPT.append(handle)
+            # waits. On the turn's descriptor, or a read-only file's own.
+            if kept is None:
+                try:
+                    kept_file = open(path, "rb")  # noqa: SIM115 - kept open, as _kept_fd's
+                except OSError:
+                    yield  # no such directory, say: the migration says so itself
+                    return
+                _KEPT.append(kept_file)
+                kept = kept_file.fileno()
+            handle = kept
             try:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -219,12 +225,19 @@ TURN_BYTE = 1 << 62
 _FLOCK = struct.Struct("hhxxxxqqixxxx")
 
 
+# Open-file-description locks (Linux 3.15+): elsewhere (macOS) the turn is the folder's
+# flock, which every database of the folder shares.
+_OFD = hasattr(fcntl, "F_OFD_SETLKW")
+
+
 @contextlib.contextmanager
-def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
+def _one_migration(name: str, *, server: bool = False) -> Iterator[int | None]:
     """Hold the turn: one migration of a SQLite file at a time, by a write lock on one byte
     of the file itself (``TURN_BYTE``), an open-file-description lock (``F_OFD_SETLKW``)
-    that ends with its process, at ``kill -9`` too. A file not made yet is made, empty
-    (SQLite takes it for a new database).
+    that ends with its process, at ``kill -9`` too; yield the file's kept descriptor
+    (``_kept_fd``; None when the file cannot be opened for writing, and no turn is taken:
+    nothing can change it, and the migration says so itself if it must). A file not made
+    yet is made, empty (SQLite takes it for a new database), readable by its owner alone.
 
     The file's own ``flock`` is taken shared so a server waits for every migration; two
     migrations under it both ran their plan, and the second failed on what the first had
@@ -232,39 +245,44 @@ def _one_migration(name: str, *, server: bool = False) -> Iterator[None]:
     on its file takes the turn too (``server``: it logs its wait; ``take_server_turn``): a
     review's ``relay migrate`` with nothing of Relay's left to apply, which takes no hold on
     the file, applied Django's own migrations at once with a server starting beside it (8 of
-    9 tries). Two hostile reviews shaped where the turn lives: a lock file beside the
-    database could not always be made (a name too long for it, a read-only folder: then
-    migrations ran without a turn) or removed (the migration failed after it had run); a lock
-    on the folder held up every database in it, and any user who could read the folder could
-    hold it. Only a process that may write the file can take this one (a reader could hold
-    a read lock on the byte against it, as it can hold SQLite's own locks: keep the file
-    readable by Relay's user alone). The descriptor stays open after (``_KEPT``): closing it
-    would drop the POSIX locks SQLite holds on the file in this process.
+    9 tries). Hostile reviews shaped where the turn lives: a lock file beside the database
+    could not always be made (a name too long for it, a read-only folder: then migrations
+    ran without a turn) or removed (the migration failed after it had run); a lock on the
+    folder held up every database in it, and any user who could read the folder could hold
+    it. Only a process that may write the file can take this one (one that may read it
+    could hold a read lock on the byte against it, as it can SQLite's own locks: so a file
+    made here is 0600, and the units set ``UMask=0077``). Threads of one process take turns
+    on a lock of their own first (they share the descriptor). Without open-file-description
+    locks (not Linux), the folder's ``flock`` is the turn.
     """
-    try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        # No such folder, or a file, folder or file system that cannot be written: nothing
-        # can change it, and the migration says so itself if it must.
-        yield
+    fd = _kept_fd(name)
+    if fd is None:
+        yield None
         return
-    _KEPT.append(os.fdopen(fd, "rb", buffering=0))
-    try:
-        _turn_lock(fd, fcntl.F_WRLCK, wait=False)
-    except (BlockingIOError, PermissionError):
-        if server:
-            log.info(
-                "event=waiting_for_migration db=%s",
-                name,
-                extra={"event": "waiting_for_migration"},
-            )
+    real = os.path.realpath(name)
+    with _KEPT_LOCK:
+        in_process = _TURN_THREADS.setdefault(real, threading.Lock())
+    with in_process, contextlib.ExitStack() as held:
+        if _OFD:
+            take: Callable[..., None] = functools.partial(_turn_lock, fd, fcntl.F_WRLCK)
+            held.callback(_turn_lock, fd, fcntl.F_UNLCK, wait=False)
         else:
-            print(f"waiting for another migration of {name} to end", file=sys.stderr)
-        _turn_lock(fd, fcntl.F_WRLCK, wait=True)
-    try:
-        yield
-    finally:
-        _turn_lock(fd, fcntl.F_UNLCK, wait=False)
+            folder = os.open(os.path.dirname(real), os.O_RDONLY)
+            held.callback(os.close, folder)  # a folder's descriptor: no lock of the file's
+            take = functools.partial(_folder_lock, folder)
+        try:
+            take(wait=False)
+        except (BlockingIOError, PermissionError):
+            if server:
+                log.info(
+                    "event=waiting_for_migration db=%s",
+                    name,
+                    extra={"event": "waiting_for_migration"},
+                )
+            else:
+                print(f"waiting for another migration of {name} to end", file=sys.stderr)
+            take(wait=True)
+        yield fd
 
 
 def _turn_lock(fd: int, kind: int, *, wait: bool) -> None:
@@ -277,7 +295,58 @@ def _turn_lock(fd: int, kind: int, *, wait: bool) -> None:
     fcntl.fcntl(fd, command, _FLOCK.pack(kind, os.SEEK_SET, TURN_BYTE, 1, 0))
 
 
-_KEPT: list[IO[bytes]] = []  # migration_lock's descriptors, open until the process ends
+def _folder_lock(folder: int, *, wait: bool) -> None:
+    """The turn without open-file-description locks: the folder's ``flock``.
+
+    Raises:
+        BlockingIOError: ``wait`` False and another process holds it.
+    """
+    fcntl.flock(folder, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _kept_fd(name: str) -> int | None:
+    """A descriptor of the SQLite file ``name`` opened for reading and writing (made empty,
+    0600, when missing), kept open until the process ends and used again by every later
+    turn of this process on the same file: closing one would drop the POSIX locks SQLite
+    holds on the file in this process, and a new one per migration leaked one a call (a
+    hostile review: 100 migrations in one process held 100 more). None when the file cannot
+    be opened for writing (no such folder; a read-only file, folder or file system).
+
+    Raises:
+        StorageIO: it cannot be opened for another reason (out of descriptors, say), which
+            would otherwise run the migration without a turn.
+    """
+    real = os.path.realpath(name)
+    with _KEPT_LOCK:
+        fd = _KEPT_FDS.get(real)
+        if fd is not None and _names(fd, real):
+            return fd
+        try:
+            fd = os.open(real, os.O_RDWR | os.O_CREAT, 0o600)
+        except (FileNotFoundError, PermissionError):
+            return None
+        except OSError as exc:
+            if exc.errno == errno.EROFS:
+                return None
+            raise StorageIO(f"cannot open {name} for its migration turn: {exc}") from exc
+        _KEPT_FDS[real] = fd  # a replaced file's older descriptor stays open, unused
+        return fd
+
+
+def _names(fd: int, path: str) -> bool:
+    """Whether ``path`` still names the file ``fd`` has open."""
+    try:
+        at_path = os.stat(path)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (at_path.st_dev, at_path.st_ino)
+
+
+_KEPT_LOCK = threading.Lock()
+_KEPT_FDS: dict[str, int] = {}  # real path -> its kept descriptor (``_kept_fd``)
+_TURN_THREADS: dict[str, threading.Lock] = {}  # real path -> the turn among this process's threads
+_KEPT: list[IO[bytes]] = []  # read-only files' descriptors (migration_lock), kept likewise
 
 
 @contextlib.contextmanager

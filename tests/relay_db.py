@@ -69,7 +69,8 @@ def relay_db(request: pytest.FixtureRequest, spawn: Spawner) -> Iterator[RelayDb
     backend = str(request.param)
     spawn.env.update(database_url(backend))
     alias = "default" if backend == "sqlite" else "postgresql"
-    with override_settings(DATABASE_ROUTERS=[OneDatabase(alias)]):
+    # RELAY_DATABASE too: the console, the key table and the metrics read Relay's alias.
+    with override_settings(DATABASE_ROUTERS=[OneDatabase(alias)], RELAY_DATABASE=alias):
         yield RelayDb(backend, spawn.db_path)
 
 

@@ -365,6 +365,12 @@ def test_a_file_with_two_names_is_refused(procs: Spawner, tmp_path: Path) -> Non
     out = procs.run("relay_prune", "--older-than", "1d", RELAY_DB=str(db))  # any connection
     assert out.returncode == 1, out.stderr
     assert f"STORAGE_IO: database {db}: the file {said}" in out.stderr
+    # A third review: a backup through a link made while a server served copied 162 of 300
+    # acknowledged jobs (the server's log is its name's) and said "integrity_check ok".
+    out = procs.run("relay_backup", str(tmp_path / "copy.db"), RELAY_DB=str(tmp_path / "other.db"))
+    assert out.returncode == 1, out.stderr
+    assert "STORAGE_IO: " in out.stderr and said in out.stderr
+    assert not (tmp_path / "copy.db").exists()
     os.unlink(tmp_path / "other.db")
     server, port = procs.server("--db", str(db))  # one name again: served
     assert call(port, "ping")["ok"]
@@ -394,6 +400,20 @@ def test_the_turn_needs_no_file_beside_the_database(procs: Spawner, tmp_path: Pa
         assert waiting.popen.poll() is None
     assert waiting.wait_exit(timeout=60) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([os.path.basename(db), "other.db"])
+
+
+def test_a_database_relay_makes_is_its_owners_alone(procs: Spawner, tmp_path: Path) -> None:
+    # A third review: a file made 0644 let any local user hold a read lock on the migration
+    # turn's byte (every start waited for good) or the file's flock (a server exited 4).
+    made = tmp_path / "migrated.db"
+    procs.migrate(RELAY_DB=str(made))
+    assert made.stat().st_mode & 0o777 == 0o600
+    served = tmp_path / "served.db"
+    server, port = procs.server("--db", str(served))
+    assert call(port, "submit", queue="q", payload=1)["ok"]
+    assert {p.stat().st_mode & 0o777 for p in tmp_path.glob("served.db*")} == {0o600}
+    server.signal(signal.SIGTERM)
+    assert server.wait_exit(timeout=15) == 0
 
 
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:

@@ -40,7 +40,9 @@ class Server:
 def pg_spawn(transactional_db: None) -> Iterator[Spawner]:
     """A Spawner whose children use the PostgreSQL test database (``RELAY_DATABASE_URL``)."""
     with (
-        override_settings(DATABASE_ROUTERS=[OneDatabase("postgresql")]),
+        override_settings(
+            DATABASE_ROUTERS=[OneDatabase("postgresql")], RELAY_DATABASE="postgresql"
+        ),
         tempfile.TemporaryDirectory() as folder,
         spawner(f"{folder}/unused.db") as s,
     ):
