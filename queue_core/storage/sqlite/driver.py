@@ -206,8 +206,8 @@ def _remember_file(sender: Any, connection: Any, **kwargs: Any) -> None:
     """On each new connection to Relay's SQLite database: refuse a file with two names
     (``one_name``: the connection is closed, ``StorageIO`` raised; not in the process that
     serves it, which checked before it took the file, so that a link made later does not stop
-    a live server), note which file it opened
-    (its device and inode), and bound its write-ahead log (``journal_size_limit``)."""
+    a live server), note which file it opened (its device and inode), and bound its
+    write-ahead log (``journal_size_limit``)."""
     s = relay_settings()
     if connection.vendor != "sqlite" or connection.alias != s.database:
         return
@@ -1284,7 +1284,8 @@ class SqliteDriver:
 
         ``flock`` locks the file (its inode), not a path: a second server reaching the same
         file through a symlink is refused too (a lock file beside the path was not: it
-        re-leased live jobs); a file with hard links is refused before (``one_name``).
+        re-leased live jobs); a file with hard links is refused once the lock is taken
+        (``one_name``), so a second server through one is refused as ``AlreadyServed``.
         SQLite's own locks are POSIX ``fcntl`` locks, which ``flock`` does not touch on Linux.
         An absent file is created empty (SQLite takes an empty file as an empty database).
         From then on no connection of this process opens
