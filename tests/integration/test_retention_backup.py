@@ -113,11 +113,13 @@ def test_backup_command_copies_checks_and_refuses_to_overwrite(tmp_path: Path) -
         got = {r[0] for r in db.execute("SELECT id FROM relay_job WHERE state = 'succeeded'")}
     assert got == set(ids)
     assert not list(tmp_path.glob(".copy.db.partial*"))
+    assert copy.stat().st_mode & 0o777 == 0o600  # a review: 0644, every job readable by all
     with pytest.raises(CommandError, match=r"INVALID_ARGUMENT: .* exists"):
         call_command("relay_backup", str(copy))
     copy.write_bytes(b"old")
     call_command("relay_backup", str(copy), "--force", stdout=StringIO())
     assert copy.read_bytes()[:16] == b"SQLite format 3\x00"
+    assert copy.stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.django_db(transaction=True, databases=["default", "postgresql"])

@@ -1246,6 +1246,12 @@ class SqliteDriver:
         partial.unlink(missing_ok=True)
         timeout_s = relay_settings().busy_retry_budget_ms / 1000
         try:
+            # Made empty first, its owner's alone: it holds every job and key as the database
+            # does (a review: sqlite3 made it 0644); SQLite keeps an existing file's mode.
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError as exc:
+            raise os_fault(exc) from exc
+        try:
             src = sqlite3.connect(self._path(), timeout=timeout_s)
             try:
                 dst = sqlite3.connect(partial)
