@@ -321,6 +321,11 @@ def _kept_fd(name: str) -> int | None:
         fd = _KEPT_FDS.get(real)
         if fd is not None and _names(fd, real):
             return fd
+        if fd is not None and os.fstat(fd).st_nlink == 0:
+            # Its file was deleted (a test suite's database made again, say): no process can
+            # open it again, so no lock on it matters now (a fourth review: one descriptor
+            # kept per deleted file, its disk space never freed).
+            os.close(fd)
         try:
             fd = os.open(real, os.O_RDWR | os.O_CREAT, 0o600)
         except (FileNotFoundError, PermissionError):
@@ -329,7 +334,7 @@ def _kept_fd(name: str) -> int | None:
             if exc.errno == errno.EROFS:
                 return None
             raise StorageIO(f"cannot open {name} for its migration turn: {exc}") from exc
-        _KEPT_FDS[real] = fd  # a replaced file's older descriptor stays open, unused
+        _KEPT_FDS[real] = fd  # a replaced file's, still named elsewhere, stays open unused
         return fd
 
 

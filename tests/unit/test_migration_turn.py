@@ -34,6 +34,20 @@ def test_turns_on_one_file_keep_one_descriptor(tmp_path: Path) -> None:
     assert Path(db).stat().st_mode & 0o777 == 0o600  # made here, its owner's alone
 
 
+def test_a_deleted_files_descriptor_is_let_go_when_the_file_is_made_again(tmp_path: Path) -> None:
+    # A fourth review: a process that migrated a database, deleted it and migrated a new one
+    # at the same path, 20 times, held 20 more descriptors of deleted files.
+    db = tmp_path / "relay.db"
+    with schema._one_migration(str(db)):
+        pass
+    before = _open_fds()
+    for _ in range(20):
+        db.unlink()
+        with schema._one_migration(str(db)) as fd:
+            assert fd is not None and os.fstat(fd).st_nlink == 1
+    assert _open_fds() == before
+
+
 def test_without_open_file_description_locks_the_turn_is_the_folders_flock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
