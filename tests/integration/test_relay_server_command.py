@@ -102,8 +102,7 @@ def test_restart_recovers_leases_and_fences_old_tokens(procs: Spawner, tmp_path:
     assert stale["error"]["code"] == "STALE_TOKEN"
     again = call(port, "lease", queues=["q"], worker_id="w")["result"]["jobs"]
     assert [j["job_id"] for j in again] == [job["id"]] and again[0]["attempt"] == 2
-    second.signal(signal.SIGTERM)
-    assert second.wait_exit(timeout=15) == 0
+    assert second.stop(timeout_s=15) == 0
 
 
 def test_second_server_on_the_same_database_is_refused_and_steals_nothing(
@@ -119,8 +118,7 @@ def test_second_server_on_the_same_database_is_refused_and_steals_nothing(
     # The first server's lease is untouched: its holder can still ack.
     acked = call(port, "ack", job_id=job["id"], worker_id="w", lease_token=lease["lease_token"])
     assert acked["ok"], acked
-    first.signal(signal.SIGTERM)
-    assert first.wait_exit(timeout=15) == 0
+    assert first.stop(timeout_s=15) == 0
 
 
 @pytest.mark.parametrize("link", ["symlink", "hardlink"])
@@ -143,8 +141,7 @@ def test_a_second_server_through_another_path_to_the_file_is_refused(
     assert "ALREADY_SERVED" in out.stderr
     acked = call(port, "ack", job_id=job["id"], worker_id="w", lease_token=lease["lease_token"])
     assert acked["ok"], acked
-    first.signal(signal.SIGTERM)
-    assert first.wait_exit(timeout=15) == 0
+    assert first.stop(timeout_s=15) == 0
 
 
 def test_database_in_a_missing_folder_is_a_usage_error(procs: Spawner, tmp_path: Path) -> None:
@@ -202,8 +199,7 @@ def test_relay_migrate_is_refused_while_a_server_serves_the_file(
     out = procs.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
     assert out.returncode == 4, out.stderr
     assert call(port, "ping")["ok"]
-    server.signal(signal.SIGTERM)
-    assert server.wait_exit(timeout=15) == 0
+    assert server.stop(timeout_s=15) == 0
 
 
 def test_two_migrations_of_one_file_take_turns(procs: Spawner, tmp_path: Path) -> None:
@@ -255,8 +251,7 @@ def test_a_migration_with_nothing_of_relays_to_do_still_takes_its_turn(
     assert waiting.wait_exit(timeout=60) == 0
     port = int(server.wait_event("ready", timeout=60)["port"])
     assert call(port, "ping")["ok"]
-    server.signal(signal.SIGTERM)
-    assert server.wait_exit(timeout=15) == 0
+    assert server.stop(timeout_s=15) == 0
     applied = _applied(db)
     assert len(set(applied)) == len(applied)  # none recorded twice
 
@@ -276,8 +271,7 @@ def test_a_server_started_with_a_migration_of_a_new_file_waits_for_it(
         assert proc.popen.poll() is None
     assert waiting.wait_exit(timeout=60) == 0
     proc.wait_event("ready", timeout=60)
-    proc.signal(signal.SIGTERM)
-    assert proc.wait_exit(timeout=15) == 0
+    assert proc.stop(timeout_s=15) == 0
 
 
 def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
@@ -319,8 +313,7 @@ def test_a_server_starting_during_a_migration_waits_for_it(procs: Spawner, tmp_p
     finally:
         fcntl.flock(held, fcntl.LOCK_UN)
     proc.wait_event("ready")
-    proc.signal(signal.SIGTERM)
-    assert proc.wait_exit(timeout=15) == 0
+    assert proc.stop(timeout_s=15) == 0
     held.close()
 
 
@@ -342,8 +335,7 @@ def test_a_starting_server_takes_its_turn_before_its_file(procs: Spawner, tmp_pa
     assert call(port, "ping")["ok"]
     out = procs.run("migrate", "queue_core", "0015_console_indexes_in_state", RELAY_DB=db)
     assert out.returncode == 4, out.stderr  # then it holds the file: refused
-    proc.signal(signal.SIGTERM)
-    assert proc.wait_exit(timeout=15) == 0
+    assert proc.stop(timeout_s=15) == 0
 
 
 def test_a_file_with_two_names_is_refused(procs: Spawner, tmp_path: Path) -> None:
@@ -374,8 +366,7 @@ def test_a_file_with_two_names_is_refused(procs: Spawner, tmp_path: Path) -> Non
     os.unlink(tmp_path / "other.db")
     server, port = procs.server("--db", str(db))  # one name again: served
     assert call(port, "ping")["ok"]
-    server.signal(signal.SIGTERM)
-    assert server.wait_exit(timeout=15) == 0
+    assert server.stop(timeout_s=15) == 0
 
 
 def test_the_turn_needs_no_file_beside_the_database(procs: Spawner, tmp_path: Path) -> None:
@@ -395,8 +386,7 @@ def test_the_turn_needs_no_file_beside_the_database(procs: Spawner, tmp_path: Pa
         assert procs("migrate", RELAY_DB=other).wait_exit(timeout=60) == 0
         server, port = procs.server("--db", other)
         assert call(port, "ping")["ok"]
-        server.signal(signal.SIGTERM)
-        assert server.wait_exit(timeout=15) == 0
+        assert server.stop(timeout_s=15) == 0
         assert waiting.popen.poll() is None
     assert waiting.wait_exit(timeout=60) == 0
     # Nothing beside the databases but their own -wal and -shm (a stopped server's may stay).
@@ -414,8 +404,7 @@ def test_a_database_relay_makes_is_its_owners_alone(procs: Spawner, tmp_path: Pa
     server, port = procs.server("--db", str(served))
     assert call(port, "submit", queue="q", payload=1)["ok"]
     assert {p.stat().st_mode & 0o777 for p in tmp_path.glob("served.db*")} == {0o600}
-    server.signal(signal.SIGTERM)
-    assert server.wait_exit(timeout=15) == 0
+    assert server.stop(timeout_s=15) == 0
 
 
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:
@@ -437,8 +426,7 @@ def test_counts_an_older_relay_left_wrong_are_rebuilt_at_start(
     db = str(tmp_path / "relay.db")
     first, port = procs.server("--db", db)
     job = call(port, "submit", queue="q", payload=1)["result"]["job"]
-    first.signal(signal.SIGTERM)
-    assert first.wait_exit(timeout=15) == 0
+    assert first.stop(timeout_s=15) == 0
     with contextlib.closing(sqlite3.connect(db)) as sql, sql:
         columns = [row[1] for row in sql.execute("PRAGMA table_info(relay_job)")]
         copy = ", ".join("'job_old_server'" if c == "id" else c for c in columns)
@@ -451,8 +439,7 @@ def test_counts_an_older_relay_left_wrong_are_rebuilt_at_start(
     repaired = second.wait_event("counts_repaired")
     assert repaired["pairs"] == [{"queue": "q", "state": "ready", "kept": 1, "jobs": 2}]
     assert call(port, "stats")["result"]["queues"]["q"]["ready"] == 2
-    second.signal(signal.SIGTERM)
-    assert second.wait_exit(timeout=15) == 0
+    assert second.stop(timeout_s=15) == 0
     third, _ = procs.server("--db", db)
     third.wait_event("ready")
     assert "counts_repaired" not in third.stderr_text()
