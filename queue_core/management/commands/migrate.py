@@ -16,6 +16,7 @@ from django.core.management.base import CommandError
 from django.core.management.commands.migrate import Command as DjangoMigrate
 
 from queue_core.errors import RelayError
+from queue_core.management.relay_command import command_error
 from queue_core.schema import MigrationRefused, migration_lock
 
 EXIT_ALREADY_SERVED = 4  # as relay server's
@@ -30,5 +31,5 @@ class Command(DjangoMigrate):
                 super().handle(*args, **options)
         except MigrationRefused as exc:
             raise CommandError(f"ALREADY_SERVED: {exc}", returncode=EXIT_ALREADY_SERVED) from None
-        except RelayError as exc:  # a file with two names, a folder the turn cannot open
-            raise CommandError(f"{exc.code}: {exc.message}") from None
+        except RelayError as exc:  # a file with two names, one the turn cannot open
+            raise command_error(exc) from None
