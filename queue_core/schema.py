@@ -28,7 +28,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import NamedTuple
 
 from django.db import connections
 
@@ -157,37 +157,28 @@ def migration_lock(
     # holds the turn has migrated it and serves (a third review: a migrate that looked between
     # a starting server taking its file and taking its turn exited 4).
     with _one_migration(name) as kept:
-        handle: int | None = None
-        if not path.exists() or relay_changes(alias, options):
+        # None: nothing can write the file (no folder, a read-only one), and the migration
+        # says so itself if it must.
+        shared: int | None = None  # the descriptor holding the file's flock shared
+        if kept is not None and relay_changes(alias, options):
             # Relay's migrations would change it (a new file, which the turn made empty: all
             # of them): refused while a server serves it, and a server starting meanwhile
-            # waits. On the turn's descriptor, or a read-only file's own.
-            if kept is None:
-                try:
-                    kept_file = open(path, "rb")  # noqa: SIM115 - kept open, as _kept_fd's
-                except OSError:
-                    yield  # no such directory, say: the migration says so itself
-                    return
-                _KEPT.append(kept_file)
-                kept = kept_file.fileno()
-            handle = kept
+            # waits. One that holds the file now has migrated it since it took the turn
+            # first, and relay_changes looked after that (a review: bin/http's migrate,
+            # started with a server on a new file, exited 4 in 3 of 5 tries).
             try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(kept, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                handle = None
-                # A server that started while this waited for the turn migrated the file
-                # (a review: bin/http's migrate, started with a server on a new file, exited 4
-                # in 3 of 5 tries): look again at what is left.
-                if relay_changes(alias, options):
-                    raise MigrationRefused(
-                        f"a relay server is serving {name}; it migrates the file itself when it "
-                        "starts: stop it (then run `relay migrate`, or start the new server)"
-                    ) from None
+                raise MigrationRefused(
+                    f"a relay server is serving {name}; it migrates the file itself when it "
+                    "starts: stop it (then run `relay migrate`, or start the new server)"
+                ) from None
+            shared = kept
         try:
             yield
         finally:
-            if handle is not None:
-                fcntl.flock(handle, fcntl.LOCK_UN)  # before the turn: a server waits for both
+            if shared is not None:
+                fcntl.flock(shared, fcntl.LOCK_UN)  # before the turn ends: a server waits for both
 
 
 _TURNS: dict[str, contextlib.ExitStack] = {}  # file (real path) -> the turn its server holds
@@ -351,7 +342,6 @@ def _names(fd: int, path: str) -> bool:
 _KEPT_LOCK = threading.Lock()
 _KEPT_FDS: dict[str, int] = {}  # real path -> its kept descriptor (``_kept_fd``)
 _TURN_THREADS: dict[str, threading.Lock] = {}  # real path -> the turn among this process's threads
-_KEPT: list[IO[bytes]] = []  # read-only files' descriptors (migration_lock), kept likewise
 
 
 @contextlib.contextmanager
