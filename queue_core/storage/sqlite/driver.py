@@ -222,7 +222,7 @@ def _remember_file(sender: Any, connection: Any, **kwargs: Any) -> None:
             one_name(st)
         except StorageIO as exc:
             raise StorageIO(f"database {path}: {exc.message}") from None
-    identity = _file_identity(path)
+    identity = None if st is None else (st.st_dev, st.st_ino)  # one stat for both
     setattr(connection, _IDENTITY_ATTR, (path, identity) if identity else None)
     limit = int(s.sqlite_wal_limit_bytes)
     connection.connection.execute(f"PRAGMA journal_size_limit={limit}").fetchall()
