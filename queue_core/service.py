@@ -2717,10 +2717,7 @@ class QueueService:
         Raises:
             InvalidArgument, StoreBusy.
         """
-        if isinstance(limit, bool) or not isinstance(limit, int):
-            limit = -1
-        if not 1 <= limit <= PRUNE_LIMIT_MAX:
-            raise InvalidArgument(f"prune: limit must be 1..{PRUNE_LIMIT_MAX}", field="limit")
+        limit = v.integer("limit", limit, lo=1, hi=PRUNE_LIMIT_MAX)
         deleted = dict.fromkeys(PRUNABLE_STATES, 0)
         with self.driver.write() as tx:
             cutoffs = (
