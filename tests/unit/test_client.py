@@ -270,16 +270,18 @@ def test_a_deadline_bounds_the_hello_and_the_reply_together(serve: Any) -> None:
 def test_a_deadline_bounds_the_wait_for_another_threads_call(serve: Any) -> None:
     # One client shared by threads: a call waits for the one before it, and with a deadline
     # no longer than that (a review: a thread with a 1 s deadline waited on the lock first).
-    release = threading.Event()
-    server = serve(lambda req, conn: ok(req, {"pong": True}) if release.wait(5) else None)
+    arrived, release = threading.Event(), threading.Event()
+
+    def answer_when_released(req: dict[str, Any], conn: Any) -> Any:
+        arrived.set()
+        return ok(req, {"pong": True}) if release.wait(5) else None
+
+    server = serve(answer_when_released)
     try:
         with RelayClient(server.address, timeout_s=5) as client:
             first = threading.Thread(target=client.ping)
             first.start()
-            until = time.monotonic() + 5
-            while not server.requests:  # the first call holds the connection
-                assert time.monotonic() < until, "the first call never arrived"
-                time.sleep(0.005)
+            assert arrived.wait(5), "the first call never arrived"  # it holds the connection
             began = time.monotonic()
             with pytest.raises(RelayUnreachable, match="while other calls held"):
                 client.send(RelayClient.ping(), deadline=began + 0.2)
