@@ -118,7 +118,7 @@ def migration_lock(
     exclusively (``SqliteDriver.server_lock``), and a server starting meanwhile waits for it.
     A starting ``relay server`` takes the turn before its file and keeps it until its own
     migration at start has ended (``take_server_turn``), so a server holding the file while
-    this holds the turn has migrated it: what is left is looked at again. A process that
+    this holds the turn has migrated it, before this read the file's migrations. A process that
     serves the file (that server migrating) holds both already. The descriptor is kept open
     after: closing one would drop the POSIX locks SQLite holds on the file in this process.
     Other databases, and SQLite in memory: nothing.
