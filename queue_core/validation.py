@@ -219,33 +219,6 @@ WALK_MAX_DEPTH = 256  # past orjson's own recursion limit (it refuses deeper val
 WALK_MAX_VALUES = 200_000
 
 
-def holds_itself(value: Any) -> bool:
-    """Whether ``value`` (dicts, lists, tuples) holds itself: a list, dict or tuple among its
-    own parts. orjson 3.13 refuses most such values ("Recursion limit reached") but crashes
-    the process (SIGSEGV) on some that pass through a tuple (``l = [1]; l.append((l,))``):
-    a worker whose handler returned one died with every job it held (a review). Each part
-    is looked at once (shared parts too), without recursion."""
-    done: set[int] = set()  # parts whose own parts were all looked at
-    path: set[int] = set()  # the parts above the one looked at
-    stack: list[tuple[Any, bool]] = [(value, False)]
-    while stack:
-        item, leaving = stack.pop()
-        key = id(item)
-        if leaving:
-            path.discard(key)
-            done.add(key)
-            continue
-        if key in path:
-            return True
-        if key in done:
-            continue
-        path.add(key)
-        stack.append((item, True))
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((c, False) for c in children if isinstance(c, (dict, list, tuple)))
-    return False
-
-
 def _encodes(item: Any) -> bool:
     """Whether orjson encodes ``item`` (a leaf that is no str, number, list or dict)."""
     try:

@@ -61,7 +61,6 @@ from queue_core import errors, types
 from queue_core.clock import Clock, SystemClock
 from queue_core.protocol.ops import BlockingClient
 from queue_core.retry import RetryPolicy, jittered_ms
-from queue_core.validation import holds_itself
 from queue_core.worker.handlers import (
     Handler,
     JobContext,
@@ -923,15 +922,11 @@ class Worker:
         """Send one ack or fail on a pooled connection; return its reply.
 
         Raises:
-            RelayError, ConnectionError: as the client's ``ack`` / ``fail``;
-                ``InvalidArgument`` (field ``result``) for a result that holds itself, before
-                it is encoded: orjson 3.13 crashes the process on some such values, and a
-                review's worker died with every job it held.
+            RelayError, ConnectionError: as the client's ``ack`` / ``fail`` (a result the
+                client cannot encode is ``InvalidArgument``, field ``result``).
         """
         extra = {"lease_next": lease_next} if lease_next else {}
         result = outcome.result
-        if action == "ack" and isinstance(result, dict | list | tuple) and holds_itself(result):
-            raise errors.InvalidArgument("result: holds itself", field="result")
         with self._clients.client() as client:
             if action == "ack":
                 return client.ack(

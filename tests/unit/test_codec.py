@@ -256,3 +256,44 @@ def test_args_that_decode_differently_but_hold_nothing_bad_are_sent() -> None:
     assert orjson.loads(frame)["args"] == {"queues": ["q"], "note": None}
     with pytest.raises(errors.InvalidArgument):
         codec.encode_request(1, "lease", {"queues": ("q",), "note": None, "lease_ms": NAN})
+
+
+_DEEP_TUPLES = """
+import os
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relayproject.settings")
+from queue_core import errors, validation
+from queue_core.conf import RelaySettings
+from queue_core.protocol import codec
+value = 1
+for _ in range(100_000):
+    value = (value,)
+for name, call in [
+    ("encode_request", lambda: codec.encode_request(1, "submit", {"queue": "q", "payload": value})),
+    ("payload", lambda: validation.payload(value, RelaySettings())),
+]:
+    try:
+        call()
+    except errors.InvalidArgument as exc:
+        print(name, exc.code, exc.details.get("field"))
+"""
+
+
+def test_a_deep_chain_of_tuples_is_refused_not_a_crash() -> None:
+    """orjson 3.12 and 3.13 count no depth through a tuple inside a tuple: 3,000 of them
+    corrupted the heap ("free(): invalid next size") and 100,000 killed the process with
+    SIGSEGV, in a client's encode_request and in the service's payload check alike (a job
+    function's result is a tuple as easily as a payload). pyproject keeps orjson below 3.12,
+    whose 3.11 refuses them ("Recursion limit reached"); this test stops a version that does
+    not. In a child process: a crash fails the test instead of ending the test run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _DEEP_TUPLES], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == [
+        "encode_request INVALID_ARGUMENT payload",
+        "payload INVALID_ARGUMENT payload",
+        "",
+    ]

@@ -138,22 +138,6 @@ def test_many_shallow_objects_are_not_walked_in_python(monkeypatch: pytest.Monke
         v.json_text(_nest(100, shallow, "list"), field="payload", limit=1000)
 
 
-def test_holds_itself_finds_a_part_among_its_own_parts_and_walks_shared_ones_once() -> None:
-    from queue_core.validation import holds_itself
-
-    looped: list[Any] = [1]
-    looped.append((looped,))  # orjson 3.13 crashes on this one
-    through_dict: dict[str, Any] = {}
-    through_dict["x"] = (through_dict,)
-    assert holds_itself({"r": looped}) and holds_itself(through_dict)
-    shared = [1]
-    assert not holds_itself([shared, shared, [shared, (shared,)]])  # shared, not a loop
-    deep: list[Any] = [{1}]
-    for _ in range(64):  # 2**64 paths to the bottom, 65 parts
-        deep = [deep, deep]
-    assert not holds_itself(deep)
-
-
 def test_the_walk_stops_after_a_bounded_number_of_values() -> None:
     # Parts that share one subtree are walked once per path to it: a set after 2**24 such
     # paths kept a worker's slot at 100% CPU, its job leased, for as long as it ran (a review).

@@ -831,15 +831,19 @@ def test_a_result_the_server_refuses_fails_the_job_for_good(
 
 
 def _looped(through: str) -> Any:
-    """A value that holds itself, through a dict or through a tuple (orjson 3.13 crashes the
-    process on the tuple's; the fake's ack encodes as the real client does, so this test's
-    process would die too if the value reached it)."""
+    """A value that holds itself through a dict or a tuple, or a chain of 100,000 tuples
+    (orjson 3.12 and 3.13 crash the process on the last two; the fake's ack encodes as the
+    real client does, so this test's process would die too with such an orjson)."""
     if through == "dict":
         looped: Any = {}
         looped["self"] = looped
-    else:
+    elif through == "tuple":
         looped = [1]
         looped.append((looped,))
+    else:
+        looped = 1
+        for _ in range(100_000):
+            looped = (looped,)
     return {"r": looped}
 
 
@@ -852,6 +856,7 @@ def _looped(through: str) -> Any:
         (2**70, "outside -2**63..2**64-1"),
         (_looped("dict"), "holds itself"),
         (_looped("tuple"), "holds itself"),
+        (_looped("chain"), "nested deeper than 256 levels"),
     ],
 )
 def test_a_result_the_client_cannot_encode_fails_the_job_for_good(
