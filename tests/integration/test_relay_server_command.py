@@ -407,6 +407,22 @@ def test_a_database_relay_makes_is_its_owners_alone(procs: Spawner, tmp_path: Pa
     assert server.stop(timeout_s=15) == 0
 
 
+def test_a_file_others_may_read_is_served_with_a_warning(procs: Spawner, tmp_path: Path) -> None:
+    # An older file keeps its mode (0644 from before Relay made them 0600): any local user
+    # can read its jobs and keys, and hold a lock that stops every later start.
+    db = tmp_path / "old.db"
+    procs.migrate(RELAY_DB=str(db))
+    for mode, warned in ((0o644, True), (0o600, False), (0o660, True)):
+        db.chmod(mode)
+        server, port = procs.server("--db", str(db))
+        server.wait_event("recovered")  # logged after the file is claimed
+        shared = [r for r in server.records if r.get("event") == "database_file_shared"]
+        found = [(r["db"], r["mode"]) for r in shared]
+        assert found == ([(str(db), f"{mode:04o}")] if warned else []), mode
+        assert call(port, "submit", queue="q", payload=1)["ok"]
+        assert server.stop(timeout_s=15) == 0
+
+
 def test_a_file_a_newer_relay_migrated_is_not_served(procs: Spawner, tmp_path: Path) -> None:
     db = str(tmp_path / "relay.db")
     procs.migrate(RELAY_DB=db)

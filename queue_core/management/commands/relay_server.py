@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -282,9 +283,32 @@ def _claim(service: QueueService, path: str) -> Any:
         raise CommandError(f"INVALID_ARGUMENT: --db {path}: no such file or folder to create it")
     schema.take_server_turn(service.driver.alias)  # before the file, until _migrate has ended
     try:
-        return service.claim_storage()
+        held = service.claim_storage()
     except AlreadyServed as exc:
         raise CommandError(f"ALREADY_SERVED: {exc}", returncode=EXIT_ALREADY_SERVED) from None
+    _warn_if_shared(path)
+    return held
+
+
+def _warn_if_shared(path: str) -> None:
+    """Log ``event=database_file_shared`` (a warning) when users other than the file's owner
+    may read or write the SQLite file at ``path``: they can read every job and API key in it,
+    and one who can read it can hold a lock on it that stops every later start (the migration
+    turn's byte, the file's ``flock``). Relay makes new files 0600; an older one keeps its
+    mode, so the operator is told, as PostgreSQL and OpenSSH tell of open key files (a warning
+    rather than a refusal: a group-readable file may be deliberate)."""
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:  # served already: its faults surface where it is used
+        return
+    if mode & 0o077:
+        log.warning(
+            "event=database_file_shared db=%s mode=%04o advice=%s",
+            path,
+            mode,
+            "chmod 600 it (and its -wal and -shm)",
+            extra={"event": "database_file_shared", "db": path, "mode": f"{mode:04o}"},
+        )
 
 
 def _check_migrations(service: QueueService, where: str) -> None:
