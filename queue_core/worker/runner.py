@@ -880,7 +880,10 @@ class Worker:
                     self._lease_next = False
                     attempt -= 1  # this try did not count
                     continue
-                if action == "ack" and field.startswith("result"):
+                # Over the frame limit, an ack is refused whole by the client (no field): its
+                # result is the only part without a bound of its own.
+                whole = isinstance(exc, errors.FrameTooLarge) and not field
+                if action == "ack" and (field.startswith("result") or whole):
                     self._refused_result(job, exc)
                     return
                 _log(logging.WARNING, f"{action}_error", job_id=job.job_id, error=_describe(exc))

@@ -17,9 +17,8 @@ from typing import Any
 import pytest
 
 from queue_core import errors
-from queue_core.client import RelayConnectionError
+from queue_core.client import RelayConnectionError, request_frame
 from queue_core.clock import FakeClock
-from queue_core.protocol import codec
 from queue_core.worker import (
     JobContext,
     JobInterrupted,
@@ -34,6 +33,9 @@ from queue_core.worker.handlers import DemoFailure, is_django_task
 from queue_core.worker.runner import ACK_SENDERS, MAX_BATCH_BYTES, truncate_utf8
 
 WAIT_S = 10.0  # upper bound for anything the test waits on; reached only when a test fails
+
+
+FRAME_BYTES = 1_048_576  # the clients' default max_frame_bytes
 
 
 class FakeRelay:
@@ -175,7 +177,7 @@ class FakeClient:
         args = {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
         if result is not None:
             args["result"] = result
-            codec.encode_request(None, "ack", args)  # what the real client refuses to send
+            request_frame(0, "ack", args, FRAME_BYTES)  # what the real client refuses to send
             if self.relay.refuse_result is not None:
                 with self.relay.cond:
                     self.relay.record("ack", args)
@@ -871,6 +873,20 @@ def test_a_result_the_client_cannot_encode_fails_the_job_for_good(
         call["error"].startswith("the result cannot be stored: result") and problem in call["error"]
     )
     assert call["exception_class"] == "queue_core.errors.InvalidArgument"
+    assert relay.calls_of("ack") == []
+
+
+def test_a_result_over_the_clients_frame_limit_fails_the_job_for_good(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # The client refuses the ack itself (FRAME_TOO_LARGE, no field): the worker logged
+    # ack_error and left the job leased, so it ran again at each lease expiry and died
+    # "lease expired" (a review: 1.1 MB and 2 MB results, three runs each).
+    call, running = only_fail(relay, make_worker, lambda p, ctx: StoredResult("x" * FRAME_BYTES))
+    assert call["retryable"] is False
+    assert call["error"].startswith("the result cannot be stored: request is ")
+    assert call["exception_class"] == "queue_core.errors.FrameTooLarge"
+    assert running.worker.failed == 1 and running.worker.acked == 0
     assert relay.calls_of("ack") == []
 
 
