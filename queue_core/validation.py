@@ -322,7 +322,9 @@ def json_text(value: Any, *, field: str, limit: int) -> str:
     try:
         encoded = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
     except (TypeError, orjson.JSONEncodeError) as exc:
-        found = unfaithful(value, root=field)
+        # orjson stops at 255 levels: a value that deep is past MAX_PAYLOAD_DEPTH, the limit
+        # to name (a value that holds itself is, too).
+        found = unfaithful(value, max_depth=MAX_PAYLOAD_DEPTH, root=field)
         if found is not None:
             raise InvalidArgument(": ".join(found), field=found[0]) from exc
         raise _bad(field, f"is not encodable as JSON: {exc}") from exc

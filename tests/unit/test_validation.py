@@ -58,6 +58,11 @@ def test_payload_depth_is_still_bounded_by_the_same_walk() -> None:
         v.payload([deep], relay_settings())
     with pytest.raises(errors.InvalidArgument, match="NaN"):  # NaN below the limit is found too
         v.payload([deep, NAN], relay_settings())
+    # Past orjson's own depth (255) the refusal named the walk's bound, 256, not the limit.
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(errors.InvalidArgument, match="nested deeper than 64 levels$"):
+        v.payload(deep, relay_settings())
 
 
 @pytest.mark.parametrize(
