@@ -61,7 +61,7 @@ def test_payload_depth_is_still_bounded_by_the_same_walk() -> None:
     # Past orjson's own depth (255) the refusal named the walk's bound, 256, not the limit.
     for _ in range(300):
         deep = [deep]
-    with pytest.raises(errors.InvalidArgument, match="nested deeper than 64 levels$"):
+    with pytest.raises(errors.InvalidArgument, match=r"nested deeper than 64 levels$"):
         v.payload(deep, relay_settings())
 
 
