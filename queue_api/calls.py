@@ -15,7 +15,7 @@ from django.http import HttpRequest
 
 from queue_api.security import peer_of
 from queue_core import auth, errors, metrics
-from queue_core.protocol import dispatch, ops
+from queue_core.protocol import dispatch
 from queue_core.protocol.wakeups import ProcessWakeups
 from queue_core.service import QueueService
 
@@ -45,7 +45,6 @@ def wakeups() -> ProcessWakeups:
 
 
 # Ops whose commit may make a job ready: waiting long-polls of this process look again.
-READYING_OPS = frozenset(name for name, op in ops.OPS.items() if op.readying)
 
 
 def context(request: HttpRequest) -> dispatch.Context:
@@ -78,9 +77,8 @@ def call(request: HttpRequest, verb: dispatch.Verb, args: dict[str, Any]) -> dis
         metrics.rejected(verb.op, exc)
         raise
     metrics.record(outcome.events)  # the service committed before returning
-    if verb.op in READYING_OPS or outcome.ready_queues:
-        # (ready_queues: also an ack that freed a slot under a queue's cap)
-        wakeups().poke()
+    if outcome.ready_queues:  # (also an ack that freed a slot under a queue's cap)
+        wakeups().poke(outcome.ready_queues)
     return outcome
 
 

@@ -43,6 +43,7 @@ from queue_api.schemas import (
 )
 from queue_api.security import ApiKey, peer_of
 from queue_core import auth, metrics
+from queue_core.protocol.wakeups import Waiter
 
 router = Router(tags=["workers"])
 
@@ -69,16 +70,24 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
     process = calls.wakeups()
     if checked.get("wait_ms", 0) > 0:
         await process.start()
-    while True:
-        # Subscribe before the claim: a commit after it wakes the wait.
-        waiter = process.wakeups.subscribe(checked["queues"])
-        try:
-            result, wake_at = await pool.run(_claim, request, verb, checked, deadline)
-            if result["jobs"] or time.monotonic() >= deadline:
-                return result
-            await waiter.wait(wake_at - time.monotonic())
-        finally:
-            process.wakeups.unsubscribe(waiter)
+    # The last round's waiter, whether a wake reached an earlier round, and whether it leaves
+    # with jobs: as it leaves, it hands its wake on (Wakeups.leave).
+    waiter: Waiter | None = None
+    woken = got_jobs = False
+    try:
+        while True:
+            # Subscribe before the claim: a commit after it wakes the wait.
+            waiter = process.wakeups.subscribe(checked["queues"])
+            try:
+                result, wake_at = await pool.run(_claim, request, verb, checked, deadline)
+                got_jobs = bool(result["jobs"])
+                if got_jobs or time.monotonic() >= deadline:
+                    return result
+                woken = await waiter.wait(wake_at - time.monotonic()) or woken
+            finally:
+                process.wakeups.unsubscribe(waiter)
+    finally:
+        process.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken)
 
 
 def _claim(

@@ -2,12 +2,12 @@
 
 Each op is one method of ``Ops``, decorated with ``@op(...)``. The decorator records what the
 server needs (``OPS[name]``: the wire argument schema, the result's ``TypedDict``, the scopes
-that may call it, how the server schedules it, whether a draining server refuses it, whether
-it can make a job ready), and the method itself is the client's signature: its docstring
-gives each argument's units and bounds, and it returns the ``Call`` to send. From this:
+that may call it, how the server schedules it, whether a draining server refuses it), and the
+method itself is the client's signature: its docstring gives each argument's units and bounds,
+and it returns the ``Call`` to send. From this:
 
 * ``dispatch.VERBS`` (the server's op table), ``dispatch.REFUSED_WHILE_DRAINING``,
-  ``auth.SCOPE_OPS``/``auth.OPEN_OPS`` and ``queue_api.calls.READYING_OPS`` are derived;
+  ``auth.SCOPE_OPS`` and ``auth.OPEN_OPS`` are derived;
 * ``RelayClient`` and ``AsyncRelayClient`` inherit ``Ops``: on a client whose ``send`` blocks
   (``Blocking``) ``client.ack(...)`` returns the result, on one whose ``send`` is a coroutine
   (``Asynchronous``) it returns an awaitable of the same typed result (``OpMethod``);
@@ -319,7 +319,6 @@ class Op:
         scopes: the API-key scopes that may call it (``operator`` may call every op).
         open: callable without a key (``ping``, ``hello``).
         refused_while_draining: a draining server answers ``UNAVAILABLE`` (it starts work).
-        readying: its commit may make a job ready (HTTP long-polls look again).
         client: the ``Ops`` method: the client's signature and docstring.
     """
 
@@ -330,7 +329,6 @@ class Op:
     scopes: frozenset[str]
     open: bool
     refused_while_draining: bool
-    readying: bool
     client: Callable[..., Call[Any]]
 
 
@@ -396,7 +394,6 @@ class op:
         scopes: API-key scopes that may call it besides ``operator``.
         open: callable without a key.
         refused_while_draining: refused with ``UNAVAILABLE`` while the server drains.
-        readying: its commit may make a job ready.
     """
 
     def __init__(
@@ -408,7 +405,6 @@ class op:
         scopes: frozenset[str] = frozenset(),
         open: bool = False,
         refused_while_draining: bool = False,
-        readying: bool = False,
     ) -> None:
         self.fields: dict[str, Any] = {
             "args": args,
@@ -417,7 +413,6 @@ class op:
             "scopes": scopes,
             "open": open,
             "refused_while_draining": refused_while_draining,
-            "readying": readying,
         }
 
     def __call__[**P, T](self, method: Callable[P, Call[T]]) -> OpMethod[P, T]:
@@ -465,7 +460,6 @@ class Ops:
         types.SubmitResult,
         scopes=PRODUCER,
         refused_while_draining=True,
-        readying=True,
     )
     @staticmethod
     def submit(
@@ -529,7 +523,6 @@ class Ops:
         types.SubmitBatchResult,
         scopes=PRODUCER,
         refused_while_draining=True,
-        readying=True,
     )
     @staticmethod
     def submit_batch(jobs: Sequence[Mapping[str, Any]]) -> Call[types.SubmitBatchResult]:
@@ -693,7 +686,6 @@ class Ops:
         },
         types.FailResult,
         scopes=WORKER,
-        readying=True,
     )
     @staticmethod
     def fail(
@@ -728,7 +720,7 @@ class Ops:
         """
         return Call.of("fail", {**locals(), "lease_next": _plain(lease_next)})
 
-    @op(Kind.WRITE, _LEASE_IDS, types.ReleaseResult, scopes=WORKER, readying=True)
+    @op(Kind.WRITE, _LEASE_IDS, types.ReleaseResult, scopes=WORKER)
     @staticmethod
     def release(job_id: str, *, worker_id: str, lease_token: str) -> Call[types.ReleaseResult]:
         """Give a leased job back without counting a failure (leased -> ready).
@@ -823,7 +815,7 @@ class Ops:
         """
         return Call.of("dead_list", locals())
 
-    @op(Kind.WRITE, _JOB_ID, types.JobResult, readying=True)
+    @op(Kind.WRITE, _JOB_ID, types.JobResult)
     @staticmethod
     def dead_retry(job_id: str) -> Call[types.JobResult]:
         """Replay a dead or cancelled job (dead/cancelled -> ready); its history is kept.
@@ -905,7 +897,7 @@ class Ops:
         """
         return Call.of("pause", locals())
 
-    @op(Kind.WRITE, {"queue": Arg(_str, required=True)}, types.QueueControls, readying=True)
+    @op(Kind.WRITE, {"queue": Arg(_str, required=True)}, types.QueueControls)
     @staticmethod
     def resume(queue: str) -> Call[types.QueueControls]:
         """Resume a paused queue; its waiting long-polls wake.
@@ -928,7 +920,6 @@ class Ops:
             "burst": Arg(_int),
         },
         types.QueueControls,
-        readying=True,
     )
     @staticmethod
     def set_queue_limits(

@@ -40,7 +40,7 @@ from queue_core.conf import relay_settings
 from queue_core.protocol import codec, dispatch
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import Conn, error_line, reply_line
-from queue_core.protocol.wakeups import Wakeups
+from queue_core.protocol.wakeups import Waiter, Wakeups
 from queue_core.protocol.writer import Database
 from queue_core.service import QueueService
 
@@ -405,54 +405,64 @@ class Requests:
         frame = relay_settings().max_frame_bytes
         wait_ms = args.get("wait_ms", 0)
         deadline = loop.time() + wait_ms / 1000
-        while True:
-            if conn.gone:  # never lease to a closed socket
-                return dispatch.Outcome({"jobs": []})
-            # Subscribe before claiming, so a commit between the claim and the wait wakes us
-            # (a lease that will not wait needs no wake-up).
-            waiter = self.wakeups.subscribe(args["queues"]) if wait_ms > 0 else None
-            if waiter is not None:
-                conn.waiting.add(waiter.event)
-            try:
-                await self.budget.reserve(conn, frame)
-                if conn.gone:  # it went while this waited for its budget: claim nothing
-                    self.budget.give(conn, frame)
+        # The last round's waiter, whether a wake reached an earlier round, and whether it
+        # leaves with jobs: as it leaves, it hands its wake on (Wakeups.leave).
+        waiter: Waiter | None = None
+        woken = got_jobs = False
+        try:
+            while True:
+                if conn.gone:  # never lease to a closed socket
                     return dispatch.Outcome({"jobs": []})
-                started = loop.time()
+                # Subscribe before claiming, so a commit between the claim and the wait wakes us
+                # (a lease that will not wait needs no wake-up).
+                waiter = self.wakeups.subscribe(args["queues"]) if wait_ms > 0 else None
+                if waiter is not None:
+                    conn.waiting.add(waiter.event)
                 try:
-                    # The key again before each claim: admission ran before the reserve and
-                    # any wait, so a key revoked since leases nothing (UNAUTHENTICATED).
-                    ring = await self.key_ring()
-                    auth.still_allowed(conn.principal, verb.op, ring, surface="tcp", peer=conn.peer)
-                    outcome: dispatch.Outcome = await self._claim(conn, verb, args, ctx)
-                except BaseException:
-                    self.budget.give(conn, frame)
-                    raise
-                if not outcome.result["jobs"]:
-                    self.budget.give(conn, frame)
-                    if outcome.due_at_ms is not None:
-                        # A rate-limited queue's next token: the reaper wakes its waiters then.
-                        self.on_due(outcome.due_at_ms)
-                metrics.CLAIM_SECONDS.observe(loop.time() - started)
-                if conn.gone and outcome.result["jobs"]:
-                    # The client closed (EOF) while the claim ran: a normal close still lets
-                    # the reply into the kernel, so give the jobs back rather than lease them
-                    # to a socket nobody reads.
-                    self.budget.give(conn, frame)
-                    worker_id = _next_worker_id(args, conn.peer)
-                    await self.give_back(outcome.result["jobs"], worker_id)
-                    return dispatch.Outcome({"jobs": []})
-                remaining = deadline - loop.time()
-                if outcome.result["jobs"] or remaining <= 0 or self.draining or conn.gone:
-                    return outcome
-                if waiter is not None:
-                    await waiter.wait(remaining)
-                if self.draining or conn.gone:
-                    return dispatch.Outcome({"jobs": []})
-            finally:
-                if waiter is not None:
-                    conn.waiting.discard(waiter.event)
-                    self.wakeups.unsubscribe(waiter)
+                    await self.budget.reserve(conn, frame)
+                    if conn.gone:  # it went while this waited for its budget: claim nothing
+                        self.budget.give(conn, frame)
+                        return dispatch.Outcome({"jobs": []})
+                    started = loop.time()
+                    try:
+                        # The key again before each claim: admission ran before the reserve and
+                        # any wait, so a key revoked since leases nothing (UNAUTHENTICATED).
+                        ring = await self.key_ring()
+                        auth.still_allowed(
+                            conn.principal, verb.op, ring, surface="tcp", peer=conn.peer
+                        )
+                        outcome: dispatch.Outcome = await self._claim(conn, verb, args, ctx)
+                    except BaseException:
+                        self.budget.give(conn, frame)
+                        raise
+                    if not outcome.result["jobs"]:
+                        self.budget.give(conn, frame)
+                        if outcome.due_at_ms is not None:
+                            # A rate-limited queue's next token: the reaper wakes its waiters then.
+                            self.on_due(outcome.due_at_ms)
+                    metrics.CLAIM_SECONDS.observe(loop.time() - started)
+                    if conn.gone and outcome.result["jobs"]:
+                        # The client closed (EOF) while the claim ran: a normal close still lets
+                        # the reply into the kernel, so give the jobs back rather than lease them
+                        # to a socket nobody reads.
+                        self.budget.give(conn, frame)
+                        worker_id = _next_worker_id(args, conn.peer)
+                        await self.give_back(outcome.result["jobs"], worker_id)
+                        return dispatch.Outcome({"jobs": []})
+                    remaining = deadline - loop.time()
+                    got_jobs = bool(outcome.result["jobs"])
+                    if got_jobs or remaining <= 0 or self.draining or conn.gone:
+                        return outcome
+                    if waiter is not None:
+                        woken = await waiter.wait(remaining) or woken
+                    if self.draining or conn.gone:
+                        return dispatch.Outcome({"jobs": []})
+                finally:
+                    if waiter is not None:
+                        conn.waiting.discard(waiter.event)
+                        self.wakeups.unsubscribe(waiter)
+        finally:
+            self.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken)
 
     async def _claim(
         self, conn: Conn, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context

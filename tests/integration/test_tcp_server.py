@@ -780,6 +780,81 @@ def test_long_poll_is_woken_by_another_process_commit(connect: Callable[[], Clie
     assert elapsed < 3, f"woken after {elapsed:.2f}s"
 
 
+def _claims() -> float:
+    """Claims this process's servers have run (the claim histogram's count)."""
+    from queue_core import metrics
+
+    (family,) = metrics.CLAIM_SECONDS.collect()
+    return next(s.value for s in family.samples if s.name.endswith("_count"))
+
+
+def _long_polls(
+    connect: Callable[[], Client], queues: list[list[str]], wait_ms: int
+) -> list[Client]:
+    """One waiting long-poll (request id ``lp``) per entry of ``queues``, each past its first
+    claim (a barrier behind it on the same connection has answered)."""
+    waiting = []
+    for names in queues:
+        c = connect()
+        c.send("lease", "lp", queues=names, wait_ms=wait_ms, worker_id="w")
+        barrier(c)
+        waiting.append(c)
+    return waiting
+
+
+def test_a_job_wakes_one_idle_long_poll_of_its_queue_not_all(
+    connect: Callable[[], Client],
+) -> None:
+    # Each wake set every idle long-poll of the queue, and each ran a claim (a write): 1,000
+    # idle workers made 1,400 claims a job and cut a sentinel's throughput by 96% (a review).
+    waiting = _long_polls(connect, [["herd"]] * 40, wait_ms=4_000)
+    before = _claims()
+    producer = connect()
+    jobs = [producer.ok("submit", queue="herd", payload=i)["job"]["id"] for i in range(3)]
+    leased = [j["job_id"] for c in waiting for j in c.recv()["result"]["jobs"]]
+    assert sorted(leased) == sorted(jobs)  # each once; the rest answered [] at the deadline
+    # Per job: the woken long-poll's claim and the two it hands on to; then each of the 37
+    # left claims once more at its deadline. Waking all made 40 claims a job (157 in all).
+    assert _claims() - before <= 3 * 3 + 37 + 3, _claims() - before
+
+
+def test_a_batch_reaches_as_many_long_polls_as_it_has_jobs(
+    connect: Callable[[], Client],
+) -> None:
+    # One waiter woken a commit, each hands the wake on to two more while it gets jobs: the
+    # 20 jobs of one batch all reach waiting long-polls, long before their deadline.
+    waiting = _long_polls(connect, [["burst"]] * 30, wait_ms=15_000)
+    producer = connect()
+    began = time.monotonic()
+    out = producer.ok("submit_batch", jobs=[{"queue": "burst", "payload": i} for i in range(20)])
+    jobs = {entry["job_id"] for entry in out["results"]}
+    leased: list[str] = []
+    pending = {c.sock: c for c in waiting}
+    while len(leased) < len(jobs) and pending:
+        answered, _, _ = select.select(list(pending), [], [], began + 10 - time.monotonic())
+        assert answered, f"{len(leased)} of {len(jobs)} jobs reached a long-poll in 10 s"
+        for sock in answered:
+            leased += [j["job_id"] for j in pending.pop(sock).recv()["result"]["jobs"]]
+    assert sorted(leased) == sorted(jobs)
+
+
+def test_a_commit_elsewhere_wakes_only_the_queues_it_made_ready(
+    connect: Callable[[], Client],
+) -> None:
+    # A commit by another process (the HTTP API, a CLI) names no queue on SQLite: it woke
+    # every long-poll of every queue, a claim each (1,000 long-polls on as many queues:
+    # 190,000 claims in 20 s; a review). Now one read finds the queues with a READY job.
+    waiting = _long_polls(connect, [[f"own{i}"] for i in range(40)], wait_ms=4_000)
+    before = _claims()
+    job = QueueService().submit("own7", {"from": "elsewhere"})["job"]  # this thread's conn
+    assert [j["job_id"] for j in waiting[7].recv()["result"]["jobs"]] == [job["id"]]
+    for c in waiting[:7] + waiting[8:]:
+        assert c.recv()["result"] == {"jobs": []}
+    # own7's claim and the two it hands on to (nobody else waits there), then the 39 others'
+    # last claims at their deadline. Waking all made 40 more.
+    assert _claims() - before <= 1 + 39 + 3, _claims() - before
+
+
 def test_long_poll_is_woken_when_a_delayed_job_becomes_due(start: Callable[..., Running]) -> None:
     with override_settings(RELAY_REAPER_INTERVAL_MS=60_000):  # only next-due scheduling helps
         running = start()

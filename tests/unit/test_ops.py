@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ninja import Schema
 
-from queue_api import calls, schemas
+from queue_api import schemas
 from queue_core import auth, client, errors, types
 from queue_core.aclient import AsyncRelayClient
 from queue_core.errors import RelayError
@@ -86,15 +86,6 @@ def test_the_server_table_and_the_auth_and_drain_sets_follow_the_catalogue() -> 
         "result",
     }
     assert {"submit", "submit_batch", "lease"} == dispatch.REFUSED_WHILE_DRAINING
-    assert {
-        "submit",
-        "submit_batch",
-        "fail",
-        "release",
-        "dead_retry",
-        "resume",
-        "set_queue_limits",
-    } == calls.READYING_OPS
     assert set(ops.SUBMIT_OPTIONS) == SUBMIT_OPTIONS
 
 

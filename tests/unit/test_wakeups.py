@@ -31,6 +31,38 @@ async def _wake_sets_only_the_waiters_of_those_queues() -> None:
     assert wakeups.queues() == []
 
 
+def test_a_wake_sets_the_oldest_waiter_not_woken_yet_and_leaving_hands_it_on() -> None:
+    asyncio.run(_a_wake_sets_the_oldest_waiter_not_woken_yet())
+
+
+async def _a_wake_sets_the_oldest_waiter_not_woken_yet() -> None:
+    wakeups = Wakeups()
+    first, second, third, fourth = (wakeups.subscribe(["q"]) for _ in range(4))
+    woken = lambda: [w.event.is_set() for w in (first, second, third, fourth)]  # noqa: E731
+    wakeups.wake(["q"])
+    assert woken() == [True, False, False, False]
+    wakeups.wake(["q"])  # the first is woken already: it claims after this commit too
+    assert woken() == [True, True, False, False]
+    # It leaves with jobs: there may be more, the next two are woken.
+    wakeups.unsubscribe(first)
+    wakeups.leave(first, got_jobs=True, woken=False)
+    assert woken() == [True, True, True, True]
+    # Woken, it leaves without having claimed since: one more is woken.
+    fifth = wakeups.subscribe(["q"])
+    wakeups.unsubscribe(second)
+    wakeups.leave(second, got_jobs=False, woken=False)
+    assert fifth.event.is_set()
+    # A long-poll woken in an earlier round whose last waiter was not: jobs hand it on,
+    # none do not (its claim after the wake found nothing).
+    last, sixth = wakeups.subscribe(["q"]), wakeups.subscribe(["q"])
+    wakeups.unsubscribe(last)
+    wakeups.leave(last, got_jobs=False, woken=True)
+    assert not sixth.event.is_set()
+    wakeups.leave(last, got_jobs=True, woken=True)
+    assert sixth.event.is_set()
+    wakeups.leave(None, got_jobs=True, woken=True)  # never waited: nothing to hand on
+
+
 def test_a_wake_from_another_thread_reaches_the_loop() -> None:
     asyncio.run(_a_wake_from_another_thread_reaches_the_loop())
 
