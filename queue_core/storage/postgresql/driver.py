@@ -511,13 +511,19 @@ class PostgresDriver:
     def read(self) -> Iterator[PostgresTx]:
         """Run reads in autocommit, or inside this thread's transaction when there is one."""
         self.heal()
-        with _relay_errors(), connections[self.alias].cursor() as cursor:
-            yield PostgresTx(cursor, self)
+        local = self._local
+        depth = getattr(local, "reads", 0)
+        local.reads = depth + 1  # heal() leaves the connection of a read in progress alone
+        try:
+            with _relay_errors(), connections[self.alias].cursor() as cursor:
+                yield PostgresTx(cursor, self)
+        finally:
+            local.reads = depth
 
     def heal(self) -> None:
-        """Outside a transaction, close this thread's connection if an error left it unusable
-        (a terminated backend, a database restart) or it outlived ``CONN_MAX_AGE``: the next
-        statement opens a new one.
+        """Outside a transaction or a read, close this thread's connection if an error left it
+        unusable (a terminated backend, a database restart) or it outlived ``CONN_MAX_AGE``: the
+        next statement opens a new one.
 
         Only then does it call Django's ``close_if_unusable_or_obsolete``, which also re-arms
         ``CONN_HEALTH_CHECKS``: called before every transaction, as a request's start would,
@@ -527,7 +533,9 @@ class PostgresDriver:
         prepared statement a schema change made stale.
         """
         conn = connections[self.alias]
-        if conn.in_atomic_block or conn.connection is None:
+        if conn.in_atomic_block or conn.connection is None or getattr(self._local, "reads", 0) > 0:
+            # In a transaction or a read: closing would pull the connection from under it
+            # (with CONN_MAX_AGE 0 a read inside a read closed the outer one's: a review).
             return
         raw = conn.connection
         if getattr(_STALE, "reset", False) or _hung_up(raw):
