@@ -29,6 +29,7 @@ import functools
 import hashlib
 import hmac
 import logging
+import os
 import re
 import secrets
 import threading
@@ -525,6 +526,8 @@ def revoke(prefix: str, *, clock: Clock | None = None) -> bool:
 
 
 def client_api_key() -> str | None:
-    """The key clients (CLI, worker) send by default: ``RELAY_API_KEY``, or None."""
-    value = getattr(settings, "RELAY_API_KEY", "") or ""
+    """The key clients (CLI, worker) send by default: the setting ``RELAY_API_KEY``, else the
+    environment variable of that name (docs/django.md gives workers their key there, not on
+    their command line, in a project that has no such setting), or None."""
+    value = getattr(settings, "RELAY_API_KEY", "") or os.environ.get("RELAY_API_KEY", "")
     return str(value) or None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
 from typing import Any
 
@@ -310,13 +311,23 @@ class RelaySettings:
 
     @classmethod
     def from_django(cls) -> RelaySettings:
-        """Build from ``settings.RELAY_<FIELD>``; a missing setting keeps its default."""
+        """Build from ``settings.RELAY_<FIELD>``; a missing setting keeps its default, but
+        for those in ``FROM_ENVIRONMENT``, which the environment variable of the same name
+        gives when it is set."""
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             name = f"RELAY_{field.name.upper()}"
             if hasattr(settings, name):
                 values[field.name] = getattr(settings, name)
+            elif field.name in FROM_ENVIRONMENT and os.environ.get(name):
+                values[field.name] = os.environ[name]
         return cls(**values)
+
+
+# Settings a project that does not set them takes from the environment: where a process
+# finds the server is the deployment's to say, per process (docs/django.md tells workers
+# `RELAY_ADDRESS=a:7400,b:7400`), as `RELAY_API_KEY` is (``auth.client_api_key``).
+FROM_ENVIRONMENT = frozenset({"address"})
 
 
 _DURATION_RE = re.compile(r"(\d+)(ms|s|m|h|d)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from django.core import checks
 from django.test.utils import override_settings
@@ -192,3 +194,29 @@ def test_the_standalone_project_reads_every_number_from_the_environment() -> Non
     )
     read = json.loads(out.stdout)
     assert {name: read[name] for name in numbers} == numbers
+
+
+def test_a_project_without_the_settings_takes_address_and_key_from_the_environment(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/django.md gives workers `RELAY_API_KEY` (and `RELAY_ADDRESS`) in their environment;
+    # only the standalone project read them there, so a worker in a user's project was
+    # UNAUTHENTICATED with the key exported (a Django review).
+    from queue_core.auth import client_api_key
+
+    monkeypatch.setenv("RELAY_ADDRESS", "relay-1:7400,relay-2:7400")
+    monkeypatch.setenv("RELAY_API_KEY", "rk_from_env")
+    del settings.RELAY_ADDRESS
+    del settings.RELAY_API_KEY
+    relay_settings.cache_clear()
+    assert relay_settings().address == "relay-1:7400,relay-2:7400"
+    assert client_api_key() == "rk_from_env"
+    # A project that sets them keeps its own.
+    settings.RELAY_ADDRESS = "127.0.0.1:7401"
+    settings.RELAY_API_KEY = "rk_from_settings"
+    assert relay_settings().address == "127.0.0.1:7401"
+    assert client_api_key() == "rk_from_settings"
+    monkeypatch.delenv("RELAY_ADDRESS")
+    del settings.RELAY_ADDRESS
+    relay_settings.cache_clear()
+    assert relay_settings().address == RelaySettings().address
