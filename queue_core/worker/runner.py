@@ -256,6 +256,9 @@ class _HeldJob:
     # clock.monotonic() seconds at which the attempt reaches its time limit, or None.
     deadline: float | None = None
     timed_out: bool = False  # the server failed the attempt for its time limit (renew said so)
+    # A newer lease of its job came (its retry, after a time limit or a lost lease) before
+    # its handler ended: no longer in Worker._held, it still takes a slot (Worker._displaced).
+    displaced: bool = False
 
 
 def _log(level: int, event: str, *, exc_info: bool = False, **fields: Any) -> None:
@@ -397,6 +400,8 @@ class Worker:
         # Of those, the slots of held jobs whose ack (or fail) is in flight with a lease_next
         # promised their slot: counted in both _held and _reserved until its _take.
         self._covered = 0
+        # Handlers still running for a job whose newer lease replaced theirs (_HeldJob.displaced).
+        self._displaced = 0
         self._next_in_flight = False  # an ack's lease_next is in flight (one at a time)
         self._lease_next = lease_next
         self._batch_acks = batch_acks and concurrency > 1
@@ -445,6 +450,13 @@ class Worker:
         """Number of jobs whose lease this worker holds right now."""
         with self._cond:
             return len(self._held)
+
+    @property
+    def busy(self) -> int:
+        """Slots taken: the jobs held, and the handlers still running for a job whose newer
+        lease replaced theirs (a handler that ignored its time limit)."""
+        with self._cond:
+            return len(self._held) + self._displaced
 
     def counters(self) -> dict[str, int]:
         """Return a snapshot ``{"leased", "leased_next", "acked", "failed", "released",
@@ -590,7 +602,7 @@ class Worker:
     def _free(self) -> int:
         """Slots neither held nor promised to a lease call in flight (under ``_cond``); a held
         job whose slot is already promised to its own ack's ``lease_next`` counts once."""
-        return self.concurrency - len(self._held) - self._reserved + self._covered
+        return self.concurrency - len(self._held) - self._displaced - self._reserved + self._covered
 
     def _take(
         self,
@@ -622,14 +634,25 @@ class Worker:
             self._covered -= covered
             for done in settled:
                 self._drop(done)
+                if done.displaced:  # its handler has ended: the slot passes to what came
+                    done.displaced = False
+                    self._displaced -= 1
             self.acked += acked
             self.leased += len(jobs)
             if via_ack:
                 self.leased_next += len(jobs)
             kept: list[bool] = []
             for job in jobs:
-                keep = not self._stop.is_set() and len(self._held) < self.concurrency
+                taken = len(self._held) + self._displaced
+                keep = not self._stop.is_set() and taken < self.concurrency
                 if keep:
+                    old = self._held.get(job.job_id)
+                    if old is not None and old.status == "running":
+                        # Its handler still runs (it ignored a time limit): its thread stays
+                        # taken. Counted as held no more, it let the worker lease jobs no
+                        # thread was free to run, renewed for good (a Django review).
+                        old.displaced = True
+                        self._displaced += 1
                     self._held[job.job_id] = job
                 kept.append(keep)
             self._cond.notify_all()
@@ -689,6 +712,12 @@ class Worker:
                 with self._cond:
                     self._drop(job)
                     self._cond.notify_all()
+            finally:
+                with self._cond:
+                    if job.displaced:  # its slot is free only now
+                        job.displaced = False
+                        self._displaced -= 1
+                        self._cond.notify_all()
 
     def _execute(self, job: _HeldJob) -> None:
         ctx = JobContext(

@@ -890,6 +890,42 @@ def test_a_result_over_the_clients_frame_limit_fails_the_job_for_good(
     assert relay.calls_of("ack") == []
 
 
+def test_a_handler_still_running_when_its_job_comes_back_keeps_its_slot(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # A handler ignored its time limit; the server failed the attempt and the retry came back
+    # to this worker's free slot. The new lease replaced the old one among the held jobs, so
+    # the old handler's thread counted as free: the worker leased more jobs than it had
+    # threads, and one sat leased, renewed and never run (a Django review).
+    gates = [threading.Event(), threading.Event()]
+    started: list[int] = []
+
+    def handler(payload: Any, ctx: JobContext) -> None:
+        if payload == "hang":
+            with relay.cond:
+                started.append(len(started))
+                n = len(started) - 1
+                relay.cond.notify_all()
+            assert gates[n].wait(WAIT_S)
+
+    (job_id,) = relay.add("hang")
+    running = make_worker(handler, concurrency=2)
+    relay.wait_for(lambda: len(started) == 1, "the first run")
+    with relay.cond:  # the server failed it at its time limit: its retry is ready again
+        relay.held.pop(job_id)
+        relay.ready.append({"job_id": job_id, "queue": "q", "payload": "hang"})
+        relay.cond.notify_all()
+    relay.wait_for(lambda: len(started) == 2, "the retry running beside it")
+    assert running.worker.busy == 2  # both threads taken: nothing more is leased
+    (later,) = relay.add({"n": 1})
+    gates[0].set()  # the first run ends (its result is refused): its slot frees
+    relay.wait_for(lambda: any(a["job_id"] == later for a in relay.calls_of("ack")), "later")
+    gates[1].set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "the retry's ack")
+    running.stop()
+    assert running.worker.busy == 0
+
+
 def test_non_retryable_error_fails_without_retry(relay: FakeRelay, make_worker: Any) -> None:
     relay.add({"fail": True, "error": "bad input", "retryable": False}, {"fail": True})
     running = make_worker()
