@@ -39,7 +39,10 @@ failed, which the server turns into CANCELLED, while one that returns normally i
 ``timeout`` and the handler's stop is reported as a failure with the error ``timeout`` (never a
 release, which would hand out a free retry); when the server already failed the attempt, the
 result is dropped. Celery's soft time limit and Oban's cancellation work the same way: the
-handler is told, and stops itself.
+handler is told, and stops itself. One that has not stopped ``_TIME_LIMIT_GRACE_S`` after its
+deadline has its lease renewed at once, which the server refuses past the limit by failing the
+attempt (``timeout``): the attempt ends at the limit, not up to a renew interval later, while
+the handler runs on in its slot and what it returns is dropped.
 """
 
 from __future__ import annotations
@@ -82,6 +85,10 @@ MAX_JOBS_PER_LEASE = 100
 _RECONNECT_BACKOFF = RetryPolicy(max_retries=0, base_ms=100, cap_ms=5_000, jitter=True)
 # How soon to retry a renew that failed for a transient reason (connection, BUSY), at most.
 _RENEW_RETRY_S = 1.0
+# How long past its time limit a handler has to stop before the worker renews its lease, so
+# that the server fails the attempt (a task body never sees ctx.stop: with a 30 s lease the
+# attempt of a 3 s limit ended at the renew 10 s in; a Django review).
+_TIME_LIMIT_GRACE_S = 0.5
 # Tries for an ack/fail/release that fails for a transient reason, and the pause between them.
 _SETTLE_TRIES = 3
 _SETTLE_PAUSE_S = 0.2
@@ -1228,8 +1235,10 @@ class Worker:
             with self._cond:
                 live = [j for j in self._held.values() if not j.lost and j.status != "released"]
             for job in live:
-                if job.deadline is not None and job.deadline <= now:
+                if job.deadline is not None and job.deadline <= now and not job.stop.is_set():
                     self._stop_handler(job, "timeout")
+                    # Not stopped by then: the renew the server answers by failing it.
+                    job.renew_at = min(job.renew_at, job.deadline + _TIME_LIMIT_GRACE_S)
             due = [job for job in live if job.renew_at <= now]
             for job in due:
                 self._renew(job)

@@ -155,6 +155,41 @@ def test_the_local_time_limit_interrupts_the_handler_and_fails_with_timeout(
     running.stop()
 
 
+def test_a_handler_that_ignores_its_time_limit_has_its_attempt_ended_at_the_limit(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any, stops: dict[str, str]
+) -> None:
+    # A task body never sees ctx.stop: with a 30 s lease (a renew every 10 s) the attempt of
+    # a 3 s limit ended at the renew 10 s in (a Django review). Half a second past the limit
+    # the worker renews, which the server answers by failing the attempt.
+    gate = threading.Event()
+    started = threading.Event()
+
+    def ignores_stop(payload: Any, ctx: JobContext) -> None:
+        started.set()
+        assert gate.wait(WAIT_S)
+
+    with relay.cond:
+        relay.ready.append({"job_id": "job_t", "queue": "q", "payload": {}, "time_limit_ms": 500})
+        relay.cond.notify_all()
+    stops["job_t"] = "timeout"
+    running = make_worker(ignores_stop, lease_ms=30_000)
+    assert started.wait(WAIT_S)
+    clock.advance(ms=500)  # the limit: ctx.stop, which it ignores
+    clock.advance(ms=499)
+    assert relay.calls_of("renew") == []
+    clock.advance(ms=1)
+    relay.wait_for(lambda: len(relay.calls_of("renew")) == 1, "the renew at the limit")
+    worker = running.worker
+    # The server failed the attempt; the handler runs on in its slot (lease calls notify).
+    relay.wait_for(lambda: all(j.timed_out for j in worker._held.values()), "the renew's reply")
+    assert worker.held == 1
+    gate.set()
+    relay.wait_for(lambda: worker.held == 0, "the handler's end")
+    running.stop()
+    assert relay.calls_of("ack") == relay.calls_of("fail") == []  # its result is dropped
+    assert len(relay.calls_of("renew")) == 1  # never renewed again
+
+
 def test_a_timeout_at_renew_stops_the_handler_and_sends_nothing_more(
     relay: FakeRelay, clock: FakeClock, make_worker: Any, stops: dict[str, str]
 ) -> None:
