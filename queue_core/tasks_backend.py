@@ -75,7 +75,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from traceback import format_exception
 from typing import Any, ParamSpec, Protocol, TypeVar
 
@@ -396,6 +396,18 @@ class RelayBackend(BaseTaskBackend):
 
     def __init__(self, alias: str, params: dict[str, Any]) -> None:
         super().__init__(alias, params)
+        # Shapes Django takes as they come: refused by check() (relay.E103, relay.E105),
+        # rather than an AttributeError out of `manage.py check`, or a string of QUEUES
+        # read as a set of one-letter queue names (a review).
+        self._malformed: list[tuple[str, str]] = []  # (check id, problem)
+        if not isinstance(self.options, Mapping):
+            kind = type(self.options).__name__
+            self._malformed.append(("relay.E103", f"OPTIONS must be a dict, got {kind}"))
+            self.options = {}
+        queues = params.get("QUEUES")
+        if isinstance(queues, str | bytes):
+            problem = f"QUEUES must be a list of queue names, got {queues!r}"
+            self._malformed.append(("relay.E105", problem))
         self.database: str = self.options.get("DATABASE", "default")
         self.max_retries: int | None = self.options.get("MAX_RETRIES")
         self.address: str | None = self.options.get("ADDRESS") or None
@@ -451,7 +463,10 @@ class RelayBackend(BaseTaskBackend):
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
         """System checks ``relay.E101``...: apps installed, database alias and its
         transaction mode (``relay.W106``), options, queue names."""
-        messages: list[checks.CheckMessage] = []
+        messages: list[checks.CheckMessage] = [
+            checks.Error(f"TASKS[{self.alias!r}]: {problem}", id=check_id)
+            for check_id, problem in self._malformed
+        ]
         needed = () if self.networked else ("queue_core",)
         for app in needed:
             if not apps.is_installed(app):
@@ -475,6 +490,16 @@ class RelayBackend(BaseTaskBackend):
             mode = database.get("OPTIONS", {}).get("transaction_mode")
             sqlite = database.get("ENGINE") == "django.db.backends.sqlite3"
             shared = not self.networked  # only then does Relay write the caller's database
+            if shared and self.database != relay_settings().database:
+                messages.append(
+                    checks.Error(
+                        f"TASKS[{self.alias!r}]['OPTIONS']['DATABASE'] is {self.database!r} but "
+                        f"RELAY_DATABASE is {relay_settings().database!r}: tasks would be written "
+                        "where no relay server or worker looks",
+                        hint="Give both the alias that holds Relay's tables (docs/django.md).",
+                        id="relay.E107",
+                    )
+                )
             if shared and sqlite and str(mode).upper() != "IMMEDIATE":  # SQLite-only option
                 messages.append(
                     checks.Warning(

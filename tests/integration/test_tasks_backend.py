@@ -232,6 +232,22 @@ def test_system_checks_report_misconfiguration() -> None:
     assert ids == ["relay.E102", "relay.E103", "relay.E104", "relay.E105"]
 
 
+def test_system_checks_report_malformed_shapes_and_a_database_no_server_serves() -> None:
+    # OPTIONS None crashed `manage.py check` (AttributeError); QUEUES "default" passed as the
+    # queues d, e, f, a, u, l, t; OPTIONS' DATABASE other than RELAY_DATABASE wrote tasks
+    # where no server or worker looks, and `check` passed (a Django review).
+    def ids(params: dict[str, Any]) -> list[str]:
+        return [m.id for m in RelayBackend("bad", params).check() if isinstance(m.id, str)]
+
+    assert ids({"OPTIONS": None}) == ["relay.E103"]
+    assert ids({"OPTIONS": "x"}) == ["relay.E103"]
+    assert ids({"QUEUES": "default"}) == ["relay.E105"]
+    with override_settings(RELAY_DATABASE="postgresql"):
+        assert ids({}) == ["relay.E107"]
+        assert ids({"OPTIONS": {"DATABASE": "postgresql"}}) == []
+    assert ids({}) == []
+
+
 # -- results: every status, return values, errors ---------------------------------------
 
 
