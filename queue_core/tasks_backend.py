@@ -875,7 +875,7 @@ class RelayBackend(BaseTaskBackend):
         recorded = {e["attempt"]: e for e in found.get("errors") or []}
         task_errors: list[TaskError] = []
         for attempt in history:
-            if attempt["outcome"] not in ("failed", "lease_expired", "timeout"):
+            if attempt["outcome"] not in ("failed", "lease_expired", "recovered", "timeout"):
                 continue
             entry = recorded.get(attempt["attempt"])
             if entry is not None:
@@ -888,6 +888,14 @@ class RelayBackend(BaseTaskBackend):
                     exception_class_path=f"{LeaseExpired.__module__}.{LeaseExpired.__qualname__}",
                     traceback="lease expired: the worker neither finished nor renewed in time "
                     "(it crashed, hung or lost its connection)",
+                )
+            elif attempt["outcome"] == "recovered":
+                # Its server restarted while it ran and released the lease (SQLite): the body
+                # may have run on, as for an expired lease (a Django review found none listed).
+                error = TaskError(
+                    exception_class_path=f"{LeaseExpired.__module__}.{LeaseExpired.__qualname__}",
+                    traceback="recovered: the server restarted while the attempt ran and "
+                    "released its lease",
                 )
             elif attempt["outcome"] == "timeout":
                 error = TaskError(

@@ -518,6 +518,20 @@ def test_expired_lease_reads_as_an_error() -> None:
     assert result.errors[0].exception_class is LeaseExpired
 
 
+def test_a_delivery_a_server_restart_cut_short_reads_as_an_error() -> None:
+    # Its attempt's outcome "recovered" was left out: attempts 2, errors [] (a Django review).
+    service = QueueService()
+    result = tasks.add.enqueue(1, 2)
+    service.claim(["default"], worker_id="w1")
+    assert service.recover() == 1  # what a SQLite server does at its start
+    run_next(service, worker_id="w2")
+    result.refresh()
+    assert result.status == TaskResultStatus.SUCCESSFUL and result.attempts == 2
+    (error,) = result.errors
+    assert error.exception_class is LeaseExpired
+    assert error.traceback.startswith("recovered: the server restarted")
+
+
 def test_an_attempt_past_its_time_limit_reads_as_an_error() -> None:
     # Its attempt's outcome "timeout" was left out: FAILED with errors == [] (hostile review).
     clock = FakeClock()
