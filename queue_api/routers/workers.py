@@ -86,6 +86,8 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
                 woken = await waiter.wait(wake_at - time.monotonic()) or woken
             finally:
                 process.wakeups.unsubscribe(waiter)
+                # Marked as its wait timed out, the wait said no: count it all the same.
+                woken = woken or waiter.woken
     finally:
         process.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken)
 

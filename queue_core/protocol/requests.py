@@ -461,6 +461,9 @@ class Requests:
                     if waiter is not None:
                         conn.waiting.discard(waiter.event)
                         self.wakeups.unsubscribe(waiter)
+                        # Marked as its wait timed out, the wait said no: count it all the
+                        # same (no wake can mark it once it is unsubscribed).
+                        woken = woken or waiter.woken
         finally:
             self.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken)
 

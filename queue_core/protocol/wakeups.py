@@ -257,6 +257,8 @@ class ProcessWakeups:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._stopping = threading.Event()
+        # The earliest due instant (epoch ms) a commit elsewhere brought (_on_commit), if any.
+        self._due_ms: int | None = None
 
     async def start(self) -> None:
         """Follow the feed if not yet; wait (up to ``START_TIMEOUT_S``) for the first
@@ -301,11 +303,28 @@ class ProcessWakeups:
         if not waited:
             return
         try:
-            ready = self._service().ready_queues(waited)
+            service = self._service()
+            ready = service.ready_queues(waited)
+            due = service.next_due_ms()
         except Exception:  # wake them all: each claims and sees for itself
             log.exception("event=ready_queues_failed")
-            ready = waited
+            ready, due = waited, None
         self.wakeups.wake(ready)
+        if due is not None and (self._due_ms is None or due < self._due_ms):
+            # A job delayed (or a lease taken) since the waiters last claimed: without a
+            # server's reaper, only they look at due instants, each at the one it saw when it
+            # claimed; at this one they look again (``_due_tick``). A review's delayed job
+            # waited out the long-polls' 15 s.
+            self._due_ms = due
+
+    def _due_tick(self, service: QueueService) -> None:
+        """At ``_due_ms``: wake a waiter of each waited-on queue, which claims (a job due
+        now, a lease expired) and takes its own next due instant."""
+        due = self._due_ms
+        if due is None or service.clock.now_ms() < due:
+            return
+        self._due_ms = None
+        self.wakeups.wake(self.wakeups.queues())
 
     def _run(self, follower: FeedFollower) -> None:
         try:
@@ -315,7 +334,7 @@ class ProcessWakeups:
                     self.wakeups.wake_all()  # what committed before it was not seen
                     self._started.set()
                     while not self._stopping.wait(POLL_INTERVAL_S) and follower.poll():
-                        pass
+                        self._due_tick(follower.service)
                 self._stopping.wait(RETRY_S)  # the feed failed (logged): again in a while
         finally:
             follower.forget()

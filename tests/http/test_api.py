@@ -387,6 +387,45 @@ def test_long_poll_wakes_on_a_commit_from_another_connection(api: Api) -> None:
     assert result["elapsed"] < 10
 
 
+def test_a_long_poll_gets_a_job_delayed_since_it_began_when_it_falls_due(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With no relay server (no reaper), only the waiting long-polls look at due instants: a
+    # commit elsewhere woke them all, and each claimed again and saw the new one. Waking only
+    # queues with a READY job left a delayed job for the waits' end (15 s; a review).
+    from queue_core.protocol.wakeups import Waiter
+    from queue_core.service import QueueService
+
+    waiting = threading.Event()
+    original = Waiter.wait
+
+    async def wait(self: Waiter, timeout_s: float) -> bool:
+        waiting.set()  # past its first claim
+        return await original(self, timeout_s)
+
+    monkeypatch.setattr(Waiter, "wait", wait)
+    result: dict[str, Any] = {}
+
+    def poll() -> None:
+        from django.db import connection
+
+        try:
+            started = time.monotonic()
+            response = Api().post("/api/v1/leases", {"queues": ["later"], "wait_ms": 15_000})
+            result["elapsed"] = time.monotonic() - started
+            result["jobs"] = response.json()["jobs"]
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    assert waiting.wait(10)
+    job = QueueService().submit("later", {"n": 1}, delay_ms=300)["job"]  # another connection
+    thread.join(20)
+    assert [j["job_id"] for j in result["jobs"]] == [job["id"]]
+    assert result["elapsed"] < 10
+
+
 def test_lease_defaults_worker_id_to_the_client_address(api: Api) -> None:
     submit(api)
     response = api.post("/api/v1/leases", {"queues": ["email"]})

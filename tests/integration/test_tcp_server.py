@@ -838,6 +838,55 @@ def test_a_batch_reaches_as_many_long_polls_as_it_has_jobs(
     assert sorted(leased) == sorted(jobs)
 
 
+def test_a_wake_that_lands_as_a_wait_times_out_is_handed_on(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The oldest waiter is the one nearest its deadline: a wake could mark it just as its
+    # wait timed out, the wait then said "not woken", its last claim got a job, and it handed
+    # nothing on: the rest of a batch waited for another wake (a review forced it: 0.4-0.9 s
+    # on PostgreSQL). Here the wake lands exactly there, and no other wake comes.
+    from queue_core.protocol.wakeups import Waiter, Wakeups
+
+    running = start()
+    wakeups = running.server._wakeups
+    injected: list[bool] = []
+    original_wait, original_wake = Waiter.wait, Wakeups.wake
+    quiet = threading.Event()  # set: commits wake nobody (until the wake lands)
+
+    async def wait(self: Waiter, timeout_s: float) -> bool:
+        woken = await original_wait(self, timeout_s)
+        if not woken and timeout_s < 2 and not injected:
+            injected.append(True)
+            quiet.clear()
+            original_wake(wakeups, ["race"])  # marks this waiter, the oldest
+        return woken
+
+    def wake(self: Wakeups, queues: Any, n: int = 1) -> None:
+        if not quiet.is_set():
+            original_wake(self, queues, n)
+
+    monkeypatch.setattr(Waiter, "wait", wait)
+    monkeypatch.setattr(Wakeups, "wake", wake)
+    clients = [Client(running.port) for _ in range(5)]
+    try:
+        first, *others = clients[:4]
+        first.send("lease", "lp", queues=["race"], wait_ms=1_500, worker_id="w")
+        barrier(first)
+        for c in others:
+            c.send("lease", "lp", queues=["race"], wait_ms=15_000, worker_id="w")
+            barrier(c)
+        quiet.set()
+        batch = [{"queue": "race", "payload": i} for i in range(4)]
+        jobs = {e["job_id"] for e in clients[4].ok("submit_batch", jobs=batch)["results"]}
+        began = time.monotonic()
+        leased = [j["job_id"] for c in clients[:4] for j in c.recv()["result"]["jobs"]]
+        assert injected and sorted(leased) == sorted(jobs)
+        assert time.monotonic() - began < 5  # not the 15 s of the others' waits
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_a_commit_elsewhere_wakes_only_the_queues_it_made_ready(
     connect: Callable[[], Client],
 ) -> None:
