@@ -1086,7 +1086,7 @@ def check_worker_setup(backends: list[RelayBackend], client: _StatsClient) -> li
         client: a ``RelayClient`` on the worker's server.
     Returns:
         Warnings about what could not be checked (the server unreachable yet, or the API key
-        lacks the ``stats`` scope); empty when everything was checked.
+        may not call ``stats``); empty when everything was checked.
     Raises:
         ImproperlyConfigured: a database is unreadable or is not the server's (one line).
     """
@@ -1107,9 +1107,11 @@ def check_worker_setup(backends: list[RelayBackend], client: _StatsClient) -> li
             service = QueueService(driver=driver_for(database))
             here = {str(server["id"]) for server in service.servers()}
         except DatabaseError as exc:
+            # One line: psycopg's message goes on with "LINE 1: ..." and a caret line.
+            cause = " ".join(str(exc).split("\n", 1)[0].split())
             raise ImproperlyConfigured(
-                f"database {database!r} cannot hold task results ({exc}); run manage.py migrate "
-                "with the settings the server uses"
+                f"database {database!r} cannot hold task results ({cause}); run manage.py "
+                "migrate with the settings the server uses"
             ) from exc
         if served and not served & here:
             raise ImproperlyConfigured(

@@ -788,3 +788,26 @@ def test_results_written_before_0013_are_read_from_the_legacy_table(
     assert tasks.add.get_result(done.id).return_value == 3
     (error,) = tasks.add.get_result(failed.id).errors
     assert (error.exception_class_path, error.traceback) == ("builtins.KeyError", "tb")
+
+
+def test_the_workers_database_check_fails_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # psycopg's message for a table that does not exist goes on with "LINE 1: ..." and a
+    # caret line: the worker's start-up error spanned three lines (a Django review).
+    from django.core.exceptions import ImproperlyConfigured
+    from django.db import DatabaseError
+
+    def unmigrated(self: QueueService) -> list[dict[str, Any]]:
+        raise DatabaseError(
+            'relation "relay_server" does not exist\nLINE 1: SELECT id FROM relay_server\n   ^'
+        )
+
+    class Stats:
+        def stats(self, queue: str | None = None, **kwargs: Any) -> dict[str, Any]:
+            return {"servers": [{"id": "srv_1"}]}
+
+    monkeypatch.setattr(QueueService, "servers", unmigrated)
+    backend = RelayBackend("default", {"QUEUES": []})
+    with pytest.raises(ImproperlyConfigured) as info:
+        tasks_backend.check_worker_setup([backend], Stats())
+    assert "\n" not in str(info.value)
+    assert 'cannot hold task results (relation "relay_server" does not exist);' in str(info.value)
