@@ -564,6 +564,9 @@ def test_chunked_body_is_bounded_too() -> None:
 def test_unknown_api_path_and_wrong_method(api: Api) -> None:
     problem(api.get("/api/v1/nothing/here"), 404, "NOT_FOUND")
     problem(api.get("/api/v2/jobs"), 404, "NOT_FOUND")
+    # A request line's "//api/v1/stats" (the test client would read "//api" as a host) was
+    # Django's HTML 404 (a review).
+    problem(Client().get("/", PATH_INFO="//api/v1/stats"), 404, "NOT_FOUND")
     for method in ("GET", "POST", "DELETE", "OPTIONS"):  # the root was an HTML 404 / CSRF 403
         response = Client(enforce_csrf_checks=True).generic(
             method, "/api/v1/", b"{}", "application/json"
