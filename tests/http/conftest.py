@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -72,6 +73,35 @@ def problem(response: Any, status: int, code: str) -> dict[str, Any]:
     assert body["type"] == f"urn:relay:error:{code}"
     assert {"title", "detail", "instance", "retryable"} <= set(body)
     return body
+
+
+class LongPoll:
+    """``POST /api/v1/leases`` on ``queues`` with ``wait_ms``, from a thread of its own (with
+    its own database connection, closed at its end); ``join()`` returns the leased jobs and
+    sets ``elapsed`` (s)."""
+
+    def __init__(self, queues: list[str], wait_ms: int) -> None:
+        self.jobs: list[dict[str, Any]] = []
+        self.elapsed = 0.0
+        self._body = {"queues": queues, "wait_ms": wait_ms}
+        self.thread = threading.Thread(target=self._poll)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        from django.db import connection
+
+        try:
+            started = time.monotonic()
+            response = Api().post("/api/v1/leases", self._body)
+            self.elapsed = time.monotonic() - started
+            self.jobs = response.json()["jobs"]
+        finally:
+            connection.close()
+
+    def join(self, timeout_s: float = 20) -> list[dict[str, Any]]:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "the long-poll did not answer"
+        return self.jobs
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from queue_core import metrics
 from queue_core.clock import FakeClock, SystemClock
 from queue_core.models import Job
 from queue_core.service import QueueService
-from tests.http.conftest import Api, problem
+from tests.http.conftest import Api, LongPoll, problem
 
 DAY_MS = 86_400_000
 
@@ -366,25 +366,10 @@ def test_lease_wait_is_bounded_by_relay_max_wait_ms(api: Api) -> None:
 
 
 def test_long_poll_wakes_on_a_commit_from_another_connection(api: Api) -> None:
-    result: dict[str, Any] = {}
-
-    def poll() -> None:
-        from django.db import connection
-
-        try:
-            started = time.monotonic()
-            response = Api().post("/api/v1/leases", {"queues": ["wake"], "wait_ms": 15_000})
-            result["elapsed"] = time.monotonic() - started
-            result["jobs"] = response.json()["jobs"]
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=poll)
-    thread.start()
+    poll = LongPoll(["wake"], wait_ms=15_000)
     job = submit(api, queue="wake")
-    thread.join(20)
-    assert [j["job_id"] for j in result["jobs"]] == [job["id"]]
-    assert result["elapsed"] < 10
+    assert [j["job_id"] for j in poll.join()] == [job["id"]]
+    assert poll.elapsed < 10
 
 
 def test_a_long_poll_gets_a_job_delayed_since_it_began_when_it_falls_due(
@@ -404,26 +389,11 @@ def test_a_long_poll_gets_a_job_delayed_since_it_began_when_it_falls_due(
         return await original(self, timeout_s)
 
     monkeypatch.setattr(Waiter, "wait", wait)
-    result: dict[str, Any] = {}
-
-    def poll() -> None:
-        from django.db import connection
-
-        try:
-            started = time.monotonic()
-            response = Api().post("/api/v1/leases", {"queues": ["later"], "wait_ms": 15_000})
-            result["elapsed"] = time.monotonic() - started
-            result["jobs"] = response.json()["jobs"]
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=poll)
-    thread.start()
+    poll = LongPoll(["later"], wait_ms=15_000)
     assert waiting.wait(10)
     job = QueueService().submit("later", {"n": 1}, delay_ms=300)["job"]  # another connection
-    thread.join(20)
-    assert [j["job_id"] for j in result["jobs"]] == [job["id"]]
-    assert result["elapsed"] < 10
+    assert [j["job_id"] for j in poll.join()] == [job["id"]]
+    assert poll.elapsed < 10
 
 
 def test_lease_defaults_worker_id_to_the_client_address(api: Api) -> None:

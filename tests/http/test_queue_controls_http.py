@@ -3,17 +3,15 @@ only; the same errors as TCP."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 import pytest
 
 from queue_api import calls
 from queue_core.models import JobEvent
-from tests.http.conftest import Api, problem
+from tests.http.conftest import Api, LongPoll, problem
 from tests.http.test_metrics import samples
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -99,27 +97,12 @@ def test_metrics_show_paused_and_limited_queues(api: Api) -> None:
 def test_an_http_long_poll_on_a_paused_queue_waits_and_resume_wakes_it(api: Api) -> None:
     api.post("/api/v1/queues/held/jobs", {"payload": 1})
     api.post("/api/v1/queues/held/pause")
-    result: dict[str, Any] = {}
-
-    def poll() -> None:
-        from django.db import connection
-
-        try:
-            started = time.monotonic()
-            response = Api().post("/api/v1/leases", {"queues": ["held"], "wait_ms": 15_000})
-            result["elapsed"] = time.monotonic() - started
-            result["jobs"] = response.json()["jobs"]
-        finally:
-            connection.close()
-
-    thread = threading.Thread(target=poll)
-    thread.start()
+    poll = LongPoll(["held"], wait_ms=15_000)
     # Resume only once the long-poll waits (it claimed nothing from the paused queue).
     deadline = time.monotonic() + 10
     while not calls.wakeups().wakeups.queues():
-        assert time.monotonic() < deadline and thread.is_alive(), result
+        assert time.monotonic() < deadline and poll.thread.is_alive()
         time.sleep(0.005)
     assert api.post("/api/v1/queues/held/resume").status_code == 200
-    thread.join(20)
-    assert len(result["jobs"]) == 1
-    assert result["elapsed"] < 10  # woken by the resume, not by its deadline
+    assert len(poll.join()) == 1
+    assert poll.elapsed < 10  # woken by the resume, not by its deadline
