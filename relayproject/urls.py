@@ -37,7 +37,7 @@ urlpatterns = [
     path("api/v1/", _api_urls()),
     # Any other path under /api/, also with more slashes before it (//api/v1/stats): the
     # API's 404 problem, not Django's HTML page.
-    re_path(r"^/*api/(?P<rest>.*)$", api_not_found),
+    re_path(r"^(?:/*)api/(?P<rest>.*)$", api_not_found),
     path("metrics", metrics_view, name="metrics"),
     re_path(r"^static/(?P<path>.*)$", serve_static, {"insecure": True}),
 ]
