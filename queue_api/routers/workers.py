@@ -70,8 +70,8 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
     process = calls.wakeups()
     if checked.get("wait_ms", 0) > 0:
         await process.start()
-    # The last round's waiter, whether a wake reached an earlier round, and whether it leaves
-    # with jobs: as it leaves, it hands its wake on (Wakeups.leave).
+    # The last round's waiter, whether a wake chose any round's, and whether it leaves with
+    # jobs: as it leaves, it hands its wake on (Wakeups.leave).
     waiter: Waiter | None = None
     woken = got_jobs = False
     try:
@@ -83,11 +83,9 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
                 got_jobs = bool(result["jobs"])
                 if got_jobs or time.monotonic() >= deadline:
                     return result
-                woken = await waiter.wait(wake_at - time.monotonic()) or woken
+                await waiter.wait(wake_at - time.monotonic())
             finally:
-                process.wakeups.unsubscribe(waiter)
-                # Marked as its wait timed out, the wait said no: count it all the same.
-                woken = woken or waiter.woken
+                woken = process.wakeups.unsubscribe(waiter) or woken
     finally:
         process.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken)
 

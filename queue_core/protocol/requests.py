@@ -405,8 +405,8 @@ class Requests:
         frame = relay_settings().max_frame_bytes
         wait_ms = args.get("wait_ms", 0)
         deadline = loop.time() + wait_ms / 1000
-        # The last round's waiter, whether a wake reached an earlier round, and whether it
-        # leaves with jobs: as it leaves, it hands its wake on (Wakeups.leave).
+        # The last round's waiter, whether a wake chose any round's, and whether it leaves
+        # with jobs: as it leaves, it hands its wake on (Wakeups.leave).
         waiter: Waiter | None = None
         woken = got_jobs = False
         try:
@@ -454,16 +454,13 @@ class Requests:
                     if got_jobs or remaining <= 0 or self.draining or conn.gone:
                         return outcome
                     if waiter is not None:
-                        woken = await waiter.wait(remaining) or woken
+                        await waiter.wait(remaining)
                     if self.draining or conn.gone:
                         return dispatch.Outcome({"jobs": []})
                 finally:
                     if waiter is not None:
                         conn.waiting.discard(waiter.event)
-                        self.wakeups.unsubscribe(waiter)
-                        # Marked as its wait timed out, the wait said no: count it all the
-                        # same (no wake can mark it once it is unsubscribed).
-                        woken = woken or waiter.woken
+                        woken = self.wakeups.unsubscribe(waiter) or woken
         finally:
             self.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken)
 

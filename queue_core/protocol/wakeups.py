@@ -108,8 +108,9 @@ class Wakeups:
                 self._waiters.setdefault(name, {})[waiter] = None
         return waiter
 
-    def unsubscribe(self, waiter: Waiter) -> None:
-        """Forget ``waiter``."""
+    def unsubscribe(self, waiter: Waiter) -> bool:
+        """Forget ``waiter``; return whether a wake chose it (no wake can once it is
+        forgotten; it may have come as its wait timed out, and the wait then said no)."""
         with self._lock:
             for name in waiter.queues:
                 waiters = self._waiters.get(name)
@@ -117,6 +118,7 @@ class Wakeups:
                     waiters.pop(waiter, None)
                     if not waiters:
                         del self._waiters[name]
+            return waiter.woken
 
     def wake(self, queues: Iterable[str], n: int = 1) -> None:
         """Wake the ``n`` oldest waiters of each of ``queues`` not woken yet (any thread).
@@ -155,11 +157,11 @@ class Wakeups:
         Args:
             waiter: its last round's waiter (None: it never waited, nothing to hand on).
             got_jobs: it leaves with jobs.
-            woken: a wake reached one of its earlier rounds.
+            woken: a wake chose one of its rounds' waiters (``unsubscribe`` says).
         """
         if waiter is None:
             return
-        if got_jobs and (woken or waiter.woken):
+        if got_jobs and woken:
             self.wake(waiter.queues, n=2)  # there may be more: wake the next two
         elif waiter.woken and not got_jobs:
             self.wake(waiter.queues)  # woken, but it leaves without a claim since: pass it on

@@ -44,18 +44,17 @@ async def _a_wake_sets_the_oldest_waiter_not_woken_yet() -> None:
     wakeups.wake(["q"])  # the first is woken already: it claims after this commit too
     assert woken() == [True, True, False, False]
     # It leaves with jobs: there may be more, the next two are woken.
-    wakeups.unsubscribe(first)
-    wakeups.leave(first, got_jobs=True, woken=False)
+    assert wakeups.unsubscribe(first) is True  # unsubscribe says a wake chose it
+    wakeups.leave(first, got_jobs=True, woken=True)
     assert woken() == [True, True, True, True]
     # Woken, it leaves without having claimed since: one more is woken.
     fifth = wakeups.subscribe(["q"])
-    wakeups.unsubscribe(second)
-    wakeups.leave(second, got_jobs=False, woken=False)
+    wakeups.leave(second, got_jobs=False, woken=wakeups.unsubscribe(second))
     assert fifth.event.is_set()
     # A long-poll woken in an earlier round whose last waiter was not: jobs hand it on,
     # none do not (its claim after the wake found nothing).
     last, sixth = wakeups.subscribe(["q"]), wakeups.subscribe(["q"])
-    wakeups.unsubscribe(last)
+    assert wakeups.unsubscribe(last) is False
     wakeups.leave(last, got_jobs=False, woken=True)
     assert not sixth.event.is_set()
     wakeups.leave(last, got_jobs=True, woken=True)
