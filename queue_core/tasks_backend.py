@@ -231,6 +231,16 @@ class TaskAttemptFailed(Exception):
     """An attempt failed but the worker left no traceback (the error text is all there is)."""
 
 
+# Attempts that lost their lease, each read as a LeaseExpired TaskError: the body may have run
+# on. A recovered one's server restarted while it ran and released the lease (SQLite; a
+# Django review found such deliveries counted with no error).
+_LOST_LEASES = {
+    "lease_expired": "lease expired: the worker neither finished nor renewed in time (it "
+    "crashed, hung or lost its connection)",
+    "recovered": "recovered: the server restarted while the attempt ran and released its lease",
+}
+
+
 class TimeLimitExceeded(Exception):
     """An attempt ran past its time limit (``RELAY_QUEUE_TIME_LIMITS``; the attempt's outcome
     ``timeout``): the server failed it at a renew. A task body cannot see the worker's stop
@@ -875,7 +885,7 @@ class RelayBackend(BaseTaskBackend):
         recorded = {e["attempt"]: e for e in found.get("errors") or []}
         task_errors: list[TaskError] = []
         for attempt in history:
-            if attempt["outcome"] not in ("failed", "lease_expired", "recovered", "timeout"):
+            if attempt["outcome"] not in ("failed", "timeout", *_LOST_LEASES):
                 continue
             entry = recorded.get(attempt["attempt"])
             if entry is not None:
@@ -883,19 +893,10 @@ class RelayBackend(BaseTaskBackend):
                     exception_class_path=entry["exception_class"],
                     traceback=entry["traceback"],
                 )
-            elif attempt["outcome"] == "lease_expired":
+            elif attempt["outcome"] in _LOST_LEASES:
                 error = TaskError(
                     exception_class_path=f"{LeaseExpired.__module__}.{LeaseExpired.__qualname__}",
-                    traceback="lease expired: the worker neither finished nor renewed in time "
-                    "(it crashed, hung or lost its connection)",
-                )
-            elif attempt["outcome"] == "recovered":
-                # Its server restarted while it ran and released the lease (SQLite): the body
-                # may have run on, as for an expired lease (a Django review found none listed).
-                error = TaskError(
-                    exception_class_path=f"{LeaseExpired.__module__}.{LeaseExpired.__qualname__}",
-                    traceback="recovered: the server restarted while the attempt ran and "
-                    "released its lease",
+                    traceback=_LOST_LEASES[attempt["outcome"]],
                 )
             elif attempt["outcome"] == "timeout":
                 error = TaskError(

@@ -641,9 +641,7 @@ class Worker:
             self._covered -= covered
             for done in settled:
                 self._drop(done)
-                if done.displaced:  # its handler has ended: the slot passes to what came
-                    done.displaced = False
-                    self._displaced -= 1
+                self._undisplace(done)  # its handler has ended: the slot passes to what came
             self.acked += acked
             self.leased += len(jobs)
             if via_ack:
@@ -689,6 +687,15 @@ class Worker:
             return True
         return False
 
+    def _undisplace(self, job: _HeldJob) -> bool:
+        """Give back the slot of a displaced job's handler, which has ended (under ``_cond``);
+        True if it was displaced."""
+        if not job.displaced:
+            return False
+        job.displaced = False
+        self._displaced -= 1
+        return True
+
     def _held_job(self, lease: types.Lease) -> _HeldJob:
         now = self._clock.monotonic()
         limit_ms = lease.get("time_limit_ms")
@@ -721,9 +728,7 @@ class Worker:
                     self._cond.notify_all()
             finally:
                 with self._cond:
-                    if job.displaced:  # its slot is free only now
-                        job.displaced = False
-                        self._displaced -= 1
+                    if self._undisplace(job):  # its slot is free only now
                         self._cond.notify_all()
 
     def _execute(self, job: _HeldJob) -> None:
