@@ -105,6 +105,23 @@ class LongPoll:
 
 
 @pytest.fixture
+def long_poll_waits(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set when a long-poll starts to wait, past a claim that found nothing (a hook on
+    ``Waiter.wait``): what a test waits for before the commit the long-poll must see."""
+    from queue_core.protocol.wakeups import Waiter
+
+    waiting = threading.Event()
+    original = Waiter.wait
+
+    async def wait(self: Waiter, timeout_s: float) -> bool:
+        waiting.set()
+        return await original(self, timeout_s)
+
+    monkeypatch.setattr(Waiter, "wait", wait)
+    return waiting
+
+
+@pytest.fixture
 def api(transactional_db: None) -> Api:
     """The HTTP API through Django's test client (no key)."""
     auth.invalidate()

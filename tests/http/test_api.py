@@ -373,24 +373,15 @@ def test_long_poll_wakes_on_a_commit_from_another_connection(api: Api) -> None:
 
 
 def test_a_long_poll_gets_a_job_delayed_since_it_began_when_it_falls_due(
-    api: Api, monkeypatch: pytest.MonkeyPatch
+    api: Api, long_poll_waits: threading.Event
 ) -> None:
     # With no relay server (no reaper), only the waiting long-polls look at due instants: a
     # commit elsewhere woke them all, and each claimed again and saw the new one. Waking only
     # queues with a READY job left a delayed job for the waits' end (15 s; a review).
-    from queue_core.protocol.wakeups import Waiter
     from queue_core.service import QueueService
 
-    waiting = threading.Event()
-    original = Waiter.wait
-
-    async def wait(self: Waiter, timeout_s: float) -> bool:
-        waiting.set()  # past its first claim
-        return await original(self, timeout_s)
-
-    monkeypatch.setattr(Waiter, "wait", wait)
     poll = LongPoll(["later"], wait_ms=15_000)
-    assert waiting.wait(10)
+    assert long_poll_waits.wait(10)  # past its first claim
     job = QueueService().submit("later", {"n": 1}, delay_ms=300)["job"]  # another connection
     assert [j["job_id"] for j in poll.join()] == [job["id"]]
     assert poll.elapsed < 10

@@ -3,13 +3,12 @@ only; the same errors as TCP."""
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Callable
 
 import orjson
 import pytest
 
-from queue_api import calls
 from queue_core.models import JobEvent
 from tests.http.conftest import Api, LongPoll, problem
 from tests.http.test_metrics import samples
@@ -94,15 +93,14 @@ def test_metrics_show_paused_and_limited_queues(api: Api) -> None:
     assert samples(text, "relay_queue_rate_per_second") == {(("queue", "n"),): 2.0}
 
 
-def test_an_http_long_poll_on_a_paused_queue_waits_and_resume_wakes_it(api: Api) -> None:
+def test_an_http_long_poll_on_a_paused_queue_waits_and_resume_wakes_it(
+    api: Api, long_poll_waits: threading.Event
+) -> None:
     api.post("/api/v1/queues/held/jobs", {"payload": 1})
     api.post("/api/v1/queues/held/pause")
     poll = LongPoll(["held"], wait_ms=15_000)
     # Resume only once the long-poll waits (it claimed nothing from the paused queue).
-    deadline = time.monotonic() + 10
-    while not calls.wakeups().wakeups.queues():
-        assert time.monotonic() < deadline and poll.thread.is_alive()
-        time.sleep(0.005)
+    assert long_poll_waits.wait(10)
     assert api.post("/api/v1/queues/held/resume").status_code == 200
     assert len(poll.join()) == 1
     assert poll.elapsed < 10  # woken by the resume, not by its deadline
