@@ -335,6 +335,9 @@ class QueueService:
         self._capped: set[str] = set()
         self._throttled: dict[str, int] = {}
         self._controlled: set[str] = set()  # queues the last claim naming them found controlled
+        # Queues the last claim naming them found with a cap (``max_leased``): an ended lease
+        # there tells other servers' long-polls (``_slot_freed``).
+        self._slotted: set[str] = set()
         self._hints = threading.Lock()
 
     @property
@@ -1320,6 +1323,8 @@ class QueueService:
         with self._hints:
             self._controlled.difference_update(names)
             self._controlled.update(controls)
+            self._slotted.difference_update(names)
+            self._slotted.update(n for n, c in controls.items() if c["max_leased"] is not None)
         if not controls:
             return names, None, {}
         kept: list[str] = []
@@ -1386,6 +1391,16 @@ class QueueService:
         with self._hints:
             times = [self._throttled[q] for q in queues if q in self._throttled]
         return min(times, default=None)
+
+    def _slot_freed(self, tx: Tx, queue: str) -> None:
+        """A lease of ``queue`` ended in ``tx``: when a claim here found the queue capped
+        (``max_leased``), the freed slot may let a long-poll claim, so those of other servers
+        on the database are told once ``tx`` commits (``made_ready``: a NOTIFY on PostgreSQL,
+        nothing on SQLite, whose other processes see every commit). This server's own
+        long-polls are woken by the dispatch (``held_back``). A hint: a process that never
+        claimed from the queue sends nothing, and the others' fallback poll finds the slot."""
+        if queue in self._slotted:
+            tx.made_ready(queue)
 
     def held_back(self, queue: str) -> bool:
         """Whether a claim in this process left READY jobs of ``queue`` because of its cap:
@@ -1589,6 +1604,7 @@ class QueueService:
             raise self._rejection(tx, params, "ack")
         self._end_attempt(tx, job_id, row["attempt"], now, "succeeded", None)
         self._entered(tx, job_id, row["unique_scope"], JobState.SUCCEEDED)
+        self._slot_freed(tx, row["queue"])
         if stored is not None:
             tx.run("store_result", {"job_id": job_id, "return_value": stored, "now_ms": now})
         return {
@@ -1835,6 +1851,7 @@ class QueueService:
             job_id = row["id"]
             index = first.pop(job_id)
             self._entered(tx, job_id, row["unique_scope"], JobState.SUCCEEDED)
+            self._slot_freed(tx, row["queue"])
             stored = plans[index][1]
             if stored is not None:
                 tx.run("store_result", {"job_id": job_id, "return_value": stored, "now_ms": now})
@@ -1863,6 +1880,7 @@ class QueueService:
         (``"failed"``, or ``"timeout"`` for a renew past the time limit). Returns ``fail``'s
         result."""
         job_id = params["job_id"]
+        self._slot_freed(tx, lease["queue"])
         if lease["cancel_requested_at_ms"] is not None:
             check(Transition.CANCEL, JobState.LEASED, JobState.CANCELLED)
             tx.run("finish_cancelled", params | {"now_ms": now, "error": error})
@@ -2181,6 +2199,7 @@ class QueueService:
                     self._observe("lease_expired", r["queue"])
                     self._observe("cancelled", r["queue"])
                     self._entered(tx, r["id"], r["unique_scope"], JobState.CANCELLED)
+                    self._slot_freed(tx, r["queue"])
                     self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", reason)
                     self._event(
                         tx,
@@ -2204,6 +2223,7 @@ class QueueService:
             if dead:
                 self._observe("dead", r["queue"])
                 self._entered(tx, r["id"], r["unique_scope"], JobState.DEAD)
+                self._slot_freed(tx, r["queue"])
             else:
                 queues[r["queue"]] = None
             self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", reason)
@@ -2495,6 +2515,10 @@ class QueueService:
         with self._hints:
             self._capped.discard(queue)
             self._throttled.pop(queue, None)
+            if new["max_leased"] is None:
+                self._slotted.discard(queue)
+            else:
+                self._slotted.add(queue)
         log.info(
             "event=queue_%s queue=%s %s actor=%s",
             event,

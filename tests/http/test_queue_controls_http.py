@@ -104,3 +104,20 @@ def test_an_http_long_poll_on_a_paused_queue_waits_and_resume_wakes_it(
     assert api.post("/api/v1/queues/held/resume").status_code == 200
     assert len(poll.join()) == 1
     assert poll.elapsed < 10  # woken by the resume, not by its deadline
+
+
+def test_an_http_long_poll_on_a_throttled_queue_claims_when_its_next_token_comes(
+    api: Api,
+) -> None:
+    # A claim that found the queue out of tokens tells the long-poll when the next one comes
+    # (QueueService.next_due_ms): it looks again then, not at its deadline.
+    assert (
+        put(api, "/api/v1/queues/slow/limits", {"rate_per_s": 0.5, "burst": 1}).status_code == 200
+    )
+    for i in range(2):
+        api.post("/api/v1/queues/slow/jobs", {"payload": i})
+    first = api.post("/api/v1/leases", {"queues": ["slow"]}).json()["jobs"]
+    assert len(first) == 1  # the one token
+    poll = LongPoll(["slow"], wait_ms=15_000)
+    assert len(poll.join()) == 1
+    assert 0.5 < poll.elapsed < 5  # about 2 s: the next token, not the deadline

@@ -398,3 +398,85 @@ def test_a_lost_wake_up_is_caught_by_the_fallback_poll(servers: Start) -> None:
         waiter.join(15)
         assert [lease["job_id"] for lease in got] == ["job_quiet"]
         assert time.monotonic() - started < 5  # the long-poll's own timeout is 10 s
+
+
+def test_an_ack_that_frees_a_capped_slot_notifies_other_servers() -> None:
+    # A lease that ends in a queue a claim here found capped (max_leased) may let a long-poll
+    # elsewhere claim: the ack's commit names the queue (QueueService._slot_freed).
+    feed = driver_for("postgresql").changes()
+    heard: list[str | None] = []
+    lock = threading.Lock()
+
+    def hear(queue: str | None) -> None:
+        with lock:
+            heard.append(queue)
+
+    feed.subscribe(hear)
+    wait_until(lambda: feed.connected.is_set(), what="the listener to connect")  # type: ignore[attr-defined]
+    other = QueueService(driver=PostgresDriver("postgresql"))  # another origin: another server
+    other.set_queue_limits("capped", max_leased=1)
+    other.submit_batch([{"queue": "capped", "payload": i} for i in range(3)])
+    wait_until(lambda: "capped" in heard, what="the submit's notification")
+    with lock:
+        heard.clear()
+    leases = other.claim(["capped"], worker_id="w", max_jobs=3)
+    assert len(leases) == 1  # the cap
+    other.ack(leases[0]["job_id"], worker_id="w", lease_token=leases[0]["lease_token"])
+    (lease,) = other.claim(["capped"], worker_id="w")
+    other.fail(lease["job_id"], worker_id="w", lease_token=lease["lease_token"], error="x")
+    other.submit("marker", 1)  # notifications of one session come in commit order
+    wait_until(lambda: "marker" in heard, what="the marker's notification")
+    with lock:
+        assert heard == ["capped", "capped", "marker"], heard
+
+
+def test_an_ack_on_one_server_wakes_a_long_poll_held_by_the_cap_on_the_other(
+    servers: Start,
+) -> None:
+    # The fallback poll is 60 s and the long-poll waits 20 s: only the ack's notification
+    # wakes it within seconds.
+    a, b = servers(2, RELAY_REAPER_INTERVAL_MS="60000")
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    got: list[Any] = []
+    with (
+        RelayClient(a.address) as producer,
+        RelayClient(a.address) as first,
+        RelayClient(b.address, timeout_s=30) as second,
+        psycopg.connect(url) as locker,
+    ):
+        producer.set_queue_limits("capped", max_leased=1)
+        producer.submit("capped", 1)
+        producer.submit("capped", 2)
+        (held,) = first.lease(["capped"], worker_id="first", max_jobs=2)
+        # Hold the queue's controls row, so the long-poll's claim waits on it where we can
+        # see it (pg_stat_activity); once that claim is over, the long-poll waits.
+        locker.execute("SELECT 1 FROM relay_queue WHERE name = 'capped' FOR UPDATE")
+        waiter = threading.Thread(
+            target=lambda: got.extend(second.lease(["capped"], worker_id="second", wait_ms=20_000))
+        )
+        waiter.start()
+        with psycopg.connect(url, autocommit=True) as watcher:
+
+            def blocked() -> int | None:
+                row = watcher.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE '%%relay_queue%%'"
+                ).fetchone()
+                return int(row[0]) if row else None
+
+            pid = wait_until(blocked, what="the long-poll's claim to wait on the row lock")
+            locker.rollback()
+
+            def claim_over() -> bool:
+                row = watcher.execute(
+                    "SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)
+                ).fetchone()
+                return row is None or row[0] == "idle"
+
+            wait_until(claim_over, what="the long-poll's first claim to end")
+        assert not got and waiter.is_alive()  # held back by the cap
+        first.ack(held["job_id"], worker_id="first", lease_token=held["lease_token"])
+        acked = time.monotonic()
+        waiter.join(30)
+        assert [lease["payload"] for lease in got] == [2]
+        assert time.monotonic() - acked < 5, "woken by the fallback poll or the deadline"
