@@ -7,7 +7,8 @@ gunicorn itself loads this module, so it reads its few settings from the environ
 one place besides ``relayproject/settings.py`` that does); Django's settings still come from
 ``relayproject/settings.py``. Command-line flags override these (``--bind`` for a test port).
 
-The worker is gunicorn's ``asgi`` worker serving ``relayproject.asgi``: requests are parsed on
+The worker is gunicorn's ``asgi`` worker (``relayproject.gunicorn_worker.BoundedWorker``, which
+enforces its connection limit) serving ``relayproject.asgi``: requests are parsed on
 an event loop, so a client that sends its request slowly (or never finishes it) holds no
 thread, and the lease long-poll is an async view that holds none while it waits. Measured on
 the 2-core test machine (tests/http/test_capacity.py): behind 64 stalled clients and 64
@@ -19,8 +20,8 @@ threads this replaced answered none of them. In production put a buffering rever
 * ``RELAY_HTTP_WORKERS``: worker processes, default 1. Relay's counters are per process, so
   with several workers each scrape of /metrics sees one worker's counts (gauges come from the
   database and agree); SQLite takes one writer at a time anyway.
-* ``RELAY_HTTP_CONNECTIONS``: open client connections per worker, default 1000 (past it,
-  new connections wait in the listen backlog).
+* ``RELAY_HTTP_CONNECTIONS``: open client connections per worker, default 1000 (past it, a
+  new connection is answered 503 ``TOO_MANY_CONNECTIONS`` with ``Retry-After: 1`` and closed).
 * ``RELAY_HTTP_TIMEOUT_S``: a worker silent for this long is restarted, default 60 (above
   ``RELAY_MAX_WAIT_MS`` so a long-poll never trips it).
 * ``RELAY_HTTP_GRACEFUL_TIMEOUT_S``: how long in-flight requests get on SIGTERM, default 30.
@@ -51,7 +52,7 @@ def _int(name: str, default: int) -> int:
 
 wsgi_app = "relayproject.asgi:application"
 bind = [os.environ.get("RELAY_HTTP_BIND", "127.0.0.1:8000")]
-worker_class = "asgi"
+worker_class = "relayproject.gunicorn_worker.BoundedWorker"  # the "asgi" worker, bounded
 asgi_loop = "asyncio"
 asgi_lifespan = "off"  # Django has no lifespan handler
 workers = _int("RELAY_HTTP_WORKERS", 1)

@@ -114,3 +114,37 @@ def test_health_and_submit_answer_behind_64_slow_and_64_long_polling_clients(
         for sock in sockets + polls:
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+LIMIT = 8  # RELAY_HTTP_CONNECTIONS in the next test
+ARRIVALS = 40
+
+
+def test_connections_past_the_limit_are_answered_503_and_the_held_ones_are_served(
+    spawn: Spawner,
+) -> None:
+    # gunicorn's asgi worker never enforced worker_connections (a review held 4,000 on a
+    # worker set to 1,000): relayproject.gunicorn_worker.BoundedWorker does. All 40 connect
+    # before any sends, so the listen backlog hands the worker a burst of them at once.
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS=str(LIMIT))
+    request = b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    sockets = [
+        socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(ARRIVALS)
+    ]
+    try:
+        for sock in sockets:
+            sock.sendall(request)
+        deadline = time.monotonic() + 10
+        answers = [read_response(sock, deadline) for sock in sockets]
+        statuses = [status for status, _ in answers]
+        assert statuses == [200] * LIMIT + [503] * (ARRIVALS - LIMIT), statuses
+        problem = orjson.loads(answers[-1][1])
+        assert (problem["code"], problem["retryable"]) == ("TOO_MANY_CONNECTIONS", True)
+    finally:
+        for sock in sockets:
+            sock.close()
+    # The held connections, once closed, leave room: a new client is served.
+    deadline = time.monotonic() + 10
+    while (answer := server.request("GET", "/api/v1/health", timeout=5))[0] != 200:
+        assert answer[0] == 503 and answer[1]["retry-after"] == "1", answer
+        assert time.monotonic() < deadline, "the closed connections were never given back"
