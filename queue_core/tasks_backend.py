@@ -296,7 +296,12 @@ def _json_round_trip(value: Any) -> Any:
 
 def _call_payload(args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     """The payload fields for a call: native ``args``/``kwargs`` when Relay's JSON (orjson)
-    holds them faithfully, else ``call_json``, their ``json`` text (ASCII)."""
+    holds them faithfully, else ``call_json``, their ``json`` text (ASCII).
+
+    Raises:
+        InvalidArgument: ``call_json`` arguments nested deeper than native ones may be (the
+            call's object counts as the payload's level, as the service counts a payload's).
+    """
     call = {"args": args, "kwargs": kwargs}
     try:
         orjson.dumps(call)  # raises on an integer beyond 64 bits or a lone surrogate
@@ -305,7 +310,13 @@ def _call_payload(args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     else:
         if validation.unfaithful(call, encoded=True) is None:  # NaN, ±Infinity
             return call
-    return {"call_json": json.dumps(call)}
+    text = json.dumps(call)
+    if validation.nests_deeper(text.encode("ascii"), validation.MAX_PAYLOAD_DEPTH):
+        raise InvalidArgument(
+            f"payload: is nested deeper than {validation.MAX_PAYLOAD_DEPTH} levels",
+            field="payload",
+        )
+    return {"call_json": text}
 
 
 def _call_of(payload: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
