@@ -22,6 +22,8 @@ threads this replaced answered none of them. In production put a buffering rever
   database and agree); SQLite takes one writer at a time anyway.
 * ``RELAY_HTTP_CONNECTIONS``: open client connections per worker, default 1000 (past it, a
   new connection is answered 503 ``TOO_MANY_CONNECTIONS`` with ``Retry-After: 1`` and closed).
+* ``RELAY_HTTP_HEADER_TIMEOUT_S``: a connection whose first request's headers have not all
+  arrived this long after it was accepted is closed, default 15 (0: never).
 * ``RELAY_HTTP_TIMEOUT_S``: a worker silent for this long is restarted, default 60 (above
   ``RELAY_MAX_WAIT_MS`` so a long-poll never trips it).
 * ``RELAY_HTTP_GRACEFUL_TIMEOUT_S``: how long in-flight requests get on SIGTERM, default 30.
@@ -57,6 +59,7 @@ asgi_loop = "asyncio"
 asgi_lifespan = "off"  # Django has no lifespan handler
 workers = _int("RELAY_HTTP_WORKERS", 1)
 worker_connections = _int("RELAY_HTTP_CONNECTIONS", 1000)
+HEADER_TIMEOUT_S = _int("RELAY_HTTP_HEADER_TIMEOUT_S", 15)
 timeout = _int("RELAY_HTTP_TIMEOUT_S", 60)
 graceful_timeout = _int("RELAY_HTTP_GRACEFUL_TIMEOUT_S", 30)
 keepalive = _int("RELAY_HTTP_KEEPALIVE_S", 5)
@@ -78,6 +81,11 @@ def on_starting(server) -> None:  # type: ignore[no-untyped-def]
         message, code = refused
         print(message, file=sys.stderr, flush=True)
         sys.exit(code)
+
+
+def post_fork(server, worker) -> None:  # type: ignore[no-untyped-def]
+    """Give the new worker (``relayproject.gunicorn_worker.BoundedWorker``) its header timeout."""
+    worker.header_timeout_s = HEADER_TIMEOUT_S
 
 
 def when_ready(server) -> None:  # type: ignore[no-untyped-def]

@@ -3,9 +3,18 @@
 gunicorn 27's ``asgi`` worker counts its open connections (``nr_conns``) but never compares
 the count with ``worker_connections``: a hostile review held 4,000 slow-body connections on a
 worker set to 1,000, each a file descriptor the worker's database connections need too.
-``BoundedWorker`` answers a connection accepted past the limit ``503`` with the problem code
-``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as Relay's TCP server refuses one, and as
-uvicorn's ``--limit-concurrency`` answers 503), without reading its request, then closes it.
+``BoundedWorker``:
+
+* answers a connection accepted past the limit ``503`` with the problem code
+  ``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as Relay's TCP server refuses one, and as
+  uvicorn's ``--limit-concurrency`` answers 503), without reading its request (``Refusal``);
+* caps the limit to what the process's file-descriptor limit holds, raising the soft limit
+  first (``queue_core.protocol.limits.connection_cap``, as the TCP server does);
+* closes a connection whose first request's headers have not all arrived
+  ``header_timeout_s`` after it was accepted (``RELAY_HTTP_HEADER_TIMEOUT_S``, 15 s; nginx's
+  ``client_header_timeout``): gunicorn waits for them for ever, and 50 silent connections
+  held a limit of 50 for good, every new client refused (a review). Later requests on a
+  kept-alive connection wait at most gunicorn's ``keepalive``.
 
 The seam is the worker's event loop: the worker makes its listening servers with
 ``loop.create_server(factory, ...)``, and asyncio calls the factory once per accepted
@@ -14,15 +23,18 @@ connection. ``BoundedWorker`` wraps that factory. The worker counts a connection
 after the factory; one accept burst runs every factory of the burst first (asyncio accepts
 up to the listen backlog, 2,048, at once), so the wrapper also counts the connections whose
 factory ran in this iteration (``_pending``), until theirs has. A TLS connection is counted
-only once its handshake is over. ``tests/http/test_capacity.py`` checks the limit holds
-against the gunicorn version in the lock.
+only once its handshake is over. The header timeout reads two attributes of gunicorn's
+``ASGIProtocol`` (``req_count``, ``_current_request``). ``tests/http/test_capacity.py`` checks
+all of it against the gunicorn version in the lock (pyproject.toml allows 27.x only).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,11 +42,17 @@ import orjson
 from gunicorn.workers.gasgi import ASGIWorker
 
 from queue_core.errors import TooManyConnections
-from queue_core.protocol.limits import ACCEPT_LOG_EVERY_S, Every
+from queue_core.protocol.limits import ACCEPT_LOG_EVERY_S, Every, connection_cap
 
 log = logging.getLogger("relay.http")
 
 LINGER_S = 1.0  # how long a refused connection is read (and dropped) before it is closed
+# Refused connections lingering at once, at most: past it a refusal closes as soon as its
+# answer is written. 3,000 connects in one burst at a limit of 50 held 2,036 descriptors for
+# a second when every refusal lingered (a review); 420 with this cap (58 at rest), what
+# asyncio's accept batches of 100 hold until their refusals close.
+MAX_LINGERING = 64
+HEADER_TIMEOUT_S = 15.0  # default of RELAY_HTTP_HEADER_TIMEOUT_S
 
 
 def refusal_response() -> bytes:
@@ -59,17 +77,32 @@ class Refusal(asyncio.Protocol):
     the client sends until it closes, or for ``LINGER_S`` at most. Closing at once with the
     client's request unread would make the kernel reset the connection, and the client could
     lose the answer (nginx's ``lingering_close`` reads on for the same reason); what arrives
-    after ``LINGER_S`` may still get a reset."""
+    after ``LINGER_S`` may still get a reset. Without ``linger`` (too many linger already) it
+    closes as soon as the answer is written.
 
-    def __init__(self, response: bytes) -> None:
+    Args:
+        response: the whole answer (``refusal_response``).
+        linger: whether to linger; ``done`` is called once the connection is gone.
+    """
+
+    def __init__(self, response: bytes, linger: bool, done: Callable[[], None]) -> None:
         self._response = response
+        self._linger = linger
+        self._done = done
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.WriteTransport)
-        transport.write(self._response)
-        if transport.can_write_eof():
-            transport.write_eof()
+        try:
+            transport.write(self._response)
+            if not self._linger:
+                transport.close()
+                return
+            if transport.can_write_eof():
+                transport.write_eof()
+        except OSError:  # the client reset the connection already
+            transport.abort()
+            return
         self._timer = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     def data_received(self, data: bytes) -> None:
@@ -81,21 +114,29 @@ class Refusal(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        self._done()
 
 
 class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type hints
     """gunicorn's ``asgi`` worker that holds at most ``worker_connections`` connections
-    (``RELAY_HTTP_CONNECTIONS``) and answers the rest 503 (``Refusal``)."""
+    (``RELAY_HTTP_CONNECTIONS``, capped by the fd limit), answers the rest 503 (``Refusal``)
+    and closes a connection whose first request's headers take over ``header_timeout_s``
+    (set by ``relayproject/gunicorn_conf.py``'s ``post_fork`` hook)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.worker_connections: int = self.cfg.worker_connections
+        self.header_timeout_s = HEADER_TIMEOUT_S
         self.refused = 0  # connections answered 503, since the worker started
+        self.timed_out = 0  # connections closed by the header timeout
         self._pending = 0  # factories run whose connection_made has not yet
+        self._lingering = 0  # refused connections not yet closed
         self._every = Every(ACCEPT_LOG_EVERY_S)
         self._response = b""
 
     def _setup_event_loop(self) -> None:
         super()._setup_event_loop()
+        self.worker_connections = connection_cap(self.worker_connections)
         self._response = refusal_response()
         loop = self.loop
         create = loop.create_server
@@ -111,21 +152,45 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             # after this, for the next loop iteration; _counted runs just before it there.
             self._pending += 1
             self.loop.call_soon(self._counted)
-            return factory()
+            protocol = factory()
+            if self.header_timeout_s > 0:
+                self.loop.call_later(
+                    self.header_timeout_s, self._headers_due, weakref.ref(protocol)
+                )
+            return protocol
         self.refused += 1
-        held = self._every.due("http_connection_refused")
-        if held is not None:
-            log.warning(
-                "event=http_connection_refused limit=%d refused=%d",
-                self.worker_connections,
-                self.refused,
-                extra={
-                    "event": "http_connection_refused",
-                    "limit": self.worker_connections,
-                    "refused": self.refused,
-                },
-            )
-        return Refusal(self._response)
+        self._log("http_connection_refused", self.refused)
+        linger = self._lingering < MAX_LINGERING
+        self._lingering += 1
+        return Refusal(self._response, linger, self._lingered)
 
     def _counted(self) -> None:
         self._pending -= 1
+
+    def _lingered(self) -> None:
+        self._lingering -= 1
+
+    def _headers_due(self, ref: weakref.ref[asyncio.BaseProtocol]) -> None:
+        """Close the connection if its first request's headers are not all in yet."""
+        protocol = ref()
+        transport = getattr(protocol, "transport", None)
+        if transport is None or transport.is_closing():
+            return
+        if getattr(protocol, "req_count", 2) > 1 or getattr(protocol, "_current_request", 1):
+            return  # a request was read: gunicorn's own timeouts apply from here
+        self.timed_out += 1
+        self._log("http_header_timeout", self.timed_out)
+        with contextlib.suppress(OSError):
+            transport.close()
+
+    def _log(self, event: str, count: int) -> None:
+        """One warning line per ``event`` every ``ACCEPT_LOG_EVERY_S``, with the count so far."""
+        if self._every.due(event) is None:
+            return
+        log.warning(
+            "event=%s limit=%d count=%d",
+            event,
+            self.worker_connections,
+            count,
+            extra={"event": event, "limit": self.worker_connections, "count": count},
+        )

@@ -74,7 +74,9 @@ def test_health_and_submit_answer_behind_64_slow_and_64_long_polling_clients(
         for i in range(SLOW):
             sock = socket.create_connection(("127.0.0.1", port), timeout=5)
             partial = (
-                b"GET /api/v1/hea" if i % 2 else b"POST /api/v1/leases HTTP/1.1\r\nHost: x\r\n"
+                b"GET /api/v1/hea"
+                if i % 2
+                else b"POST /api/v1/leases HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             )
             sock.sendall(partial)
             sockets.append(sock)
@@ -148,3 +150,67 @@ def test_connections_past_the_limit_are_answered_503_and_the_held_ones_are_serve
     while (answer := server.request("GET", "/api/v1/health", timeout=5))[0] != 200:
         assert answer[0] == 503 and answer[1]["retry-after"] == "1", answer
         assert time.monotonic() < deadline, "the closed connections were never given back"
+
+
+def _held(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that send half a request line and stall."""
+    held = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.sendall(b"GET /api/v1/hea")
+        held.append(sock)
+    return held
+
+
+def test_refused_clients_that_reset_at_once_cost_no_traceback(spawn: Spawner) -> None:
+    # A refused client that read part of the 503 and closed (a reset: its request unread)
+    # made the refusal's shutdown() raise ENOTCONN, and asyncio logged a 13-line traceback
+    # for each: 476 for 500 refusals (a review).
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="2")
+    held = _held(server.port, 2)
+    try:
+        for _ in range(100):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+                sock.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                sock.recv(12)
+        # The accept queue is first in, first out: this one is answered after those.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as probe:
+            probe.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert read_response(probe, time.monotonic() + 10)[0] == 503
+    finally:
+        for sock in held:
+            sock.close()
+    log = server.proc.stderr_text()
+    assert "Traceback" not in log and "Exception in callback" not in log, log[-3000:]
+
+
+def test_a_connection_that_never_finishes_its_headers_gives_its_slot_back(
+    spawn: Spawner,
+) -> None:
+    # gunicorn waits for a first request's headers for ever: 50 silent connections held a
+    # limit of 50 for good (a review). The header timeout is 1 s here (15 s by default).
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="3", RELAY_HTTP_HEADER_TIMEOUT_S="1")
+    # A long-poll's request was read: it runs past the header timeout, to its own deadline.
+    body = orjson.dumps({"queues": ["nothing"], "wait_ms": 3000})
+    poll = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    poll.sendall(
+        b"POST /api/v1/leases HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    held = _held(server.port, 2)
+    try:
+        assert timed(server, "GET", "/api/v1/health")[0] == 503  # at the limit
+        deadline = time.monotonic() + 10
+        for sock in held:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            assert sock.recv(100) == b"", "the stalled connection was not closed"
+        assert timed(server, "GET", "/api/v1/health")[0] == 200
+        started = time.monotonic()
+        status, raw = read_response(poll, time.monotonic() + 10)
+        assert status == 200, raw
+        assert orjson.loads(raw)["jobs"] == [], raw
+        assert time.monotonic() - started > 0.5  # it was still waiting
+    finally:
+        for sock in [poll, *held]:
+            sock.close()
