@@ -31,7 +31,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
 from django.contrib.admin.views.main import ChangeList
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import BadRequest, PermissionDenied
 from django.db.models import Count, QuerySet
 from django.db.models.constants import LOOKUP_SEP
 from django.http import Http404, HttpRequest, HttpResponse, HttpResponseRedirect
@@ -42,7 +42,14 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString, mark_safe
 
 from queue_admin import display, maintenance
-from queue_admin.listing import CappedPaginator, JobChangeList, QueueFilter, StateFilter
+from queue_admin.listing import (
+    MAX_SEARCH_TERMS,
+    CappedPaginator,
+    JobChangeList,
+    QueueFilter,
+    StateFilter,
+    declared_lookup,
+)
 from queue_admin.operations import CHUNK, BulkRunner, Op, describe
 from queue_admin.overview import build_overview
 from queue_core.clock import Clock
@@ -69,6 +76,8 @@ else:  # ModelAdmin is generic only in django-stubs
 
 # Columns whose values are credentials: a lease's token settles its job (ack, fail, release).
 SECRET_FIELDS = frozenset({"lease_token"})
+# A row by its primary key, in a list's query string (``?id=job_...``): an index seek.
+ID_LOOKUPS = frozenset({"id", "id__exact", "pk"})
 
 
 class ReadOnlyAdmin(_AdminBase):
@@ -94,13 +103,25 @@ class ReadOnlyAdmin(_AdminBase):
         return False
 
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
-        """Django allows any lookup on a model's own fields in a list's query string; one on
-        a ``SECRET_FIELDS`` column (400 Bad Request) would let a user who may only view jobs
-        read a live lease's token a character at a time (``?lease_token__gte=...``: a
-        review recovered one in 257 requests and acked the job with another worker key)."""
+        """Only the lookups the list's declared filters send (``listing.declared_lookup``;
+        any other is 400 Bad Request). Django allows any lookup on a model's own fields:
+        one on a ``SECRET_FIELDS`` column let a user who may only view jobs read a live
+        lease's token a character at a time (``?lease_token__gte=...``: a review recovered
+        one in 257 requests and acked the job with another worker key), and a regular
+        expression on a payload held SQLite's lock for a minute."""
         if any(part in SECRET_FIELDS for part in lookup.split(LOOKUP_SEP)):
             return False
-        return super().lookup_allowed(lookup, value, request)
+        return lookup in ID_LOOKUPS or declared_lookup(lookup, self.get_list_filter(request))
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        """Django's search, refused (400 Bad Request) past ``MAX_SEARCH_TERMS`` words: each
+        word adds a clause, and 1,000 of them answered 500 ("Expression tree is too large")
+        after a second's work (a review)."""
+        if len(search_term.split()) > MAX_SEARCH_TERMS:
+            raise BadRequest(f"a search takes at most {MAX_SEARCH_TERMS} words")
+        return super().get_search_results(request, queryset, search_term)
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Job state changes only through the replay and purge actions."""

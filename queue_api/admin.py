@@ -15,6 +15,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 
+from queue_admin.listing import declared_lookup
 from queue_api.schemas import iso
 from queue_core import auth
 from queue_core.models import ApiKey
@@ -65,6 +66,11 @@ class ApiKeyAdmin(_KeyAdminBase):
     actions = ["revoke_keys"]
     readonly_fields = ["prefix", "scopes", "created", "last_used", "revoked"]
     fields = ["name", "prefix", "scopes", "created", "last_used", "revoked"]
+
+    def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
+        """Only the lookups of the declared filter (``?secret_sha256__startswith=`` read a
+        key's stored hash in 511 requests: a review)."""
+        return declared_lookup(lookup, self.get_list_filter(request))
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ApiKey]:
         """The keys in Relay's database (``auth.keys``), not Django's default alias: a name
