@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
+from urllib.parse import urlencode
 
 import orjson
 from django import forms
@@ -54,7 +55,7 @@ from queue_admin.operations import CHUNK, BulkRunner, Op, describe
 from queue_admin.overview import build_overview
 from queue_core.clock import Clock
 from queue_core.conf import relay_settings
-from queue_core.errors import RelayError
+from queue_core.errors import InvalidArgument, RelayError
 from queue_core.models import DeadLetter, Job, JobAttempt, JobEvent, JobResult
 from queue_core.service import QueueService, default_clock
 from queue_core.states import WAITING_STATES, JobState, Priority
@@ -65,6 +66,10 @@ JOB_ID_RE = re.compile(r"job_[0-9A-Za-z]{1,36}")
 # The states a cancel applies to: waiting ones (cancelled at once) and leased ones (marked).
 CANCELLABLE = (*sorted(WAITING_STATES), JobState.LEASED)
 SAMPLE_IDS = 20
+# A job's page shows at most this many of its latest attempts, and of its latest events:
+# replays reset the retry budget, so one job's history has no bound (3,000 fail-and-replay
+# rounds made a 13.6 MB page; a review). The audit log pages through every event.
+HISTORY_ROWS = 100
 # Query parameters of the changelist that do not narrow which jobs match.
 NON_FILTER_PARAMS = frozenset({"p", "o", "all", "e", "_facets"})
 
@@ -448,9 +453,24 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="history")
     def history(self, obj: Job) -> SafeString:
-        """Every delivery (with its error) and every operator or recovery event, in order."""
+        """The latest ``HISTORY_ROWS`` deliveries (with their errors) and the latest
+        ``HISTORY_ROWS`` operator or recovery events, in order, and how many older ones are
+        not shown."""
         rows: list[dict[str, Any]] = []
-        for a in JobAttempt.objects.using(obj._state.db).filter(job_id=obj.pk).order_by("attempt"):
+        db = obj._state.db
+        attempts = list(
+            JobAttempt.objects.using(db)
+            .filter(job_id=obj.pk)
+            .order_by("-attempt")[: HISTORY_ROWS + 1]
+        )
+        events = list(
+            JobEvent.objects.using(db).filter(job_id=obj.pk).order_by("-id")[: HISTORY_ROWS + 1]
+        )
+        older = {
+            "attempts": len(attempts) > HISTORY_ROWS,
+            "events": len(events) > HISTORY_ROWS,
+        }
+        for a in attempts[:HISTORY_ROWS]:
             took = None if a.ended_at_ms is None else a.ended_at_ms - a.started_at_ms
             rows.append(
                 {
@@ -464,7 +484,7 @@ class JobAdmin(ReadOnlyAdmin):
                     "error": a.error or "",
                 }
             )
-        for e in JobEvent.objects.using(obj._state.db).filter(job_id=obj.pk).order_by("id"):
+        for e in events[:HISTORY_ROWS]:
             rows.append(
                 {
                     "at_ms": e.at_ms,
@@ -478,8 +498,12 @@ class JobAdmin(ReadOnlyAdmin):
                 }
             )
         rows.sort(key=lambda r: r["at_ms"])
+        audit = reverse("admin:queue_core_jobevent_changelist") + "?" + urlencode({"q": obj.pk})
         return mark_safe(  # noqa: S308 - the template autoescapes every value
-            render_to_string("queue_admin/history.html", {"rows": rows})
+            render_to_string(
+                "queue_admin/history.html",
+                {"rows": rows, "older": older, "limit": HISTORY_ROWS, "audit_url": audit},
+            )
         )
 
     # ------------------------------------------------------------- permissions
@@ -715,12 +739,16 @@ class JobAdmin(ReadOnlyAdmin):
         """Per queue: counts by state, oldest ready age, leases now, recent failures."""
         if not self.has_view_permission(request):
             raise PermissionDenied
-        data = build_overview(self.service())
+        try:
+            data = build_overview(self.service(), after=request.GET.get("after") or None)
+        except InvalidArgument as exc:
+            raise BadRequest(str(exc)) from exc
         context = {
             **self.admin_site.each_context(request),
             "title": "Queue overview",
             "opts": self.opts,
             "overview": data,
+            "next_query": urlencode({"after": data.next_after or ""}),
             "media": self.media,
             "can_pause": self.has_pause_permission(request),
             "can_limit": self.has_limit_permission(request),

@@ -3,7 +3,8 @@ its controls (paused, cap, rate), the latest failures, and the live servers.
 
 Four reads, each bounded by an index rather than by the size of the table:
 
-- counts by queue and state, each queue's oldest READY job and the live servers:
+- counts by queue and state, each queue's oldest READY job and the live servers, a page of
+  ``QUEUES_PER_PAGE`` queues at a time:
   ``QueueService.stats()`` (the numbers ``relay stats`` prints), one pass over the
   ``(queue, state, id)`` covering index, one over the READY partial index, and the server
   registry (a handful of rows);
@@ -25,6 +26,9 @@ from queue_core.service import QueueService
 from queue_core.states import JobState
 
 RECENT_FAILURES = 25
+# Queues on one page of the overview, in name order (``QueueService.stats`` pages them): with
+# every queue on one page, 30,000 queues made a 20.6 MB page in 3.8 s (a review).
+QUEUES_PER_PAGE = 200
 STATES = [s.value for s in JobState]
 
 
@@ -58,6 +62,10 @@ class Overview:
     leases: list[dict[str, Any]]
     failures: list[dict[str, Any]]
     servers: list[dict[str, Any]] = field(default_factory=list)
+    # Paging: the page began after this queue (None: the first page); the next begins after
+    # ``next_after`` (None: this is the last).
+    after: str | None = None
+    next_after: str | None = None
 
     @property
     def total_cells(self) -> list[tuple[str, int]]:
@@ -70,13 +78,19 @@ class Overview:
         return sum(self.totals.values())
 
 
-def build_overview(service: QueueService) -> Overview:
-    """Read the overview's numbers (four indexed queries).
+def build_overview(
+    service: QueueService, after: str | None = None, limit: int = QUEUES_PER_PAGE
+) -> Overview:
+    """Read the overview's numbers (four indexed queries) for one page of queues.
 
     Args:
         service: supplies ``stats()`` and the clock the ages are measured against.
+        after: the page begins after this queue name (the previous page's ``next_after``).
+        limit: queues on the page (``QUEUES_PER_PAGE``); the totals count every queue.
+    Raises:
+        InvalidArgument: ``after`` is not a queue name.
     """
-    stats = service.stats()
+    stats = service.stats(limit=limit, after=after)
     now = int(stats["server_time_ms"])
     # state = 'leased' alone would let SQLite walk the (queue, state, id) index; the
     # expiry range (always true for a leased job) selects the small leased-only index.
@@ -133,4 +147,6 @@ def build_overview(service: QueueService) -> Overview:
         leases=leases,
         failures=failures,
         servers=list(stats["servers"]),
+        after=after,
+        next_after=stats["next_after"],
     )

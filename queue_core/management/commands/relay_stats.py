@@ -31,7 +31,7 @@ class Command(RelayClientCommand):
         while result.get("next_after"):  # thousands of queues come a page at a time
             page = client.stats(options["queue"], after=result["next_after"])
             result["queues"].update(page["queues"])
-            result["controls"] = page.get("controls", result.get("controls"))
+            result.setdefault("controls", {}).update(page.get("controls") or {})
             result["next_after"] = page["next_after"]
         if options["json"]:
             self.print_json(result)
