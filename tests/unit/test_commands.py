@@ -271,6 +271,29 @@ def test_stats_prints_a_table_per_queue(server: Any) -> None:
     assert canned.requests[-1]["args"] == {"queue": "email"}
 
 
+def test_stats_gathers_every_pages_queue_controls(server: Any) -> None:
+    # Past 1,000 queues stats comes a page at a time, each with its own queues' controls:
+    # the table showed only the last page's (a review: one paused queue of three controlled).
+    counts = {"ready": 1}
+
+    def pages(req: dict[str, Any], conn: Any) -> bytes:
+        if req.get("args", {}).get("after") is None:
+            page = {"queues": {"a": counts}, "controls": {"a": {"paused": True}}, "next_after": "a"}
+        else:
+            page = {
+                "queues": {"b": counts},
+                "controls": {"b": {"max_leased": 3}},
+                "next_after": None,
+            }
+        return ok(req, {**page, "totals": counts, "server_time_ms": 0})
+
+    canned = server(pages)
+    json_out, _ = run("relay_stats", "--json", "--address", canned.address)
+    assert orjson.loads(json_out)["controls"] == {"a": {"paused": True}, "b": {"max_leased": 3}}
+    out, _ = run("relay_stats", "--address", canned.address)
+    assert "paused" in out and "3" in out.split("Queue controls")[1]
+
+
 def test_stats_with_no_queues(server: Any) -> None:
     canned = server(lambda req, conn: ok(req, {"queues": {}, "totals": {}, "server_time_ms": 0}))
     out, _ = run("relay_stats", "--address", canned.address)
