@@ -241,13 +241,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     invocation = translate(sys.argv[1:] if argv is None else argv)
     os.environ.update(invocation.env)  # before django.setup() reads the settings
     use_settings(invocation.argv[2:])
-    if invocation.argv[1] != "migrate":
-        execute_from_command_line(invocation.argv)
+    try:
+        _run(invocation.argv)
+    except KeyboardInterrupt:  # Ctrl-C while Django loads, or past a command's own handling
+        from queue_core.management.relay_command import EXIT_INTERRUPTED, INTERRUPTED
+
+        print(INTERRUPTED, file=sys.stderr)
+        raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def _run(argv: list[str]) -> None:
+    """Run the management command ``argv[1]`` (``migrate``: a missing database in one line)."""
+    if argv[1] != "migrate":
+        execute_from_command_line(argv)
         return
     from django.db import OperationalError
 
     try:
-        execute_from_command_line(invocation.argv)
+        execute_from_command_line(argv)
     except OperationalError as exc:  # a database that is not there: one line, as relay server
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"UNAVAILABLE: cannot reach the database: {first}", file=sys.stderr)

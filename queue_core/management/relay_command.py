@@ -40,6 +40,11 @@ EXIT_UNREACHABLE = 2
 # The reader of the command's output went away (``relay stats | head -1``): 128 + SIGPIPE, the
 # status a shell tool killed by SIGPIPE ends with.
 EXIT_BROKEN_PIPE = 141
+# Stopped by Ctrl-C (SIGINT): 128 + SIGINT, as a shell reports a tool that SIGINT ended.
+EXIT_INTERRUPTED = 130
+INTERRUPTED = (
+    "INTERRUPTED: stopped by Ctrl-C; a request already sent may or may not have been applied"
+)
 
 
 def add_connection_arguments(parser: CommandParser | Any, *, json_help: str | None = None) -> None:
@@ -208,6 +213,11 @@ class RelayBaseCommand(BaseCommand):
             _quiet_stdout()
             _say(f"cannot write the output: {exc.cause.strerror or exc.cause}")
             sys.exit(EXIT_ERROR)
+        except KeyboardInterrupt:  # Ctrl-C while waiting for a reply: one line, no traceback
+            if not shell or options.get("traceback"):
+                raise
+            _say(INTERRUPTED)
+            sys.exit(EXIT_INTERRUPTED)
 
 
 def _say(line: str) -> None:

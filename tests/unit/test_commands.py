@@ -522,3 +522,41 @@ def test_a_command_that_writes_nothing_runs_with_stdout_closed(tmp_path: Path) -
         server.wait(30)
         if server.stderr is not None:
             server.stderr.close()
+
+
+@pytest.mark.parametrize("entry", ["relay", "manage.py"])
+def test_ctrl_c_while_waiting_for_a_reply_is_one_line_and_exit_130(server: Any, entry: str) -> None:
+    """Hostile review: Ctrl-C while a command waited for its reply printed a 41-line
+    traceback ending in ``KeyboardInterrupt``."""
+    arrived, release = threading.Event(), threading.Event()
+
+    def stall(req: dict[str, Any], conn: Any) -> bytes:
+        if req.get("op") == "stats":
+            arrived.set()
+            release.wait(30)
+        return ok(req, {"queues": {}, "totals": {}, "server_time_ms": 0})
+
+    canned = server(stall)
+    root = Path(__file__).resolve().parents[2]
+    if entry == "relay":
+        argv = [sys.executable, "-c", "from queue_core.cli import main; main()", "stats"]
+    else:
+        argv = [sys.executable, str(root / "manage.py"), "relay_stats"]
+    proc = subprocess.Popen(
+        [*argv, "--address", canned.address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=root,
+    )
+    try:
+        assert arrived.wait(60), "the request never came"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        release.set()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.decode().splitlines() == [
+        "INTERRUPTED: stopped by Ctrl-C; a request already sent may or may not have been applied"
+    ]
