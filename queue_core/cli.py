@@ -241,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     invocation = translate(sys.argv[1:] if argv is None else argv)
     os.environ.update(invocation.env)  # before django.setup() reads the settings
     use_settings(invocation.argv[2:])
+    from django.core.exceptions import ImproperlyConfigured
+
     try:
         _run(invocation.argv)
     except KeyboardInterrupt:  # Ctrl-C while Django loads, or past a command's own handling
@@ -248,6 +250,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         print(INTERRUPTED, file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
+    except ImproperlyConfigured as exc:  # a bad setting (--database-url mysql://...)
+        print(f"INVALID_ARGUMENT: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def _run(argv: list[str]) -> None:

@@ -23,9 +23,10 @@ from typing import Any, TextIO, cast
 
 import orjson
 from django.core.management.base import BaseCommand, CommandError, CommandParser, OutputWrapper
+from django.db import DatabaseError, connections
 from rich.console import Console, RenderableType
 
-from queue_core import errors
+from queue_core import errors, schema
 from queue_core.auth import client_api_key
 from queue_core.client import (
     RelayClient,
@@ -34,12 +35,14 @@ from queue_core.client import (
     parse_addresses,
 )
 from queue_core.conf import relay_settings
+from queue_core.service import QueueService
 
 EXIT_ERROR = 1
 EXIT_UNREACHABLE = 2
 # The reader of the command's output went away (``relay stats | head -1``): 128 + SIGPIPE, the
 # status a shell tool killed by SIGPIPE ends with.
 EXIT_BROKEN_PIPE = 141
+EXIT_NEWER_SCHEMA = 9  # NEWER_SCHEMA: a newer Relay migrated the database
 # Stopped by Ctrl-C (SIGINT): 128 + SIGINT, as a shell reports a tool that SIGINT ended.
 EXIT_INTERRUPTED = 130
 INTERRUPTED = (
@@ -136,6 +139,63 @@ def make_client(
         max_frame_bytes=relay_settings().max_frame_bytes,
         api_key=api_key or client_api_key(),
     )
+
+
+def describe_database(service: QueueService) -> str:
+    """The database, for messages: a SQLite file's path, or PostgreSQL's host and name."""
+    conf = connections[service.driver.alias].settings_dict
+    if service.capabilities.vendor == "sqlite":
+        return str(conf["NAME"])
+    return (
+        f"postgresql://{conf.get('HOST') or 'localhost'}:{conf.get('PORT') or 5432}/{conf['NAME']}"
+    )
+
+
+def check_migrations(service: QueueService, where: str) -> None:
+    """Refuse a database whose migrations are not this code's: behind (on a shared
+    PostgreSQL database none migrates it on its own at start: the operator runs ``relay
+    migrate`` once), or migrated by a newer Relay (an older server on it answered ``stats``
+    with ``INTERNAL`` once a job was CANCELLED, and ignored pauses: an upgrade review).
+
+    Raises:
+        CommandError: ``NEWER_SCHEMA`` (exit code 9) for a database a newer Relay migrated;
+            ``UNAVAILABLE`` when it cannot be reached or is behind.
+    """
+    try:
+        found = schema.problem(service.driver.alias)
+    except DatabaseError as exc:
+        raise CommandError(f"UNAVAILABLE: cannot reach database {where}: {exc}") from exc
+    if found is not None and found.newer:
+        raise CommandError(
+            f"NEWER_SCHEMA: database {where} {found.message}", returncode=EXIT_NEWER_SCHEMA
+        )
+    if found is not None:
+        raise CommandError(f"UNAVAILABLE: database {where} {found.message}")
+
+
+def local_service() -> QueueService:
+    """A ``QueueService`` on the settings' database for a command that opens it itself
+    (``relay prune``), once it is known to be one this code serves.
+
+    Raises:
+        CommandError: ``INVALID_ARGUMENT`` for a SQLite file that is not there (opening it
+            would create an empty one: ``relay --db typo.db prune`` did, then failed with a
+            traceback), a ``RelayError`` of the storage as ``CODE: message``, and as
+            ``check_migrations``.
+    """
+    service = QueueService()
+    try:
+        where = describe_database(service)
+        if service.capabilities.vendor == "sqlite" and not os.path.isfile(where):
+            raise CommandError(f"INVALID_ARGUMENT: there is no database at {where}")
+        try:
+            check_migrations(service, where)
+        except errors.RelayError as exc:  # the storage refused (STORAGE_IO: two names, ...)
+            raise command_error(exc) from None
+    except BaseException:
+        service.close()
+        raise
+    return service
 
 
 @contextlib.contextmanager

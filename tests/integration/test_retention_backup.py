@@ -296,3 +296,24 @@ def test_backup_into_a_folder_that_does_not_exist_names_the_folder(
     assert out.returncode == 1, out.stdout
     assert f"INVALID_ARGUMENT: no folder {tmp_path / 'nowhere'}" in out.stderr, out.stderr
     assert not (tmp_path / "nowhere").exists()
+
+
+@pytest.mark.parametrize(
+    "command", [["relay_prune", "--older-than", "1d", "--dry-run"], ["relay_keys", "list"]]
+)
+def test_local_commands_on_a_database_that_is_not_there_or_not_migrated_say_so(
+    procs: Spawner, tmp_path: Path, command: list[str]
+) -> None:
+    # A hostile review: `relay --db typo.db prune` made an empty file and printed a traceback
+    # ending in "no such table: relay_job"; `relay keys list` too.
+    missing = tmp_path / "typo.db"
+    out = procs.run(*command, RELAY_DB=str(missing))
+    assert out.returncode == 1, out.stdout
+    assert out.stderr.strip() == f"INVALID_ARGUMENT: there is no database at {missing}"
+    assert not missing.exists()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    out = procs.run(*command, RELAY_DB=str(empty))
+    assert out.returncode == 1, out.stdout
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"UNAVAILABLE: database {empty} has ") and "relay migrate" in line

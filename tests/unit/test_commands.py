@@ -560,3 +560,24 @@ def test_ctrl_c_while_waiting_for_a_reply_is_one_line_and_exit_130(server: Any, 
     assert err.decode().splitlines() == [
         "INTERRUPTED: stopped by Ctrl-C; a request already sent may or may not have been applied"
     ]
+
+
+def test_a_bad_database_url_is_one_line() -> None:
+    """Hostile review: ``relay --database-url mysql://x prune`` printed ImproperlyConfigured's
+    traceback, then a KeyError's."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [
+            *(sys.executable, "-c", "from queue_core.cli import main; main()"),
+            *("--database-url", "mysql://x", "prune", "--older-than", "1d"),
+        ],
+        capture_output=True,
+        cwd=root,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.decode().splitlines() == [
+        "INVALID_ARGUMENT: RELAY_DATABASE_URL must read postgresql://user@host:port/dbname, "
+        "got 'mysql://x'"
+    ]

@@ -2,7 +2,9 @@
 
 Works on the database directly (like ``relay server``), not over the network. ``create`` prints
 the new key on stdout, alone on its line, and says on stderr that it will not be shown again:
-only its SHA-256 is stored. Exit codes: 0 done, 1 ``INVALID_ARGUMENT`` or ``NOT_FOUND``.
+only its SHA-256 is stored. Exit codes: 0 done, 1 ``INVALID_ARGUMENT`` (also for a SQLite file
+that is not there), ``NOT_FOUND`` or ``UNAVAILABLE`` (a database not migrated), 9 a database a
+newer Relay migrated.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from queue_core.management.relay_command import (
     command_error,
     console_width,
     fmt_ms,
+    local_service,
 )
 
 
@@ -54,8 +57,10 @@ class Command(RelayBaseCommand):
         revoke.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        """Run the chosen action."""
+        """Run the chosen action, once the database is known to be one this code serves
+        (``local_service``: a mistyped ``--db`` made an empty file, then a traceback)."""
         action = options["action"]
+        local_service().close()
         try:
             if action == "create":
                 self._create(options)

@@ -3,8 +3,9 @@ finished jobs by age now, as the server's retention does (docs/failure-model.md,
 
 A local command: it opens the database itself (``RELAY_DB`` / ``RELAY_DATABASE_URL``, or the
 global ``--db`` / ``--database-url``) through ``QueueService.prune``, in the same bounded
-batches, so it may run beside a live server. Exit codes: 0 done, 1 a bad argument or a Relay
-error (``CODE: message`` on stderr).
+batches, so it may run beside a live server. Exit codes: 0 done, 1 a bad argument (a SQLite
+file that is not there), a database not migrated, or a Relay error (``CODE: message`` on
+stderr), 9 a database a newer Relay migrated.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from django.core.management.base import CommandParser
 
 from queue_core import errors
 from queue_core.conf import parse_duration_ms
-from queue_core.management.relay_command import RelayBaseCommand, command_error, invalid_argument
-from queue_core.service import PRUNABLE_STATES, PRUNE_BATCH, QueueService
+from queue_core.management.relay_command import (
+    RelayBaseCommand,
+    command_error,
+    invalid_argument,
+    local_service,
+)
+from queue_core.service import PRUNABLE_STATES, PRUNE_BATCH
 
 
 class Command(RelayBaseCommand):
@@ -82,7 +88,7 @@ class Command(RelayBaseCommand):
             raise invalid_argument("--yield must be 0..100")
         states = PRUNABLE_STATES if options["state"] == "all" else (options["state"],)
         older_than = dict.fromkeys(states, age_ms)
-        service = QueueService()
+        service = local_service()
         try:
             if options["dry_run"]:
                 counts = service.count_prunable(older_than)

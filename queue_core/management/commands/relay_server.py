@@ -23,7 +23,12 @@ from queue_core import exposure, metrics, schema
 from queue_core.client import parse_address
 from queue_core.conf import relay_settings
 from queue_core.errors import StorageFull, StorageIO
-from queue_core.management.relay_command import RelayBaseCommand, ensure_log_output
+from queue_core.management.relay_command import (
+    RelayBaseCommand,
+    check_migrations,
+    describe_database,
+    ensure_log_output,
+)
 from queue_core.protocol.loops import loop_factory
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
@@ -34,7 +39,6 @@ log = logging.getLogger("relay.server")
 EXIT_CORRUPT = 3
 EXIT_STORAGE_FULL = 7  # STORAGE_FULL: the disk holding the database is full
 EXIT_STORAGE_IO = 8  # STORAGE_IO: I/O error, or a read-only file, folder or file system
-EXIT_NEWER_SCHEMA = 9  # NEWER_SCHEMA: a newer Relay migrated the database
 
 
 class Command(RelayBaseCommand):
@@ -117,7 +121,7 @@ class Command(RelayBaseCommand):
         # On a shared database its clock keeps the database's time (AnchoredClock), read
         # before its first instant (QueueService._read_database_time).
         service = QueueService(observer=metrics.observe)
-        where = _describe(service)
+        where = describe_database(service)
         try:  # SQLite: the migration turn _claim takes ends with _migrate, or here
             try:
                 problems = self._prepare(service, where)
@@ -133,7 +137,7 @@ class Command(RelayBaseCommand):
                 raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
             if service.capabilities.single_writer:
                 _migrate(where, service.driver.alias)  # the key table must exist before it's read
-                _check_migrations(service, where)  # a file a newer Relay migrated
+                check_migrations(service, where)  # a file a newer Relay migrated
         finally:
             schema.end_server_turn(service.driver.alias)
         # /metrics is read-only and takes no key: only the protocol address counts here.
@@ -204,14 +208,14 @@ class Command(RelayBaseCommand):
         then a check of its migrations), then run the start-up check; return its problems.
 
         Raises:
-            CommandError: as ``_claim`` and ``_check_migrations``.
+            CommandError: as ``_claim`` and ``check_migrations``.
             StorageFull, StorageIO: the storage failed, whatever the file holds.
         """
         if service.capabilities.single_writer:
             self.lock = _claim(service, where)
         else:
             self.lock = service.claim_storage()  # the server's session limits, no lock
-            _check_migrations(service, where)
+            check_migrations(service, where)
         return service.check_storage(full=relay_settings().startup_check != "quick")
 
 
@@ -261,16 +265,6 @@ def start_metrics(address: tuple[str, int]) -> metrics.MetricsServer:
 EXIT_ALREADY_SERVED = 4
 
 
-def _describe(service: QueueService) -> str:
-    """The database, for messages: a SQLite file's path, or PostgreSQL's host and name."""
-    conf = connections[service.driver.alias].settings_dict
-    if service.capabilities.vendor == "sqlite":
-        return str(conf["NAME"])
-    return (
-        f"postgresql://{conf.get('HOST') or 'localhost'}:{conf.get('PORT') or 5432}/{conf['NAME']}"
-    )
-
-
 def _claim(service: QueueService, path: str) -> Any:
     """Check a SQLite path, then hold the one-server-per-file lock for the process's life.
 
@@ -309,28 +303,6 @@ def _warn_if_shared(path: str) -> None:
             "chmod 600 it (and its -wal and -shm)",
             extra={"event": "database_file_shared", "db": path, "mode": f"{mode:04o}"},
         )
-
-
-def _check_migrations(service: QueueService, where: str) -> None:
-    """Refuse to serve a database whose migrations are not this code's: behind (on a shared
-    PostgreSQL database none migrates it on its own at start: the operator runs ``relay
-    migrate`` once), or migrated by a newer Relay (an older server on it answered ``stats``
-    with ``INTERNAL`` once a job was CANCELLED, and ignored pauses: an upgrade review).
-
-    Raises:
-        CommandError: ``NEWER_SCHEMA`` (exit code 9) for a database a newer Relay migrated;
-            ``UNAVAILABLE`` when it cannot be reached or is behind.
-    """
-    try:
-        found = schema.problem(service.driver.alias)
-    except DatabaseError as exc:
-        raise CommandError(f"UNAVAILABLE: cannot reach database {where}: {exc}") from exc
-    if found is not None and found.newer:
-        raise CommandError(
-            f"NEWER_SCHEMA: database {where} {found.message}", returncode=EXIT_NEWER_SCHEMA
-        )
-    if found is not None:
-        raise CommandError(f"UNAVAILABLE: database {where} {found.message}")
 
 
 def use_database(path: str) -> None:
