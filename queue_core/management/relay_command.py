@@ -238,11 +238,12 @@ class RelayBaseCommand(BaseCommand):
     ``call_command`` still raises ``CommandError``."""
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
-        """Name the parser ``relay <command>`` when run through the ``relay`` script."""
-        parser = super().create_parser(prog_name, subcommand, **kwargs)
+        """Name the parser ``relay <command>`` when run through the ``relay`` script, before
+        ``add_arguments`` makes any subcommand's parser (``relay dead purge``, not ``relay
+        relay_dead purge``)."""
         if os.path.basename(prog_name) == "relay":
-            parser.prog = f"relay {subcommand.removeprefix('relay_')}"
-        return parser
+            subcommand = subcommand.removeprefix("relay_")
+        return super().create_parser(prog_name, subcommand, **kwargs)
 
     def execute(self, *args: Any, **options: Any) -> Any:
         """Run the command; from a shell, print ``CODE: message`` and exit on CommandError;

@@ -292,6 +292,11 @@ def _log(level: int, event: str, *, exc_info: bool = False, **fields: Any) -> No
     logger.handle(record)
 
 
+# The most handler threads one worker runs (``concurrency``): 100,000,000 asked for ended in
+# "can't start new thread" and a traceback (a review); past a few hundred, run more processes.
+MAX_CONCURRENCY = 1000
+
+
 class Worker:
     """Pull jobs from Relay and run them, holding at most ``concurrency`` leases at once.
 
@@ -370,8 +375,8 @@ class Worker:
             raise ValueError(f"queues must be a list of queue names, not a string: [{queues!r}]")
         if not queues:
             raise ValueError("a worker needs at least one queue")
-        if concurrency < 1:
-            raise ValueError("concurrency must be >= 1")
+        if not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise ValueError(f"concurrency must be 1..{MAX_CONCURRENCY} (a thread each)")
         if wait_ms < 0 or shutdown_timeout_ms < 0:
             raise ValueError("wait_ms and shutdown_timeout_ms must be >= 0")
         if lease_ms is None or max_error_bytes is None or max_result_bytes is None:

@@ -236,3 +236,23 @@ def test_seed_dead_lines_parse(line: str, action: str, key: str, value: object) 
 def test_seed_stats_and_inspect_lines_parse() -> None:
     assert parse("relay_stats", "relay --json stats")["json"] is True
     assert parse("relay_inspect", "relay inspect job_01J")["job_id"] == "job_01J"
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "usage"),
+    [
+        ("relay_stats", [], "usage: relay stats "),
+        ("relay_dead", ["purge", "--bogus"], "usage: relay dead purge "),
+        ("relay_keys", ["create", "--scope", "bogus"], "usage: relay keys create "),
+    ],
+)
+def test_usage_lines_name_relay_commands_and_their_subcommands(
+    command: str, argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A review: the subcommands' usage said "relay relay_dead purge".
+    command_class = load_command_class("queue_core", command)
+    command_class._called_from_command_line = True  # a usage error prints usage and exits 2
+    parser = command_class.create_parser("relay", command)
+    with pytest.raises(SystemExit):
+        parser.parse_args([*argv, "--bogus"])
+    assert capsys.readouterr().err.startswith(usage)

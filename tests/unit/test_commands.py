@@ -178,6 +178,31 @@ def test_submit_marks_a_duplicate(server: Any) -> None:
     assert out == "job_1 (duplicate)\n"
 
 
+def test_submit_reads_a_payload_from_a_file_or_stdin(
+    server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A payload past about 128 KiB does not fit one argument (E2BIG), though the limit is
+    # 256 KiB: --payload-file (a review).
+    canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": False}))
+    big = {"pad": "x" * 200_000}
+    path = tmp_path / "payload.json"
+    path.write_bytes(orjson.dumps(big))
+    run("relay_submit", "q", "--payload-file", str(path), "--address", canned.address)
+    assert canned.requests[-1]["args"]["payload"] == big
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b'{"from": "stdin"}')))
+    run("relay_submit", "q", "--payload-file", "-", "--address", canned.address)
+    assert canned.requests[-1]["args"]["payload"] == {"from": "stdin"}
+    sent = len(canned.requests)
+    err = fails(
+        "relay_submit", "q", "--payload-file", str(tmp_path / "nope"), "--address", canned.address
+    )
+    assert str(err).startswith("INVALID_ARGUMENT: --payload-file: No such file or directory")
+    path.write_bytes(b" " * (2 * 1024 * 1024))
+    err = fails("relay_submit", "q", "--payload-file", str(path), "--address", canned.address)
+    assert "holds more than" in str(err)
+    assert len(canned.requests) == sent  # nothing sent for either
+
+
 def test_submit_json_prints_the_result(server: Any) -> None:
     canned = server(lambda req, conn: ok(req, {"job": JOB, "deduplicated": False}))
     out, _ = run(
@@ -353,6 +378,17 @@ def test_dead_retry_reports_each_job_and_fails_if_any_failed(server: Any) -> Non
     assert caught.value.returncode == 1
 
 
+def test_dead_retry_of_one_job_says_its_error_once(server: Any) -> None:
+    # A review: `relay dead retry nosuch` printed the error twice (the id's line, then the
+    # command's).
+    canned = server(lambda req, conn: error(req, "NOT_FOUND", "no job job_9"))
+    err = io.StringIO()
+    with pytest.raises(CommandError) as caught:
+        call_command("relay_dead", "retry", "job_9", "--address", canned.address, stderr=err)
+    assert err.getvalue() == ""
+    assert str(caught.value) == "NOT_FOUND: no job job_9"
+
+
 def test_dead_purge_without_a_terminal_asks_nothing(server: Any) -> None:
     canned = server(lambda req, conn: ok(req, {"job_id": req["args"]["job_id"], "purged": True}))
     out, _ = run("relay_dead", "purge", "job_1", "job_1", "--address", canned.address)
@@ -429,9 +465,11 @@ def test_worker_runs_jobs_and_stops_gracefully_on_sigterm(server: Any) -> None:
     assert signal.getsignal(signal.SIGTERM) == previous  # restored
 
 
-def test_worker_rejects_bad_options() -> None:
-    err = fails("relay_worker", "--concurrency", "0", "--address", "127.0.0.1:9")
-    assert str(err) == "INVALID_ARGUMENT: concurrency must be >= 1"
+@pytest.mark.parametrize("concurrency", ["0", "1001", "100000000"])
+def test_worker_rejects_bad_options(concurrency: str) -> None:
+    # 100,000,000 ended in "can't start new thread" and a traceback (a review).
+    err = fails("relay_worker", "--concurrency", concurrency, "--address", "127.0.0.1:9")
+    assert str(err) == "INVALID_ARGUMENT: concurrency must be 1..1000 (a thread each)"
     assert err.returncode == 1
 
 
@@ -445,9 +483,10 @@ def test_tables_show_bracketed_job_data_as_text(server: Any) -> None:
     assert "failed [bad input]" in out
 
 
+@pytest.mark.parametrize("json", [False, True], ids=["table", "json"])
 @pytest.mark.parametrize("entry", ["relay", "manage.py"])
 def test_a_reader_that_closes_the_output_early_ends_the_command_quietly(
-    server: Any, entry: str
+    server: Any, entry: str, json: bool
 ) -> None:
     """README walkthrough: ``relay stats | head -1`` said "cannot reach relay server" and
     exited 2, the pipe's EPIPE taken for the server's. Now it exits 141 (128 + SIGPIPE), as a
@@ -460,6 +499,8 @@ def test_a_reader_that_closes_the_output_early_ends_the_command_quietly(
         argv = [sys.executable, "-c", "from queue_core.cli import main; main()", "stats"]
     else:
         argv = [sys.executable, str(root / "manage.py"), "relay_stats"]
+    if json:  # one large write (a review: exit 0, where the table's many writes gave 141)
+        argv.append("--json")
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first line is written
     try:

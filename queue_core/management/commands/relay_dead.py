@@ -133,7 +133,7 @@ class Command(RelayClientCommand):
             except errors.RelayError as exc:
                 failures.append(exc)
                 results.append({"job_id": job_id, "ok": False, "error": exc.to_dict()})
-                if not json:
+                if not json and len(job_ids) > 1:  # one id's error is the command's own
                     self.stderr.write(f"{job_id}: {exc.code}: {exc.message}")
                 continue
             results.append(result)

@@ -1,15 +1,18 @@
-"""``relay submit QUEUE --payload JSON [options]``: enqueue one job and print its id."""
+"""``relay submit QUEUE (--payload JSON | --payload-file PATH) [options]``: enqueue one job and
+print its id."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import sys
 from typing import Any
 
 import orjson
 from django.core.management.base import CommandParser
 
 from queue_core.client import RelayClient
+from queue_core.conf import relay_settings
 from queue_core.management.relay_command import RelayClientCommand, invalid_argument
 from queue_core.states import class_name
 
@@ -65,11 +68,17 @@ class Command(RelayClientCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         """Define QUEUE, --payload and the job options."""
         parser.add_argument("queue", metavar="QUEUE", help="Queue name.")
-        parser.add_argument(
+        source = parser.add_mutually_exclusive_group(required=True)
+        source.add_argument(
             "--payload",
-            required=True,
             metavar="JSON",
             help="Job payload as JSON, e.g. '{\"a\":1}'.",
+        )
+        source.add_argument(
+            "--payload-file",
+            metavar="PATH",
+            help="Read the payload's JSON from PATH ('-': standard input): a payload past "
+            "about 128 KiB does not fit one command-line argument.",
         )
         parser.add_argument(
             "--priority",
@@ -144,10 +153,13 @@ class Command(RelayClientCommand):
 
     def run(self, client: RelayClient, **options: Any) -> None:
         """Submit and print the id (or the whole result with --json)."""
+        option, text = "--payload", options["payload"]
+        if text is None:
+            option, text = "--payload-file", _read_payload(options["payload_file"])
         try:
-            payload = orjson.loads(options["payload"])
+            payload = orjson.loads(text)
         except orjson.JSONDecodeError as exc:
-            raise invalid_argument(f"--payload is not valid JSON: {exc}") from exc
+            raise invalid_argument(f"{option} is not valid JSON: {exc}") from exc
         run_at_ms = parse_run_at(options["run_at"]) if options["run_at"] else None
         result = client.submit(
             options["queue"],
@@ -170,3 +182,24 @@ class Command(RelayClientCommand):
             return
         job_id = result["job"]["id"]
         self.stdout.write(f"{job_id} (duplicate)" if result.get("deduplicated") else job_id)
+
+
+def _read_payload(path: str) -> bytes:
+    """The bytes of ``path`` (``-``: standard input), at most a frame's worth.
+
+    Raises:
+        CommandError: ``INVALID_ARGUMENT`` when it cannot be read or holds more than
+            ``RELAY_MAX_FRAME_BYTES`` (no request could carry it).
+    """
+    limit = relay_settings().max_frame_bytes
+    try:
+        if path == "-":
+            data = sys.stdin.buffer.read(limit + 1)
+        else:
+            with open(path, "rb") as file:
+                data = file.read(limit + 1)
+    except OSError as exc:
+        raise invalid_argument(f"--payload-file: {exc.strerror or exc}: {path}") from None
+    if len(data) > limit:
+        raise invalid_argument(f"--payload-file: {path} holds more than {limit} bytes")
+    return data

@@ -66,7 +66,7 @@ class Command(RelayBaseCommand):
             type=int,
             default=8,
             metavar="N",
-            help="Most jobs held and run at once (default 8).",
+            help="Most jobs held and run at once, 1..1000, a thread each (default 8).",
         )
         parser.add_argument(
             "--shutdown-timeout-ms",
