@@ -588,6 +588,9 @@ def test_ctrl_c_while_waiting_for_a_reply_is_one_line_and_exit_130(server: Any, 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=root,
+        # A shell's background job (CI) ignores SIGINT, and a child inherits that: Python
+        # then installs no KeyboardInterrupt handler. Ctrl-C's default, as in a terminal.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert arrived.wait(60), "the request never came"
