@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 from urllib.parse import urlencode
 
 import orjson
@@ -44,12 +44,11 @@ from django.utils.safestring import SafeString, mark_safe
 
 from queue_admin import display, maintenance
 from queue_admin.listing import (
-    MAX_SEARCH_TERMS,
+    BoundedChangelist,
     CappedPaginator,
     JobChangeList,
     QueueFilter,
     StateFilter,
-    declared_lookup,
 )
 from queue_admin.operations import CHUNK, BulkRunner, Op, describe
 from queue_admin.overview import build_overview
@@ -73,19 +72,11 @@ HISTORY_ROWS = 100
 # Query parameters of the changelist that do not narrow which jobs match.
 NON_FILTER_PARAMS = frozenset({"p", "o", "all", "e", "_facets"})
 
-if TYPE_CHECKING:
-    _AdminBase = admin.ModelAdmin[Any]
-else:  # ModelAdmin is generic only in django-stubs
-    _AdminBase = admin.ModelAdmin
-
-
 # Columns whose values are credentials: a lease's token settles its job (ack, fail, release).
 SECRET_FIELDS = frozenset({"lease_token"})
-# A row by its primary key, in a list's query string (``?id=job_...``): an index seek.
-ID_LOOKUPS = frozenset({"id", "id__exact", "pk"})
 
 
-class ReadOnlyAdmin(_AdminBase):
+class ReadOnlyAdmin(BoundedChangelist):
     """Lists and detail pages without add, change or delete, sized for large tables."""
 
     paginator = CappedPaginator
@@ -108,25 +99,13 @@ class ReadOnlyAdmin(_AdminBase):
         return False
 
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
-        """Only the lookups the list's declared filters send (``listing.declared_lookup``;
-        any other is 400 Bad Request). Django allows any lookup on a model's own fields:
-        one on a ``SECRET_FIELDS`` column let a user who may only view jobs read a live
-        lease's token a character at a time (``?lease_token__gte=...``: a review recovered
-        one in 257 requests and acked the job with another worker key), and a regular
-        expression on a payload held SQLite's lock for a minute."""
+        """Those of ``BoundedChangelist``, never one on a ``SECRET_FIELDS`` column: with it,
+        a user who may only view jobs read a live lease's token a character at a time
+        (``?lease_token__gte=...``: a review recovered one in 257 requests and acked the job
+        with another worker key)."""
         if any(part in SECRET_FIELDS for part in lookup.split(LOOKUP_SEP)):
             return False
-        return lookup in ID_LOOKUPS or declared_lookup(lookup, self.get_list_filter(request))
-
-    def get_search_results(
-        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
-    ) -> tuple[QuerySet[Any], bool]:
-        """Django's search, refused (400 Bad Request) past ``MAX_SEARCH_TERMS`` words: each
-        word adds a clause, and 1,000 of them answered 500 ("Expression tree is too large")
-        after a second's work (a review)."""
-        if len(search_term.split()) > MAX_SEARCH_TERMS:
-            raise BadRequest(f"a search takes at most {MAX_SEARCH_TERMS} words")
-        return super().get_search_results(request, queryset, search_term)
+        return super().lookup_allowed(lookup, value, request)
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         """Job state changes only through the replay and purge actions."""
@@ -454,8 +433,8 @@ class JobAdmin(ReadOnlyAdmin):
     @admin.display(description="history")
     def history(self, obj: Job) -> SafeString:
         """The latest ``HISTORY_ROWS`` deliveries (with their errors) and the latest
-        ``HISTORY_ROWS`` operator or recovery events, in order, and how many older ones are
-        not shown."""
+        ``HISTORY_ROWS`` operator or recovery events, in order, and how many older attempts
+        are not shown (older events: the audit log has them)."""
         rows: list[dict[str, Any]] = []
         db = obj._state.db
         attempts = list(
@@ -466,10 +445,9 @@ class JobAdmin(ReadOnlyAdmin):
         events = list(
             JobEvent.objects.using(db).filter(job_id=obj.pk).order_by("-id")[: HISTORY_ROWS + 1]
         )
-        older = {
-            "attempts": len(attempts) > HISTORY_ROWS,
-            "events": len(events) > HISTORY_ROWS,
-        }
+        # Attempts are numbered 1, 2, ... per job: those before the oldest shown are hidden.
+        hidden = attempts[HISTORY_ROWS - 1].attempt - 1 if len(attempts) > HISTORY_ROWS else 0
+        older = {"attempts": hidden, "events": len(events) > HISTORY_ROWS}
         for a in attempts[:HISTORY_ROWS]:
             took = None if a.ended_at_ms is None else a.ended_at_ms - a.started_at_ms
             rows.append(

@@ -1,7 +1,7 @@
 """The queue overview: per queue the counts by state, oldest ready age, who holds leases now,
 its controls (paused, cap, rate), the latest failures, and the live servers.
 
-Four reads, each bounded by an index rather than by the size of the table:
+Five reads, each bounded by an index rather than by the size of the table:
 
 - counts by queue and state, each queue's oldest READY job and the live servers, a page of
   ``QUEUES_PER_PAGE`` queues at a time:
@@ -11,7 +11,9 @@ Four reads, each bounded by an index rather than by the size of the table:
 - leases held now, grouped by queue and worker: the ``relay_job_leased`` partial index,
   which holds only leased jobs (bounded by the workers' concurrency);
 - the latest failed attempts: the ``relay_attempt_failed`` partial index (migration 0003),
-  newest first, ``RECENT_FAILURES`` rows.
+  newest first, ``RECENT_FAILURES`` rows;
+- every paused or limited queue's controls (``QueueService.queue_controls``: the few rows of
+  ``relay_queue``), so a paused queue on another page is named on every page.
 """
 
 from __future__ import annotations
@@ -66,6 +68,14 @@ class Overview:
     # ``next_after`` (None: this is the last).
     after: str | None = None
     next_after: str | None = None
+    # Every paused or limited queue, whatever the page (name -> its controls): a paused queue
+    # on a later page was out of sight (a review).
+    controlled: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def paused(self) -> list[str]:
+        """The paused queues' names, in name order."""
+        return [name for name, c in self.controlled.items() if c.get("paused")]
 
     @property
     def total_cells(self) -> list[tuple[str, int]]:
@@ -149,4 +159,5 @@ def build_overview(
         servers=list(stats["servers"]),
         after=after,
         next_after=stats["next_after"],
+        controlled=dict(service.queue_controls()["queues"]),
     )

@@ -10,7 +10,9 @@ requests as gthread's threads did (``CONN_MAX_AGE``, with Django's health checks
 ``close_old_connections`` at each request's start and end, all on that thread).
 
 Only the parsing and the sending stay on the event loop, so a slow client still holds no
-thread. A request to an async view (the lease long-poll) goes through Django's async path:
+thread. The operator console's requests take at most ``CONSOLE_SHARE`` of the threads at once
+(the rest wait on the event loop), so heavy console pages leave threads to the API. A
+request to an async view (the lease long-poll) goes through Django's async path:
 its middleware and auth run in a thread made for it, whose connections are closed when it
 ends; its claims run on the pool (``run``), so a waiting long-poll holds no pool thread.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,6 +40,11 @@ from queue_core.conf import relay_settings
 
 THREAD_NAME = "relay-http-db"
 SHUTDOWN_TIMEOUT_S = 10.0  # how long shutdown() waits for each pool thread
+# The operator console (the admin site's URLs) runs at most this share of the pool's threads
+# at once; its other requests wait on the event loop, holding none. Eight console searches
+# that each scanned 200,000 jobs for 2 s held all eight threads, and /api/v1/health waited
+# 17 s behind them (a review).
+CONSOLE_SHARE = 0.5
 
 
 @functools.cache
@@ -127,6 +135,15 @@ class PooledAsgiHandler(ASGIHandler):
             body_file = await self.read_body(receive)
         except RequestAborted:
             return
+        if _console(matched):
+            async with _console_gate():
+                await self._pooled(scope, send, body_file, matched)
+        else:
+            await self._pooled(scope, send, body_file, matched)
+
+    async def _pooled(
+        self, scope: dict[str, Any], send: Any, body_file: Any, matched: _Matched
+    ) -> None:
         set_script_prefix(get_script_prefix(scope))
         serve = sync_to_async(self._serve, thread_sensitive=False, executor=executor())
         try:
@@ -156,6 +173,28 @@ class PooledAsgiHandler(ASGIHandler):
 
 
 _Matched = tuple[str, ResolverMatch | None]  # (path_info, its URL match; None: no route)
+
+
+def _console(matched: _Matched) -> bool:
+    """Whether the request is the operator console's (a URL of the admin site)."""
+    match = matched[1]
+    return match is not None and "admin" in match.namespaces
+
+
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _console_gate() -> asyncio.Semaphore:
+    """This event loop's gate for console requests: ``CONSOLE_SHARE`` of the pool's threads
+    (at least one)."""
+    loop = asyncio.get_running_loop()
+    gate = _GATES.get(loop)
+    if gate is None:
+        slots = max(1, int(relay_settings().http_threads * CONSOLE_SHARE))
+        gate = _GATES[loop] = asyncio.Semaphore(slots)
+    return gate
 
 
 def _match(scope: dict[str, Any]) -> _Matched:

@@ -10,3 +10,11 @@ class RelayAdminConfig(AdminConfig):
     ``relayproject.settings.INSTALLED_APPS`` in place of ``"django.contrib.admin"``."""
 
     default_site = "relayproject.admin.RelayAdminSite"
+
+    def ready(self) -> None:
+        """Discover the apps' admins, then bound the lists of Django's users and groups as
+        Relay's own (``relayproject.auth_admin``)."""
+        super().ready()
+        from relayproject.auth_admin import bound_auth_admins
+
+        bound_auth_admins()

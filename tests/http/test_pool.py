@@ -124,3 +124,63 @@ def test_leases_claim_on_the_pool_and_leave_no_connection_behind(
     # closed with the request: that thread is never used again.
     left_open = [name for name, w in opened if w not in pooled and w.connection is not None]
     assert left_open == []
+
+
+async def get(path: str) -> int:
+    """GET ``path`` through the project's ASGI application; return the status."""
+    from relayproject.asgi import application
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 50001),
+        "server": ("127.0.0.1", 8000),
+    }
+    app = ApplicationCommunicator(application, scope)
+    await app.send_input({"type": "http.request", "body": b"", "more_body": False})
+    start = await app.receive_output(TIMEOUT_S)
+    while (await app.receive_output(TIMEOUT_S)).get("more_body", False):
+        pass
+    await app.wait(TIMEOUT_S)
+    return int(start["status"])
+
+
+@override_settings(RELAY_HTTP_THREADS=THREADS)
+def test_console_requests_leave_threads_to_the_api(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Eight console searches that each scanned 200,000 jobs held all eight threads, and
+    # /api/v1/health waited 17 s (a review). The console runs on half the threads at most.
+    from django.contrib.auth.views import LoginView
+
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    original = LoginView.get
+
+    def slow_get(self: LoginView, request: Any, *args: Any, **kwargs: Any) -> Any:
+        entered.release()  # a console request holds a pool thread here
+        release.wait(TIMEOUT_S)
+        return original(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(LoginView, "get", slow_get)
+
+    async def scenario() -> tuple[int, bool, list[int]]:
+        consoles = [asyncio.create_task(get("/admin/login/")) for _ in range(2)]
+        assert await asyncio.to_thread(entered.acquire, True, TIMEOUT_S)
+        # One console request holds a thread, the other waits at the gate: a submit is
+        # served on the thread left.
+        status, _ = await call("/api/v1/queues/gate/jobs", {"payload": 1})
+        second_in = entered.acquire(blocking=False)
+        release.set()
+        return status, second_in, list(await asyncio.gather(*consoles))
+
+    status, second_in, consoles = asyncio.run(scenario())
+    assert status == 201
+    assert not second_in, "the second console request took the API's thread"
+    assert consoles == [200, 200]
