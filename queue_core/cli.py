@@ -41,10 +41,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 from collections.abc import Sequence
-
-from django.core.management import execute_from_command_line
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,6 +211,11 @@ def translate(argv: Sequence[str]) -> Invocation:
 
 
 STANDALONE_SETTINGS = "relayproject.settings"
+# Stopped by Ctrl-C (SIGINT): 128 + SIGINT, as a shell reports a tool that SIGINT ended.
+EXIT_INTERRUPTED = 130
+INTERRUPTED = (
+    "INTERRUPTED: stopped by Ctrl-C; a request already sent may or may not have been applied"
+)
 
 
 def use_settings(args: Sequence[str]) -> bool:
@@ -246,8 +250,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         _run(invocation.argv)
     except KeyboardInterrupt:  # Ctrl-C while Django loads, or past a command's own handling
-        from queue_core.management.relay_command import EXIT_INTERRUPTED, INTERRUPTED
-
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback here
         print(INTERRUPTED, file=sys.stderr)
         raise SystemExit(EXIT_INTERRUPTED) from None
     except ImproperlyConfigured as exc:  # a bad setting (--database-url mysql://...)
@@ -255,16 +258,24 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
+def execute_from_command_line(argv: list[str]) -> None:
+    """Django's ``execute_from_command_line``, imported when first run: a Ctrl-C while
+    Django's modules load is then ``main``'s to report."""
+    from django.core.management import execute_from_command_line as execute
+
+    execute(argv)
+
+
 def _run(argv: list[str]) -> None:
     """Run the management command ``argv[1]`` (``migrate``: a missing database in one line)."""
     if argv[1] != "migrate":
         execute_from_command_line(argv)
         return
-    from django.db import OperationalError
+    from django.db import DatabaseError
 
     try:
         execute_from_command_line(argv)
-    except OperationalError as exc:  # a database that is not there: one line, as relay server
+    except DatabaseError as exc:  # a database not there, or not one: one line, as relay server
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"UNAVAILABLE: cannot reach the database: {first}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -176,18 +176,21 @@ def postgresql_database(url: str) -> dict[str, object]:
 
     from django.core.exceptions import ImproperlyConfigured
 
-    parts = urlsplit(url)
+    wrong = f"RELAY_DATABASE_URL must read postgresql://user@host:port/dbname, got {url!r}"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # "Port out of range", or not a number: ValueError
+    except ValueError as exc:  # also an unclosed [IPv6 address
+        raise ImproperlyConfigured(f"{wrong} ({exc})") from None
     if parts.scheme not in ("postgresql", "postgres") or not parts.path.strip("/"):
-        raise ImproperlyConfigured(
-            f"RELAY_DATABASE_URL must read postgresql://user@host:port/dbname, got {url!r}"
-        )
+        raise ImproperlyConfigured(wrong)
     return {
         "ENGINE": "django.db.backends.postgresql",
         "NAME": unquote(parts.path.strip("/")),
         "USER": unquote(parts.username or ""),
         "PASSWORD": unquote(parts.password or ""),
         "HOST": parts.hostname or "",
-        "PORT": str(parts.port or ""),
+        "PORT": str(port or ""),
         "CONN_MAX_AGE": _env_int("RELAY_CONN_MAX_AGE_S", 60),
         "CONN_HEALTH_CHECKS": True,
         # Server-side binding: the driver prepares Relay's own statements on each connection

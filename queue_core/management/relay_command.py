@@ -17,6 +17,7 @@ import errno
 import io
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any, TextIO, cast
@@ -28,6 +29,7 @@ from rich.console import Console, RenderableType
 
 from queue_core import errors, schema
 from queue_core.auth import client_api_key
+from queue_core.cli import EXIT_INTERRUPTED, INTERRUPTED
 from queue_core.client import (
     RelayClient,
     RelayConnectionError,
@@ -44,10 +46,6 @@ EXIT_UNREACHABLE = 2
 EXIT_BROKEN_PIPE = 141
 EXIT_NEWER_SCHEMA = 9  # NEWER_SCHEMA: a newer Relay migrated the database
 # Stopped by Ctrl-C (SIGINT): 128 + SIGINT, as a shell reports a tool that SIGINT ended.
-EXIT_INTERRUPTED = 130
-INTERRUPTED = (
-    "INTERRUPTED: stopped by Ctrl-C; a request already sent may or may not have been applied"
-)
 
 
 def add_connection_arguments(parser: CommandParser | Any, *, json_help: str | None = None) -> None:
@@ -241,8 +239,8 @@ class RelayBaseCommand(BaseCommand):
         """Name the parser ``relay <command>`` when run through the ``relay`` script, before
         ``add_arguments`` makes any subcommand's parser (``relay dead purge``, not ``relay
         relay_dead purge``)."""
-        if os.path.basename(prog_name) == "relay":
-            subcommand = subcommand.removeprefix("relay_")
+        if os.path.basename(prog_name) == "relay":  # relay_queue_limits: relay queue-limits
+            subcommand = subcommand.removeprefix("relay_").replace("_", "-")
         return super().create_parser(prog_name, subcommand, **kwargs)
 
     def execute(self, *args: Any, **options: Any) -> Any:
@@ -277,6 +275,7 @@ class RelayBaseCommand(BaseCommand):
         except KeyboardInterrupt:  # Ctrl-C while waiting for a reply: one line, no traceback
             if not shell or options.get("traceback"):
                 raise
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: no traceback
             _say(INTERRUPTED)
             sys.exit(EXIT_INTERRUPTED)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -15,7 +16,7 @@ from typing import Any
 
 import orjson
 import pytest
-from django.core.management import call_command
+from django.core.management import call_command, load_command_class
 from django.core.management.base import CommandError
 
 from queue_core.client import format_address
@@ -625,3 +626,68 @@ def test_a_bad_database_url_is_one_line() -> None:
         "INVALID_ARGUMENT: RELAY_DATABASE_URL must read postgresql://user@host:port/dbname, "
         "got 'mysql://x'"
     ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "line"),
+    [
+        (
+            ["--database-url", "postgresql://u@[::1", "stats"],
+            1,
+            "INVALID_ARGUMENT: RELAY_DATABASE_URL",
+        ),
+        (
+            ["--database-url", "postgresql://u@h:99999/db", "stats"],
+            1,
+            "INVALID_ARGUMENT: RELAY_DATABASE_URL",
+        ),
+        (["--db", "{text}", "migrate"], 1, "UNAVAILABLE: cannot reach the database: file is not a"),
+        (["--db", "{text}", "backup", "{tmp}/copy.db"], 1, "CORRUPT: {text} is not a database"),
+        (
+            ["--db", "{tmp}", "migrate"],
+            1,
+            "CommandError: STORAGE_IO: database {tmp}: it is a directory",
+        ),
+        (
+            ["submit", "q", "--payload-file", "-"],
+            1,
+            "INVALID_ARGUMENT: --payload-file -: standard input is closed",
+        ),
+    ],
+)
+def test_hostile_command_lines_end_in_one_line(
+    tmp_path: Path, argv: list[str], code: int, line: str
+) -> None:
+    """A second review's tracebacks (32 to 95 lines each): a URL Python cannot split, a port
+    out of range, a file that is not SQLite, a directory (told it had 2 names), a closed
+    standard input."""
+    text = tmp_path / "notdb.db"
+    text.write_bytes(b"not a database, just text " * 10)
+    fill = {"text": str(text), "tmp": str(tmp_path)}
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [
+            *(sys.executable, "-c", "from queue_core.cli import main; main()"),
+            *(arg.format(**fill) for arg in argv),
+        ],
+        capture_output=True,
+        stdin=subprocess.DEVNULL if "-" not in argv else None,
+        preexec_fn=(lambda: os.close(0)) if "-" in argv else None,
+        cwd=root,
+        timeout=60,
+        check=False,
+    )
+    lines = done.stderr.decode().splitlines()
+    assert done.returncode == code, lines
+    assert len(lines) == 1 and lines[0].startswith(line.format(**fill)), lines
+    assert not (tmp_path / "copy.db").exists()
+
+
+def test_queue_limits_usage_names_the_command_as_typed() -> None:
+    err = io.StringIO()
+    command = load_command_class("queue_core", "relay_queue_limits")
+    command._called_from_command_line = True
+    parser = command.create_parser("relay", "relay_queue_limits")
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
+        parser.parse_args([])
+    assert err.getvalue().startswith("usage: relay queue-limits ")

@@ -194,6 +194,8 @@ def _read_payload(path: str) -> bytes:
     limit = relay_settings().max_frame_bytes
     try:
         if path == "-":
+            if sys.stdin is None:  # started with standard input closed (<&-)
+                raise invalid_argument("--payload-file -: standard input is closed")
             data = sys.stdin.buffer.read(limit + 1)
         else:
             with open(path, "rb") as file:

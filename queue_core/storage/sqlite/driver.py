@@ -24,6 +24,7 @@ import os
 import random
 import re
 import sqlite3
+import stat
 import threading
 import time
 from collections import Counter
@@ -192,8 +193,11 @@ def one_name(st: os.stat_result) -> None:
     resolves it.
 
     Raises:
-        StorageIO: the file has more than one hard link.
+        StorageIO: the file has more than one hard link, or is a directory (whose links
+            are its entries: a review's ``relay --db <dir>`` was told it had 2 names).
     """
+    if stat.S_ISDIR(st.st_mode):
+        raise StorageIO("it is a directory, not a database file")
     if st.st_nlink > 1:
         raise StorageIO(
             f"the file has {st.st_nlink} names (hard links): SQLite keeps a write-ahead log "
@@ -1268,6 +1272,9 @@ class SqliteDriver:
             mapped = storage_fault(exc, str(partial))
             if mapped is not None:
                 raise mapped from exc
+            if isinstance(exc, sqlite3.DatabaseError) and "not a database" in str(exc):
+                # The source is no SQLite file (a review: a traceback): relay backup's CORRUPT.
+                raise ValueError(f"{source} is not a database: {exc}") from None
             raise
         except BaseException:
             partial.unlink(missing_ok=True)
