@@ -24,6 +24,8 @@ threads this replaced answered none of them. In production put a buffering rever
   new connection is answered 503 ``TOO_MANY_CONNECTIONS`` with ``Retry-After: 1`` and closed).
 * ``RELAY_HTTP_HEADER_TIMEOUT_S``: a connection whose first request's headers have not all
   arrived this long after it was accepted is closed, default 15 (0: never).
+* ``RELAY_HTTP_REQUEST_TIMEOUT_S``: a connection whose request has been in progress this long
+  (its body still arriving, or its response not read) is closed, default 60 (0: never).
 * ``RELAY_HTTP_TIMEOUT_S``: a worker silent for this long is restarted, default 60 (above
   ``RELAY_MAX_WAIT_MS`` so a long-poll never trips it).
 * ``RELAY_HTTP_GRACEFUL_TIMEOUT_S``: how long in-flight requests get on SIGTERM, default 30.
@@ -60,6 +62,7 @@ asgi_lifespan = "off"  # Django has no lifespan handler
 workers = _int("RELAY_HTTP_WORKERS", 1)
 worker_connections = _int("RELAY_HTTP_CONNECTIONS", 1000)
 HEADER_TIMEOUT_S = _int("RELAY_HTTP_HEADER_TIMEOUT_S", 15)
+REQUEST_TIMEOUT_S = _int("RELAY_HTTP_REQUEST_TIMEOUT_S", 60)
 timeout = _int("RELAY_HTTP_TIMEOUT_S", 60)
 graceful_timeout = _int("RELAY_HTTP_GRACEFUL_TIMEOUT_S", 30)
 keepalive = _int("RELAY_HTTP_KEEPALIVE_S", 5)
@@ -84,8 +87,9 @@ def on_starting(server) -> None:  # type: ignore[no-untyped-def]
 
 
 def post_fork(server, worker) -> None:  # type: ignore[no-untyped-def]
-    """Give the new worker (``relayproject.gunicorn_worker.BoundedWorker``) its header timeout."""
+    """Give the new worker (``relayproject.gunicorn_worker.BoundedWorker``) its timeouts."""
     worker.header_timeout_s = HEADER_TIMEOUT_S
+    worker.request_timeout_s = REQUEST_TIMEOUT_S
 
 
 def when_ready(server) -> None:  # type: ignore[no-untyped-def]

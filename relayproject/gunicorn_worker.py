@@ -10,6 +10,9 @@ worker set to 1,000, each a file descriptor the worker's database connections ne
   uvicorn's ``--limit-concurrency`` answers 503), without reading its request (``Refusal``);
 * caps the limit to what the process's file-descriptor limit holds, raising the soft limit
   first (``queue_core.protocol.limits.connection_cap``, as the TCP server does);
+* closes a connection whose request has been in progress for over ``request_timeout_s``
+  (``RELAY_HTTP_REQUEST_TIMEOUT_S``, 60 s): a body that trickles in, or a response the client
+  does not read, held a slot for good (``_sweep``);
 * closes a connection whose first request's headers have not all arrived
   ``header_timeout_s`` after it was accepted (``RELAY_HTTP_HEADER_TIMEOUT_S``, 15 s; nginx's
   ``client_header_timeout``): gunicorn waits for them for ever, and 50 silent connections
@@ -23,7 +26,7 @@ connection. ``BoundedWorker`` wraps that factory. The worker counts a connection
 after the factory; one accept burst runs every factory of the burst first (asyncio accepts
 up to the listen backlog, 2,048, at once), so the wrapper also counts the connections whose
 factory ran in this iteration (``_pending``), until theirs has. A TLS connection is counted
-only once its handshake is over. The header timeout reads two attributes of gunicorn's
+only once its handshake is over. The two timeouts read two attributes of gunicorn's
 ``ASGIProtocol`` (``req_count``, ``_current_request``). ``tests/http/test_capacity.py`` checks
 all of it against the gunicorn version in the lock (pyproject.toml allows 27.x only).
 """
@@ -53,6 +56,10 @@ LINGER_S = 1.0  # how long a refused connection is read (and dropped) before it 
 # asyncio's accept batches of 100 hold until their refusals close.
 MAX_LINGERING = 64
 HEADER_TIMEOUT_S = 15.0  # default of RELAY_HTTP_HEADER_TIMEOUT_S
+# Default of RELAY_HTTP_REQUEST_TIMEOUT_S: past a long-poll's longest wait (20 s), the 1 MiB
+# body at 17 KiB/s, and gunicorn's own 60 s worker timeout.
+REQUEST_TIMEOUT_S = 60.0
+SWEEP_S = 1.0  # how often the requests in progress are looked at
 
 
 def refusal_response() -> bytes:
@@ -127,8 +134,16 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         super().__init__(*args, **kwargs)
         self.worker_connections: int = self.cfg.worker_connections
         self.header_timeout_s = HEADER_TIMEOUT_S
+        self.request_timeout_s = REQUEST_TIMEOUT_S
         self.refused = 0  # connections answered 503, since the worker started
-        self.timed_out = 0  # connections closed by the header timeout
+        self.timed_out = 0  # connections closed by the header or the request timeout
+        # The connections served, and since when (loop time) each one's request in progress,
+        # keyed by that request, has been (``_sweep``).
+        self._served: weakref.WeakSet[asyncio.BaseProtocol] = weakref.WeakSet()
+        self._since: weakref.WeakKeyDictionary[
+            asyncio.BaseProtocol, tuple[tuple[int, int], float]
+        ] = weakref.WeakKeyDictionary()
+        self._sweeping = False
         self._pending = 0  # factories run whose connection_made has not yet
         self._lingering = 0  # refused connections not yet closed
         self._every = Every(ACCEPT_LOG_EVERY_S)
@@ -153,6 +168,10 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             self._pending += 1
             self.loop.call_soon(self._counted)
             protocol = factory()
+            self._served.add(protocol)
+            if self.request_timeout_s > 0 and not self._sweeping:
+                self._sweeping = True
+                self._sweep_soon()
             if self.header_timeout_s > 0:
                 self.loop.call_later(
                     self.header_timeout_s, self._headers_due, weakref.ref(protocol)
@@ -182,6 +201,36 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         self._log("http_header_timeout", self.timed_out)
         with contextlib.suppress(OSError):
             transport.close()
+
+    def _sweep_soon(self) -> None:
+        self.loop.call_later(SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        """Close each connection whose request has been in progress for over
+        ``request_timeout_s``: a body that trickles in (gunicorn waits its 60 s timeout per
+        chunk, with no end), or a client that reads no response (gunicorn's drain has no
+        timeout). Ten of either held a limit of ten for good (a review); nginx bounds both
+        (``client_body_timeout``, ``send_timeout``). Runs while connections are served."""
+        now = self.loop.time()
+        for protocol in list(self._served):
+            transport = getattr(protocol, "transport", None)
+            request = getattr(protocol, "_current_request", None)
+            if transport is None or transport.is_closing() or request is None:
+                self._since.pop(protocol, None)
+                continue
+            key = (getattr(protocol, "req_count", 0), id(request))
+            seen = self._since.get(protocol)
+            if seen is None or seen[0] != key:
+                self._since[protocol] = (key, now)
+            elif now - seen[1] > self.request_timeout_s:
+                self.timed_out += 1
+                self._log("http_request_timeout", self.timed_out)
+                with contextlib.suppress(OSError):
+                    transport.abort()  # its buffered response is dropped: the client reads none
+        if self._served:
+            self._sweep_soon()
+        else:
+            self._sweeping = False
 
     def _log(self, event: str, count: int) -> None:
         """One warning line per ``event`` every ``ACCEPT_LOG_EVERY_S``, with the count so far."""

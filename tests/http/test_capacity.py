@@ -214,3 +214,37 @@ def test_a_connection_that_never_finishes_its_headers_gives_its_slot_back(
     finally:
         for sock in [poll, *held]:
             sock.close()
+
+
+def test_a_request_whose_body_trickles_or_whose_response_is_unread_gives_its_slot_back(
+    spawn: Spawner,
+) -> None:
+    # gunicorn waits 60 s per body chunk with no end, and its drain has no timeout: ten
+    # connections that sent a byte of body every 30 s, or pipelined requests they never
+    # read, held a limit of ten for good (a review). The request timeout is 2 s here.
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="2", RELAY_HTTP_REQUEST_TIMEOUT_S="2")
+    trickle = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    trickle.sendall(
+        b"POST /api/v1/queues/q/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    unread = socket.socket()
+    unread.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    unread.connect(("127.0.0.1", server.port))
+    unread.settimeout(10)
+    docs = b"GET /api/v1/openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    unread.sendall(docs * 50)  # about 8 MB of answers it never reads
+    try:
+        assert timed(server, "GET", "/api/v1/health")[0] == 503  # both slots held
+        # Neither is read from: only the server's timeout can give their slots back.
+        started = time.monotonic()
+        while (status := timed(server, "GET", "/api/v1/health")[0]) != 200:
+            assert status == 503, status
+            assert time.monotonic() - started < 15, "the held slots never came back"
+            time.sleep(0.2)  # a client's retry pace, not a synchronisation
+        trickle.settimeout(5)
+        with contextlib.suppress(ConnectionResetError):  # closed: reset, or an end
+            assert trickle.recv(100) == b""
+    finally:
+        trickle.close()
+        unread.close()
