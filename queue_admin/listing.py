@@ -76,7 +76,7 @@ class BoundedChangelist(_AdminBase):
     Request; and a search of at most ``MAX_SEARCH_TERMS`` terms (as Django splits them,
     quoted phrases whole), more 400 too (1,000 answered 500, "Expression tree is too large").
     Relay's admins use it, and the standalone console's users and groups
-    (``relayproject.admin``)."""
+    (``relayproject.auth_admin``)."""
 
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest) -> bool:
         """See the class docstring."""

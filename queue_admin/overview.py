@@ -91,7 +91,7 @@ class Overview:
 def build_overview(
     service: QueueService, after: str | None = None, limit: int = QUEUES_PER_PAGE
 ) -> Overview:
-    """Read the overview's numbers (four indexed queries) for one page of queues.
+    """Read the overview's numbers (five indexed reads) for one page of queues.
 
     Args:
         service: supplies ``stats()`` and the clock the ages are measured against.

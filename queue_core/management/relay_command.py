@@ -45,7 +45,6 @@ EXIT_UNREACHABLE = 2
 # status a shell tool killed by SIGPIPE ends with.
 EXIT_BROKEN_PIPE = 141
 EXIT_NEWER_SCHEMA = 9  # NEWER_SCHEMA: a newer Relay migrated the database
-# Stopped by Ctrl-C (SIGINT): 128 + SIGINT, as a shell reports a tool that SIGINT ended.
 
 
 def add_connection_arguments(parser: CommandParser | Any, *, json_help: str | None = None) -> None:
