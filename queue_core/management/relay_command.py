@@ -6,7 +6,9 @@ Exit codes, the same for every command:
 * 1: Relay answered with an error, or an argument is invalid (stderr: ``CODE: message``, e.g.
   ``NOT_FOUND: no job has this id``);
 * 2: the server cannot be reached or the connection failed (stderr: ``cannot reach relay server
-  at HOST:PORT ...``), or argparse rejected the command line.
+  at HOST:PORT ...``), or argparse rejected the command line;
+* 130: stopped by Ctrl-C (stderr: one ``INTERRUPTED: ...`` line);
+* 141: the reader of the output went away (``relay stats | head -1``), without a word.
 """
 
 from __future__ import annotations
