@@ -96,6 +96,9 @@ _SETTLE_PAUSE_S = 0.2
 # releasing the jobs still held.
 _MARGIN_S = 2.0
 _RELEASE_BUDGET_S = 5.0
+# At shutdown, how long an idle worker's lease call may take to answer once told the worker
+# sends nothing more (a server answers at once; one that does not is cut off), in s.
+_LEASE_ANSWER_S = 2.0
 # With wait_ms=0 (no long-poll), how long to pause after an empty lease before asking again.
 _EMPTY_POLL_PAUSE_S = 0.2
 
@@ -1326,11 +1329,15 @@ class Worker:
         stop_sending = getattr(self._lease_client, "stop_sending", None)
         if stop_sending is not None:
             stop_sending()
-        # 1. Running handlers finish and the lease call in flight returns, until the deadline.
+        # 1. Running handlers finish and the lease call in flight returns, until the deadline;
+        # with nothing held, the lease call gets _LEASE_ANSWER_S to answer (a server that
+        # answers nothing kept an idle worker for its whole shutdown timeout, 30 s: a review).
+        answer_by = self._clock.monotonic() + _LEASE_ANSWER_S
         with self._cond:
             while self._held or lease_thread.is_alive():
-                remaining = deadline - self._clock.monotonic()
-                if remaining <= 0:
+                now = self._clock.monotonic()
+                remaining = deadline - now
+                if remaining <= 0 or (not self._held and now >= answer_by):
                     break
                 self._cond.wait(min(remaining, self._tick_s))
         # 2. Past the deadline, cut off a lease call still waiting.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from queue_core.client import RelayClient
 from queue_core.worker import Worker
@@ -37,3 +38,38 @@ def test_an_idle_worker_stops_without_waiting_out_its_long_poll(
         wait_for(lambda: not any(c.waiting for c in list(running.server._conns)))
         assert client.stats()["totals"]["ready"] == 1
     assert worker.counters()["leased"] == 0
+
+
+def test_an_idle_worker_stops_soon_though_its_server_never_answers() -> None:
+    # A server that accepts and answers nothing kept an idle worker's stop for its whole
+    # shutdown timeout (30 s): the lease call waited for an answer (a review).
+    from tests.unit.canned_server import CannedServer, ok
+
+    asked, release = threading.Event(), threading.Event()
+
+    def mute(req: dict[str, Any], conn: Any) -> bytes:
+        if req.get("op") == "lease":
+            asked.set()
+            release.wait(60)
+        return ok(req, {"jobs": []})
+
+    server = CannedServer(mute)
+    try:
+        worker = Worker(
+            lambda: RelayClient(server.address, timeout_s=60),
+            ["q"],
+            concurrency=2,
+            wait_ms=LONG_POLL_MS,
+            shutdown_timeout_ms=30_000,
+        )
+        thread = threading.Thread(target=worker.run, daemon=True)
+        thread.start()
+        assert asked.wait(10)
+        stopped_at = time.monotonic()
+        worker.stop()
+        thread.join(20)
+        assert not thread.is_alive()
+        assert time.monotonic() - stopped_at < 10, "it waited for an answer"
+    finally:
+        release.set()
+        server.close()
