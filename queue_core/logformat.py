@@ -40,3 +40,16 @@ def not_an_auth_refusal(record: logging.LogRecord) -> bool:
         return True
     path = getattr(getattr(record, "request", None), "path", "")
     return not (isinstance(path, str) and path.startswith("/api/"))
+
+
+def one_line_security(record: logging.LogRecord) -> bool:
+    """A logging filter for ``django.security``: Django logs each request it refuses there (a
+    host not allowed, too many fields, ...) with its traceback and the request, whose text
+    holds the whole query string: a review's 8 KB query strings made lines of about 10 KB
+    each. Keep one line: no traceback, the request's path cut to 200 characters."""
+    record.exc_info = None
+    record.exc_text = None
+    request = getattr(record, "request", None)
+    if request is not None:
+        record.request = str(getattr(request, "path", ""))[:200]
+    return True

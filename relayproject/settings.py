@@ -330,8 +330,20 @@ LOGGING = {
             "()": "django.utils.log.CallbackFilter",
             "callback": "ext://queue_core.logformat.not_an_auth_refusal",
         },
+        "one_line_security": {
+            "()": "django.utils.log.CallbackFilter",
+            "callback": "ext://queue_core.logformat.one_line_security",
+        },
     },
-    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json"}},
+    "handlers": {
+        "stderr": {"class": "logging.StreamHandler", "formatter": "json"},
+        # A handler's filter sees the records of child loggers (django.security.<Error>).
+        "stderr_one_line": {
+            "class": "logging.StreamHandler",
+            "formatter": "json",
+            "filters": ["one_line_security"],
+        },
+    },
     "loggers": {
         "relay": {"handlers": ["stderr"], "level": RELAY_LOG, "propagate": False},
         "django": {"handlers": ["stderr"], "level": "WARNING"},
@@ -340,6 +352,12 @@ LOGGING = {
             "handlers": ["stderr"],
             "level": "WARNING",
             "filters": ["not_an_auth_refusal"],
+            "propagate": False,
+        },
+        # A refused request: one line each, not a traceback and a whole query string.
+        "django.security": {
+            "handlers": ["stderr_one_line"],
+            "level": "WARNING",
             "propagate": False,
         },
     },
