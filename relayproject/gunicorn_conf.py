@@ -73,6 +73,10 @@ limit_request_line = 8190
 limit_request_fields = 100
 # Load Django once in the arbiter, before forking: a settings or import error stops the start.
 preload_app = True
+# No control socket (gunicorn 25.1+ opens one at $XDG_RUNTIME_DIR or ~/.gunicorn/gunicorn.ctl,
+# one path per user: a second gunicorn of the same user, another copy of Relay or a test's,
+# would take it over; a fresh-clone review saw it). Relay manages its workers by signals.
+control_socket_disable = True
 
 
 def on_starting(server) -> None:  # type: ignore[no-untyped-def]
