@@ -352,28 +352,43 @@ def test_a_row_lock_held_elsewhere_gets_busy_not_a_stalled_server(servers: Start
         assert client.submit("locked", 1, idempotency_key="k")["deduplicated"] is False
 
 
+class Heard:
+    """The queues named by the notifications this process's change feed hears, in order
+    (subscribed, and connected, once made)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: list[str | None] = []
+        feed = driver_for("postgresql").changes()
+        feed.subscribe(self._hear)
+        wait_until(lambda: feed.connected.is_set(), what="the listener to connect")  # type: ignore[attr-defined]
+
+    def _hear(self, queue: str | None) -> None:
+        with self._lock:
+            self._queues.append(queue)
+
+    def queues(self) -> list[str | None]:
+        """What was heard so far."""
+        with self._lock:
+            return list(self._queues)
+
+    def clear(self) -> None:
+        """Forget what was heard so far."""
+        with self._lock:
+            self._queues.clear()
+
+
 def test_a_commit_elsewhere_names_the_queues_it_made_ready() -> None:
     # A server wakes only the long-polls of the queues another server made jobs READY in
     # (RelayServer._foreign_commit): the notification carries the queue.
-    feed = driver_for("postgresql").changes()
-    heard: list[str | None] = []
-    lock = threading.Lock()
-
-    def hear(queue: str | None) -> None:
-        with lock:
-            heard.append(queue)
-
-    feed.subscribe(hear)
-    wait_until(lambda: feed.connected.is_set(), what="the listener to connect")  # type: ignore[attr-defined]
-    with lock:
-        heard.clear()  # the reconnect's own "look again" (None)
+    heard = Heard()
+    heard.clear()  # the reconnect's own "look again" (None)
     other = QueueService(driver=PostgresDriver("postgresql"))  # another origin: another server
     other.submit("busy", 1)
     other.submit_batch([{"queue": "idle", "payload": 1}, {"queue": "busy", "payload": 2}])
     other.submit("later", 1, delay_ms=60_000)  # nothing READY: no notification
-    wait_until(lambda: len(heard) >= 3, what="three notifications")
-    with lock:
-        assert sorted(heard) == ["busy", "busy", "idle"], heard
+    wait_until(lambda: len(heard.queues()) >= 3, what="three notifications")
+    assert sorted(map(str, heard.queues())) == ["busy", "busy", "idle"], heard.queues()
 
 
 def test_a_lost_wake_up_is_caught_by_the_fallback_poll(servers: Start) -> None:
@@ -403,31 +418,20 @@ def test_a_lost_wake_up_is_caught_by_the_fallback_poll(servers: Start) -> None:
 def test_an_ack_that_frees_a_capped_slot_notifies_other_servers() -> None:
     # A lease that ends in a queue a claim here found capped (max_leased) may let a long-poll
     # elsewhere claim: the ack's commit names the queue (QueueService._slot_freed).
-    feed = driver_for("postgresql").changes()
-    heard: list[str | None] = []
-    lock = threading.Lock()
-
-    def hear(queue: str | None) -> None:
-        with lock:
-            heard.append(queue)
-
-    feed.subscribe(hear)
-    wait_until(lambda: feed.connected.is_set(), what="the listener to connect")  # type: ignore[attr-defined]
+    heard = Heard()
     other = QueueService(driver=PostgresDriver("postgresql"))  # another origin: another server
     other.set_queue_limits("capped", max_leased=1)
     other.submit_batch([{"queue": "capped", "payload": i} for i in range(3)])
-    wait_until(lambda: "capped" in heard, what="the submit's notification")
-    with lock:
-        heard.clear()
+    wait_until(lambda: "capped" in heard.queues(), what="the submit's notification")
+    heard.clear()
     leases = other.claim(["capped"], worker_id="w", max_jobs=3)
     assert len(leases) == 1  # the cap
     other.ack(leases[0]["job_id"], worker_id="w", lease_token=leases[0]["lease_token"])
     (lease,) = other.claim(["capped"], worker_id="w")
     other.fail(lease["job_id"], worker_id="w", lease_token=lease["lease_token"], error="x")
     other.submit("marker", 1)  # notifications of one session come in commit order
-    wait_until(lambda: "marker" in heard, what="the marker's notification")
-    with lock:
-        assert heard == ["capped", "capped", "marker"], heard
+    wait_until(lambda: "marker" in heard.queues(), what="the marker's notification")
+    assert heard.queues() == ["capped", "capped", "marker"], heard.queues()
 
 
 def test_an_ack_on_one_server_wakes_a_long_poll_held_by_the_cap_on_the_other(
