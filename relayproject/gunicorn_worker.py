@@ -34,7 +34,6 @@ all of it against the gunicorn version in the lock (pyproject.toml allows 27.x o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import weakref
@@ -59,7 +58,7 @@ HEADER_TIMEOUT_S = 15.0  # default of RELAY_HTTP_HEADER_TIMEOUT_S
 # Default of RELAY_HTTP_REQUEST_TIMEOUT_S: past a long-poll's longest wait (20 s), the 1 MiB
 # body at 17 KiB/s, and gunicorn's own 60 s worker timeout.
 REQUEST_TIMEOUT_S = 60.0
-SWEEP_S = 1.0  # how often the requests in progress are looked at
+SWEEP_S = 1.0  # how often the connections are looked at for their timeouts
 
 
 def refusal_response() -> bytes:
@@ -127,8 +126,9 @@ class Refusal(asyncio.Protocol):
 class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type hints
     """gunicorn's ``asgi`` worker that holds at most ``worker_connections`` connections
     (``RELAY_HTTP_CONNECTIONS``, capped by the fd limit), answers the rest 503 (``Refusal``)
-    and closes a connection whose first request's headers take over ``header_timeout_s``
-    (set by ``relayproject/gunicorn_conf.py``'s ``post_fork`` hook)."""
+    and, once a ``SWEEP_S``, closes the connections past their header or request timeout
+    (``header_timeout_s``, ``request_timeout_s``: set by ``relayproject/gunicorn_conf.py``'s
+    ``post_fork`` hook)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -137,9 +137,11 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         self.request_timeout_s = REQUEST_TIMEOUT_S
         self.refused = 0  # connections answered 503, since the worker started
         self.timed_out = 0  # connections closed by the header or the request timeout
-        # The connections served, and since when (loop time) each one's request in progress,
-        # keyed by that request, has been (``_sweep``).
-        self._served: weakref.WeakSet[asyncio.BaseProtocol] = weakref.WeakSet()
+        # The connections served, each with when it was accepted (loop time), and since when
+        # each one's request in progress, keyed by that request, has been (``_sweep``).
+        self._served: weakref.WeakKeyDictionary[asyncio.BaseProtocol, float] = (
+            weakref.WeakKeyDictionary()
+        )
         self._since: weakref.WeakKeyDictionary[
             asyncio.BaseProtocol, tuple[tuple[int, int], float]
         ] = weakref.WeakKeyDictionary()
@@ -168,14 +170,11 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             self._pending += 1
             self.loop.call_soon(self._counted)
             protocol = factory()
-            self._served.add(protocol)
-            if self.request_timeout_s > 0 and not self._sweeping:
+            self._served[protocol] = self.loop.time()
+            timeouts = self.header_timeout_s > 0 or self.request_timeout_s > 0
+            if timeouts and not self._sweeping:
                 self._sweeping = True
-                self._sweep_soon()
-            if self.header_timeout_s > 0:
-                self.loop.call_later(
-                    self.header_timeout_s, self._headers_due, weakref.ref(protocol)
-                )
+                self.loop.call_later(SWEEP_S, self._sweep)
             return protocol
         self.refused += 1
         self._log("http_connection_refused", self.refused)
@@ -189,46 +188,42 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
     def _lingered(self) -> None:
         self._lingering -= 1
 
-    def _headers_due(self, ref: weakref.ref[asyncio.BaseProtocol]) -> None:
-        """Close the connection if its first request's headers are not all in yet."""
-        protocol = ref()
-        transport = getattr(protocol, "transport", None)
-        if transport is None or transport.is_closing():
-            return
-        if getattr(protocol, "req_count", 2) > 1 or getattr(protocol, "_current_request", 1):
-            return  # a request was read: gunicorn's own timeouts apply from here
-        self.timed_out += 1
-        self._log("http_header_timeout", self.timed_out)
-        with contextlib.suppress(OSError):
-            transport.close()
-
-    def _sweep_soon(self) -> None:
-        self.loop.call_later(SWEEP_S, self._sweep)
-
     def _sweep(self) -> None:
-        """Close each connection whose request has been in progress for over
-        ``request_timeout_s``: a body that trickles in (gunicorn waits its 60 s timeout per
-        chunk, with no end), or a client that reads no response (gunicorn's drain has no
-        timeout). Ten of either held a limit of ten for good (a review); nginx bounds both
-        (``client_body_timeout``, ``send_timeout``). Runs while connections are served."""
+        """Close each connection past a timeout, while connections are served:
+
+        * the header timeout: its first request's headers not all in ``header_timeout_s``
+          after it was accepted (gunicorn waits for them for ever; later requests on a
+          kept-alive connection wait at most its ``keepalive``);
+        * the request timeout: a request in progress for over ``request_timeout_s``, a body
+          that trickles in (gunicorn waits its 60 s timeout per chunk, with no end) or a
+          response the client does not read (gunicorn's drain has no timeout). Ten of either
+          held a limit of ten for good (a review); nginx bounds both (``client_body_timeout``,
+          ``send_timeout``). Its connection is aborted: its buffered response is dropped.
+        """
         now = self.loop.time()
-        for protocol in list(self._served):
+        for protocol, accepted in list(self._served.items()):
             transport = getattr(protocol, "transport", None)
+            if transport is None or transport.is_closing():
+                continue
             request = getattr(protocol, "_current_request", None)
-            if transport is None or transport.is_closing() or request is None:
+            if request is None:  # between requests, or before the first one's headers
                 self._since.pop(protocol, None)
+                first = getattr(protocol, "req_count", 2) <= 1
+                if first and 0 < self.header_timeout_s < now - accepted:
+                    self.timed_out += 1
+                    self._log("http_header_timeout", self.timed_out)
+                    transport.close()
                 continue
             key = (getattr(protocol, "req_count", 0), id(request))
             seen = self._since.get(protocol)
             if seen is None or seen[0] != key:
                 self._since[protocol] = (key, now)
-            elif now - seen[1] > self.request_timeout_s:
+            elif 0 < self.request_timeout_s < now - seen[1]:
                 self.timed_out += 1
                 self._log("http_request_timeout", self.timed_out)
-                with contextlib.suppress(OSError):
-                    transport.abort()  # its buffered response is dropped: the client reads none
+                transport.abort()
         if self._served:
-            self._sweep_soon()
+            self.loop.call_later(SWEEP_S, self._sweep)
         else:
             self._sweeping = False
 
