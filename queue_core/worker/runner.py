@@ -471,7 +471,11 @@ class Worker:
         """Slots taken: the jobs held, and the handlers still running for a job whose newer
         lease replaced theirs (a handler that ignored its time limit)."""
         with self._cond:
-            return len(self._held) + self._displaced
+            return self._taken()
+
+    def _taken(self) -> int:
+        """``busy``, under ``_cond``."""
+        return len(self._held) + self._displaced
 
     def counters(self) -> dict[str, int]:
         """Return a snapshot ``{"leased", "leased_next", "acked", "failed", "released",
@@ -617,7 +621,7 @@ class Worker:
     def _free(self) -> int:
         """Slots neither held nor promised to a lease call in flight (under ``_cond``); a held
         job whose slot is already promised to its own ack's ``lease_next`` counts once."""
-        return self.concurrency - len(self._held) - self._displaced - self._reserved + self._covered
+        return self.concurrency - self._taken() - self._reserved + self._covered
 
     def _take(
         self,
@@ -656,8 +660,7 @@ class Worker:
                 self.leased_next += len(jobs)
             kept: list[bool] = []
             for job in jobs:
-                taken = len(self._held) + self._displaced
-                keep = not self._stop.is_set() and taken < self.concurrency
+                keep = not self._stop.is_set() and self._taken() < self.concurrency
                 if keep:
                     old = self._held.get(job.job_id)
                     if old is not None and old.status == "running":
