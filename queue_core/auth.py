@@ -271,6 +271,12 @@ def current_ring() -> KeyRing:
     return cached_ring() or load_ring()
 
 
+def invalidations() -> int:
+    """How many times ``invalidate`` has run in this process: a read of the key table begun
+    before the count moved may miss a revoke (``load_ring``)."""
+    return _invalidated
+
+
 def invalidate() -> None:
     """Forget the snapshot (after creating or revoking a key in this process)."""
     global _ring, _invalidated

@@ -77,6 +77,9 @@ class Requests:
         self.budget = budget
         self.on_due = on_due
         self.draining = False
+        # The key table's read in flight, shared by every request that found the snapshot
+        # stale, and ``auth.invalidations()`` when it began (``key_ring``).
+        self._ring_read: tuple[asyncio.Future[auth.KeyRing], int] | None = None
 
     @staticmethod
     def frame_for(request: codec.Request) -> int:
@@ -327,10 +330,10 @@ class Requests:
             return await self.hello(conn, dispatch.validate(verb, request.args))
         ring = None if verb.op in auth.OPEN_OPS else await self.key_ring()
         args, ctx = self.admit(conn, verb, request.args, ring)
-        if verb.kind is dispatch.Kind.READ:
-            outcome: dispatch.Outcome = await self.db.read(
-                lambda: verb.handler(self.service, args, ctx)
-            )
+        if verb.op == "ping":  # touches no table: answered at once, whatever the pool waits on
+            outcome: dispatch.Outcome = verb.handler(self.service, args, ctx)
+        elif verb.kind is dispatch.Kind.READ:
+            outcome = await self.db.read(lambda: verb.handler(self.service, args, ctx))
         else:
             outcome = await self.lease(conn, verb, args, ctx)
         metrics.record(outcome.events)  # committed by now
@@ -371,16 +374,25 @@ class Requests:
         return args, dispatch.Context(peer=conn.peer, actor=actor)
 
     async def key_ring(self) -> auth.KeyRing:
-        """The key table snapshot; a stale one is re-read in the reader pool, never here.
+        """The key table snapshot; a stale one is read again on the database's key thread
+        (``Database.read_keys``), never here, once for every request that waits for it (one
+        read begun before a revoke in this process is not shared after it).
 
         Raises:
             Unavailable, StoreBusy: the table could not be read (mapped by the driver, as any
                 read: a terminated PostgreSQL connection is not an ``INTERNAL``).
         """
         ring = auth.cached_ring()
-        if ring is None:
-            ring = await self.db.read(functools.partial(auth.read_ring, self.service.driver))
-        return ring
+        if ring is not None:
+            return ring
+        began = auth.invalidations()
+        if self._ring_read is None or self._ring_read[0].done() or self._ring_read[1] != began:
+            read = functools.partial(auth.read_ring, self.service.driver)
+            reading = asyncio.ensure_future(self.db.read_keys(read))
+            reading.add_done_callback(_retrieved)  # its waiters may all have gone
+            self._ring_read = (reading, began)
+        # Shielded: a waiter cancelled (its connection closing) leaves the others' read be.
+        return await asyncio.shield(self._ring_read[0])
 
     async def hello(self, conn: Conn, args: dict[str, Any]) -> dict[str, Any]:
         """Check an API key and tie it to this connection (a refused key unties the old one)."""
@@ -588,3 +600,10 @@ def _next_worker_id(args: dict[str, Any], peer: str) -> str:
     if isinstance(acks, list) and acks and isinstance(acks[0], dict):
         return str(acks[0].get("worker_id") or peer)
     return peer
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a shared future's exception as seen (no "never retrieved" log line when every
+    waiter was cancelled first)."""
+    if not future.cancelled():
+        future.exception()

@@ -55,6 +55,10 @@ log = logging.getLogger("relay.server")
 GROUP_COMMIT_MAX = 256  # calls per writer transaction
 WATCH_INTERVAL_S = 0.05  # how often the writer polls a change feed that cannot push
 READER_THREADS = 4
+# Plus one thread, its own connection, that reads only the key table (``Database.read_keys``):
+# behind the reader pool's queue, a stale snapshot waited for every read queued there, and
+# every write waits for the snapshot (a review: 32 clients whose reads each waited 2 s for a
+# locked table held up every submit and ack of that server for 5-10 s).
 # Writer threads (each its own connection and group commit) where the database takes
 # concurrent writers (PostgreSQL); SQLite has one.
 SHARED_WRITERS = 4
@@ -421,6 +425,7 @@ class Database:
         self.failures = failures
         self.write_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.read_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.key_calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.writers: list[Writer] = []
         self.threads: list[DbThread] = []
         self.inline: GroupCommit | None = None  # the event loop's group commit, when inline
@@ -473,7 +478,8 @@ class Database:
             DbThread(f"relay-reader-{n}", self.read_calls, self.service)
             for n in range(READER_THREADS)
         ]
-        self.threads = [*self.writers, *readers]
+        keys = DbThread("relay-keys", self.key_calls, self.service)
+        self.threads = [*self.writers, *readers, keys]
         for thread in self.threads:
             thread.start()
 
@@ -485,10 +491,10 @@ class Database:
             self.write_calls.put(STOP)
         for thread in self.threads:
             if not isinstance(thread, Writer):
-                self.read_calls.put(STOP)
+                thread.calls.put(STOP)
         for thread in self.threads:
             thread.join()
-        for calls in (self.write_calls, self.read_calls):  # normally empty by now
+        for calls in (self.write_calls, self.read_calls, self.key_calls):  # normally empty
             while not calls.empty():
                 call = calls.get()
                 if call is not STOP:
@@ -558,6 +564,14 @@ class Database:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self.read_calls.put(Call(fn, future, loop))
+        return await future
+
+    async def read_keys(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn``, a read of the key table, on the thread kept for it (never queued
+        behind the reader pool's reads)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self.key_calls.put(Call(fn, future, loop))
         return await future
 
     # ------------------------------------------------------------------ inline group commit
