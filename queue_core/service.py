@@ -1169,14 +1169,16 @@ class QueueService:
 
     def next_due_ms(self) -> int | None:
         """Return the earliest instant (epoch ms) a job becomes due, a lease expires, or a
-        rate-limited queue that a claim here found without a token gets its next one; it may
-        be past already (a job due that no sweep has promoted yet): the reaper then sweeps at
-        once. None when nothing is scheduled."""
+        rate-limited queue that a claim here found without a token gets its next one (when
+        still to come: a passed one, which a sweep here has not taken, would say "now" for
+        good where no reaper sweeps); it may be past already (a job due that no sweep has
+        promoted yet): the reaper then sweeps at once. None when nothing is scheduled."""
         with self.driver.read() as tx:
             due = [tx.one("next_scheduled"), tx.one("next_expiry")]
         times = [r["at_ms"] for r in due if r and r["at_ms"] is not None]
+        now = self.clock.now_ms()
         with self._hints:
-            times.extend(self._throttled.values())  # a rate-limited queue's next token
+            times.extend(at for at in self._throttled.values() if at > now)
         return min(times) if times else None
 
     # ------------------------------------------------------------------ lease
@@ -1383,7 +1385,9 @@ class QueueService:
         """Remember when ``queue``'s next token comes (``tokens`` held at ``now``)."""
         at = now + max(1, math.ceil((1 - tokens - TOKEN_EPSILON) * 1000 / rate))
         with self._hints:
-            self._throttled[queue] = min(at, self._throttled.get(queue, at))
+            old = self._throttled.get(queue)
+            # A passed instant is no bound on the next (without a sweep it stayed for good).
+            self._throttled[queue] = at if old is None or old <= now else min(at, old)
 
     def next_token_ms(self, queues: Iterable[str]) -> int | None:
         """When the first of ``queues`` that a claim here found out of rate tokens gets its

@@ -122,6 +122,23 @@ def test_the_rate_refills_exactly_when_a_token_is_due(
     assert len(lease(service, ["rated"])) == 2
 
 
+def test_a_token_hint_past_its_instant_neither_lingers_nor_holds_back_the_next(
+    service: QueueService, clock: FakeClock
+) -> None:
+    # A review: with no server's reaper (the HTTP side alone) nothing swept a hint once its
+    # instant had passed, so next_due_ms() said "now" for good, and every HTTP long-poll of
+    # the process, whatever its queues, claimed again every 10 ms (1,430 claims a second).
+    submit(service, "rated", 3)
+    service.set_queue_limits("rated", rate_per_s=1, burst=1)
+    (held,) = lease(service, ["rated"])  # the bucket is empty: its next token in 1 s
+    assert service.next_token_ms(["rated"]) == clock.now_ms() + 1000
+    assert service.next_due_ms() == clock.now_ms() + 1000
+    clock.advance(ms=5_000)
+    assert service.next_due_ms() == held["lease_expires_at_ms"]  # the hint's instant is gone
+    assert len(lease(service, ["rated"])) == 1  # a token came; the bucket is empty again
+    assert service.next_token_ms(["rated"]) == clock.now_ms() + 1000  # not the passed one
+
+
 def test_two_servers_whose_clocks_differ_share_one_rate(
     service: QueueService, driver: Driver, clock: FakeClock
 ) -> None:
