@@ -18,6 +18,7 @@ def run_group(
     *,
     claims: bool = False,
     durable: Sequence[bool] | None = None,
+    queues: Sequence[Sequence[str]] | None = None,
 ) -> tuple[list[tuple[bool, Any]], GroupCommit]:
     """Run ``fns`` as one group commit (flat first, as the server does); return each call's
     ``(ok, result or exception)`` and the ``GroupCommit`` (its ``commits``, ``flat``).
@@ -25,13 +26,15 @@ def run_group(
     Args:
         claims: every call is a claim (its batch sweeps first).
         durable: each call's ``durable`` (default: all True).
+        queues: each claim's queues (default: none named).
     """
     loop = asyncio.new_event_loop()
     try:
         levels = durable if durable is not None else [True] * len(fns)
+        named = queues if queues is not None else [()] * len(fns)
         calls = [
-            Call(fn, loop.create_future(), loop, claims=claims, durable=level)
-            for fn, level in zip(fns, levels, strict=True)
+            Call(fn, loop.create_future(), loop, claims=claims, durable=level, queues=names)
+            for fn, level, names in zip(fns, levels, named, strict=True)
         ]
         group = GroupCommit(
             service,

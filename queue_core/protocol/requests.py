@@ -143,7 +143,13 @@ class Requests:
             if leases_next:
                 handler = functools.partial(self._unless_draining, verb, args, ctx)
             # With lease_next the batch sweeps first, as a lease's does (whom to wake).
-            self.db.put_write(handler, future, claims=leases_next, weight=_weight(args))
+            self.db.put_write(
+                handler,
+                future,
+                claims=leases_next,
+                weight=_weight(args),
+                queues=_claimed_queues(args) if leases_next else (),
+            )
         future.add_done_callback(functools.partial(self.answer_write, conn, request))
         conn.tasks.add(future)
         future.add_done_callback(conn.tasks.discard)
@@ -180,6 +186,7 @@ class Requests:
                 claims=True,
                 durable=s.durable_leases,
                 weight=_weight(args),
+                queues=_claimed_queues(args),
             )
         # The frame first, then the reply (callbacks run in the order they were added).
         future.add_done_callback(functools.partial(self._claimed, conn, held, loop.time()))
@@ -500,6 +507,7 @@ class Requests:
             claims=True,
             durable=relay_settings().durable_leases,
             weight=_weight(args),
+            queues=_claimed_queues(args),
         )
         try:
             outcome: dispatch.Outcome = await asyncio.shield(future)
@@ -566,6 +574,16 @@ def _fences(leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {"job_id": j["job_id"], "lease_token": j["lease_token"], "queue": j["queue"]}
         for j in leases
     ]
+
+
+def _claimed_queues(args: dict[str, Any]) -> list[str]:
+    """The queues a lease or a ``lease_next`` claims from (``put_write``'s ``queues``), as
+    sent: names the handler will refuse lock nothing that exists."""
+    spec = args.get("lease_next")
+    queues = spec.get("queues") if isinstance(spec, dict) else args.get("queues")
+    if not isinstance(queues, list):
+        return []
+    return [q for q in queues if isinstance(q, str)]
 
 
 def _weight(args: dict[str, Any]) -> int:

@@ -41,7 +41,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from queue_core import errors
@@ -77,6 +77,7 @@ class Call:
     claims: bool = False  # a lease claim: its batch sweeps due jobs first
     durable: bool = True  # False: lease bookkeeping only, its COMMIT need not wait for the disk
     weight: int = 1  # the jobs it may touch (a batch's length, a lease's max_jobs)
+    queues: Sequence[str] = ()  # a claim's queues, whose controls its batch locks first
 
 
 def settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -203,6 +204,8 @@ class GroupCommit:
         self.failures = failures
         self.sweep = sweep
         self.on_ready = on_ready
+        self.first = self._hold_and_sweep  # one object: a round names it (``_Redo.fn``)
+        self._hold: list[str] = []  # the queues whose controls ``first`` locks
 
     def run(self, batch: list[Call], *, wait: bool = True) -> list[tuple[bool, Any]]:
         """Run ``batch`` in one transaction; return each call's ``(ok, result or exception)``
@@ -245,17 +248,23 @@ class GroupCommit:
         try:
             # Lease bookkeeping alone need not wait for the disk; anything else in the batch
             # makes it durable (SQLite decides before BEGIN, so the batch says it here).
-            durable = claims = False
+            durable = False
+            claims = 0
             for call in batch:  # a loop, not two any(): most batches hold one call
                 durable = durable or call.durable
-                claims = claims or call.claims
+                claims += call.claims
+            # Each claim locks its queues' controls in name order; two claims in one
+            # transaction would lock two sets, each in order but not together, and another
+            # transaction could take them the other way round (PostgreSQL: deadlocks, a
+            # review). All of them are locked first, at once.
+            self._hold = sorted({q for call in batch for q in call.queues}) if claims > 1 else []
             with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
                 if claims:
                     value: Any
                     swept, value = (
                         (False, settled[1])
-                        if settled and settled[0] is self.sweep
-                        else self._guarded(self.sweep, flat=flat, durable=False)
+                        if settled and settled[0] is self.first
+                        else self._guarded(self.first, flat=flat, durable=False)
                     )
                     if swept:
                         ready = value
@@ -283,6 +292,13 @@ class GroupCommit:
         if ready:
             self.on_ready(ready)
         return outcomes
+
+    def _hold_and_sweep(self) -> set[str]:
+        """A claiming batch's first call: lock the controls of every queue its claims name
+        (``QueueService.hold_queue_controls``), then ``sweep``."""
+        if self._hold:
+            self.service.hold_queue_controls(self._hold)
+        return self.sweep()
 
     def _guarded(
         self, fn: Callable[[], Any], *, flat: bool, durable: bool = True
@@ -521,6 +537,7 @@ class Database:
         claims: bool = False,
         durable: bool = True,
         weight: int = 1,
+        queues: Sequence[str] = (),
     ) -> None:
         """Queue ``fn`` for the next group commit; ``future`` gets its result after COMMIT
         (event-loop thread: the future's loop is the running one).
@@ -534,8 +551,10 @@ class Database:
             weight: how many jobs ``fn`` may touch (1 for most calls; a batch's length, a
                 lease's ``max_jobs``): a group commit of more than ``INLINE_MAX_WEIGHT``
                 runs on the writer thread.
+            queues: a claim's queues (``claims``): a batch of several claims locks all
+                their controls first, in name order.
         """
-        call = Call(fn, future, future.get_loop(), claims, durable, weight)
+        call = Call(fn, future, future.get_loop(), claims, durable, weight, queues)
         if self.inline is None or self._closed:
             self.write_calls.put(call)
         elif self._queued:
@@ -552,11 +571,12 @@ class Database:
         claims: bool = False,
         durable: bool = True,
         weight: int = 1,
+        queues: Sequence[str] = (),
     ) -> Any:
         """Run ``fn`` in the next group commit; return after COMMIT (``put_write``'s
         arguments)."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.put_write(fn, future, claims=claims, durable=durable, weight=weight)
+        self.put_write(fn, future, claims=claims, durable=durable, weight=weight, queues=queues)
         return await future
 
     async def read(self, fn: Callable[[], Any]) -> Any:

@@ -10,6 +10,8 @@ the batch commit as before. Counted by how often the call runs, not by a clock.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -109,3 +111,87 @@ def test_a_connection_lost_in_the_savepoint_round_fails_every_call() -> None:
     with psycopg.connect(url) as conn:
         row = conn.execute("SELECT count(*) FROM relay_job WHERE queue = 'cut'").fetchone()
     assert row == (0,)
+
+
+def row_locked(url: str, queue: str) -> bool:
+    """Whether another transaction holds ``queue``'s controls row (a probe that locks
+    nothing it can wait for, and lets go at once)."""
+    with psycopg.connect(url) as conn:
+        try:
+            conn.execute("SELECT 1 FROM relay_queue WHERE name = %s FOR UPDATE NOWAIT", [queue])
+        except psycopg.errors.LockNotAvailable:
+            return True
+        finally:
+            conn.rollback()
+    return False
+
+
+def test_two_group_commits_claiming_controlled_queues_in_opposite_orders_never_deadlock() -> None:
+    """Each claim locks its queues' controls rows in name order, but a group commit holds
+    several claims' locks until it commits: one claiming ``c1`` then ``c2`` and another
+    ``c2`` then ``c1`` deadlocked (a review: 4-5 deadlocks in 20 s, each call of both
+    batches answered ``BUSY`` after a second). Now a batch of claims locks all their queues'
+    rows first, together: the second batch waits for the first and both commit.
+
+    Deterministic: the first batch's middle call goes on once the second batch has locked
+    ``c2`` (it says so) or waits for a lock (``pg_stat_activity``)."""
+    service = QueueService(driver=driver_for(ALIAS))
+    for queue in ("c1", "c2"):
+        service.set_queue_limits(queue, max_leased=100_000)  # controlled; the cap never binds
+        for n in range(2):
+            service.submit(queue, n)
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    second_locked = threading.Event()
+    second_pid: list[int] = []
+
+    def waiting(pid: int) -> bool:
+        with psycopg.connect(url, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", [pid]
+            ).fetchone()
+        return bool(row and row[0])
+
+    def until_second_locked_or_waits() -> None:
+        deadline = time.monotonic() + 30
+        while not second_locked.wait(0.01) and not (second_pid and waiting(second_pid[0])):
+            assert time.monotonic() < deadline, "the second batch neither locked nor waited"
+
+    def claim(queue: str) -> Callable[[], Any]:
+        return lambda: service.claim([queue], worker_id="w", max_jobs=1)
+
+    results: dict[str, list[tuple[bool, Any]]] = {}
+
+    def first() -> None:
+        fns = [claim("c1"), until_second_locked_or_waits, claim("c2")]
+        results["first"] = run_group(service, fns, claims=True, queues=[["c1"], [], ["c2"]])[0]
+        connections[ALIAS].close()
+
+    def second() -> None:
+        with connections[ALIAS].cursor() as cursor:  # this thread's session
+            cursor.execute("SELECT pg_backend_pid()")
+            second_pid.append(cursor.fetchone()[0])
+        fns = [claim("c2"), second_locked.set, claim("c1")]
+        results["second"] = run_group(service, fns, claims=True, queues=[["c2"], [], ["c1"]])[0]
+        connections[ALIAS].close()
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        (before,) = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone() or (0,)
+    one = threading.Thread(target=first)
+    one.start()
+    deadline = time.monotonic() + 30
+    while not row_locked(url, "c1"):  # the first batch holds c1's row: start the second
+        assert time.monotonic() < deadline, "the first batch never locked c1"
+    two = threading.Thread(target=second)
+    two.start()
+    one.join(60)
+    two.join(60)
+    with psycopg.connect(url, autocommit=True) as conn:
+        (after,) = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone() or (0,)
+    for name in ("first", "second"):
+        assert [ok for ok, _ in results[name]] == [True, True, True], results[name]
+        assert [len(v) for _, v in (results[name][0], results[name][2])] == [1, 1]
+    assert after == before
