@@ -1517,7 +1517,7 @@ class QueueService:
         try:
             return {
                 "queues": v.queue_list(lease_next.get("queues"), s),
-                "worker_id": v.worker_id(lease_next.get("worker_id") or worker_id),
+                "worker_id": v.worker_id(lease_next.get("worker_id", worker_id)),
                 "max_jobs": v.integer(
                     "max_jobs", lease_next.get("max_jobs", 1), lo=1, hi=s.max_jobs_per_lease
                 ),

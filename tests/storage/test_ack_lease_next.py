@@ -118,6 +118,9 @@ def test_a_refused_ack_leases_nothing_and_fencing_stays_per_job(
         ({"queues": ["q"], "lease_ms": "x"}, "lease_next.lease_ms"),
         ({"queues": ["q"], "wait_ms": 10}, "lease_next.wait_ms"),
         ({}, "lease_next.queues"),
+        # "" was taken for the ack's worker id, where the server's give-back of an unsent
+        # reply's jobs released them as "" (refused): they waited out their lease (a review).
+        ({"queues": ["q"], "worker_id": ""}, "lease_next.worker_id"),
     ],
 )
 def test_a_bad_lease_next_changes_nothing(
