@@ -28,8 +28,10 @@ See ``docs/metrics.md`` for which process exports what.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -587,13 +589,62 @@ def exposition(registry: CollectorRegistry = REGISTRY) -> bytes:
 # ---------------------------------------------------------------------- the TCP process's /metrics
 
 
+# The exporter's bounds (``MetricsServer``): a thread and a descriptor per connection, with
+# no timeout, let 230 idle connections take every descriptor of a server whose limit was 250
+# (its TCP clients were reset, its database could not be opened: a review).
+METRICS_CONNECTIONS = 8  # connections served at once; more are answered 503 and closed
+METRICS_TIMEOUT_S = 10.0  # a connection silent this long (mid-request, or between) is closed
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: 33\r\n\r\n"
+    b"too many connections to /metrics\n"
+)
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = METRICS_TIMEOUT_S  # StreamRequestHandler: the socket's timeout
+
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("event=metrics_request %s", format % args)
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    """A thread a connection, at most ``METRICS_CONNECTIONS`` at once."""
+
     daemon_threads = True
+    slots = METRICS_CONNECTIONS
+    request_queue_size = 64  # the listen backlog (socketserver's 5 dropped bursts of scrapes)
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.slots)
+        super().server_activate()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.setblocking(False)  # never wait on a client that reads nothing
+                request.send(_REFUSAL)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()  # no thread took it
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went silent (the timeout) or away is one debug line, not a
+        traceback on stderr (socketserver's default)."""
+        if isinstance(sys.exception(), OSError):
+            log.debug("event=metrics_connection_closed peer=%s", client_address)
+        else:
+            log.exception("event=metrics_request_failed peer=%s", client_address)
 
 
 class _ThreadingWSGIServer6(_ThreadingWSGIServer):

@@ -3,6 +3,9 @@ gauges from the DB, and text every Prometheus parser accepts."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 import urllib.request
 from typing import Any
 
@@ -207,6 +210,37 @@ def test_metrics_server_serves_the_same_text(transactional_db: None) -> None:
         server.stop()
     assert samples(text, "relay_queue_jobs")[(("queue", "s1"), ("state", "ready"))] == 1
     assert "relay_jobs_submitted" in families(text)
+
+
+def test_the_metrics_server_bounds_its_connections_and_closes_silent_ones(
+    transactional_db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A thread and a descriptor a connection, with no timeout: 230 idle connections took every
+    # descriptor of a server whose limit was 250 (a review).
+    monkeypatch.setattr(metrics._QuietHandler, "timeout", 2.0)
+    server = metrics.MetricsServer("127.0.0.1", 0).start()
+    before = threading.active_count()
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
+    try:
+        for sock in idle:
+            sock.sendall(b"GET /metr")  # half a request line, then silence
+        deadline = time.monotonic() + 10
+        while threading.active_count() < before + 8:  # each has its thread
+            assert time.monotonic() < deadline, threading.active_count()
+        threads = threading.active_count()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as refused:
+            answer = refused.makefile("rb").read()  # until the server closes it
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
+        assert threading.active_count() == threads  # no thread for it
+        for sock in idle:  # each closed by the server after its timeout (EOF, not ours)
+            sock.settimeout(10)
+            assert sock.makefile("rb").read(1) in (b"", b"H")  # an error reply, or none
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+            assert r.status == 200  # the slots came back
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
 
 
 def test_cancels_and_timeouts_are_counted(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
