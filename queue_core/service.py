@@ -267,9 +267,13 @@ def new_tokens(n: int) -> list[str]:
 
 
 def _refused_ack(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
-    """One refused ack of an ``ack_batch``: its entry, with the error's code and message."""
+    """One refused ack of an ``ack_batch``: its entry, with the error's code and message. Its
+    ``job_id`` as sent when it could be one (a string of at most 40 characters), else None:
+    echoing 99 ids of 10,000 characters made a reply past the frame limit, answered
+    ``FRAME_TOO_LARGE`` after the batch's valid acks had committed (a review)."""
+    job_id = item.get("job_id")
     return {
-        "job_id": str(item.get("job_id")),
+        "job_id": job_id if isinstance(job_id, str) and len(job_id) <= 40 else None,
         "ok": False,
         "state": None,
         "duplicate": None,

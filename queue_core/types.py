@@ -208,9 +208,11 @@ class AckError(TypedDict):
 
 
 class AckBatchEntry(TypedDict):
-    """One ack of an ``ack_batch``: ``ok`` with ``state`` and ``duplicate``, or ``error``."""
+    """One ack of an ``ack_batch``: ``ok`` with ``state`` and ``duplicate``, or ``error``;
+    ``job_id`` as sent, None for a refused entry whose id could not be one (not a string
+    of at most 40 characters)."""
 
-    job_id: str
+    job_id: str | None
     ok: bool
     state: Literal["succeeded"] | None
     duplicate: bool | None

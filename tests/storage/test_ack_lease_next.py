@@ -230,6 +230,29 @@ def test_ack_batch_acks_each_job_and_a_stale_token_refuses_only_its_own(
     assert JobAttempt.objects.filter(outcome="succeeded").count() == 2
 
 
+def test_ack_batch_echoes_no_id_that_could_not_be_one(service: QueueService) -> None:
+    # 99 ids of 10,000 characters echoed back made a reply past the frame limit, answered
+    # FRAME_TOO_LARGE after the valid ack had committed (a review).
+    submit(service, n=1)
+    (a,) = lease(service)
+    long_id = "j" * 10_000
+    out = service.ack_batch(
+        [
+            {**ids(a), "job_id": a["job_id"]},
+            {"job_id": long_id, "worker_id": W1, "lease_token": "t"},
+            {"job_id": "nope", "worker_id": W1, "lease_token": "t"},
+        ]
+    )
+    assert [(r["job_id"], r["ok"]) for r in out["results"]] == [
+        (a["job_id"], True),
+        (None, False),
+        ("nope", False),
+    ]
+    codes = [r["error"]["code"] for r in out["results"][1:]]
+    assert codes == ["INVALID_ARGUMENT", "NOT_FOUND"]
+    assert len(orjson.dumps(out)) < 1_000
+
+
 def test_ack_batch_names_a_job_twice_and_the_entry_holding_its_lease_acks_it(
     service: QueueService,
 ) -> None:
