@@ -397,10 +397,10 @@ def test_lease_defaults_worker_id_to_the_client_address(api: Api) -> None:
 # ---------------------------------------------------------------------- dead letters
 
 
-def make_dead(api: Api, n: int, queue: str = "email") -> list[str]:
+def make_dead(api: Api, n: int, queue: str = "email", pad: int = 0) -> list[str]:
     ids = []
     for i in range(n):
-        job = submit(api, {"dead": i}, queue=queue, max_retries=0)
+        job = submit(api, {"dead": i, "pad": "x" * pad}, queue=queue, max_retries=0)
         held = lease(api, queue=queue)
         assert held["job_id"] == job["id"]
         api.post(
@@ -429,6 +429,18 @@ def test_dead_letters_list_replay_and_purge(api: Api) -> None:
     events = api.get(f"/api/v1/jobs/{ids[0]}").json()["events"]
     assert events[-1]["event"] == "replayed"
     assert events[-1]["actor"].startswith("http:")
+
+
+@override_settings(RELAY_MAX_FRAME_BYTES=60_000, RELAY_MAX_PAYLOAD_BYTES=20_000)
+def test_a_bulk_replay_answers_the_jobs_one_frame_holds(api: Api) -> None:
+    # Every replayed job came whole: 1,000 jobs of 256 KiB made a 256 MB reply (a review).
+    ids = make_dead(api, 5, pad=19_000)
+    response = api.post("/api/v1/dead/replay", {"job_ids": ids})
+    results = response.json()["results"]
+    assert [r["ok"] for r in results] == [True] * 5
+    assert [r["job"] is not None for r in results] == [True, True, True, False, False]
+    assert len(response.content) < 60_000 + 1_000
+    assert {api.get(f"/api/v1/jobs/{i}").json()["state"] for i in ids} == {"ready"}
 
 
 def test_dead_letters_replay_and_purge_many(api: Api) -> None:
