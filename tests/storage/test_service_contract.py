@@ -1166,6 +1166,37 @@ def test_batch_with_a_key_repeated_inside_it_dedupes_against_itself(
     assert sorted(set(ids)) == sorted(Job.objects.values_list("id", flat=True))
 
 
+def test_a_batch_conflicting_with_itself_or_a_job_names_the_entry(service: QueueService) -> None:
+    # The message named the job the batch's own earlier entry had bound, which its rollback
+    # left unmade (inspect: NOT_FOUND), and no conflict said which entry (a review).
+    with pytest.raises(errors.IdempotencyConflict) as caught:
+        service.submit_batch(
+            [
+                {"queue": "q", "payload": 0},
+                {"queue": "q", "payload": 1, "idempotency_key": "k"},
+                {"queue": "q", "payload": 2, "idempotency_key": "k"},
+            ]
+        )
+    assert caught.value.details == {
+        "index": 2,
+        "field": "jobs[2].idempotency_key",
+        "bound_index": 1,
+    }
+    assert "bound by jobs[1] of this batch" in caught.value.message
+    assert Job.objects.count() == 0
+    bound = service.submit("q", {"a": 1}, idempotency_key="k")["job"]["id"]
+    with pytest.raises(errors.IdempotencyConflict) as caught:
+        service.submit_batch(
+            [{"queue": "q", "payload": 0}, {"queue": "q", "payload": 2, "idempotency_key": "k"}]
+        )
+    assert caught.value.details == {
+        "index": 1,
+        "field": "jobs[1].idempotency_key",
+        "job_id": bound,
+    }
+    assert caught.value.message.startswith("jobs[1].idempotency key 'k' is bound to " + bound)
+
+
 def test_nul_characters_are_refused_in_names_and_replaced_in_errors(
     service: QueueService, leased_job: Factory
 ) -> None:
