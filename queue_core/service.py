@@ -276,7 +276,7 @@ def _naming_entry(index: int, ids: Sequence[str] = ()) -> Iterator[None]:
     try:
         yield
     except IdempotencyConflict as exc:
-        bound = exc.details.get("job_id")
+        bound = str(exc.details.get("job_id"))
         field = f"jobs[{index}].idempotency_key"
         if bound in ids:
             other = list(ids).index(bound)
