@@ -81,4 +81,6 @@ def problem_response(request: HttpRequest | None, exc: BaseException) -> HttpRes
     )
     if body["code"] in RETRY_AFTER_CODES:
         response["Retry-After"] = str(RETRY_AFTER_S)
+    if body["status"] == 401:  # RFC 9110 §11.6.1: a 401 names the scheme it wants
+        response["WWW-Authenticate"] = 'Bearer realm="relay"'
     return response

@@ -44,8 +44,10 @@ def test_once_a_key_exists_requests_need_one(
     monkeypatch.setattr(auth, "AUTH_LOG_EVERY_S", 0.0)  # log each refusal here
     key = make_key("producer")
     caplog.set_level(logging.WARNING, logger="relay.auth")
-    body = problem(api.post(JOBS, {"payload": 1}), 401, "UNAUTHENTICATED")
+    refused = api.post(JOBS, {"payload": 1})
+    body = problem(refused, 401, "UNAUTHENTICATED")
     assert "Bearer" in body["detail"]
+    assert refused.headers["WWW-Authenticate"] == 'Bearer realm="relay"'  # RFC 9110 (a review)
     wrong = key[:-4] + "AAAA"
     problem(api.post(JOBS, {"payload": 1}, key=wrong), 401, "UNAUTHENTICATED")
     problem(api.post(JOBS, {"payload": 1}, key="garbage"), 401, "UNAUTHENTICATED")
