@@ -33,6 +33,7 @@ long-poll) the async chain, so they hold no thread while they wait.
 from __future__ import annotations
 
 import io
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -266,6 +267,36 @@ Message = Mapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class AsgiAbsoluteForm:
+    """Serve a request whose target is a whole URL (``GET http://host/api/v1/health``, the
+    absolute form, RFC 9112 §3.2.2, which a server must accept) as its path: gunicorn hands
+    the URL on as the path, which matched no route (a review: Django's HTML 404 for every
+    ``/api/`` route). As the RFC says, the URL's host stands for the ``Host`` header (Django
+    still checks it against ``ALLOWED_HOSTS``).
+
+    Args:
+        app: the ASGI application.
+    """
+
+    def __init__(self, app: Asgi) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Call the app, with an absolute-form target made its path first."""
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path[:8].lower().startswith(("http://", "https://")):
+            url = urllib.parse.urlsplit(path)
+            origin = url.netloc.encode("latin-1", "replace")
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"host"]
+            scope = {
+                **scope,
+                "path": url.path or "/",
+                "raw_path": (url.path or "/").encode("latin-1", "replace"),
+                "headers": [(b"host", origin), *headers],
+            }
+        await self.app(scope, receive, send)
 
 
 class AsgiBodyLimit:

@@ -7,7 +7,8 @@ their database connections (``queue_api.pool.PooledAsgiHandler``, ``RELAY_HTTP_T
 instead of a thread made for each request that would have to open its own.
 
 ``queue_api.middleware.AsgiBodyLimit`` bounds request bodies by ``RELAY_MAX_FRAME_BYTES``
-before Django reads them (Django's ASGI handler reads the whole body first).
+before Django reads them (Django's ASGI handler reads the whole body first);
+``AsgiAbsoluteForm`` serves a request whose target is a whole URL as its path.
 """
 
 import os
@@ -17,9 +18,9 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "relayproject.settings")
 django.setup(set_prefix=False)  # as django.core.asgi.get_asgi_application does
 
-from queue_api.middleware import AsgiBodyLimit  # noqa: E402 - needs Django set up
+from queue_api.middleware import AsgiAbsoluteForm, AsgiBodyLimit  # noqa: E402 - needs Django
 from queue_api.pool import PooledAsgiHandler  # noqa: E402
 
 django_application = PooledAsgiHandler()
 
-application = AsgiBodyLimit(django_application)
+application = AsgiAbsoluteForm(AsgiBodyLimit(django_application))

@@ -63,6 +63,21 @@ def test_gunicorn_serves_the_api_docs_admin_and_metrics(gunicorn: Gunicorn) -> N
     assert values[("relay_jobs_submitted_total", (("queue", "g"),))] == 1
 
 
+def test_gunicorn_serves_a_request_whose_target_is_a_whole_url(gunicorn: Gunicorn) -> None:
+    # RFC 9112 §3.2.2: a server must accept the absolute form. gunicorn passed the URL on as
+    # the path: Django's HTML 404 for every /api/ route (a review).
+    origin = f"127.0.0.1:{gunicorn.port}".encode()
+    head = b"GET http://" + origin + b"/api/v1/health?x=1 HTTP/1.1\r\nHost: elsewhere\r\n"
+    reply = raw_exchange(gunicorn.port, head + b"Connection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    missing = b"GET http://" + origin + b"/api/v1/nope HTTP/1.1\r\nConnection: close\r\n\r\n"
+    reply = raw_exchange(gunicorn.port, missing)
+    assert reply.startswith(b"HTTP/1.1 404") and b"application/problem+json" in reply, reply[:300]
+    foreign = b"GET http://evil.example/api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    reply = raw_exchange(gunicorn.port, foreign + b"Connection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:300]  # its host, not Host:, is checked
+
+
 def test_gunicorn_refuses_oversized_bodies_with_413(gunicorn: Gunicorn) -> None:
     # Only the head is sent: the 413 comes from Content-Length, before any body byte.
     head = (
