@@ -345,3 +345,9 @@ def test_timeout_after_a_cancel_request_ends_cancelled(
     clock.advance(ms=1_000)
     assert service.renew(job["id"], **ids(lease))["stop"] == "timeout"
     assert service.get(job["id"])["state"] == "cancelled"
+    # The attempt ended as the worker's own fail after the cancel would end it (cancelled,
+    # error "timeout"): a late fail is answered as that fail's repeat, a late ack refused.
+    late = service.fail(job["id"], **ids(lease), error="timeout")
+    assert (late["state"], late["duplicate"]) == ("cancelled", True)
+    with pytest.raises(errors.StaleToken):
+        service.ack(job["id"], **ids(lease))
