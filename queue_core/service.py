@@ -24,7 +24,7 @@ import os
 import random
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
 import orjson
@@ -266,30 +266,24 @@ def new_tokens(n: int) -> list[str]:
     return [text[i : i + _TOKEN_CHARS] for i in range(0, _TOKEN_CHARS * n, _TOKEN_CHARS)]
 
 
-@contextlib.contextmanager
-def _naming_entry(index: int, ids: Sequence[str] = ()) -> Iterator[None]:
-    """An ``IdempotencyConflict`` of a batch's entry ``index`` names it (``details["index"]``,
-    ``field``, as an ``InvalidArgument`` of a batch does), and, when the key was bound by an
-    earlier entry of the same batch (``ids``: the batch's job ids), that entry, not its job
-    id: the batch is rolled back, so that job never exists (a review found the message
-    naming it)."""
-    try:
-        yield
-    except IdempotencyConflict as exc:
-        bound = str(exc.details.get("job_id"))
-        field = f"jobs[{index}].idempotency_key"
-        if bound in ids:
-            other = list(ids).index(bound)
-            exc.message = (
-                f"{field}: the key is bound by jobs[{other}] of this batch, "
-                "with a different payload"
-            )
-            exc.details = {"index": index, "field": field, "bound_index": other}
-        else:
-            exc.message = f"jobs[{index}].{exc.message}"
-            exc.details.update(index=index, field=field)
-        exc.args = (exc.message,)
-        raise
+def _name_entry(exc: IdempotencyConflict, index: int, ids: Sequence[str] = ()) -> None:
+    """Make an ``IdempotencyConflict`` of a batch's entry ``index`` name it
+    (``details["index"]``, ``field``, as an ``InvalidArgument`` of a batch does), and, when
+    the key was bound by an earlier entry of the same batch (``ids``: the batch's job ids),
+    that entry, not its job id: the batch is rolled back, so that job never exists (a review
+    found the message naming it)."""
+    bound = str(exc.details.get("job_id"))
+    field = f"jobs[{index}].idempotency_key"
+    if bound in ids:
+        other = list(ids).index(bound)
+        exc.message = (
+            f"{field}: the key is bound by jobs[{other}] of this batch, with a different payload"
+        )
+        exc.details = {"index": index, "field": field, "bound_index": other}
+    else:
+        exc.message = f"jobs[{index}].{exc.message}"
+        exc.details.update(index=index, field=field)
+    exc.args = (exc.message,)
 
 
 def _refused_ack(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
@@ -587,9 +581,12 @@ class QueueService:
             keyed = [i for i, row in enumerate(rows) if row["idempotency_key"] is not None]
             if len(keyed) < 2:
                 results = []
-                for i, row in enumerate(rows):
-                    with _naming_entry(i):
+                try:
+                    for row in rows:
                         results.append(self._insert(tx, row, at, s, pending))
+                except IdempotencyConflict as exc:
+                    _name_entry(exc, len(results))
+                    raise
                 self._flush(tx, pending)
                 return results
             # Keyed jobs bind their keys in one order, (queue, key), whatever the batch's: two
@@ -601,8 +598,11 @@ class QueueService:
             out: list[dict[str, Any] | None] = [None] * len(rows)
             keyed.sort(key=lambda i: (rows[i]["queue"], rows[i]["idempotency_key"], i))
             for i in keyed:
-                with _naming_entry(i, ids):
+                try:
                     out[i] = self._insert(tx, rows[i], at, s, pending, ids[i])
+                except IdempotencyConflict as exc:
+                    _name_entry(exc, i, ids)
+                    raise
             for i, row in enumerate(rows):
                 if out[i] is None:
                     out[i] = self._insert(tx, row, at, s, pending, ids[i])
