@@ -356,7 +356,10 @@ def authenticate(
     principal, reason = ring.verify(key)
     if principal is None:
         _fail(reason, surface=surface, peer=peer, prefix=parse_prefix(key), code="UNAUTHENTICATED")
-        raise errors.Unauthenticated(f"API key refused ({reason.replace('_', ' ')})")
+        # An unknown prefix and a wrong secret read alike: the reply must not tell who lacks
+        # the secret which prefixes exist (a review). The log keeps the reason.
+        said = "unknown or wrong key" if reason in ("unknown_key", "bad_secret") else reason
+        raise errors.Unauthenticated(f"API key refused ({said})")
     touch(principal.prefix)
     return principal
 

@@ -49,7 +49,11 @@ def test_once_a_key_exists_requests_need_one(
     assert "Bearer" in body["detail"]
     assert refused.headers["WWW-Authenticate"] == 'Bearer realm="relay"'  # RFC 9110 (a review)
     wrong = key[:-4] + "AAAA"
-    problem(api.post(JOBS, {"payload": 1}, key=wrong), 401, "UNAUTHENTICATED")
+    wrong_secret = problem(api.post(JOBS, {"payload": 1}, key=wrong), 401, "UNAUTHENTICATED")
+    unknown = "rk_" + ("0" if key[3] != "0" else "1") * 12 + key[15:]
+    no_such = problem(api.post(JOBS, {"payload": 1}, key=unknown), 401, "UNAUTHENTICATED")
+    # Who lacks the secret learns nothing of which prefixes exist (a review).
+    assert wrong_secret["detail"] == no_such["detail"] == "API key refused (unknown or wrong key)"
     problem(api.post(JOBS, {"payload": 1}, key="garbage"), 401, "UNAUTHENTICATED")
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "reason=missing" in logged
