@@ -1343,10 +1343,12 @@ class QueueService:
         """Lock the controls rows (``relay_queue``) of ``queues`` until the transaction ends,
         in name order, where several writers run at once (PostgreSQL; nothing on SQLite).
 
-        A group commit of several claims calls it first (``GroupCommit``): each claim locks
-        its own queues' rows in name order, but one transaction that holds two claims' locks
-        took them in two steps, and another could take them the other way round: deadlocks,
-        each answered ``BUSY`` after a second (a review: 4-5 in 20 s, eight connections).
+        A group commit of several calls that lock these rows (claims, controls ops) calls it
+        first (``GroupCommit``): each claim locks its own queues' rows in name order, a
+        controls op its queue's, but one transaction that holds two calls' locks took them in
+        two steps, and another could take them the other way round: deadlocks, each answered
+        ``BUSY`` after a second (reviews: 4-5 in 20 s from eight connections; 6-10 in 25-30 s
+        with pauses and limits changing beside the claims).
 
         Args:
             queues: names, sorted (unknown names lock nothing).

@@ -26,6 +26,7 @@ from queue_core.service import PRUNABLE_STATES, PRUNE_BATCH, QueueService
 from queue_core.states import JobState
 
 __all__ = [
+    "CONTROLS",
     "REFUSED_WHILE_DRAINING",
     "VERBS",
     "Context",
@@ -402,6 +403,7 @@ VERBS: dict[str, Verb] = {
 
 # Refused with UNAVAILABLE while the server drains: they would start new work.
 REFUSED_WHILE_DRAINING = frozenset(name for name, op in OPS.items() if op.refused_while_draining)
+CONTROLS = frozenset(name for name, op in OPS.items() if op.controls)
 
 
 def lookup(op: str) -> Verb:

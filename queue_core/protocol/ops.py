@@ -319,6 +319,8 @@ class Op:
         scopes: the API-key scopes that may call it (``operator`` may call every op).
         open: callable without a key (``ping``, ``hello``).
         refused_while_draining: a draining server answers ``UNAVAILABLE`` (it starts work).
+        controls: it changes its ``queue`` argument's controls, whose row it locks (a group
+            commit locks every such row first, in name order: ``GroupCommit``).
         client: the ``Ops`` method: the client's signature and docstring.
     """
 
@@ -329,6 +331,7 @@ class Op:
     scopes: frozenset[str]
     open: bool
     refused_while_draining: bool
+    controls: bool
     client: Callable[..., Call[Any]]
 
 
@@ -394,6 +397,7 @@ class op:
         scopes: API-key scopes that may call it besides ``operator``.
         open: callable without a key.
         refused_while_draining: refused with ``UNAVAILABLE`` while the server drains.
+        controls: changes the controls of its ``queue`` argument.
     """
 
     def __init__(
@@ -405,6 +409,7 @@ class op:
         scopes: frozenset[str] = frozenset(),
         open: bool = False,
         refused_while_draining: bool = False,
+        controls: bool = False,
     ) -> None:
         self.fields: dict[str, Any] = {
             "args": args,
@@ -413,6 +418,7 @@ class op:
             "scopes": scopes,
             "open": open,
             "refused_while_draining": refused_while_draining,
+            "controls": controls,
         }
 
     def __call__[**P, T](self, method: Callable[P, Call[T]]) -> OpMethod[P, T]:
@@ -881,7 +887,7 @@ class Ops:
         """
         return Call.of("cancel", locals())
 
-    @op(Kind.WRITE, {"queue": Arg(_str, required=True)}, types.QueueControls)
+    @op(Kind.WRITE, {"queue": Arg(_str, required=True)}, types.QueueControls, controls=True)
     @staticmethod
     def pause(queue: str) -> Call[types.QueueControls]:
         """Pause a queue: submits are still accepted and leased jobs finish, but nothing new
@@ -897,7 +903,7 @@ class Ops:
         """
         return Call.of("pause", locals())
 
-    @op(Kind.WRITE, {"queue": Arg(_str, required=True)}, types.QueueControls)
+    @op(Kind.WRITE, {"queue": Arg(_str, required=True)}, types.QueueControls, controls=True)
     @staticmethod
     def resume(queue: str) -> Call[types.QueueControls]:
         """Resume a paused queue; its waiting long-polls wake.
@@ -920,6 +926,7 @@ class Ops:
             "burst": Arg(_int),
         },
         types.QueueControls,
+        controls=True,
     )
     @staticmethod
     def set_queue_limits(

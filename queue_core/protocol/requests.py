@@ -140,6 +140,7 @@ class Requests:
             handler: Callable[[], dispatch.Outcome]
             handler = functools.partial(verb.handler, self.service, args, ctx)
             leases_next = "lease_next" in args
+            locks = leases_next or verb.op in dispatch.CONTROLS
             if leases_next:
                 handler = functools.partial(self._unless_draining, verb, args, ctx)
             # With lease_next the batch sweeps first, as a lease's does (whom to wake).
@@ -148,7 +149,7 @@ class Requests:
                 future,
                 claims=leases_next,
                 weight=_weight(args),
-                queues=_claimed_queues(args) if leases_next else (),
+                queues=_locked_queues(verb, args) if locks else (),
             )
         future.add_done_callback(functools.partial(self.answer_write, conn, request))
         conn.tasks.add(future)
@@ -186,7 +187,7 @@ class Requests:
                 claims=True,
                 durable=s.durable_leases,
                 weight=_weight(args),
-                queues=_claimed_queues(args),
+                queues=_locked_queues(verb, args),
             )
         # The frame first, then the reply (callbacks run in the order they were added).
         future.add_done_callback(functools.partial(self._claimed, conn, held, loop.time()))
@@ -507,7 +508,7 @@ class Requests:
             claims=True,
             durable=relay_settings().durable_leases,
             weight=_weight(args),
-            queues=_claimed_queues(args),
+            queues=_locked_queues(verb, args),
         )
         try:
             outcome: dispatch.Outcome = await asyncio.shield(future)
@@ -576,9 +577,13 @@ def _fences(leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _claimed_queues(args: dict[str, Any]) -> list[str]:
-    """The queues a lease or a ``lease_next`` claims from (``put_write``'s ``queues``), as
-    sent: names the handler will refuse lock nothing that exists."""
+def _locked_queues(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
+    """The queues whose controls rows a write locks (``put_write``'s ``queues``): those a
+    lease or a ``lease_next`` claims from, or the queue a controls op changes; as sent (names
+    the handler will refuse lock nothing that exists)."""
+    if verb.op in dispatch.CONTROLS:
+        queue = args.get("queue")
+        return [queue] if isinstance(queue, str) else []
     spec = args.get("lease_next")
     queues = spec.get("queues") if isinstance(spec, dict) else args.get("queues")
     if not isinstance(queues, list):

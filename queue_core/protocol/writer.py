@@ -77,7 +77,7 @@ class Call:
     claims: bool = False  # a lease claim: its batch sweeps due jobs first
     durable: bool = True  # False: lease bookkeeping only, its COMMIT need not wait for the disk
     weight: int = 1  # the jobs it may touch (a batch's length, a lease's max_jobs)
-    queues: Sequence[str] = ()  # a claim's queues, whose controls its batch locks first
+    queues: Sequence[str] = ()  # the queues whose controls rows it locks (a claim's, a control's)
 
 
 def settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -206,6 +206,7 @@ class GroupCommit:
         self.on_ready = on_ready
         self.first = self._hold_and_sweep  # one object: a round names it (``_Redo.fn``)
         self._hold: list[str] = []  # the queues whose controls ``first`` locks
+        self._sweeps = False  # whether ``first`` sweeps (the batch claims)
 
     def run(self, batch: list[Call], *, wait: bool = True) -> list[tuple[bool, Any]]:
         """Run ``batch`` in one transaction; return each call's ``(ok, result or exception)``
@@ -248,18 +249,20 @@ class GroupCommit:
         try:
             # Lease bookkeeping alone need not wait for the disk; anything else in the batch
             # makes it durable (SQLite decides before BEGIN, so the batch says it here).
-            durable = False
-            claims = 0
+            durable = claims = False
+            locking = 0
             for call in batch:  # a loop, not two any(): most batches hold one call
                 durable = durable or call.durable
-                claims += call.claims
-            # Each claim locks its queues' controls in name order; two claims in one
-            # transaction would lock two sets, each in order but not together, and another
-            # transaction could take them the other way round (PostgreSQL: deadlocks, a
-            # review). All of them are locked first, at once.
-            self._hold = sorted({q for call in batch for q in call.queues}) if claims > 1 else []
+                claims = claims or call.claims
+                locking += bool(call.queues)
+            # A claim locks its queues' controls rows in name order, a controls op its
+            # queue's; two such calls in one transaction would lock two sets, each in order
+            # but not together, and another transaction could take them the other way round
+            # (PostgreSQL: deadlocks, two reviews). All of them are locked first, at once.
+            self._hold = sorted({q for call in batch for q in call.queues}) if locking > 1 else []
+            self._sweeps = claims
             with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
-                if claims:
+                if claims or self._hold:
                     value: Any
                     swept, value = (
                         (False, settled[1])
@@ -294,11 +297,11 @@ class GroupCommit:
         return outcomes
 
     def _hold_and_sweep(self) -> set[str]:
-        """A claiming batch's first call: lock the controls of every queue its claims name
-        (``QueueService.hold_queue_controls``), then ``sweep``."""
+        """A batch's first call: lock the controls rows its calls will lock
+        (``QueueService.hold_queue_controls``), then, when it claims, ``sweep``."""
         if self._hold:
             self.service.hold_queue_controls(self._hold)
-        return self.sweep()
+        return self.sweep() if self._sweeps else set()
 
     def _guarded(
         self, fn: Callable[[], Any], *, flat: bool, durable: bool = True
@@ -551,8 +554,8 @@ class Database:
             weight: how many jobs ``fn`` may touch (1 for most calls; a batch's length, a
                 lease's ``max_jobs``): a group commit of more than ``INLINE_MAX_WEIGHT``
                 runs on the writer thread.
-            queues: a claim's queues (``claims``): a batch of several claims locks all
-                their controls first, in name order.
+            queues: the queues whose controls rows ``fn`` locks (a claim's, a controls
+                op's): a batch of several such calls locks them all first, in name order.
         """
         call = Call(fn, future, future.get_loop(), claims, durable, weight, queues)
         if self.inline is None or self._closed:

@@ -126,12 +126,16 @@ def row_locked(url: str, queue: str) -> bool:
     return False
 
 
-def test_two_group_commits_claiming_controlled_queues_in_opposite_orders_never_deadlock() -> None:
-    """Each claim locks its queues' controls rows in name order, but a group commit holds
-    several claims' locks until it commits: one claiming ``c1`` then ``c2`` and another
-    ``c2`` then ``c1`` deadlocked (a review: 4-5 deadlocks in 20 s, each call of both
-    batches answered ``BUSY`` after a second). Now a batch of claims locks all their queues'
-    rows first, together: the second batch waits for the first and both commit.
+@pytest.mark.parametrize("first_kind", ["claim", "limits"])
+def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadlock(
+    first_kind: str,
+) -> None:
+    """Each claim locks its queues' controls rows in name order, a controls op its queue's,
+    but a group commit holds its calls' locks until it commits: one locking ``c1`` then
+    ``c2`` and another ``c2`` then ``c1`` deadlocked (reviews: 4-5 deadlocks in 20 s, each
+    call of both batches answered ``BUSY`` after a second; then with pauses and limits
+    changing beside the claims). Now a batch of such calls locks all their rows first,
+    together: the second batch waits for the first and both commit.
 
     Deterministic: the first batch's middle call goes on once the second batch has locked
     ``c2`` (it says so) or waits for a lock (``pg_stat_activity``)."""
@@ -159,19 +163,23 @@ def test_two_group_commits_claiming_controlled_queues_in_opposite_orders_never_d
     def claim(queue: str) -> Callable[[], Any]:
         return lambda: service.claim([queue], worker_id="w", max_jobs=1)
 
+    def limits(queue: str) -> Callable[[], Any]:
+        return lambda: service.set_queue_limits(queue, max_leased=99_999)
+
+    first_call = claim if first_kind == "claim" else limits
     results: dict[str, list[tuple[bool, Any]]] = {}
 
     def first() -> None:
-        fns = [claim("c1"), until_second_locked_or_waits, claim("c2")]
-        results["first"] = run_group(service, fns, claims=True, queues=[["c1"], [], ["c2"]])[0]
+        fns = [first_call("c1"), until_second_locked_or_waits, claim("c2")]
+        results["first"] = run_group(service, fns, queues=[["c1"], [], ["c2"]])[0]
         connections[ALIAS].close()
 
     def second() -> None:
         with connections[ALIAS].cursor() as cursor:  # this thread's session
             cursor.execute("SELECT pg_backend_pid()")
             second_pid.append(cursor.fetchone()[0])
-        fns = [claim("c2"), second_locked.set, claim("c1")]
-        results["second"] = run_group(service, fns, claims=True, queues=[["c2"], [], ["c1"]])[0]
+        fns = [claim("c2"), second_locked.set, first_call("c1")]
+        results["second"] = run_group(service, fns, queues=[["c2"], [], ["c1"]])[0]
         connections[ALIAS].close()
 
     with psycopg.connect(url, autocommit=True) as conn:
@@ -193,5 +201,5 @@ def test_two_group_commits_claiming_controlled_queues_in_opposite_orders_never_d
         ).fetchone() or (0,)
     for name in ("first", "second"):
         assert [ok for ok, _ in results[name]] == [True, True, True], results[name]
-        assert [len(v) for _, v in (results[name][0], results[name][2])] == [1, 1]
+    assert len(results["first"][2][1]) == 1 and len(results["second"][0][1]) == 1
     assert after == before
