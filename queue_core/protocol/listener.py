@@ -364,12 +364,13 @@ class Listener:
             if principal is not None and principal.authenticated:
                 # Revoked: found before each line too, so a connection that only pings is
                 # closed unless it says hello with another key (a review's kept their slots).
-                # The snapshot is read again at most once a second, in the reader pool.
+                # A stale snapshot is read again (on the key thread) but not waited for here:
+                # a ping needs none (a review: pings waited out a locked key table, 1.9 s);
+                # the next line finds it, and every other request waits for it anyway.
                 ring = auth.cached_ring()
                 if ring is None:
-                    with contextlib.suppress(errors.RelayError):  # its requests will say so
-                        ring = await self.requests.key_ring()
-                if ring is not None and not ring.is_active(principal.prefix):
+                    self.requests.read_ring()
+                elif not ring.is_active(principal.prefix):
                     conn.unauthenticate(revoked=True)
             auth_by = conn.auth_by  # later if it loses its key (Conn.unauthenticate)
             authed = auth_by is None or (

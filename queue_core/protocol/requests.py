@@ -393,14 +393,19 @@ class Requests:
         ring = auth.cached_ring()
         if ring is not None:
             return ring
+        # Shielded: a waiter cancelled (its connection closing) leaves the others' read be.
+        return await asyncio.shield(self.read_ring())
+
+    def read_ring(self) -> asyncio.Future[auth.KeyRing]:
+        """Start reading the key table on the key thread, unless a read begun since the last
+        revoke in this process is under way; return that read."""
         began = auth.invalidations()
         if self._ring_read is None or self._ring_read[0].done() or self._ring_read[1] != began:
             read = functools.partial(auth.read_ring, self.service.driver)
             reading = asyncio.ensure_future(self.db.read_keys(read))
             reading.add_done_callback(_retrieved)  # its waiters may all have gone
             self._ring_read = (reading, began)
-        # Shielded: a waiter cancelled (its connection closing) leaves the others' read be.
-        return await asyncio.shield(self._ring_read[0])
+        return self._ring_read[0]
 
     async def hello(self, conn: Conn, args: dict[str, Any]) -> dict[str, Any]:
         """Check an API key and tie it to this connection (a refused key unties the old one)."""

@@ -88,3 +88,29 @@ def test_reads_waiting_on_a_lock_hold_up_no_ping_and_no_write(servers: Start) ->
     assert refused and set(refused) == {"BUSY"}, refused  # the reads did wait it out
     assert max(pings) < 1.0, pings  # 6-8 s behind the reads before
     assert max(writes) < 1.0, writes  # the same, waiting for the key table's snapshot
+
+
+def test_an_authenticated_connections_ping_waits_for_no_key_table(servers: Start) -> None:
+    # Before each line of a connection that said hello, the server looked at the key table
+    # for a revoke, and waited for a stale snapshot to be read again: with the table locked
+    # its pings waited out lock_timeout, 1.9 s each (a second review).
+    from queue_core import auth
+
+    key = auth.create_key("w", ["worker"]).key
+    (a,) = servers(1, RELAY_LOCK_TIMEOUT_MS="2000")
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    pings: list[float] = []
+    with RelayClient(a.address, timeout_s=60, api_key=key) as client:
+        client.ping()  # the hello is done
+        with psycopg.connect(url) as holder:
+            holder.execute("LOCK TABLE relay_api_key IN ACCESS EXCLUSIVE MODE")
+            try:
+                for _ in range(ROUNDS):  # 3 s at least: the 1 s snapshot goes stale in them
+                    began = time.monotonic()
+                    client.ping()
+                    pings.append(time.monotonic() - began)
+                    time.sleep(0.1)  # pacing, not a wait for anything
+            finally:
+                holder.rollback()
+        assert client.lease(["free"], worker_id="w") == []  # served once the table is free
+    assert max(pings) < 1.0, pings
