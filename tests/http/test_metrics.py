@@ -212,6 +212,11 @@ def test_metrics_server_serves_the_same_text(transactional_db: None) -> None:
     assert "relay_jobs_submitted" in families(text)
 
 
+def handlers() -> int:
+    """Threads alive now, less the exporter's connection timers (one per served one)."""
+    return sum(1 for t in threading.enumerate() if not isinstance(t, threading.Timer))
+
+
 def test_the_metrics_server_bounds_its_connections_and_closes_silent_ones(
     transactional_db: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -219,19 +224,19 @@ def test_the_metrics_server_bounds_its_connections_and_closes_silent_ones(
     # descriptor of a server whose limit was 250 (a review).
     monkeypatch.setattr(metrics._QuietHandler, "timeout", 2.0)
     server = metrics.MetricsServer("127.0.0.1", 0).start()
-    before = threading.active_count()
+    before = handlers()
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
     try:
         for sock in idle:
             sock.sendall(b"GET /metr")  # half a request line, then silence
         deadline = time.monotonic() + 10
-        while threading.active_count() < before + 8:  # each has its thread
-            assert time.monotonic() < deadline, threading.active_count()
-        threads = threading.active_count()
+        while handlers() < before + 8:  # each has its thread
+            assert time.monotonic() < deadline, handlers()
+        threads = handlers()
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as refused:
             answer = refused.makefile("rb").read()  # until the server closes it
         assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
-        assert threading.active_count() == threads  # no thread for it
+        assert handlers() == threads  # no thread for it
         for sock in idle:  # each closed by the server after its timeout (EOF, not ours)
             sock.settimeout(10)
             assert sock.makefile("rb").read(1) in (b"", b"H")  # an error reply, or none
@@ -240,6 +245,35 @@ def test_the_metrics_server_bounds_its_connections_and_closes_silent_ones(
     finally:
         for sock in idle:
             sock.close()
+        server.stop()
+
+
+def test_the_metrics_server_cuts_a_connection_that_trickles_past_its_time(
+    transactional_db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A byte every 7 s from 8 connections kept every scrape out for good: each read came
+    # within the silence timeout (a second review).
+    monkeypatch.setattr(metrics._ThreadingWSGIServer, "connection_s", 1.0, raising=False)
+    server = metrics.MetricsServer("127.0.0.1", 0).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            began = time.monotonic()
+            closed = False
+            for byte in b"GET /metrics HTTP/1.1\r\n" * 10:  # a byte a 0.2 s: never silent
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    closed = True
+                    break
+                sock.settimeout(0.2)
+                try:
+                    if sock.recv(1) == b"":  # the server closed it
+                        closed = True
+                        break
+                except TimeoutError:
+                    pass
+            assert closed and time.monotonic() - began < 5
+    finally:
         server.stop()
 
 
