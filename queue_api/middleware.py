@@ -285,16 +285,17 @@ class AsgiAbsoluteForm:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Call the app, with an absolute-form target made its path first."""
-        path = scope.get("path", "") if scope["type"] == "http" else ""
-        if path[:8].lower().startswith(("http://", "https://")):
-            url = urllib.parse.urlsplit(path)
-            origin = url.netloc.encode("latin-1", "replace")
+        raw = (scope.get("raw_path") or b"") if scope["type"] == "http" else b""
+        if raw[:8].lower().startswith((b"http://", b"https://")):
+            # The target as sent (``path`` is decoded: a %3F or %2F in it would split it).
+            url = urllib.parse.urlsplit(raw.decode("latin-1"))
+            path = url.path or "/"
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"host"]
             scope = {
                 **scope,
-                "path": url.path or "/",
-                "raw_path": (url.path or "/").encode("latin-1", "replace"),
-                "headers": [(b"host", origin), *headers],
+                "path": urllib.parse.unquote(path, errors="replace"),
+                "raw_path": path.encode("latin-1"),
+                "headers": [(b"host", url.netloc.encode("latin-1")), *headers],
             }
         await self.app(scope, receive, send)
 

@@ -281,7 +281,7 @@ def _name_entry(exc: IdempotencyConflict, index: int, ids: Sequence[str] = ()) -
         )
         exc.details = {"index": index, "field": field, "bound_index": other}
     else:
-        exc.message = f"jobs[{index}].{exc.message}"
+        exc.message = f"jobs[{index}]: {exc.message}"
         exc.details.update(index=index, field=field)
     exc.args = (exc.message,)
 

@@ -76,6 +76,20 @@ def test_gunicorn_serves_a_request_whose_target_is_a_whole_url(gunicorn: Gunicor
     foreign = b"GET http://evil.example/api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
     reply = raw_exchange(gunicorn.port, foreign + b"Connection: close\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 400"), reply[:300]  # its host, not Host:, is checked
+    # Split as sent, then decoded: an encoded ? or / is part of a name, not a delimiter
+    # (a second review: the decoded path was split, "capq%3Fx" read as "capq").
+    for target, origin_form in (
+        (b"/api/v1/queues/capq%3Fx/controls", True),
+        (b"%2Fapi%2Fv1%2Fhealth", False),
+    ):
+        line = b"GET http://" + origin + target + b" HTTP/1.1\r\nConnection: close\r\n\r\n"
+        absolute = raw_exchange(gunicorn.port, line)
+        if origin_form:
+            same = b"GET " + target + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+            assert absolute.split(b"\r\n")[0] == raw_exchange(gunicorn.port, same).split(b"\r\n")[0]
+            assert absolute.startswith(b"HTTP/1.1 422"), absolute[:300]  # the name "capq?x"
+        else:
+            assert absolute.startswith(b"HTTP/1.1 400"), absolute[:300]  # a host of "...%2F..."
 
 
 def test_gunicorn_refuses_oversized_bodies_with_413(gunicorn: Gunicorn) -> None:

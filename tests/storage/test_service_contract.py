@@ -1194,7 +1194,7 @@ def test_a_batch_conflicting_with_itself_or_a_job_names_the_entry(service: Queue
         "field": "jobs[1].idempotency_key",
         "job_id": bound,
     }
-    assert caught.value.message.startswith("jobs[1].idempotency key 'k' is bound to " + bound)
+    assert caught.value.message.startswith("jobs[1]: idempotency key 'k' is bound to " + bound)
 
 
 def test_nul_characters_are_refused_in_names_and_replaced_in_errors(
