@@ -111,7 +111,7 @@ def _translate(exc: DatabaseError) -> Exception | None:
     if state in _BUSY_STATES:
         if state == "55P03":  # lock_not_available: it waited the whole lock_timeout
             _LOCK_WAITS.at = time.monotonic()
-        return StoreBusy(f"the database refused the write for now ({state}); try again")
+        return StoreBusy(f"the database cannot serve this now ({state}: a lock); try again")
     # No SQLSTATE (the socket is gone), class 08 (connection exception) or 57P (the server
     # shut the session down: pg_terminate_backend, a restart): the connection is lost.
     lost = state is None or state.startswith(("08", "57P"))
