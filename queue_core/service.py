@@ -1201,18 +1201,25 @@ class QueueService:
                 and row["ready"]
             ]
 
-    def next_due_ms(self) -> int | None:
+    def next_due_ms(self, queues: Iterable[str] | None = None) -> int | None:
         """Return the earliest instant (epoch ms) a job becomes due, a lease expires, or a
         rate-limited queue that a claim here found without a token gets its next one (when
         still to come: a passed one, which a sweep here has not taken, would say "now" for
         good where no reaper sweeps); it may be past already (a job due that no sweep has
-        promoted yet): the reaper then sweeps at once. None when nothing is scheduled."""
+        promoted yet): the reaper then sweeps at once. None when nothing is scheduled.
+
+        Args:
+            queues: only these queues' next tokens count (a long-poll's own), None: every
+                queue's (the reaper's).
+        """
         with self.driver.read() as tx:
             due = [tx.one("next_scheduled"), tx.one("next_expiry")]
         times = [r["at_ms"] for r in due if r and r["at_ms"] is not None]
         now = self.clock.now_ms()
         with self._hints:
-            times.extend(at for at in self._throttled.values() if at > now)
+            hints = self._throttled
+            tokens = hints.values() if queues is None else [hints.get(q, 0) for q in queues]
+            times.extend(at for at in tokens if at > now)
         return min(times) if times else None
 
     # ------------------------------------------------------------------ lease

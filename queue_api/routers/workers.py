@@ -116,7 +116,7 @@ def _claim(
         return result, deadline
     svc = calls.service()
     wake_at = deadline
-    due_ms = svc.next_due_ms()
+    due_ms = svc.next_due_ms(checked["queues"])  # another queue's next token wakes none here
     if due_ms is not None:
         due_in_s = max(0, due_ms - svc.clock.now_ms() + 1) / 1000
         wake_at = min(wake_at, time.monotonic() + due_in_s)

@@ -307,7 +307,7 @@ class ProcessWakeups:
         try:
             service = self._service()
             ready = service.ready_queues(waited)
-            due = service.next_due_ms()
+            due = service.next_due_ms(waited)
         except Exception:  # wake them all: each claims and sees for itself
             log.exception("event=ready_queues_failed")
             ready, due = waited, None

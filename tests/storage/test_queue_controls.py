@@ -137,6 +137,10 @@ def test_a_token_hint_past_its_instant_neither_lingers_nor_holds_back_the_next(
     assert service.next_due_ms() == held["lease_expires_at_ms"]  # the hint's instant is gone
     assert len(lease(service, ["rated"])) == 1  # a token came; the bucket is empty again
     assert service.next_token_ms(["rated"]) == clock.now_ms() + 1000  # not the passed one
+    # A long-poll on other queues is not woken by this one's next token (a second review:
+    # HTTP long-polls claimed at every rated queue's token, 6-10 claims a lease).
+    assert service.next_due_ms(["other"]) == held["lease_expires_at_ms"]
+    assert service.next_due_ms(["other", "rated"]) == clock.now_ms() + 1000
 
 
 def test_two_servers_whose_clocks_differ_share_one_rate(
