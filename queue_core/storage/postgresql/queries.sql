@@ -654,8 +654,9 @@ SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
 -- name: queue_controls_for_claim
 -- The controls of the queues a claim names (one primary-key seek each on relay_queue; a queue
 -- without a row runs unlimited). PostgreSQL: the rows are locked until COMMIT, in name order
--- (no deadlock between two claims; a group commit of several claims first runs this once for
--- all their queues, QueueService.hold_queue_controls), so a claim on another server waits here
+-- (no deadlock between two claims; a group commit of several calls that lock these rows, claims
+-- and controls ops, first runs this once for all their queues, QueueService.hold_queue_controls),
+-- so a claim on another server waits here
 -- and then counts the leases this one made: a cap holds across servers. Params: queues (a
 -- JSON array of names).
 SELECT name, paused, max_leased, rate_per_s, burst, tokens, tokens_at_ms
