@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from queue_core import auth, errors, metrics
+from queue_core import validation as v
 from queue_core.conf import relay_settings
 from queue_core.protocol import codec, dispatch
 from queue_core.protocol.budget import ReplyBudget
@@ -584,16 +585,17 @@ def _fences(leases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _locked_queues(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
     """The queues whose controls rows a write locks (``put_write``'s ``queues``): those a
-    lease or a ``lease_next`` claims from, or the queue a controls op changes; as sent (names
-    the handler will refuse lock nothing that exists)."""
-    if verb.op in dispatch.CONTROLS:
-        queue = args.get("queue")
-        return [queue] if isinstance(queue, str) else []
-    spec = args.get("lease_next")
-    queues = spec.get("queues") if isinstance(spec, dict) else args.get("queues")
-    if not isinstance(queues, list):
+    lease or a ``lease_next`` claims from, or the queue a controls op changes; none for a
+    request its handler will refuse (checked as it checks them: a list of 100,000 names must
+    not make its batch's first statement lock by all of them)."""
+    s = relay_settings()
+    try:
+        if verb.op in dispatch.CONTROLS:
+            return [v.queue_name(args.get("queue"), s)]
+        spec = args.get("lease_next")
+        return v.queue_list(spec.get("queues") if isinstance(spec, dict) else args.get("queues"), s)
+    except errors.InvalidArgument:
         return []
-    return [q for q in queues if isinstance(q, str)]
 
 
 def _weight(args: dict[str, Any]) -> int:

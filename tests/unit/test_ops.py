@@ -268,3 +268,20 @@ def test_a_principal_allows_what_its_scopes_allow_asked_twice() -> None:
         principal = auth.Principal(name="k", prefix="p", scopes=scopes)
         for op in [*ops.OPS, "list_jobs", "no_such_op"]:
             assert principal.allows(op) == auth.allows(scopes, op) == principal.allows(op)
+
+
+def test_the_queues_a_write_locks_are_named_once_checked() -> None:
+    """A group commit locks the controls rows of its calls' queues first (PostgreSQL), so
+    only the ops flagged ``controls`` and the claims name any, and a request its handler
+    will refuse names none: 100,000 names must not make its batch lock by all of them."""
+    from queue_core.protocol.requests import _locked_queues
+
+    assert {"pause", "resume", "set_queue_limits"} == dispatch.CONTROLS
+    lease, ack, pause = (dispatch.VERBS[name] for name in ("lease", "ack", "pause"))
+    assert _locked_queues(lease, {"queues": ["b", "a", "b"]}) == ["b", "a"]
+    assert _locked_queues(ack, {"lease_next": {"queues": ["q"]}}) == ["q"]
+    assert _locked_queues(pause, {"queue": "q"}) == ["q"]
+    assert _locked_queues(lease, {"queues": [f"q{n}" for n in range(100_000)]}) == []
+    assert _locked_queues(lease, {"queues": ["bad name!"]}) == []
+    assert _locked_queues(pause, {"queue": 5}) == []
+    assert _locked_queues(ack, {"lease_next": "q"}) == []
