@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any
 
@@ -365,11 +366,13 @@ class Listener:
                 # Revoked: found before each line too, so a connection that only pings is
                 # closed unless it says hello with another key (a review's kept their slots).
                 # A stale snapshot is read again (on the key thread) but not waited for here:
-                # a ping needs none (a review: pings waited out a locked key table, 1.9 s);
-                # the next line finds it, and every other request waits for it anyway.
+                # a ping needs none (a review: pings waited out a locked key table, 1.9 s).
+                # The connection is checked when the read ends; every other request waits
+                # for it anyway.
                 ring = auth.cached_ring()
                 if ring is None:
-                    self.requests.read_ring()
+                    reading = self.requests.read_ring()
+                    reading.add_done_callback(functools.partial(_recheck, conn, principal))
                 elif not ring.is_active(principal.prefix):
                     conn.unauthenticate(revoked=True)
             auth_by = conn.auth_by  # later if it loses its key (Conn.unauthenticate)
@@ -486,3 +489,14 @@ class Listener:
         conn.hang_up()
         await conn.send(codec.encode_error(None, exc))
         await until_idle([conn], CLOSE_WAIT_S)
+
+
+def _recheck(conn: Conn, principal: auth.Principal, reading: asyncio.Future[auth.KeyRing]) -> None:
+    """A key snapshot the read loop asked for has been read: when ``conn`` still runs as
+    ``principal`` and its key was revoked, it must say ``hello`` again (``unauthenticate``),
+    as if the loop had waited for the snapshot (a connection that only pings more than a
+    second apart found every snapshot stale, and was never asked: a review)."""
+    if reading.cancelled() or reading.exception() is not None:
+        return  # the table could not be read: its next request says so
+    if conn.principal is principal and not reading.result().is_active(principal.prefix):
+        conn.unauthenticate(revoked=True)

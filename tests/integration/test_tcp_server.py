@@ -676,6 +676,33 @@ def test_a_revoked_keys_connections_are_evictable_and_must_say_hello_again(
                     c.close()
 
 
+def test_a_connection_that_only_pings_finds_its_key_revoked_elsewhere(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key revoked in another process (here: the table changed under this one, whose
+    snapshot is not told) must be found on a connection that only pings, however far apart:
+    the read loop reads a stale snapshot again without waiting for it, and found every one
+    stale when pings came further apart than the snapshot lives, so it never asked for a
+    hello again (a review: no refusal in 40 s)."""
+    from queue_core import auth
+
+    monkeypatch.setattr(auth, "RING_TTL_S", 0.2)  # pings 0.3 s apart find it stale each time
+    key = auth.create_key("w", ["worker"])
+    with override_settings(RELAY_AUTH_TIMEOUT_MS=300):
+        running = start()
+        c = Client(running.port, timeout=5)
+        try:
+            assert c.ok("hello", api_key=key.key)["name"] == "w"
+            auth.keys().filter(prefix=key.prefix).update(revoked_at_ms=1)  # no invalidate()
+            began = time.monotonic()
+            while (reply := c.call("ping"))["ok"]:
+                assert time.monotonic() - began < 10, "never asked to authenticate again"
+                time.sleep(0.3)  # pacing: further apart than the snapshot lives
+            assert "hello within 300 ms" in reply["error"]["message"]
+        finally:
+            c.close()
+
+
 def test_a_refused_hello_on_an_old_connection_leaves_time_for_another(
     start: Callable[..., Running],
 ) -> None:
