@@ -1346,23 +1346,31 @@ class QueueService:
         expires_at_ms = now + lease_ms
         return [cast(dict[str, Any], lease_view(row, expires_at_ms)) for row in rows]
 
-    def hold_queue_controls(self, queues: list[str]) -> None:
+    def hold_queue_controls(self, queues: list[str], inserting: list[str] | None = None) -> None:
         """Lock the controls rows (``relay_queue``) of ``queues`` until the transaction ends,
-        in name order, where several writers run at once (PostgreSQL; nothing on SQLite).
+        in name order, where several writers run at once (PostgreSQL; nothing on SQLite);
+        first, an advisory lock for each of ``inserting``, the queues of controls ops, which
+        insert a row where none is (a pause of a queue nobody controlled).
 
         A group commit of several calls that lock these rows (claims, controls ops) calls it
         first (``GroupCommit``): each claim locks its own queues' rows in name order, a
         controls op its queue's, but one transaction that holds two calls' locks took them in
         two steps, and another could take them the other way round: deadlocks, each answered
         ``BUSY`` after a second (reviews: 4-5 in 20 s from eight connections; 6-10 in 25-30 s
-        with pauses and limits changing beside the claims).
+        with limits changing beside the claims; 14-26 with pauses of queues without a row,
+        whose rows cannot be locked before they exist). Claims insert no row, so their queues
+        take no advisory lock: two batches claiming from one uncontrolled queue still run at
+        once.
 
         Args:
-            queues: names, sorted (unknown names lock nothing).
+            queues: names, sorted (a name without a row locks nothing).
+            inserting: names, sorted, a subset of ``queues``.
         """
         if self.capabilities.single_writer or not queues:
             return
         with self.driver.write(durable=False) as tx:
+            if inserting:
+                tx.all("hold_queue_names", {"queues": inserting})
             tx.all("queue_controls_for_claim", {"queues": orjson.dumps(queues).decode()})
 
     def _claim_plan(
@@ -2528,6 +2536,12 @@ class QueueService:
         actor = v.actor(actor)
         with self.driver.write() as tx:
             now = self._now()
+            if not self.capabilities.single_writer:
+                # Its name's lock first, even alone in its transaction: a row this inserts
+                # must not appear under a batch that took the name's lock and found no row
+                # (``hold_queue_controls``; a review's deadlock between such a batch and a
+                # claim).
+                tx.all("hold_queue_names", {"queues": [queue]})
             row = tx.one("queue_get", {"name": queue})
             old = _controls_view(row or {"name": queue})
             new = {**old, **changes}

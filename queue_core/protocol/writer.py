@@ -206,6 +206,7 @@ class GroupCommit:
         self.on_ready = on_ready
         self.first = self._hold_and_sweep  # one object: a round names it (``_Redo.fn``)
         self._hold: list[str] = []  # the queues whose controls ``first`` locks
+        self._inserting: list[str] = []  # of those, the controls ops' (they may insert)
         self._sweeps = False  # whether ``first`` sweeps (the batch claims)
 
     def run(self, batch: list[Call], *, wait: bool = True) -> list[tuple[bool, Any]]:
@@ -260,6 +261,11 @@ class GroupCommit:
             # but not together, and another transaction could take them the other way round
             # (PostgreSQL: deadlocks, two reviews). All of them are locked first, at once.
             self._hold = sorted({q for call in batch for q in call.queues}) if locking > 1 else []
+            self._inserting = (
+                sorted({q for call in batch if not call.claims for q in call.queues})
+                if self._hold
+                else []
+            )
             self._sweeps = claims
             with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
                 if claims or self._hold:
@@ -300,7 +306,7 @@ class GroupCommit:
         """A batch's first call: lock the controls rows its calls will lock
         (``QueueService.hold_queue_controls``), then, when it claims, ``sweep``."""
         if self._hold:
-            self.service.hold_queue_controls(self._hold)
+            self.service.hold_queue_controls(self._hold, self._inserting)
         return self.sweep() if self._sweeps else set()
 
     def _guarded(

@@ -113,39 +113,28 @@ def test_a_connection_lost_in_the_savepoint_round_fails_every_call() -> None:
     assert row == (0,)
 
 
-def row_locked(url: str, queue: str) -> bool:
-    """Whether another transaction holds ``queue``'s controls row (a probe that locks
-    nothing it can wait for, and lets go at once)."""
-    with psycopg.connect(url) as conn:
-        try:
-            conn.execute("SELECT 1 FROM relay_queue WHERE name = %s FOR UPDATE NOWAIT", [queue])
-        except psycopg.errors.LockNotAvailable:
-            return True
-        finally:
-            conn.rollback()
-    return False
-
-
-@pytest.mark.parametrize("first_kind", ["claim", "limits"])
+@pytest.mark.parametrize("kind", ["claims", "limits", "pauses"])
 def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadlock(
-    first_kind: str,
+    kind: str,
 ) -> None:
-    """Each claim locks its queues' controls rows in name order, a controls op its queue's,
-    but a group commit holds its calls' locks until it commits: one locking ``c1`` then
-    ``c2`` and another ``c2`` then ``c1`` deadlocked (reviews: 4-5 deadlocks in 20 s, each
-    call of both batches answered ``BUSY`` after a second; then with pauses and limits
-    changing beside the claims). Now a batch of such calls locks all their rows first,
-    together: the second batch waits for the first and both commit.
+    """Each claim locks its queues' controls rows in name order, a controls op its queue's
+    (a pause of a queue with no row inserts it), but a group commit holds its calls' locks
+    until it commits: one locking ``a`` then ``b`` and another ``b`` then ``a`` deadlocked
+    (three reviews: each call of both batches answered ``BUSY`` after a second, with claims,
+    then beside limit changes, then pauses of queues without a row). Now a batch of such
+    calls locks all their queues first, by name then row: the second batch waits for the
+    first and both commit.
 
     Deterministic: the first batch's middle call goes on once the second batch has locked
-    ``c2`` (it says so) or waits for a lock (``pg_stat_activity``)."""
+    ``b`` (it says so) or waits for a lock (``pg_stat_activity``)."""
     service = QueueService(driver=driver_for(ALIAS))
-    for queue in ("c1", "c2"):
-        service.set_queue_limits(queue, max_leased=100_000)  # controlled; the cap never binds
-        for n in range(2):
-            service.submit(queue, n)
+    if kind != "pauses":  # rows that exist; a pause of a queue with no row inserts it
+        for queue in ("a", "b"):
+            service.set_queue_limits(queue, max_leased=100_000)  # the cap never binds
+            for n in range(2):
+                service.submit(queue, n)
     url = database_url("postgresql")["RELAY_DATABASE_URL"]
-    second_locked = threading.Event()
+    first_locked, second_locked = threading.Event(), threading.Event()
     second_pid: list[int] = []
 
     def waiting(pid: int) -> bool:
@@ -166,20 +155,25 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
     def limits(queue: str) -> Callable[[], Any]:
         return lambda: service.set_queue_limits(queue, max_leased=99_999)
 
-    first_call = claim if first_kind == "claim" else limits
+    def pause(queue: str) -> Callable[[], Any]:
+        return lambda: service.pause(queue)
+
+    early, late = {"claims": (claim, claim), "limits": (limits, claim), "pauses": (pause, pause)}[
+        kind
+    ]
     results: dict[str, list[tuple[bool, Any]]] = {}
 
     def first() -> None:
-        fns = [first_call("c1"), until_second_locked_or_waits, claim("c2")]
-        results["first"] = run_group(service, fns, queues=[["c1"], [], ["c2"]])[0]
+        fns = [early("a"), first_locked.set, until_second_locked_or_waits, late("b")]
+        results["first"] = run_group(service, fns, queues=[["a"], [], [], ["b"]])[0]
         connections[ALIAS].close()
 
     def second() -> None:
         with connections[ALIAS].cursor() as cursor:  # this thread's session
             cursor.execute("SELECT pg_backend_pid()")
             second_pid.append(cursor.fetchone()[0])
-        fns = [claim("c2"), second_locked.set, first_call("c1")]
-        results["second"] = run_group(service, fns, queues=[["c2"], [], ["c1"]])[0]
+        fns = [late("b"), second_locked.set, early("a")]
+        results["second"] = run_group(service, fns, queues=[["b"], [], ["a"]])[0]
         connections[ALIAS].close()
 
     with psycopg.connect(url, autocommit=True) as conn:
@@ -188,9 +182,7 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
         ).fetchone() or (0,)
     one = threading.Thread(target=first)
     one.start()
-    deadline = time.monotonic() + 30
-    while not row_locked(url, "c1"):  # the first batch holds c1's row: start the second
-        assert time.monotonic() < deadline, "the first batch never locked c1"
+    assert first_locked.wait(30), "the first batch never locked a"
     two = threading.Thread(target=second)
     two.start()
     one.join(60)
@@ -200,6 +192,7 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
             "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
         ).fetchone() or (0,)
     for name in ("first", "second"):
-        assert [ok for ok, _ in results[name]] == [True, True, True], results[name]
-    assert len(results["first"][2][1]) == 1 and len(results["second"][0][1]) == 1
+        assert all(ok for ok, _ in results[name]), results[name]
+    if kind == "pauses":
+        assert service.queue_controls()["queues"].keys() == {"a", "b"}
     assert after == before

@@ -651,6 +651,15 @@ SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
  WHERE seen_at_ms >= %(since_ms)s
  ORDER BY started_at_ms, id;
 
+-- name: hold_queue_names
+-- A transaction-level advisory lock for each queue named, in the order given (the caller
+-- sorts them): a group commit of several calls that lock relay_queue rows takes these for its
+-- controls ops' queues first, then the rows (queue_controls_for_claim), so two such batches
+-- meet in name order even on rows one of them is yet to insert (a pause of a queue with no
+-- row inserts it). Params: queues (text[], sorted).
+SELECT pg_advisory_xact_lock(hashtextextended('relay.queue:' || name, 0))
+  FROM unnest(%(queues)s::text[]) AS name;
+
 -- name: queue_controls_for_claim
 -- The controls of the queues a claim names (one primary-key seek each on relay_queue; a queue
 -- without a row runs unlimited). PostgreSQL: the rows are locked until COMMIT, in name order
