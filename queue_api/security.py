@@ -54,11 +54,12 @@ class ApiKey(AuthBase):
         Raises:
             Unauthenticated, PermissionDenied; RelayError: the key table cannot be read now.
         """
-        from queue_api.calls import key_ring  # calls imports this module
+        from queue_api.calls import key_ring, service  # calls imports this module
 
         peer = peer_of(request)
-        principal = auth.authenticate(
-            presented_key(request), surface="http", peer=peer, ring=key_ring()
-        )
+        key, ring = presented_key(request), key_ring()
+        if auth.may_be_newer(ring, key):  # made since the snapshot? read again
+            ring = auth.read_ring(service().driver)
+        principal = auth.authenticate(key, surface="http", peer=peer, ring=ring)
         auth.authorize(principal, self.op, surface="http", peer=peer)
         return principal

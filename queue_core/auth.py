@@ -16,8 +16,10 @@ submits and reads, ``worker`` leases, renews, acks, fails, releases and reads on
 ``operator`` may do everything (dead letters, job listings). Both surfaces check the same op
 names; the HTTP API maps each endpoint to one.
 
-Each process keeps a snapshot of the key table (``KeyRing``) for ``RING_TTL_S``, so a new or
-revoked key takes effect within a second everywhere, and at once in the process that made it.
+Each process keeps a snapshot of the key table (``KeyRing``) for ``RING_TTL_S``, so a revoked
+key takes effect within a second everywhere, and at once in the process that revoked it; a
+key the snapshot does not know is looked up again before it is refused (``may_be_newer``), so
+a new key works at once.
 Failed attempts are logged (``event=auth_failed``) with the key's prefix at most, never the
 secret.
 """
@@ -269,6 +271,23 @@ def cached_ring() -> KeyRing | None:
 def current_ring() -> KeyRing:
     """Return a fresh-enough snapshot, reading the table when the cached one is stale."""
     return cached_ring() or load_ring()
+
+
+RING_REREAD_S = 0.05  # a snapshot younger than this is not read again for an unknown key
+
+
+def may_be_newer(ring: KeyRing, key: str | None) -> bool:
+    """Whether ``key`` is well formed, unknown to ``ring`` and ``ring`` at least
+    ``RING_REREAD_S`` old: a key made in another process since the snapshot was read, which
+    a fresh read would know (without it, a key just made by ``relay keys create`` was
+    refused for up to ``RING_TTL_S``: a review). The caller reads the table again once
+    before refusing; at most one read per ``RING_REREAD_S`` however many bad keys come."""
+    prefix = parse_prefix(key) if key else None
+    return (
+        prefix is not None
+        and prefix not in ring.entries
+        and time.monotonic() - ring.loaded_at >= RING_REREAD_S
+    )
 
 
 def invalidations() -> int:

@@ -411,6 +411,8 @@ class Requests:
     async def hello(self, conn: Conn, args: dict[str, Any]) -> dict[str, Any]:
         """Check an API key and tie it to this connection (a refused key unties the old one)."""
         ring = await self.key_ring()
+        if auth.may_be_newer(ring, args["api_key"]):  # made since the snapshot? read again
+            ring = await asyncio.shield(self.read_ring())
         conn.unauthenticate()
         principal: auth.Principal = await self.db.read(
             lambda: auth.authenticate(args["api_key"], surface="tcp", peer=conn.peer, ring=ring)

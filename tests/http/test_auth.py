@@ -65,6 +65,22 @@ def test_once_a_key_exists_requests_need_one(
     assert api.get("/api/v1/health").status_code == 200  # health needs no key
 
 
+def test_a_key_made_in_another_process_works_at_once(
+    api: Api, make_key: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The snapshot lives a second; a key made elsewhere since was refused until it was read
+    # again: `relay keys create`, then a request at once, got 401 (a review).
+    first = make_key("producer", name="first")
+    assert api.post(JOBS, {"payload": 1}, key=first).status_code == 201  # a snapshot now
+    monkeypatch.setattr(auth, "RING_TTL_S", 60.0)  # it stays fresh
+    monkeypatch.setattr(auth, "RING_REREAD_S", 0.0, raising=False)
+    with monkeypatch.context() as m:
+        m.setattr(auth, "invalidate", lambda: None)  # as made by another process
+        second = make_key("producer", name="second")
+    assert api.post(JOBS, {"payload": 1}, key=second).status_code == 201
+    problem(api.post(JOBS, {"payload": 1}, key=second[:-4] + "AAAA"), 401, "UNAUTHENTICATED")
+
+
 def test_scopes_decide_what_a_key_may_do(api: Api, make_key: Callable[..., str]) -> None:
     producer, worker, operator = make_key("producer"), make_key("worker"), make_key("operator")
     created = api.post(JOBS, {"payload": 1}, key=producer)

@@ -703,6 +703,30 @@ def test_a_connection_that_only_pings_finds_its_key_revoked_elsewhere(
             c.close()
 
 
+def test_a_hello_with_a_key_made_in_another_process_at_once_is_accepted(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The snapshot lives a second; a hello with a key made elsewhere since was refused, not
+    # retryable, until it was read again (a review: `relay keys create`, then a hello).
+    from queue_core import auth
+
+    first = auth.create_key("first", ["worker"]).key
+    running = start()
+    c = Client(running.port, timeout=5)
+    try:
+        assert c.ok("hello", api_key=first)["name"] == "first"  # a snapshot now
+        monkeypatch.setattr(auth, "RING_TTL_S", 60.0)  # it stays fresh
+        monkeypatch.setattr(auth, "RING_REREAD_S", 0.0, raising=False)
+        with monkeypatch.context() as m:
+            m.setattr(auth, "invalidate", lambda: None)  # as made by another process
+            second = auth.create_key("second", ["worker"]).key
+        assert c.ok("hello", api_key=second)["name"] == "second"
+        refused = c.call("hello", api_key=second[:-4] + "AAAA")
+        assert refused["error"]["code"] == "UNAUTHENTICATED"
+    finally:
+        c.close()
+
+
 def test_a_refused_hello_on_an_old_connection_leaves_time_for_another(
     start: Callable[..., Running],
 ) -> None:
