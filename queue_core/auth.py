@@ -281,7 +281,9 @@ def may_be_newer(ring: KeyRing, key: str | None) -> bool:
     ``RING_REREAD_S`` old: a key made in another process since the snapshot was read, which
     a fresh read would know (without it, a key just made by ``relay keys create`` was
     refused for up to ``RING_TTL_S``: a review). The caller reads the table again once
-    before refusing; at most one read per ``RING_REREAD_S`` however many bad keys come."""
+    before refusing; a read makes the snapshot young again, so bad keys cost a read per
+    ``RING_REREAD_S`` (the TCP server shares one read among its waiters; HTTP request
+    threads that find it old at once each read)."""
     prefix = parse_prefix(key) if key else None
     return (
         prefix is not None
