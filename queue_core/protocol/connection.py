@@ -53,6 +53,8 @@ class Conn:
     eof_sent: bool = False  # we closed our side (after FRAME_TOO_LARGE): nothing more to send
     principal: auth.Principal | None = None  # set by a successful hello
     key_revoked: bool = False  # it lost its key to a revoke (its refusals say so)
+    # The key table's read that will check it for a revoke (``Listener``: one a read).
+    rechecked_by: asyncio.Future[Any] | None = None
     # Loop time by which it must hold a key (keys required): RELAY_AUTH_TIMEOUT_MS from its
     # connect, or from when it lost the key it had (``unauthenticate``). None: no deadline.
     auth_by: float | None = None

@@ -372,7 +372,9 @@ class Listener:
                 ring = auth.cached_ring()
                 if ring is None:
                     reading = self.requests.read_ring()
-                    reading.add_done_callback(functools.partial(_recheck, conn, principal))
+                    if conn.rechecked_by is not reading:  # once a read, however many lines
+                        conn.rechecked_by = reading
+                        reading.add_done_callback(functools.partial(_recheck, conn, principal))
                 elif not ring.is_active(principal.prefix):
                     conn.unauthenticate(revoked=True)
             auth_by = conn.auth_by  # later if it loses its key (Conn.unauthenticate)
