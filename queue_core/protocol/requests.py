@@ -81,6 +81,9 @@ class Requests:
         # The key table's read in flight, shared by every request that found the snapshot
         # stale, and ``auth.invalidations()`` when it began (``key_ring``).
         self._ring_read: tuple[asyncio.Future[auth.KeyRing], int] | None = None
+        # Whether a write names the queues whose controls it locks (``_locked_queues``):
+        # only where several writers run at once (PostgreSQL) must a batch order them.
+        self.orders_locks = not service.capabilities.single_writer
 
     @staticmethod
     def frame_for(request: codec.Request) -> int:
@@ -141,7 +144,7 @@ class Requests:
             handler: Callable[[], dispatch.Outcome]
             handler = functools.partial(verb.handler, self.service, args, ctx)
             leases_next = "lease_next" in args
-            locks = leases_next or verb.op in dispatch.CONTROLS
+            locks = self.orders_locks and (leases_next or verb.op in dispatch.CONTROLS)
             if leases_next:
                 handler = functools.partial(self._unless_draining, verb, args, ctx)
             # With lease_next the batch sweeps first, as a lease's does (whom to wake).
@@ -188,7 +191,7 @@ class Requests:
                 claims=True,
                 durable=s.durable_leases,
                 weight=_weight(args),
-                queues=_locked_queues(verb, args),
+                queues=_locked_queues(verb, args) if self.orders_locks else (),
             )
         # The frame first, then the reply (callbacks run in the order they were added).
         future.add_done_callback(functools.partial(self._claimed, conn, held, loop.time()))
@@ -516,7 +519,7 @@ class Requests:
             claims=True,
             durable=relay_settings().durable_leases,
             weight=_weight(args),
-            queues=_locked_queues(verb, args),
+            queues=_locked_queues(verb, args) if self.orders_locks else (),
         )
         try:
             outcome: dispatch.Outcome = await asyncio.shield(future)

@@ -251,21 +251,13 @@ class GroupCommit:
             # Lease bookkeeping alone need not wait for the disk; anything else in the batch
             # makes it durable (SQLite decides before BEGIN, so the batch says it here).
             durable = claims = False
-            locking = 0
             for call in batch:  # a loop, not two any(): most batches hold one call
                 durable = durable or call.durable
                 claims = claims or call.claims
-                locking += bool(call.queues)
-            # A claim locks its queues' controls rows in name order, a controls op its
-            # queue's; two such calls in one transaction would lock two sets, each in order
-            # but not together, and another transaction could take them the other way round
-            # (PostgreSQL: deadlocks, two reviews). All of them are locked first, at once.
-            self._hold = sorted({q for call in batch for q in call.queues}) if locking > 1 else []
-            self._inserting = (
-                sorted({q for call in batch if not call.claims for q in call.queues})
-                if self._hold
-                else []
-            )
+            if len(batch) > 1 and not self.service.capabilities.single_writer:
+                self._order_locks(batch)
+            else:
+                self._hold = []  # one call locks in one order; SQLite has one writer
             self._sweeps = claims
             with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
                 if claims or self._hold:
@@ -301,6 +293,21 @@ class GroupCommit:
         if ready:
             self.on_ready(ready)
         return outcomes
+
+    def _order_locks(self, batch: list[Call]) -> None:
+        """Name what ``first`` locks for ``batch`` (``_hold``, ``_inserting``).
+
+        A claim locks its queues' controls rows in name order, a controls op its queue's;
+        two such calls in one transaction would lock two sets, each in order but not
+        together, and another transaction could take them the other way round (PostgreSQL:
+        deadlocks, three reviews). All of them are locked first, at once.
+        """
+        locking = [call for call in batch if call.queues]
+        if len(locking) < 2:
+            self._hold = []
+            return
+        self._hold = sorted({q for call in locking for q in call.queues})
+        self._inserting = sorted({q for call in locking if not call.claims for q in call.queues})
 
     def _hold_and_sweep(self) -> set[str]:
         """A batch's first call: lock the controls rows its calls will lock
