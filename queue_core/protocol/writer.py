@@ -269,8 +269,8 @@ class GroupCommit:
                     )
                     if swept:
                         ready = value
-                    else:
-                        log.error("event=sweep_failed", exc_info=value)
+                    else:  # a lock waited out is one line, not a traceback a batch
+                        limits.log_failure(self.failures, "sweep_failed", value)
                 if settled:
                     outcomes = [
                         (False, settled[1])

@@ -196,3 +196,40 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
     if kind == "pauses":
         assert service.queue_controls()["queues"].keys() == {"a", "b"}
     assert after == before
+
+
+def test_a_batch_whose_first_lock_waited_out_a_held_row_refuses_only_the_claim_that_meets_it() -> (
+    None
+):
+    """The batch's first call locks its calls' queue controls; when it waits out a row
+    another session holds, the batch goes round again with savepoints, and there each call
+    waits only ``SHORT_LOCK_WAIT`` (``PostgresDriver.write``): the claim that meets the held
+    row is answered BUSY, the claim of another queue and the submit commit. (A review saw a
+    lease answered after two lock timeouts once; not reproduced: this pins the round.)"""
+    service = QueueService(driver=driver_for(ALIAS))
+    for queue in ("h1", "h2"):
+        service.set_queue_limits(queue, max_leased=100_000)
+        service.submit(queue, 0)
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+
+    def claim(queue: str) -> Callable[[], Any]:
+        return lambda: service.claim([queue], worker_id="w", max_jobs=1)
+
+    with psycopg.connect(url) as holder:
+        holder.execute("SELECT 1 FROM relay_queue WHERE name = 'h1' FOR UPDATE")
+        with connections[ALIAS].cursor() as cursor:
+            cursor.execute("SET lock_timeout = '200ms'")
+        try:
+            outcomes, _ = run_group(
+                service,
+                [claim("h1"), lambda: service.submit("free", 1), claim("h2")],
+                queues=[["h1"], [], ["h2"]],
+            )
+        finally:
+            with connections[ALIAS].cursor() as cursor:
+                cursor.execute("RESET lock_timeout")
+        holder.rollback()
+    (ok0, busy), (ok1, submitted), (ok2, leased) = outcomes
+    assert not ok0 and isinstance(busy, errors.StoreBusy), busy
+    assert ok1 and submitted["job"]["state"] == "ready"
+    assert ok2 and [lease["queue"] for lease in leased] == ["h2"]
