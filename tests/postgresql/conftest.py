@@ -9,9 +9,11 @@ at teardown. Without PostgreSQL these tests fail at set-up: they never skip.
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import psycopg
 import pytest
 from django.test.utils import override_settings
 
@@ -25,7 +27,45 @@ from tests.storage.conftest import (
 
 # _postgresql_connections_closed: the session fixture that ends the change feeds' listener
 # connections before the test database is dropped (autouse, from tests/storage).
-__all__ = ["DATABASES", "Server", "_postgresql_connections_closed"]
+__all__ = [
+    "DATABASES",
+    "Server",
+    "_postgresql_connections_closed",
+    "count_sessions",
+    "deadlocks",
+    "server_sessions",
+]
+
+
+def count_sessions(url: str, where: str, params: Sequence[Any] = (), *, locks: bool = False) -> int:
+    """How many sessions ``a`` (``pg_stat_activity``) of the test database match ``where``
+    now; with ``locks``, how many of their granted locks ``l`` (``pg_locks``) do."""
+    rows = (
+        "pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid AND l.granted"
+        if locks
+        else ("pg_stat_activity a")
+    )
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute(
+            f"SELECT count(*) FROM {rows} WHERE a.datname = current_database() AND {where}",
+            params,
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def server_sessions(pid: int) -> str:
+    """The ``application_name`` pattern of relay server ``pid``'s sessions (for ``LIKE``)."""
+    return f"relay server {pid} %"
+
+
+def deadlocks(url: str) -> int:
+    """The deadlocks PostgreSQL has counted in the test database so far."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
 
 
 @dataclass

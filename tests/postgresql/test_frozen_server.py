@@ -34,7 +34,7 @@ from queue_core import errors
 from queue_core.client import RelayClient
 from queue_core.storage.postgresql.driver import PostgresDriver
 from tests.audit import audit
-from tests.postgresql.conftest import DATABASES, Server
+from tests.postgresql.conftest import DATABASES, Server, count_sessions, server_sessions
 from tests.storage.conftest import database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
@@ -44,13 +44,8 @@ Start = Callable[..., list[Server]]
 
 def sweep_lock_holder(url: str, pid: int) -> bool:
     """Whether a session of server ``pid`` holds the sweep's advisory lock now."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-            "WHERE l.locktype = 'advisory' AND l.granted AND a.application_name LIKE %s",
-            [f"relay server {pid} %"],
-        ).fetchone()
-    return bool(row and row[0])
+    where = "l.locktype = 'advisory' AND a.application_name LIKE %s"
+    return count_sessions(url, where, [server_sessions(pid)], locks=True) > 0
 
 
 def sessions(url: str) -> list[tuple[Any, ...]]:

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import psycopg
 import pytest
 from django.db import connections
 
@@ -32,7 +31,7 @@ from queue_core.clock import FakeClock
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from tests.groupcommit import run_group
-from tests.postgresql.conftest import DATABASES
+from tests.postgresql.conftest import DATABASES, count_sessions, deadlocks
 from tests.storage.conftest import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -48,22 +47,7 @@ def _admin_url() -> str:
 
 def _lock_waiters(url: str) -> int:
     """Backends of the test database waiting for a lock now."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
-        ).fetchone()
-    return int(row[0]) if row else 0
-
-
-def _deadlocks(url: str) -> int:
-    """The deadlocks PostgreSQL has counted in the test database so far."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("SELECT pg_stat_clear_snapshot()")
-        row = conn.execute(
-            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
-        ).fetchone()
-    return int(row[0]) if row else 0
+    return count_sessions(url, "a.wait_event_type = 'Lock'")
 
 
 def _until(condition: Callable[[], bool], what: str) -> None:
@@ -177,7 +161,7 @@ def test_a_renew_behind_a_controls_lock_does_not_wait_for_a_row_swept_meanwhile(
             service.submit(queue, {"i": i})
     (lease,) = service.claim(["held"], worker_id="w1", max_jobs=1, lease_ms=1_000)
     clock.advance(ms=500)  # the lease has 500 ms left
-    deadlocks = _deadlocks(url)
+    before = deadlocks(url)
 
     y_began, y_go, x_swept, x_go = (threading.Event() for _ in range(4))
 
@@ -228,7 +212,7 @@ def test_a_renew_behind_a_controls_lock_does_not_wait_for_a_row_swept_meanwhile(
     _until(lambda: not y.is_alive() or _lock_waiters(url) >= 1, "Y ends or waits for a lock")
     x_go.set()
     y_outcomes, x_outcomes = y.outcome(), x.outcome()
-    assert _deadlocks(url) == deadlocks
+    assert deadlocks(url) == before
     assert [ok for ok, _ in y_outcomes] == [True, True, True, False]
     assert isinstance(y_outcomes[3][1], errors.LeaseExpired), y_outcomes[3][1]
     assert all(ok for ok, _ in x_outcomes), x_outcomes

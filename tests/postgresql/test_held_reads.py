@@ -20,7 +20,7 @@ import pytest
 
 from queue_core import errors
 from queue_core.client import RelayClient
-from tests.postgresql.conftest import DATABASES, Server
+from tests.postgresql.conftest import DATABASES, Server, count_sessions, server_sessions
 from tests.storage.conftest import database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
@@ -33,13 +33,8 @@ ROUNDS = 30  # the sentinel's pings and submits, 0.1 s apart: the 1 s snapshot g
 
 def waiting_on_locks(url: str, server: Server) -> int:
     """How many of ``server``'s sessions wait for a lock now."""
-    with psycopg.connect(url, autocommit=True) as conn:
-        row = conn.execute(
-            "SELECT count(*) FROM pg_stat_activity "
-            "WHERE application_name LIKE %s AND wait_event_type = 'Lock'",
-            [f"relay server {server.proc.pid} %"],
-        ).fetchone()
-    return int(row[0]) if row else 0
+    where = "a.application_name LIKE %s AND a.wait_event_type = 'Lock'"
+    return count_sessions(url, where, [server_sessions(server.proc.pid)])
 
 
 def test_reads_waiting_on_a_lock_hold_up_no_ping_and_no_write(servers: Start) -> None:

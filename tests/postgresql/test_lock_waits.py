@@ -23,7 +23,7 @@ from queue_core import errors
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from tests.groupcommit import run_group
-from tests.postgresql.conftest import DATABASES
+from tests.postgresql.conftest import DATABASES, count_sessions, deadlocks
 from tests.storage.conftest import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
@@ -138,11 +138,7 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
     second_pid: list[int] = []
 
     def waiting(pid: int) -> bool:
-        with psycopg.connect(url, autocommit=True) as conn:
-            row = conn.execute(
-                "SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = %s", [pid]
-            ).fetchone()
-        return bool(row and row[0])
+        return count_sessions(url, "a.pid = %s AND a.wait_event_type = 'Lock'", [pid]) > 0
 
     def until_second_locked_or_waits() -> None:
         deadline = time.monotonic() + 30
@@ -176,10 +172,7 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
         results["second"] = run_group(service, fns, queues=[["b"], [], ["a"]])[0]
         connections[ALIAS].close()
 
-    with psycopg.connect(url, autocommit=True) as conn:
-        (before,) = conn.execute(
-            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
-        ).fetchone() or (0,)
+    before = deadlocks(url)
     one = threading.Thread(target=first)
     one.start()
     assert first_locked.wait(30), "the first batch never locked a"
@@ -187,10 +180,7 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
     two.start()
     one.join(60)
     two.join(60)
-    with psycopg.connect(url, autocommit=True) as conn:
-        (after,) = conn.execute(
-            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
-        ).fetchone() or (0,)
+    after = deadlocks(url)
     for name in ("first", "second"):
         assert all(ok for ok, _ in results[name]), results[name]
     if kind == "pauses":
