@@ -27,6 +27,7 @@ from queue_core.states import JobState
 
 __all__ = [
     "CONTROLS",
+    "ON_LOOP",
     "REFUSED_WHILE_DRAINING",
     "VERBS",
     "Context",
@@ -404,6 +405,7 @@ VERBS: dict[str, Verb] = {
 # Refused with UNAVAILABLE while the server drains: they would start new work.
 REFUSED_WHILE_DRAINING = frozenset(name for name, op in OPS.items() if op.refused_while_draining)
 CONTROLS = frozenset(name for name, op in OPS.items() if op.controls)
+ON_LOOP = frozenset(name for name, op in OPS.items() if op.on_loop)
 
 
 def lookup(op: str) -> Verb:

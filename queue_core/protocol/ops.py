@@ -321,6 +321,8 @@ class Op:
         refused_while_draining: a draining server answers ``UNAVAILABLE`` (it starts work).
         controls: it changes its ``queue`` argument's controls, whose row it locks (a group
             commit locks every such row first, in name order: ``GroupCommit``).
+        on_loop: its handler touches no table: the server runs it on its event loop, never
+            behind the reader pool's queue.
         client: the ``Ops`` method: the client's signature and docstring.
     """
 
@@ -332,6 +334,7 @@ class Op:
     open: bool
     refused_while_draining: bool
     controls: bool
+    on_loop: bool
     client: Callable[..., Call[Any]]
 
 
@@ -398,6 +401,7 @@ class op:
         open: callable without a key.
         refused_while_draining: refused with ``UNAVAILABLE`` while the server drains.
         controls: changes the controls of its ``queue`` argument.
+        on_loop: touches no table (run on the server's event loop).
     """
 
     def __init__(
@@ -410,6 +414,7 @@ class op:
         open: bool = False,
         refused_while_draining: bool = False,
         controls: bool = False,
+        on_loop: bool = False,
     ) -> None:
         self.fields: dict[str, Any] = {
             "args": args,
@@ -419,6 +424,7 @@ class op:
             "open": open,
             "refused_while_draining": refused_while_draining,
             "controls": controls,
+            "on_loop": on_loop,
         }
 
     def __call__[**P, T](self, method: Callable[P, Call[T]]) -> OpMethod[P, T]:
@@ -436,7 +442,7 @@ class Ops:
     unknown) and, when the server has API keys, ``Unauthenticated`` or ``PermissionDenied``.
     """
 
-    @op(Kind.READ, {}, types.PingResult, open=True)
+    @op(Kind.READ, {}, types.PingResult, open=True, on_loop=True)
     @staticmethod
     def ping() -> Call[types.PingResult]:
         """Check the server is up.

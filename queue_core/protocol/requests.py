@@ -342,7 +342,7 @@ class Requests:
             return await self.hello(conn, dispatch.validate(verb, request.args))
         ring = None if verb.op in auth.OPEN_OPS else await self.key_ring()
         args, ctx = self.admit(conn, verb, request.args, ring)
-        if verb.op == "ping":  # touches no table: answered at once, whatever the pool waits on
+        if verb.op in dispatch.ON_LOOP:  # touches no table: never behind the reader pool
             outcome: dispatch.Outcome = verb.handler(self.service, args, ctx)
         elif verb.kind is dispatch.Kind.READ:
             outcome = await self.db.read(lambda: verb.handler(self.service, args, ctx))

@@ -277,6 +277,7 @@ def test_the_queues_a_write_locks_are_named_once_checked() -> None:
     from queue_core.protocol.requests import _locked_queues
 
     assert {"pause", "resume", "set_queue_limits"} == dispatch.CONTROLS
+    assert {"ping"} == dispatch.ON_LOOP  # the one op whose handler touches no table
     lease, ack, pause = (dispatch.VERBS[name] for name in ("lease", "ack", "pause"))
     assert _locked_queues(lease, {"queues": ["b", "a", "b"]}) == ["b", "a"]
     assert _locked_queues(ack, {"lease_next": {"queues": ["q"]}}) == ["q"]
