@@ -1184,19 +1184,25 @@ class QueueService:
         return {"jobs": jobs, "next_after": jobs[-1]["id"]}
 
     def ready_queues(self, queues: Iterable[str]) -> list[str]:
-        """Return those of ``queues`` that have a READY job (one index seek each; the TCP
-        server's fallback poll, so that it wakes only long-polls with something to claim).
+        """Return those of ``queues`` that have a READY job and are neither paused nor
+        waiting for their next rate token (one index seek each; the TCP server's fallback
+        poll, so that it wakes only long-polls with something to claim).
 
         Args:
             queues: queue names (already valid: the names long-polls wait on).
         """
+        queues = list(queues)
+        # Neither a paused queue's READY jobs nor those of a queue whose next rate token is
+        # still to come wake anybody: its long-polls would claim nothing (the token's
+        # instant wakes them: ``next_token_ms``).
+        throttled = self._waiting_for_token(queues)
         with self.driver.read() as tx:
-            # A paused queue's READY jobs wake nobody: its long-polls would claim nothing.
             paused = {r["name"] for r in tx.all("queue_controls_all") if r["paused"]}
             return [
                 q
                 for q in queues
                 if q not in paused
+                and q not in throttled
                 and (row := tx.one("queue_has_ready", {"queue": q}))
                 and row["ready"]
             ]
@@ -1304,6 +1310,7 @@ class QueueService:
         )
         planned = now
         buckets: dict[str, tuple[float, float]] = {}
+        slots: dict[str, int] = {}
         # Queues a claim here last found controlled go straight to their controls (the
         # guarded claim would lease nothing and cost two round trips on PostgreSQL).
         with self._hints:
@@ -1314,7 +1321,7 @@ class QueueService:
         else:
             # A queue it queues is paused, capped or rate-limited: read the controls and
             # claim from the queues they leave open, each at most its room.
-            open_names, limits, buckets = self._claim_plan(tx, queues, max_jobs, now)
+            open_names, limits, buckets, slots = self._claim_plan(tx, queues, max_jobs, now)
             if not self.capabilities.single_writer:
                 # The controls' row locks may have waited for other servers' claims and
                 # the acks they saw: the lease starts now, after them.
@@ -1326,8 +1333,8 @@ class QueueService:
                 queue_limits=limits,
             )
             rows = tx.claim(request) if open_names else []
-        if buckets:
-            self._take_tokens(tx, buckets, rows, planned)
+        if buckets or slots:
+            self._spend(tx, buckets, slots, rows, planned)
         if rows:
             tx.many(
                 "insert_attempt",
@@ -1375,16 +1382,17 @@ class QueueService:
 
     def _claim_plan(
         self, tx: Tx, names: list[str], max_jobs: int, now: int
-    ) -> tuple[list[str], list[int] | None, dict[str, tuple[float, float]]]:
+    ) -> tuple[list[str], list[int] | None, dict[str, tuple[float, float]], dict[str, int]]:
         """Filter a claim's queues by their controls (``relay_queue``), inside the claim's
         transaction: paused queues, queues at their cap and queues without a token are left
         out (the claim takes from the others: a held queue never starves them, as a paused
         Oban or Sidekiq queue only stops its own fetch).
 
         Returns:
-            ``(names, limits, buckets)``: the queues to claim from, each one's most jobs
-            (None: ``max_jobs`` for all, no queue has controls), and for each rated queue
-            ``(tokens now, rate_per_s)``.
+            ``(names, limits, buckets, slots)``: the queues to claim from, each one's most
+            jobs (None: ``max_jobs`` for all, no queue has controls), for each rated queue
+            ``(tokens now, rate_per_s)``, and for each capped queue claimed from its free
+            slots (jobs).
         """
         controls = {
             r["name"]: r
@@ -1396,10 +1404,11 @@ class QueueService:
             self._slotted.difference_update(names)
             self._slotted.update(n for n, c in controls.items() if c["max_leased"] is not None)
         if not controls:
-            return names, None, {}
+            return names, None, {}, {}
         kept: list[str] = []
         limits: list[int] = []
         buckets: dict[str, tuple[float, float]] = {}
+        slots: dict[str, int] = {}
         for name in names:
             c = controls.get(name)
             room = max_jobs
@@ -1408,7 +1417,9 @@ class QueueService:
                     continue
                 if c["max_leased"] is not None:
                     row = tx.one("queue_leased", {"queue": name})
-                    room = min(room, c["max_leased"] - int(row["n"] if row else 0))
+                    free = c["max_leased"] - int(row["n"] if row else 0)
+                    slots[name] = free
+                    room = min(room, free)
                     self._hint_capped(name, room <= 0)
                 if c["rate_per_s"] is not None and room > 0:
                     tokens = _refill(c, now)
@@ -1419,20 +1430,25 @@ class QueueService:
             if room > 0:
                 kept.append(name)
                 limits.append(room)
-        return kept, limits, buckets
+        return kept, limits, buckets, slots
 
-    def _take_tokens(
+    def _spend(
         self,
         tx: Tx,
         buckets: Mapping[str, tuple[float, float]],
+        slots: Mapping[str, int],
         rows: list[dict[str, Any]],
         now: int,
     ) -> None:
         """Take one token per job started from each rated queue's bucket (a claim that
-        started none leaves the row alone: its refill is computed from the older instant)."""
+        started none leaves the row alone: its refill is computed from the older instant),
+        and remember the capped queues whose free slots it took (``exhausted``)."""
         started: dict[str, int] = {}
         for row in rows:
             started[row["queue"]] = started.get(row["queue"], 0) + 1
+        for name, free in slots.items():
+            if 0 < free <= started.get(name, 0):
+                self._hint_capped(name, True)
         for name, (tokens, rate) in buckets.items():
             taken = started.get(name, 0)
             if not taken:
@@ -1458,8 +1474,11 @@ class QueueService:
             self._throttled[queue] = at if old is None or old <= now else min(at, old)
 
     def next_token_ms(self, queues: Iterable[str]) -> int | None:
-        """When the first of ``queues`` that a claim here found out of rate tokens gets its
-        next one (epoch ms), or None: the instant a long-poll on them may claim again."""
+        """When the first of ``queues`` that a claim here found or left out of rate tokens
+        gets its next one (epoch ms), or None: the instant a long-poll on them may claim
+        again."""
+        if not self._throttled:  # no rated queue ran dry here (most claims): no lock
+            return None
         with self._hints:
             times = [self._throttled[q] for q in queues if q in self._throttled]
         return min(times, default=None)
@@ -1473,6 +1492,27 @@ class QueueService:
         claimed from the queue sends nothing, and the others' fallback poll finds the slot."""
         if queue in self._slotted:
             tx.made_ready(queue)
+
+    def exhausted(self, queues: Iterable[str]) -> frozenset[str]:
+        """Those of ``queues`` a claim here found or left at their cap (``max_leased``) or
+        without a rate token whose next is still to come: a long-poll that got jobs wakes no
+        other long-poll of these (``Wakeups.leave``), which would claim nothing; a freed slot
+        (``held_back``) or the next token (``next_token_ms``) wakes them. A hint only."""
+        if not self._capped and not self._throttled:  # most claims: no lock, no clock
+            return frozenset()
+        queues = list(queues)
+        spent = self._waiting_for_token(queues)
+        with self._hints:
+            spent.update(self._capped.intersection(queues))
+        return frozenset(spent)
+
+    def _waiting_for_token(self, queues: Iterable[str]) -> set[str]:
+        """Those of ``queues`` whose next rate token, by a claim here, is still to come."""
+        if not self._throttled:
+            return set()
+        now = self.clock.now_ms()
+        with self._hints:
+            return {q for q in queues if self._throttled.get(q, 0) > now}
 
     def held_back(self, queue: str) -> bool:
         """Whether a claim in this process left READY jobs of ``queue`` because of its cap:

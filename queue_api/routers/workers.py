@@ -47,8 +47,6 @@ from queue_core.protocol.wakeups import Waiter
 
 router = Router(tags=["workers"])
 
-MIN_PAUSE_S = 0.01  # the least a waiting lease sleeps between two claims
-
 
 @router.post(
     "/leases",
@@ -66,9 +64,10 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
         # Without the port, so the client knows what to send with renew/ack/fail.
         args["worker_id"] = f"http:{request.META.get('REMOTE_ADDR') or 'unknown'}"
     verb, checked = calls.check("lease", args)
+    waits = checked.get("wait_ms", 0) > 0
     deadline = time.monotonic() + checked.get("wait_ms", 0) / 1000
     process = calls.wakeups()
-    if checked.get("wait_ms", 0) > 0:
+    if waits:
         await process.start()
     # The last round's waiter, whether a wake chose any round's, and whether it leaves with
     # jobs: as it leaves, it hands its wake on (Wakeups.leave).
@@ -79,24 +78,25 @@ async def lease(request: HttpRequest, body: LeaseIn) -> dict[str, Any]:
             # Subscribe before the claim: a commit after it wakes the wait.
             waiter = process.wakeups.subscribe(checked["queues"])
             try:
-                result, wake_at = await pool.run(_claim, request, verb, checked, deadline)
+                result = await pool.run(_claim, request, verb, checked, waits)
                 got_jobs = bool(result["jobs"])
                 if got_jobs or time.monotonic() >= deadline:
                     return result
-                await waiter.wait(wake_at - time.monotonic())
+                await waiter.wait(deadline - time.monotonic())
             finally:
                 woken = process.wakeups.unsubscribe(waiter) or woken
     finally:
-        process.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken)
+        exhausted = calls.service().exhausted(checked["queues"]) if got_jobs else frozenset()
+        process.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken, exhausted=exhausted)
 
 
-def _claim(
-    request: HttpRequest, verb: Any, checked: dict[str, Any], deadline: float
-) -> tuple[dict[str, Any], float]:
-    """Claim once; return the result and, when it is empty, when to look again at the latest
-    (``time.monotonic()``: the next due job or lease expiry, else ``deadline``). The key is
-    checked again first (the request may have waited for a thread, or for a job): one
-    revoked meanwhile leases nothing.
+def _claim(request: HttpRequest, verb: Any, checked: dict[str, Any], waits: bool) -> dict[str, Any]:
+    """Claim once and return the result; for a long-poll (``waits``), tell the process's
+    wake-ups when its queues may next have something to claim (``ProcessWakeups.due_at``:
+    a job due, a lease expiring, a rate token), jobs or not: the long-polls left waiting are
+    woken then, one a queue, not each at its own timer. The key is checked again first (the
+    request may have waited for a thread, or for a job): one revoked meanwhile leases
+    nothing.
 
     Raises:
         Unauthenticated, PermissionDenied: the key was revoked since the request came in.
@@ -111,16 +111,11 @@ def _claim(
     started = time.monotonic()
     outcome = calls.call(request, verb, checked)
     metrics.CLAIM_SECONDS.observe(time.monotonic() - started)
+    if waits:
+        queues = checked["queues"]
+        calls.wakeups().due_at(calls.service().next_due_ms(queues), queues)
     result: dict[str, Any] = outcome.result
-    if result["jobs"] or time.monotonic() >= deadline:
-        return result, deadline
-    svc = calls.service()
-    wake_at = deadline
-    due_ms = svc.next_due_ms(checked["queues"])  # another queue's next token wakes none here
-    if due_ms is not None:
-        due_in_s = max(0, due_ms - svc.clock.now_ms() + 1) / 1000
-        wake_at = min(wake_at, time.monotonic() + due_in_s)
-    return result, max(wake_at, min(deadline, time.monotonic() + MIN_PAUSE_S))
+    return result
 
 
 def _lease_op(request: HttpRequest, op: str, job_id: str, body: Any) -> dict[str, Any]:

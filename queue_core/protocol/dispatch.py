@@ -62,7 +62,9 @@ class Outcome(NamedTuple):
         result: the wire result object.
         ready_queues: queues that got READY jobs in this request (their waiters are woken).
         due_at_ms: the earliest epoch ms at which a job this request scheduled becomes due
-            (the server's reaper promotes it then), or None.
+            (the server's reaper promotes it then), or for a lease, when the next rate token
+            of a queue it found or left dry comes (the reaper wakes its long-polls then), or
+            None.
         events: what to count in the metrics once the request has committed
             (``metrics.record``).
     """
@@ -135,9 +137,11 @@ def _lease(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
         max_jobs=args.get("max_jobs", 1),
         lease_ms=args.get("lease_ms"),
     )
-    # Nothing leased and a queue out of rate tokens: when its next one comes (the server's
-    # reaper wakes its long-polls then; ``QueueService.sweep``).
-    due = None if leases else svc.next_token_ms(args["queues"])
+    # A queue this claim found or left out of rate tokens: when its next one comes (the
+    # server's reaper wakes a long-poll of it then; ``QueueService.sweep``). With jobs too: a
+    # long-poll that got the last token wakes no other (``Wakeups.leave``), which would have
+    # found the queue dry and asked for that instant itself.
+    due = svc.next_token_ms(args["queues"])
     return Outcome({"jobs": leases}, due_at_ms=due, events=_leased(svc, leases))
 
 

@@ -466,11 +466,11 @@ class Requests:
                     except BaseException:
                         self.budget.give(conn, frame)
                         raise
+                    if outcome.due_at_ms is not None:
+                        # A rate-limited queue's next token: the reaper wakes a waiter then.
+                        self.on_due(outcome.due_at_ms)
                     if not outcome.result["jobs"]:
                         self.budget.give(conn, frame)
-                        if outcome.due_at_ms is not None:
-                            # A rate-limited queue's next token: the reaper wakes its waiters then.
-                            self.on_due(outcome.due_at_ms)
                     metrics.CLAIM_SECONDS.observe(loop.time() - started)
                     if conn.gone and outcome.result["jobs"]:
                         # The client closed (EOF) while the claim ran: a normal close still lets
@@ -493,7 +493,12 @@ class Requests:
                         conn.waiting.discard(waiter.event)
                         woken = self.wakeups.unsubscribe(waiter) or woken
         finally:
-            self.wakeups.leave(waiter, got_jobs=got_jobs, woken=woken)
+            self.wakeups.leave(
+                waiter,
+                got_jobs=got_jobs,
+                woken=woken,
+                exhausted=self.service.exhausted(args["queues"]) if got_jobs else frozenset(),
+            )
 
     async def _claim(
         self, conn: Conn, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context

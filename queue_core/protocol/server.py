@@ -381,11 +381,14 @@ class RelayServer:
             if queues:
                 log.debug("event=reaped queues=%s", ",".join(sorted(queues)))
                 self._wakeups.wake(queues)
-            if self._follower.pushed and (waited := self._wakeups.queues()):
+            if self._follower.pushed and (
+                waited := [q for q in self._wakeups.queues() if q not in queues]
+            ):
                 # The bounded fallback poll (as River's FetchPollInterval): a wake-up pushed
                 # by another server could be lost (its listener reconnecting, a connection
                 # gone quiet), so each pass asks which waited-on queues have READY jobs (a
                 # seek per queue) and wakes their long-polls: one read, not a claim per waiter.
+                # Not those the sweep just woke (a rate token's instant woke two a token).
                 try:
                     ready = await self._db.read(
                         functools.partial(self.service.ready_queues, waited)

@@ -18,7 +18,8 @@ ran a claim (a write) for it; 1,000 idle workers made 1,400 claims a job and cut
 client's throughput by 96% (a hostile review). A woken long-poll claims after the wake, so the
 wake is never lost, and as it leaves it hands the wake on (``Wakeups.leave``): to two more
 waiters when it got jobs (there may be more: a batch, a sweep; two, so a burst reaches its
-waiters in a few rounds, as a tree, not one claim after another) and to one when it leaves
+waiters in a few rounds, as a tree, not one claim after another; none of a queue its claim
+left at its cap or out of rate tokens, ``QueueService.exhausted``) and to one when it leaves
 without having claimed since its wake (its connection closed, its time ran out as it was woken).
 A chain ends at a claim that found nothing. Who wakes:
 
@@ -33,7 +34,10 @@ A chain ends at a claim that found nothing. Who wakes:
   batches (its own commits do not move its ``data_version``), the HTTP API's
   ``ProcessWakeups`` thread (a connection of its own, so the HTTP side's commits count too).
   A commit whose queue is not known wakes only the waited-on queues that have a READY job
-  (``QueueService.ready_queues``: one read), not a claim for every queue waited on.
+  (``QueueService.ready_queues``: one read), not a claim for every queue waited on;
+* instants: a delayed job due, a lease expiring, a rate-limited queue's next token. The TCP
+  server's reaper wakes a waiter of the queues it concerns then; the HTTP side, which has no
+  reaper, its ``ProcessWakeups.due_at`` thread.
 
 There is no fixed-sleep polling on the lease path. (The shape follows River's producer:
 a LISTEN-driven fetch with a bounded fallback poll, here the TCP reaper's ``ready_queues``.)
@@ -56,6 +60,9 @@ log = logging.getLogger("relay.server")
 POLL_INTERVAL_S = 0.05  # how often ProcessWakeups polls a change feed that cannot push
 RETRY_S = 0.5  # ProcessWakeups' pause after the feed failed (database down), before again
 START_TIMEOUT_S = 10.0  # how long the first waiter waits for ProcessWakeups' first position
+# The soonest ProcessWakeups.due_at wakes after it is told (ms): an instant already passed
+# that no claim can move (a due job past a sweep's row limit) must not wake claims in a loop.
+MIN_PAUSE_MS = 10
 
 
 class Waiter:
@@ -151,18 +158,32 @@ class Wakeups:
                 waiter.woken = True
         self._set(found)
 
-    def leave(self, waiter: Waiter | None, *, got_jobs: bool, woken: bool) -> None:
+    def leave(
+        self,
+        waiter: Waiter | None,
+        *,
+        got_jobs: bool,
+        woken: bool,
+        exhausted: frozenset[str] = frozenset(),
+    ) -> None:
         """A long-poll ends with ``waiter`` its last (unsubscribed): hand its wake on.
 
         Args:
             waiter: its last round's waiter (None: it never waited, nothing to hand on).
             got_jobs: it leaves with jobs.
             woken: a wake chose one of its rounds' waiters (``unsubscribe`` says).
+            exhausted: queues its claim left at their cap or out of rate tokens
+                (``QueueService.exhausted``): a long-poll that got jobs does not hand its
+                wake on there (8 long-polls of a queue at 4 jobs/s made 6.5 claims a job over
+                TCP; the freed slot or the next token wakes them instead).
         """
         if waiter is None:
             return
         if got_jobs and woken:
-            self.wake(waiter.queues, n=2)  # there may be more: wake the next two
+            queues = (
+                [q for q in waiter.queues if q not in exhausted] if exhausted else waiter.queues
+            )
+            self.wake(queues, n=2)  # there may be more: wake the next two
         elif waiter.woken and not got_jobs:
             self.wake(waiter.queues)  # woken, but it leaves without a claim since: pass it on
 
@@ -247,6 +268,14 @@ class ProcessWakeups:
     own until ``stop()``. Each (re)start of that thread wakes every waiter: commits made
     while it was away were not seen.
 
+    Without a server's reaper, the instants at which a claim may find what it did not (a
+    delayed job due, a lease expiring, a rate-limited queue's next token) are the
+    long-polls' own: each claim that comes back empty, or that took a queue's last token,
+    tells ``due_at`` its next one, and at that instant a daemon thread
+    (``relay-http-due``, started by the first) wakes one waiter of each queue it concerns,
+    as the reaper does. A timer per waiter woke them all: 8 long-polls of a queue at 4 jobs
+    a second made 13 claims a job, each a write transaction.
+
     Args:
         service: returns the ``QueueService`` whose change feed to follow.
     """
@@ -259,8 +288,12 @@ class ProcessWakeups:
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
         self._stopping = threading.Event()
-        # The earliest due instant (epoch ms) a commit elsewhere brought (_on_commit), if any.
-        self._due_ms: int | None = None
+        # By queue, the earliest instant (epoch ms) to wake a waiter of it at (``due_at``),
+        # and the thread that does, woken when an earlier one comes or it must stop.
+        self._due: dict[str, int] = {}
+        self._due_changed = threading.Condition()
+        self._timer: threading.Thread | None = None
+        self._timer_stopping = False
 
     async def start(self) -> None:
         """Follow the feed if not yet; wait (up to ``START_TIMEOUT_S``) for the first
@@ -283,12 +316,63 @@ class ProcessWakeups:
             await asyncio.to_thread(started.wait, START_TIMEOUT_S)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop the polling thread (it closes its connection); ``start()`` makes a new one."""
+        """Stop the polling thread (it closes its connection) and the due instants' thread
+        (forgetting them); ``start()`` and ``due_at`` make new ones."""
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
             self._stopping.set()
             thread.join(timeout_s)
+        with self._due_changed:
+            timer, self._timer = self._timer, None
+            self._timer_stopping = True
+            self._due.clear()
+            self._due_changed.notify_all()
+        if timer is not None:
+            timer.join(timeout_s)
+
+    def due_at(self, at_ms: int | None, queues: Iterable[str]) -> None:
+        """At ``at_ms`` (epoch ms by the service's clock; None: nothing), wake one waiter of
+        each of ``queues`` (any thread): the woken claims and tells its own next instant.
+        An instant a queue already has sooner is kept; one passed or sooner than
+        ``MIN_PAUSE_MS`` wakes ``MIN_PAUSE_MS`` from now."""
+        if at_ms is None:
+            return
+        at_ms = max(at_ms, self._service().clock.now_ms() + MIN_PAUSE_MS)
+        with self._due_changed:
+            sooner = False
+            for name in queues:
+                at = self._due.get(name)
+                if at is None or at_ms < at:
+                    self._due[name] = at_ms
+                    sooner = True
+            if not sooner:
+                return
+            if self._timer is None:
+                self._timer_stopping = False
+                self._timer = threading.Thread(
+                    target=self._run_timer, name="relay-http-due", daemon=True
+                )
+                self._timer.start()
+            self._due_changed.notify_all()
+
+    def _run_timer(self) -> None:
+        while True:
+            with self._due_changed:
+                while True:
+                    if self._timer_stopping:
+                        return
+                    if not self._due:
+                        self._due_changed.wait()
+                        continue
+                    now = self._service().clock.now_ms()
+                    came = [q for q, at in self._due.items() if at <= now]
+                    if came:
+                        for name in came:
+                            del self._due[name]
+                        break
+                    self._due_changed.wait((min(self._due.values()) - now) / 1000)
+            self.wakeups.wake(came)
 
     def poke(self, queues: Iterable[str]) -> None:
         """This process committed something that made jobs READY in ``queues``: wake them."""
@@ -312,21 +396,10 @@ class ProcessWakeups:
             log.exception("event=ready_queues_failed")
             ready, due = waited, None
         self.wakeups.wake(ready)
-        if due is not None and (self._due_ms is None or due < self._due_ms):
-            # A job delayed (or a lease taken) since the waiters last claimed: without a
-            # server's reaper, only they look at due instants, each at the one it saw when it
-            # claimed; at this one they look again (``_due_tick``). A review's delayed job
-            # waited out the long-polls' 15 s.
-            self._due_ms = due
-
-    def _due_tick(self, service: QueueService) -> None:
-        """At ``_due_ms``: wake a waiter of each waited-on queue, which claims (a job due
-        now, a lease expired) and takes its own next due instant."""
-        due = self._due_ms
-        if due is None or service.clock.now_ms() < due:
-            return
-        self._due_ms = None
-        self.wakeups.wake(self.wakeups.queues())
+        # A job delayed (or a lease taken) since the waiters last claimed: without a server's
+        # reaper only they look at due instants, each told the one it saw when it claimed; at
+        # this one they look again. A review's delayed job waited out the long-polls' 15 s.
+        self.due_at(due, waited)
 
     def _run(self, follower: FeedFollower) -> None:
         try:
@@ -335,8 +408,9 @@ class ProcessWakeups:
                 if follower.poll():  # the position
                     self.wakeups.wake_all()  # what committed before it was not seen
                     self._started.set()
-                    while not self._stopping.wait(POLL_INTERVAL_S) and follower.poll():
-                        self._due_tick(follower.service)
+                    while not self._stopping.wait(POLL_INTERVAL_S):
+                        if not follower.poll():
+                            break
                 self._stopping.wait(RETRY_S)  # the feed failed (logged): again in a while
         finally:
             follower.forget()

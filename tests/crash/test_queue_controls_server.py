@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 from django.test.utils import override_settings
+from prometheus_client.parser import text_string_to_metric_families
 
 from queue_core.client import RelayClient
 from tests.procs import ROOT, Spawner, command_env
@@ -200,3 +202,39 @@ def test_a_rate_limited_long_poll_wakes_when_its_next_token_is_due(
     jobs = poll.result(30)
     assert len(jobs) == 1, "the second job never came"
     assert poll.took_s < 10, poll.took_s  # at the next token (~0.5 s), not at wait_ms's end
+
+
+def _claims(metrics_port: int) -> float:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "relay_claim_duration_seconds_count"
+    )
+
+
+def test_long_polls_of_a_throttled_queue_claim_once_a_token(
+    spawn: Spawner, relay_db: RelayDb
+) -> None:
+    # At each token the reaper woke one long-poll, and each that got the token woke two more,
+    # which found none: 8 long-polls of a queue at 4 jobs/s made 6.5 claims a job. A
+    # long-poll that took a queue's last token now wakes no other (Wakeups.leave).
+    proc, port = spawn.server("--metrics-address", "127.0.0.1:0", RELAY_REAPER_INTERVAL_MS="30000")
+    metrics_port = int(proc.wait_event("metrics_ready")["port"])
+    address = f"127.0.0.1:{port}"
+    polls = 6
+    with RelayClient(address) as client:
+        client.set_queue_limits("r", rate_per_s=10.0, burst=1)
+        for i in range(polls + 1):
+            client.submit("r", {"i": i})
+        assert len(client.lease(["r"], worker_id="w")) == 1  # the one token
+    before = _claims(metrics_port)
+    waiting = [LongPoll(address, "r", wait_ms=20_000) for _ in range(polls)]
+    assert all(len(poll.result(30)) == 1 for poll in waiting)  # one a token, 100 ms apart
+    claims = _claims(metrics_port) - before
+    # Each long-poll's first claim and one a token, and a few where a token came as a
+    # long-poll claimed on its own; with the hand-ons it was 6 + 6 + 11.
+    assert claims <= 2 * polls + 4, claims

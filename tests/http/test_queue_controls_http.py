@@ -121,3 +121,33 @@ def test_an_http_long_poll_on_a_throttled_queue_claims_when_its_next_token_comes
     poll = LongPoll(["slow"], wait_ms=15_000)
     assert len(poll.join()) == 1
     assert 0.5 < poll.elapsed < 5  # about 2 s: the next token, not the deadline
+
+
+def test_http_long_polls_of_a_throttled_queue_claim_once_a_token_not_each_at_each(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each HTTP long-poll slept until its queue's next token and claimed then, every one of
+    # them, and each that got the token woke two more: 8 long-polls of a queue at 4 jobs/s
+    # made 13 claims a job, each a write transaction. Now the process's wake-ups wake one
+    # long-poll a token (ProcessWakeups.due_at) and one that spent the queue wakes none.
+    from queue_api.routers import workers
+
+    claims: list[None] = []
+    claim = workers._claim
+
+    def counted(*args: object) -> object:
+        claims.append(None)
+        return claim(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(workers, "_claim", counted)
+    polls = 6
+    assert put(api, "/api/v1/queues/r/limits", {"rate_per_s": 10, "burst": 1}).status_code == 200
+    for i in range(polls + 1):
+        api.post("/api/v1/queues/r/jobs", {"payload": i})
+    assert len(api.post("/api/v1/leases", {"queues": ["r"]}).json()["jobs"]) == 1
+    claims.clear()
+    waiting = [LongPoll(["r"], wait_ms=15_000) for _ in range(polls)]
+    assert all(len(poll.join()) == 1 for poll in waiting)  # one a token, 100 ms apart
+    # Each long-poll's first claim, one a token, and a few where a token came as a long-poll
+    # claimed on its own; one timer a long-poll made 6 + 6 + 5 + ... + 1 + the hand-ons (33+).
+    assert len(claims) <= 2 * polls + 4, len(claims)

@@ -143,6 +143,32 @@ def test_a_token_hint_past_its_instant_neither_lingers_nor_holds_back_the_next(
     assert service.next_due_ms(["other", "rated"]) == clock.now_ms() + 1000
 
 
+def test_a_claim_that_spends_a_queue_says_so_and_its_ready_jobs_wake_nobody_until_the_token(
+    service: QueueService, clock: FakeClock
+) -> None:
+    # A long-poll that got a queue's last token or slot wakes no other (Wakeups.leave), and a
+    # commit elsewhere wakes none for a queue whose next token is to come (ready_queues):
+    # each such woken long-poll claimed for nothing (8 HTTP long-polls of a queue at 4/s made
+    # 13 claims a job).
+    submit(service, "rated", 3)
+    submit(service, "capped", 3)
+    submit(service, "open", 3)
+    service.set_queue_limits("rated", rate_per_s=2, burst=1)
+    service.set_queue_limits("capped", max_leased=2)
+    assert service.exhausted(["rated", "capped", "open"]) == frozenset()
+    assert len(lease(service, ["rated"], n=1)) == 1  # the one token, taken with a job
+    assert service.exhausted(["rated", "open"]) == {"rated"}
+    assert service.next_token_ms(["rated"]) == clock.now_ms() + 500  # told with the job
+    assert len(lease(service, ["capped"], n=1)) == 1  # a slot left
+    assert service.exhausted(["capped"]) == frozenset()
+    assert len(lease(service, ["capped"], n=5)) == 1  # the last slot
+    assert service.exhausted(["rated", "capped", "open"]) == {"rated", "capped"}
+    assert service.ready_queues(["rated", "capped", "open"]) == ["capped", "open"]
+    clock.advance(ms=500)  # the token has come
+    assert service.exhausted(["rated"]) == frozenset()
+    assert service.ready_queues(["rated"]) == ["rated"]
+
+
 def test_two_servers_whose_clocks_differ_share_one_rate(
     service: QueueService, driver: Driver, clock: FakeClock
 ) -> None:

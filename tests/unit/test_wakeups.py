@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 from typing import Any
 
-from queue_core.protocol.wakeups import FeedFollower, Wakeups
+from queue_core.clock import FakeClock
+from queue_core.protocol.wakeups import MIN_PAUSE_MS, FeedFollower, ProcessWakeups, Wakeups
 
 
 def test_wake_sets_only_the_waiters_of_those_queues() -> None:
@@ -60,6 +62,31 @@ async def _a_wake_sets_the_oldest_waiter_not_woken_yet() -> None:
     wakeups.leave(last, got_jobs=True, woken=True)
     assert sixth.event.is_set()
     wakeups.leave(None, got_jobs=True, woken=True)  # never waited: nothing to hand on
+
+
+def test_a_long_poll_that_spent_a_queue_hands_its_wake_on_only_to_its_other_queues() -> None:
+    asyncio.run(_spent_queue_is_not_handed_on())
+
+
+async def _spent_queue_is_not_handed_on() -> None:
+    # 8 long-polls of a queue at 4 jobs a second made 6.5 claims a job over TCP: each that
+    # got the queue's last token woke two more, which found none.
+    wakeups = Wakeups()
+    leaving = wakeups.subscribe(["rated", "open"])
+    rated, opened = wakeups.subscribe(["rated"]), wakeups.subscribe(["open"])
+    wakeups.wake(["rated"])
+    assert wakeups.unsubscribe(leaving) is True
+    wakeups.leave(leaving, got_jobs=True, woken=True, exhausted=frozenset({"rated"}))
+    assert not rated.event.is_set()
+    assert opened.event.is_set()
+    # Woken, and leaving without a claim since: the wake is passed on, spent or not (the
+    # wake came after its queue's last claim).
+    again = wakeups.subscribe(["rated"])
+    wakeups.wake(["rated"])
+    assert rated.event.is_set()  # the oldest not woken
+    assert wakeups.unsubscribe(rated) is True
+    wakeups.leave(rated, got_jobs=False, woken=True, exhausted=frozenset({"rated"}))
+    assert again.event.is_set()
 
 
 def test_a_wake_from_another_thread_reaches_the_loop() -> None:
@@ -146,3 +173,37 @@ def test_a_pushing_feed_is_subscribed_once() -> None:
     follower = FeedFollower(PushService(), lambda queue: None)  # type: ignore[arg-type]
     assert follower.push() and follower.push()
     assert len(subscribed) == 1
+
+
+def test_the_http_sides_timer_wakes_one_waiter_a_queue_at_its_instant() -> None:
+    asyncio.run(_the_http_sides_timer())
+
+
+async def _the_http_sides_timer() -> None:
+    # Each HTTP long-poll slept until its queue's next instant and claimed then, all of them:
+    # 8 of a queue at 4 jobs/s made 13 claims a job. ProcessWakeups.due_at wakes one.
+    clock = FakeClock()
+    service: Any = SimpleNamespace(clock=clock)
+    process = ProcessWakeups(lambda: service)
+    first, second = process.wakeups.subscribe(["a"]), process.wakeups.subscribe(["a"])
+    other = process.wakeups.subscribe(["b"])
+    try:
+        process.due_at(clock.now_ms() + 1_000, ["a"])
+        process.due_at(clock.now_ms() + 5_000, ["a"])  # later than the one it has: kept
+        process.due_at(None, ["b"])  # nothing to wake at
+        clock.advance(ms=1_000)
+        assert await first.wait(10) is True
+        # The timer's one wake set the first only (one list, one call on this loop).
+        assert not second.event.is_set() and not other.event.is_set()
+        # An instant already passed wakes MIN_PAUSE_MS from now, not at once: one that no
+        # claim can move (a due job past a sweep's row limit) would wake claims in a loop.
+        process.due_at(clock.now_ms() - 5_000, ["a"])
+        assert await second.wait(0.2) is False  # the fake clock has not moved
+        clock.advance(ms=MIN_PAUSE_MS)
+        assert await second.wait(10) is True
+        assert not other.event.is_set()
+    finally:
+        process.stop()
+        for waiter in (first, second, other):
+            process.wakeups.unsubscribe(waiter)
+    assert process._timer is None
