@@ -51,6 +51,9 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
     for name in positive:
         if getattr(s, name) <= 0:
             errors.append(checks.Error(f"RELAY_{name.upper()} must be > 0", id="relay.E002"))
+    for name in ("max_connections_per_address", "max_connections_per_key"):  # 0: no cap
+        if getattr(s, name) < 0:
+            errors.append(checks.Error(f"RELAY_{name.upper()} must be >= 0", id="relay.E014"))
     if not s.min_lease_ms <= s.visibility_timeout_ms <= s.max_lease_ms:
         errors.append(
             checks.Error(

@@ -141,6 +141,9 @@ class RelaySettings:
             ``hello`` before it is closed, in ms (10 000).
         max_connections_per_address: TCP connections one client IP address may hold; 0 for
             no cap (the default: loopback clients share one address).
+        max_connections_per_key: TCP connections one API key may hold at once (a ``hello``
+            past it is refused ``TOO_MANY_CONNECTIONS``); 0 for no cap (the default: one
+            key may serve a whole fleet of workers).
         metrics_max_queues: queue names with their own metric series (100); the others
             are summed under ``queue="_other"`` (``queue_core.metrics``).
 
@@ -223,6 +226,7 @@ class RelaySettings:
     max_bad_frames: int = 16
     auth_timeout_ms: int = 10_000
     max_connections_per_address: int = 0
+    max_connections_per_key: int = 0
     metrics_max_queues: int = 100
     # Wall-clock steps (item 13).
     clock_step_tolerance_ms: int = 1_000

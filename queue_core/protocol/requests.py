@@ -32,13 +32,13 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from queue_core import auth, errors, metrics
 from queue_core import validation as v
 from queue_core.conf import relay_settings
-from queue_core.protocol import codec, dispatch
+from queue_core.protocol import codec, dispatch, limits
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import Conn, error_line, reply_line
 from queue_core.protocol.wakeups import Waiter, Wakeups
@@ -58,6 +58,8 @@ class Requests:
         budget: the server's reply-byte budget.
         on_due: called with an epoch-ms instant a request scheduled a job for (the reaper
             promotes it then).
+        conns: the server's open connections (``RELAY_MAX_CONNECTIONS_PER_KEY`` counts a
+            key's among them).
 
     Attributes:
         draining: set by the server at shutdown: submit and lease are refused
@@ -71,8 +73,11 @@ class Requests:
         wakeups: Wakeups,
         budget: ReplyBudget,
         on_due: Callable[[int], None],
+        conns: Collection[Conn] = (),
     ) -> None:
         self.service = service
+        self.conns = conns  # the server's open connections (a key's cap counts them)
+        self._capped_keys = limits.Every(limits.FAILURE_LOG_EVERY_S)  # refusals' log lines
         self.db = db
         self.wakeups = wakeups
         self.budget = budget
@@ -420,9 +425,54 @@ class Requests:
         principal: auth.Principal = await self.db.read(
             lambda: auth.authenticate(args["api_key"], surface="tcp", peer=conn.peer, ring=ring)
         )
+        self._within_key_cap(conn, principal)
         conn.principal = principal
         log.debug("event=hello peer=%s prefix=%s", conn.peer, principal.prefix)
         return {**principal.describe(), "server_time_ms": self.service.clock.now_ms()}
+
+    def _within_key_cap(self, conn: Conn, principal: auth.Principal) -> None:
+        """Refuse ``principal``'s key on ``conn`` when its other open connections already
+        number ``RELAY_MAX_CONNECTIONS_PER_KEY`` (0: no cap), as PostgreSQL refuses a role
+        past its ``CONNECTION LIMIT``: authenticated connections are never evicted for a
+        newcomer, so without it one key could hold every slot of the server.
+
+        Raises:
+            TooManyConnections: the key holds its cap (``details.limit``); the connection
+                stays open without a key, as after any refused ``hello``.
+        """
+        cap = relay_settings().max_connections_per_key
+        if not cap or not principal.authenticated or principal.prefix is None:
+            return
+        held = sum(
+            1
+            for c in self.conns
+            if c is not conn
+            and not c.gone
+            and c.principal is not None
+            and c.principal.prefix == principal.prefix
+        )
+        if held < cap:
+            return
+        unlogged = self._capped_keys.due(principal.prefix)
+        if unlogged is not None:  # one line per key per 10 s under a flood
+            log.warning(
+                "event=key_connection_cap peer=%s prefix=%s limit=%s held_back=%s",
+                conn.peer,
+                principal.prefix,
+                cap,
+                unlogged,
+                extra={
+                    "event": "key_connection_cap",
+                    "prefix": principal.prefix,
+                    "limit": cap,
+                    "held_back": unlogged,
+                },
+            )
+        raise errors.TooManyConnections(
+            f"API key {principal.prefix} already holds {held} connections, its limit "
+            "(RELAY_MAX_CONNECTIONS_PER_KEY); close one first",
+            limit=cap,
+        )
 
     async def lease(
         self, conn: Conn, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context

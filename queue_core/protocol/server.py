@@ -120,7 +120,9 @@ class RelayServer:
         budget = ReplyBudget(
             s.max_unsent_bytes_per_connection, s.max_unsent_bytes, self._conns, time.monotonic
         )
-        self._requests = Requests(self.service, self._db, self._wakeups, budget, self._schedule_due)
+        self._requests = Requests(
+            self.service, self._db, self._wakeups, budget, self._schedule_due, self._conns
+        )
         # Its connection cap is set again in serve(), capped to the fd limit.
         self._listener = Listener(
             self._requests,

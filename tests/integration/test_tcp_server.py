@@ -772,6 +772,43 @@ def test_connections_per_address_cap(start: Callable[..., Running]) -> None:
                 c.close()
 
 
+def test_connections_per_key_cap_keeps_one_key_from_every_slot(
+    start: Callable[..., Running],
+) -> None:
+    # A review: one key held 1,023 of 1,024 connections, and a client with another key was
+    # refused, since authenticated connections are never evicted for a newcomer.
+    from queue_core import auth
+
+    hog, sentinel = auth.create_key("hog", ["worker"]).key, auth.create_key("s", ["producer"]).key
+    with override_settings(RELAY_MAX_CONNECTIONS=4, RELAY_MAX_CONNECTIONS_PER_KEY=2):
+        running = start()
+        hogs = [Client(running.port, timeout=5) for _ in range(4)]
+        try:
+            assert [c.ok("hello", api_key=hog)["name"] for c in hogs[:2]] == ["hog", "hog"]
+            for c in hogs[2:]:
+                refused = c.call("hello", api_key=hog)
+                assert refused["error"]["code"] == "TOO_MANY_CONNECTIONS", refused
+                assert refused["error"]["details"] == {"limit": 2}
+                assert refused["error"]["retryable"] is True
+                assert c.call("lease", queues=["q"])["error"]["code"] == "UNAUTHENTICATED"
+            # Every slot is taken, two by connections without a key: another key gets in.
+            s = Client(running.port, timeout=5)
+            try:
+                assert s.ok("hello", api_key=sentinel)["name"] == "s"
+                assert s.ok("submit", queue="q", payload=1)["job"]["state"] == "ready"
+            finally:
+                s.close()
+            # The cap counts open connections: one closed, the key may say hello again.
+            hogs[0].close()
+            # The oldest connection without a key was evicted for the sentinel.
+            assert hogs[2].recv()["error"]["code"] == "TOO_MANY_CONNECTIONS"
+            assert hogs[2].at_eof()
+            assert hogs[3].ok("hello", api_key=hog)["name"] == "hog"
+        finally:
+            for c in hogs:
+                c.close()
+
+
 def test_half_written_frame_times_out(start: Callable[..., Running]) -> None:
     with override_settings(RELAY_IDLE_TIMEOUT_MS=200):
         running = start()

@@ -54,6 +54,12 @@ def test_checks_catch_bad_settings() -> None:
         assert "relay.E013" in ids()
     with override_settings(RELAY_MAX_JOBS_PER_LEASE=100):
         assert ids() == set()
+    # A negative cap refused every connection (the address's) or every hello (the key's).
+    for name in ("RELAY_MAX_CONNECTIONS_PER_ADDRESS", "RELAY_MAX_CONNECTIONS_PER_KEY"):
+        with override_settings(**{name: -1}):
+            assert ids() == {"relay.E014"}
+        with override_settings(**{name: 0}):  # no cap
+            assert ids() == set()
 
 
 def test_the_event_loop_setting_picks_the_servers_loop(monkeypatch: pytest.MonkeyPatch) -> None:
