@@ -1191,18 +1191,23 @@ class QueueService:
         Args:
             queues: queue names (already valid: the names long-polls wait on).
         """
-        queues = list(queues)
-        # Neither a paused queue's READY jobs nor those of a queue whose next rate token is
-        # still to come wake anybody: its long-polls would claim nothing (the token's
-        # instant wakes them: ``next_token_ms``).
-        throttled = self._waiting_for_token(queues)
+        now = self.clock.now_ms()
         with self.driver.read() as tx:
-            paused = {r["name"] for r in tx.all("queue_controls_all") if r["paused"]}
+            # Neither a paused queue's READY jobs nor those of a queue without a rate token
+            # now wake anybody: its long-polls would claim nothing (the token's instant wakes
+            # them: ``next_token_ms``). Read here, not from this process's hints, which a
+            # change made elsewhere leaves behind (a review: a rate removed over HTTP left a
+            # TCP long-poll to wait out its wait_ms).
+            held = {
+                r["name"]
+                for r in tx.all("queue_controls_all")
+                if r["paused"]
+                or (r["rate_per_s"] is not None and _refill(r, now) + TOKEN_EPSILON < 1)
+            }
             return [
                 q
                 for q in queues
-                if q not in paused
-                and q not in throttled
+                if q not in held
                 and (row := tx.one("queue_has_ready", {"queue": q}))
                 and row["ready"]
             ]
@@ -1403,6 +1408,14 @@ class QueueService:
             self._controlled.update(controls)
             self._slotted.difference_update(names)
             self._slotted.update(n for n, c in controls.items() if c["max_leased"] is not None)
+            for name in names:
+                # A cap or a rate another process removed: its hint goes (a review: a cap
+                # removed over HTTP kept the TCP server's long-polls from handing on).
+                c = controls.get(name)
+                if c is None or c["max_leased"] is None:
+                    self._capped.discard(name)
+                if c is None or c["rate_per_s"] is None:
+                    self._throttled.pop(name, None)
         if not controls:
             return names, None, {}, {}
         kept: list[str] = []
@@ -1427,6 +1440,9 @@ class QueueService:
                     room = min(room, math.floor(tokens + TOKEN_EPSILON))
                     if room <= 0:
                         self._hint_throttled(name, tokens, float(c["rate_per_s"]), now)
+                    else:  # a token now, whatever a hint said (a rate raised elsewhere)
+                        with self._hints:
+                            self._throttled.pop(name, None)
             if room > 0:
                 kept.append(name)
                 limits.append(room)
@@ -1497,22 +1513,16 @@ class QueueService:
         """Those of ``queues`` a claim here found or left at their cap (``max_leased``) or
         without a rate token whose next is still to come: a long-poll that got jobs wakes no
         other long-poll of these (``Wakeups.leave``), which would claim nothing; a freed slot
-        (``held_back``) or the next token (``next_token_ms``) wakes them. A hint only."""
+        (``held_back``) or the next token (``next_token_ms``) wakes them. A hint only: the
+        claim before it read the queues' controls, and dropped what another process lifted
+        (``_claim_plan``)."""
         if not self._capped and not self._throttled:  # most claims: no lock, no clock
             return frozenset()
-        queues = list(queues)
-        spent = self._waiting_for_token(queues)
-        with self._hints:
-            spent.update(self._capped.intersection(queues))
-        return frozenset(spent)
-
-    def _waiting_for_token(self, queues: Iterable[str]) -> set[str]:
-        """Those of ``queues`` whose next rate token, by a claim here, is still to come."""
-        if not self._throttled:
-            return set()
         now = self.clock.now_ms()
         with self._hints:
-            return {q for q in queues if self._throttled.get(q, 0) > now}
+            return frozenset(
+                q for q in queues if q in self._capped or self._throttled.get(q, 0) > now
+            )
 
     def held_back(self, queue: str) -> bool:
         """Whether a claim in this process left READY jobs of ``queue`` because of its cap:

@@ -169,6 +169,41 @@ def test_a_claim_that_spends_a_queue_says_so_and_its_ready_jobs_wake_nobody_unti
     assert service.ready_queues(["rated"]) == ["rated"]
 
 
+def test_a_limit_lifted_by_another_process_is_no_longer_held_against_its_queue(
+    service: QueueService, driver: Driver, clock: FakeClock
+) -> None:
+    # A review: the hints are this process's; a cap or a rate another process removed (over
+    # HTTP while the TCP server served) left the queue "exhausted" here until a restart (a
+    # burst reached 8 long-polls one at a time, over 10.8 s) and its READY jobs woke nobody
+    # (a long-poll waited out its wait_ms, 20 s).
+    elsewhere = QueueService(driver=driver, clock=clock)
+    submit(service, "capped", 4)
+    submit(service, "rated", 4)
+    service.set_queue_limits("capped", max_leased=1)
+    service.set_queue_limits("rated", rate_per_s=0.04, burst=1)  # a token every 25 s
+    assert len(lease(service, ["capped"], n=1)) == 1
+    assert len(lease(service, ["rated"], n=1)) == 1
+    assert service.exhausted(["capped", "rated"]) == {"capped", "rated"}
+    assert service.ready_queues(["capped", "rated"]) == ["capped"]  # no token in "rated"
+    elsewhere.set_queue_limits("capped", max_leased=0)
+    elsewhere.set_queue_limits("rated", rate_per_s=0)
+    # The database says so at once, before any claim here:
+    assert service.ready_queues(["capped", "rated"]) == ["capped", "rated"]
+    # and the next claim here, which reads the controls, drops the hints.
+    assert len(lease(service, ["capped"], n=1)) == 1
+    assert len(lease(service, ["rated"], n=1)) == 1
+    assert service.exhausted(["capped", "rated"]) == frozenset()
+    # A rate raised elsewhere: a token now, whatever the hint said.
+    service.set_queue_limits("rated", rate_per_s=0.04, burst=1)
+    assert len(lease(service, ["rated"], n=1)) == 1
+    assert service.exhausted(["rated"]) == {"rated"}
+    elsewhere.set_queue_limits("rated", rate_per_s=1000, burst=5)
+    clock.advance(ms=10)  # a full bucket of 5
+    assert service.ready_queues(["rated"]) == ["rated"]
+    assert len(lease(service, ["rated"], n=1)) == 1
+    assert service.exhausted(["rated"]) == frozenset()
+
+
 def test_two_servers_whose_clocks_differ_share_one_rate(
     service: QueueService, driver: Driver, clock: FakeClock
 ) -> None:
