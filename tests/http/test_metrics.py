@@ -232,16 +232,81 @@ def test_the_metrics_server_bounds_its_connections_and_closes_silent_ones(
         deadline = time.monotonic() + 10
         while handlers() < before + 8:  # each has its thread
             assert time.monotonic() < deadline, handlers()
-        threads = handlers()
-        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as refused:
-            answer = refused.makefile("rb").read()  # until the server closes it
-        assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
-        assert handlers() == threads  # no thread for it
         for sock in idle:  # each closed by the server after its timeout (EOF, not ours)
             sock.settimeout(10)
             assert sock.makefile("rb").read(1) in (b"", b"H")  # an error reply, or none
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
             assert r.status == 200  # the slots came back
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
+
+
+def test_the_metrics_server_answers_503_when_every_slot_is_serving_a_scrape(
+    transactional_db: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    entered = threading.Semaphore(0)
+
+    def held() -> bytes:  # a scrape that takes as long as the test says
+        entered.release()
+        assert release.wait(30)
+        return b"# held\n"
+
+    monkeypatch.setattr(metrics, "exposition", held)
+    server = metrics.MetricsServer("127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{server.port}/metrics"
+    scrapes = [
+        threading.Thread(target=lambda: urllib.request.urlopen(url, timeout=30).read())
+        for _ in range(8)
+    ]
+    try:
+        for scrape in scrapes:
+            scrape.start()
+        for _ in scrapes:
+            assert entered.acquire(timeout=10)  # all 8 are being served
+        threads = handlers()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as refused:
+            refused.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            answer = refused.makefile("rb").read()  # until the server closes it
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
+        assert handlers() == threads  # no thread for it
+    finally:
+        release.set()
+        for scrape in scrapes:
+            scrape.join(10)
+        server.stop()
+
+
+def test_a_scrape_takes_the_slot_of_the_oldest_connection_without_a_request(
+    transactional_db: None,
+) -> None:
+    # Eight connections that send nothing (or half a line), reopened as fast as they are cut,
+    # kept 43 of 44 scrapes out (a review): a newcomer now evicts the oldest of them.
+    server = metrics.MetricsServer("127.0.0.1", 0).start()
+    before = handlers()
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
+    try:
+        idle[0].sendall(b"GET /metr")
+        deadline = time.monotonic() + 10
+        while handlers() < before + 8:  # each holds its slot
+            assert time.monotonic() < deadline, handlers()
+        for victim in range(3):  # each scrape takes the oldest idle one's slot
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+                assert r.status == 200
+            idle[victim].settimeout(10)
+            assert idle[victim].makefile("rb").read().startswith(b"HTTP/1.1 503 ")
+            while handlers() > before + 7:  # the victim's and the scrape's threads ended
+                assert time.monotonic() < deadline, handlers()
+            # As the review's client did: open another at once, filling the slots again.
+            idle.append(socket.create_connection(("127.0.0.1", server.port)))
+            while handlers() < before + 8:
+                assert time.monotonic() < deadline, handlers()
+        for sock in idle[3:]:  # the others still wait for their request
+            sock.settimeout(0)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)
     finally:
         for sock in idle:
             sock.close()
