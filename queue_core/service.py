@@ -1184,33 +1184,44 @@ class QueueService:
         return {"jobs": jobs, "next_after": jobs[-1]["id"]}
 
     def ready_queues(self, queues: Iterable[str]) -> list[str]:
-        """Return those of ``queues`` that have a READY job and are neither paused nor
-        waiting for their next rate token (one index seek each; the TCP server's fallback
-        poll, so that it wakes only long-polls with something to claim).
+        """Return those of ``queues`` that have a READY job a claim could take now: not
+        paused, under their cap (``max_leased``), with a rate token (one index seek each, and
+        one more for a capped queue; the wake-up after a commit elsewhere, and the TCP
+        server's fallback poll, so that they wake only long-polls with something to claim).
+
+        A rated queue left out for want of a token is remembered with the instant of its
+        next one (``next_token_ms``): the caller wakes a long-poll then. It is read here,
+        not taken from this process's hints, which a change made elsewhere leaves behind (a
+        review: a rate removed over HTTP left a TCP long-poll to wait out its wait_ms; and a
+        token taken elsewhere, with no hint here, was never waited for).
 
         Args:
             queues: queue names (already valid: the names long-polls wait on).
         """
         now = self.clock.now_ms()
+        ready: list[str] = []
         with self.driver.read() as tx:
-            # Neither a paused queue's READY jobs nor those of a queue without a rate token
-            # now wake anybody: its long-polls would claim nothing (the token's instant wakes
-            # them: ``next_token_ms``). Read here, not from this process's hints, which a
-            # change made elsewhere leaves behind (a review: a rate removed over HTTP left a
-            # TCP long-poll to wait out its wait_ms).
-            held = {
-                r["name"]
-                for r in tx.all("queue_controls_all")
-                if r["paused"]
-                or (r["rate_per_s"] is not None and _refill(r, now) + TOKEN_EPSILON < 1)
-            }
-            return [
-                q
-                for q in queues
-                if q not in held
-                and (row := tx.one("queue_has_ready", {"queue": q}))
-                and row["ready"]
-            ]
+            controls = {r["name"]: r for r in tx.all("queue_controls_all")}
+            for q in queues:
+                c = controls.get(q)
+                if c is not None and c["paused"]:
+                    continue
+                row = tx.one("queue_has_ready", {"queue": q})
+                if not (row and row["ready"]):
+                    continue
+                if c is not None and c["max_leased"] is not None:
+                    # At its cap, a commit elsewhere woke a claim for nothing (a review: 21
+                    # a second while another process worked); the freed slot wakes it.
+                    leased = tx.one("queue_leased", {"queue": q})
+                    if int(leased["n"] if leased else 0) >= c["max_leased"]:
+                        continue
+                if c is not None and c["rate_per_s"] is not None:
+                    tokens = _refill(c, now)
+                    if tokens + TOKEN_EPSILON < 1:
+                        self._hint_throttled(q, tokens, float(c["rate_per_s"]), now)
+                        continue
+                ready.append(q)
+        return ready
 
     def next_due_ms(self, queues: Iterable[str] | None = None) -> int | None:
         """Return the earliest instant (epoch ms) a job becomes due, a lease expires, or a

@@ -284,8 +284,17 @@ class RelayServer:
                     limits.log_failure(self._failures, "ready_queues_failed", exc)
                     ready = waited
                 self._wakeups.wake(ready)
+                self._token_due(waited)
         finally:
             self._looking = None
+
+    def _token_due(self, queues: list[str]) -> None:
+        """Have the reaper wake a long-poll when the next token of ``queues`` comes that
+        ``ready_queues`` found missing (a token taken by another process, which left no hint
+        here: the long-poll waited out its wait_ms; a review)."""
+        due = self.service.next_token_ms(queues)
+        if due is not None:
+            self._schedule_due(due)
 
     def _schedule_reap(self, delay_s: float) -> None:
         assert self._loop is not None
@@ -399,6 +408,7 @@ class RelayServer:
                     limits.log_failure(self._failures, "fallback_poll_failed", exc)
                     ready = waited
                 self._wakeups.wake(ready)
+                self._token_due(waited)
             # A due instant still in the past means a sweep hit its row limit: go again now.
             if due_ms is not None and (queues or due_ms > self.service.clock.now_ms()):
                 self._schedule_due(due_ms)

@@ -33,8 +33,9 @@ A chain ends at a claim that found nothing. Who wakes:
   never writes for this process's waiters' sake: the TCP server's first writer between
   batches (its own commits do not move its ``data_version``), the HTTP API's
   ``ProcessWakeups`` thread (a connection of its own, so the HTTP side's commits count too).
-  A commit whose queue is not known wakes only the waited-on queues that have a READY job
-  (``QueueService.ready_queues``: one read), not a claim for every queue waited on;
+  A commit whose queue is not known wakes only the waited-on queues that have a READY job a
+  claim could take (``QueueService.ready_queues``: one read; not paused, under their cap,
+  with a rate token), not a claim for every queue waited on;
 * instants: a delayed job due, a lease expiring, a rate-limited queue's next token. The TCP
   server's reaper wakes a waiter of the queues it concerns then; the HTTP side, which has no
   reaper, its ``ProcessWakeups.due_at`` thread.

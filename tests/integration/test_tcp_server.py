@@ -992,6 +992,38 @@ def test_a_commit_elsewhere_wakes_only_the_queues_it_made_ready(
     assert _claims() - before <= 1 + 39 + 3, _claims() - before
 
 
+def test_a_long_poll_gets_the_next_token_of_a_queue_another_process_ran_dry(
+    start: Callable[..., Running],
+) -> None:
+    # A second review: another process took a rated queue's token and submitted; the commit
+    # woke nobody here (no token now), and nothing here knew when the next one came: the
+    # long-poll waited out its wait_ms (19 s of 20).
+    with override_settings(RELAY_REAPER_INTERVAL_MS=60_000):  # only the token's instant helps
+        running = start()
+        elsewhere = QueueService()  # this thread's connection: another process's commits
+        c = Client(running.port)
+        try:
+            for attempt in range(3):  # the long-poll may win the first job: then again
+                queue = f"dry{attempt}"
+                elsewhere.set_queue_limits(queue, rate_per_s=1, burst=1)
+                c.send("lease", "lp", queues=[queue], wait_ms=15_000, worker_id="w")
+                barrier(c)  # it claimed (nothing: the queue is empty) and waits
+                elsewhere.submit(queue, {"n": 1})
+                began = time.monotonic()
+                if not elsewhere.claim([queue], worker_id="elsewhere"):  # the token
+                    assert len(c.recv()["result"]["jobs"]) == 1  # the long-poll won it
+                    continue
+                job = elsewhere.submit(queue, {"n": 2})["job"]
+                reply = c.recv()
+                elapsed = time.monotonic() - began
+                assert [j["job_id"] for j in reply["result"]["jobs"]] == [job["id"]], reply
+                assert elapsed < 5, f"woken after {elapsed:.2f}s"  # the token after 1 s
+                return
+            raise AssertionError("the long-poll won the first job three times")
+        finally:
+            c.close()
+
+
 def test_long_poll_is_woken_when_a_delayed_job_becomes_due(start: Callable[..., Running]) -> None:
     with override_settings(RELAY_REAPER_INTERVAL_MS=60_000):  # only next-due scheduling helps
         running = start()

@@ -163,7 +163,7 @@ def test_a_claim_that_spends_a_queue_says_so_and_its_ready_jobs_wake_nobody_unti
     assert service.exhausted(["capped"]) == frozenset()
     assert len(lease(service, ["capped"], n=5)) == 1  # the last slot
     assert service.exhausted(["rated", "capped", "open"]) == {"rated", "capped"}
-    assert service.ready_queues(["rated", "capped", "open"]) == ["capped", "open"]
+    assert service.ready_queues(["rated", "capped", "open"]) == ["open"]
     clock.advance(ms=500)  # the token has come
     assert service.exhausted(["rated"]) == frozenset()
     assert service.ready_queues(["rated"]) == ["rated"]
@@ -184,7 +184,7 @@ def test_a_limit_lifted_by_another_process_is_no_longer_held_against_its_queue(
     assert len(lease(service, ["capped"], n=1)) == 1
     assert len(lease(service, ["rated"], n=1)) == 1
     assert service.exhausted(["capped", "rated"]) == {"capped", "rated"}
-    assert service.ready_queues(["capped", "rated"]) == ["capped"]  # no token in "rated"
+    assert service.ready_queues(["capped", "rated"]) == []  # at the cap; no token
     elsewhere.set_queue_limits("capped", max_leased=0)
     elsewhere.set_queue_limits("rated", rate_per_s=0)
     # The database says so at once, before any claim here:
@@ -202,6 +202,28 @@ def test_a_limit_lifted_by_another_process_is_no_longer_held_against_its_queue(
     assert service.ready_queues(["rated"]) == ["rated"]
     assert len(lease(service, ["rated"], n=1)) == 1
     assert service.exhausted(["rated"]) == frozenset()
+
+
+def test_ready_queues_reads_tokens_and_slots_and_tells_when_a_token_taken_elsewhere_comes(
+    service: QueueService, driver: Driver, clock: FakeClock
+) -> None:
+    # A second review: ready_queues left out a queue whose token another process took, and
+    # this one, which had found no bucket dry, had no instant to wake its long-polls at: they
+    # waited out their wait_ms. And a capped queue at its cap was "ready" to every commit
+    # elsewhere, a claim for nothing each time.
+    elsewhere = QueueService(driver=driver, clock=clock)
+    submit(service, "rated", 3)
+    submit(service, "capped", 3)
+    elsewhere.set_queue_limits("rated", rate_per_s=0.5, burst=1)  # a token every 2 s
+    elsewhere.set_queue_limits("capped", max_leased=1)
+    assert service.ready_queues(["rated", "capped"]) == ["rated", "capped"]
+    assert len(lease(elsewhere, ["rated"], n=1)) == 1
+    assert len(lease(elsewhere, ["capped"], n=1)) == 1
+    assert service.next_token_ms(["rated"]) is None  # no claim here found it dry
+    assert service.ready_queues(["rated", "capped", "empty"]) == []
+    assert service.next_token_ms(["rated"]) == clock.now_ms() + 2_000  # the reaper wakes then
+    clock.advance(ms=2_000)
+    assert service.ready_queues(["rated", "capped"]) == ["rated"]
 
 
 def test_two_servers_whose_clocks_differ_share_one_rate(
