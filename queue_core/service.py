@@ -2292,8 +2292,9 @@ class QueueService:
         once it commits, run the storage's upkeep (``maintain``).
 
         Returns:
-            The queues that got READY jobs (``[]`` when another server is sweeping), and the
-            rate-limited queues whose next token has come since a claim here found none.
+            The queues that got READY jobs or a freed slot under their cap (``[]`` when
+            another server is sweeping), and the rate-limited queues whose next token has
+            come since a claim here found none.
         """
         # Lease bookkeeping, as a claim's own sweep: a sweep an OS crash takes back is done
         # again by the next one (or by recovery), so its COMMIT does not wait for the disk.
@@ -2315,7 +2316,9 @@ class QueueService:
         self.driver.maintain(self.clock.monotonic())
 
     def _expire(self, tx: Tx, at: Reading) -> list[str]:
-        """Expire the leases ``at`` judges expired (``_judging``), at most SWEEP_LIMIT."""
+        """Expire the leases ``at`` judges expired (``_judging``), at most SWEEP_LIMIT;
+        return the queues whose jobs went back to READY, and those at their cap
+        (``held_back``) where a lease that ended (dead, cancelled) freed a slot."""
         now = at.now_ms
         queues: dict[str, None] = {}
         for r in tx.all("expired_leases", self._judging(at) | {"limit": SWEEP_LIMIT}):
@@ -2333,6 +2336,8 @@ class QueueService:
                     self._observe("cancelled", r["queue"])
                     self._entered(tx, r["id"], r["unique_scope"], JobState.CANCELLED)
                     self._slot_freed(tx, r["queue"])
+                    if self.held_back(r["queue"]):
+                        queues[r["queue"]] = None  # a freed slot: its long-polls look again
                     self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", reason)
                     self._event(
                         tx,
@@ -2357,6 +2362,10 @@ class QueueService:
                 self._observe("dead", r["queue"])
                 self._entered(tx, r["id"], r["unique_scope"], JobState.DEAD)
                 self._slot_freed(tx, r["queue"])
+                if self.held_back(r["queue"]):
+                    # A slot freed in a queue at its cap: its long-polls look again (a review:
+                    # they waited for an unrelated wake, 1.4-4.7 s on SQLite).
+                    queues[r["queue"]] = None
             else:
                 queues[r["queue"]] = None
             self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", reason)

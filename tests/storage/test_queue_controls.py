@@ -226,6 +226,27 @@ def test_ready_queues_reads_tokens_and_slots_and_tells_when_a_token_taken_elsewh
     assert service.ready_queues(["rated", "capped"]) == ["rated"]
 
 
+@pytest.mark.parametrize("ending", ["dead", "cancelled"])
+def test_a_sweep_that_ends_a_lease_at_the_cap_names_the_queue_it_freed_a_slot_in(
+    service: QueueService, clock: FakeClock, ending: str
+) -> None:
+    # A third review: a lease of a capped queue that expired into DEAD (retries used up) or
+    # CANCELLED (a cancel pending) freed its slot, but the reaper woke nobody: a TCP long-poll
+    # waited for an unrelated wake, 1.4-4.7 s on SQLite (an expiry back to READY woke it).
+    service.set_queue_limits("capped", max_leased=1)
+    held = service.submit("capped", {"n": 1}, max_retries=0)["job"]
+    service.submit("capped", {"n": 2})
+    (lease_,) = service.claim(["capped"], worker_id="w", lease_ms=1_000)
+    assert lease_["job_id"] == held["id"]
+    assert lease(service, ["capped"]) == []  # at its cap: a long-poll would wait
+    if ending == "cancelled":
+        service.cancel(held["id"])  # requested; the lease runs on
+    clock.advance(ms=1_000)
+    assert service.sweep() == ["capped"]
+    assert service.get(held["id"], history=False)["state"] == ending
+    assert len(lease(service, ["capped"])) == 1
+
+
 def test_two_servers_whose_clocks_differ_share_one_rate(
     service: QueueService, driver: Driver, clock: FakeClock
 ) -> None:
