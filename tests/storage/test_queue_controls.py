@@ -169,6 +169,15 @@ def test_a_claim_that_spends_a_queue_says_so_and_its_ready_jobs_wake_nobody_unti
     assert service.ready_queues(["rated"]) == ["rated"]
 
 
+def capped_and_rated(service: QueueService, *, set_by: QueueService, rate_per_s: float) -> None:
+    """Four jobs in each of ``capped`` (one leased at a time) and ``rated`` (``rate_per_s``,
+    burst 1), the limits set through ``set_by``."""
+    submit(service, "capped", 4)
+    submit(service, "rated", 4)
+    set_by.set_queue_limits("capped", max_leased=1)
+    set_by.set_queue_limits("rated", rate_per_s=rate_per_s, burst=1)
+
+
 def test_a_limit_lifted_by_another_process_is_no_longer_held_against_its_queue(
     service: QueueService, driver: Driver, clock: FakeClock
 ) -> None:
@@ -177,10 +186,7 @@ def test_a_limit_lifted_by_another_process_is_no_longer_held_against_its_queue(
     # burst reached 8 long-polls one at a time, over 10.8 s) and its READY jobs woke nobody
     # (a long-poll waited out its wait_ms, 20 s).
     elsewhere = QueueService(driver=driver, clock=clock)
-    submit(service, "capped", 4)
-    submit(service, "rated", 4)
-    service.set_queue_limits("capped", max_leased=1)
-    service.set_queue_limits("rated", rate_per_s=0.04, burst=1)  # a token every 25 s
+    capped_and_rated(service, set_by=service, rate_per_s=0.04)  # a token every 25 s
     assert len(lease(service, ["capped"], n=1)) == 1
     assert len(lease(service, ["rated"], n=1)) == 1
     assert service.exhausted(["capped", "rated"]) == {"capped", "rated"}
@@ -212,10 +218,7 @@ def test_ready_queues_reads_tokens_and_slots_and_tells_when_a_token_taken_elsewh
     # waited out their wait_ms. And a capped queue at its cap was "ready" to every commit
     # elsewhere, a claim for nothing each time.
     elsewhere = QueueService(driver=driver, clock=clock)
-    submit(service, "rated", 3)
-    submit(service, "capped", 3)
-    elsewhere.set_queue_limits("rated", rate_per_s=0.5, burst=1)  # a token every 2 s
-    elsewhere.set_queue_limits("capped", max_leased=1)
+    capped_and_rated(service, set_by=elsewhere, rate_per_s=0.5)  # a token every 2 s
     assert service.ready_queues(["rated", "capped"]) == ["rated", "capped"]
     assert len(lease(elsewhere, ["rated"], n=1)) == 1
     assert len(lease(elsewhere, ["capped"], n=1)) == 1
