@@ -7,7 +7,6 @@ import hashlib
 import io
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +23,7 @@ from queue_core.models import ApiKey, Job
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
 from tests.http.conftest import Api, metric, problem
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -471,14 +471,6 @@ def test_a_flood_of_bad_keys_is_counted_in_full_and_logged_once_a_second(
 # ---------------------------------------------------------------------- revoked mid-wait
 
 
-def _until(check: Callable[[], Any], what: str, timeout_s: float = 15.0) -> None:
-    """Poll ``check`` until it is truthy (a condition wait with a deadline)."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
 def _job_states(queue: str) -> list[str]:
     return list(Job.objects.filter(queue=queue).values_list("state", flat=True))
 
@@ -500,7 +492,9 @@ def test_a_key_revoked_while_its_tcp_long_poll_waits_leases_nothing(
 
     thread = threading.Thread(target=poll)
     thread.start()
-    _until(lambda: "revq" in tcp.server._wakeups.queues(), "the lease to wait")
+    wait_until(
+        lambda: "revq" in tcp.server._wakeups.queues(), what="the lease to wait", timeout_s=15
+    )
     assert auth.revoke(auth.parse_prefix(worker) or "")
     with RelayClient(tcp.address(), api_key=producer) as client:
         client.submit("revq", {"n": 1})
@@ -573,7 +567,11 @@ def test_a_key_revoked_while_its_http_long_poll_waits_leases_nothing(
 
     thread = threading.Thread(target=poll)
     thread.start()
-    _until(lambda: claims and "revh" in calls.wakeups().wakeups.queues(), "the lease to wait")
+    wait_until(
+        lambda: claims and "revh" in calls.wakeups().wakeups.queues(),
+        what="the lease to wait",
+        timeout_s=15,
+    )
     assert auth.revoke(auth.parse_prefix(worker) or "")
     assert api.post("/api/v1/queues/revh/jobs", {"payload": 1}, key=producer).status_code == 201
     thread.join(20)

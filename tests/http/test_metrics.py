@@ -18,6 +18,7 @@ from queue_core import metrics
 from queue_core.clock import FakeClock
 from queue_core.service import QueueService
 from tests.http.conftest import Api, metric
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -229,9 +230,7 @@ def test_the_metrics_server_bounds_its_connections_and_closes_silent_ones(
     try:
         for sock in idle:
             sock.sendall(b"GET /metr")  # half a request line, then silence
-        deadline = time.monotonic() + 10
-        while handlers() < before + 8:  # each has its thread
-            assert time.monotonic() < deadline, handlers()
+        wait_until(lambda: handlers() >= before + 8, what="a thread each", timeout_s=10)
         for sock in idle:  # each closed by the server after its timeout (EOF, not ours)
             sock.settimeout(10)
             assert sock.makefile("rb").read(1) in (b"", b"H")  # an error reply, or none
@@ -289,20 +288,19 @@ def test_a_scrape_takes_the_slot_of_the_oldest_connection_without_a_request(
     idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(8)]
     try:
         idle[0].sendall(b"GET /metr")
-        deadline = time.monotonic() + 10
-        while handlers() < before + 8:  # each holds its slot
-            assert time.monotonic() < deadline, handlers()
+        full = lambda: handlers() >= before + 8  # noqa: E731 - each holds its slot
+        wait_until(full, what="every slot held", timeout_s=10)
         for victim in range(3):  # each scrape takes the oldest idle one's slot
             with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
                 assert r.status == 200
             idle[victim].settimeout(10)
             assert idle[victim].makefile("rb").read().startswith(b"HTTP/1.1 503 ")
-            while handlers() > before + 7:  # the victim's and the scrape's threads ended
-                assert time.monotonic() < deadline, handlers()
+            wait_until(  # the victim's and the scrape's threads ended
+                lambda: handlers() <= before + 7, what="a slot free", timeout_s=10
+            )
             # As the review's client did: open another at once, filling the slots again.
             idle.append(socket.create_connection(("127.0.0.1", server.port)))
-            while handlers() < before + 8:
-                assert time.monotonic() < deadline, handlers()
+            wait_until(full, what="every slot held again", timeout_s=10)
         for sock in idle[3:]:  # the others still wait for their request
             sock.settimeout(0)
             with pytest.raises(BlockingIOError):

@@ -19,7 +19,6 @@ event, bounded in time; the clock is a ``FakeClock`` moved by the test.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +32,7 @@ from queue_core.storage import driver_for
 from tests.groupcommit import run_group
 from tests.postgresql.conftest import DATABASES, count_sessions, deadlocks
 from tests.storage.conftest import database_url
+from tests.waits import wait_until
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
 
@@ -48,15 +48,6 @@ def _admin_url() -> str:
 def _lock_waiters(url: str) -> int:
     """Backends of the test database waiting for a lock now."""
     return count_sessions(url, "a.wait_event_type = 'Lock'")
-
-
-def _until(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition`` (a query of PostgreSQL's state) until true, at most ``WAIT_S``."""
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {WAIT_S:g} s: {what}")
-        time.sleep(0.01)
 
 
 def _group_commit(
@@ -139,7 +130,11 @@ def test_a_capped_claim_that_waited_for_the_controls_lock_leases_from_after_the_
         )
     )
     claim.start()
-    _until(lambda: _lock_waiters(url) >= 1, "the group commit's claim waits for the controls row")
+    wait_until(
+        lambda: _lock_waiters(url) >= 1,
+        what="the group commit's claim waits for the controls row",
+        timeout_s=WAIT_S,
+    )
     clock.advance(ms=5_000)  # 5 s pass while it waits; then the ack frees the cap's slot
     go.set()
     other.outcome()
@@ -209,7 +204,11 @@ def test_a_renew_behind_a_controls_lock_does_not_wait_for_a_row_swept_meanwhile(
     assert x_swept.wait(WAIT_S)
     y_go.set()
     # Y either ends (its renew finds the lease expired) or waits for the swept row.
-    _until(lambda: not y.is_alive() or _lock_waiters(url) >= 1, "Y ends or waits for a lock")
+    wait_until(
+        lambda: not y.is_alive() or _lock_waiters(url) >= 1,
+        what="Y ends or waits for a lock",
+        timeout_s=WAIT_S,
+    )
     x_go.set()
     y_outcomes, x_outcomes = y.outcome(), x.outcome()
     assert deadlocks(url) == before

@@ -27,19 +27,11 @@ from tests.audit import audit
 from tests.postgresql.conftest import DATABASES, Server
 from tests.procs import Spawner
 from tests.storage.conftest import database_url
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
 
 Start = Callable[..., list[Server]]
-
-
-def wait_until(check: Callable[[], Any], timeout_s: float = 60.0, what: str = "") -> Any:
-    """Poll ``check`` until it returns something truthy (a condition wait with a deadline)."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what or check}"
-        time.sleep(0.05)
-    return value
 
 
 def audit_postgresql() -> None:
@@ -319,7 +311,7 @@ def test_servers_recover_when_their_database_connections_are_terminated(servers:
 
         for client in (ca, cb):
             # Each thread replaces its connection on its next call: a few UNAVAILABLE at most.
-            wait_until(lambda client=client: all(served(client) for _ in range(8)), 30)
+            wait_until(lambda client=client: all(served(client) for _ in range(8)), timeout_s=30)
         # Long-polls still cross servers: b's listener reconnected.
         got: list[Any] = []
         waiter = threading.Thread(
