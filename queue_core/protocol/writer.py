@@ -80,6 +80,24 @@ class Call:
     queues: Sequence[str] = ()  # the queues whose controls rows it locks (a claim's, a control's)
 
 
+def _ordered_locks(batch: list[Call]) -> tuple[list[str], list[str]]:
+    """What a group commit's first call locks for ``batch``: the queues whose controls rows
+    its calls lock, sorted, and of those, the controls ops' (which may insert their row), or
+    nothing when fewer than two calls lock any.
+
+    A claim locks its queues' controls rows in name order, a controls op its queue's; two
+    such calls in one transaction would lock two sets, each in order but not together, and
+    another transaction could take them the other way round (PostgreSQL: deadlocks, three
+    reviews). All of them are locked first, at once.
+    """
+    locking = [call for call in batch if call.queues]
+    if len(locking) < 2:
+        return [], []
+    hold = sorted({q for call in locking for q in call.queues})
+    inserting = sorted({q for call in locking if not call.claims for q in call.queues})
+    return hold, inserting
+
+
 def settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
     if future.done():  # the caller went away (cancelled)
         return
@@ -255,9 +273,9 @@ class GroupCommit:
                 durable = durable or call.durable
                 claims = claims or call.claims
             if len(batch) > 1 and not self.service.capabilities.single_writer:
-                self._order_locks(batch)
-            else:
-                self._hold = []  # one call locks in one order; SQLite has one writer
+                self._hold, self._inserting = _ordered_locks(batch)
+            else:  # one call locks in one order; SQLite has one writer
+                self._hold, self._inserting = [], []
             self._sweeps = claims
             with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
                 if claims or self._hold:
@@ -293,21 +311,6 @@ class GroupCommit:
         if ready:
             self.on_ready(ready)
         return outcomes
-
-    def _order_locks(self, batch: list[Call]) -> None:
-        """Name what ``first`` locks for ``batch`` (``_hold``, ``_inserting``).
-
-        A claim locks its queues' controls rows in name order, a controls op its queue's;
-        two such calls in one transaction would lock two sets, each in order but not
-        together, and another transaction could take them the other way round (PostgreSQL:
-        deadlocks, three reviews). All of them are locked first, at once.
-        """
-        locking = [call for call in batch if call.queues]
-        if len(locking) < 2:
-            self._hold = []
-            return
-        self._hold = sorted({q for call in locking for q in call.queues})
-        self._inserting = sorted({q for call in locking if not call.claims for q in call.queues})
 
     def _hold_and_sweep(self) -> set[str]:
         """A batch's first call: lock the controls rows its calls will lock
