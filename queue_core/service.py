@@ -1510,15 +1510,18 @@ class QueueService:
             times = [self._throttled[q] for q in queues if q in self._throttled]
         return min(times, default=None)
 
-    def _slot_freed(self, tx: Tx, queue: str) -> None:
+    def _slot_freed(self, tx: Tx, queue: str) -> bool:
         """A lease of ``queue`` ended in ``tx``: when a claim here found the queue capped
         (``max_leased``), the freed slot may let a long-poll claim, so those of other servers
         on the database are told once ``tx`` commits (``made_ready``: a NOTIFY on PostgreSQL,
-        nothing on SQLite, whose other processes see every commit). This server's own
-        long-polls are woken by the dispatch (``held_back``). A hint: a process that never
-        claimed from the queue sends nothing, and the others' fallback poll finds the slot."""
+        nothing on SQLite, whose other processes see every commit). Return whether this
+        server's own long-polls of it should look again (``held_back``: the dispatch wakes
+        them after an ack, fail or release, the reaper after a sweep). A hint: a process that
+        never claimed from the queue sends nothing, and the others' fallback poll finds the
+        slot."""
         if queue in self._slotted:
             tx.made_ready(queue)
+        return self.held_back(queue)
 
     def exhausted(self, queues: Iterable[str]) -> frozenset[str]:
         """Those of ``queues`` a claim here found or left at their cap (``max_leased``) or
@@ -2335,8 +2338,7 @@ class QueueService:
                     self._observe("lease_expired", r["queue"])
                     self._observe("cancelled", r["queue"])
                     self._entered(tx, r["id"], r["unique_scope"], JobState.CANCELLED)
-                    self._slot_freed(tx, r["queue"])
-                    if self.held_back(r["queue"]):
+                    if self._slot_freed(tx, r["queue"]):
                         queues[r["queue"]] = None  # a freed slot: its long-polls look again
                     self._end_attempt(tx, r["id"], r["attempt"], now, "lease_expired", reason)
                     self._event(
@@ -2361,8 +2363,7 @@ class QueueService:
             if dead:
                 self._observe("dead", r["queue"])
                 self._entered(tx, r["id"], r["unique_scope"], JobState.DEAD)
-                self._slot_freed(tx, r["queue"])
-                if self.held_back(r["queue"]):
+                if self._slot_freed(tx, r["queue"]):
                     # A slot freed in a queue at its cap: its long-polls look again (a review:
                     # they waited for an unrelated wake, 1.4-4.7 s on SQLite).
                     queues[r["queue"]] = None
