@@ -5,9 +5,14 @@ the count with ``worker_connections``: a hostile review held 4,000 slow-body con
 worker set to 1,000, each a file descriptor the worker's database connections need too.
 ``BoundedWorker``:
 
-* answers a connection accepted past the limit ``503`` with the problem code
-  ``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as Relay's TCP server refuses one, and as
-  uvicorn's ``--limit-concurrency`` answers 503), without reading its request (``Refusal``);
+* at the limit, makes room for a newcomer by closing the oldest connection that has not sent
+  its first request's whole head (``_evict``): that one is answered as a refused one is, so
+  a client that reconnects as fast as it is cut holds slots only for the moments before its
+  heads arrive, as Relay's TCP server evicts its oldest connection without a key;
+* answers a connection accepted past the limit, when every connection has sent a head,
+  ``503`` with the problem code ``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as Relay's
+  TCP server refuses one, and as uvicorn's ``--limit-concurrency`` answers 503), without
+  reading its request (``Refusal``);
 * caps the limit to what the process's file-descriptor limit holds, raising the soft limit
   first (``queue_core.protocol.limits.connection_cap``, as the TCP server does);
 * closes a connection whose request has been in progress for over ``request_timeout_s``
@@ -125,10 +130,11 @@ class Refusal(asyncio.Protocol):
 
 class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type hints
     """gunicorn's ``asgi`` worker that holds at most ``worker_connections`` connections
-    (``RELAY_HTTP_CONNECTIONS``, capped by the fd limit), answers the rest 503 (``Refusal``)
-    and, once a ``SWEEP_S``, closes the connections past their header or request timeout
-    (``header_timeout_s``, ``request_timeout_s``: set by ``relayproject/gunicorn_conf.py``'s
-    ``post_fork`` hook)."""
+    (``RELAY_HTTP_CONNECTIONS``, capped by the fd limit), makes room for a newcomer by
+    answering the oldest connection without a request head 503 (``_evict``), answers the rest
+    503 (``Refusal``) and, once a ``SWEEP_S``, closes the connections past their header or
+    request timeout (``header_timeout_s``, ``request_timeout_s``: set by
+    ``relayproject/gunicorn_conf.py``'s ``post_fork`` hook)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -136,10 +142,16 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         self.header_timeout_s = HEADER_TIMEOUT_S
         self.request_timeout_s = REQUEST_TIMEOUT_S
         self.refused = 0  # connections answered 503, since the worker started
+        self.evicted = 0  # of those, connections served until a newcomer took their slot
         self.timed_out = 0  # connections closed by the header or the request timeout
         # The connections served, each with when it was accepted (loop time), and since when
         # each one's request in progress, keyed by that request, has been (``_sweep``).
         self._served: weakref.WeakKeyDictionary[asyncio.BaseProtocol, float] = (
+            weakref.WeakKeyDictionary()
+        )
+        # The connections served that had not sent their first request's whole head when last
+        # looked at, oldest first (``_evict``).
+        self._unheard: weakref.WeakKeyDictionary[asyncio.BaseProtocol, None] = (
             weakref.WeakKeyDictionary()
         )
         self._since: weakref.WeakKeyDictionary[
@@ -164,6 +176,8 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         loop.create_server = create_server
 
     def _protocol(self, factory: Callable[[], asyncio.BaseProtocol]) -> asyncio.BaseProtocol:
+        if self.nr_conns + self._pending >= self.worker_connections:
+            self._evict()
         if self.nr_conns + self._pending < self.worker_connections:
             # The transport schedules connection_made (which counts the connection) right
             # after this, for the next loop iteration; _counted runs just before it there.
@@ -171,6 +185,7 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             self.loop.call_soon(self._counted)
             protocol = factory()
             self._served[protocol] = self.loop.time()
+            self._unheard[protocol] = None
             timeouts = self.header_timeout_s > 0 or self.request_timeout_s > 0
             if timeouts and not self._sweeping:
                 self._sweeping = True
@@ -181,6 +196,52 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         linger = self._lingering < MAX_LINGERING
         self._lingering += 1
         return Refusal(self._response, linger, self._lingered)
+
+    def _evict(self) -> None:
+        """Turn the oldest connection served that has not sent its first request's whole head
+        into a refusal: its gunicorn protocol is told the connection is lost (which gives back
+        its count, ``nr_conns``, at once) and a ``Refusal`` takes over its transport, answering
+        503 and reading what the client sends for ``LINGER_S``, as a refused newcomer's does.
+        Without such a connection nothing happens.
+
+        ``_unheard`` keeps the connections in the order they were accepted; those found with a
+        head (or closing, or gone) are dropped on the way, so each is looked at past its head
+        once. A connection whose ``connection_made`` has not run yet (same accept burst) has no
+        transport: it and every newer one are left alone. (With TLS, which Relay's deployments
+        end at a proxy, a connection still in its handshake has none either, and stops the
+        search while it lasts: the newcomer is refused, as without eviction.)
+        """
+        unheard = self._unheard
+        while unheard:
+            protocol = next(iter(unheard))
+            transport = getattr(protocol, "transport", None)
+            if transport is None:
+                return  # this accept burst's: not connected yet
+            del unheard[protocol]
+            if transport.is_closing() or getattr(protocol, "_conn_lost_handled", True):
+                continue
+            if getattr(protocol, "_current_request", None) is not None:
+                continue  # its head arrived
+            if getattr(protocol, "req_count", 2) > 1:
+                continue  # between requests: it sent one already
+            # gunicorn's cleanup (nr_conns -= 1), without the grace period it gives a running
+            # task to see the disconnect (``asgi_disconnect_grace_period``, 3 s): this task waits
+            # for a head and runs no app call, and the grace timer held each evicted protocol
+            # for 3 s (12,000 of them, 200 MB, under a flood of 4,000 connects a second).
+            task = getattr(protocol, "_task", None)
+            setattr(protocol, "_task", None)  # noqa: B010  # gunicorn has no type hints
+            protocol.connection_lost(None)
+            if task is not None:
+                task.cancel()
+            self.refused += 1
+            self.evicted += 1
+            self._log("http_connection_evicted", self.evicted)
+            linger = self._lingering < MAX_LINGERING
+            self._lingering += 1
+            refusal = Refusal(self._response, linger, self._lingered)
+            transport.set_protocol(refusal)
+            refusal.connection_made(transport)
+            return
 
     def _counted(self) -> None:
         self._pending -= 1

@@ -120,36 +120,53 @@ def test_health_and_submit_answer_behind_64_slow_and_64_long_polling_clients(
 
 LIMIT = 8  # RELAY_HTTP_CONNECTIONS in the next test
 ARRIVALS = 40
+HEALTH = b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+KEEPALIVE = "60"  # RELAY_HTTP_KEEPALIVE_S: served connections stay open through a test
 
 
-def test_connections_past_the_limit_are_answered_503_and_the_held_ones_are_served(
-    spawn: Spawner,
-) -> None:
-    # gunicorn's asgi worker never enforced worker_connections (a review held 4,000 on a
-    # worker set to 1,000): relayproject.gunicorn_worker.BoundedWorker does. All 40 connect
-    # before any sends, so the listen backlog hands the worker a burst of them at once.
-    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS=str(LIMIT))
-    request = b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
-    sockets = [
-        socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(ARRIVALS)
-    ]
-    try:
-        for sock in sockets:
-            sock.sendall(request)
-        deadline = time.monotonic() + 10
-        answers = [read_response(sock, deadline) for sock in sockets]
-        statuses = [status for status, _ in answers]
-        assert statuses == [200] * LIMIT + [503] * (ARRIVALS - LIMIT), statuses
-        problem = orjson.loads(answers[-1][1])
-        assert (problem["code"], problem["retryable"]) == ("TOO_MANY_CONNECTIONS", True)
-    finally:
-        for sock in sockets:
-            sock.close()
-    # The held connections, once closed, leave room: a new client is served.
+def _problem(answer: tuple[int, bytes]) -> tuple[int, str, bool]:
+    status, body = answer
+    problem = orjson.loads(body)
+    return status, problem["code"], problem["retryable"]
+
+
+def _served(port: int, n: int) -> list[socket.socket]:
+    """``n`` connections that each had one request answered 200 and stay open (kept alive)."""
+    served = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        served.append(sock)
+        try:
+            sock.sendall(HEALTH)
+            assert read_response(sock, time.monotonic() + 10)[0] == 200
+        except BaseException:
+            for opened in served:
+                opened.close()
+            raise
+    return served
+
+
+def _admitted(port: int) -> socket.socket:
+    """A connection whose request was answered 200, kept open, past the limit.
+
+    A newcomer may arrive in the worker's accept burst with the connections it would evict,
+    before they count as connected: then it is refused (503) and evicts nobody, and it
+    connects again, as a client does after a ``Retry-After``. Within 10 s.
+    """
     deadline = time.monotonic() + 10
-    while (answer := server.request("GET", "/api/v1/health", timeout=5))[0] != 200:
-        assert answer[0] == 503 and answer[1]["retry-after"] == "1", answer
-        assert time.monotonic() < deadline, "the closed connections were never given back"
+    while True:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        try:
+            sock.sendall(HEALTH)
+            status, raw = read_response(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        if status == 200:
+            return sock
+        sock.close()
+        assert status == 503, raw
+        assert time.monotonic() < deadline, "no connection without a head was evicted"
 
 
 def _held(port: int, n: int) -> list[socket.socket]:
@@ -162,21 +179,131 @@ def _held(port: int, n: int) -> list[socket.socket]:
     return held
 
 
+def test_connections_past_the_limit_are_answered_503_and_the_held_ones_are_served(
+    spawn: Spawner,
+) -> None:
+    # gunicorn's asgi worker never enforced worker_connections (a review held 4,000 on a
+    # worker set to 1,000): relayproject.gunicorn_worker.BoundedWorker does. All 40 connect
+    # before any sends, so the listen backlog hands the worker a burst of them at once: which
+    # of them are refused and which evicted (none has sent a head) is the loop's timing, but
+    # never more than the limit are served.
+    server = start_gunicorn(
+        spawn, RELAY_HTTP_CONNECTIONS=str(LIMIT), RELAY_HTTP_KEEPALIVE_S=KEEPALIVE
+    )
+    sockets = [
+        socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(ARRIVALS)
+    ]
+    try:
+        for sock in sockets:
+            sock.sendall(HEALTH)
+        deadline = time.monotonic() + 10
+        answers = [read_response(sock, deadline) for sock in sockets]
+        statuses = sorted(status for status, _ in answers)
+        assert statuses == [200] * LIMIT + [503] * (ARRIVALS - LIMIT), statuses
+        refusals = {_problem(answer) for answer in answers if answer[0] == 503}
+        assert refusals == {(503, "TOO_MANY_CONNECTIONS", True)}, refusals
+        # The 8 served are kept alive, between requests: no newcomer may take their slots.
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
+                late.sendall(HEALTH)
+                assert read_response(late, time.monotonic() + 10)[0] == 503
+    finally:
+        for sock in sockets:
+            sock.close()
+    # The held connections, once closed, leave room: a new client is served.
+    deadline = time.monotonic() + 10
+    while (answer := server.request("GET", "/api/v1/health", timeout=5))[0] != 200:
+        assert answer[0] == 503 and answer[1]["retry-after"] == "1", answer
+        assert time.monotonic() < deadline, "the closed connections were never given back"
+
+
+def test_a_newcomer_at_the_limit_takes_the_slot_of_the_oldest_connection_without_a_head(
+    spawn: Spawner,
+) -> None:
+    # A client that reconnected as fast as it was cut held every slot with connections that
+    # never sent a head, each for the 15 s header timeout: every other client was refused. At
+    # the limit a newcomer now takes the slot of the oldest such connection, which is answered
+    # 503 as a refused one is. The header timeout is 60 s here: only eviction frees a slot.
+    server = start_gunicorn(
+        spawn,
+        RELAY_HTTP_CONNECTIONS="3",
+        RELAY_HTTP_KEEPALIVE_S=KEEPALIVE,
+        RELAY_HTTP_HEADER_TIMEOUT_S="60",
+    )
+    held = _held(server.port, 3)
+    newcomers: list[socket.socket] = []
+    try:
+        newcomers.append(_admitted(server.port))
+        # Oldest first: each held connection is answered 503 and closed in turn.
+        for i, victim in enumerate(held):
+            if i:  # the rest are connected now: the next newcomer is served at once
+                newcomers += _served(server.port, 1)
+            answer = read_response(victim, time.monotonic() + 10)
+            assert _problem(answer) == (503, "TOO_MANY_CONNECTIONS", True), answer
+            victim.settimeout(10)
+            assert victim.recv(100) == b"", "the evicted connection was not closed"
+            for later in held[i + 1 :]:  # not yet answered (a reply would be waiting)
+                later.setblocking(False)
+                with pytest.raises(BlockingIOError):
+                    later.recv(100)
+                later.setblocking(True)
+        # Now all three slots serve kept-alive clients: the next newcomer is refused.
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
+            late.sendall(HEALTH)
+            assert _problem(read_response(late, time.monotonic() + 10)) == (
+                503,
+                "TOO_MANY_CONNECTIONS",
+                True,
+            )
+        for sock in newcomers:  # and the served ones are still served
+            sock.sendall(HEALTH)
+            assert read_response(sock, time.monotonic() + 10)[0] == 200
+    finally:
+        for sock in held + newcomers:
+            sock.close()
+    log = server.proc.stderr_text()
+    assert "Traceback" not in log and "Exception in callback" not in log, log[-3000:]
+    assert "event=http_connection_evicted" in log, log[-3000:]
+
+
 def test_refused_clients_that_reset_at_once_cost_no_traceback(spawn: Spawner) -> None:
     # A refused client that read part of the 503 and closed (a reset: its request unread)
     # made the refusal's shutdown() raise ENOTCONN, and asyncio logged a 13-line traceback
-    # for each: 476 for 500 refusals (a review).
-    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="2")
-    held = _held(server.port, 2)
+    # for each: 476 for 500 refusals (a review). Here the slots are held by served clients;
+    # the evicted are the newcomers' own connections that reset before their heads arrive.
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="2", RELAY_HTTP_KEEPALIVE_S=KEEPALIVE)
+    served = _served(server.port, 2)
     try:
         for _ in range(100):
             with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-                sock.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                sock.sendall(HEALTH)
                 sock.recv(12)
         # The accept queue is first in, first out: this one is answered after those.
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as probe:
-            probe.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            probe.sendall(HEALTH)
             assert read_response(probe, time.monotonic() + 10)[0] == 503
+    finally:
+        for sock in served:
+            sock.close()
+    log = server.proc.stderr_text()
+    assert "Traceback" not in log and "Exception in callback" not in log, log[-3000:]
+
+
+def test_evicted_clients_that_reset_at_once_cost_no_traceback(spawn: Spawner) -> None:
+    # The same with every slot held by connections without a head: each newcomer evicts the
+    # oldest of them, newcomers included, and resets after reading part of an answer.
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="2", RELAY_HTTP_KEEPALIVE_S=KEEPALIVE)
+    held = _held(server.port, 2)
+    try:
+        for _ in range(100):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sock.setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+            )
+            held.append(sock)
+            if len(held) > 4:  # reset the oldest, whatever it was answered
+                held.pop(0).close()
+        _admitted(server.port).close()
     finally:
         for sock in held:
             sock.close()
@@ -188,7 +315,8 @@ def test_a_connection_that_never_finishes_its_headers_gives_its_slot_back(
     spawn: Spawner,
 ) -> None:
     # gunicorn waits for a first request's headers for ever: 50 silent connections held a
-    # limit of 50 for good (a review). The header timeout is 1 s here (15 s by default).
+    # limit of 50 for good (a review). The header timeout is 1 s here (15 s by default). No
+    # newcomer arrives until they are closed (a newcomer would evict one).
     server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="3", RELAY_HTTP_HEADER_TIMEOUT_S="1")
     # A long-poll's request was read: it runs past the header timeout, to its own deadline.
     body = orjson.dumps({"queues": ["nothing"], "wait_ms": 3000})
@@ -200,7 +328,6 @@ def test_a_connection_that_never_finishes_its_headers_gives_its_slot_back(
     )
     held = _held(server.port, 2)
     try:
-        assert timed(server, "GET", "/api/v1/health")[0] == 503  # at the limit
         deadline = time.monotonic() + 10
         for sock in held:
             sock.settimeout(max(0.01, deadline - time.monotonic()))
@@ -235,6 +362,9 @@ def test_a_request_whose_body_trickles_or_whose_response_is_unread_gives_its_slo
     docs = b"GET /api/v1/openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     unread.sendall(docs * 50)  # about 8 MB of answers it never reads
     try:
+        # Both heads are in before the probe (else it would evict one): an answer has begun
+        # to arrive on ``unread``, and ``trickle``'s bytes were in the kernel before it connected.
+        assert unread.recv(1, socket.MSG_PEEK) == b"H"
         assert timed(server, "GET", "/api/v1/health")[0] == 503  # both slots held
         # Neither is read from: only the server's timeout can give their slots back.
         started = time.monotonic()
