@@ -5,14 +5,17 @@ the count with ``worker_connections``: a hostile review held 4,000 slow-body con
 worker set to 1,000, each a file descriptor the worker's database connections need too.
 ``BoundedWorker``:
 
-* at the limit, makes room for a newcomer by closing the oldest connection that has not sent
-  its first request's whole head (``_evict``): that one is answered as a refused one is, so
-  a client that reconnects as fast as it is cut holds slots only for the moments before its
-  heads arrive, as Relay's TCP server evicts its oldest connection without a key;
-* answers a connection accepted past the limit, when every connection has sent a head,
-  ``503`` with the problem code ``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as Relay's
-  TCP server refuses one, and as uvicorn's ``--limit-concurrency`` answers 503), without
-  reading its request (``Refusal``);
+* at the limit, makes room for a newcomer (``_evict``): it closes the oldest connection that
+  has not sent its first request's whole head, answered as a refused one is (as Relay's TCP
+  server evicts its oldest connection without a key), else the oldest kept alive between
+  requests, with nothing sent (as nginx drains idle kept-alive connections); never one whose
+  client has bytes the worker has not read yet, nor a request in progress. A client that
+  reconnects as fast as it is cut, or re-sends a cheap request to stay kept alive, holds no
+  slot another client needs;
+* answers a connection accepted past the limit, when every connection is busy with a
+  request, ``503`` with the problem code ``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as
+  Relay's TCP server refuses one, and as uvicorn's ``--limit-concurrency`` answers 503),
+  without reading its request (``Refusal``);
 * caps the limit to what the process's file-descriptor limit holds, raising the soft limit
   first (``queue_core.protocol.limits.connection_cap``, as the TCP server does);
 * closes a connection whose request has been in progress for over ``request_timeout_s``
@@ -39,8 +42,11 @@ all of it against the gunicorn version in the lock (pyproject.toml allows 27.x o
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import logging
+import struct
+import termios
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +87,84 @@ def refusal_response() -> bytes:
         "Connection: close\r\n\r\n"
     )
     return head.encode("ascii") + body
+
+
+# What a served connection is doing, as ``_evict`` sees it (``state``).
+CONNECTING = "connecting"  # connection_made has not run (same accept burst, or a TLS handshake)
+GONE = "gone"  # closing or lost
+UNHEARD = "unheard"  # its first request's whole head has not been read
+BUSY = "busy"  # a request is being read or served, or an app call is finishing
+IDLE = "idle"  # kept alive between requests
+MAX_LOOKED = 64  # connections passed over for one newcomer, at most
+
+
+def state(protocol: asyncio.BaseProtocol) -> str:
+    """What gunicorn's ``protocol`` (an ``ASGIProtocol``) is doing: ``CONNECTING``, ``GONE``,
+    ``UNHEARD``, ``BUSY`` or ``IDLE``, read from its attributes (gunicorn 27: ``transport``,
+    ``_conn_lost_handled``, ``_current_request``, ``req_count``, ``_finishing_calls``).
+
+    Between ``_current_request`` cleared after a request and ``req_count`` raised for the
+    next, gunicorn's loop does not yield, so ``req_count <= 1`` with no request is the
+    first one's head still to come."""
+    transport = getattr(protocol, "transport", None)
+    if transport is None:
+        return CONNECTING
+    if transport.is_closing() or getattr(protocol, "_conn_lost_handled", True):
+        return GONE
+    if getattr(protocol, "_current_request", None) is not None:
+        return BUSY
+    if getattr(protocol, "req_count", 2) <= 1:
+        return UNHEARD
+    if getattr(protocol, "_finishing_calls", None):
+        return BUSY
+    return IDLE
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """How many bytes the kernel holds for ``transport``'s socket that the worker has not read
+    (``FIONREAD``); 0 without a socket or when the kernel does not say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return 0
+    count: int = struct.unpack("i", raw)[0]
+    return count
+
+
+def _oldest(
+    table: weakref.WeakKeyDictionary[asyncio.BaseProtocol, Any],
+    wanted: str,
+    *,
+    forget: tuple[str, ...],
+) -> asyncio.BaseProtocol | None:
+    """The oldest protocol of ``table`` (in insertion order) whose ``state`` is ``wanted`` and
+    whose client sends nothing the worker has not read; it is taken out of ``table``. Those
+    found in a state of ``forget`` are taken out on the way; others are passed over, at most
+    ``MAX_LOOKED``. The search stops at a ``CONNECTING`` one (the rest are newer)."""
+    found: asyncio.BaseProtocol | None = None
+    dropped: list[asyncio.BaseProtocol] = []
+    looked = 0
+    for protocol in table:
+        now = state(protocol)
+        if now == CONNECTING:
+            break
+        if now in forget:
+            dropped.append(protocol)
+            continue
+        if now == wanted and not unread_bytes(getattr(protocol, "transport")):  # noqa: B009
+            found = protocol
+            break
+        looked += 1
+        if looked >= MAX_LOOKED:
+            break
+    for protocol in dropped:
+        table.pop(protocol, None)
+    if found is not None:
+        table.pop(found, None)
+    return found
 
 
 class Refusal(asyncio.Protocol):
@@ -131,9 +215,9 @@ class Refusal(asyncio.Protocol):
 class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type hints
     """gunicorn's ``asgi`` worker that holds at most ``worker_connections`` connections
     (``RELAY_HTTP_CONNECTIONS``, capped by the fd limit), makes room for a newcomer by
-    answering the oldest connection without a request head 503 (``_evict``), answers the rest
-    503 (``Refusal``) and, once a ``SWEEP_S``, closes the connections past their header or
-    request timeout (``header_timeout_s``, ``request_timeout_s``: set by
+    closing the oldest connection without a request head or kept alive idle (``_evict``),
+    answers the rest 503 (``Refusal``) and, once a ``SWEEP_S``, closes the connections past
+    their header or request timeout (``header_timeout_s``, ``request_timeout_s``: set by
     ``relayproject/gunicorn_conf.py``'s ``post_fork`` hook)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -143,6 +227,7 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         self.request_timeout_s = REQUEST_TIMEOUT_S
         self.refused = 0  # connections answered 503, since the worker started
         self.evicted = 0  # of those, connections served until a newcomer took their slot
+        self.closed_idle = 0  # kept-alive connections closed between requests for a newcomer
         self.timed_out = 0  # connections closed by the header or the request timeout
         # The connections served, each with when it was accepted (loop time), and since when
         # each one's request in progress, keyed by that request, has been (``_sweep``).
@@ -150,7 +235,7 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             weakref.WeakKeyDictionary()
         )
         # The connections served that had not sent their first request's whole head when last
-        # looked at, oldest first (``_evict``).
+        # looked at, oldest first (``_evict``; ``_served`` is in accept order too).
         self._unheard: weakref.WeakKeyDictionary[asyncio.BaseProtocol, None] = (
             weakref.WeakKeyDictionary()
         )
@@ -198,41 +283,32 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         return Refusal(self._response, linger, self._lingered)
 
     def _evict(self) -> None:
-        """Turn the oldest connection served that has not sent its first request's whole head
-        into a refusal: its gunicorn protocol is told the connection is lost (which gives back
-        its count, ``nr_conns``, at once) and a ``Refusal`` takes over its transport, answering
-        503 and reading what the client sends for ``LINGER_S``, as a refused newcomer's does.
-        Without such a connection nothing happens.
+        """Make room for a newcomer at the limit, if a connection can give its slot (its
+        gunicorn protocol is told the connection is lost, which gives back its count,
+        ``nr_conns``, at once):
 
-        ``_unheard`` keeps the connections in the order they were accepted; those found with a
-        head (or closing, or gone) are dropped on the way, so each is looked at past its head
-        once. A connection whose ``connection_made`` has not run yet (same accept burst) has no
-        transport: it and every newer one are left alone. (With TLS, which Relay's deployments
-        end at a proxy, a connection still in its handshake has none either, and stops the
-        search while it lasts: the newcomer is refused, as without eviction.)
+        * first the oldest connection that has not sent its first request's whole head
+          (``UNHEARD``): a ``Refusal`` takes over its transport, answering 503 and reading
+          what the client sends for ``LINGER_S``, as a refused newcomer's does;
+        * else the oldest connection kept alive between requests (``IDLE``): it is closed
+          with nothing sent, as gunicorn's keep-alive timeout closes one (nginx, out of
+          connections, closes its idle kept-alive ones the same way).
+
+        A connection with bytes the worker has not read yet (``unread_bytes``) is passed over:
+        its client is sending, and the next loop turn reads them (a review: under a flood, 43
+        of 45 long-polls evicted had their whole request waiting, 4-42 ms after accept).
+
+        ``_unheard`` keeps connections in the order they were accepted, until found past
+        their first head (or gone), so each is looked at past it once; ``_served`` is looked
+        at from its oldest for an idle one. At most ``MAX_LOOKED`` connections are passed
+        over for one newcomer. A connection whose ``connection_made`` has not run yet (same
+        accept burst) has no transport: it and every newer one are left alone. (With TLS,
+        which Relay's deployments end at a proxy, a connection still in its handshake has
+        none either, and stops the search while it lasts: the newcomer is refused.)
         """
-        unheard = self._unheard
-        while unheard:
-            protocol = next(iter(unheard))
-            transport = getattr(protocol, "transport", None)
-            if transport is None:
-                return  # this accept burst's: not connected yet
-            del unheard[protocol]
-            if transport.is_closing() or getattr(protocol, "_conn_lost_handled", True):
-                continue
-            if getattr(protocol, "_current_request", None) is not None:
-                continue  # its head arrived
-            if getattr(protocol, "req_count", 2) > 1:
-                continue  # between requests: it sent one already
-            # gunicorn's cleanup (nr_conns -= 1), without the grace period it gives a running
-            # task to see the disconnect (``asgi_disconnect_grace_period``, 3 s): this task waits
-            # for a head and runs no app call, and the grace timer held each evicted protocol
-            # for 3 s (12,000 of them, 200 MB, under a flood of 4,000 connects a second).
-            task = getattr(protocol, "_task", None)
-            setattr(protocol, "_task", None)  # noqa: B010  # gunicorn has no type hints
-            protocol.connection_lost(None)
-            if task is not None:
-                task.cancel()
+        protocol = _oldest(self._unheard, UNHEARD, forget=(GONE, BUSY, IDLE))
+        if protocol is not None:
+            transport = self._lost(protocol)
             self.refused += 1
             self.evicted += 1
             self._log("http_connection_evicted", self.evicted)
@@ -242,6 +318,26 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             transport.set_protocol(refusal)
             refusal.connection_made(transport)
             return
+        protocol = _oldest(self._served, IDLE, forget=(GONE,))
+        if protocol is not None:
+            self._lost(protocol).close()
+            self.closed_idle += 1
+            self._log("http_idle_connection_closed", self.closed_idle)
+
+    @staticmethod
+    def _lost(protocol: asyncio.BaseProtocol) -> asyncio.WriteTransport:
+        """Tell gunicorn's ``protocol`` its connection is lost (``nr_conns -= 1``) and return
+        its transport. Without the grace period gunicorn gives a running task to see the
+        disconnect (``asgi_disconnect_grace_period``, 3 s): the task waits for a request and
+        runs no app call, and the grace timer held each evicted protocol for 3 s (12,000 of
+        them, 270 MB, under a flood of 4,000 connects a second)."""
+        transport: asyncio.WriteTransport = getattr(protocol, "transport")  # noqa: B009
+        task = getattr(protocol, "_task", None)
+        setattr(protocol, "_task", None)  # noqa: B010  # gunicorn has no type hints
+        protocol.connection_lost(None)
+        if task is not None:
+            task.cancel()
+        return transport
 
     def _counted(self) -> None:
         self._pending -= 1

@@ -179,6 +179,36 @@ def _held(port: int, n: int) -> list[socket.socket]:
     return held
 
 
+def _polling(port: int, n: int, wait_ms: int = 15_000) -> list[socket.socket]:
+    """``n`` lease long-polls on a queue with no job, sent whole: each waits ``wait_ms``."""
+    body = orjson.dumps({"queues": ["nothing-here"], "wait_ms": wait_ms})
+    head = (
+        "POST /api/v1/leases HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    polls = []
+    for _ in range(n):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(head + body)
+        polls.append(sock)
+    return polls
+
+
+def _closed_silently(sock: socket.socket) -> None:
+    """``sock``'s server closed it with nothing sent (as a keep-alive timeout does)."""
+    sock.settimeout(10)
+    assert sock.recv(100) == b"", "the idle connection was not closed"
+
+
+def _still_open(socks: list[socket.socket]) -> None:
+    """Nothing has come on ``socks``, not even their end: the server still holds them."""
+    for sock in socks:
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(100)
+        sock.setblocking(True)
+
+
 def test_connections_past_the_limit_are_answered_503_and_the_held_ones_are_served(
     spawn: Spawner,
 ) -> None:
@@ -202,11 +232,6 @@ def test_connections_past_the_limit_are_answered_503_and_the_held_ones_are_serve
         assert statuses == [200] * LIMIT + [503] * (ARRIVALS - LIMIT), statuses
         refusals = {_problem(answer) for answer in answers if answer[0] == 503}
         assert refusals == {(503, "TOO_MANY_CONNECTIONS", True)}, refusals
-        # The 8 served are kept alive, between requests: no newcomer may take their slots.
-        for _ in range(5):
-            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
-                late.sendall(HEALTH)
-                assert read_response(late, time.monotonic() + 10)[0] == 503
     finally:
         for sock in sockets:
             sock.close()
@@ -215,6 +240,26 @@ def test_connections_past_the_limit_are_answered_503_and_the_held_ones_are_serve
     while (answer := server.request("GET", "/api/v1/health", timeout=5))[0] != 200:
         assert answer[0] == 503 and answer[1]["retry-after"] == "1", answer
         assert time.monotonic() < deadline, "the closed connections were never given back"
+
+
+def test_requests_in_progress_are_never_given_up_for_a_newcomer(spawn: Spawner) -> None:
+    # Every slot holds a long-poll whose request was sent whole: a newcomer is refused, and
+    # each long-poll is answered at the end of its wait.
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="3", RELAY_HTTP_KEEPALIVE_S=KEEPALIVE)
+    polls = _polling(server.port, 3, wait_ms=3000)
+    try:
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
+                late.sendall(HEALTH)
+                answer = read_response(late, time.monotonic() + 10)
+                assert _problem(answer) == (503, "TOO_MANY_CONNECTIONS", True), answer
+        deadline = time.monotonic() + 15
+        for sock in polls:
+            status, raw = read_response(sock, deadline)
+            assert status == 200 and orjson.loads(raw)["jobs"] == [], raw
+    finally:
+        for sock in polls:
+            sock.close()
 
 
 def test_a_newcomer_at_the_limit_takes_the_slot_of_the_oldest_connection_without_a_head(
@@ -242,22 +287,7 @@ def test_a_newcomer_at_the_limit_takes_the_slot_of_the_oldest_connection_without
             assert _problem(answer) == (503, "TOO_MANY_CONNECTIONS", True), answer
             victim.settimeout(10)
             assert victim.recv(100) == b"", "the evicted connection was not closed"
-            for later in held[i + 1 :]:  # not yet answered (a reply would be waiting)
-                later.setblocking(False)
-                with pytest.raises(BlockingIOError):
-                    later.recv(100)
-                later.setblocking(True)
-        # Now all three slots serve kept-alive clients: the next newcomer is refused.
-        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
-            late.sendall(HEALTH)
-            assert _problem(read_response(late, time.monotonic() + 10)) == (
-                503,
-                "TOO_MANY_CONNECTIONS",
-                True,
-            )
-        for sock in newcomers:  # and the served ones are still served
-            sock.sendall(HEALTH)
-            assert read_response(sock, time.monotonic() + 10)[0] == 200
+            _still_open(held[i + 1 :])
     finally:
         for sock in held + newcomers:
             sock.close()
@@ -266,13 +296,45 @@ def test_a_newcomer_at_the_limit_takes_the_slot_of_the_oldest_connection_without
     assert "event=http_connection_evicted" in log, log[-3000:]
 
 
+def test_then_the_oldest_kept_alive_connection_between_requests_is_closed(
+    spawn: Spawner,
+) -> None:
+    # Connections that sent one request and sit kept alive held every slot until the
+    # keep-alive timeout (60 s here), refreshed by a request every few seconds for good (a
+    # review: ten requests a second starved every other client). With no connection left
+    # without a head, a newcomer's slot comes from the oldest idle one, closed with nothing
+    # sent as the keep-alive timeout closes it (nginx drains its idle kept-alive connections
+    # the same way). A long-poll in progress is never taken.
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="3", RELAY_HTTP_KEEPALIVE_S=KEEPALIVE)
+    polls = _polling(server.port, 1, wait_ms=4000)
+    idle = _served(server.port, 2)
+    newcomers: list[socket.socket] = []
+    try:
+        for victim in idle:
+            newcomers += _served(server.port, 1)
+            _closed_silently(victim)
+        _still_open(newcomers + polls)
+        newcomers += _served(server.port, 1)  # the oldest newcomer is idle now: its turn
+        _closed_silently(newcomers[0])
+        for sock in newcomers[1:]:  # the rest are served as before
+            sock.sendall(HEALTH)
+            assert read_response(sock, time.monotonic() + 10)[0] == 200
+        status, raw = read_response(polls[0], time.monotonic() + 15)
+        assert status == 200 and orjson.loads(raw)["jobs"] == [], raw
+    finally:
+        for sock in polls + idle + newcomers:
+            sock.close()
+    log = server.proc.stderr_text()
+    assert "Traceback" not in log and "Exception in callback" not in log, log[-3000:]
+    assert "event=http_idle_connection_closed" in log, log[-3000:]
+
+
 def test_refused_clients_that_reset_at_once_cost_no_traceback(spawn: Spawner) -> None:
     # A refused client that read part of the 503 and closed (a reset: its request unread)
     # made the refusal's shutdown() raise ENOTCONN, and asyncio logged a 13-line traceback
-    # for each: 476 for 500 refusals (a review). Here the slots are held by served clients;
-    # the evicted are the newcomers' own connections that reset before their heads arrive.
-    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="2", RELAY_HTTP_KEEPALIVE_S=KEEPALIVE)
-    served = _served(server.port, 2)
+    # for each: 476 for 500 refusals (a review). Here long-polls hold the slots.
+    server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="2")
+    polls = _polling(server.port, 2)
     try:
         for _ in range(100):
             with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
@@ -283,7 +345,7 @@ def test_refused_clients_that_reset_at_once_cost_no_traceback(spawn: Spawner) ->
             probe.sendall(HEALTH)
             assert read_response(probe, time.monotonic() + 10)[0] == 503
     finally:
-        for sock in served:
+        for sock in polls:
             sock.close()
     log = server.proc.stderr_text()
     assert "Traceback" not in log and "Exception in callback" not in log, log[-3000:]

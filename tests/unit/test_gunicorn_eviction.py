@@ -1,0 +1,154 @@
+"""Which connection the HTTP worker gives up for a newcomer at its limit
+(``relayproject.gunicorn_worker``: ``state``, ``unread_bytes``, ``_oldest``).
+
+The protocols are stand-ins with the attributes gunicorn 27's ``ASGIProtocol`` has; the sockets
+are real (a ``socketpair``), so ``unread_bytes`` asks the kernel. ``tests/http/test_capacity.py``
+runs the same code in a real gunicorn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from relayproject import gunicorn_worker as gw
+
+
+class Transport(asyncio.WriteTransport):
+    def __init__(self, sock: socket.socket | None) -> None:
+        super().__init__()
+        self.sock = sock
+        self.closing = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.sock if name == "socket" else default
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
+class Proto(asyncio.Protocol):
+    """What ``state`` reads of gunicorn's ``ASGIProtocol``."""
+
+    def __init__(self, transport: Transport | None, *, requests: int = 1) -> None:
+        self.transport = transport
+        self._conn_lost_handled = False
+        self._current_request: object | None = None
+        self.req_count = requests
+        self._finishing_calls: dict[object, object] = {}
+
+
+@pytest.fixture
+def pairs() -> Iterator[list[tuple[socket.socket, socket.socket]]]:
+    made: list[tuple[socket.socket, socket.socket]] = []
+    yield made
+    for a, b in made:
+        a.close()
+        b.close()
+
+
+def connected(pairs: list[tuple[socket.socket, socket.socket]], **kw: int) -> Proto:
+    """A stand-in served connection: the worker's end of a real socket pair."""
+    server, client = socket.socketpair()
+    pairs.append((server, client))
+    return Proto(Transport(server), **kw)
+
+
+def client_of(proto: Proto, pairs: list[tuple[socket.socket, socket.socket]]) -> socket.socket:
+    assert proto.transport is not None
+    return next(c for s, c in pairs if s is proto.transport.sock)
+
+
+def test_state_reads_what_gunicorn_is_doing(pairs: list[Any]) -> None:
+    assert gw.state(Proto(None)) == gw.CONNECTING
+    fresh = connected(pairs, requests=0)  # its task has not run yet
+    assert gw.state(fresh) == gw.UNHEARD
+    first = connected(pairs, requests=1)  # waiting for the first head
+    assert gw.state(first) == gw.UNHEARD
+    first._current_request = object()  # the head is read: a request in progress
+    assert gw.state(first) == gw.BUSY
+    idle = connected(pairs, requests=2)  # one request served, waiting for the next
+    assert gw.state(idle) == gw.IDLE
+    idle._finishing_calls[object()] = None  # an app call still finishing
+    assert gw.state(idle) == gw.BUSY
+    gone = connected(pairs, requests=2)
+    gone._conn_lost_handled = True
+    assert gw.state(gone) == gw.GONE
+    closing = connected(pairs)
+    assert closing.transport is not None
+    closing.transport.closing = True
+    assert gw.state(closing) == gw.GONE
+
+
+def test_unread_bytes_are_what_the_kernel_holds(pairs: list[Any]) -> None:
+    proto = connected(pairs)
+    assert proto.transport is not None
+    assert gw.unread_bytes(proto.transport) == 0
+    client_of(proto, pairs).sendall(b"GET / HTTP/1.1\r\n")
+    assert gw.unread_bytes(proto.transport) == 16
+    assert gw.unread_bytes(Transport(None)) == 0
+
+
+def table(*protos: Proto) -> weakref.WeakKeyDictionary[asyncio.BaseProtocol, Any]:
+    out: weakref.WeakKeyDictionary[asyncio.BaseProtocol, Any] = weakref.WeakKeyDictionary()
+    for proto in protos:
+        out[proto] = None
+    return out
+
+
+def test_the_oldest_unheard_goes_and_the_heard_are_forgotten_on_the_way(pairs: list[Any]) -> None:
+    busy = connected(pairs)
+    busy._current_request = object()
+    idle = connected(pairs, requests=2)
+    first, second = connected(pairs), connected(pairs)
+    unheard = table(busy, idle, first, second)
+    found = gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE, gw.BUSY, gw.IDLE))
+    assert found is first
+    assert list(unheard) == [second]  # the heard ones are looked at once
+
+
+def test_a_client_with_unread_bytes_is_passed_over_and_kept(pairs: list[Any]) -> None:
+    # A review: under a flood, long-polls whose whole request waited in the kernel, not yet
+    # read by the worker's loop, were evicted as if they had sent nothing.
+    sending, silent = connected(pairs), connected(pairs)
+    client_of(sending, pairs).sendall(b"POST /api/v1/leases HTTP/1.1\r\n")
+    unheard = table(sending, silent)
+    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is silent
+    assert list(unheard) == [sending]  # looked at again for the next newcomer
+    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is None
+
+
+def test_the_search_stops_at_a_connection_not_made_yet(pairs: list[Any]) -> None:
+    connecting, later = Proto(None), connected(pairs)
+    unheard = table(connecting, later)
+    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is None
+    assert len(unheard) == 2
+
+
+def test_the_oldest_idle_goes_and_busy_ones_are_kept(pairs: list[Any]) -> None:
+    gone = connected(pairs, requests=2)
+    gone._conn_lost_handled = True
+    busy = connected(pairs)
+    busy._current_request = object()
+    unheard = connected(pairs)
+    idle, newer_idle = connected(pairs, requests=2), connected(pairs, requests=3)
+    served = table(gone, busy, unheard, idle, newer_idle)
+    assert gw._oldest(served, gw.IDLE, forget=(gw.GONE,)) is idle
+    assert list(served) == [busy, unheard, newer_idle]
+
+
+def test_at_most_max_looked_are_passed_over(pairs: list[Any], monkeypatch: Any) -> None:
+    monkeypatch.setattr(gw, "MAX_LOOKED", 3)
+    busy = [connected(pairs) for _ in range(3)]
+    for proto in busy:
+        proto._current_request = object()
+    idle = connected(pairs, requests=2)
+    served = table(*busy, idle)
+    assert gw._oldest(served, gw.IDLE, forget=(gw.GONE,)) is None
+    monkeypatch.setattr(gw, "MAX_LOOKED", 4)
+    assert gw._oldest(served, gw.IDLE, forget=(gw.GONE,)) is idle
