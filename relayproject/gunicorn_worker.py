@@ -7,13 +7,11 @@ worker set to 1,000, each a file descriptor the worker's database connections ne
 
 * at the limit, makes room for a newcomer (``_evict``): it closes the oldest connection that
   has not sent its first request's whole head, answered as a refused one is (as Relay's TCP
-  server evicts its oldest connection without a key), else the oldest kept alive between
-  requests, with nothing sent (as nginx drains idle kept-alive connections); never one whose
-  client has bytes the worker has not read yet, nor a request in progress. A client that
-  reconnects as fast as it is cut, or re-sends a cheap request to stay kept alive, holds no
-  slot another client needs;
-* answers a connection accepted past the limit, when every connection is busy with a
-  request, ``503`` with the problem code ``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as
+  server evicts its oldest connection without a key); never one whose client has bytes the
+  worker has not read yet. A client that reconnects as fast as it is cut holds slots only
+  for the moments before its heads arrive;
+* answers a connection accepted past the limit, when every connection has sent a head,
+  ``503`` with the problem code ``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as
   Relay's TCP server refuses one, and as uvicorn's ``--limit-concurrency`` answers 503),
   without reading its request (``Refusal``);
 * caps the limit to what the process's file-descriptor limit holds, raising the soft limit
@@ -215,7 +213,7 @@ class Refusal(asyncio.Protocol):
 class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type hints
     """gunicorn's ``asgi`` worker that holds at most ``worker_connections`` connections
     (``RELAY_HTTP_CONNECTIONS``, capped by the fd limit), makes room for a newcomer by
-    closing the oldest connection without a request head or kept alive idle (``_evict``),
+    closing the oldest connection without a request head (``_evict``),
     answers the rest 503 (``Refusal``) and, once a ``SWEEP_S``, closes the connections past
     their header or request timeout (``header_timeout_s``, ``request_timeout_s``: set by
     ``relayproject/gunicorn_conf.py``'s ``post_fork`` hook)."""
@@ -227,7 +225,6 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         self.request_timeout_s = REQUEST_TIMEOUT_S
         self.refused = 0  # connections answered 503, since the worker started
         self.evicted = 0  # of those, connections served until a newcomer took their slot
-        self.closed_idle = 0  # kept-alive connections closed between requests for a newcomer
         self.timed_out = 0  # connections closed by the header or the request timeout
         # The connections served, each with when it was accepted (loop time), and since when
         # each one's request in progress, keyed by that request, has been (``_sweep``).
@@ -235,7 +232,7 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             weakref.WeakKeyDictionary()
         )
         # The connections served that had not sent their first request's whole head when last
-        # looked at, oldest first (``_evict``; ``_served`` is in accept order too).
+        # looked at, oldest first (``_evict``).
         self._unheard: weakref.WeakKeyDictionary[asyncio.BaseProtocol, None] = (
             weakref.WeakKeyDictionary()
         )
@@ -283,28 +280,28 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         return Refusal(self._response, linger, self._lingered)
 
     def _evict(self) -> None:
-        """Make room for a newcomer at the limit, if a connection can give its slot (its
-        gunicorn protocol is told the connection is lost, which gives back its count,
-        ``nr_conns``, at once):
-
-        * first the oldest connection that has not sent its first request's whole head
-          (``UNHEARD``): a ``Refusal`` takes over its transport, answering 503 and reading
-          what the client sends for ``LINGER_S``, as a refused newcomer's does;
-        * else the oldest connection kept alive between requests (``IDLE``): it is closed
-          with nothing sent, as gunicorn's keep-alive timeout closes one (nginx, out of
-          connections, closes its idle kept-alive ones the same way).
+        """Make room for a newcomer at the limit: the oldest connection that has not sent its
+        first request's whole head (``UNHEARD``) gives its slot. Its gunicorn protocol is told
+        the connection is lost, which gives back its count (``nr_conns``) at once, and a
+        ``Refusal`` takes over its transport, answering 503 and reading what the client sends
+        for ``LINGER_S``, as a refused newcomer's does. Without such a connection nothing
+        happens (the newcomer is refused).
 
         A connection with bytes the worker has not read yet (``unread_bytes``) is passed over:
         its client is sending, and the next loop turn reads them (a review: under a flood, 43
         of 45 long-polls evicted had their whole request waiting, 4-42 ms after accept).
+        Connections kept alive between requests are not taken either: closing the oldest idle
+        one (as nginx drains them) was tried and not kept, since the oldest is a pooled
+        client's, and a review's client reusing one connection under a flood then lost 4-33%
+        of its requests to the close racing its next request (none at the last stop's head).
 
         ``_unheard`` keeps connections in the order they were accepted, until found past
-        their first head (or gone), so each is looked at past it once; ``_served`` is looked
-        at from its oldest for an idle one. At most ``MAX_LOOKED`` connections are passed
-        over for one newcomer. A connection whose ``connection_made`` has not run yet (same
-        accept burst) has no transport: it and every newer one are left alone. (With TLS,
-        which Relay's deployments end at a proxy, a connection still in its handshake has
-        none either, and stops the search while it lasts: the newcomer is refused.)
+        their first head (or gone), so each is looked at past it once. At most
+        ``MAX_LOOKED`` connections are passed over for one newcomer. A connection whose
+        ``connection_made`` has not run yet (same accept burst) has no transport: it and every
+        newer one are left alone. (With TLS, which Relay's deployments end at a proxy, a
+        connection still in its handshake has none either, and stops the search while it
+        lasts: the newcomer is refused.)
         """
         protocol = _oldest(self._unheard, UNHEARD, forget=(GONE, BUSY, IDLE))
         if protocol is not None:
@@ -317,12 +314,6 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             refusal = Refusal(self._response, linger, self._lingered)
             transport.set_protocol(refusal)
             refusal.connection_made(transport)
-            return
-        protocol = _oldest(self._served, IDLE, forget=(GONE,))
-        if protocol is not None:
-            self._lost(protocol).close()
-            self.closed_idle += 1
-            self._log("http_idle_connection_closed", self.closed_idle)
 
     @staticmethod
     def _lost(protocol: asyncio.BaseProtocol) -> asyncio.WriteTransport:

@@ -194,12 +194,6 @@ def _polling(port: int, n: int, wait_ms: int = 15_000) -> list[socket.socket]:
     return polls
 
 
-def _closed_silently(sock: socket.socket) -> None:
-    """``sock``'s server closed it with nothing sent (as a keep-alive timeout does)."""
-    sock.settimeout(10)
-    assert sock.recv(100) == b"", "the idle connection was not closed"
-
-
 def _still_open(socks: list[socket.socket]) -> None:
     """Nothing has come on ``socks``, not even their end: the server still holds them."""
     for sock in socks:
@@ -296,37 +290,25 @@ def test_a_newcomer_at_the_limit_takes_the_slot_of_the_oldest_connection_without
     assert "event=http_connection_evicted" in log, log[-3000:]
 
 
-def test_then_the_oldest_kept_alive_connection_between_requests_is_closed(
-    spawn: Spawner,
-) -> None:
-    # Connections that sent one request and sit kept alive held every slot until the
-    # keep-alive timeout (60 s here), refreshed by a request every few seconds for good (a
-    # review: ten requests a second starved every other client). With no connection left
-    # without a head, a newcomer's slot comes from the oldest idle one, closed with nothing
-    # sent as the keep-alive timeout closes it (nginx drains its idle kept-alive connections
-    # the same way). A long-poll in progress is never taken.
+def test_connections_kept_alive_between_requests_keep_their_slots(spawn: Spawner) -> None:
+    # A pooled client's connection, idle between its requests, is not given up for a
+    # newcomer: closing it raced the client's next request (a review: a client reusing one
+    # connection under a flood lost 4-33% of its requests when the oldest idle one was closed).
     server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="3", RELAY_HTTP_KEEPALIVE_S=KEEPALIVE)
-    polls = _polling(server.port, 1, wait_ms=4000)
-    idle = _served(server.port, 2)
-    newcomers: list[socket.socket] = []
+    idle = _served(server.port, 3)
     try:
-        for victim in idle:
-            newcomers += _served(server.port, 1)
-            _closed_silently(victim)
-        _still_open(newcomers + polls)
-        newcomers += _served(server.port, 1)  # the oldest newcomer is idle now: its turn
-        _closed_silently(newcomers[0])
-        for sock in newcomers[1:]:  # the rest are served as before
+        for _ in range(5):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
+                late.sendall(HEALTH)
+                answer = read_response(late, time.monotonic() + 10)
+                assert _problem(answer) == (503, "TOO_MANY_CONNECTIONS", True), answer
+        _still_open(idle)
+        for sock in idle:
             sock.sendall(HEALTH)
             assert read_response(sock, time.monotonic() + 10)[0] == 200
-        status, raw = read_response(polls[0], time.monotonic() + 15)
-        assert status == 200 and orjson.loads(raw)["jobs"] == [], raw
     finally:
-        for sock in polls + idle + newcomers:
+        for sock in idle:
             sock.close()
-    log = server.proc.stderr_text()
-    assert "Traceback" not in log and "Exception in callback" not in log, log[-3000:]
-    assert "event=http_idle_connection_closed" in log, log[-3000:]
 
 
 def test_refused_clients_that_reset_at_once_cost_no_traceback(spawn: Spawner) -> None:

@@ -130,25 +130,14 @@ def test_the_search_stops_at_a_connection_not_made_yet(pairs: list[Any]) -> None
     assert len(unheard) == 2
 
 
-def test_the_oldest_idle_goes_and_busy_ones_are_kept(pairs: list[Any]) -> None:
-    gone = connected(pairs, requests=2)
-    gone._conn_lost_handled = True
-    busy = connected(pairs)
-    busy._current_request = object()
-    unheard = connected(pairs)
-    idle, newer_idle = connected(pairs, requests=2), connected(pairs, requests=3)
-    served = table(gone, busy, unheard, idle, newer_idle)
-    assert gw._oldest(served, gw.IDLE, forget=(gw.GONE,)) is idle
-    assert list(served) == [busy, unheard, newer_idle]
-
-
 def test_at_most_max_looked_are_passed_over(pairs: list[Any], monkeypatch: Any) -> None:
     monkeypatch.setattr(gw, "MAX_LOOKED", 3)
-    busy = [connected(pairs) for _ in range(3)]
-    for proto in busy:
-        proto._current_request = object()
-    idle = connected(pairs, requests=2)
-    served = table(*busy, idle)
-    assert gw._oldest(served, gw.IDLE, forget=(gw.GONE,)) is None
+    sending = [connected(pairs) for _ in range(3)]
+    for proto in sending:
+        client_of(proto, pairs).sendall(b"G")
+    silent = connected(pairs)
+    unheard = table(*sending, silent)
+    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is None
     monkeypatch.setattr(gw, "MAX_LOOKED", 4)
-    assert gw._oldest(served, gw.IDLE, forget=(gw.GONE,)) is idle
+    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is silent
+    assert list(unheard) == sending
