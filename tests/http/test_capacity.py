@@ -194,6 +194,15 @@ def _polling(port: int, n: int, wait_ms: int = 15_000) -> list[socket.socket]:
     return polls
 
 
+def _refused(port: int, n: int) -> None:
+    """``n`` newcomers, one after another, are each answered 503 ``TOO_MANY_CONNECTIONS``."""
+    for _ in range(n):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as late:
+            late.sendall(HEALTH)
+            answer = read_response(late, time.monotonic() + 10)
+            assert _problem(answer) == (503, "TOO_MANY_CONNECTIONS", True), answer
+
+
 def _still_open(socks: list[socket.socket]) -> None:
     """Nothing has come on ``socks``, not even their end: the server still holds them."""
     for sock in socks:
@@ -242,11 +251,7 @@ def test_requests_in_progress_are_never_given_up_for_a_newcomer(spawn: Spawner) 
     server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="3", RELAY_HTTP_KEEPALIVE_S=KEEPALIVE)
     polls = _polling(server.port, 3, wait_ms=3000)
     try:
-        for _ in range(5):
-            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
-                late.sendall(HEALTH)
-                answer = read_response(late, time.monotonic() + 10)
-                assert _problem(answer) == (503, "TOO_MANY_CONNECTIONS", True), answer
+        _refused(server.port, 5)
         deadline = time.monotonic() + 15
         for sock in polls:
             status, raw = read_response(sock, deadline)
@@ -299,11 +304,7 @@ def test_connections_kept_alive_between_requests_keep_their_slots(spawn: Spawner
     server = start_gunicorn(spawn, RELAY_HTTP_CONNECTIONS="3", RELAY_HTTP_KEEPALIVE_S=KEEPALIVE)
     idle = _served(server.port, 3)
     try:
-        for _ in range(5):
-            with socket.create_connection(("127.0.0.1", server.port), timeout=5) as late:
-                late.sendall(HEALTH)
-                answer = read_response(late, time.monotonic() + 10)
-                assert _problem(answer) == (503, "TOO_MANY_CONNECTIONS", True), answer
+        _refused(server.port, 5)
         _still_open(idle)
         for sock in idle:
             sock.sendall(HEALTH)
