@@ -7,9 +7,9 @@ worker set to 1,000, each a file descriptor the worker's database connections ne
 
 * at the limit, makes room for a newcomer (``_evict``): it closes the oldest connection that
   has not sent its first request's whole head, answered as a refused one is (as Relay's TCP
-  server evicts its oldest connection without a key); never one whose client has bytes the
-  worker has not read yet. A client that reconnects as fast as it is cut holds slots only
-  for the moments before its heads arrive;
+  server evicts its oldest connection without a key); never one whose first bytes wait in
+  the kernel unread. A client that reconnects as fast as it is cut holds slots only for the
+  moments before its heads arrive;
 * answers a connection accepted past the limit, when every connection has sent a head,
   ``503`` with the problem code ``TOO_MANY_CONNECTIONS`` and ``Retry-After: 1`` (as
   Relay's TCP server refuses one, and as uvicorn's ``--limit-concurrency`` answers 503),
@@ -50,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 import orjson
+from gunicorn.asgi.protocol import ASGIProtocol
 from gunicorn.workers.gasgi import ASGIWorker
 
 from queue_core.errors import TooManyConnections
@@ -133,15 +134,16 @@ def unread_bytes(transport: asyncio.BaseTransport) -> int:
 
 
 def _oldest(
-    table: weakref.WeakKeyDictionary[asyncio.BaseProtocol, Any],
+    table: weakref.WeakKeyDictionary[asyncio.BaseProtocol, None],
     wanted: str,
     *,
     forget: tuple[str, ...],
 ) -> asyncio.BaseProtocol | None:
-    """The oldest protocol of ``table`` (in insertion order) whose ``state`` is ``wanted`` and
-    whose client sends nothing the worker has not read; it is taken out of ``table``. Those
-    found in a state of ``forget`` are taken out on the way; others are passed over, at most
-    ``MAX_LOOKED``. The search stops at a ``CONNECTING`` one (the rest are newer)."""
+    """The oldest protocol of ``table`` (in insertion order) whose ``state`` is ``wanted``,
+    unless nothing of what its client sent has been read yet while bytes wait in the kernel
+    (``Heard.heard``, ``unread_bytes``); it is taken out of ``table``. Those found in a state of
+    ``forget`` are taken out on the way; others are passed over, at most ``MAX_LOOKED``. The
+    search stops at a ``CONNECTING`` one (the rest are newer)."""
     found: asyncio.BaseProtocol | None = None
     dropped: list[asyncio.BaseProtocol] = []
     looked = 0
@@ -152,7 +154,9 @@ def _oldest(
         if now in forget:
             dropped.append(protocol)
             continue
-        if now == wanted and not unread_bytes(getattr(protocol, "transport")):  # noqa: B009
+        if now == wanted and (
+            getattr(protocol, "heard", True) or not unread_bytes(getattr(protocol, "transport"))  # noqa: B009
+        ):
             found = protocol
             break
         looked += 1
@@ -163,6 +167,20 @@ def _oldest(
     if found is not None:
         table.pop(found, None)
     return found
+
+
+class Heard(ASGIProtocol):  # type: ignore[misc]  # gunicorn has no type hints
+    """gunicorn's ``ASGIProtocol``, noting whether anything its client sent has been read
+    (``heard``): ``_evict`` spares a connection whose first bytes wait in the kernel unread
+    (its request is arriving), not one that has been read from and is still short of a head
+    (a review: sparing every connection with unread bytes let hogs that sent a byte of a head
+    every 0.2 ms keep the worker behind on reading, and their slots)."""
+
+    heard = False
+
+    def data_received(self, data: bytes) -> None:
+        self.heard = True
+        super().data_received(data)
 
 
 class Refusal(asyncio.Protocol):
@@ -266,6 +284,8 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             self._pending += 1
             self.loop.call_soon(self._counted)
             protocol = factory()
+            if type(protocol) is ASGIProtocol:
+                protocol.__class__ = Heard
             self._served[protocol] = self.loop.time()
             self._unheard[protocol] = None
             timeouts = self.header_timeout_s > 0 or self.request_timeout_s > 0
@@ -287,9 +307,11 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         for ``LINGER_S``, as a refused newcomer's does. Without such a connection nothing
         happens (the newcomer is refused).
 
-        A connection with bytes the worker has not read yet (``unread_bytes``) is passed over:
-        its client is sending, and the next loop turn reads them (a review: under a flood, 43
-        of 45 long-polls evicted had their whole request waiting, 4-42 ms after accept).
+        A connection nothing has been read from yet while its bytes wait in the kernel
+        (``Heard``, ``unread_bytes``) is passed over: its request is arriving, and the next
+        loop turn reads it (a review: under a flood, 43 of 45 long-polls evicted had their
+        whole request waiting, 4-42 ms after accept). One read from and still short of a head
+        is trickling it, and may go.
         Connections kept alive between requests are not taken either: closing the oldest idle
         one (as nginx drains them) was tried and not kept, since the oldest is a pooled
         client's, and a review's client reusing one connection under a flood then lost 4-33%
