@@ -141,9 +141,9 @@ def _oldest(
 ) -> asyncio.BaseProtocol | None:
     """The oldest protocol of ``table`` (in insertion order) whose ``state`` is ``wanted``,
     unless nothing of what its client sent has been read yet while bytes wait in the kernel
-    (``Heard.heard``, ``unread_bytes``); it is taken out of ``table``. Those found in a state of
-    ``forget`` are taken out on the way; others are passed over, at most ``MAX_LOOKED``. The
-    search stops at a ``CONNECTING`` one (the rest are newer)."""
+    (``ReadNoting.read_any``, ``unread_bytes``); it is taken out of ``table``. Those found in
+    a state of ``forget`` are taken out on the way; others are passed over, at most
+    ``MAX_LOOKED``. The search stops at a ``CONNECTING`` one (the rest are newer)."""
     found: asyncio.BaseProtocol | None = None
     dropped: list[asyncio.BaseProtocol] = []
     looked = 0
@@ -155,7 +155,7 @@ def _oldest(
             dropped.append(protocol)
             continue
         if now == wanted and (
-            getattr(protocol, "heard", True) or not unread_bytes(getattr(protocol, "transport"))  # noqa: B009
+            getattr(protocol, "read_any", True) or not unread_bytes(getattr(protocol, "transport"))  # noqa: B009
         ):
             found = protocol
             break
@@ -169,17 +169,17 @@ def _oldest(
     return found
 
 
-class Heard(ASGIProtocol):  # type: ignore[misc]  # gunicorn has no type hints
+class ReadNoting(ASGIProtocol):  # type: ignore[misc]  # gunicorn has no type hints
     """gunicorn's ``ASGIProtocol``, noting whether anything its client sent has been read
-    (``heard``): ``_evict`` spares a connection whose first bytes wait in the kernel unread
+    (``read_any``): ``_evict`` spares a connection whose first bytes wait in the kernel unread
     (its request is arriving), not one that has been read from and is still short of a head
     (a review: sparing every connection with unread bytes let hogs that sent a byte of a head
     every 0.2 ms keep the worker behind on reading, and their slots)."""
 
-    heard = False
+    read_any = False
 
     def data_received(self, data: bytes) -> None:
-        self.heard = True
+        self.read_any = True
         super().data_received(data)
 
 
@@ -285,7 +285,7 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
             self.loop.call_soon(self._counted)
             protocol = factory()
             if type(protocol) is ASGIProtocol:
-                protocol.__class__ = Heard
+                protocol.__class__ = ReadNoting
             self._served[protocol] = self.loop.time()
             self._unheard[protocol] = None
             timeouts = self.header_timeout_s > 0 or self.request_timeout_s > 0
@@ -308,7 +308,7 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         happens (the newcomer is refused).
 
         A connection nothing has been read from yet while its bytes wait in the kernel
-        (``Heard``, ``unread_bytes``) is passed over: its request is arriving, and the next
+        (``ReadNoting``, ``unread_bytes``) is passed over: its request is arriving, and the next
         loop turn reads it (a review: under a flood, 43 of 45 long-polls evicted had their
         whole request waiting, 4-42 ms after accept). One read from and still short of a head
         is trickling it, and may go.

@@ -41,7 +41,7 @@ class Proto(asyncio.Protocol):
         self._current_request: object | None = None
         self.req_count = requests
         self._finishing_calls: dict[object, object] = {}
-        self.heard = False  # gw.Heard's: nothing read from the client yet
+        self.read_any = False  # gw.ReadNoting's: nothing read from the client yet
 
 
 @pytest.fixture
@@ -129,19 +129,19 @@ def test_a_connection_read_from_and_still_short_of_a_head_is_taken(pairs: list[A
     # A review: sparing every connection with unread bytes let hogs that each sent a byte of
     # a head every 0.2 ms keep the worker behind on reading, and so their slots.
     trickling = connected(pairs)
-    trickling.heard = True  # the worker has read its first bytes: "GET /api/v1/hea"
+    trickling.read_any = True  # the worker has read its first bytes: "GET /api/v1/hea"
     client_of(trickling, pairs).sendall(b"l")  # and one more waits
     unheard = table(trickling)
     assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is trickling
 
 
-def test_heard_notes_the_first_bytes_read(monkeypatch: Any) -> None:
+def test_read_noting_notes_the_first_bytes_read(monkeypatch: Any) -> None:
     received: list[bytes] = []
     monkeypatch.setattr(gw.ASGIProtocol, "data_received", lambda self, data: received.append(data))
-    protocol = gw.Heard.__new__(gw.Heard)  # gunicorn's state is not needed to note it
-    assert protocol.heard is False
+    protocol = gw.ReadNoting.__new__(gw.ReadNoting)  # gunicorn's state is not needed to note it
+    assert protocol.read_any is False
     protocol.data_received(b"GET")
-    assert protocol.heard is True and received == [b"GET"]
+    assert protocol.read_any is True and received == [b"GET"]
 
 
 def test_the_search_stops_at_a_connection_not_made_yet(pairs: list[Any]) -> None:
