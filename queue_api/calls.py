@@ -40,8 +40,11 @@ def key_ring() -> auth.KeyRing:
 @functools.cache
 def wakeups() -> ProcessWakeups:
     """The process's long-poll wake-ups (the TCP server's ``Wakeups`` and ``FeedFollower``),
-    following ``service()``'s change feed."""
-    return ProcessWakeups(service)
+    following ``service()``'s change feed. ``service`` is looked up at each call: a test's
+    stand-in for it (a service on a fake clock) made while these were first built stayed in
+    them for the rest of the process, and their due instants, read on that frozen clock,
+    never came (three long-poll tests after it waited out their 15 s)."""
+    return ProcessWakeups(lambda: service())
 
 
 # Ops whose commit may make a job ready: waiting long-polls of this process look again.

@@ -387,6 +387,26 @@ def test_a_long_poll_gets_a_job_delayed_since_it_began_when_it_falls_due(
     assert poll.elapsed < 10
 
 
+def test_wakeups_built_under_a_stand_in_service_follow_the_service_after_it(
+    api: Api, long_poll_waits: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The process's wake-ups, first built while a test stood a fake-clock service in for
+    # calls.service, kept it: their due instants, read on a frozen clock, never came, and
+    # the next long-polls of the process waited out their 15 s (three tests, in whichever
+    # pytest-xdist worker ran test_expired_lease_is_refused_and_the_job_comes_back first).
+    calls.wakeups().stop()  # its threads end; the next ones are built under the stand-in
+    calls.wakeups.cache_clear()
+    stand_in = QueueService(clock=FakeClock())
+    with monkeypatch.context() as patch:
+        patch.setattr(calls, "service", lambda: stand_in)
+        assert api.post("/api/v1/leases", {"queues": ["later"]}).json()["jobs"] == []
+    poll = LongPoll(["later"], wait_ms=15_000)
+    assert long_poll_waits.wait(10)  # past its first claim
+    job = QueueService().submit("later", {"n": 1}, delay_ms=300)["job"]  # another connection
+    assert [j["job_id"] for j in poll.join()] == [job["id"]]
+    assert poll.elapsed < 10
+
+
 def test_lease_defaults_worker_id_to_the_client_address(api: Api) -> None:
     submit(api)
     response = api.post("/api/v1/leases", {"queues": ["email"]})
