@@ -53,6 +53,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from queue_core.errors import StorageLost
+from queue_core.protocol import limits
 from queue_core.service import QueueService
 from queue_core.storage import ChangeFeed
 
@@ -295,6 +296,7 @@ class ProcessWakeups:
         self._due_changed = threading.Condition()
         self._timer: threading.Thread | None = None
         self._timer_stopping = False
+        self._failures = limits.Every(limits.FAILURE_LOG_EVERY_S)
 
     async def start(self) -> None:
         """Follow the feed if not yet; wait (up to ``START_TIMEOUT_S``) for the first
@@ -358,22 +360,41 @@ class ProcessWakeups:
             self._due_changed.notify_all()
 
     def _run_timer(self) -> None:
+        """The due instants' thread: wake each queue's waiter at its instant, until stopped.
+        A failure (the service or its clock raising) is logged (``limits.log_failure``: a
+        line each ``FAILURE_LOG_EVERY_S`` at most) and tried again after ``RETRY_S``: the
+        thread dying would have left every later instant of the process unwoken, each
+        long-poll waiting out its ``wait_ms``."""
         while True:
-            with self._due_changed:
-                while True:
-                    if self._timer_stopping:
-                        return
-                    if not self._due:
-                        self._due_changed.wait()
-                        continue
-                    now = self._service().clock.now_ms()
-                    came = [q for q, at in self._due.items() if at <= now]
-                    if came:
-                        for name in came:
-                            del self._due[name]
-                        break
-                    self._due_changed.wait((min(self._due.values()) - now) / 1000)
+            try:
+                came = self._next_due()
+            except Exception as exc:  # noqa: BLE001 - logged, and the thread goes on
+                limits.log_failure(self._failures, "due_timer_failed", exc)
+                with self._due_changed:
+                    if not self._timer_stopping:
+                        self._due_changed.wait(RETRY_S)
+                continue
+            if came is None:
+                return
             self.wakeups.wake(came)
+
+    def _next_due(self) -> list[str] | None:
+        """Wait for the next instant to come and return the queues it is theirs (taken out of
+        ``_due``); None once the thread must stop."""
+        with self._due_changed:
+            while True:
+                if self._timer_stopping:
+                    return None
+                if not self._due:
+                    self._due_changed.wait()
+                    continue
+                now = self._service().clock.now_ms()
+                came = [q for q, at in self._due.items() if at <= now]
+                if came:
+                    for name in came:
+                        del self._due[name]
+                    return came
+                self._due_changed.wait((min(self._due.values()) - now) / 1000)
 
     def poke(self, queues: Iterable[str]) -> None:
         """This process committed something that made jobs READY in ``queues``: wake them."""

@@ -207,3 +207,32 @@ async def _the_http_sides_timer() -> None:
         for waiter in (first, second, other):
             process.wakeups.unsubscribe(waiter)
     assert process._timer is None
+
+
+def test_the_http_sides_timer_outlives_a_failure() -> None:
+    asyncio.run(_the_http_sides_timer_after_a_failure())
+
+
+async def _the_http_sides_timer_after_a_failure() -> None:
+    # The timer thread died on an exception (the service or its clock raising), and every
+    # later instant of the process went unwoken: each long-poll waited out its wait_ms.
+    clock = FakeClock()
+    service: Any = SimpleNamespace(clock=clock)
+    failures = [RuntimeError("the service is not ready")]
+
+    def flaky() -> Any:
+        if threading.current_thread().name == "relay-http-due" and failures:
+            raise failures.pop()
+        return service
+
+    process = ProcessWakeups(flaky)
+    waiter = process.wakeups.subscribe(["a"])
+    try:
+        process.due_at(clock.now_ms() + 1_000, ["a"])
+        clock.advance(ms=1_000)
+        assert await waiter.wait(10) is True
+        assert not failures
+    finally:
+        process.stop()
+        process.wakeups.unsubscribe(waiter)
+    assert process._timer is None
