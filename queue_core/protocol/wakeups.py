@@ -379,8 +379,8 @@ class ProcessWakeups:
             self.wakeups.wake(came)
 
     def _next_due(self) -> list[str] | None:
-        """Wait for the next instant to come and return the queues it is theirs (taken out of
-        ``_due``); None once the thread must stop."""
+        """Wait for the next instant to come; return the queues whose instant it is (taken out
+        of ``_due``), or None once the thread must stop."""
         with self._due_changed:
             while True:
                 if self._timer_stopping:
