@@ -133,17 +133,15 @@ def unread_bytes(transport: asyncio.BaseTransport) -> int:
     return count
 
 
-def _oldest(
+def _oldest_unheard(
     table: weakref.WeakKeyDictionary[asyncio.BaseProtocol, None],
-    wanted: str,
-    *,
-    forget: tuple[str, ...],
 ) -> asyncio.BaseProtocol | None:
-    """The oldest protocol of ``table`` (in insertion order) whose ``state`` is ``wanted``,
-    unless nothing of what its client sent has been read yet while bytes wait in the kernel
-    (``ReadNoting.read_any``, ``unread_bytes``); it is taken out of ``table``. Those found in
-    a state of ``forget`` are taken out on the way; others are passed over, at most
-    ``MAX_LOOKED``. The search stops at a ``CONNECTING`` one (the rest are newer)."""
+    """The oldest protocol of ``table`` (in insertion order) still ``UNHEARD``, unless nothing
+    of what its client sent has been read yet while bytes wait in the kernel
+    (``ReadNoting.read_any``, ``unread_bytes``); it is taken out of ``table``. Those past
+    their first head, or gone, are taken out on the way; those with bytes arriving are passed
+    over, at most ``MAX_LOOKED``. The search stops at a ``CONNECTING`` one (the rest are
+    newer)."""
     found: asyncio.BaseProtocol | None = None
     dropped: list[asyncio.BaseProtocol] = []
     looked = 0
@@ -151,12 +149,11 @@ def _oldest(
         now = state(protocol)
         if now == CONNECTING:
             break
-        if now in forget:
+        if now != UNHEARD:
             dropped.append(protocol)
             continue
-        if now == wanted and (
-            getattr(protocol, "read_any", True) or not unread_bytes(getattr(protocol, "transport"))  # noqa: B009
-        ):
+        transport = getattr(protocol, "transport")  # noqa: B009
+        if getattr(protocol, "read_any", True) or not unread_bytes(transport):
             found = protocol
             break
         looked += 1
@@ -325,7 +322,7 @@ class BoundedWorker(ASGIWorker):  # type: ignore[misc]  # gunicorn has no type h
         connection still in its handshake has none either, and stops the search while it
         lasts: the newcomer is refused.)
         """
-        protocol = _oldest(self._unheard, UNHEARD, forget=(GONE, BUSY, IDLE))
+        protocol = _oldest_unheard(self._unheard)
         if protocol is not None:
             transport = self._lost(protocol)
             self.refused += 1

@@ -1,5 +1,5 @@
 """Which connection the HTTP worker gives up for a newcomer at its limit
-(``relayproject.gunicorn_worker``: ``state``, ``unread_bytes``, ``_oldest``).
+(``relayproject.gunicorn_worker``: ``state``, ``unread_bytes``, ``_oldest_unheard``).
 
 The protocols are stand-ins with the attributes gunicorn 27's ``ASGIProtocol`` has; the sockets
 are real (a ``socketpair``), so ``unread_bytes`` asks the kernel. ``tests/http/test_capacity.py``
@@ -109,7 +109,7 @@ def test_the_oldest_unheard_goes_and_the_heard_are_forgotten_on_the_way(pairs: l
     idle = connected(pairs, requests=2)
     first, second = connected(pairs), connected(pairs)
     unheard = table(busy, idle, first, second)
-    found = gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE, gw.BUSY, gw.IDLE))
+    found = gw._oldest_unheard(unheard)
     assert found is first
     assert list(unheard) == [second]  # the heard ones are looked at once
 
@@ -120,9 +120,9 @@ def test_a_client_with_unread_bytes_is_passed_over_and_kept(pairs: list[Any]) ->
     sending, silent = connected(pairs), connected(pairs)
     client_of(sending, pairs).sendall(b"POST /api/v1/leases HTTP/1.1\r\n")
     unheard = table(sending, silent)
-    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is silent
+    assert gw._oldest_unheard(unheard) is silent
     assert list(unheard) == [sending]  # looked at again for the next newcomer
-    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is None
+    assert gw._oldest_unheard(unheard) is None
 
 
 def test_a_connection_read_from_and_still_short_of_a_head_is_taken(pairs: list[Any]) -> None:
@@ -132,7 +132,7 @@ def test_a_connection_read_from_and_still_short_of_a_head_is_taken(pairs: list[A
     trickling.read_any = True  # the worker has read its first bytes: "GET /api/v1/hea"
     client_of(trickling, pairs).sendall(b"l")  # and one more waits
     unheard = table(trickling)
-    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is trickling
+    assert gw._oldest_unheard(unheard) is trickling
 
 
 def test_read_noting_notes_the_first_bytes_read(monkeypatch: Any) -> None:
@@ -147,7 +147,7 @@ def test_read_noting_notes_the_first_bytes_read(monkeypatch: Any) -> None:
 def test_the_search_stops_at_a_connection_not_made_yet(pairs: list[Any]) -> None:
     connecting, later = Proto(None), connected(pairs)
     unheard = table(connecting, later)
-    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is None
+    assert gw._oldest_unheard(unheard) is None
     assert len(unheard) == 2
 
 
@@ -158,7 +158,7 @@ def test_at_most_max_looked_are_passed_over(pairs: list[Any], monkeypatch: Any) 
         client_of(proto, pairs).sendall(b"G")
     silent = connected(pairs)
     unheard = table(*sending, silent)
-    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is None
+    assert gw._oldest_unheard(unheard) is None
     monkeypatch.setattr(gw, "MAX_LOOKED", 4)
-    assert gw._oldest(unheard, gw.UNHEARD, forget=(gw.GONE,)) is silent
+    assert gw._oldest_unheard(unheard) is silent
     assert list(unheard) == sending
