@@ -11,8 +11,10 @@ class QueueCoreConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Register system checks, and watch new SQLite connections (the file each one
-        opened, its write-ahead log bound: ``queue_core.storage.sqlite.driver``).
+        """Register system checks, watch new SQLite connections (the file each one opened,
+        its write-ahead log bound: ``queue_core.storage.sqlite.driver``), and turn SQLite's
+        memory statistics off while no connection is open yet
+        (``queue_core.storage.sqlite.library.memory_statistics_off``).
 
         The checks are Relay's settings (``queue_core.checks``) and Django's tasks checks,
         which run each ``TASKS`` backend's ``check()`` (``RelayBackend``: ``relay.E101``...).
@@ -23,5 +25,7 @@ class QueueCoreConfig(AppConfig):
 
         from queue_core import checks  # noqa: F401
         from queue_core.storage.sqlite.driver import watch_connections
+        from queue_core.storage.sqlite.library import memory_statistics_off
 
+        memory_statistics_off()
         watch_connections()

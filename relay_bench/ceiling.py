@@ -47,6 +47,7 @@ import signal
 import sqlite3
 import sys
 import time
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,15 +55,50 @@ from typing import Any
 import orjson
 
 from queue_core.protocol.loops import loop_factory, loop_name
+from queue_core.storage.sqlite.library import memory_statistics_off
 from relay_bench import floor
 
 MAX_LINE_BYTES = 1024 * 1024 + 1  # Relay's default frame limit and its newline
 LEASE_MS = 30_000
 SCHEMAS = ("lean", "relay")
+READERS = ("streams", "protocol")
 NORMAL = 1  # PRAGMA synchronous value of NORMAL (0 OFF, 1 NORMAL, 2 FULL, 3 EXTRA)
 _CLAIM = floor.LEAN_CLAIM.replace("RETURNING id, payload", "RETURNING id, payload, created_at_ms")
 _INSERT = floor.LEAN_INSERT
 _ACK = floor.LEAN_ACK
+
+
+class Sink(typing.Protocol):
+    """Where replies go: an ``asyncio.StreamWriter`` or a transport."""
+
+    def write(self, data: bytes) -> None: ...
+
+
+class LineProtocol(asyncio.Protocol):
+    """One connection read with ``asyncio.Protocol`` callbacks (``--reader protocol``): each
+    whole line of a ``data_received`` goes to ``Ceiling.take`` from the callback itself, with
+    no stream reader, waiter future or task wake-up per request. A line over
+    ``MAX_LINE_BYTES`` closes the connection."""
+
+    def __init__(self, ceiling: Ceiling) -> None:
+        self.ceiling = ceiling
+        self.rest = b""  # the start of a line whose newline has not come yet
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = typing.cast(asyncio.Transport, transport)  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        transport = self.transport
+        assert transport is not None
+        buf = self.rest + data if self.rest else data
+        start, take = 0, self.ceiling.take
+        while (end := buf.find(b"\n", start)) >= 0:
+            take(buf[start : end + 1], transport)
+            start = end + 1
+        self.rest = buf[start:]
+        if len(self.rest) > MAX_LINE_BYTES:
+            transport.close()
 
 
 @dataclass(slots=True)
@@ -70,7 +106,7 @@ class Request:
     """One request waiting for the next group commit: its frame and where its reply goes."""
 
     frame: dict[str, Any]
-    writer: asyncio.StreamWriter
+    writer: Sink
     parked: bool = False  # a long-poll that has waited once (its timer is set)
 
 
@@ -276,29 +312,32 @@ class Ceiling:
         self.loop = asyncio.get_running_loop()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One connection: read frames, answer ``ping`` at once, queue the rest for the next
-        group commit (one request in flight per connection is all the bench sends)."""
+        """One connection read through asyncio's streams (``--reader streams``, as Relay's
+        server reads): read frames, ``take`` each (one request in flight per connection is
+        all the bench sends)."""
         try:
             while line := await reader.readline():
-                try:
-                    frame = orjson.loads(line)
-                    if not isinstance(frame, dict):
-                        raise ValueError("not an object")
-                except ValueError:
-                    self._error(writer, None, "BAD_FRAME", "frame is not a JSON object")
-                    continue
-                if frame.get("op") == "ping":
-                    self._reply(
-                        writer, frame.get("id"), {"pong": True, "server_time_ms": _now_ms()}
-                    )
-                    continue
-                if not self.pending:
-                    self.loop.call_soon(self.commit)
-                self.pending.append(Request(frame, writer))
+                self.take(line, writer)
         except (ConnectionError, asyncio.LimitOverrunError, ValueError):
             pass
         finally:
             writer.close()
+
+    def take(self, line: bytes, writer: Sink) -> None:
+        """One frame: answer ``ping`` at once, queue the rest for the next group commit."""
+        try:
+            frame = orjson.loads(line)
+            if not isinstance(frame, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            self._error(writer, None, "BAD_FRAME", "frame is not a JSON object")
+            return
+        if frame.get("op") == "ping":
+            self._reply(writer, frame.get("id"), {"pong": True, "server_time_ms": _now_ms()})
+            return
+        if not self.pending:
+            self.loop.call_soon(self.commit)
+        self.pending.append(Request(frame, writer))
 
     def commit(self) -> None:
         """Run every queued request in one transaction, commit, then write the replies."""
@@ -417,12 +456,12 @@ class Ceiling:
         self.loop.call_later(wait_ms / 1000, expire)
 
     @staticmethod
-    def _reply(writer: asyncio.StreamWriter, req_id: Any, result: dict[str, Any]) -> None:
+    def _reply(writer: Sink, req_id: Any, result: dict[str, Any]) -> None:
         frame = {"id": req_id, "ok": True, "result": result}
         writer.write(orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE))
 
     @staticmethod
-    def _error(writer: asyncio.StreamWriter, req_id: Any, code: str, message: str) -> None:
+    def _error(writer: Sink, req_id: Any, code: str, message: str) -> None:
         frame = {"id": req_id, "ok": False, "error": {"code": code, "message": message}}
         writer.write(orjson.dumps(frame, option=orjson.OPT_APPEND_NEWLINE))
 
@@ -446,9 +485,14 @@ def _row(job_id: str, queue: str, payload: str, now: int) -> dict[str, Any]:
     }
 
 
-async def _main(path: str, synchronous: str, schema: str, host: str, port: int) -> None:
+async def _main(
+    path: str, synchronous: str, schema: str, host: str, port: int, reader: str = "streams"
+) -> None:
     ceiling = Ceiling(path, synchronous, schema)
-    server = await asyncio.start_server(ceiling.serve, host, port, limit=MAX_LINE_BYTES)
+    if reader == "protocol":
+        server = await ceiling.loop.create_server(lambda: LineProtocol(ceiling), host, port)
+    else:
+        server = await asyncio.start_server(ceiling.serve, host, port, limit=MAX_LINE_BYTES)
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         ceiling.loop.add_signal_handler(signum, stop.set)
@@ -480,6 +524,13 @@ def main(argv: list[str] | None = None) -> int:
         help="lean: the lean floor's table and statements; relay: Relay's own table and the "
         "statements its transitions run there (RelaySql)",
     )
+    parser.add_argument(
+        "--reader",
+        choices=READERS,
+        default="streams",
+        help="streams: asyncio's StreamReader and one task per connection, as Relay's server "
+        "reads; protocol: asyncio.Protocol callbacks (LineProtocol)",
+    )
     parser.add_argument("--address", default="127.0.0.1:0")
     args = parser.parse_args(argv)
     host, _, port = args.address.rpartition(":")
@@ -487,9 +538,10 @@ def main(argv: list[str] | None = None) -> int:
         floor.create_lean(args.db)
     elif args.schema == "relay" and not os.path.exists(args.db):
         parser.error(f"--schema relay needs a migrated Relay database; {args.db} does not exist")
+    memory_statistics_off()  # SQLite configured as in relay_server (QueueCoreConfig.ready)
     factory = loop_factory(os.environ.get("RELAY_EVENT_LOOP", "auto"))  # as relay_server's
     asyncio.run(
-        _main(args.db, args.synchronous.upper(), args.schema, host, int(port)),
+        _main(args.db, args.synchronous.upper(), args.schema, host, int(port), args.reader),
         loop_factory=factory,
     )
     return 0

@@ -10,6 +10,7 @@ after, as issue 15 asks. Usage, from the root of the tree to measure (a checkout
     python -m relay_bench.instructions --objects      # also split each count by shared object
     python -m relay_bench.instructions --server ceiling   # the same phases on relay_bench.ceiling
     python -m relay_bench.instructions --server ceiling --ceiling-schema relay   # on Relay's table
+    python -m relay_bench.instructions --server ceiling --ceiling-reader protocol  # no streams
 
 It starts ``relay_server`` on a fresh migrated file under ``valgrind --tool=callgrind
 --instr-atstart=no``; for each phase (``KIND:CLIENTS``, kinds of ``relay_bench.load``) it fills
@@ -36,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from relay_bench.ceiling import SCHEMAS
+from relay_bench.ceiling import READERS, SCHEMAS
 
 PHASE_DEADLINE_S = 900.0
 DEFAULT_PHASES = "lease_next:1,lease_ack:1,submit:1"
@@ -154,6 +155,7 @@ def count(
     workdir: Path | None = None,
     server: str = "relay",
     ceiling_schema: str = "lean",
+    ceiling_reader: str = "streams",
 ) -> list[Phase]:
     """Count each phase's instructions on one ``relay_server`` under callgrind (see module).
 
@@ -167,16 +169,20 @@ def count(
             (``relay_bench.ceiling`` on a lean floor file): the CPython ceiling's count.
         ceiling_schema: the ceiling's table and statements, ``"lean"`` or ``"relay"`` (on a
             migrated Relay file, ``relay_bench.ceiling.RelaySql``).
+        ceiling_reader: how the ceiling reads its connections, ``"streams"`` or ``"protocol"``
+            (``relay_bench.ceiling``'s ``--reader``).
     Returns:
         ``phases``, filled in.
     Raises:
         RuntimeError: valgrind is missing, or the server did not start or a phase failed.
-        ValueError: an unknown ``server`` or ``ceiling_schema``.
+        ValueError: an unknown ``server``, ``ceiling_schema`` or ``ceiling_reader``.
     """
     if server not in ("relay", "ceiling"):
         raise ValueError(f"unknown server {server!r} (relay or ceiling)")
     if ceiling_schema not in SCHEMAS:
         raise ValueError(f"unknown ceiling schema {ceiling_schema!r} (lean or relay)")
+    if ceiling_reader not in READERS:
+        raise ValueError(f"unknown ceiling reader {ceiling_reader!r} (streams or protocol)")
     need_valgrind()
     from relay_bench import floor, load, procs, scenarios
 
@@ -196,7 +202,9 @@ def count(
                 path = procs.fresh_db(procs.template_db(workdir), workdir, "ceiling")
             else:
                 path = Path(floor.create_lean(str(workdir / "ceiling.db")))
-            process = procs.CeilingProcess(path, synchronous, schema=ceiling_schema, prefix=prefix)
+            process = procs.CeilingProcess(
+                path, synchronous, schema=ceiling_schema, reader=ceiling_reader, prefix=prefix
+            )
         else:
             db = procs.fresh_db(procs.template_db(workdir), workdir, "server")
             process = procs.ServerProcess(db, prefix=prefix, RELAY_SQLITE_SYNCHRONOUS=synchronous)
@@ -261,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
         default="lean",
         help="with --server ceiling: the lean floor's table, or Relay's own",
     )
+    parser.add_argument(
+        "--ceiling-reader",
+        choices=READERS,
+        default="streams",
+        help="with --server ceiling: asyncio streams (as Relay reads) or asyncio.Protocol",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.jobs <= 100_000:
         parser.error("--jobs must be 1..100000")
@@ -277,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                 objects=args.objects,
                 server=args.server,
                 ceiling_schema=args.ceiling_schema,
+                ceiling_reader=args.ceiling_reader,
             ),
             args.objects,
         )

@@ -180,7 +180,8 @@ class CeilingProcess(_Process):
     """``python -m relay_bench.ceiling --db PATH --synchronous LEVEL --schema SCHEMA`` (the
     CPython ceiling, see ``relay_bench.ceiling``; ``schema`` ``"lean"`` on a lean floor file,
     ``"relay"`` on a migrated Relay file) as a subprocess on an ephemeral port, ready on return
-    (``prefix``: a command it runs under, e.g. valgrind's).
+    (``reader``: ``"streams"`` or ``"protocol"``, the ceiling's ``--reader``; ``prefix``: a
+    command it runs under, e.g. valgrind's).
 
     Attributes:
         port: the bound port; ``address``: ``127.0.0.1:PORT``.
@@ -194,10 +195,12 @@ class CeilingProcess(_Process):
         synchronous: str,
         *,
         schema: str = "lean",
+        reader: str = "streams",
         prefix: list[str] | None = None,
     ) -> None:
         argv = [*(prefix or []), sys.executable, "-m", "relay_bench.ceiling", "--db", str(db_path)]
-        argv += ["--synchronous", synchronous, "--schema", schema, "--address", "127.0.0.1:0"]
+        argv += ["--synchronous", synchronous, "--schema", schema, "--reader", reader]
+        argv += ["--address", "127.0.0.1:0"]
         super().__init__(argv, child_env(str(db_path)), "ceiling", "ready")
         self.port = int(self.ready["port"])
         self.address = f"127.0.0.1:{self.port}"

@@ -18,12 +18,15 @@ from django.core.management import call_command
 
 from queue_core import errors
 from queue_core.client import RelayClient
+from relay_bench import ceiling as ceiling_module
 from relay_bench import floor, procs
 
 
-@pytest.fixture
-def ceiling(tmp_path: Path) -> Iterator[procs.CeilingProcess]:
-    server = procs.CeilingProcess(Path(floor.create_lean(str(tmp_path / "c.db"))), "FULL")
+@pytest.fixture(params=ceiling_module.READERS)
+def ceiling(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[procs.CeilingProcess]:
+    """The ceiling on a lean file, reading through asyncio's streams or a ``Protocol``."""
+    path = Path(floor.create_lean(str(tmp_path / "c.db")))
+    server = procs.CeilingProcess(path, "FULL", reader=request.param)
     try:
         yield server
     finally:
@@ -189,3 +192,21 @@ def test_a_request_it_cannot_read_is_refused_alone(
         replies = {r["id"]: r for r in (orjson.loads(stream.readline()) for _ in frames)}
     assert replies[1]["error"]["code"] == replies[2]["error"]["code"] == "INVALID_ARGUMENT"
     assert _rows(tmp_path / "c.db") == {replies[3]["result"]["job"]["id"]: "ready"}
+
+
+def test_lines_split_across_reads_and_several_in_one_are_each_answered(
+    ceiling: procs.CeilingProcess,
+) -> None:
+    """A line's start sent alone, then its rest with two more lines in one write (what
+    ``LineProtocol`` keeps between ``data_received`` calls, when the two arrive apart)."""
+    frames = b"".join(
+        orjson.dumps({"id": n, "op": "submit", "args": {"queue": "s", "payload": n}}) + b"\n"
+        for n in range(3)
+    )
+    with socket.create_connection(("127.0.0.1", ceiling.port), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        stream = sock.makefile("rb")
+        sock.sendall(frames[:7])  # the first line's start alone
+        sock.sendall(frames[7:])  # its rest and two whole lines
+        replies = [orjson.loads(stream.readline()) for _ in range(3)]
+    assert [(r["id"], r["result"]["job"]["payload"]) for r in replies] == [(0, 0), (1, 1), (2, 2)]
