@@ -36,6 +36,47 @@ SEND_TIMEOUT_S = 30.0
 KEEPING_UP_BYTES = 64 * 1024
 
 
+class Slots:
+    """The in-flight requests a connection may still start (``RELAY_MAX_INFLIGHT``): an
+    ``asyncio.Semaphore`` for one waiter, the connection's read loop, which takes a free
+    slot without a coroutine (``take``) and waits only when none is free (``wait``). The
+    library's semaphore made a coroutine and scanned its waiters on every request.
+
+    Args:
+        free: slots free at the start.
+    """
+
+    __slots__ = ("_waiter", "free")
+
+    def __init__(self, free: int) -> None:
+        self.free = free
+        self._waiter: asyncio.Future[None] | None = None
+
+    def take(self) -> bool:
+        """Take a slot if one is free; False (nothing taken) if none is."""
+        if self.free > 0:
+            self.free -= 1
+            return True
+        return False
+
+    async def wait(self) -> None:
+        """Take a slot, waiting until one is released (one caller at a time)."""
+        while self.free <= 0:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        self.free -= 1
+
+    def release(self) -> None:
+        """Give a slot back, waking the waiter."""
+        self.free += 1
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class Conn:
     """One client connection (event-loop thread only)."""
@@ -43,7 +84,7 @@ class Conn:
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
     peer: str
-    slots: asyncio.Semaphore  # in-flight requests left
+    slots: Slots  # in-flight requests left
     budget: ReplyBudget  # the server's reply-byte budget
     # Its requests in progress (tasks, or the writer futures of writes) and reply sends.
     tasks: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)
@@ -58,6 +99,8 @@ class Conn:
     # Loop time by which it must hold a key (keys required): RELAY_AUTH_TIMEOUT_MS from its
     # connect, or from when it lost the key it had (``unauthenticate``). None: no deadline.
     auth_by: float | None = None
+    # The principal its requests last ran as, and their ``dispatch.Context`` (``admit``).
+    context: tuple[Any, Any] | None = None
     send_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     unsent: int = 0  # reply bytes reserved or not yet taken by the kernel (ReplyBudget)
     drained_at: float = 0.0  # loop time it last held nothing or gave bytes back

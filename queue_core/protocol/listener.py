@@ -22,7 +22,7 @@ from queue_core import auth, errors
 from queue_core.conf import relay_settings
 from queue_core.protocol import codec, connection, dispatch, limits
 from queue_core.protocol.budget import ReplyBudget
-from queue_core.protocol.connection import CLOSE_WAIT_S, LINGER_S, Conn, until_idle
+from queue_core.protocol.connection import CLOSE_WAIT_S, LINGER_S, Conn, Slots, until_idle
 from queue_core.protocol.reading import (
     COUNTED_LINE_BYTES,
     WEIGHED_LINE_BYTES,
@@ -174,9 +174,7 @@ class Listener:
         s = relay_settings()
         peername = writer.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
-        conn = Conn(
-            reader, writer, peer, asyncio.Semaphore(s.max_inflight_per_connection), self.budget
-        )
+        conn = Conn(reader, writer, peer, Slots(s.max_inflight_per_connection), self.budget)
         if isinstance(reader, FrameReader):
             reader.owner = conn  # the input budget may cut it from here on
         # A send ends when the transport holds nothing more (not at a low-water mark), so a
@@ -456,7 +454,8 @@ class Listener:
                     # lines with 1 MB of spaces and held every large write back for 18 s).
                     ticket.end()
                     ticket = None
-                await conn.slots.acquire()  # at most max_inflight per connection: else stop
+                if not conn.slots.take():  # at most max_inflight per connection: else stop
+                    await conn.slots.wait()
                 held = self.requests.frame_for(request)
                 if held and not self.budget.try_take(conn, held):
                     await self.budget.reserve(conn, held)  # without reading on

@@ -106,6 +106,7 @@ class FrameReader(asyncio.StreamReader):
     _paused: bool
     _eof: bool
     _exception: BaseException | None
+    _waiter: asyncio.Future[None] | None
     _transport: Any  # a transport, or None (uvloop's is no asyncio.ReadTransport)
     _wait_for_data: Callable[[str], Awaitable[None]]
 
@@ -122,20 +123,34 @@ class FrameReader(asyncio.StreamReader):
         budget.readers.add(self)
 
     def feed_data(self, data: bytes) -> None:  # type: ignore[override]
-        super().feed_data(data)
+        # asyncio's own feed_data and _wakeup_waiter, in one call: the buffer, the waiting
+        # read woken, and past twice the limit the transport paused whatever it holds.
+        assert not self._eof, "feed_data after feed_eof"
+        if not data:
+            return
         buffer = self._buffer
+        buffer.extend(data)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.cancelled():
+                waiter.set_result(None)
         if buffer.endswith(b"\n"):
             self.partial_since = None
         elif self.partial_since is None or b"\n" in data:
             self.partial_since = self.budget.clock()  # a line began in ``data``
+        size = len(buffer)
         if (
-            len(buffer) > self._read_ahead
-            and not self._paused
+            not self._paused
             and self._transport is not None
-            and buffer.find(b"\n") >= 0
+            and (size > 2 * self._limit or (size > self._read_ahead and buffer.find(b"\n") >= 0))
         ):
-            self._transport.pause_reading()
-            self._paused = True
+            try:
+                self._transport.pause_reading()
+            except NotImplementedError:  # as asyncio: a transport that cannot pause
+                self._transport = None
+            else:
+                self._paused = True
         self.budget.recount(self)
 
     def _maybe_resume_transport(self) -> None:

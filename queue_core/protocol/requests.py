@@ -160,9 +160,8 @@ class Requests:
                 weight=_weight(args),
                 queues=_locked_queues(verb, args) if locks else (),
             )
+        conn.tasks.add(future)  # until its reply is written (``answer_write``)
         future.add_done_callback(functools.partial(self.answer_write, conn, request))
-        conn.tasks.add(future)
-        future.add_done_callback(conn.tasks.discard)
         return future
 
     def start_lease(
@@ -198,19 +197,26 @@ class Requests:
                 weight=_weight(args),
                 queues=_locked_queues(verb, args) if self.orders_locks else (),
             )
-        # The frame first, then the reply (callbacks run in the order they were added).
-        future.add_done_callback(functools.partial(self._claimed, conn, held, loop.time()))
-        future.add_done_callback(functools.partial(self.answer_write, conn, request, key="jobs"))
-        conn.tasks.add(future)
-        future.add_done_callback(conn.tasks.discard)
+        conn.tasks.add(future)  # until its reply is written (``answer_write``)
+        future.add_done_callback(functools.partial(self._claimed, conn, request, held, loop.time()))
         return future
 
-    def _claimed(self, conn: Conn, held: int, started: float, future: asyncio.Future[Any]) -> None:
+    def _claimed(
+        self,
+        conn: Conn,
+        request: codec.Request,
+        held: int,
+        started: float,
+        future: asyncio.Future[Any],
+    ) -> None:
         """A claim ``start_lease`` queued has committed or failed: give back the frame it
-        held (the reply holds its own bytes from here, ``answer_write``), and time it."""
+        held (the reply holds its own bytes from here), time it, and answer
+        (``answer_write``). One done-callback, not three: each is a pass of the loop's
+        ready queue."""
         self.budget.give(conn, held)
         if not future.cancelled() and future.exception() is None:
             metrics.CLAIM_SECONDS.observe(asyncio.get_running_loop().time() - started)
+        self.answer_write(conn, request, future, key="jobs")
 
     async def _write_after_ring(
         self, conn: Conn, request: codec.Request, verb: dispatch.Verb
@@ -236,25 +242,30 @@ class Requests:
     ) -> None:
         """Answer a write once its commit is durable, or a lease ``start_lease`` ran once its
         claim has committed (event-loop thread). ``key``: the result's member that holds the
-        leases it hands out (``answer_with_leases``): an ack's ``next``, a lease's ``jobs``."""
-        if future.cancelled():  # the connection is closing
-            conn.slots.release()
-            return
+        leases it hands out (``answer_with_leases``): an ack's ``next``, a lease's ``jobs``.
+        The request leaves ``conn.tasks`` once its reply is written (or handed to a send
+        task, which ``conn.tasks`` holds from then)."""
         try:
-            exc = future.exception()
-            if exc is None:
-                outcome: dispatch.Outcome = future.result()
-                self.apply(outcome)
-                metrics.record(outcome.events)  # committed by now
-                if outcome.result.get(key):
-                    self.answer_with_leases(conn, request, outcome.result, key)
-                    return
-                line = reply_line(request, outcome.result)
-            else:
-                line = error_line(request, exc)
-        except Exception as failure:  # noqa: BLE001 - still answer, and free the slot
-            line = error_line(request, failure)
-        conn.reply_soon(line)
+            if future.cancelled():  # the connection is closing
+                conn.slots.release()
+                return
+            try:
+                exc = future.exception()
+                if exc is None:
+                    outcome: dispatch.Outcome = future.result()
+                    self.apply(outcome)
+                    metrics.record(outcome.events)  # committed by now
+                    if outcome.result.get(key):
+                        self.answer_with_leases(conn, request, outcome.result, key)
+                        return
+                    line = reply_line(request, outcome.result)
+                else:
+                    line = error_line(request, exc)
+            except Exception as failure:  # noqa: BLE001 - still answer, and free the slot
+                line = error_line(request, failure)
+            conn.reply_soon(line)
+        finally:
+            conn.tasks.discard(future)
 
     def _unless_draining(
         self, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context
@@ -385,10 +396,13 @@ class Requests:
         args = dispatch.validate(verb, raw_args)
         if self.draining and verb.op in dispatch.REFUSED_WHILE_DRAINING:
             raise errors.Unavailable()
-        actor = f"tcp:{conn.peer}"
-        if principal.authenticated:
-            actor = f"{actor} {principal.actor}"[:150]
-        return args, dispatch.Context(peer=conn.peer, actor=actor)
+        known = conn.context  # the same for each request while the principal is
+        if known is None or known[0] is not principal:
+            actor = f"tcp:{conn.peer}"
+            if principal.authenticated:
+                actor = f"{actor} {principal.actor}"[:150]
+            known = conn.context = (principal, dispatch.Context(peer=conn.peer, actor=actor))
+        return args, known[1]
 
     async def key_ring(self) -> auth.KeyRing:
         """The key table snapshot; a stale one is read again on the database's key thread

@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from queue_core import errors
 from queue_core.protocol import codec
@@ -64,6 +66,24 @@ def test_decode_request_rejects_bad_frames(frame: bytes) -> None:
     with pytest.raises(errors.BadFrame) as info:
         codec.decode_request(frame)
     assert info.value.code == "BAD_FRAME"
+
+
+@pytest.mark.parametrize(
+    ("frame", "message"),
+    [
+        (b'{"op":"ping","id":"\xff"}\n', "frame is not valid UTF-8"),
+        (b'{"op":"ping","id":"\xed\xa0\x80"}', "frame is not valid UTF-8"),  # a surrogate
+        (b'{"op":"ping","id":"\xc0\xaf"}', "frame is not valid UTF-8"),  # overlong
+        (b'{"op":"ping",}\n', "frame is not valid JSON"),
+        (b"\n", "frame is not valid JSON"),
+    ],
+)
+def test_undecodable_bytes_and_bad_json_are_told_apart(frame: bytes, message: str) -> None:
+    """orjson reads the bytes (no decoded copy); the message still says which fault it was,
+    as Python's strict UTF-8 decoder judges it."""
+    with pytest.raises(errors.BadFrame) as info:
+        codec.decode_request(frame)
+    assert info.value.message.startswith(message)
 
 
 def test_deep_nesting_is_a_bad_frame_not_a_crash() -> None:
@@ -297,3 +317,46 @@ def test_a_deep_chain_of_tuples_is_refused_not_a_crash() -> None:
         "payload INVALID_ARGUMENT payload",
         "",
     ]
+
+
+def _reference_loads(line: bytes) -> object:
+    """The decoding before orjson read bytes: a strict UTF-8 decode, then the text."""
+    body = line[:-1] if line.endswith(b"\n") else line
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return "BAD_UTF8"
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return "BAD_JSON"
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=40),
+        st.builds(
+            lambda head, junk, tail: head + junk + tail,
+            st.sampled_from([b'{"op":"', b'{"id":"', b"[", b'"']),
+            st.binary(max_size=8),
+            st.sampled_from([b'"}', b'"}\n', b"]", b'"', b""]),
+        ),
+        st.recursive(
+            st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=8),
+            lambda inner: (
+                st.lists(inner, max_size=3)
+                | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+            ),
+            max_leaves=6,
+        ).map(lambda v: orjson.dumps(v) + b"\n"),
+    )
+)
+def test_bytes_decode_as_the_text_did(line: bytes) -> None:
+    """Every line: the same value, or the same kind of fault, as decoding it to text first."""
+    expected = _reference_loads(line)
+    try:
+        got: object = codec._loads(line)
+    except errors.BadFrame as exc:
+        got = "BAD_UTF8" if exc.message == "frame is not valid UTF-8" else "BAD_JSON"
+    assert got == expected
