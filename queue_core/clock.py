@@ -275,6 +275,9 @@ class Reading(NamedTuple):
     ready_ms: int
 
 
+_new_tuple = tuple.__new__  # a named tuple from its fields in order, in C
+
+
 class StepGuard:
     """Read a clock and detect steps of its wall time against its monotonic time.
 
@@ -316,19 +319,22 @@ class StepGuard:
                 forward step leases set before it may still be live.
         """
         with self._lock:
-            wall = self.clock.now_ms()
-            mono = self.clock.monotonic()
+            clock = self.clock
+            wall = clock.now_ms()
+            mono = clock.monotonic()
             last = self._last
             self._last = (wall, mono)
-            if wall > self._high:
-                self._high = wall
+            high = self._high
+            if wall > high:
+                self._high = high = wall
             if last is None:
                 drift = 0
             else:
                 drift = (wall - last[0]) - round((mono - last[1]) * 1000)
                 if -tolerance_ms <= drift <= tolerance_ms and not self._offset:
-                    # No step now and none outstanding: the reading of almost every call.
-                    return Reading(wall, wall, -1, self._high)
+                    # No step now and none outstanding: the reading of almost every call,
+                    # built without the named tuple's Python-level __new__.
+                    return _new_tuple(Reading, (wall, wall, -1, high))
                 if drift > tolerance_ms:
                     # The old clock would read wall - drift now: every instant it stamped, in
                     # any process, is at most that; every instant the new one stamps is later.

@@ -56,6 +56,13 @@ def text(field: str, value: Any, *, max_len: int, min_len: int = 1) -> str:
     Raises:
         InvalidArgument: not a string, of the wrong length, or holding NUL or a surrogate.
     """
+    if (
+        type(value) is str
+        and value.isascii()  # no surrogate, without a call (every id and token)
+        and min_len <= len(value) <= max_len
+        and "\x00" not in value
+    ):
+        return value
     if not isinstance(value, str):
         raise _bad(field, f"must be a string, got {type(value).__name__}")
     if not min_len <= len(value) <= max_len:
