@@ -19,13 +19,15 @@ _lock = threading.Lock()
 _state: bool | None = None  # what memory_statistics_off returned the first time
 
 
-def _library() -> ctypes.CDLL:
+def _library() -> ctypes.PyDLL:
     """The SQLite library ``_sqlite3`` is linked with: symbols looked up through the extension
     module's own handle resolve in its dependencies (a system ``libsqlite3.so``), so this is
-    the copy its connections use, not another one on the library path."""
+    the copy its connections use, not another one on the library path. A ``PyDLL``: its calls
+    keep the GIL, so no other Python thread can open a connection between the check that
+    none is open and the shutdown (a ``CDLL`` releases it around each call: a review)."""
     import _sqlite3
 
-    lib = ctypes.CDLL(_sqlite3.__file__)
+    lib = ctypes.PyDLL(_sqlite3.__file__)
     lib.sqlite3_memory_used.restype = ctypes.c_int64
     lib.sqlite3_compileoption_used.argtypes = [ctypes.c_char_p]
     return lib
