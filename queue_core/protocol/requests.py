@@ -212,11 +212,13 @@ class Requests:
         """A claim ``start_lease`` queued has committed or failed: give back the frame it
         held (the reply holds its own bytes from here), time it, and answer
         (``answer_write``). One done-callback, not three: each is a pass of the loop's
-        ready queue."""
-        self.budget.give(conn, held)
-        if not future.cancelled() and future.exception() is None:
-            metrics.CLAIM_SECONDS.observe(asyncio.get_running_loop().time() - started)
-        self.answer_write(conn, request, future, key="jobs")
+        ready queue. The answer runs whatever the first two do, as its own callback did."""
+        try:
+            self.budget.give(conn, held)
+            if not future.cancelled() and future.exception() is None:
+                metrics.CLAIM_SECONDS.observe(asyncio.get_running_loop().time() - started)
+        finally:
+            self.answer_write(conn, request, future, key="jobs")
 
     async def _write_after_ring(
         self, conn: Conn, request: codec.Request, verb: dispatch.Verb

@@ -625,8 +625,8 @@ class SqliteChangeFeed:
 class _ThreadState(threading.local):
     """A thread's write state in ``SqliteDriver`` (``_local``): its transaction's depth,
     connection, cursor, callbacks and levels. The class attributes are the defaults a thread
-    starts from, so reading one needs no ``getattr(..., default)`` (``_depth`` alone was
-    called 11 times per lease+ack)."""
+    starts from, so reading one needs no ``getattr(..., default)`` (the depth alone was
+    read that way 11 times per lease+ack)."""
 
     depth = 0  # 0 outside a write transaction, 1 in it, more in savepoints
     raw: Any = None  # the transaction's sqlite3.Connection (set while depth > 0)
@@ -879,9 +879,6 @@ class SqliteDriver:
         if served is not None and own is not None and own[0] == served[0] and own != served:
             raise self._lost(f"this connection opened another file than the {served[0]} served")
 
-    def _depth(self) -> int:
-        return int(self._local.depth)
-
     def mark(self) -> int:
         """Return the position ``forgive`` compares with: the rows this thread's connection
         has changed so far (sqlite3's ``total_changes``: a failed statement adds none) and
@@ -936,7 +933,7 @@ class SqliteDriver:
                 operation (``commit_fault``).
         """
         local = self._local
-        if self._local.depth == 1 and local.flat:
+        if local.depth == 1 and local.flat:
             # A call of a flat group commit: no savepoint (the caller sets a failure apart
             # with mark/forgive, or rolls everything back). A plain object, not a generator:
             # this runs for every call of every batch.
