@@ -9,7 +9,8 @@ all, or only for Relay's code. A target the ceiling misses cannot be met by any 
 written this way on the same machine; the gap between Relay and the ceiling is what Relay's
 own per-request work costs (its schema, history, validation, guards and layers).
 
-What it does, and no more: one ``asyncio`` stream server, on the event loop Relay's server
+What it does, and no more: one ``asyncio`` stream server (with ``--reader protocol``, one
+``asyncio.Protocol`` per connection instead: ``LineProtocol``), on the event loop Relay's server
 runs on (``RELAY_EVENT_LOOP``: uvloop when installed, ``queue_core.protocol.loops``), speaking
 the NDJSON frames of ``docs/protocol.md`` for ``ping``, ``submit``, ``submit_batch``,
 ``lease`` (``max_jobs`` 1, ``wait_ms`` long-poll) and ``ack`` (with
@@ -31,8 +32,8 @@ fail halfway), crash recovery. With ``--schema relay`` it pays for Relay's table
 indexes, CHECK constraints and count trigger), the aged-class claim, the counts and the
 attempt history, and still leaves the rest out: what a server of this kind can reach on
 Relay's schema. Run it as ``python -m relay_bench.ceiling --db PATH --synchronous FULL
-[--schema lean|relay] [--address 127.0.0.1:0]``; it logs ``{"event": "ready", "port": N}``
-on stderr and stops on SIGTERM.
+[--schema lean|relay] [--reader streams|protocol] [--address 127.0.0.1:0]``; it logs
+``{"event": "ready", "port": N}`` on stderr and stops on SIGTERM.
 """
 
 from __future__ import annotations
@@ -508,7 +509,7 @@ async def _main(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m relay_bench.ceiling --db PATH [--synchronous LEVEL] [--schema lean|relay]
-    [--address H:P]``."""
+    [--reader streams|protocol] [--address H:P]``."""
     parser = argparse.ArgumentParser(prog="python -m relay_bench.ceiling")
     parser.add_argument(
         "--db",
