@@ -92,15 +92,14 @@ def refusal_response() -> bytes:
 CONNECTING = "connecting"  # connection_made has not run (same accept burst, or a TLS handshake)
 GONE = "gone"  # closing or lost
 UNHEARD = "unheard"  # its first request's whole head has not been read
-BUSY = "busy"  # a request is being read or served, or an app call is finishing
-IDLE = "idle"  # kept alive between requests
+HEARD = "heard"  # past it: a request in progress, or kept alive between requests
 MAX_LOOKED = 64  # connections passed over for one newcomer, at most
 
 
 def state(protocol: asyncio.BaseProtocol) -> str:
     """What gunicorn's ``protocol`` (an ``ASGIProtocol``) is doing: ``CONNECTING``, ``GONE``,
-    ``UNHEARD``, ``BUSY`` or ``IDLE``, read from its attributes (gunicorn 27: ``transport``,
-    ``_conn_lost_handled``, ``_current_request``, ``req_count``, ``_finishing_calls``).
+    ``UNHEARD`` or ``HEARD``, read from its attributes (gunicorn 27: ``transport``,
+    ``_conn_lost_handled``, ``_current_request``, ``req_count``).
 
     Between ``_current_request`` cleared after a request and ``req_count`` raised for the
     next, gunicorn's loop does not yield, so ``req_count <= 1`` with no request is the
@@ -111,12 +110,10 @@ def state(protocol: asyncio.BaseProtocol) -> str:
     if transport.is_closing() or getattr(protocol, "_conn_lost_handled", True):
         return GONE
     if getattr(protocol, "_current_request", None) is not None:
-        return BUSY
+        return HEARD
     if getattr(protocol, "req_count", 2) <= 1:
         return UNHEARD
-    if getattr(protocol, "_finishing_calls", None):
-        return BUSY
-    return IDLE
+    return HEARD
 
 
 def unread_bytes(transport: asyncio.BaseTransport) -> int:

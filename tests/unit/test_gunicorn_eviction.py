@@ -40,7 +40,6 @@ class Proto(asyncio.Protocol):
         self._conn_lost_handled = False
         self._current_request: object | None = None
         self.req_count = requests
-        self._finishing_calls: dict[object, object] = {}
         self.read_any = False  # gw.ReadNoting's: nothing read from the client yet
 
 
@@ -72,11 +71,12 @@ def test_state_reads_what_gunicorn_is_doing(pairs: list[Any]) -> None:
     first = connected(pairs, requests=1)  # waiting for the first head
     assert gw.state(first) == gw.UNHEARD
     first._current_request = object()  # the head is read: a request in progress
-    assert gw.state(first) == gw.BUSY
+    assert gw.state(first) == gw.HEARD
     idle = connected(pairs, requests=2)  # one request served, waiting for the next
-    assert gw.state(idle) == gw.IDLE
-    idle._finishing_calls[object()] = None  # an app call still finishing
-    assert gw.state(idle) == gw.BUSY
+    assert gw.state(idle) == gw.HEARD
+    first._current_request = None  # served; gunicorn raises req_count before the next head
+    first.req_count = 2
+    assert gw.state(first) == gw.HEARD
     gone = connected(pairs, requests=2)
     gone._conn_lost_handled = True
     assert gw.state(gone) == gw.GONE
