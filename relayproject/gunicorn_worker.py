@@ -40,10 +40,8 @@ all of it against the gunicorn version in the lock (pyproject.toml allows 27.x o
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import functools
 import logging
-import struct
 import termios
 import weakref
 from collections.abc import Callable
@@ -54,7 +52,7 @@ from gunicorn.asgi.protocol import ASGIProtocol
 from gunicorn.workers.gasgi import ASGIWorker
 
 from queue_core.errors import TooManyConnections
-from queue_core.protocol.limits import ACCEPT_LOG_EVERY_S, Every, connection_cap
+from queue_core.protocol.limits import ACCEPT_LOG_EVERY_S, Every, connection_cap, kernel_queue
 
 log = logging.getLogger("relay.http")
 
@@ -119,15 +117,7 @@ def state(protocol: asyncio.BaseProtocol) -> str:
 def unread_bytes(transport: asyncio.BaseTransport) -> int:
     """How many bytes the kernel holds for ``transport``'s socket that the worker has not read
     (``FIONREAD``); 0 without a socket or when the kernel does not say."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return 0
-    try:
-        raw = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
-    except OSError:
-        return 0
-    count: int = struct.unpack("i", raw)[0]
-    return count
+    return kernel_queue(transport.get_extra_info("socket"), termios.FIONREAD) or 0
 
 
 def _oldest_unheard(

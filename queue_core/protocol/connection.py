@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import logging
-import sys
 import termios
 import time
 from collections.abc import Callable, Iterable
@@ -21,7 +19,7 @@ from typing import Any
 
 from queue_core import auth, errors, metrics
 from queue_core.conf import relay_settings
-from queue_core.protocol import codec
+from queue_core.protocol import codec, limits
 from queue_core.protocol.budget import ReplyBudget
 
 log = logging.getLogger("relay.server")
@@ -318,14 +316,8 @@ class Conn:
         ``KEEPING_UP_BYTES`` of it unsent or unacknowledged (Linux ``SIOCOUTQ``). Asked only
         over the server budget (``ReplyBudget.fits``): a client that left a megabyte of
         replies in the kernel takes no frame beyond it. True where it cannot be told."""
-        sock = self.writer.get_extra_info("socket")
-        if sock is None:
-            return True
-        try:
-            queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
-        except (OSError, ValueError):  # closed, or not a socket the ioctl knows
-            return True
-        return int.from_bytes(queued, sys.byteorder, signed=True) <= KEEPING_UP_BYTES
+        queued = limits.kernel_queue(self.writer.get_extra_info("socket"), termios.TIOCOUTQ)
+        return queued is None or queued <= KEEPING_UP_BYTES
 
     def ended(self, task: asyncio.Future[Any]) -> None:
         """A request that was in progress at an idle deadline ended: idleness counts from now

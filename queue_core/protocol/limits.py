@@ -13,9 +13,12 @@ is logged at most once per ``ACCEPT_LOG_EVERY_S`` with a count.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import resource
+import socket
+import sys
 import time
 from typing import Any
 
@@ -145,3 +148,17 @@ class QuietAcceptErrors:
             extra={"event": "accept_failed", "error": repr(exc), "suppressed": self.suppressed},
         )
         self.suppressed = 0
+
+
+def kernel_queue(sock: socket.socket | None, request: int) -> int | None:
+    """Bytes the kernel holds for ``sock``: its receive queue, not yet read
+    (``termios.FIONREAD``), or its send queue, unsent or not yet acknowledged by the peer
+    (``termios.TIOCOUTQ``, Linux's ``SIOCOUTQ``). None without a socket, or when the kernel
+    does not say (closed, or not a socket the ioctl knows)."""
+    if sock is None:
+        return None
+    try:
+        raw = fcntl.ioctl(sock.fileno(), request, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return None
+    return int.from_bytes(raw, sys.byteorder, signed=True)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
+import socket
+import termios
 
 import pytest
 
 from queue_core import errors
 from queue_core.protocol import limits
+from tests.waits import wait_until
 
 
 def test_expected_failures_log_one_line_per_interval_without_a_traceback(
@@ -45,3 +49,27 @@ def test_the_connection_limit_fits_the_descriptors_left() -> None:
     assert soft <= soft_now <= hard  # raised as far as allowed, never lowered
     assert 0 < capped <= soft_now - limits.FD_RESERVE
     assert limits.connection_cap(10) == 10  # a limit that fits is kept
+
+
+def test_kernel_queue_reads_both_queues_of_a_real_tcp_connection() -> None:
+    """``kernel_queue`` (``Conn.keeps_up``'s send queue, the HTTP worker's unread bytes):
+    what the peer sent and nobody read, and what was sent to a peer that reads nothing."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        with client, accepted:
+            client.sendall(b"x" * 1000)
+            wait_until(
+                lambda: limits.kernel_queue(accepted, termios.FIONREAD) == 1000,
+                what="the 1,000 bytes sent, unread, in the receive queue",
+                timeout_s=10,
+            )
+            accepted.setblocking(False)
+            sent = 0
+            with contextlib.suppress(BlockingIOError):
+                while True:  # until the kernel takes no more: the client reads nothing
+                    sent += accepted.send(b"y" * 65536)
+            queued = limits.kernel_queue(accepted, termios.TIOCOUTQ)
+            assert queued is not None and 0 < queued <= sent
+        assert limits.kernel_queue(accepted, termios.FIONREAD) is None  # closed
+    assert limits.kernel_queue(None, termios.TIOCOUTQ) is None
