@@ -35,10 +35,11 @@ KEEPING_UP_BYTES = 64 * 1024
 
 
 class Slots:
-    """The in-flight requests a connection may still start (``RELAY_MAX_INFLIGHT``): an
-    ``asyncio.Semaphore`` for one waiter, the connection's read loop, which takes a free
-    slot without a coroutine (``take``) and waits only when none is free (``wait``). The
-    library's semaphore made a coroutine and scanned its waiters on every request.
+    """The in-flight requests a connection may still start
+    (``RELAY_MAX_INFLIGHT_PER_CONNECTION``): an ``asyncio.Semaphore`` for one waiter, the
+    connection's read loop, which takes a free slot without a coroutine (``take``) and waits
+    only when none is free (``wait``). The library's semaphore made a coroutine and scanned
+    its waiters on every request.
 
     Args:
         free: slots free at the start.

@@ -6,17 +6,17 @@ the first connection.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.procs import command_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(code: str, tmp_path: Path, *argv: str) -> str:
-    env = dict(os.environ, RELAY_DB=str(tmp_path / "relay.db"), PYTHONPATH=str(ROOT))
-    env.pop("DJANGO_SETTINGS_MODULE", None)  # manage.py's own (relayproject.settings)
+    env = command_env(str(tmp_path / "relay.db"), PYTHONPATH=str(ROOT))
     done = subprocess.run(
         [sys.executable, *argv, code],
         cwd=ROOT,
