@@ -9,6 +9,7 @@ the previous one drained, so a client that reads nothing pins at most
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -32,6 +33,11 @@ SEND_TIMEOUT_S = 30.0
 # A client whose kernel send queue holds at most this many reply bytes keeps up with its
 # replies (``Conn.keeps_up``).
 KEEPING_UP_BYTES = 64 * 1024
+# Replies that handed out jobs and are with the kernel, not yet acknowledged by the client
+# (``Conn.in_kernel``): looked over once this many are remembered, and at most
+# IN_KERNEL_MAX kept (about 0.5 KB each: the oldest beyond it are forgotten).
+IN_KERNEL_PRUNE_AT = 64
+IN_KERNEL_MAX = 4096
 
 
 class Slots:
@@ -119,6 +125,13 @@ class Conn:
     # of each line and what to call should it not reach the kernel after all (``send``'s
     # ``lost``), decided by ``settle_undelivered``.
     undelivered: list[tuple[int, Callable[[], object]]] = dataclasses.field(default_factory=list)
+    # Replies that handed out jobs, whole with the kernel but perhaps not yet with the client:
+    # the end offset of each and its ``lost``, oldest first (``handed``, ``give_back_unacked``).
+    in_kernel: collections.deque[tuple[int, Callable[[], object]]] = dataclasses.field(
+        default_factory=collections.deque
+    )
+    # len(in_kernel) at which it is next looked over (``handed``)
+    prune_at: int = dataclasses.field(default_factory=lambda: IN_KERNEL_PRUNE_AT)
 
     def unauthenticate(self, *, revoked: bool = False) -> None:
         """Forget the connection's key (refused at a later ``hello``, or ``revoked``): it may
@@ -154,11 +167,15 @@ class Conn:
                 if self.writer.is_closing() or self.eof_sent:
                     return False
                 end = self._write(line)
-                if not self.writer.transport.get_write_buffer_size():
-                    # The kernel took the whole line (the usual case): nothing to wait for.
-                    # A failed write closes the transport, so it is reported as not sent.
-                    return not self.writer.is_closing()
-                return await self._drained() and self.reached_kernel(end)
+                if self.writer.transport.get_write_buffer_size():
+                    if not (await self._drained() and self.reached_kernel(end)):
+                        return False
+                elif self.writer.is_closing():
+                    return False  # a failed write closes the transport: not sent
+                # Else the kernel took the whole line at once (the usual case).
+                if lost is not None:
+                    self.handed(end, lost)
+                return True
         except asyncio.CancelledError:
             self.cancelled_send(lost, end)
             raise
@@ -197,6 +214,54 @@ class Conn:
         for end, lost in undelivered:
             if not self.reached_kernel(end):
                 lost()
+            else:
+                self.handed(end, lost)
+
+    def handed(self, end: int, lost: Callable[[], object]) -> None:
+        """A reply that hands out jobs is whole with the kernel, up to offset ``end``
+        (``written``): remember its ``lost`` until the client has acknowledged it, so an
+        ``abort`` can give its jobs back (``give_back_unacked``).
+
+        Every ``IN_KERNEL_PRUNE_AT`` replies (or more, while many stay unacknowledged) one
+        ``ioctl`` forgets those the client has; past ``IN_KERNEL_MAX`` the oldest are
+        forgotten anyway (an abort strands their jobs until their leases expire, as
+        before)."""
+        in_kernel = self.in_kernel
+        in_kernel.append((end, lost))
+        if len(in_kernel) >= self.prune_at:
+            acked = self.acked()
+            if acked is not None:
+                while in_kernel and in_kernel[0][0] <= acked:
+                    in_kernel.popleft()
+            while len(in_kernel) > IN_KERNEL_MAX:
+                in_kernel.popleft()
+            self.prune_at = min(max(IN_KERNEL_PRUNE_AT, 2 * len(in_kernel)), IN_KERNEL_MAX + 1)
+
+    def acked(self) -> int | None:
+        """The offset (of ``written``) up to which the client's kernel has acknowledged our
+        bytes: what the transport and our kernel's send queue (Linux ``SIOCOUTQ``: unsent or
+        unacknowledged) no longer hold. Those bytes survive a reset: the client can still read
+        them. None where it cannot be told (a closed socket, or no such ioctl)."""
+        unacked = limits.kernel_queue(self.writer.get_extra_info("socket"), termios.TIOCOUTQ)
+        if unacked is None:
+            return None
+        return self.written - self.writer.transport.get_write_buffer_size() - unacked
+
+    def give_back_unacked(self) -> None:
+        """Before a reset: call ``lost`` for each reply the kernel holds that the client
+        has not acknowledged (the reset destroys it unread), and forget them all. Bytes the
+        client acknowledges between this reading and the reset are taken as lost too: such a
+        job goes back although its reply arrives (its ack then reads as stale), which
+        at-least-once allows; a job whose reply never arrives must not stay leased."""
+        if not self.in_kernel:
+            return
+        in_kernel, self.in_kernel = self.in_kernel, collections.deque()
+        acked = self.acked()
+        if acked is None:
+            return
+        for end, lost in in_kernel:
+            if end > acked:
+                lost()
 
     async def _drained(self) -> bool:
         """Wait (holding the send turn) for the socket buffer to drain; False if the reader
@@ -232,8 +297,11 @@ class Conn:
         """
         now = self.write_now(line)
         if now in ("dropped", "sent"):
-            if now == "dropped" and lost is not None:
-                lost()
+            if lost is not None:
+                if now == "dropped":
+                    lost()
+                else:
+                    self.handed(self.written, lost)
             self.slots.release()
             return
         # Buffered: its end offset is what the transport has been given so far.
@@ -274,10 +342,14 @@ class Conn:
         end = self.written if end is None else end
         try:
             async with self.send_lock:
-                return await self._drained() and self.reached_kernel(end)
+                if not (await self._drained() and self.reached_kernel(end)):
+                    return False
         except asyncio.CancelledError:
             self.cancelled_send(lost, end)
             raise
+        if lost is not None:
+            self.handed(end, lost)
+        return True
 
     async def close_gracefully(self) -> None:
         """Close our side (FIN), discard what the client still sends for up to ``LINGER_S``,
@@ -287,6 +359,11 @@ class Conn:
         replies the client has not read yet (a shutdown while it pipelines requests, an
         oversize frame behind its requests); a client still sending its oversize frame would
         see "connection reset" instead of the error. So the rest is read and thrown away first.
+
+        A client that neither closed its side nor acknowledged every reply that handed out
+        jobs by then is reset (``abort``), and those jobs go back: a reset, ours (input
+        unread at the close) or its kernel's (input arriving after it), would destroy them
+        unread, and they would stay leased until their leases expired.
         """
         with contextlib.suppress(Exception):
             if not self.eof_sent and self.writer.can_write_eof():
@@ -295,6 +372,11 @@ class Conn:
             async with asyncio.timeout(LINGER_S):
                 while await self.reader.read(65536):
                     pass
+        if self.in_kernel and not self.reader.at_eof():
+            acked = self.acked()
+            if acked is not None and acked < self.in_kernel[-1][0]:
+                self.abort()
+                return
         self.writer.close()
 
     def abort(self) -> None:
@@ -305,6 +387,7 @@ class Conn:
         if self.kernel_had is None:
             self.kernel_had = self.written - self.writer.transport.get_write_buffer_size()
         self.settle_undelivered()
+        self.give_back_unacked()
         self.writer.transport.abort()
 
     def backed_up(self) -> bool:

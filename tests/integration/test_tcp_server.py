@@ -1691,6 +1691,96 @@ def test_a_reset_while_a_shutdown_flushes_gives_back_the_jobs_of_cancelled_sends
     assert Job.objects.filter(state="leased").count() == 0
 
 
+def received_jobs(client: Client) -> set[str]:
+    """The job ids of the whole lease replies ``client`` can still read (after its
+    connection was reset: what its kernel had acknowledged)."""
+    client.sock.settimeout(15)
+    data = bytearray()
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := client.sock.recv(65536):
+            data += chunk
+    lines = bytes(data).split(b"\n")[:-1]  # the last is cut short, or empty
+    return {job["job_id"] for line in lines for job in orjson.loads(line)["result"]["jobs"]}
+
+
+@pytest.mark.parametrize("how", ["shutdown", "abort"])
+def test_jobs_of_replies_the_kernel_held_unacknowledged_at_a_reset_go_back(
+    start: Callable[..., Running], how: str
+) -> None:
+    # A client pipelines leases of small jobs and reads nothing. Whole replies pile up in the
+    # server's kernel beyond what the client acknowledged, then in the transport. A shutdown
+    # (or a budget cut: an abort) resets the connection, which destroys what the kernel held
+    # unacknowledged: those jobs must be READY again, not leased to replies nobody can read
+    # (before: 10,077 of 30,000 in a hostile review; on PostgreSQL no restart recovers them).
+    # What the client's kernel had acknowledged survives the reset: exactly those stay LEASED.
+    running = start()
+    producer = Client(running.port)
+    batch = [{"queue": "ka", "payload": {"i": i, "pad": "p" * 100}} for i in range(3000)]
+    for at in range(0, len(batch), 500):
+        producer.ok("submit_batch", jobs=batch[at : at + 500])
+    producer.close()
+    ghost = Client(running.port)
+    assert ghost.ok("ping")["pong"] is True
+    ghost.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn = conn_of(running, ghost)
+    conn.writer.transport.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024
+    )
+    lease = {"op": "lease", "args": {"queues": ["ka"], "worker_id": "ghost"}}
+    ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(3000)))
+    # The kernel is full (the transport holds the rest), and whole replies in it are unread.
+    wait_for(lambda: conn.backed_up() and len(conn.in_kernel) > 100)
+    assert Job.objects.filter(state="leased").count() > 100
+    if how == "shutdown":
+        running.stop()
+    else:
+        loop = running.server._loop
+        assert loop is not None
+        loop.call_soon_threadsafe(conn.abort)
+        wait_for(lambda: not running.server._conns)
+    received = received_jobs(ghost)
+    ghost.close()
+
+    def leased() -> set[str]:
+        return set(Job.objects.filter(state="leased").values_list("id", flat=True))
+
+    wait_for(lambda: leased() == received)
+    assert Job.objects.filter(state="ready").count() == 3000 - len(received)
+
+
+def test_replies_a_client_has_read_are_forgotten_and_unread_ones_are_capped(
+    start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker that reads its replies leaves nothing remembered beyond one look-over's worth
+    # (one ioctl per IN_KERNEL_PRUNE_AT lease replies); one that reads nothing, at most
+    # IN_KERNEL_MAX, however many of its replies the kernel holds.
+    monkeypatch.setattr(connection, "IN_KERNEL_PRUNE_AT", 8)
+    monkeypatch.setattr(connection, "IN_KERNEL_MAX", 40)
+    running = start()
+    producer = Client(running.port)
+    producer.ok("submit_batch", jobs=[{"queue": "kr", "payload": i} for i in range(400)])
+    worker = Client(running.port)
+    assert worker.ok("ping")["pong"] is True
+    conn = conn_of(running, worker)
+    most = 0
+    for _ in range(100):
+        job = worker.ok("lease", queues=["kr"], worker_id="w")["jobs"][0]
+        worker.ok("ack", job_id=job["job_id"], worker_id="w", lease_token=job["lease_token"])
+        most = max(most, len(conn.in_kernel))
+    assert 0 < most <= 8
+    ghost = Client(running.port)
+    assert ghost.ok("ping")["pong"] is True
+    ghost.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn = conn_of(running, ghost)
+    lease = {"op": "lease", "args": {"queues": ["kr"], "worker_id": "ghost"}}
+    ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(300)))
+    wait_for(lambda: Job.objects.filter(state="ready").count() == 0)
+    assert len(conn.in_kernel) == 40  # 300 replies unread, in the kernel: the newest 40
+    reset(ghost)
+    reset(worker)
+    producer.close()
+
+
 def test_a_long_poll_whose_claim_waits_past_a_shutdown_leases_nothing(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,103 @@
+"""A shutdown with clients that pipeline leases and read none of their replies, against a
+real ``relay_server`` process, on SQLite and on PostgreSQL (``relay_db``).
+
+Such a client's lease replies wait in the server's kernel, unacknowledged. At the shutdown
+the server closes our side, and the client goes on sending: a reset (the server's, closing
+with its input unread, or its kernel's, for input after the close) destroys those replies
+unread. Their jobs must be READY once the server has exited, not LEASED to replies nobody
+can read: before, a hostile review left 10,077 of 30,000 so, and on PostgreSQL, where other
+servers go on serving, they waited for their leases to expire. What each client's kernel had
+acknowledged survives the reset and is read afterwards: exactly those jobs stay LEASED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+import time
+
+import orjson
+import pytest
+
+from queue_core.client import RelayClient
+from tests.procs import Spawner
+from tests.relay_db import DATABASES, RelayDb
+from tests.waits import wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, databases=DATABASES)]
+
+CLIENTS = 3
+JOBS = 6000
+SEND_FOR_S = 60.0  # each client's sending ends at the latest after this
+
+
+def received(sock: socket.socket) -> set[str]:
+    """The job ids of the whole lease replies ``sock`` can still read (its connection was
+    reset: what its kernel had acknowledged)."""
+    sock.settimeout(15)
+    data = bytearray()
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    lines = bytes(data).split(b"\n")[:-1]  # the last is cut short, or empty
+    return {
+        job["job_id"]
+        for line in lines
+        for job in (orjson.loads(line).get("result") or {}).get("jobs", [])
+    }
+
+
+def pipeline_leases(sock: socket.socket, stop: threading.Event) -> None:
+    """Send lease requests, 50 a write, until the connection fails, ``stop`` is set or
+    ``SEND_FOR_S`` passes; read nothing."""
+    lease = {"op": "lease", "args": {"queues": ["sr"], "worker_id": "slow"}}
+    frames = b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(50))
+    ends = time.monotonic() + SEND_FOR_S
+    with contextlib.suppress(OSError):
+        while not stop.is_set() and time.monotonic() < ends:
+            sock.sendall(frames)
+
+
+def test_a_shutdown_leaves_leased_only_the_jobs_whose_replies_the_clients_can_read(
+    spawn: Spawner, relay_db: RelayDb
+) -> None:
+    server, port = spawn.server(RELAY_SHUTDOWN_GRACE_MS="200")
+    with RelayClient(f"127.0.0.1:{port}") as producer:
+        for at in range(0, JOBS, 500):
+            producer.submit_batch(
+                [{"queue": "sr", "payload": {"i": i}} for i in range(at, at + 500)]
+            )
+    stop = threading.Event()
+    clients, senders = [], []
+    for _ in range(CLIENTS):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and it reads nothing
+        sock.connect(("127.0.0.1", port))
+        sock.settimeout(SEND_FOR_S)
+        clients.append(sock)
+        senders.append(threading.Thread(target=pipeline_leases, args=(sock, stop), daemon=True))
+    for sender in senders:
+        sender.start()
+
+    def leased() -> int:
+        return int(relay_db.rows("SELECT COUNT(*) FROM relay_job WHERE state = 'leased'")[0][0])
+
+    at_signal = wait_until(lambda: (n := leased()) >= 1500 and n, what="1,500 leases")
+    server.signal(signal.SIGTERM)
+    code = server.wait_exit(60)
+    stop.set()
+    for sender in senders:
+        sender.join(SEND_FOR_S)
+    assert code == 0
+    readable: set[str] = set()
+    for sock in clients:
+        readable |= received(sock)
+        sock.close()
+    held = {r[0] for r in relay_db.rows("SELECT id FROM relay_job WHERE state = 'leased'")}
+    assert held == readable, (len(held), len(readable), len(held - readable))
+    (ready,) = relay_db.rows("SELECT COUNT(*) FROM relay_job WHERE state = 'ready'")
+    assert ready[0] == JOBS - len(readable)
+    assert len(readable) < at_signal  # replies were destroyed: their jobs went back
+    relay_db.audit()
