@@ -219,11 +219,11 @@ class Conn:
 
     def handed(self, end: int, lost: Callable[[], object]) -> None:
         """A reply that hands out jobs is whole with the kernel, up to offset ``end``
-        (``written``): remember its ``lost`` until the client has acknowledged it, so an
-        ``abort`` can give its jobs back (``give_back_unacked``).
+        (``written``): remember its ``lost`` until the client has acknowledged it, so a reset
+        (``abort``, or the client's) can give its jobs back (``give_back_unacked``).
 
         Every ``IN_KERNEL_PRUNE_AT`` replies (or more, while many stay unacknowledged) one
-        ``ioctl`` forgets those the client has; past ``IN_KERNEL_MAX`` the oldest are
+        ``getsockopt`` forgets those the client has; past ``IN_KERNEL_MAX`` the oldest are
         forgotten anyway (an abort strands their jobs until their leases expire, as
         before)."""
         in_kernel = self.in_kernel
@@ -239,20 +239,20 @@ class Conn:
 
     def acked(self) -> int | None:
         """The offset (of ``written``) up to which the client's kernel has acknowledged our
-        bytes: what the transport and our kernel's send queue (Linux ``SIOCOUTQ``: unsent or
-        unacknowledged) no longer hold. Those bytes survive a reset: the client can still read
-        them. None where it cannot be told (a closed socket, or no such ioctl)."""
-        unacked = limits.kernel_queue(self.writer.get_extra_info("socket"), termios.TIOCOUTQ)
-        if unacked is None:
-            return None
-        return self.written - self.writer.transport.get_write_buffer_size() - unacked
+        bytes (``limits.bytes_acked``): those survive a reset, and the client can still read
+        them. None where it cannot be told (a closed socket, not Linux)."""
+        return limits.bytes_acked(self.writer.get_extra_info("socket"))
 
     def give_back_unacked(self) -> None:
-        """Before a reset: call ``lost`` for each reply the kernel holds that the client
-        has not acknowledged (the reset destroys it unread), and forget them all. Bytes the
-        client acknowledges between this reading and the reset are taken as lost too: such a
-        job goes back although its reply arrives (its ack then reads as stale), which
-        at-least-once allows; a job whose reply never arrives must not stay leased."""
+        """Before our reset (``abort``), or as the client's reset is seen
+        (``listener.ConnProtocol``): call ``lost`` for each reply the kernel holds that the
+        client has not acknowledged (the reset destroys it unread), and forget them all.
+
+        A job whose reply never arrives must not stay leased until its lease expires. The
+        price: bytes the client's kernel took but had not acknowledged yet (a delayed ACK;
+        or, before our reset, bytes acknowledged after this reading) are taken as lost too,
+        and such a job goes back although its reply arrives (an ack for it is then refused as
+        stale, and it runs again), which at-least-once delivery allows."""
         if not self.in_kernel:
             return
         in_kernel, self.in_kernel = self.in_kernel, collections.deque()

@@ -162,3 +162,26 @@ def kernel_queue(sock: socket.socket | None, request: int) -> int | None:
     except (OSError, ValueError):
         return None
     return int.from_bytes(raw, sys.byteorder, signed=True)
+
+
+# Where Linux's ``struct tcp_info`` keeps ``tcpi_bytes_acked`` (a u64, since Linux 4.1): the
+# struct only grows at its end, so the offset holds on every later kernel.
+TCPI_BYTES_ACKED = slice(120, 128)
+
+
+def bytes_acked(sock: socket.socket | None) -> int | None:
+    """Bytes of what ``sock`` sent that the peer's kernel has acknowledged, counted from the
+    connection's first byte (Linux ``TCP_INFO``'s ``tcpi_bytes_acked``, RFC 4898's
+    ``tcpEStatsAppHCThruOctetsAcked``). A reset destroys what was sent beyond it, and not
+    what it counts: the peer can still read that. It stays readable after the peer reset
+    the connection, until the socket is closed. None without a socket, or when the kernel
+    does not say (closed, not TCP, a kernel before 4.1)."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except (OSError, ValueError):
+        return None
+    if len(info) < TCPI_BYTES_ACKED.stop:
+        return None
+    return int.from_bytes(info[TCPI_BYTES_ACKED], sys.byteorder)

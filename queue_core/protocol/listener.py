@@ -113,6 +113,30 @@ class ReadDeadline:
             self._timer = None
 
 
+class ConnProtocol(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, telling the connection when its client reset it.
+
+    A reset from the client destroys the replies our kernel held that its kernel had not
+    acknowledged: it never had them. While ``connection_lost`` runs the socket is still open,
+    so how much was acknowledged can still be read, and the jobs of the other replies go back
+    at once (``Conn.give_back_unacked``) rather than when their leases expire.
+
+    Args:
+        reader: the connection's reader; its ``owner`` is the connection once it has one.
+        on_connect: ``Listener.on_connect``.
+    """
+
+    def __init__(self, reader: FrameReader, on_connect: Any) -> None:
+        super().__init__(reader, on_connect)
+        self.frames = reader
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        owner = self.frames.owner
+        if exc is not None and isinstance(owner, Conn):  # None: we closed or aborted it
+            owner.give_back_unacked()
+        super().connection_lost(exc)
+
+
 class Listener:
     """The open connections of one server and their read loops (event-loop thread only).
 
@@ -145,7 +169,7 @@ class Listener:
     def protocol(self) -> asyncio.StreamReaderProtocol:
         """A new connection's protocol (``loop.create_server``'s factory)."""
         limit = relay_settings().max_frame_bytes + 2
-        return asyncio.StreamReaderProtocol(FrameReader(limit, self.input), self.on_connect)
+        return ConnProtocol(FrameReader(limit, self.input), self.on_connect)
 
     async def close_all(self) -> None:
         """Stop reading, let requests in progress answer (up to ``CLOSE_WAIT_S``), close."""

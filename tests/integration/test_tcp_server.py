@@ -1748,6 +1748,54 @@ def test_jobs_of_replies_the_kernel_held_unacknowledged_at_a_reset_go_back(
     assert Job.objects.filter(state="ready").count() == 3000 - len(received)
 
 
+def test_a_client_reset_gives_back_the_jobs_of_replies_its_kernel_never_had(
+    start: Callable[..., Running],
+) -> None:
+    # A client pipelines leases, reads none of their replies and resets its connection (a
+    # crash, kill -9 with replies unread). The replies its kernel had acknowledged may have
+    # been read: their jobs stay LEASED until they expire, as any lost reply's. Those still
+    # in the server's kernel, unacknowledged, it never had: their jobs go back at once
+    # (before: 4,000 for 10 such connections of 400 leases, until their leases expired).
+    running = start()
+    producer = Client(running.port)
+    batch = [{"queue": "cr", "payload": {"i": i, "pad": "p" * 100}} for i in range(2000)]
+    for at in range(0, len(batch), 500):
+        producer.ok("submit_batch", jobs=batch[at : at + 500])
+    producer.close()
+    ghost = Client(running.port)
+    assert ghost.ok("ping")["pong"] is True
+    ghost.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    conn = conn_of(running, ghost)
+    first = conn.written  # the ping's reply, read
+    lease = {"op": "lease", "args": {"queues": ["cr"], "worker_id": "ghost"}}
+    ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(2000)))
+    wait_for(lambda: Job.objects.filter(state="ready").count() == 0)  # all leased
+    wait_for(lambda: len(conn.in_kernel) > 1000)
+    # What the client's kernel holds, once it has acknowledged all of it (no delayed ACK).
+    ghost.sock.setblocking(False)
+    held = b""
+
+    def all_acknowledged() -> bool:
+        nonlocal held
+        held = ghost.sock.recv(1 << 20, socket.MSG_PEEK)
+        return conn.acked() == first + len(held)
+
+    wait_for(all_acknowledged)
+    had = {
+        job["job_id"]
+        for line in held.split(b"\n")[:-1]
+        for job in orjson.loads(line)["result"]["jobs"]
+    }
+    reset(ghost)
+    wait_for(lambda: not running.server._conns)
+
+    def leased() -> set[str]:
+        return set(Job.objects.filter(state="leased").values_list("id", flat=True))
+
+    wait_for(lambda: leased() == had)
+    assert Job.objects.filter(state="ready").count() == 2000 - len(had)
+
+
 def test_replies_a_client_has_read_are_forgotten_and_unread_ones_are_capped(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
