@@ -33,7 +33,7 @@ SEND_TIMEOUT_S = 30.0
 # A client whose kernel send queue holds at most this many reply bytes keeps up with its
 # replies (``Conn.keeps_up``).
 KEEPING_UP_BYTES = 64 * 1024
-# Replies that handed out jobs and are with the kernel, not yet acknowledged by the client
+# Replies that handed out jobs and are with the kernel, perhaps not yet sent on to the client
 # (``Conn.in_kernel``): looked over once this many are remembered, and at most
 # IN_KERNEL_MAX kept (about 0.5 KB each: the oldest beyond it are forgotten).
 IN_KERNEL_PRUNE_AT = 64
@@ -125,8 +125,8 @@ class Conn:
     # of each line and what to call should it not reach the kernel after all (``send``'s
     # ``lost``), decided by ``settle_undelivered``.
     undelivered: list[tuple[int, Callable[[], object]]] = dataclasses.field(default_factory=list)
-    # Replies that handed out jobs, whole with the kernel but perhaps not yet with the client:
-    # the end offset of each and its ``lost``, oldest first (``handed``, ``give_back_unacked``).
+    # Replies that handed out jobs, whole with the kernel but perhaps not yet sent on: the end
+    # offset of each and its ``lost``, oldest first (``handed``, ``give_back_untransmitted``).
     in_kernel: collections.deque[tuple[int, Callable[[], object]]] = dataclasses.field(
         default_factory=collections.deque
     )
@@ -219,48 +219,48 @@ class Conn:
 
     def handed(self, end: int, lost: Callable[[], object]) -> None:
         """A reply that hands out jobs is whole with the kernel, up to offset ``end``
-        (``written``): remember its ``lost`` until the client has acknowledged it, so a reset
-        (``abort``, or the client's) can give its jobs back (``give_back_unacked``).
+        (``written``): remember its ``lost`` until the kernel has sent all of it on, so a reset
+        (``abort``, or the client's) can give its jobs back (``give_back_untransmitted``).
 
-        Every ``IN_KERNEL_PRUNE_AT`` replies (or more, while many stay unacknowledged) one
-        ``getsockopt`` forgets those the client has; past ``IN_KERNEL_MAX`` the oldest are
-        forgotten anyway (an abort strands their jobs until their leases expire, as
+        Every ``IN_KERNEL_PRUNE_AT`` replies (or more, while many stay unsent) one reading
+        of the socket (``transmitted``) forgets those sent; past ``IN_KERNEL_MAX`` the oldest
+        are forgotten anyway (a reset strands their jobs until their leases expire, as
         before)."""
         in_kernel = self.in_kernel
         in_kernel.append((end, lost))
         if len(in_kernel) >= self.prune_at:
-            acked = self.acked()
-            if acked is not None:
-                while in_kernel and in_kernel[0][0] <= acked:
+            sent = self.transmitted()
+            if sent is not None:
+                while in_kernel and in_kernel[0][0] <= sent:
                     in_kernel.popleft()
             while len(in_kernel) > IN_KERNEL_MAX:
                 in_kernel.popleft()
             self.prune_at = min(max(IN_KERNEL_PRUNE_AT, 2 * len(in_kernel)), IN_KERNEL_MAX + 1)
 
-    def acked(self) -> int | None:
-        """The offset (of ``written``) up to which the client's kernel has acknowledged our
-        bytes (``limits.bytes_acked``): those survive a reset, and the client can still read
-        them. None where it cannot be told (a closed socket, not Linux)."""
-        return limits.bytes_acked(self.writer.get_extra_info("socket"))
+    def transmitted(self) -> int | None:
+        """The offset (of ``written``) up to which our bytes have left for the client
+        (``limits.bytes_transmitted``: acknowledged, or in flight): a reset destroys the
+        rest unread. None where it cannot be told (a closed socket, not Linux)."""
+        return limits.bytes_transmitted(self.writer.get_extra_info("socket"))
 
-    def give_back_unacked(self) -> None:
+    def give_back_untransmitted(self) -> None:
         """Before our reset (``abort``), or as the client's reset is seen
-        (``listener.ConnProtocol``): call ``lost`` for each reply the kernel holds that the
-        client has not acknowledged (the reset destroys it unread), and forget them all.
+        (``listener.ConnProtocol``): call ``lost`` for each reply the kernel had not all sent
+        on (the reset destroys it unread), and forget them all, so a job whose reply never
+        arrives does not stay leased until its lease expires.
 
-        A job whose reply never arrives must not stay leased until its lease expires. The
-        price: bytes the client's kernel took but had not acknowledged yet (a delayed ACK;
-        or, before our reset, bytes acknowledged after this reading) are taken as lost too,
-        and such a job goes back although its reply arrives (an ack for it is then refused as
-        stale, and it runs again), which at-least-once delivery allows."""
+        What was sent counts as received, acknowledged or not: the client's kernel may hold
+        it with its ACK delayed (readable after the reset, and perhaps read before the
+        client's own), and a job given back although its client has it would run twice. So
+        the jobs of replies sent but lost on the way stay leased, as any lost reply's."""
         if not self.in_kernel:
             return
         in_kernel, self.in_kernel = self.in_kernel, collections.deque()
-        acked = self.acked()
-        if acked is None:
+        sent = self.transmitted()
+        if sent is None:
             return
         for end, lost in in_kernel:
-            if end > acked:
+            if end > sent:
                 lost()
 
     async def _drained(self) -> bool:
@@ -360,10 +360,11 @@ class Conn:
         oversize frame behind its requests); a client still sending its oversize frame would
         see "connection reset" instead of the error. So the rest is read and thrown away first.
 
-        A client that neither closed its side nor acknowledged every reply that handed out
-        jobs by then is reset (``abort``), and those jobs go back: a reset, ours (input
-        unread at the close) or its kernel's (input arriving after it), would destroy them
-        unread, and they would stay leased until their leases expired.
+        A client that has not closed its side by then while replies that hand out jobs still
+        wait in our kernel unsent (its window shut: it reads slowly or not at all) is reset
+        (``abort``), and those jobs go back: a reset, ours (input unread at the close) or its
+        kernel's (input arriving after it), would destroy them unread, and they would stay
+        leased until their leases expired.
         """
         with contextlib.suppress(Exception):
             if not self.eof_sent and self.writer.can_write_eof():
@@ -373,8 +374,8 @@ class Conn:
                 while await self.reader.read(65536):
                     pass
         if self.in_kernel and not self.reader.at_eof():
-            acked = self.acked()
-            if acked is not None and acked < self.in_kernel[-1][0]:
+            sent = self.transmitted()
+            if sent is not None and sent < self.in_kernel[-1][0]:
                 self.abort()
                 return
         self.writer.close()
@@ -387,7 +388,7 @@ class Conn:
         if self.kernel_had is None:
             self.kernel_had = self.written - self.writer.transport.get_write_buffer_size()
         self.settle_undelivered()
-        self.give_back_unacked()
+        self.give_back_untransmitted()
         self.writer.transport.abort()
 
     def backed_up(self) -> bool:

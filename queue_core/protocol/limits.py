@@ -19,6 +19,7 @@ import os
 import resource
 import socket
 import sys
+import termios
 import time
 from typing import Any
 
@@ -167,21 +168,29 @@ def kernel_queue(sock: socket.socket | None, request: int) -> int | None:
 # Where Linux's ``struct tcp_info`` keeps ``tcpi_bytes_acked`` (a u64, since Linux 4.1): the
 # struct only grows at its end, so the offset holds on every later kernel.
 TCPI_BYTES_ACKED = slice(120, 128)
+# Linux's ioctl for the bytes of a TCP socket's send queue not sent yet (``SIOCOUTQNSD``,
+# <linux/sockios.h>); ``termios.TIOCOUTQ`` (``SIOCOUTQ``) counts those and the unacknowledged.
+SIOCOUTQNSD = 0x894B
 
 
-def bytes_acked(sock: socket.socket | None) -> int | None:
-    """Bytes of what ``sock`` sent that the peer's kernel has acknowledged, counted from the
-    connection's first byte (Linux ``TCP_INFO``'s ``tcpi_bytes_acked``, RFC 4898's
-    ``tcpEStatsAppHCThruOctetsAcked``). A reset destroys what was sent beyond it, and not
-    what it counts: the peer can still read that. It stays readable after the peer reset
-    the connection, until the socket is closed. None without a socket, or when the kernel
-    does not say (closed, not TCP, a kernel before 4.1)."""
+def bytes_transmitted(sock: socket.socket | None) -> int | None:
+    """Bytes of what ``sock`` sent that have left this machine, counted from the
+    connection's first byte: acknowledged by the peer's kernel (Linux ``TCP_INFO``'s
+    ``tcpi_bytes_acked``, RFC 4898's ``tcpEStatsAppHCThruOctetsAcked``) or in flight
+    (``SIOCOUTQ`` less ``SIOCOUTQNSD``). A reset destroys what was sent beyond it, unread.
+    What it counts may reach the peer all the same: acknowledged bytes stay readable after a
+    reset, and bytes in flight may have arrived with their ACK delayed. The count is all
+    sequence numbers, so it still reads right after the peer reset the connection, until
+    the socket is closed. None without a socket, or when the kernel does not say (closed,
+    not TCP, a kernel before 4.1)."""
     if sock is None or not hasattr(socket, "TCP_INFO"):
         return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
     except (OSError, ValueError):
         return None
-    if len(info) < TCPI_BYTES_ACKED.stop:
+    unacked = kernel_queue(sock, termios.TIOCOUTQ)
+    unsent = kernel_queue(sock, SIOCOUTQNSD)
+    if len(info) < TCPI_BYTES_ACKED.stop or unacked is None or unsent is None:
         return None
-    return int.from_bytes(info[TCPI_BYTES_ACKED], sys.byteorder)
+    return int.from_bytes(info[TCPI_BYTES_ACKED], sys.byteorder) + unacked - unsent

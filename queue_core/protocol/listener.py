@@ -116,10 +116,10 @@ class ReadDeadline:
 class ConnProtocol(asyncio.StreamReaderProtocol):
     """asyncio's stream protocol, telling the connection when its client reset it.
 
-    A reset from the client destroys the replies our kernel held that its kernel had not
-    acknowledged: it never had them. While ``connection_lost`` runs the socket is still open,
-    so how much was acknowledged can still be read, and the jobs of the other replies go back
-    at once (``Conn.give_back_unacked``) rather than when their leases expire.
+    A reset from the client destroys the replies our kernel had not sent on yet: it never
+    had them. While ``connection_lost`` runs the socket is still open, so how much was sent
+    can still be read, and the jobs of the other replies go back at once
+    (``Conn.give_back_untransmitted``) rather than when their leases expire.
 
     Args:
         reader: the connection's reader; its ``owner`` is the connection once it has one.
@@ -133,7 +133,7 @@ class ConnProtocol(asyncio.StreamReaderProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         owner = self.frames.owner
         if exc is not None and isinstance(owner, Conn):  # None: we closed or aborted it
-            owner.give_back_unacked()
+            owner.give_back_untransmitted()
         super().connection_lost(exc)
 
 

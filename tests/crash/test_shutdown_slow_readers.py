@@ -1,13 +1,14 @@
 """A shutdown with clients that pipeline leases and read none of their replies, against a
 real ``relay_server`` process, on SQLite and on PostgreSQL (``relay_db``).
 
-Such a client's lease replies wait in the server's kernel, unacknowledged. At the shutdown
-the server closes our side, and the client goes on sending: a reset (the server's, closing
-with its input unread, or its kernel's, for input after the close) destroys those replies
-unread. Their jobs must be READY once the server has exited, not LEASED to replies nobody
-can read: before, a hostile review left 10,077 of 30,000 so, and on PostgreSQL, where other
-servers go on serving, they waited for their leases to expire. What each client's kernel had
-acknowledged survives the reset and is read afterwards: exactly those jobs stay LEASED.
+Such a client's lease replies wait in the server's kernel, unsent (its window is shut). At
+the shutdown the server closes its side, and the client goes on sending: a reset (the
+server's, closing with its input unread, or its kernel's, for input after the close)
+destroys those replies unread. Their jobs must be READY once the server has exited, not
+LEASED to replies nobody can read: before, a hostile review left 10,077 of 30,000 so, and on
+PostgreSQL, where other servers go on serving, they waited for their leases to expire. What
+each client's kernel took survives the reset and is read afterwards: those jobs stay LEASED,
+and at most a window's worth more.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True, database
 CLIENTS = 3
 JOBS = 6000
 SEND_FOR_S = 60.0  # each client's sending ends at the latest after this
+# Lease replies (at least 150 bytes each) a 4 KiB receive buffer's window (the kernel doubles
+# it) can have on the way at a reset: sent, they may arrive with their ACK delayed, or have
+# been dropped by the client's full buffer; their jobs stay LEASED (``Conn.transmitted``).
+ON_THE_WAY = 2 * 4096 // 150 + 1
 
 
 def received(sock: socket.socket) -> set[str]:
@@ -96,8 +101,10 @@ def test_a_shutdown_leaves_leased_only_the_jobs_whose_replies_the_clients_can_re
         readable |= received(sock)
         sock.close()
     held = {r[0] for r in relay_db.rows("SELECT id FROM relay_job WHERE state = 'leased'")}
-    assert held == readable, (len(held), len(readable), len(held - readable))
+    assert readable <= held
+    # Replies sent but not taken (at most a window's worth a client) may stay LEASED.
+    assert len(held - readable) <= CLIENTS * ON_THE_WAY, (len(held), len(readable))
     (ready,) = relay_db.rows("SELECT COUNT(*) FROM relay_job WHERE state = 'ready'")
-    assert ready[0] == JOBS - len(readable)
-    assert len(readable) < at_signal  # replies were destroyed: their jobs went back
+    assert ready[0] == JOBS - len(held)
+    assert len(held) < at_signal  # replies were destroyed: their jobs went back
     relay_db.audit()

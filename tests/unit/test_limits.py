@@ -76,37 +76,37 @@ def test_kernel_queue_reads_both_queues_of_a_real_tcp_connection() -> None:
     assert limits.kernel_queue(None, termios.TIOCOUTQ) is None
 
 
-def test_bytes_acked_counts_what_the_peer_acknowledged_and_survives_its_reset() -> None:
-    """``bytes_acked`` (``Conn.acked``): the bytes sent that the peer's kernel took, which a
-    peer reading nothing caps at its receive buffer; the count is still there after the peer
-    resets the connection (``listener.ConnProtocol``)."""
+def test_bytes_transmitted_counts_what_left_for_the_peer_and_survives_its_reset() -> None:
+    """``bytes_transmitted`` (``Conn.transmitted``): of the bytes sent, those the kernel sent
+    on, which a peer reading nothing caps at its receive window; the count still reads the
+    same after the peer resets the connection (``listener.ConnProtocol``)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and reads nothing
         client.connect(server.getsockname())
         accepted, _ = server.accept()
         with client, accepted:
-            assert limits.bytes_acked(accepted) == 0
+            assert limits.bytes_transmitted(accepted) == 0
             accepted.sendall(b"x" * 1000)
-            wait_until(lambda: limits.bytes_acked(accepted) == 1000, what="1,000 acknowledged")
+            wait_until(lambda: limits.bytes_transmitted(accepted) == 1000, what="1,000 sent")
             accepted.setblocking(False)
             sent = 1000
             with contextlib.suppress(BlockingIOError):
                 while True:  # until the kernel takes no more
                     sent += accepted.send(b"y" * 65536)
 
-            def acknowledged() -> int:
-                return sent - (limits.kernel_queue(accepted, termios.TIOCOUTQ) or 0)
+            def on_the_way() -> int:
+                return sent - (limits.kernel_queue(accepted, limits.SIOCOUTQNSD) or 0)
 
-            wait_until(lambda: limits.bytes_acked(accepted) == acknowledged(), timeout_s=10)
-            acked = limits.bytes_acked(accepted)
-            assert acked is not None and 1000 < acked < sent
+            wait_until(lambda: limits.bytes_transmitted(accepted) == on_the_way(), timeout_s=10)
+            transmitted = limits.bytes_transmitted(accepted)
+            assert transmitted is not None and 1000 < transmitted < sent
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             client.close()
             wait_until(lambda: _reset_seen(accepted), what="the reset", timeout_s=10)
-            assert limits.bytes_acked(accepted) == acked
-        assert limits.bytes_acked(accepted) is None  # closed
-    assert limits.bytes_acked(None) is None
+            assert limits.bytes_transmitted(accepted) == transmitted
+        assert limits.bytes_transmitted(accepted) is None  # closed
+    assert limits.bytes_transmitted(None) is None
 
 
 def _reset_seen(sock: socket.socket) -> bool:
