@@ -13,6 +13,8 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import socket
+import struct
 import termios
 import time
 from collections.abc import Callable, Iterable
@@ -34,10 +36,14 @@ SEND_TIMEOUT_S = 30.0
 # replies (``Conn.keeps_up``).
 KEEPING_UP_BYTES = 64 * 1024
 # Replies that handed out jobs and are with the kernel, perhaps not yet sent on to the client
-# (``Conn.in_kernel``): looked over once this many are remembered, and at most
-# IN_KERNEL_MAX kept (about 0.5 KB each: the oldest beyond it are forgotten).
-IN_KERNEL_PRUNE_AT = 64
-IN_KERNEL_MAX = 4096
+# (``Conn.in_kernel``): those sent are forgotten each time this many bytes of such replies
+# were written since the last look, and those spanning more than IN_KERNEL_MAX_BYTES of the
+# connection's output are forgotten oldest first (their jobs' fences take about 1.5 bytes
+# of memory a reply byte).
+IN_KERNEL_PRUNE_BYTES = 64 * 1024
+IN_KERNEL_MAX_BYTES = 1024 * 1024
+# SO_LINGER on, with a timeout of 0: closing the socket resets the connection (``Conn.abort``).
+RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
 class Slots:
@@ -130,8 +136,13 @@ class Conn:
     in_kernel: collections.deque[tuple[int, Callable[[], object]]] = dataclasses.field(
         default_factory=collections.deque
     )
-    # len(in_kernel) at which it is next looked over (``handed``)
-    prune_at: int = dataclasses.field(default_factory=lambda: IN_KERNEL_PRUNE_AT)
+    # The offset (of ``written``) past which in_kernel is next looked over (``handed``).
+    prune_at: int = dataclasses.field(default_factory=lambda: IN_KERNEL_PRUNE_BYTES)
+    # Once the connection was reset (ours or the client's): the offset the kernel had sent up
+    # to, what the client may have (None: it could not be told); ``handed`` judges late
+    # replies by it.
+    reset_at: int | None = None
+    was_reset: bool = False
 
     def unauthenticate(self, *, revoked: bool = False) -> None:
         """Forget the connection's key (refused at a later ``hello``, or ``revoked``): it may
@@ -220,22 +231,26 @@ class Conn:
     def handed(self, end: int, lost: Callable[[], object]) -> None:
         """A reply that hands out jobs is whole with the kernel, up to offset ``end``
         (``written``): remember its ``lost`` until the kernel has sent all of it on, so a reset
-        (``abort``, or the client's) can give its jobs back (``give_back_untransmitted``).
+        (``abort``, or the client's) can give its jobs back (``give_back_untransmitted``). A
+        send that learns it only after the reset (its task resumed late) is judged at once.
 
-        Every ``IN_KERNEL_PRUNE_AT`` replies (or more, while many stay unsent) one reading
-        of the socket (``transmitted``) forgets those sent; past ``IN_KERNEL_MAX`` the oldest
-        are forgotten anyway (a reset strands their jobs until their leases expire, as
-        before)."""
+        Each ``IN_KERNEL_PRUNE_BYTES`` of output one reading of the socket (``transmitted``)
+        forgets those sent; those spanning more than ``IN_KERNEL_MAX_BYTES`` are forgotten
+        oldest first (a reset strands their jobs until their leases expire, as before)."""
+        if self.was_reset:
+            if self.reset_at is not None and end > self.reset_at:
+                lost()
+            return
         in_kernel = self.in_kernel
         in_kernel.append((end, lost))
-        if len(in_kernel) >= self.prune_at:
+        if end >= self.prune_at:
+            self.prune_at = end + IN_KERNEL_PRUNE_BYTES
             sent = self.transmitted()
             if sent is not None:
                 while in_kernel and in_kernel[0][0] <= sent:
                     in_kernel.popleft()
-            while len(in_kernel) > IN_KERNEL_MAX:
+            while in_kernel and end - in_kernel[0][0] > IN_KERNEL_MAX_BYTES:
                 in_kernel.popleft()
-            self.prune_at = min(max(IN_KERNEL_PRUNE_AT, 2 * len(in_kernel)), IN_KERNEL_MAX + 1)
 
     def transmitted(self) -> int | None:
         """The offset (of ``written``) up to which our bytes have left for the client
@@ -253,12 +268,13 @@ class Conn:
         it with its ACK delayed (readable after the reset, and perhaps read before the
         client's own), and a job given back although its client has it would run twice. So
         the jobs of replies sent but lost on the way stay leased, as any lost reply's."""
-        if not self.in_kernel:
+        if self.was_reset:
             return
+        self.was_reset = True
+        sent = self.reset_at = self.transmitted()
         in_kernel, self.in_kernel = self.in_kernel, collections.deque()
-        sent = self.transmitted()
         if sent is None:
-            return
+            return  # the socket is gone: what it sent is not known, so nothing goes back
         for end, lost in in_kernel:
             if end > sent:
                 lost()
@@ -381,14 +397,21 @@ class Conn:
         self.writer.close()
 
     def abort(self) -> None:
-        """Drop the connection at once, unsent replies included (cancelled sends whose line
-        had not all reached the kernel are reported lost: ``send``'s ``lost``; a send waiting
-        for the drain learns it from ``reached_kernel``)."""
+        """Reset the connection at once (``SO_LINGER`` 0), unsent replies included, in the
+        transport and in the kernel: cancelled sends whose line had not all reached the
+        kernel are reported lost (``send``'s ``lost``), a send waiting for the drain learns
+        it from ``reached_kernel``, and the jobs of replies the kernel had not sent on go
+        back (``give_back_untransmitted``)."""
         self.hang_up()
         if self.kernel_had is None:
             self.kernel_had = self.written - self.writer.transport.get_write_buffer_size()
         self.settle_undelivered()
         self.give_back_untransmitted()
+        # A reset, not a FIN: else the kernel would go on sending what it holds (an orphaned
+        # socket) to a client that may read it, and jobs just given back would run twice.
+        with contextlib.suppress(OSError, AttributeError):
+            sock = self.writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET_ON_CLOSE)
         self.writer.transport.abort()
 
     def backed_up(self) -> bool:

@@ -1804,11 +1804,11 @@ def test_a_client_reset_gives_back_the_jobs_of_replies_its_kernel_never_had(
 def test_replies_a_client_has_read_are_forgotten_and_unread_ones_are_capped(
     start: Callable[..., Running], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A worker that reads its replies leaves nothing remembered beyond one look-over's worth
-    # (one ioctl per IN_KERNEL_PRUNE_AT lease replies); one that reads nothing, at most
-    # IN_KERNEL_MAX, however many of its replies the kernel holds.
-    monkeypatch.setattr(connection, "IN_KERNEL_PRUNE_AT", 8)
-    monkeypatch.setattr(connection, "IN_KERNEL_MAX", 40)
+    # A worker that reads its replies leaves remembered only what it was sent since the last
+    # look (one per IN_KERNEL_PRUNE_BYTES of output); one that reads nothing, replies
+    # spanning at most IN_KERNEL_MAX_BYTES, however many the kernel holds.
+    monkeypatch.setattr(connection, "IN_KERNEL_PRUNE_BYTES", 2048)
+    monkeypatch.setattr(connection, "IN_KERNEL_MAX_BYTES", 16_384)
     running = start()
     producer = Client(running.port)
     producer.ok("submit_batch", jobs=[{"queue": "kr", "payload": i} for i in range(400)])
@@ -1820,14 +1820,16 @@ def test_replies_a_client_has_read_are_forgotten_and_unread_ones_are_capped(
         job = worker.ok("lease", queues=["kr"], worker_id="w")["jobs"][0]
         worker.ok("ack", job_id=job["job_id"], worker_id="w", lease_token=job["lease_token"])
         most = max(most, len(conn.in_kernel))
-    assert 0 < most <= 8
+    assert 0 < most <= 2048 // 150 + 1  # lease replies are over 150 bytes
     ghost = Client(running.port, rcvbuf=4096)
     assert ghost.ok("ping")["pong"] is True
     conn = conn_of(running, ghost)
     lease = {"op": "lease", "args": {"queues": ["kr"], "worker_id": "ghost"}}
     ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(300)))
     wait_for(lambda: Job.objects.filter(state="ready").count() == 0)
-    assert len(conn.in_kernel) == 40  # 300 replies unread, in the kernel: the newest 40
+    wait_for(lambda: conn.written == conn.in_kernel[-1][0])  # the last lease's reply
+    ends = [end for end, _ in conn.in_kernel]  # 300 replies unread, in the kernel
+    assert 16_384 - 2048 <= ends[-1] - ends[0] <= 16_384 + 2048  # a look each 2,048 bytes
     reset(ghost)
     reset(worker)
     producer.close()
