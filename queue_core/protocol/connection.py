@@ -41,7 +41,7 @@ KEEPING_UP_BYTES = 64 * 1024
 # connection's output are forgotten oldest first (their jobs' fences take about 1.5 bytes
 # of memory a reply byte).
 IN_KERNEL_PRUNE_BYTES = 64 * 1024
-IN_KERNEL_MAX_BYTES = 1024 * 1024
+IN_KERNEL_MAX_BYTES = 4 * 1024 * 1024  # the most Linux lets a send queue hold (tcp_wmem)
 # SO_LINGER on, with a timeout of 0: closing the socket resets the connection (``Conn.abort``).
 RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
@@ -409,7 +409,8 @@ class Conn:
         self.give_back_untransmitted()
         # A reset, not a FIN: else the kernel would go on sending what it holds (an orphaned
         # socket) to a client that may read it, and jobs just given back would run twice.
-        with contextlib.suppress(OSError, AttributeError):
+        # (A closed socket: uvloop's raises ValueError, a negative file descriptor.)
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             sock = self.writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET_ON_CLOSE)
         self.writer.transport.abort()
