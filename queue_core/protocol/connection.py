@@ -38,10 +38,14 @@ KEEPING_UP_BYTES = 64 * 1024
 # Replies that handed out jobs and are with the kernel, perhaps not yet sent on to the client
 # (``Conn.in_kernel``): those sent are forgotten each time this many bytes of such replies
 # were written since the last look, and those spanning more than IN_KERNEL_MAX_BYTES of the
-# connection's output are forgotten oldest first (their jobs' fences take about 1.5 bytes
-# of memory a reply byte).
+# connection's output are forgotten oldest first (their jobs' fences take about 2.6 bytes
+# of memory a byte of one-job lease replies: a hostile review).
 IN_KERNEL_PRUNE_BYTES = 64 * 1024
-IN_KERNEL_MAX_BYTES = 4 * 1024 * 1024  # the most Linux lets a send queue hold (tcp_wmem)
+IN_KERNEL_MAX_BYTES = 1024 * 1024
+# A connection's kernel send buffer (``SO_SNDBUF``; Linux doubles it, for its own overhead):
+# without it a client that reads nothing had up to 4 MiB of replies queued in the kernel
+# (``net.ipv4.tcp_wmem``), outside the reply budget, and as many remembered (``in_kernel``).
+KERNEL_SEND_BUFFER_BYTES = 256 * 1024
 # SO_LINGER on, with a timeout of 0: closing the socket resets the connection (``Conn.abort``).
 RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
@@ -143,6 +147,7 @@ class Conn:
     # replies by it.
     reset_at: int | None = None
     was_reset: bool = False
+    resetting: bool = False  # ``abort`` asked for a reset: its socket closes with one
 
     def unauthenticate(self, *, revoked: bool = False) -> None:
         """Forget the connection's key (refused at a later ``hello``, or ``revoked``): it may
@@ -259,10 +264,11 @@ class Conn:
         return limits.bytes_transmitted(self.writer.get_extra_info("socket"))
 
     def give_back_untransmitted(self) -> None:
-        """Before our reset (``abort``), or as the client's reset is seen
-        (``listener.ConnProtocol``): call ``lost`` for each reply the kernel had not all sent
-        on (the reset destroys it unread), and forget them all, so a job whose reply never
-        arrives does not stay leased until its lease expires.
+        """As the connection's socket closes after our reset (``abort``), or the client's
+        reset is seen (``listener.ConnProtocol.connection_lost``, just before the transport
+        closes the socket): call ``lost`` for each reply the kernel had not all sent on (the
+        reset destroys it unread), and forget them all, so a job whose reply never arrives
+        does not stay leased until its lease expires.
 
         What was sent counts as received, acknowledged or not: the client's kernel may hold
         it with its ACK delayed (readable after the reset, and perhaps read before the
@@ -401,18 +407,22 @@ class Conn:
         transport and in the kernel: cancelled sends whose line had not all reached the
         kernel are reported lost (``send``'s ``lost``), a send waiting for the drain learns
         it from ``reached_kernel``, and the jobs of replies the kernel had not sent on go
-        back (``give_back_untransmitted``)."""
+        back as the socket closes (``give_back_untransmitted``, from the protocol's
+        ``connection_lost``)."""
         self.hang_up()
         if self.kernel_had is None:
             self.kernel_had = self.written - self.writer.transport.get_write_buffer_size()
         self.settle_undelivered()
-        self.give_back_untransmitted()
         # A reset, not a FIN: else the kernel would go on sending what it holds (an orphaned
-        # socket) to a client that may read it, and jobs just given back would run twice.
+        # socket) to a client that may read it, and jobs given back would run twice. The
+        # give-back waits for ``connection_lost`` (``listener.ConnProtocol``): the transport
+        # closes the socket only then, and until it does the kernel goes on sending (a review
+        # saw 37-74 KB more a connection, up to 298 jobs read after they went back).
         # (A closed socket: uvloop's raises ValueError, a negative file descriptor.)
         with contextlib.suppress(OSError, ValueError, AttributeError):
             sock = self.writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET_ON_CLOSE)
+        self.resetting = True
         self.writer.transport.abort()
 
     def backed_up(self) -> bool:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 from typing import Any
 
 from queue_core import auth, errors
@@ -114,11 +115,13 @@ class ReadDeadline:
 
 
 class ConnProtocol(asyncio.StreamReaderProtocol):
-    """asyncio's stream protocol, telling the connection when its client reset it.
+    """asyncio's stream protocol, telling the connection when it is reset, by its client or
+    by us (``Conn.abort``).
 
-    A reset from the client destroys the replies our kernel had not sent on yet: it never
-    had them. While ``connection_lost`` runs the socket is still open, so how much was sent
-    can still be read, and the jobs of the other replies go back at once
+    A reset destroys the replies our kernel had not sent on yet: the client never had them.
+    While ``connection_lost`` runs the socket is still open, and the transport closes it
+    right after (uvloop's and asyncio's alike), so how much was sent is read as late as it
+    can be, and the jobs of the other replies go back at once
     (``Conn.give_back_untransmitted``) rather than when their leases expire.
 
     Args:
@@ -132,7 +135,8 @@ class ConnProtocol(asyncio.StreamReaderProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         owner = self.frames.owner
-        if exc is not None and isinstance(owner, Conn):  # None: we closed or aborted it
+        # exc None: we closed it (a FIN: the kernel delivers what it holds) or reset it.
+        if isinstance(owner, Conn) and (exc is not None or owner.resetting):
             owner.give_back_untransmitted()
         super().connection_lost(exc)
 
@@ -204,6 +208,13 @@ class Listener:
         # A send ends when the transport holds nothing more (not at a low-water mark), so a
         # reply reported sent is all with the kernel (``Conn.reached_kernel``).
         writer.transport.set_write_buffer_limits(high=0)
+        # The kernel's send queue is bounded (it grows to 4 MiB by default): what a client
+        # leaves unread waits in the transport, counted by the reply budget, and the replies
+        # the server remembers until they are sent (``Conn.in_kernel``) stay few.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            writer.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, connection.KERNEL_SEND_BUFFER_BYTES
+            )
         full = len(self.conns) >= self.max_connections
         if full and not self.requests.draining:
             with contextlib.suppress(errors.RelayError):  # no key table now: refuse

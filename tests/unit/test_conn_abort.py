@@ -33,7 +33,7 @@ def test_an_abort_after_the_socket_closed_raises_nothing_on_uvloop() -> None:
             except BaseException as exc:  # reported to the test
                 aborted.set_exception(exc)
             else:
-                aborted.set_result(conn.was_reset)
+                aborted.set_result(conn.resetting)
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
