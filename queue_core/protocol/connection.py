@@ -42,10 +42,6 @@ KEEPING_UP_BYTES = 64 * 1024
 # of memory a byte of one-job lease replies: a hostile review).
 IN_KERNEL_PRUNE_BYTES = 64 * 1024
 IN_KERNEL_MAX_BYTES = 1024 * 1024
-# A connection's kernel send buffer (``SO_SNDBUF``; Linux doubles it, for its own overhead):
-# without it a client that reads nothing had up to 4 MiB of replies queued in the kernel
-# (``net.ipv4.tcp_wmem``), outside the reply budget, and as many remembered (``in_kernel``).
-KERNEL_SEND_BUFFER_BYTES = 256 * 1024
 # SO_LINGER on, with a timeout of 0: closing the socket resets the connection (``Conn.abort``).
 RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
@@ -148,6 +144,7 @@ class Conn:
     reset_at: int | None = None
     was_reset: bool = False
     resetting: bool = False  # ``abort`` asked for a reset: its socket closes with one
+    forgot: bool = False  # ``handed`` forgot unsent replies past IN_KERNEL_MAX_BYTES
 
     def unauthenticate(self, *, revoked: bool = False) -> None:
         """Forget the connection's key (refused at a later ``hello``, or ``revoked``): it may
@@ -241,7 +238,7 @@ class Conn:
 
         Each ``IN_KERNEL_PRUNE_BYTES`` of output one reading of the socket (``transmitted``)
         forgets those sent; those spanning more than ``IN_KERNEL_MAX_BYTES`` are forgotten
-        oldest first (a reset strands their jobs until their leases expire, as before)."""
+        oldest first, and the connection then ends as before, with a FIN (``abort``)."""
         if self.was_reset:
             if self.reset_at is not None and end > self.reset_at:
                 lost()
@@ -256,6 +253,7 @@ class Conn:
                     in_kernel.popleft()
             while in_kernel and end - in_kernel[0][0] > IN_KERNEL_MAX_BYTES:
                 in_kernel.popleft()
+                self.forgot = True
 
     def transmitted(self) -> int | None:
         """The offset (of ``written``) up to which our bytes have left for the client
@@ -403,12 +401,12 @@ class Conn:
         self.writer.close()
 
     def abort(self) -> None:
-        """Reset the connection at once (``SO_LINGER`` 0), unsent replies included, in the
-        transport and in the kernel: cancelled sends whose line had not all reached the
-        kernel are reported lost (``send``'s ``lost``), a send waiting for the drain learns
-        it from ``reached_kernel``, and the jobs of replies the kernel had not sent on go
-        back as the socket closes (``give_back_untransmitted``, from the protocol's
-        ``connection_lost``)."""
+        """Reset the connection at once (``SO_LINGER`` 0; a FIN once ``handed`` forgot
+        replies), unsent replies included, in the transport and in the kernel: cancelled
+        sends whose line had not all reached the kernel are reported lost (``send``'s
+        ``lost``), a send waiting for the drain learns it from ``reached_kernel``, and the
+        jobs of replies the kernel had not sent on go back as the socket closes
+        (``give_back_untransmitted``, from the protocol's ``connection_lost``)."""
         self.hang_up()
         if self.kernel_had is None:
             self.kernel_had = self.written - self.writer.transport.get_write_buffer_size()
@@ -418,11 +416,15 @@ class Conn:
         # give-back waits for ``connection_lost`` (``listener.ConnProtocol``): the transport
         # closes the socket only then, and until it does the kernel goes on sending (a review
         # saw 37-74 KB more a connection, up to 298 jobs read after they went back).
+        # A connection that forgot unsent replies (``handed``) closes as before, with a FIN:
+        # the kernel goes on sending what it holds, and none of its jobs goes back; a reset
+        # would strand the forgotten ones where their client could still have read them.
         # (A closed socket: uvloop's raises ValueError, a negative file descriptor.)
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            sock = self.writer.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET_ON_CLOSE)
-        self.resetting = True
+        if not self.forgot:
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                sock = self.writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET_ON_CLOSE)
+            self.resetting = True
         self.writer.transport.abort()
 
     def backed_up(self) -> bool:

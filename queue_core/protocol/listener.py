@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import socket
 from typing import Any
 
 from queue_core import auth, errors
@@ -208,13 +207,6 @@ class Listener:
         # A send ends when the transport holds nothing more (not at a low-water mark), so a
         # reply reported sent is all with the kernel (``Conn.reached_kernel``).
         writer.transport.set_write_buffer_limits(high=0)
-        # The kernel's send queue is bounded (it grows to 4 MiB by default): what a client
-        # leaves unread waits in the transport, counted by the reply budget, and the replies
-        # the server remembers until they are sent (``Conn.in_kernel``) stay few.
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            writer.get_extra_info("socket").setsockopt(
-                socket.SOL_SOCKET, socket.SO_SNDBUF, connection.KERNEL_SEND_BUFFER_BYTES
-            )
         full = len(self.conns) >= self.max_connections
         if full and not self.requests.draining:
             with contextlib.suppress(errors.RelayError):  # no key table now: refuse
