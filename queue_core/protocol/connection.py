@@ -382,7 +382,7 @@ class Conn:
 
         A client that has not closed its side by then while replies that hand out jobs still
         wait in our kernel unsent (its window shut: it reads slowly or not at all) is reset
-        (``abort``), and those jobs go back: a reset, ours (input unread at the close) or its
+        (``abort``; a FIN still where it forgot replies), and those jobs go back: a reset, ours (input unread at the close) or its
         kernel's (input arriving after it), would destroy them unread, and they would stay
         leased until their leases expired.
         """

@@ -1700,16 +1700,38 @@ def test_a_reset_while_a_shutdown_flushes_gives_back_the_jobs_of_cancelled_sends
     assert Job.objects.filter(state="leased").count() == 0
 
 
+def jobs_in(data: bytes) -> set[str]:
+    """The job ids of the whole lease replies in ``data`` (the last line may be cut short)."""
+    lines = data.split(b"\n")[:-1]
+    return {job["job_id"] for line in lines for job in orjson.loads(line)["result"]["jobs"]}
+
+
 def received_jobs(client: Client) -> set[str]:
     """The job ids of the whole lease replies ``client`` can still read (after its
-    connection was reset: what its kernel had acknowledged)."""
+    connection was reset: what its kernel had taken)."""
     client.sock.settimeout(15)
     data = bytearray()
     with contextlib.suppress(ConnectionResetError):
         while chunk := client.sock.recv(65536):
             data += chunk
-    lines = bytes(data).split(b"\n")[:-1]  # the last is cut short, or empty
-    return {job["job_id"] for line in lines for job in orjson.loads(line)["result"]["jobs"]}
+    return jobs_in(bytes(data))
+
+
+def unread_small_leases(running: Running, queue: str, jobs: int) -> tuple[Client, Any]:
+    """Submit ``jobs`` jobs of about 100 bytes to ``queue``, then pipeline as many leases of
+    one job each from a client with a 4 KiB receive buffer that reads nothing; return it and
+    the server's ``Conn`` for it."""
+    producer = Client(running.port)
+    batch = [{"queue": queue, "payload": {"i": i, "pad": "p" * 100}} for i in range(jobs)]
+    for at in range(0, len(batch), 500):
+        producer.ok("submit_batch", jobs=batch[at : at + 500])
+    producer.close()
+    ghost = Client(running.port, rcvbuf=4096)
+    assert ghost.ok("ping")["pong"] is True
+    conn = conn_of(running, ghost)
+    lease = {"op": "lease", "args": {"queues": [queue], "worker_id": "ghost"}}
+    ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(jobs)))
+    return ghost, conn
 
 
 # Replies a 4 KiB receive buffer's window (the kernel doubles it) can have on the way at a
@@ -1739,19 +1761,10 @@ def test_jobs_of_replies_the_kernel_held_unsent_at_a_reset_go_back(
     # 30,000 in a hostile review; on PostgreSQL no restart recovers them). What the client's
     # kernel took survives the reset: those stay LEASED, and at most a window's worth more.
     running = start()
-    producer = Client(running.port)
-    batch = [{"queue": "ka", "payload": {"i": i, "pad": "p" * 100}} for i in range(3000)]
-    for at in range(0, len(batch), 500):
-        producer.ok("submit_batch", jobs=batch[at : at + 500])
-    producer.close()
-    ghost = Client(running.port, rcvbuf=4096)
-    assert ghost.ok("ping")["pong"] is True
-    conn = conn_of(running, ghost)
+    ghost, conn = unread_small_leases(running, "ka", 3000)
     conn.writer.transport.get_extra_info("socket").setsockopt(
         socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024
     )
-    lease = {"op": "lease", "args": {"queues": ["ka"], "worker_id": "ghost"}}
-    ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(3000)))
     # The kernel is full (the transport holds the rest), and whole replies in it are unread.
     wait_for(lambda: conn.backed_up() and len(conn.in_kernel) > 100)
     assert Job.objects.filter(state="leased").count() > 100
@@ -1776,26 +1789,12 @@ def test_a_client_reset_gives_back_the_jobs_of_replies_its_kernel_never_had(
     # sent yet the client never had: their jobs go back at once (before: all 2,000 stayed
     # LEASED until their leases expired).
     running = start()
-    producer = Client(running.port)
-    batch = [{"queue": "cr", "payload": {"i": i, "pad": "p" * 100}} for i in range(2000)]
-    for at in range(0, len(batch), 500):
-        producer.ok("submit_batch", jobs=batch[at : at + 500])
-    producer.close()
-    ghost = Client(running.port, rcvbuf=4096)
-    assert ghost.ok("ping")["pong"] is True
-    conn = conn_of(running, ghost)
-    lease = {"op": "lease", "args": {"queues": ["cr"], "worker_id": "ghost"}}
-    ghost.send_raw(b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(2000)))
+    ghost, conn = unread_small_leases(running, "cr", 2000)
     wait_for(lambda: Job.objects.filter(state="ready").count() == 0)  # all leased
     wait_for(lambda: len(conn.in_kernel) > 1000)
     # What the client's kernel holds: its window is shut.
     ghost.sock.setblocking(False)
-    held = ghost.sock.recv(1 << 20, socket.MSG_PEEK)
-    had = {
-        job["job_id"]
-        for line in held.split(b"\n")[:-1]
-        for job in orjson.loads(line)["result"]["jobs"]
-    }
+    had = jobs_in(ghost.sock.recv(1 << 20, socket.MSG_PEEK))
     reset(ghost)
     wait_for(lambda: not running.server._conns)
     wait_for(strands_at_most(had, ON_THE_WAY))
