@@ -382,9 +382,9 @@ class Conn:
 
         A client that has not closed its side by then while replies that hand out jobs still
         wait in our kernel unsent (its window shut: it reads slowly or not at all) is reset
-        (``abort``; a FIN still where it forgot replies), and those jobs go back: a reset, ours (input unread at the close) or its
-        kernel's (input arriving after it), would destroy them unread, and they would stay
-        leased until their leases expired.
+        (``abort``; a FIN still where it forgot replies), and those jobs go back: a reset,
+        ours (input unread at the close) or its kernel's (input arriving after it), would
+        destroy them unread, and they would stay leased until their leases expired.
         """
         with contextlib.suppress(Exception):
             if not self.eof_sent and self.writer.can_write_eof():
