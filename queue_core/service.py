@@ -301,6 +301,17 @@ def _refused_ack(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
     }
 
 
+def _refused_release(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
+    """One refused entry of a ``release_batch``: its job id as ``_refused_ack`` echoes one,
+    with the error's code and message."""
+    job_id = item.get("job_id")
+    return {
+        "job_id": job_id if isinstance(job_id, str) and len(job_id) <= 40 else None,
+        "ok": False,
+        "error": {"code": exc.code, "message": exc.message, "retryable": exc.retryable},
+    }
+
+
 def default_clock(driver: Driver) -> Clock:
     """The clock a ``QueueService`` on ``driver`` keeps when given none: the class
     ``RELAY_CLOCK`` names (``SystemClock``), kept to the database's time on a database that
@@ -2134,24 +2145,127 @@ class QueueService:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
         guard = self._lease_guard(job_id, worker_id, lease_token)
-        job_id = guard["job_id"]
         with self.driver.write() as tx:
-            at = self._read()
-            now = at.now_ms
-            params = guard | self._judging(at)
-            lease = tx.one("live_lease", params)
-            if lease is None:
-                raise self._rejection(tx, params, "release")
-            if lease["cancel_requested_at_ms"] is not None:
-                out = self._end_lease(tx, params, lease, "cancelled", False, now, "cancelled")
-                return {"job_id": job_id, "state": out["state"], "queue": out["queue"]}
-            check(Transition.RELEASE, JobState.LEASED, JobState.READY)
-            row = tx.one("release", params)
-            if row is None:  # pragma: no cover - live_lease read it in this transaction
-                raise self._rejection(tx, params, "release")
-            self._end_attempt(tx, job_id, row["attempt"], now, "released", None)
-            tx.made_ready(row["queue"])
+            return self._release_in(tx, guard)
+
+    def _release_in(self, tx: Tx, guard: dict[str, Any]) -> dict[str, Any]:
+        """``release`` of one checked guard (``_lease_guard``) in ``tx``; its result and
+        errors."""
+        job_id = guard["job_id"]
+        at = self._read()
+        now = at.now_ms
+        params = guard | self._judging(at)
+        lease = tx.one("live_lease", params)
+        if lease is None:
+            raise self._rejection(tx, params, "release")
+        if lease["cancel_requested_at_ms"] is not None:
+            out = self._end_lease(tx, params, lease, "cancelled", False, now, "cancelled")
+            return {"job_id": job_id, "state": out["state"], "queue": out["queue"]}
+        check(Transition.RELEASE, JobState.LEASED, JobState.READY)
+        row = tx.one("release", params)
+        if row is None:  # pragma: no cover - live_lease read it in this transaction
+            raise self._rejection(tx, params, "release")
+        self._end_attempt(tx, job_id, row["attempt"], now, "released", None)
+        tx.made_ready(row["queue"])
         return {"job_id": job_id, "state": JobState.READY.value, "queue": row["queue"]}
+
+    def release_batch(
+        self, leases: Sequence[Mapping[str, Any]], *, worker_id: str
+    ) -> list[dict[str, Any]]:
+        """Give back several jobs leased to ``worker_id`` in one transaction, each fenced by
+        its own token, as ``release`` gives back one (LEASED -> READY, or CANCELLED when a
+        cancel was requested).
+
+        For the server's give-back of leases whose reply never reached its client
+        (``protocol.requests.Requests.give_back``): a cut connection may hold a thousand.
+        One guarded statement (``release_many``) releases every entry whose token, worker
+        and unexpired lease match and whose job has no cancel requested, and one
+        ``executemany`` closes their attempts (``ack_batch``'s way). An entry it did not
+        release, or whose job an earlier entry names, then runs alone as ``release``, which
+        ends a cancel-requested job or says why it refused. A refused entry changes nothing
+        and the others go on; a storage fault fails the whole batch.
+
+        Lease bookkeeping: no reply promises it, so it commits without waiting for the disk
+        (``driver.write(durable=False)``; docs/design-decisions.md, decision 3). A crash that
+        loses it leaves its jobs LEASED until restart recovery (SQLite) or their leases'
+        expiry, as if it never ran.
+
+        Args:
+            leases: 1..``MAX_BATCH_ACKS`` ``{"job_id", "lease_token"}`` (other keys ignored).
+            worker_id: the worker holding every one of them.
+        Returns:
+            One result per entry, in input order: ``{"job_id", "ok": True, "state":
+            "ready" | "cancelled", "queue"}`` or ``{"job_id", "ok": False, "error": {"code",
+            "message", "retryable"}}``.
+        Raises:
+            InvalidArgument: ``leases`` is not a list of 1..``MAX_BATCH_ACKS`` objects.
+            StoreBusy: nothing changed.
+        """
+        if not isinstance(leases, list | tuple) or not 1 <= len(leases) <= MAX_BATCH_ACKS:
+            raise InvalidArgument(
+                f"leases: must be a list of 1 to {MAX_BATCH_ACKS} leases", field="leases"
+            )
+        results: list[dict[str, Any] | None] = [None] * len(leases)
+        guards: dict[int, dict[str, Any]] = {}
+        for index, item in enumerate(leases):
+            if not isinstance(item, Mapping):
+                raise InvalidArgument(f"leases[{index}]: must be an object", index=index)
+            try:
+                guards[index] = self._lease_guard(
+                    item.get("job_id"), worker_id, item.get("lease_token")
+                )
+            except RelayError as exc:
+                results[index] = _refused_release(item, exc)
+        with self.driver.write(durable=False) as tx:
+            first: dict[str, int] = {}
+            slow: list[int] = []
+            for index, guard in guards.items():
+                if guard["job_id"] in first:
+                    slow.append(index)
+                else:
+                    first[guard["job_id"]] = index
+            if first:
+                at = self._read()
+                check(Transition.RELEASE, JobState.LEASED, JobState.READY)
+                # In job id order, as ack_many: two batches lock their rows in one order.
+                entries = orjson.dumps([guards[first[job_id]] for job_id in sorted(first)])
+                rows = tx.all("release_many", {"leases": entries.decode(), **self._judging(at)})
+                tx.many(
+                    "end_attempt",
+                    [
+                        {
+                            "job_id": row["id"],
+                            "attempt": row["attempt"],
+                            "now_ms": at.now_ms,
+                            "outcome": "released",
+                            "error": None,
+                            "retry_at_ms": None,
+                        }
+                        for row in rows
+                    ],
+                )
+                for row in rows:
+                    index = first.pop(row["id"])
+                    tx.made_ready(row["queue"])
+                    results[index] = {
+                        "job_id": row["id"],
+                        "ok": True,
+                        "state": JobState.READY.value,
+                        "queue": row["queue"],
+                    }
+                slow.extend(first.values())
+            for index in sorted(slow):  # cancel requested, refused or repeated: as ``release``
+                guard = guards[index]
+                mark = self.mark()
+                try:
+                    out = self._release_in(tx, guard)
+                except RelayError as exc:
+                    if not self.forgive(mark):  # it wrote before failing: fail the batch
+                        raise
+                    results[index] = _refused_release(leases[index], exc)
+                    continue
+                results[index] = {**out, "ok": True}
+        return [r for r in results if r is not None]
 
     @staticmethod
     def _lease_guard(job_id: Any, worker_id: Any, lease_token: Any) -> dict[str, Any]:

@@ -61,6 +61,9 @@ from queue_core.service import PRUNE_BATCH, QueueService, new_server_id
 log = logging.getLogger("relay.server")
 
 DRAIN_CHECK_S = 0.1  # how often the shutdown grace checks for leased jobs
+# How long a shutdown waits, its connections closed, for the jobs of their undelivered
+# replies to be written back READY (``Server._given_back``; 10,000 take about 0.4 s on SQLite).
+GIVE_BACK_WAIT_S = 10.0
 # Retention: a prune batch every RETENTION_EVERY reaper intervals (5 s by default). With a
 # backlog, the next batch waits RETENTION_YIELD times as long as the last one took (at least
 # RETENTION_BACKLOG_PAUSE_S), so pruning takes at most a third of the writer's time: 500-job
@@ -215,6 +218,7 @@ class RelayServer:
             await self._grace()
             await self._listener.close_all()
             await server.wait_closed()
+            await self._given_back()
         finally:
             if handle_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT):
@@ -231,6 +235,19 @@ class RelayServer:
             if metrics.TCP_SERVER.read is gauges:  # not a server started after this one
                 metrics.watch_tcp_server(None)
             log.info("event=stopped", extra={"event": "stopped"})
+
+    async def _given_back(self) -> None:
+        """Wait (at most ``GIVE_BACK_WAIT_S``) for the jobs of replies the closing connections
+        never delivered to be written back READY (``Requests.given_back``); the database
+        closes after this."""
+        try:
+            await asyncio.wait_for(self._requests.given_back(), GIVE_BACK_WAIT_S)
+        except TimeoutError:
+            log.warning(
+                "event=give_back_unfinished waited_s=%s",
+                GIVE_BACK_WAIT_S,
+                extra={"event": "give_back_unfinished", "waited_s": GIVE_BACK_WAIT_S},
+            )
 
     async def _grace(self) -> None:
         """Serve renew/ack/fail/release until no job is leased, at most the grace period."""

@@ -13,10 +13,10 @@
   back only that call. The batch then COMMITs once, one fsync for all of them (SQLite at
   ``synchronous=FULL``; PostgreSQL at its ``synchronous_commit``), and only then are the
   callers' futures resolved. If the commit fails, every call in the batch gets that error.
-  A batch of lease bookkeeping only (claims, the reaper's sweeps: calls queued with
-  ``durable=False``) commits without waiting for the disk (``Driver.write``'s ``durable``;
-  docs/design-decisions.md, "Leases without their own fsync"); one other call in the batch
-  (an ack, a submit) makes the whole batch durable.
+  A batch of lease bookkeeping only (claims, the reaper's sweeps, the give-back of undelivered
+  leases: calls queued with ``durable=False``) commits without waiting for the disk
+  (``Driver.write``'s ``durable``; docs/design-decisions.md, "Leases without their own
+  fsync"); one other call in the batch (an ack, a submit) makes the whole batch durable.
   With several writers, two calls in flight at once (from two connections, or pipelined on
   one) may commit in either order; on SQLite they commit in the order they were queued
   (``put_write``; a write that first waits for the key table's re-read is queued after it).
@@ -565,8 +565,8 @@ class Database:
             claims: ``fn`` leases jobs (a lease, an ack's ``lease_next``): its batch sweeps
                 due jobs first.
             durable: False: ``fn`` is lease bookkeeping only (``QueueService.claim``,
-                ``sweep``), which may commit without waiting for the disk when the whole
-                batch is (``GroupCommit.run``).
+                ``sweep``, ``release_batch``), which may commit without waiting for the disk
+                when the whole batch is (``GroupCommit.run``).
             weight: how many jobs ``fn`` may touch (1 for most calls; a batch's length, a
                 lease's ``max_jobs``): a group commit of more than ``INLINE_MAX_WEIGHT``
                 runs on the writer thread.

@@ -132,6 +132,31 @@ def test_a_claim_commits_relaxed_and_every_reply_that_promises_commits_durably(
     assert level_now(backend, alias) == DURABLE
 
 
+def test_the_give_back_of_undelivered_leases_commits_relaxed_and_a_release_durably(
+    service: QueueService, commits: list[str], backend: str, alias: str
+) -> None:
+    # release_batch is the server's own give-back (no reply promises it): lease bookkeeping,
+    # whether each entry goes through the batch's statement or alone (a cancel requested, a
+    # refusal). The release op answers its worker: durable.
+    service.submit_batch([{"queue": "q", "payload": i} for i in range(4)])
+    a, b, c, d = service.claim(["q"], worker_id="w", max_jobs=4)
+    service.cancel(b["job_id"])
+    del commits[:]
+    out = service.release_batch(
+        [
+            {"job_id": a["job_id"], "lease_token": a["lease_token"]},
+            {"job_id": b["job_id"], "lease_token": b["lease_token"]},
+            {"job_id": c["job_id"], "lease_token": "stale"},
+        ],
+        worker_id="w",
+    )
+    assert [r["ok"] for r in out] == [True, True, False]
+    assert taken(commits) == [RELAXED]
+    service.release(d["job_id"], **ids(d))
+    assert taken(commits) == [DURABLE]
+    assert level_now(backend, alias) == DURABLE
+
+
 def test_durable_leases_setting_makes_claims_durable_again(
     service: QueueService, commits: list[str], settings: Any
 ) -> None:

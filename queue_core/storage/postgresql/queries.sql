@@ -342,6 +342,24 @@ UPDATE relay_job
         OR (updated_at_ms <= %(mark_ms)s AND lease_expires_at_ms > %(judge_ms)s))
 RETURNING attempt, queue;
 
+-- name: release_many
+-- The give-back of a batch of leases (release_batch) in one statement, each entry guarded as
+-- release guards one (its own token, worker and expiry); a job whose cancel was requested is
+-- left to release, which ends it. Params: leases (a JSON array of {"job_id", "lease_token",
+-- "worker_id"}, no job twice), now_ms, judge_ms, mark_ms. Returns each released job's id,
+-- attempt and queue. As sqlite/queries.sql's release_many; no "state = 'leased'" test, for
+-- ack_many's reason (a primary-key lookup per entry).
+UPDATE relay_job
+   SET state = 'ready', ready_since_ms = %(now_ms)s, lease_token = NULL, leased_by = NULL,
+       lease_expires_at_ms = NULL, updated_at_ms = GREATEST(%(now_ms)s::bigint, updated_at_ms)
+  FROM jsonb_to_recordset(%(leases)s::jsonb) AS a(job_id text, lease_token text, worker_id text)
+ WHERE relay_job.id = a.job_id
+   AND relay_job.lease_token = a.lease_token AND relay_job.leased_by = a.worker_id
+   AND relay_job.cancel_requested_at_ms IS NULL
+   AND (relay_job.lease_expires_at_ms > %(now_ms)s
+        OR (relay_job.updated_at_ms <= %(mark_ms)s AND relay_job.lease_expires_at_ms > %(judge_ms)s))
+RETURNING relay_job.id, relay_job.attempt, relay_job.queue;
+
 -- name: finish_cancelled
 -- Leased -> cancelled: the worker of a job whose cancel was requested failed or released it
 -- (after live_lease, in the same transaction). No failure is counted; a fail's text is kept.
