@@ -2169,12 +2169,10 @@ class QueueService:
         tx.made_ready(row["queue"])
         return {"job_id": job_id, "state": JobState.READY.value, "queue": row["queue"]}
 
-    def release_batch(
-        self, leases: Sequence[Mapping[str, Any]], *, worker_id: str
-    ) -> list[dict[str, Any]]:
-        """Give back several jobs leased to ``worker_id`` in one transaction, each fenced by
-        its own token, as ``release`` gives back one (LEASED -> READY, or CANCELLED when a
-        cancel was requested).
+    def release_batch(self, leases: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Give back several leased jobs in one transaction, each fenced by its own token and
+        worker, as ``release`` gives back one (LEASED -> READY, or CANCELLED when a cancel was
+        requested).
 
         For the server's give-back of leases whose reply never reached its client
         (``protocol.requests.Requests.give_back``): a cut connection may hold a thousand.
@@ -2191,8 +2189,8 @@ class QueueService:
         expiry, as if it never ran.
 
         Args:
-            leases: 1..``MAX_BATCH_ACKS`` ``{"job_id", "lease_token"}`` (other keys ignored).
-            worker_id: the worker holding every one of them.
+            leases: 1..``MAX_BATCH_ACKS`` ``{"job_id", "worker_id", "lease_token"}`` (other
+                keys ignored), of any workers.
         Returns:
             One result per entry, in input order: ``{"job_id", "ok": True, "state":
             "ready" | "cancelled", "queue"}`` or ``{"job_id", "ok": False, "error": {"code",
@@ -2212,7 +2210,7 @@ class QueueService:
                 raise InvalidArgument(f"leases[{index}]: must be an object", index=index)
             try:
                 guards[index] = self._lease_guard(
-                    item.get("job_id"), worker_id, item.get("lease_token")
+                    item.get("job_id"), item.get("worker_id"), item.get("lease_token")
                 )
             except RelayError as exc:
                 results[index] = _refused_release(item, exc)

@@ -14,6 +14,7 @@ measures what that costs everyone else, on a real ``relay_server`` over loopback
 Reported per run: the sentinel's worst and median round trip (submit + lease + ack) from the
 resets on, the worst before them, the time until the LEASED count last moved, and the jobs left
 LEASED (those whose replies the ghosts' kernels took: they stay leased until expiry, by design).
+``--worker-ids per-lease`` makes each ghost lease name a worker id of its own (a client may).
 Each run has a fresh database: an SQLite file, or with ``--database-url`` a database of its
 own on that PostgreSQL server, dropped at the end. ``--runs`` (3) repeats it; the summary gives
 each figure's median and min-max (``stats.spread``) and the load average at each run's start.
@@ -105,8 +106,9 @@ def settle(client: LineClient) -> tuple[int, float]:
     return last, moved
 
 
-def scenario(port: int, ghosts: int, each: int) -> dict[str, Any]:
-    """Run the give-back scenario once on the server at ``127.0.0.1:port`` (module doc).
+def scenario(port: int, ghosts: int, each: int, *, per_lease: bool = False) -> dict[str, Any]:
+    """Run the give-back scenario once on the server at ``127.0.0.1:port`` (module doc);
+    ``per_lease``: each ghost lease names a worker id of its own (else all name one).
 
     Returns:
         ``{"leased", "left_leased", "settled_ms", "sentinel_max_ms", "sentinel_p50_ms",
@@ -118,10 +120,13 @@ def scenario(port: int, ghosts: int, each: int) -> dict[str, Any]:
     jobs = [{"queue": QUEUE, "payload": {"pad": "p" * 100}}] * SUBMIT_CHUNK
     for _ in range(0, ghosts * each, SUBMIT_CHUNK):
         admin.call("submit_batch", jobs=jobs)
-    lease = {"queues": [QUEUE], "worker_id": "ghost", "lease_ms": LEASE_MS}
-    pipelined = b"".join(
-        orjson.dumps({"id": i, "op": "lease", "args": lease}) + b"\n" for i in range(each)
-    )
+
+    def lease(i: int) -> bytes:
+        worker_id = f"ghost-{i}" if per_lease else "ghost"
+        args = {"queues": [QUEUE], "worker_id": worker_id, "lease_ms": LEASE_MS}
+        return orjson.dumps({"id": i, "op": "lease", "args": args}) + b"\n"
+
+    pipelined = b"".join(lease(i) for i in range(each))
     clients = []
     for _ in range(ghosts):
         ghost = LineClient(port, rcvbuf=GHOST_RCVBUF)
@@ -174,7 +179,9 @@ def scenario(port: int, ghosts: int, each: int) -> dict[str, Any]:
     }
 
 
-def one_run(ghosts: int, each: int, database_url: str | None, workdir: Path) -> dict[str, Any]:
+def one_run(
+    ghosts: int, each: int, database_url: str | None, workdir: Path, *, per_lease: bool = False
+) -> dict[str, Any]:
     """A fresh database and server, ``scenario`` on it, the server stopped (SIGTERM)."""
     if database_url is None:
         template = workdir / "template.db"
@@ -183,7 +190,7 @@ def one_run(ghosts: int, each: int, database_url: str | None, workdir: Path) -> 
         db = procs.fresh_db(template, workdir, "giveback")
         server = procs.ServerProcess(db, RELAY_SHUTDOWN_GRACE_MS=SHUTDOWN_GRACE_MS)
         try:
-            return scenario(server.port, ghosts, each)
+            return scenario(server.port, ghosts, each, per_lease=per_lease)
         finally:
             server.stop()
     import psycopg
@@ -200,7 +207,7 @@ def one_run(ghosts: int, each: int, database_url: str | None, workdir: Path) -> 
             None, RELAY_DATABASE_URL=url, RELAY_SHUTDOWN_GRACE_MS=SHUTDOWN_GRACE_MS
         )
         try:
-            return scenario(server.port, ghosts, each)
+            return scenario(server.port, ghosts, each, per_lease=per_lease)
         finally:
             server.stop()
     finally:
@@ -214,12 +221,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--each", type=int, default=1000, help="leases each pipelines (1000)")
     parser.add_argument("--runs", type=int, default=3, help="fresh database and server each (3)")
     parser.add_argument("--database-url", help="postgresql://... (default: an SQLite file)")
+    parser.add_argument(
+        "--worker-ids",
+        choices=("one", "per-lease"),
+        default="one",
+        help="the ghosts' leases name one worker id, or one each (one)",
+    )
     args = parser.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="relay-giveback-") as tmp:
         for run in range(args.runs):
             load = loadavg()
-            result = one_run(args.ghosts, args.each, args.database_url, Path(tmp))
+            per_lease = args.worker_ids == "per-lease"
+            result = one_run(
+                args.ghosts, args.each, args.database_url, Path(tmp), per_lease=per_lease
+            )
             result["loadavg"] = load
             results.append(result)
             print(f"run {run + 1}: {orjson.dumps(result).decode()}", flush=True)

@@ -43,13 +43,16 @@ from queue_core.protocol import codec, dispatch, limits
 from queue_core.protocol.budget import ReplyBudget
 from queue_core.protocol.connection import Conn, error_line, reply_line
 from queue_core.protocol.wakeups import Waiter, Wakeups
-from queue_core.protocol.writer import Database
+from queue_core.protocol.writer import SHARED_WRITERS, Database
 from queue_core.service import MAX_BATCH_ACKS, QueueService
 
 log = logging.getLogger("relay.server")
 
 # Jobs given back in one write (``Requests.give_back``): ``release_batch``'s most.
 GIVE_BACK_BATCH = MAX_BATCH_ACKS
+# Give-back writes in flight at once at shutdown (``Requests.given_back``): one per
+# PostgreSQL writer thread; on SQLite the one writer takes them in one transaction.
+GIVE_BACK_FLUSH = SHARED_WRITERS
 
 
 class Requests:
@@ -93,13 +96,15 @@ class Requests:
         # Whether a write names the queues whose controls it locks (``_locked_queues``):
         # only where several writers run at once (PostgreSQL) must a batch order them.
         self.orders_locks = not service.capabilities.single_writer
-        # Jobs to give back, by worker id, gathered until the loop's next pass (``give_back``),
-        # and the future each call returned; then their batches, written one at a time
-        # (``_release_next``), each with the futures its end answers.
-        self._giving: dict[str, list[dict[str, Any]]] = {}
+        # Jobs to give back (``{"job_id", "worker_id", "lease_token", "queue"}``), gathered
+        # until the loop's next pass (``give_back``), and the future each call returned; then
+        # their batches, written one at a time (``_release_next``; ``GIVE_BACK_FLUSH`` at once
+        # when ``_flushing``, at shutdown), each with the futures its end answers.
+        self._giving: list[dict[str, Any]] = []
         self._given: list[asyncio.Future[Any]] = []
         self._releases: collections.deque[_Release] = collections.deque()
         self._releasing = 0  # batches written and not answered yet
+        self._flushing = False
         self._idle: list[asyncio.Future[None]] = []
 
     @staticmethod
@@ -620,17 +625,19 @@ class Requests:
                 self.give_back(jobs, worker_id)
 
     def give_back(self, leases: list[dict[str, Any]], worker_id: str) -> asyncio.Future[Any]:
-        """Give back jobs leased to a reply that cannot be sent, and wake their queues.
+        """Give back jobs leased to ``worker_id`` in a reply that cannot be sent, and wake
+        their queues.
 
         Never waits (a task being cancelled can call it too). The jobs of every call in one
-        pass of the loop are gathered by worker, cut into batches of ``GIVE_BACK_BATCH``, and
-        written one batch at a time (``QueueService.release_batch``: one guarded statement
-        for a batch, each job fenced by its own token), so other requests queue behind one
-        batch at most (all at once while the server drains: ``_release_next``). A reset
-        connection may hold a thousand replies of one job each: given back one write per job,
-        all queued at once, 10 connections reset together with 1,000 jobs each held another
-        client's requests up to 643 ms on SQLite and 3.9 s on PostgreSQL; now 17.5 ms
-        (medians, ``relay_bench.giveback``).
+        pass of the loop are gathered, whatever their workers, cut into batches of
+        ``GIVE_BACK_BATCH`` and written one batch at a time (``QueueService.release_batch``:
+        one guarded statement for a batch, each job fenced by its own token and worker), so
+        other requests queue behind one batch at most. A reset connection may hold a thousand
+        replies of one job each: given back one write per job, all queued at once, 10
+        connections reset together with 1,000 jobs each held another client's requests up
+        to 643 ms on SQLite and 3.9 s on PostgreSQL; now 29 and 20 ms (medians,
+        ``relay_bench.giveback``). Once the connections are closed at shutdown
+        (``given_back``), several batches go at once.
 
         The writes need not wait for the disk (``durable=False``, as a lease's): a give-back
         a crash loses leaves its job LEASED to a reply nobody read, until restart recovery
@@ -639,33 +646,46 @@ class Requests:
 
         An entry refused (the lease expired or was taken meanwhile) is logged, and so is a
         batch that failed whole. Returns a future that ends when the last batch of its pass is
-        answered.
+        answered (or dropped: ``drop_give_backs``).
         """
         loop = asyncio.get_running_loop()
         if not self._given:
             loop.call_soon(self._give_back_now)
-        self._giving.setdefault(worker_id, []).extend(leases)
+        self._giving.extend({**lease, "worker_id": worker_id} for lease in leases)
         done: asyncio.Future[Any] = loop.create_future()
         self._given.append(done)
         return done
 
     async def given_back(self) -> None:
-        """Return once every job ``give_back`` was handed so far has been written (the
-        server's shutdown waits for this before it closes the database)."""
+        """At shutdown, once no connection is left (no other request to keep waiting): write
+        the batches left ``GIVE_BACK_FLUSH`` at a time, and return once every job
+        ``give_back`` was handed has been written (or dropped)."""
+        self._flushing = True
+        self._release_next()
         if self._given or self._releases or self._releasing:
             idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._idle.append(idle)
             await idle
 
+    def drop_give_backs(self) -> int:
+        """Drop the batches not yet written (the shutdown's wait ran out): their jobs stay
+        LEASED until restart recovery (SQLite) or their leases' expiry. Returns how many."""
+        dropped = 0
+        while self._releases:
+            release = self._releases.popleft()
+            dropped += len(release.leases)
+            _answer(release.given)
+        self._release_next()
+        return dropped
+
     def _give_back_now(self) -> None:
         """Cut the jobs ``give_back`` gathered in a pass into batches, the futures of that
         pass answered with its last batch, and write them (``_release_next``)."""
-        giving, self._giving = self._giving, {}
+        giving, self._giving = self._giving, []
         given, self._given = self._given, []
         batches = [
-            _Release(worker_id, leases[at : at + GIVE_BACK_BATCH], [])
-            for worker_id, leases in giving.items()
-            for at in range(0, len(leases), GIVE_BACK_BATCH)
+            _Release(giving[at : at + GIVE_BACK_BATCH], [])
+            for at in range(0, len(giving), GIVE_BACK_BATCH)
         ]
         if batches:
             batches[-1].given.extend(given)
@@ -675,16 +695,14 @@ class Requests:
         self._release_next()
 
     def _release_next(self) -> None:
-        """Write the next batch of give-backs unless one is in flight; once the server drains
-        (nobody else's requests to keep waiting), write every batch left at once. With none
-        left, wake ``given_back``."""
-        while self._releases and (not self._releasing or self.draining):
+        """Write the next batch of give-backs unless one is in flight (``GIVE_BACK_FLUSH``
+        when flushing). With none left, wake ``given_back``."""
+        most = GIVE_BACK_FLUSH if self._flushing else 1
+        while self._releases and self._releasing < most:
             self._releasing += 1
             release = self._releases.popleft()
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            write = functools.partial(
-                self.service.release_batch, release.leases, worker_id=release.worker_id
-            )
+            write = functools.partial(self.service.release_batch, release.leases)
             self.db.put_write(write, future, durable=False, weight=len(release.leases))
             future.add_done_callback(functools.partial(self._given_back, release))
         if not (self._releases or self._releasing or self._given):
@@ -728,10 +746,10 @@ class Requests:
 
 @dataclasses.dataclass(slots=True)
 class _Release:
-    """One write of ``Requests.give_back``: a worker's jobs (``{"job_id", "lease_token",
-    "queue"}``, at most ``GIVE_BACK_BATCH``) and the futures its end answers."""
+    """One write of ``Requests.give_back``: its jobs (``{"job_id", "worker_id",
+    "lease_token", "queue"}``, at most ``GIVE_BACK_BATCH``) and the futures its end
+    answers."""
 
-    worker_id: str
     leases: list[dict[str, Any]]
     given: list[asyncio.Future[Any]]
 

@@ -237,16 +237,23 @@ class RelayServer:
             log.info("event=stopped", extra={"event": "stopped"})
 
     async def _given_back(self) -> None:
-        """Wait (at most ``GIVE_BACK_WAIT_S``) for the jobs of replies the closing connections
-        never delivered to be written back READY (``Requests.given_back``); the database
-        closes after this."""
+        """Once every connection is closed, wait (at most ``GIVE_BACK_WAIT_S``) for the jobs
+        of replies they never delivered to be written back READY (``Requests.given_back``);
+        then drop what is left (those jobs wait for restart recovery or their leases'
+        expiry) and close the database, which finishes the writes in flight."""
         try:
             await asyncio.wait_for(self._requests.given_back(), GIVE_BACK_WAIT_S)
         except TimeoutError:
+            dropped = self._requests.drop_give_backs()
             log.warning(
-                "event=give_back_unfinished waited_s=%s",
+                "event=give_back_unfinished waited_s=%s dropped_jobs=%s",
                 GIVE_BACK_WAIT_S,
-                extra={"event": "give_back_unfinished", "waited_s": GIVE_BACK_WAIT_S},
+                dropped,
+                extra={
+                    "event": "give_back_unfinished",
+                    "waited_s": GIVE_BACK_WAIT_S,
+                    "dropped_jobs": dropped,
+                },
             )
 
     async def _grace(self) -> None:

@@ -144,11 +144,10 @@ def test_the_give_back_of_undelivered_leases_commits_relaxed_and_a_release_durab
     del commits[:]
     out = service.release_batch(
         [
-            {"job_id": a["job_id"], "lease_token": a["lease_token"]},
-            {"job_id": b["job_id"], "lease_token": b["lease_token"]},
-            {"job_id": c["job_id"], "lease_token": "stale"},
-        ],
-        worker_id="w",
+            {"job_id": a["job_id"], **ids(a)},
+            {"job_id": b["job_id"], **ids(b)},
+            {"job_id": c["job_id"], "worker_id": "w", "lease_token": "stale"},
+        ]
     )
     assert [r["ok"] for r in out] == [True, True, False]
     assert taken(commits) == [RELAXED]

@@ -34,8 +34,8 @@ def lease(service: QueueService, n: int, worker_id: str = W1, **kw: Any) -> list
     return service.claim(["q"], worker_id=worker_id, max_jobs=n, **kw)
 
 
-def fence(held: dict[str, Any]) -> dict[str, Any]:
-    return {"job_id": held["job_id"], "lease_token": held["lease_token"]}
+def fence(held: dict[str, Any], worker_id: str = W1) -> dict[str, Any]:
+    return {"job_id": held["job_id"], "worker_id": worker_id, "lease_token": held["lease_token"]}
 
 
 def state(job_id: str) -> str:
@@ -50,21 +50,21 @@ def outcomes(job_id: str) -> list[str | None]:
 def test_each_entry_is_released_on_its_own_token_and_a_refusal_is_its_own(
     service: QueueService, clock: FakeClock
 ) -> None:
-    submit(service, 6)
+    submit(service, 7)
     a, b, c = lease(service, 3)
     (d,) = lease(service, 1, lease_ms=1_000)
-    (e,) = lease(service, 1, worker_id="w2")
+    e, f = lease(service, 2, worker_id="w2")
     clock.advance(seconds=1)  # d's lease expires exactly now
     out = service.release_batch(
         [
             fence(a),
-            {"job_id": b["job_id"], "lease_token": "stale"},
+            {"job_id": b["job_id"], "worker_id": W1, "lease_token": "stale"},
             fence(c),
             fence(d),
             fence(e),  # leased to w2, given back in w1's name
-            {"job_id": "nope", "lease_token": "t"},
-        ],
-        worker_id=W1,
+            fence(f, "w2"),  # another worker's, in its own name: one batch holds both
+            {"job_id": "nope", "worker_id": W1, "lease_token": "t"},
+        ]
     )
     assert [(r["job_id"], r["ok"]) for r in out] == [
         (a["job_id"], True),
@@ -72,6 +72,7 @@ def test_each_entry_is_released_on_its_own_token_and_a_refusal_is_its_own(
         (c["job_id"], True),
         (d["job_id"], False),
         (e["job_id"], False),
+        (f["job_id"], True),
         ("nope", False),
     ]
     assert [r["error"]["code"] for r in out if not r["ok"]] == [
@@ -81,14 +82,15 @@ def test_each_entry_is_released_on_its_own_token_and_a_refusal_is_its_own(
         "NOT_FOUND",
     ]
     assert out[0] == {"job_id": a["job_id"], "ok": True, "state": "ready", "queue": "q"}
-    assert [state(h["job_id"]) for h in (a, b, c, d, e)] == [
+    assert [state(h["job_id"]) for h in (a, b, c, d, e, f)] == [
         "ready",
         "leased",
         "ready",
         "leased",
         "leased",
+        "ready",
     ]
-    assert outcomes(a["job_id"]) == outcomes(c["job_id"]) == ["released"]
+    assert outcomes(a["job_id"]) == outcomes(c["job_id"]) == outcomes(f["job_id"]) == ["released"]
     assert outcomes(b["job_id"]) == [None]  # still open
     # A released job is leased again, on a new token; the old one fences nothing.
     again = {j["job_id"]: j for j in lease(service, 3)}
@@ -103,7 +105,7 @@ def test_a_lease_one_ms_before_its_expiry_is_released(
     submit(service, 1)
     (a,) = lease(service, 1, lease_ms=1_000)
     clock.advance(ms=999)
-    (out,) = service.release_batch([fence(a)], worker_id=W1)
+    (out,) = service.release_batch([fence(a)])
     assert out["ok"] is True and state(a["job_id"]) == "ready"
 
 
@@ -113,7 +115,7 @@ def test_a_cancel_requested_job_ends_cancelled_and_a_repeat_is_given_back_once(
     submit(service, 3)
     a, b, c = lease(service, 3)
     service.cancel(b["job_id"])  # leased: its cancel is requested, the worker learns it
-    out = service.release_batch([fence(a), fence(b), fence(a), fence(c)], worker_id=W1)
+    out = service.release_batch([fence(a), fence(b), fence(a), fence(c)])
     assert [(r["ok"], r.get("state")) for r in out] == [
         (True, "ready"),
         (True, "cancelled"),
@@ -128,7 +130,7 @@ def test_a_cancel_requested_job_ends_cancelled_and_a_repeat_is_given_back_once(
 def test_the_counts_follow_a_batch(service: QueueService) -> None:
     submit(service, 5)
     held = lease(service, 5)
-    service.release_batch([fence(h) for h in held[:3]], worker_id=W1)
+    service.release_batch([fence(h) for h in held[:3]])
     totals = service.stats()["queues"]["q"]
     assert (totals["ready"], totals["leased"]) == (3, 2)
     assert Job.objects.filter(state="ready").count() == 3
@@ -141,11 +143,14 @@ def test_a_malformed_batch_is_refused_whole_and_a_bad_value_only_its_entry(
     a, b = lease(service, 2)
     for bad in ([], [fence(a)] * (MAX_BATCH_ACKS + 1), [fence(a), "x"], "ab"):
         with pytest.raises(errors.InvalidArgument):
-            service.release_batch(bad, worker_id=W1)  # type: ignore[arg-type]
+            service.release_batch(bad)  # type: ignore[arg-type]
     assert state(a["job_id"]) == "leased"
     out = service.release_batch(
-        [{"job_id": "j" * 10_000, "lease_token": "t"}, {"job_id": a["job_id"]}, fence(b)],
-        worker_id=W1,
+        [
+            {"job_id": "j" * 10_000, "worker_id": W1, "lease_token": "t"},
+            {"job_id": a["job_id"], "worker_id": W1},
+            fence(b),
+        ]
     )
     assert [(r["job_id"], r["ok"]) for r in out] == [
         (None, False),
@@ -156,7 +161,7 @@ def test_a_malformed_batch_is_refused_whole_and_a_bad_value_only_its_entry(
     assert state(a["job_id"]) == "leased" and state(b["job_id"]) == "ready"
     # A batch whose every entry is refused commits nothing and says why for each.
     out = service.release_batch(
-        [{"job_id": a["job_id"], "lease_token": "stale"}, fence(b)], worker_id=W1
+        [{"job_id": a["job_id"], "worker_id": W1, "lease_token": "stale"}, fence(b)]
     )
     assert [r["error"]["code"] for r in out] == ["STALE_TOKEN", "STALE_TOKEN"]
     assert state(a["job_id"]) == "leased" and outcomes(a["job_id"]) == [None]
