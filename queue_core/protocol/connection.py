@@ -42,11 +42,6 @@ KEEPING_UP_BYTES = 64 * 1024
 # of memory a byte of one-job lease replies: a hostile review).
 IN_KERNEL_PRUNE_BYTES = 64 * 1024
 IN_KERNEL_MAX_BYTES = 1024 * 1024
-# A connection whose replies that handed out jobs lie unsent more than this many bytes of
-# output back (its client reads none of them) is handed no more jobs until it reads
-# (``Conn.behind_on_leases``): well under IN_KERNEL_MAX_BYTES, so its unsent replies stay
-# remembered and a reset gives their jobs back.
-LEASE_BACKLOG_BYTES = 512 * 1024
 # SO_LINGER on, with a timeout of 0: closing the socket resets the connection (``Conn.abort``).
 RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
@@ -259,27 +254,6 @@ class Conn:
             while in_kernel and end - in_kernel[0][0] > IN_KERNEL_MAX_BYTES:
                 in_kernel.popleft()
                 self.forgot = True
-
-    def behind_on_leases(self) -> bool:
-        """Whether a reply that handed out jobs lies unsent more than ``LEASE_BACKLOG_BYTES``
-        of output back (the client's window shut: it reads none of them). A lease then hands
-        this connection no job, and an ack's ``lease_next`` none (``requests.Requests``):
-        the jobs wait for a worker that reads, and the replies the kernel holds unsent stay
-        remembered (``handed``'s cap is twice as far), so a reset still gives them back. A
-        limit on what a consumer holds unread, as RabbitMQ's prefetch count limits what it
-        holds unacknowledged, but in bytes and only for a client that stopped reading.
-
-        One comparison while under the limit; past it, one reading of the socket
-        (``transmitted``) forgets the replies sent. False where that cannot be told."""
-        in_kernel = self.in_kernel
-        if not in_kernel or self.written - in_kernel[0][0] <= LEASE_BACKLOG_BYTES:
-            return False
-        sent = self.transmitted()
-        if sent is None:
-            return False
-        while in_kernel and in_kernel[0][0] <= sent:
-            in_kernel.popleft()
-        return bool(in_kernel) and self.written - in_kernel[0][0] > LEASE_BACKLOG_BYTES
 
     def transmitted(self) -> int | None:
         """The offset (of ``written``) up to which our bytes have left for the client

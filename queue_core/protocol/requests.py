@@ -168,8 +168,7 @@ class Requests:
             leases_next = "lease_next" in args
             locks = self.orders_locks and (leases_next or verb.op in dispatch.CONTROLS)
             if leases_next:
-                behind = conn.behind_on_leases()
-                handler = functools.partial(self._with_lease_next, verb, args, ctx, behind)
+                handler = functools.partial(self._unless_draining, verb, args, ctx)
             # With lease_next the batch sweeps first, as a lease's does (whom to wake).
             self.db.put_write(
                 handler,
@@ -192,8 +191,7 @@ class Requests:
         frame the read loop held for it (``held``, ``frame_for``) stays held until the claim
         commits (``_claimed``), so a client that reads nothing is held to its budget as
         ``lease`` holds it. The key is checked in the same loop pass the claim is queued in,
-        as a write's is. No task and no coroutine. A connection behind on its lease replies
-        (``Conn.behind_on_leases``) is answered ``"jobs": []`` without a claim.
+        as a write's is. No task and no coroutine.
         """
         if request.args.get("wait_ms") or conn.gone or not held:
             return None
@@ -203,26 +201,21 @@ class Requests:
         s = relay_settings()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        started: float | None = loop.time()
         try:
             args, ctx = self.admit(conn, verb, request.args, ring)
         except errors.RelayError as exc:  # refused here, answered below
             future.set_exception(exc.with_traceback(None))
         else:
-            if conn.behind_on_leases():  # no job for a client that reads none of its leases
-                future.set_result(dispatch.Outcome({"jobs": []}))
-                started = None  # no claim ran
-            else:
-                self.db.put_write(
-                    functools.partial(verb.handler, self.service, args, ctx),
-                    future,
-                    claims=True,
-                    durable=s.durable_leases,
-                    weight=_weight(args),
-                    queues=_locked_queues(verb, args) if self.orders_locks else (),
-                )
+            self.db.put_write(
+                functools.partial(verb.handler, self.service, args, ctx),
+                future,
+                claims=True,
+                durable=s.durable_leases,
+                weight=_weight(args),
+                queues=_locked_queues(verb, args) if self.orders_locks else (),
+            )
         conn.tasks.add(future)  # until its reply is written (``answer_write``)
-        future.add_done_callback(functools.partial(self._claimed, conn, request, held, started))
+        future.add_done_callback(functools.partial(self._claimed, conn, request, held, loop.time()))
         return future
 
     def _claimed(
@@ -230,17 +223,16 @@ class Requests:
         conn: Conn,
         request: codec.Request,
         held: int,
-        started: float | None,
+        started: float,
         future: asyncio.Future[Any],
     ) -> None:
         """A claim ``start_lease`` queued has committed or failed: give back the frame it
-        held (the reply holds its own bytes from here), time it (``started``: None when no
-        claim ran), and answer (``answer_write``). One done-callback, not three: each is a
-        pass of the loop's ready queue. The answer runs whatever the first two do, as its own
-        callback did."""
+        held (the reply holds its own bytes from here), time it, and answer
+        (``answer_write``). One done-callback, not three: each is a pass of the loop's
+        ready queue. The answer runs whatever the first two do, as its own callback did."""
         try:
             self.budget.give(conn, held)
-            if started is not None and not future.cancelled() and future.exception() is None:
+            if not future.cancelled() and future.exception() is None:
                 metrics.CLAIM_SECONDS.observe(asyncio.get_running_loop().time() - started)
         finally:
             self.answer_write(conn, request, future, key="jobs")
@@ -294,14 +286,13 @@ class Requests:
         finally:
             conn.tasks.discard(future)
 
-    def _with_lease_next(
-        self, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context, behind: bool
+    def _unless_draining(
+        self, verb: dispatch.Verb, args: dict[str, Any], ctx: dispatch.Context
     ) -> dispatch.Outcome:
         """Writer thread: run an ack, fail or ack_batch with ``lease_next``; once the server
-        drains (read as the call runs), or when its connection was ``behind`` on its lease
-        replies as it was queued (``Conn.behind_on_leases``), it hands out no new leases: the
-        ack or fail itself goes on and answers ``"next": []``."""
-        if not (self.draining or behind):
+        drains (read as the call runs) it hands out no new leases: the ack or fail itself goes
+        on and answers ``"next": []``."""
+        if not self.draining:
             return verb.handler(self.service, args, ctx)
         rest = {k: val for k, val in args.items() if k != "lease_next"}
         outcome = verb.handler(self.service, rest, ctx)
@@ -534,9 +525,7 @@ class Requests:
         woken = got_jobs = False
         try:
             while True:
-                # Never lease to a closed socket, nor to a client that reads none of its
-                # leases (``Conn.behind_on_leases``): it gets none at once, without waiting.
-                if conn.gone or conn.behind_on_leases():
+                if conn.gone:  # never lease to a closed socket
                     return dispatch.Outcome({"jobs": []})
                 # Subscribe before claiming, so a commit between the claim and the wait wakes us
                 # (a lease that will not wait needs no wake-up).
