@@ -286,8 +286,9 @@ def _name_entry(exc: IdempotencyConflict, index: int, ids: Sequence[str] = ()) -
     exc.args = (exc.message,)
 
 
-def _refused_ack(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
-    """One refused ack of an ``ack_batch``: its entry, with the error's code and message. Its
+def _refused_entry(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
+    """One refused entry of an ``ack_batch`` or ``release_batch``: its entry, with the
+    error's code and message. Its
     ``job_id`` as sent when it could be one (a string of at most 40 characters), else None:
     echoing 99 ids of 10,000 characters made a reply past the frame limit, answered
     ``FRAME_TOO_LARGE`` after the batch's valid acks had committed (a review)."""
@@ -297,17 +298,6 @@ def _refused_ack(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
         "ok": False,
         "state": None,
         "duplicate": None,
-        "error": {"code": exc.code, "message": exc.message, "retryable": exc.retryable},
-    }
-
-
-def _refused_release(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
-    """One refused entry of a ``release_batch``: its job id as ``_refused_ack`` echoes one,
-    with the error's code and message."""
-    job_id = item.get("job_id")
-    return {
-        "job_id": job_id if isinstance(job_id, str) and len(job_id) <= 40 else None,
-        "ok": False,
         "error": {"code": exc.code, "message": exc.message, "retryable": exc.retryable},
     }
 
@@ -1928,7 +1918,7 @@ class QueueService:
                     item.get("result"),
                 )
             except RelayError as exc:
-                results[index] = _refused_ack(item, exc)
+                results[index] = _refused_entry(item, exc)
         with self.driver.write() as tx:
             slow = self._ack_many(tx, plans, results) if plans else []
             for index in slow:  # refused, repeated or a duplicate: one by one, as ``ack``
@@ -1941,7 +1931,7 @@ class QueueService:
                     # anything else fails the whole batch.
                     if not self.forgive(mark):
                         raise
-                    results[index] = _refused_ack(acks[index], exc)
+                    results[index] = _refused_entry(acks[index], exc)
                     continue
                 results[index] = {**out, "ok": True, "error": None}
             leases = []
@@ -1957,46 +1947,22 @@ class QueueService:
         results: list[dict[str, Any] | None],
     ) -> list[int]:
         """LEASED -> SUCCEEDED for the acks of ``plans`` (input index -> checked guard and
-        stored result) in one guarded statement (``ack_many``), each entry fenced by its own
-        token, worker and expiry as ``ack`` fences one, and their attempts closed in one
-        ``executemany``; fills ``results`` for those it acked.
+        stored result) in one guarded statement (``ack_many``, through ``_guarded_many``),
+        each entry fenced by its own token, worker and expiry as ``ack`` fences one; fills
+        ``results`` for those it acked.
 
         Returns:
             The indexes it did not ack, in input order: an entry the guard refused (stale,
             expired, gone, or already acked: ``ack`` tells which) or whose job an earlier entry
             names too; the caller runs each alone.
         """
-        first: dict[str, int] = {}
-        slow: list[int] = []
-        for index, (guard, _) in plans.items():
-            if guard["job_id"] in first:
-                slow.append(index)
-            else:
-                first[guard["job_id"]] = index
         at = self._read()
         now = at.now_ms
         check(Transition.ACK, JobState.LEASED, JobState.SUCCEEDED)
-        # In job id order: two batches naming the same jobs lock their rows in one order
-        # (PostgreSQL's nested loop follows the array), so they queue rather than deadlock.
-        entries = orjson.dumps([plans[first[job_id]][0] for job_id in sorted(first)]).decode()
-        rows = tx.all("ack_many", {"acks": entries, **self._judging(at)})
-        tx.many(
-            "end_attempt",
-            [
-                {
-                    "job_id": row["id"],
-                    "attempt": row["attempt"],
-                    "now_ms": now,
-                    "outcome": "succeeded",
-                    "error": None,
-                    "retry_at_ms": None,
-                }
-                for row in rows
-            ],
-        )
-        for row in rows:
+        guards = {index: guard for index, (guard, _) in plans.items()}
+        done, slow = self._guarded_many(tx, "ack_many", "acks", guards, at, "succeeded")
+        for index, row in done:
             job_id = row["id"]
-            index = first.pop(job_id)
             self._entered(tx, job_id, row["unique_scope"], JobState.SUCCEEDED)
             self._slot_freed(tx, row["queue"])
             stored = plans[index][1]
@@ -2010,7 +1976,56 @@ class QueueService:
                 "ok": True,
                 "error": None,
             }
-        return sorted([*slow, *first.values()])
+        return slow
+
+    def _guarded_many(
+        self,
+        tx: Tx,
+        statement: str,
+        param: str,
+        guards: Mapping[int, Mapping[str, Any]],
+        at: Reading,
+        outcome: str,
+    ) -> tuple[list[tuple[int, dict[str, Any]]], list[int]]:
+        """Run a batch's guarded statement (``ack_many``, ``release_many``: its JSON array
+        of entries in ``param``) over the first entry naming each job of ``guards`` (input
+        index -> checked ``_lease_guard``), and close the attempts of the rows it changed
+        with ``outcome`` in one ``executemany``.
+
+        Returns:
+            ``(index, row)`` for each entry it changed, and the indexes it did not, in input
+            order: an entry the guard refused or whose job an earlier entry names too; the
+            caller runs each alone, which says why.
+        """
+        first: dict[str, int] = {}
+        slow: list[int] = []
+        for index, guard in guards.items():
+            if guard["job_id"] in first:
+                slow.append(index)
+            else:
+                first[guard["job_id"]] = index
+        if not first:
+            return [], slow
+        # In job id order: two batches naming the same jobs lock their rows in one order
+        # (PostgreSQL's nested loop follows the array), so they queue rather than deadlock.
+        entries = orjson.dumps([guards[first[job_id]] for job_id in sorted(first)]).decode()
+        rows = tx.all(statement, {param: entries, **self._judging(at)})
+        tx.many(
+            "end_attempt",
+            [
+                {
+                    "job_id": row["id"],
+                    "attempt": row["attempt"],
+                    "now_ms": at.now_ms,
+                    "outcome": outcome,
+                    "error": None,
+                    "retry_at_ms": None,
+                }
+                for row in rows
+            ],
+        )
+        done = [(first.pop(row["id"]), row) for row in rows]
+        return done, sorted([*slow, *first.values()])
 
     def _end_lease(
         self,
@@ -2178,10 +2193,10 @@ class QueueService:
         (``protocol.requests.Requests.give_back``): a cut connection may hold a thousand.
         One guarded statement (``release_many``) releases every entry whose token, worker
         and unexpired lease match and whose job has no cancel requested, and one
-        ``executemany`` closes their attempts (``ack_batch``'s way). An entry it did not
-        release, or whose job an earlier entry names, then runs alone as ``release``, which
-        ends a cancel-requested job or says why it refused. A refused entry changes nothing
-        and the others go on; a storage fault fails the whole batch.
+        ``executemany`` closes their attempts (``_guarded_many``, as ``ack_batch``'s). An
+        entry it did not release, or whose job an earlier entry names, then runs alone as
+        ``release``, which ends a cancel-requested job or says why it refused. A refused
+        entry changes nothing and the others go on; a storage fault fails the whole batch.
 
         Lease bookkeeping: no reply promises it, so it commits without waiting for the disk
         (``driver.write(durable=False)``; docs/design-decisions.md, decision 3). A crash that
@@ -2193,8 +2208,9 @@ class QueueService:
                 keys ignored), of any workers.
         Returns:
             One result per entry, in input order: ``{"job_id", "ok": True, "state":
-            "ready" | "cancelled", "queue"}`` or ``{"job_id", "ok": False, "error": {"code",
-            "message", "retryable"}}``.
+            "ready" | "cancelled", "queue"}`` or, refused, ``ack_batch``'s shape
+            (``{"job_id", "ok": False, "state": None, "duplicate": None, "error": {"code",
+            "message", "retryable"}}``).
         Raises:
             InvalidArgument: ``leases`` is not a list of 1..``MAX_BATCH_ACKS`` objects.
             StoreBusy: nothing changed.
@@ -2213,46 +2229,20 @@ class QueueService:
                     item.get("job_id"), item.get("worker_id"), item.get("lease_token")
                 )
             except RelayError as exc:
-                results[index] = _refused_release(item, exc)
+                results[index] = _refused_entry(item, exc)
         with self.driver.write(durable=False) as tx:
-            first: dict[str, int] = {}
-            slow: list[int] = []
-            for index, guard in guards.items():
-                if guard["job_id"] in first:
-                    slow.append(index)
-                else:
-                    first[guard["job_id"]] = index
-            if first:
-                at = self._read()
-                check(Transition.RELEASE, JobState.LEASED, JobState.READY)
-                # In job id order, as ack_many: two batches lock their rows in one order.
-                entries = orjson.dumps([guards[first[job_id]] for job_id in sorted(first)])
-                rows = tx.all("release_many", {"leases": entries.decode(), **self._judging(at)})
-                tx.many(
-                    "end_attempt",
-                    [
-                        {
-                            "job_id": row["id"],
-                            "attempt": row["attempt"],
-                            "now_ms": at.now_ms,
-                            "outcome": "released",
-                            "error": None,
-                            "retry_at_ms": None,
-                        }
-                        for row in rows
-                    ],
-                )
-                for row in rows:
-                    index = first.pop(row["id"])
-                    tx.made_ready(row["queue"])
-                    results[index] = {
-                        "job_id": row["id"],
-                        "ok": True,
-                        "state": JobState.READY.value,
-                        "queue": row["queue"],
-                    }
-                slow.extend(first.values())
-            for index in sorted(slow):  # cancel requested, refused or repeated: as ``release``
+            at = self._read()
+            check(Transition.RELEASE, JobState.LEASED, JobState.READY)
+            done, slow = self._guarded_many(tx, "release_many", "leases", guards, at, "released")
+            for index, row in done:
+                tx.made_ready(row["queue"])
+                results[index] = {
+                    "job_id": row["id"],
+                    "ok": True,
+                    "state": JobState.READY.value,
+                    "queue": row["queue"],
+                }
+            for index in slow:  # cancel requested, refused or repeated: as ``release``
                 guard = guards[index]
                 mark = self.mark()
                 try:
@@ -2260,7 +2250,7 @@ class QueueService:
                 except RelayError as exc:
                     if not self.forgive(mark):  # it wrote before failing: fail the batch
                         raise
-                    results[index] = _refused_release(leases[index], exc)
+                    results[index] = _refused_entry(leases[index], exc)
                     continue
                 results[index] = {**out, "ok": True}
         return [r for r in results if r is not None]
