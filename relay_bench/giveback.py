@@ -34,7 +34,8 @@ from typing import Any
 
 import orjson
 
-from relay_bench import procs
+from queue_core.client import RelayClient
+from relay_bench import procs, scenarios
 from relay_bench.runner import loadavg
 from relay_bench.stats import percentile, spread
 
@@ -46,54 +47,33 @@ BEFORE_RESET_S = 0.5
 POLL_S = 0.02
 SETTLE_S = 1.0
 SETTLE_LIMIT_S = 30.0  # a run gives up waiting for the count to settle after this
-SUBMIT_CHUNK = 500
 # The server's shutdown grace (ms): the jobs the ghosts' kernels took stay leased, and a run
 # need not wait the default 5 s for them after it has measured.
 SHUTDOWN_GRACE_MS = "0"
 
 
-class LineClient:
-    """One blocking NDJSON connection to a Relay server (request, then its reply)."""
+class Ghost:
+    """A client that pipelines lease requests through a small receive buffer and reads none
+    of the replies (raw: ``RelayClient`` reads each reply before its next request)."""
 
-    def __init__(self, port: int, rcvbuf: int | None = None) -> None:
+    def __init__(self, port: int) -> None:
         self.sock = socket.socket()
-        if rcvbuf is not None:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, GHOST_RCVBUF)
         self.sock.connect(("127.0.0.1", port))
-        self.file = self.sock.makefile("rb")
-        self.n = 0
-
-    def call(self, op: str, **args: Any) -> Any:
-        """Send one request and return its ``result``.
-
-        Raises:
-            RuntimeError: the server answered an error (the reply is in the message).
-        """
-        self.n += 1
-        self.sock.sendall(orjson.dumps({"id": self.n, "op": op, "args": args}) + b"\n")
-        reply = orjson.loads(self.file.readline())
-        if not reply.get("ok"):
-            raise RuntimeError(f"{op}: {reply}")
-        return reply["result"]
 
     def reset(self) -> None:
         """Close with a reset (``SO_LINGER`` 0), as a crashed client's kernel would."""
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.file.close()
-        self.sock.close()
-
-    def close(self) -> None:
-        self.file.close()
         self.sock.close()
 
 
-def leased(client: LineClient) -> int:
+def leased(client: RelayClient) -> int:
     """The server's count of LEASED jobs in ``QUEUE``."""
-    queues = client.call("stats", queue=QUEUE)["queues"]
-    return int(queues.get(QUEUE, {}).get("leased", 0))
+    counts = client.stats(QUEUE)["queues"].get(QUEUE)
+    return 0 if counts is None else int(counts["leased"])
 
 
-def settle(client: LineClient) -> tuple[int, float]:
+def settle(client: RelayClient) -> tuple[int, float]:
     """Poll the LEASED count until it has not moved for ``SETTLE_S``; return it and when it
     last moved (``time.monotonic``)."""
     last, moved = leased(client), time.monotonic()
@@ -114,12 +94,11 @@ def scenario(port: int, ghosts: int, each: int, *, per_lease: bool = False) -> d
         ``{"leased", "left_leased", "settled_ms", "sentinel_max_ms", "sentinel_p50_ms",
         "sentinel_before_max_ms", "sentinel_calls"}`` (times in ms).
     Raises:
-        RuntimeError: a request was refused.
+        RelayError: a request was refused; RuntimeError: the sentinel failed.
     """
-    admin = LineClient(port)
-    jobs = [{"queue": QUEUE, "payload": {"pad": "p" * 100}}] * SUBMIT_CHUNK
-    for _ in range(0, ghosts * each, SUBMIT_CHUNK):
-        admin.call("submit_batch", jobs=jobs)
+    address = f"127.0.0.1:{port}"
+    scenarios.prefill(address, QUEUE, ghosts * each)
+    admin = RelayClient(address, timeout_s=60.0)
 
     def lease(i: int) -> bytes:
         worker_id = f"ghost-{i}" if per_lease else "ghost"
@@ -129,7 +108,7 @@ def scenario(port: int, ghosts: int, each: int, *, per_lease: bool = False) -> d
     pipelined = b"".join(lease(i) for i in range(each))
     clients = []
     for _ in range(ghosts):
-        ghost = LineClient(port, rcvbuf=GHOST_RCVBUF)
+        ghost = Ghost(port)
         ghost.sock.sendall(pipelined)
         clients.append(ghost)
     held, _ = settle(admin)
@@ -140,14 +119,12 @@ def scenario(port: int, ghosts: int, each: int, *, per_lease: bool = False) -> d
 
     def sentinel() -> None:
         try:
-            client = LineClient(port)
+            client = RelayClient(address, timeout_s=60.0)
             while not stop.is_set():
                 began = time.monotonic()
-                client.call("submit", queue="sentinel", payload={})
-                (job,) = client.call("lease", queues=["sentinel"], worker_id="s")["jobs"]
-                client.call(
-                    "ack", job_id=job["job_id"], worker_id="s", lease_token=job["lease_token"]
-                )
+                client.submit("sentinel", {})
+                (job,) = client.lease(["sentinel"], worker_id="s")
+                client.ack(job["job_id"], worker_id="s", lease_token=job["lease_token"])
                 rounds.append((began, time.monotonic() - began))
                 stop.wait(SENTINEL_PAUSE_S)
             client.close()
