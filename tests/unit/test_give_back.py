@@ -39,17 +39,9 @@ class FakeDb:
     def __init__(self) -> None:
         self.writes: list[Write] = []
 
-    def put_write(
-        self,
-        fn: Callable[[], Any],
-        future: asyncio.Future[Any],
-        *,
-        claims: bool = False,
-        durable: bool = True,
-        weight: int = 1,
-        queues: Sequence[str] = (),
-    ) -> None:
-        self.writes.append(Write(fn, future, durable, weight))
+    def put_write(self, fn: Callable[[], Any], future: asyncio.Future[Any], **options: Any) -> None:
+        """``Database.put_write``, keeping the two options a give-back sets."""
+        self.writes.append(Write(fn, future, options["durable"], options["weight"]))
 
     def answer(self, write: Write, exc: Exception | None = None) -> None:
         if exc is not None:
