@@ -277,6 +277,10 @@ class Reading(NamedTuple):
 
 _new_tuple = tuple.__new__  # a named tuple from its fields in order, in C
 
+# How often a ``StepGuard`` reading is tried when its wall read cannot be placed between its
+# monotonic ones within half the step tolerance (a reader held up between them).
+READ_TRIES = 3
+
 
 class StepGuard:
     """Read a clock and detect steps of its wall time against its monotonic time.
@@ -292,6 +296,12 @@ class StepGuard:
     warning (``event=clock_step``). Thread-safe: readings are taken under one lock, so they
     are ordered.
 
+    Each reading places its wall read between two monotonic reads, at their midpoint. A
+    reading whose reads lie more than half the tolerance apart (its reader held up between
+    them), ``READ_TRIES`` times running, detects nothing and is not compared against: the next
+    placed reading measures any step from the last placed one. So a hold-up is never taken
+    for a step, and two placed readings' pairing errors add up to at most the tolerance.
+
     Note that Linux's monotonic clock stops while the machine is suspended: after a resume,
     the suspended time counts as a forward step (leases are judged by the time before it for
     the window, at most one step late).
@@ -303,7 +313,7 @@ class StepGuard:
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._last: tuple[int, float] | None = None  # (wall ms, monotonic s) of the last reading
+        self._last: tuple[int, float] | None = None  # (wall ms, monotonic s), last placed
         self._high = -1  # the highest wall reading so far, ms
         self._offset = 0  # the outstanding forward step, ms
         self._mark = -1  # the last wall reading before it, ms
@@ -320,17 +330,29 @@ class StepGuard:
         """
         with self._lock:
             clock = self.clock
-            wall = clock.now_ms()
-            mono = clock.monotonic()
+            # The wall reading between two monotonic ones: a reader held up between its
+            # reads (preempted, waiting for the GIL) paired them as one instant, and the
+            # next reading took the hold-up for a forward step (in CI, 17 s).
+            width_s = tolerance_ms / 2000
+            for _ in range(READ_TRIES):
+                before = clock.monotonic()
+                wall = clock.now_ms()
+                after = clock.monotonic()
+                if after - before <= width_s:
+                    break
+            placed = after - before <= width_s
             last = self._last
-            self._last = (wall, mono)
+            if placed:
+                self._last = (wall, (before + after) / 2)
             high = self._high
             if wall > high:
                 self._high = high = wall
-            if last is None:
+            if last is None or not placed:
+                # Nothing to compare, or a reading that cannot be placed: the next placed
+                # one measures any step against the last placed one.
                 drift = 0
             else:
-                drift = (wall - last[0]) - round((mono - last[1]) * 1000)
+                drift = (wall - last[0]) - round(((before + after) / 2 - last[1]) * 1000)
                 if -tolerance_ms <= drift <= tolerance_ms and not self._offset:
                     # No step now and none outstanding: the reading of almost every call,
                     # built without the named tuple's Python-level __new__.

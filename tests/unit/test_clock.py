@@ -177,3 +177,62 @@ def test_an_anchored_clock_advances_with_the_interval_clock_it_is_given() -> Non
     clock = AnchoredClock(source, lambda: elapsed[0])
     elapsed[0] += 2.5  # 2.5 s, counted while the source's monotonic clock stood still
     assert clock.now_ms() == 2_500 and clock.monotonic() == 102.5
+
+
+class StallingClock(FakeClock):
+    """A ``FakeClock`` whose reader is held up for ``stall_ms`` (both clocks move on, as
+    real time does) right after its next ``stalls`` calls of ``at`` (``"now_ms"`` or
+    ``"monotonic"``): a thread preempted, or waiting for the GIL, between two reads."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
+        self.stalls = 0
+        self.stall_ms = 5_000
+
+    def _held_up(self, name: str) -> None:
+        if name == self.at and self.stalls > 0:
+            self.stalls -= 1
+            self.advance(ms=self.stall_ms)
+
+    def now_ms(self) -> int:
+        now = super().now_ms()
+        self._held_up("now_ms")
+        return now
+
+    def monotonic(self) -> float:
+        mono = super().monotonic()
+        self._held_up("monotonic")
+        return mono
+
+
+@pytest.mark.parametrize("at", ["now_ms", "monotonic"])
+@pytest.mark.parametrize("stalls", [1, 2, 10])
+def test_a_reader_held_up_between_its_two_reads_is_no_step(at: str, stalls: int) -> None:
+    # A reading whose wall and monotonic reads lay seconds apart paired them as one instant:
+    # the next reading saw a forward step of the hold-up, and leases were judged by a clock
+    # that far behind (in CI an ack was accepted 17 s past its lease's expiry).
+    clock = StallingClock(at)
+    guard = StepGuard(clock)
+    read(guard)
+    clock.stalls = stalls
+    now, judge, mark, _ = read(guard)
+    assert (judge, mark) == (now, -1)
+    clock.stalls = 0
+    clock.advance(ms=10)
+    now = clock.now_ms()
+    assert read(guard) == (now, now, -1, now)
+
+
+@pytest.mark.parametrize("at", ["now_ms", "monotonic"])
+def test_a_step_during_a_held_up_reading_is_caught_by_the_next_clean_one(at: str) -> None:
+    clock = StallingClock(at)
+    guard = StepGuard(clock)
+    read(guard)
+    clock.step(HOUR_MS)
+    clock.stalls = 10  # every try of this reading is held up: it cannot place the step
+    read(guard)
+    clock.stalls = 0
+    now, judge, mark, _ = read(guard)
+    # The hold-ups were time passing; the hour was the step.
+    assert (now - judge, mark) == (HOUR_MS, judge)
