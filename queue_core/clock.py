@@ -296,11 +296,11 @@ class StepGuard:
     warning (``event=clock_step``). Thread-safe: readings are taken under one lock, so they
     are ordered.
 
-    Each reading places its wall read between two monotonic reads, at their midpoint. A
-    reading whose reads lie more than half the tolerance apart (its reader held up between
+    Each reading places its wall read between two monotonic reads and pairs it with the second.
+    A reading whose reads lie more than half the tolerance apart (its reader held up between
     them), ``READ_TRIES`` times running, detects nothing and is not compared against: the next
     placed reading measures any step from the last placed one. So a hold-up is never taken
-    for a step, and two placed readings' pairing errors add up to at most the tolerance.
+    for a step: two placed readings' pairing errors differ by at most half the tolerance.
 
     Note that Linux's monotonic clock stops while the machine is suspended: after a resume,
     the suspended time counts as a forward step (leases are judged by the time before it for
@@ -312,6 +312,10 @@ class StepGuard:
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
+        # Bound once; the system clock's monotonic read is the C function itself (no method
+        # frame: a reading makes two).
+        self._monotonic = time.monotonic if type(clock) is SystemClock else clock.monotonic
+        self._now_ms = clock.now_ms
         self._lock = threading.Lock()
         self._last: tuple[int, float] | None = None  # (wall ms, monotonic s), last placed
         self._high = -1  # the highest wall reading so far, ms
@@ -328,22 +332,25 @@ class StepGuard:
             horizon_ms: the longest lease in ms (``RELAY_MAX_LEASE_MS``): how long after a
                 forward step leases set before it may still be live.
         """
+        monotonic, now_ms = self._monotonic, self._now_ms
         with self._lock:
-            clock = self.clock
-            # The wall reading between two monotonic ones: a reader held up between its
-            # reads (preempted, waiting for the GIL) paired them as one instant, and the
-            # next reading took the hold-up for a forward step (in CI, 17 s).
-            width_s = tolerance_ms / 2000
-            for _ in range(READ_TRIES):
-                before = clock.monotonic()
-                wall = clock.now_ms()
-                after = clock.monotonic()
-                if after - before <= width_s:
-                    break
-            placed = after - before <= width_s
+            # The wall read between two monotonic ones, paired with the second: a reader held
+            # up between its reads (preempted, waiting for the GIL) paired them as one instant,
+            # and the next reading took the hold-up for a forward step (in CI, 17 s).
+            before = monotonic()
+            wall = now_ms()
+            mono = monotonic()
+            placed = (mono - before) * 2000 <= tolerance_ms
+            tries = 1
+            while not placed and tries < READ_TRIES:
+                tries += 1
+                before = monotonic()
+                wall = now_ms()
+                mono = monotonic()
+                placed = (mono - before) * 2000 <= tolerance_ms
             last = self._last
             if placed:
-                self._last = (wall, (before + after) / 2)
+                self._last = (wall, mono)
             high = self._high
             if wall > high:
                 self._high = high = wall
@@ -352,7 +359,7 @@ class StepGuard:
                 # one measures any step against the last placed one.
                 drift = 0
             else:
-                drift = (wall - last[0]) - round(((before + after) / 2 - last[1]) * 1000)
+                drift = (wall - last[0]) - round((mono - last[1]) * 1000)
                 if -tolerance_ms <= drift <= tolerance_ms and not self._offset:
                     # No step now and none outstanding: the reading of almost every call,
                     # built without the named tuple's Python-level __new__.
