@@ -340,47 +340,21 @@ class StepGuard:
             before = monotonic()
             wall = now_ms()
             mono = monotonic()
-            placed = (mono - before) * 2000 <= tolerance_ms
-            tries = 1
-            while not placed and tries < READ_TRIES:
-                tries += 1
-                before = monotonic()
-                wall = now_ms()
-                mono = monotonic()
-                placed = (mono - before) * 2000 <= tolerance_ms
             last = self._last
-            if placed:
-                self._last = (wall, mono)
-            high = self._high
-            if wall > high:
-                self._high = high = wall
-            if last is None or not placed:
-                # Nothing to compare, or a reading that cannot be placed: the next placed
-                # one measures any step against the last placed one.
-                drift = 0
-            else:
+            if last is not None and not self._offset and (mono - before) * 2000 <= tolerance_ms:
                 drift = (wall - last[0]) - round((mono - last[1]) * 1000)
-                if -tolerance_ms <= drift <= tolerance_ms and not self._offset:
+                if -tolerance_ms <= drift <= tolerance_ms:
                     # No step now and none outstanding: the reading of almost every call,
                     # built without the named tuple's Python-level __new__.
+                    self._last = (wall, mono)
+                    high = self._high
+                    if wall > high:
+                        self._high = high = wall
                     return _new_tuple(Reading, (wall, wall, -1, high))
-                if drift > tolerance_ms:
-                    # The old clock would read wall - drift now: every instant it stamped, in
-                    # any process, is at most that; every instant the new one stamps is later.
-                    self._offset += drift
-                    self._mark = wall - drift
-                    self._until = self._mark + horizon_ms
-                elif drift < -tolerance_ms:
-                    self._offset = max(0, self._offset + drift)
-            settled = bool(self._offset) and wall - self._offset > self._until
-            if settled:
-                self._offset, self._mark, self._until = 0, -1, -1
-            reading = Reading(
-                now_ms=wall,
-                judge_ms=wall - self._offset,
-                mark_ms=self._mark if self._offset else -1,
-                ready_ms=self._high,
+            reading, drift, settled = self._judge(
+                before, wall, mono, tolerance_ms=tolerance_ms, horizon_ms=horizon_ms
             )
+        wall = reading.now_ms
         if abs(drift) > tolerance_ms:
             log.warning(
                 "event=clock_step step_ms=%s judge_offset_ms=%s",
@@ -398,3 +372,48 @@ class StepGuard:
                 "event=clock_step_settled now_ms=%s", wall, extra={"event": "clock_step_settled"}
             )
         return reading
+
+    def _judge(
+        self, before: float, wall: int, mono: float, *, tolerance_ms: int, horizon_ms: int
+    ) -> tuple[Reading, int, bool]:
+        """``read`` past its usual case, under its lock: take a reading that cannot be placed
+        (``before``..``mono`` wider than half the tolerance) again, up to ``READ_TRIES`` in
+        all; detect and account for a step. Return the reading, the step found (ms, 0 when
+        none could be measured) and whether an outstanding step just settled."""
+        monotonic, now_ms = self._monotonic, self._now_ms
+        placed = (mono - before) * 2000 <= tolerance_ms
+        tries = 1
+        while not placed and tries < READ_TRIES:
+            tries += 1
+            before = monotonic()
+            wall = now_ms()
+            mono = monotonic()
+            placed = (mono - before) * 2000 <= tolerance_ms
+        last = self._last
+        if placed:
+            self._last = (wall, mono)
+        if wall > self._high:
+            self._high = wall
+        # Nothing to compare, or a reading that cannot be placed, measures no step: the next
+        # placed one measures it from the last placed one.
+        drift = 0
+        if last is not None and placed:
+            drift = (wall - last[0]) - round((mono - last[1]) * 1000)
+            if drift > tolerance_ms:
+                # The old clock would read wall - drift now: every instant it stamped, in
+                # any process, is at most that; every instant the new one stamps is later.
+                self._offset += drift
+                self._mark = wall - drift
+                self._until = self._mark + horizon_ms
+            elif drift < -tolerance_ms:
+                self._offset = max(0, self._offset + drift)
+        settled = bool(self._offset) and wall - self._offset > self._until
+        if settled:
+            self._offset, self._mark, self._until = 0, -1, -1
+        reading = Reading(
+            now_ms=wall,
+            judge_ms=wall - self._offset,
+            mark_ms=self._mark if self._offset else -1,
+            ready_ms=self._high,
+        )
+        return reading, drift, settled
