@@ -280,6 +280,9 @@ _new_tuple = tuple.__new__  # a named tuple from its fields in order, in C
 # How often a ``StepGuard`` reading is tried when its wall read cannot be placed between its
 # monotonic ones within half the step tolerance (a reader held up between them).
 READ_TRIES = 3
+# Readings that could not be placed are logged (``event=clock_reading_unplaced``, with how
+# many) at most once in this many seconds.
+UNPLACED_LOG_EVERY_S = 60.0
 
 
 class StepGuard:
@@ -298,9 +301,14 @@ class StepGuard:
 
     Each reading places its wall read between two monotonic reads and pairs it with the second.
     A reading whose reads lie more than half the tolerance apart (its reader held up between
-    them), ``READ_TRIES`` times running, detects nothing and is not compared against: the next
-    placed reading measures any step from the last placed one. So a hold-up is never taken
-    for a step: two placed readings' pairing errors differ by at most half the tolerance.
+    them), ``READ_TRIES`` times running, measures nothing and is not compared against: the
+    next placed reading measures any step from the last placed one. So a hold-up is never
+    taken for a step: two placed readings' pairing errors differ by at most half the
+    tolerance. An unplaced reading whose wall clock is plainly ahead of the last placed
+    reading's carried forward (by more than the tolerance, to the latest instant it can have
+    been read at) judges leases set before that by the carried time: at most the hold-up
+    early, never late. Unplaced readings are logged, with how many, at most once a minute
+    (``event=clock_reading_unplaced``).
 
     Note that Linux's monotonic clock stops while the machine is suspended: after a resume,
     the suspended time counts as a forward step (leases are judged by the time before it for
@@ -322,6 +330,8 @@ class StepGuard:
         self._offset = 0  # the outstanding forward step, ms
         self._mark = -1  # the last wall reading before it, ms
         self._until = -1  # judge_ms past which no lease set before it can be live, ms
+        self._unplaced = 0  # readings that could not be placed since the last log of them
+        self._unplaced_logged_at = float("-inf")  # monotonic s of that log
 
     def read(self, *, tolerance_ms: int, horizon_ms: int) -> Reading:
         """Read the clock; detect, log and account for a step since the last reading.
@@ -407,13 +417,39 @@ class StepGuard:
                 self._until = self._mark + horizon_ms
             elif drift < -tolerance_ms:
                 self._offset = max(0, self._offset + drift)
-        settled = bool(self._offset) and wall - self._offset > self._until
+        # The time leases set before any step are judged by, before the outstanding offset.
+        basis = wall
+        if not placed:
+            self._count_unplaced(mono)
+            if last is not None:
+                # A step this reading cannot measure may still be plain: the wall clock ahead
+                # of the old one carried from the last placed reading to the second monotonic
+                # read (the latest instant the wall read can have been). Leases set before it
+                # are then judged by that carried time: at most the hold-up early, never late.
+                # Judged by the wall clock, a sweep expired every lease of a 1 h step (a
+                # hostile review).
+                carried = last[0] + round((mono - last[1]) * 1000)
+                if wall - carried > tolerance_ms:
+                    basis = carried
+        settled = bool(self._offset) and basis - self._offset > self._until
         if settled:
             self._offset, self._mark, self._until = 0, -1, -1
-        reading = Reading(
-            now_ms=wall,
-            judge_ms=wall - self._offset,
-            mark_ms=self._mark if self._offset else -1,
-            ready_ms=self._high,
-        )
+        judge = basis - self._offset
+        mark = self._mark if self._offset else -1
+        if basis != wall:  # a step it cannot measure: leases set by the carried time are before it
+            mark = basis
+        reading = Reading(now_ms=wall, judge_ms=judge, mark_ms=mark, ready_ms=self._high)
         return reading, drift, settled
+
+    def _count_unplaced(self, mono: float) -> None:
+        """Count a reading that could not be placed; log the count at most once in
+        ``UNPLACED_LOG_EVERY_S`` (``mono``: its monotonic read, s)."""
+        self._unplaced += 1
+        if mono >= self._unplaced_logged_at + UNPLACED_LOG_EVERY_S:
+            self._unplaced_logged_at = mono
+            log.info(
+                "event=clock_reading_unplaced readings=%s",
+                self._unplaced,
+                extra={"event": "clock_reading_unplaced", "readings": self._unplaced},
+            )
+            self._unplaced = 0

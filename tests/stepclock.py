@@ -1,4 +1,5 @@
-"""A system clock a test steps from outside the process: the test hook of ``RELAY_CLOCK``.
+"""Test clocks: a system clock a test steps from outside the process (the test hook of
+``RELAY_CLOCK``), and a fake clock whose reader is held up between its reads.
 
 A server started with ``RELAY_CLOCK=tests.stepclock.FileStepClock`` and
 ``RELAY_TEST_CLOCK_STEP_FILE=<path>`` reads its wall clock as the system clock plus the integer
@@ -14,7 +15,7 @@ import os
 import threading
 from pathlib import Path
 
-from queue_core.clock import SystemClock
+from queue_core.clock import FakeClock, SystemClock
 
 STEP_FILE_ENV = "RELAY_TEST_CLOCK_STEP_FILE"
 
@@ -54,3 +55,30 @@ def step_to(path: Path, offset_ms: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(str(offset_ms))
     os.replace(tmp, path)
+
+
+class StallingClock(FakeClock):
+    """A ``FakeClock`` whose reader is held up for ``stall_ms`` (both clocks move on, as
+    real time does) right after its next ``stalls`` calls of ``at`` (``"now_ms"`` or
+    ``"monotonic"``): a thread preempted, or waiting for the GIL, between two reads."""
+
+    def __init__(self, at: str = "now_ms") -> None:
+        super().__init__()
+        self.at = at
+        self.stalls = 0
+        self.stall_ms = 5_000
+
+    def _held_up(self, name: str) -> None:
+        if name == self.at and self.stalls > 0:
+            self.stalls -= 1
+            self.advance(ms=self.stall_ms)
+
+    def now_ms(self) -> int:
+        now = super().now_ms()
+        self._held_up("now_ms")
+        return now
+
+    def monotonic(self) -> float:
+        mono = super().monotonic()
+        self._held_up("monotonic")
+        return mono

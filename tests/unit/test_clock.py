@@ -10,7 +10,15 @@ import logging
 
 import pytest
 
-from queue_core.clock import AnchoredClock, FakeClock, StepGuard, SystemClock, clock_from_path
+from queue_core.clock import (
+    READ_TRIES,
+    AnchoredClock,
+    FakeClock,
+    StepGuard,
+    SystemClock,
+    clock_from_path,
+)
+from tests.stepclock import StallingClock
 
 HOUR_MS = 3_600_000
 TOLERANCE_MS = 1_000
@@ -179,33 +187,6 @@ def test_an_anchored_clock_advances_with_the_interval_clock_it_is_given() -> Non
     assert clock.now_ms() == 2_500 and clock.monotonic() == 102.5
 
 
-class StallingClock(FakeClock):
-    """A ``FakeClock`` whose reader is held up for ``stall_ms`` (both clocks move on, as
-    real time does) right after its next ``stalls`` calls of ``at`` (``"now_ms"`` or
-    ``"monotonic"``): a thread preempted, or waiting for the GIL, between two reads."""
-
-    def __init__(self, at: str) -> None:
-        super().__init__()
-        self.at = at
-        self.stalls = 0
-        self.stall_ms = 5_000
-
-    def _held_up(self, name: str) -> None:
-        if name == self.at and self.stalls > 0:
-            self.stalls -= 1
-            self.advance(ms=self.stall_ms)
-
-    def now_ms(self) -> int:
-        now = super().now_ms()
-        self._held_up("now_ms")
-        return now
-
-    def monotonic(self) -> float:
-        mono = super().monotonic()
-        self._held_up("monotonic")
-        return mono
-
-
 @pytest.mark.parametrize("at", ["now_ms", "monotonic"])
 @pytest.mark.parametrize("stalls", [1, 2, 10])
 def test_a_reader_held_up_between_its_two_reads_is_no_step(at: str, stalls: int) -> None:
@@ -230,9 +211,46 @@ def test_a_step_during_a_held_up_reading_is_caught_by_the_next_clean_one(at: str
     guard = StepGuard(clock)
     read(guard)
     clock.step(HOUR_MS)
-    clock.stalls = 10  # every try of this reading is held up: it cannot place the step
-    read(guard)
+    clock.stalls = 10  # every try of this reading is held up: it cannot measure the step
+    now, judge, mark, _ = read(guard)
+    # Yet the step is plain: leases set before it are judged by the old time carried to the
+    # try's last read, at most its hold-up early, never late. Judged by the wall clock, a
+    # sweep here expired every lease of the step (a hostile review).
+    assert HOUR_MS - clock.stall_ms <= now - judge <= HOUR_MS
+    assert mark == judge
     clock.stalls = 0
     now, judge, mark, _ = read(guard)
     # The hold-ups were time passing; the hour was the step.
     assert (now - judge, mark) == (HOUR_MS, judge)
+
+
+def test_a_held_up_try_is_taken_again() -> None:
+    # Paired across a 700 ms hold-up, a 1,200 ms step measured 500 ms, under the tolerance:
+    # taken again, the reading measures it whole.
+    clock = StallingClock("now_ms")
+    clock.stall_ms = 700
+    guard = StepGuard(clock)
+    read(guard)
+    clock.step(1_200)
+    clock.stalls = 1
+    now, judge, mark, _ = read(guard)
+    assert (now - judge, mark) == (1_200, judge)
+
+
+def test_unplaced_readings_are_logged_with_their_count_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = StallingClock("now_ms")
+    guard = StepGuard(clock)
+    read(guard)
+    with caplog.at_level(logging.INFO, logger="relay.clock"):
+        for _ in range(4):  # each held up on every try, all within a minute
+            clock.stalls = READ_TRIES
+            read(guard)
+        clock.advance(seconds=60)
+        clock.stalls = READ_TRIES
+        read(guard)
+    counts = [
+        r.readings for r in caplog.records if getattr(r, "event", "") == "clock_reading_unplaced"
+    ]
+    assert counts == [1, 4]
