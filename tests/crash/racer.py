@@ -10,11 +10,13 @@ builds it. The test side is ``Racer``.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, Any
 
 import orjson
@@ -34,6 +36,23 @@ def _emit(out: IO[str], record: dict[str, Any]) -> None:
     out.flush()
 
 
+BUSY_TRIES = 20
+
+
+def not_busy[T](call: Callable[[], T]) -> T:
+    """``call()``, made again while it fails ``StoreBusy`` (BUSY: nothing changed, try again,
+    as a client does), at most ``BUSY_TRIES`` times: a racer on a machine loaded enough for
+    SQLite's lock to outlast the retry budget."""
+    from queue_core import errors
+
+    for _ in range(BUSY_TRIES - 1):
+        try:
+            return call()
+        except errors.StoreBusy:
+            continue
+    return call()
+
+
 def claim_loop(args: argparse.Namespace, out: IO[str]) -> None:
     """Claim until ``--jobs`` jobs of the queue are done; ack some, abandon the rest."""
     from queue_core import errors
@@ -43,25 +62,31 @@ def claim_loop(args: argparse.Namespace, out: IO[str]) -> None:
     rng = random.Random(args.seed)
     deadline = time.monotonic() + args.timeout_s
     while time.monotonic() < deadline:
-        leases = service.claim(
+        claim = functools.partial(
+            service.claim,
             [args.queue],
             worker_id=args.worker_id,
             max_jobs=rng.randint(1, 3),
             lease_ms=args.lease_ms,
         )
+        leases = not_busy(claim)
         for lease in leases:
             _emit(out, {"kind": "lease", "worker": args.worker_id, **lease})
             if rng.random() < args.abandon:
                 continue  # as a crashed worker would: the lease has to expire
             try:
-                service.ack(
-                    lease["job_id"], worker_id=args.worker_id, lease_token=lease["lease_token"]
+                ack = functools.partial(
+                    service.ack,
+                    lease["job_id"],
+                    worker_id=args.worker_id,
+                    lease_token=lease["lease_token"],
                 )
+                not_busy(ack)
                 _emit(out, {"kind": "ack", "job_id": lease["job_id"], "attempt": lease["attempt"]})
             except (errors.LeaseExpired, errors.StaleToken) as exc:
                 _emit(out, {"kind": "ack_rejected", "job_id": lease["job_id"], "code": exc.code})
         if not leases:
-            totals = service.stats(args.queue)["totals"]
+            totals = not_busy(functools.partial(service.stats, args.queue))["totals"]
             if totals["succeeded"] + totals["dead"] >= args.jobs:
                 return
     raise SystemExit(f"the jobs were not done within {args.timeout_s} s")

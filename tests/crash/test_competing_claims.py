@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import itertools
 import random
 import threading
@@ -30,7 +31,7 @@ from django.test import override_settings
 
 from queue_core import errors
 from queue_core.client import RelayClient
-from tests.crash.racer import Racer
+from tests.crash.racer import Racer, not_busy
 from tests.procs import Spawner
 from tests.relay_db import DATABASES, RelayDb
 
@@ -52,17 +53,19 @@ def claim_until_done(
     done: threading.Event,
     seed: int,
 ) -> list[Record]:
-    """Claim, ack or abandon, until ``done``; return what this claimer saw."""
+    """Claim, ack or abandon, until ``done``; return what this claimer saw. A call refused
+    ``BUSY`` (nothing changed) is made again, as a client would (``racer.not_busy``)."""
     rng = random.Random(seed)
     seen: list[Record] = []
     while not done.is_set():
         seen.append({"kind": "claim", "worker": name})
-        for lease in claim(rng.randint(1, 3)):
+        max_jobs = rng.randint(1, 3)
+        for lease in not_busy(functools.partial(claim, max_jobs)):
             seen.append({"kind": "lease", "worker": name, **lease})
             if rng.random() < ABANDON:
                 continue
             try:
-                ack(lease)
+                not_busy(functools.partial(ack, lease))
                 seen.append({"kind": "ack", "job_id": lease["job_id"], "attempt": lease["attempt"]})
             except (errors.LeaseExpired, errors.StaleToken) as exc:
                 seen.append({"kind": "ack_rejected", "job_id": lease["job_id"], "code": exc.code})
