@@ -1921,19 +1921,13 @@ class QueueService:
                 results[index] = _refused_entry(item, exc)
         with self.driver.write() as tx:
             slow = self._ack_many(tx, plans, results) if plans else []
-            for index in slow:  # refused, repeated or a duplicate: one by one, as ``ack``
-                guard, stored = plans[index]
-                mark = self.mark()
-                try:
-                    out = self._ack_in(tx, guard=guard, stored=stored)
-                except RelayError as exc:
-                    # Refused before it changed a row: nothing to undo, the others go on;
-                    # anything else fails the whole batch.
-                    if not self.forgive(mark):
-                        raise
-                    results[index] = _refused_entry(acks[index], exc)
-                    continue
-                results[index] = {**out, "ok": True, "error": None}
+            # Refused, repeated or a duplicate: one by one, as ``ack``.
+            self._each_alone(
+                slow,
+                acks,
+                results,
+                lambda index: self._ack_in(tx, guard=plans[index][0], stored=plans[index][1]),
+            )
             leases = []
             if spec is not None:  # the results share the reply's frame with the leases
                 reserved = len(orjson.dumps(results))
@@ -1977,6 +1971,28 @@ class QueueService:
                 "error": None,
             }
         return slow
+
+    def _each_alone(
+        self,
+        indexes: Sequence[int],
+        entries: Sequence[Mapping[str, Any]],
+        results: list[dict[str, Any] | None],
+        run: Callable[[int], dict[str, Any]],
+    ) -> None:
+        """Run the batch entries at ``indexes`` one by one (``run(index)``, in the batch's
+        transaction), each result as ``{**out, "ok": True, "error": None}``. An entry
+        refused before it changed a row gets ``_refused_entry`` and the others go on;
+        anything else fails the whole batch (``ack_batch``, ``release_batch``)."""
+        for index in indexes:
+            mark = self.mark()
+            try:
+                out = run(index)
+            except RelayError as exc:
+                if not self.forgive(mark):
+                    raise
+                results[index] = _refused_entry(entries[index], exc)
+                continue
+            results[index] = {**out, "ok": True, "error": None}
 
     def _guarded_many(
         self,
@@ -2208,7 +2224,7 @@ class QueueService:
                 keys ignored), of any workers.
         Returns:
             One result per entry, in input order: ``{"job_id", "ok": True, "state":
-            "ready" | "cancelled", "queue"}`` or, refused, ``ack_batch``'s shape
+            "ready" | "cancelled", "queue", "error": None}`` or, refused, ``ack_batch``'s shape
             (``{"job_id", "ok": False, "state": None, "duplicate": None, "error": {"code",
             "message", "retryable"}}``).
         Raises:
@@ -2241,19 +2257,15 @@ class QueueService:
                     "ok": True,
                     "state": JobState.READY.value,
                     "queue": row["queue"],
+                    "error": None,
                 }
-            for index in slow:  # cancel requested, refused or repeated: as ``release``
-                guard = guards[index]
-                mark = self.mark()
-                try:
-                    out = self._release_in(tx, guard)
-                except RelayError as exc:
-                    if not self.forgive(mark):  # it wrote before failing: fail the batch
-                        raise
-                    results[index] = _refused_entry(leases[index], exc)
-                    continue
-                results[index] = {**out, "ok": True}
-        return [r for r in results if r is not None]
+            # Cancel requested, refused or repeated: one by one, as ``release``.
+            self._each_alone(
+                slow, leases, results, lambda index: self._release_in(tx, guards[index])
+            )
+        answered = [r for r in results if r is not None]
+        assert len(answered) == len(leases), "every entry has its result"
+        return answered
 
     @staticmethod
     def _lease_guard(job_id: Any, worker_id: Any, lease_token: Any) -> dict[str, Any]:

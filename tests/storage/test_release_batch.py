@@ -81,7 +81,8 @@ def test_each_entry_is_released_on_its_own_token_and_a_refusal_is_its_own(
         "STALE_TOKEN",
         "NOT_FOUND",
     ]
-    assert out[0] == {"job_id": a["job_id"], "ok": True, "state": "ready", "queue": "q"}
+    ok = {"ok": True, "state": "ready", "queue": "q", "error": None}
+    assert out[0] == {"job_id": a["job_id"], **ok}
     assert [state(h["job_id"]) for h in (a, b, c, d, e, f)] == [
         "ready",
         "leased",
@@ -123,6 +124,13 @@ def test_a_cancel_requested_job_ends_cancelled_and_a_repeat_is_given_back_once(
         (True, "ready"),
     ]
     assert out[2]["error"]["code"] == "STALE_TOKEN"
+    assert out[1] == {
+        "job_id": b["job_id"],
+        "ok": True,
+        "state": "cancelled",
+        "queue": "q",
+        "error": None,
+    }
     assert state(b["job_id"]) == "cancelled" and outcomes(b["job_id"]) == ["cancelled"]
     assert outcomes(a["job_id"]) == ["released"]
 
