@@ -65,12 +65,16 @@ class ReadDeadline:
         task: the task whose reads it bounds (the connection's ``read_loop``).
     """
 
-    __slots__ = ("_deadline", "_fired", "_loop", "_task", "_timer", "_timer_at", "reading")
+    __slots__ = ("_fired", "_loop", "_task", "_timer", "_timer_at", "reading", "time", "until")
 
     def __init__(self, task: asyncio.Task[None]) -> None:
         self._loop = task.get_loop()
+        self.time = self._loop.time  # the loop's clock (s)
         self._task = task
-        self._deadline = 0.0  # loop time
+        # The read's deadline, loop time (s): ``start`` sets it; the fast path
+        # (``Listener.fast_lines``) moves it later, and the armed timer, firing before it,
+        # arms itself again.
+        self.until = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0  # loop time the timer fires at
         self._fired = False  # it cancelled the task; not yet withdrawn
@@ -78,7 +82,7 @@ class ReadDeadline:
 
     def start(self, deadline: float) -> None:
         """Before a read: it times out at ``deadline`` (loop time, s); sets ``reading``."""
-        self._deadline = deadline
+        self.until = deadline
         self.reading = True
         timer = self._timer
         if timer is None or self._timer_at > deadline:
@@ -91,11 +95,16 @@ class ReadDeadline:
         self._timer = None
         if not self.reading:
             return  # the next start() arms it again
-        if self._loop.time() < self._deadline:
-            self.start(self._deadline)
+        if self._loop.time() < self.until:
+            self.start(self.until)
             return
         self._fired = True
         self._task.cancel()
+
+    def cancelling(self) -> int:
+        """Whether its task is being cancelled (``Task.cancelling``): by this deadline, an
+        eviction or a shutdown."""
+        return self._task.cancelling()
 
     def expired(self) -> bool:
         """Once the task's read raised ``CancelledError``: True when this deadline cancelled
@@ -131,6 +140,19 @@ class ConnProtocol(asyncio.StreamReaderProtocol):
     def __init__(self, reader: FrameReader, on_connect: Any) -> None:
         super().__init__(reader, on_connect)
         self.frames = reader
+
+    def data_received(self, data: bytes) -> None:
+        # Whole lines go to the read loop's fast path while it waits with nothing buffered;
+        # what it does not take is buffered for the loop, as asyncio's protocol does.
+        frames = self.frames
+        fast = frames.fast
+        if fast is not None and not frames._buffer:
+            taken = fast(data)
+            if taken:
+                if taken == len(data):
+                    return
+                data = data[taken:]
+        super().data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         owner = self.frames.owner
@@ -358,6 +380,74 @@ class Listener:
             await self._read_requests(conn, head, active_at, deadline)
         finally:
             deadline.close()
+            if isinstance(conn.reader, FrameReader):
+                conn.reader.fast = None  # every byte from here on is buffered
+
+    def fast_lines(
+        self,
+        conn: Conn,
+        framed: FrameReader,
+        deadline: ReadDeadline,
+        max_frame_bytes: int,
+        idle_s: float,
+        data: bytes,
+    ) -> int:
+        """Start the requests of ``data``'s first whole lines as it arrives, while the read
+        loop waits for a line with nothing buffered (``ConnProtocol.data_received``); return
+        how many bytes of ``data`` it took (0: none).
+
+        Each line passes what the read loop asks of it before it reads it (the reply budget,
+        the input budget, a live key) and is decoded and started as the loop starts it. It
+        stops at the first line it cannot start so, leaving that line and the rest to the
+        loop, which reads them as before: an unfinished line, one longer than
+        ``WEIGHED_LINE_BYTES``, one that does not decode, a ``hello``, a connection with no
+        free in-flight slot, no reply budget for the frame, or a key that must be read
+        again, revoked or missing. The loop's task waking, its stream reader's wait and its
+        per-line checks cost a two-request lease+ack about 5% of its server instructions
+        (docs/benchmarking.md, round 13); asyncio's ``Protocol`` callbacks as the fast case
+        are how the ceiling server reads.
+
+        Args:
+            conn, framed, deadline: the connection, its reader and its read loop's deadline.
+            max_frame_bytes: ``RELAY_MAX_FRAME_BYTES``.
+            idle_s: ``RELAY_IDLE_TIMEOUT_MS`` in seconds: a started line moves the idle
+                deadline to that far from now.
+        """
+        if not deadline.reading or conn.gone or deadline.cancelling():
+            return 0  # the loop is not in its read, or its task is being cancelled
+        budget, requests = self.budget, self.requests
+        start, size = 0, len(data)
+        while start < size:
+            end = data.find(b"\n", start)
+            if end < 0 or end - start >= WEIGHED_LINE_BYTES:
+                break
+            if budget.over(conn) or (framed.taken and self.input.full(framed)):
+                break
+            principal = conn.principal
+            if principal is not None and principal.authenticated:
+                ring = auth.cached_ring()
+                if ring is None or not ring.is_active(principal.prefix):
+                    break
+            elif conn.auth_by is not None:
+                break  # it has a hello to make
+            try:
+                request = codec.decode_request(data[start : end + 1], max_frame_bytes)
+            except errors.RelayError:
+                break
+            if request.op == "hello" or conn.slots.free <= 0:
+                break
+            held = requests.frame_for(request)
+            if held and not budget.try_take(conn, held):
+                break
+            conn.slots.take()
+            requests.start(conn, request, held)  # its reply frees the slot
+            framed.fast_taken += 1
+            start = end + 1
+        if start:
+            framed.fast_at = now = deadline.time()
+            deadline.until = now + idle_s  # later than before: the loop's line was older
+            framed.consumed_at = self.input.clock()
+        return start
 
     @staticmethod
     def _no_hello() -> errors.RelayError:
@@ -381,6 +471,7 @@ class Listener:
         framed = reader if isinstance(reader, FrameReader) else None
         request: codec.Request | None = None
         task: asyncio.Future[Any] | None = None
+        fast_seen = 0  # framed.fast_taken when this loop last looked
         while True:
             if self.budget.over(conn):
                 await self.budget.room(conn)
@@ -419,6 +510,8 @@ class Listener:
             except asyncio.CancelledError:
                 if not deadline.expired():
                     raise
+                if framed is not None:
+                    active_at = max(active_at, framed.fast_at)
                 auth_by = conn.auth_by
                 authed = auth_by is None or (
                     conn.principal is not None and conn.principal.authenticated
@@ -450,7 +543,20 @@ class Listener:
                 log.debug("event=eof peer=%s error=%r", conn.peer, exc)
                 conn.hang_up()
                 return
+            if framed is not None and framed.fast_taken != fast_seen:
+                # The fast path started lines while this read waited: what the loop checked
+                # before the read (budgets, the key) is checked again before this line.
+                fast_seen = framed.fast_taken
+                active_at = max(active_at, framed.fast_at)
+                framed.unread(line)
+                continue
             first, head = bool(head), b""
+            if first and framed is not None:
+                # From the second line on, lines that arrive while the loop waits for one
+                # may start at once (``fast_lines``).
+                framed.fast = functools.partial(
+                    self.fast_lines, conn, framed, deadline, s.max_frame_bytes, idle_s
+                )
             ticket: Ticket | None = None
             if framed is not None and len(line) > WEIGHED_LINE_BYTES:
                 # Counted, as what it will decode to, from before it is decoded until its

@@ -120,6 +120,12 @@ class FrameReader(asyncio.StreamReader):
         self.owner: Owner | None = None  # its connection, once the listener has one
         self.taken = 0  # bytes of its lines whose requests are in progress (InputBudget.started)
         self.waiter: asyncio.Future[None] | None = None  # its read loop's wait for room
+        # Its read loop's fast path (``listener.Listener.fast_lines``), while the loop waits
+        # for a line: given whole lines as they arrive, it returns how many bytes it started
+        # as requests (``ConnProtocol.data_received``). None: every byte goes to the buffer.
+        self.fast: Callable[[bytes], int] | None = None
+        self.fast_taken = 0  # lines the fast path started
+        self.fast_at = 0.0  # loop time (s) it last started one
         budget.readers.add(self)
 
     def feed_data(self, data: bytes) -> None:  # type: ignore[override]
@@ -202,6 +208,12 @@ class FrameReader(asyncio.StreamReader):
         del buffer[: end + 1]
         self._maybe_resume_transport()
         return line
+
+    def unread(self, line: bytes) -> None:
+        """Put ``line``, which ``readuntil`` returned, back at the head of the buffer: the read
+        loop judges it again before it takes it."""
+        self._buffer[:0] = line
+        self.budget.recount(self)
 
     def release(self) -> None:
         """Drop what it buffers and leave the budget (its connection ended or was cut)."""
