@@ -403,9 +403,9 @@ class Listener:
         ``WEIGHED_LINE_BYTES``, one that does not decode, a ``hello``, a connection with no
         free in-flight slot, no reply budget for the frame, or a key that must be read
         again, revoked or missing. The loop's task waking, its stream reader's wait and its
-        per-line checks cost a two-request lease+ack about 5% of its server instructions
-        (docs/benchmarking.md, round 13); asyncio's ``Protocol`` callbacks as the fast case
-        are how the ceiling server reads.
+        per-line checks were about 3% of a two-request lease+ack's server instructions and 8%
+        of its Python bytecodes, 13% with 16 clients (docs/benchmarking.md, round 13); the
+        ceiling server reads in ``Protocol`` callbacks too (``--reader protocol``).
 
         Args:
             conn, framed, deadline: the connection, its reader and its read loop's deadline.
