@@ -603,25 +603,30 @@ def test_a_tcp_lease_held_before_its_claim_claims_nothing_once_its_key_is_revoke
         finally:
             connections.close_all()
 
+    reserving: list[Any] = []  # the lease's connection, once it waits in ``reserve``
+
     async def revoke_then_reserve(conn: Any, n: int) -> None:
         principal = getattr(conn, "principal", None)
         if principal is not None and principal.prefix == prefix:  # the lease, not the hello
+            reserving.append(conn)
             await asyncio.to_thread(revoke)  # while it waits: before its claim
         await reserve(conn, n)
 
     fits = budget.fits
     held: list[Any] = []
 
-    def full_once(conn: Any, n: int) -> bool:
-        """The lease's frame does not fit its connection's budget the first time it asks (a
-        client that read nothing), so it waits in ``reserve`` rather than claiming at once."""
+    def full_until_reserved(conn: Any, n: int) -> bool:
+        """The lease's frame does not fit its connection's budget until it waits for it (a
+        client that read nothing), so it waits in ``reserve`` rather than claiming at once,
+        whether the read loop or its fast path (``Listener.fast_lines``, which then leaves the
+        line to the loop) asks first."""
         principal = getattr(conn, "principal", None)
-        if principal is not None and principal.prefix == prefix and not held:
+        if principal is not None and principal.prefix == prefix and not reserving:
             held.append(conn)
             return False
         return fits(conn, n)
 
-    monkeypatch.setattr(budget, "fits", full_once)
+    monkeypatch.setattr(budget, "fits", full_until_reserved)
     monkeypatch.setattr(budget, "reserve", revoke_then_reserve)
     with (
         RelayClient(tcp.address(), api_key=worker) as client,
