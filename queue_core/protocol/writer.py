@@ -447,8 +447,10 @@ class Database:
     Redis with ``appendfsync always`` and beanstalkd with ``-f 0`` sync in their event
     loops the same way. The loop never waits for a lock: when another connection holds
     SQLite's write lock (another process, or the writer thread), the batch goes to the
-    writer thread, which waits as every writer does, and later writes follow it there until
-    it has answered them all, so writes still commit in the order they were queued.
+    writer thread, which waits as every writer does. Later writes wait on the loop until the
+    thread has answered all it holds, then commit there, so writes still commit in the order
+    they were queued, and a heavy batch (a retention prune of ``PRUNE_BATCH`` jobs every
+    few seconds) does not leave every later write on the thread while they keep coming.
 
     Args:
         service: the queue service every thread calls (each thread its own connection).
@@ -542,7 +544,11 @@ class Database:
             self._watch.cancel()
             self._watch = None
         if self._pending:
-            self._flush()
+            if self._queued:  # after the writer thread's calls, in order
+                pending, self._pending = self._pending, []
+                self._to_thread(pending)
+            else:
+                self._flush()
         self._closed = True
         if self.inline is not None:
             with _NoRunningLoop(), contextlib.suppress(Exception):
@@ -576,12 +582,13 @@ class Database:
         call = Call(fn, future, future.get_loop(), claims, durable, weight, queues)
         if self.inline is None or self._closed:
             self.write_calls.put(call)
-        elif self._queued:
-            self._to_thread([call])  # after the writes already there
-        else:
-            self._pending.append(call)
-            if len(self._pending) == 1:
-                call.loop.call_soon(self._flush)
+            return
+        self._pending.append(call)
+        # While the writer thread holds calls, later ones wait here for it to answer them
+        # all (``_answered``), not in its queue: handed there one by one under steady load,
+        # the queue never emptied and every write paid two thread hand-offs from then on.
+        if len(self._pending) == 1 and not self._queued:
+            call.loop.call_soon(self._flush)
 
     async def write(
         self,
@@ -619,6 +626,8 @@ class Database:
         """Event loop: commit the pending writes in one transaction, then settle them; when
         they weigh more than ``INLINE_MAX_WEIGHT`` or the write lock is taken, hand them to
         the writer thread instead."""
+        if self._queued:  # ``_answered`` flushes once the writer thread has answered all
+            return
         batch, self._pending = self._pending, []
         if not batch:
             return
@@ -642,11 +651,13 @@ class Database:
             call.future.add_done_callback(self._answered)
             self.write_calls.put(call)
 
-    def _answered(self, _future: asyncio.Future[Any]) -> None:
+    def _answered(self, future: asyncio.Future[Any]) -> None:
         # A cancelled future (its connection closed) counts too, though its call may still
         # wait in the thread's queue: a later write may then commit before it, which only
         # a write of another connection can be.
         self._queued -= 1
+        if not self._queued and self._pending:
+            future.get_loop().call_soon(self._flush)  # the writes that waited, on the loop
 
     def _poll_feed(self) -> None:
         """Event loop, every ``WATCH_INTERVAL_S``: look at the change feed for commits made

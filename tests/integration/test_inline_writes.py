@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import sqlite3
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -36,8 +37,9 @@ def test_writes_wait_in_order_while_another_connection_holds_the_lock_and_reads_
     try:
         for i in range(3):
             producer.send("submit", req_id=i, queue="lk", payload={"i": i})
-        # All three wait on the writer thread, unanswered (the reaper's sweep may too).
-        wait_for(lambda: db._queued >= 3)
+        # All three wait, unanswered: the first on the writer thread, the others on the loop
+        # behind it (the reaper's sweep may too).
+        wait_for(lambda: db._queued >= 1 and db._queued + len(db._pending) >= 3)
         assert sentinel.ok("ping")["pong"] is True  # the loop still serves
         assert sentinel.ok("stats")["totals"]["ready"] == 1
     finally:
@@ -76,6 +78,47 @@ def test_a_heavy_batch_commits_on_the_writer_thread_and_a_light_one_on_the_loop(
     assert db.writers[0].commits == thread_commits
     assert db.inline.commits > inline_commits
     client.close()
+
+
+def test_writes_that_come_while_the_writer_thread_holds_a_batch_wait_and_then_run_on_the_loop(
+    start: Callable[..., Running],
+) -> None:
+    # They were handed to the writer thread one by one behind it: under steady load its
+    # queue never emptied, and after the first retention prune (a heavy batch, every few
+    # seconds) every write paid two thread hand-offs (3-5 futex calls a job, December 6).
+    running = start()
+    db = running.server._db
+    assert db.inline is not None and db._loop is not None
+    release = threading.Event()
+    ran: list[tuple[str, str]] = []
+
+    def heavy() -> None:
+        ran.append(("heavy", threading.current_thread().name))
+        assert release.wait(15)  # holds the writer thread until the light writes are put
+
+    def light(n: int) -> Callable[[], None]:
+        return lambda: ran.append((f"light{n}", threading.current_thread().name))
+
+    async def drive() -> str:
+        loop = asyncio.get_running_loop()
+        first = loop.create_future()
+        db.put_write(heavy, first, weight=writer.INLINE_MAX_WEIGHT + 1)
+        await asyncio.sleep(0)  # one loop pass: the flush queued before it hands it over
+        assert db._queued == 1
+        lights = []
+        for n in range(5):
+            lights.append(loop.create_future())
+            db.put_write(light(n), lights[-1])
+        assert db._queued == 1 and len(db._pending) == 5  # waiting on the loop
+        release.set()
+        await asyncio.gather(first, *lights)
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run_coroutine_threadsafe(drive(), db._loop).result(30)
+    assert [name for name, _ in ran] == ["heavy", *(f"light{n}" for n in range(5))]
+    assert ran[0][1] != loop_thread  # the heavy batch on the writer thread
+    assert {thread for _, thread in ran[1:]} == {loop_thread}  # the rest back on the loop
+    assert db._queued == 0 and not db._pending
 
 
 class _Arguments:
