@@ -116,7 +116,10 @@ def test_writes_that_come_while_the_writer_thread_holds_a_batch_wait_and_then_ru
         await asyncio.gather(first, *lights)
         return threading.current_thread().name
 
-    loop_thread = asyncio.run_coroutine_threadsafe(drive(), db._loop).result(30)
+    try:
+        loop_thread = asyncio.run_coroutine_threadsafe(drive(), db._loop).result(30)
+    finally:
+        release.set()  # a failed check must not hold the writer thread
     assert [name for name, _ in ran] == ["heavy", *(f"light{n}" for n in range(5))]
     assert ran[0][1] != loop_thread  # the heavy batch on the writer thread
     assert {thread for _, thread in ran[1:]} == {loop_thread}  # the rest back on the loop
