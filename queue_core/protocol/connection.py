@@ -100,6 +100,12 @@ class Conn:
     # Its requests in progress (tasks, or the writer futures of writes) and reply sends.
     tasks: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)
     waiting: set[asyncio.Event] = dataclasses.field(default_factory=set)  # its long-polls
+    # Its writes waiting for the key table's read, in the order they were read, each with
+    # the future that ends with its answer (``requests.Requests.start``): a later write
+    # queues behind them, so the connection's writes are committed in the order it sent them.
+    ring_queue: collections.deque[tuple[Any, Any, asyncio.Future[None]]] = dataclasses.field(
+        default_factory=collections.deque
+    )
     read_task: asyncio.Task[None] | None = None
     gone: bool = False  # the client closed its side: long-polls stop waiting
     eof_sent: bool = False  # we closed our side (after FRAME_TOO_LARGE): nothing more to send

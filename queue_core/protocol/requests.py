@@ -121,6 +121,8 @@ class Requests:
     def start(self, conn: Conn, request: codec.Request, held: int = 0) -> asyncio.Future[Any]:
         """Start serving ``request`` (its in-flight slot is held); return what answers it,
         tracked in ``conn.tasks`` (the slot is freed once its reply is with the kernel).
+        A connection's writes are queued for commit in the order they are started, also
+        behind one that waits for the key table (``_write_after_ring``).
 
         Args:
             held: reply-budget bytes already held for it (``frame_for``), from here on its
@@ -129,12 +131,9 @@ class Requests:
         verb = dispatch.VERBS.get(request.op)
         if verb is not None and verb.kind is dispatch.Kind.WRITE:
             ring = auth.cached_ring()
-            if ring is not None:
+            if ring is not None and not conn.ring_queue:
                 return self.start_write(conn, request, verb, ring)
-            waiting = asyncio.ensure_future(self._write_after_ring(conn, request, verb))
-            conn.tasks.add(waiting)
-            waiting.add_done_callback(conn.tasks.discard)
-            return waiting
+            return self._write_after_ring(conn, request, verb)
         if verb is not None and verb.kind is dispatch.Kind.LEASE:
             started = self.start_lease(conn, request, verb, held)
             if started is not None:
@@ -237,19 +236,46 @@ class Requests:
         finally:
             self.answer_write(conn, request, future, key="jobs")
 
-    async def _write_after_ring(
+    def _write_after_ring(
         self, conn: Conn, request: codec.Request, verb: dispatch.Verb
-    ) -> None:
-        """Read the key table (not cached), then run the write as ``start_write`` does."""
+    ) -> asyncio.Future[None]:
+        """Queue a write behind the key table's read (not cached) and behind the writes of
+        its connection already waiting for it (``conn.ring_queue``); return a future that
+        ends once it is answered.
+
+        The table is read on the key thread, which caches it before the loop hears of it: a
+        later write started then found it cached and was queued for commit before the
+        waiting ones (a review: 0-5 of a connection's pipelined submits a 10 s run committed
+        out of order, a new key table read a second). One task a connection starts them all,
+        in order, in one step.
+        """
+        answered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        conn.ring_queue.append((request, verb, answered))
+        conn.tasks.add(answered)
+        answered.add_done_callback(conn.tasks.discard)
+        if len(conn.ring_queue) == 1:
+            task = asyncio.ensure_future(self._start_after_ring(conn))
+            conn.tasks.add(task)
+            task.add_done_callback(conn.tasks.discard)
+            task.add_done_callback(functools.partial(_unqueue, conn))
+        return answered
+
+    async def _start_after_ring(self, conn: Conn) -> None:
+        """Read the key table, then start ``conn.ring_queue``'s writes as ``start_write``
+        does, oldest first, emptying it (a refusal of the read answers each of them)."""
+        waiting = conn.ring_queue
         try:
             ring = await self.key_ring()
-        except asyncio.CancelledError:
-            conn.slots.release()  # the connection is closing
-            raise
         except Exception as exc:  # noqa: BLE001 - answered as any refusal
-            conn.reply_soon(error_line(request, exc))
+            while waiting:
+                request, _, answered = waiting.popleft()
+                conn.reply_soon(error_line(request, exc))
+                answered.set_result(None)
             return
-        await asyncio.wait([self.start_write(conn, request, verb, ring)])
+        while waiting:
+            request, verb, answered = waiting.popleft()
+            future = self.start_write(conn, request, verb, ring)
+            future.add_done_callback(functools.partial(_settle_answered, answered))
 
     def answer_write(
         self,
@@ -789,6 +815,24 @@ def _locked_queues(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
         return v.queue_list(spec.get("queues") if isinstance(spec, dict) else args.get("queues"), s)
     except errors.InvalidArgument:
         return []
+
+
+def _unqueue(conn: Conn, task: asyncio.Future[None]) -> None:
+    """The task starting ``conn.ring_queue``'s writes was cancelled (the connection is
+    closing, its read loop ended), perhaps before it ran: free their slots, end them."""
+    if not task.cancelled():
+        return  # it emptied the queue itself
+    waiting = conn.ring_queue
+    while waiting:
+        _, _, answered = waiting.popleft()
+        conn.slots.release()
+        answered.cancel()
+
+
+def _settle_answered(answered: asyncio.Future[None], _future: asyncio.Future[Any]) -> None:
+    """A write queued behind the key table's read has been answered (``_write_after_ring``)."""
+    if not answered.done():
+        answered.set_result(None)
 
 
 def _weight(args: dict[str, Any]) -> int:

@@ -19,7 +19,8 @@
   fsync"); one other call in the batch (an ack, a submit) makes the whole batch durable.
   With several writers, two calls in flight at once (from two connections, or pipelined on
   one) may commit in either order; on SQLite they commit in the order they were queued
-  (``put_write``; a write that first waits for the key table's re-read is queued after it).
+  (``put_write``; a connection's writes are queued in the order it sent them, also behind
+  one that waits for the key table's re-read: ``Requests.start``).
 * Where the change feed cannot push (SQLite), the loop polls it every ``WATCH_INTERVAL_S``
   (``wakeups.FeedFollower.poll``) on its own connection, whose
   ``PRAGMA data_version`` changes only when *another* connection commits, so the server's

@@ -300,6 +300,50 @@ def test_a_write_whose_key_table_must_be_read_first_takes_the_same_path(
     assert Job.objects.filter(queue="kr").count() == 12
 
 
+def test_writes_sent_behind_one_that_waits_for_the_key_table_commit_after_it(
+    server: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that found the key table's snapshot stale waits for its read (the key thread
+    caches it before the loop hears of it). The connection's later writes, which find the
+    snapshot fresh, wait behind it: they were committed before it (a review: 0-5 out of
+    order a 10 s run of pipelined submits)."""
+    c = Client(server.port)
+    assert c.ok("ping")["pong"] is True  # connected: its admission read no key table later
+    ring = auth.current_ring()
+    stale = True
+    entered, release = threading.Event(), threading.Event()
+    read_ring = auth.read_ring
+
+    def held_read(driver: Any) -> auth.KeyRing:
+        entered.set()
+        assert release.wait(15)
+        return read_ring(driver)
+
+    monkeypatch.setattr(auth, "cached_ring", lambda: None if stale else ring)
+    monkeypatch.setattr(auth, "read_ring", held_read)
+    try:
+        c.send("submit", req_id=0, queue="ko", payload={"n": 0})
+        assert entered.wait(15)  # the first write waits for the key table's read
+        stale = False  # fresh again, as when another request's read cached it
+        for n in range(1, 4):
+            c.send("submit", req_id=n, queue="ko", payload={"n": n})
+        (conn,) = server.server._listener.conns
+        # The three are read: queued behind the first, or (before) committed past it.
+        wait_for(
+            lambda: (
+                len(getattr(conn, "ring_queue", ())) == 4
+                or Job.objects.filter(queue="ko").count() == 3
+            )
+        )
+    finally:
+        release.set()
+    replies = {r["id"]: r for r in (c.recv() for _ in range(4))}
+    c.close()
+    assert all(replies[n]["ok"] for n in range(4)), replies
+    ids = [replies[n]["result"]["job"]["id"] for n in range(4)]
+    assert ids == sorted(ids), ids  # committed in the order sent
+
+
 def test_group_commit_shares_commits_between_requests(server: Running) -> None:
     clients = [Client(server.port) for _ in range(8)]
     try:
