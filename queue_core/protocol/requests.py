@@ -232,7 +232,7 @@ class Requests:
         try:
             self.budget.give(conn, held)
             if not future.cancelled() and future.exception() is None:
-                metrics.CLAIM_SECONDS.observe(asyncio.get_running_loop().time() - started)
+                metrics.claim_took(asyncio.get_running_loop().time() - started)
         finally:
             self.answer_write(conn, request, future, key="jobs")
 
@@ -580,7 +580,7 @@ class Requests:
                         self.on_due(outcome.due_at_ms)
                     if not outcome.result["jobs"]:
                         self.budget.give(conn, frame)
-                    metrics.CLAIM_SECONDS.observe(loop.time() - started)
+                    metrics.claim_took(loop.time() - started)
                     if conn.gone and outcome.result["jobs"]:
                         # The client closed (EOF) while the claim ran: a normal close still lets
                         # the reply into the kernel, so give the jobs back rather than lease them

@@ -5,10 +5,12 @@ stock classes show for the same calls, byte for byte, and their errors the libra
 from __future__ import annotations
 
 import math
+import threading
+from typing import Any
 
 import prometheus_client
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -58,3 +60,165 @@ def test_misuse_gets_the_librarys_errors() -> None:
         histogram.observe(1.0)
     with pytest.raises(ValueError, match="non-negative"):
         counter.labels(queue="q").inc(-1)
+
+
+OURS = (
+    metrics.JOBS_ACKED,
+    metrics.JOBS_LEASED,
+    metrics.SUBMIT_TO_START_SECONDS,
+    metrics.CLAIM_SECONDS,
+)
+
+
+def _sample(name: str, labels: dict[str, str]) -> float:
+    """A sample of Relay's own counters, as a scrape reads it (their ``collect``; the
+    registry's gauges would read the database)."""
+    for metric in OURS:
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return sample.value
+    return 0.0
+
+
+def test_events_recorded_from_several_threads_are_all_counted_by_a_scrape_during_them() -> None:
+    """``record`` only queues; flushes at ``FLUSH_AT`` on the recording threads and at each
+    scrape on another thread take every event exactly once."""
+    queue = metrics.queue_label("t-threads-counted")  # this process may fold it into _other
+    keys: dict[str, tuple[str, dict[str, str]]] = {
+        "acked": ("relay_jobs_acked_total", {"queue": queue}),
+        "delays": ("relay_job_submit_to_start_seconds_count", {"queue": queue}),
+        "slow": ("relay_job_submit_to_start_seconds_bucket", {"queue": queue, "le": "+Inf"}),
+        "fast": ("relay_job_submit_to_start_seconds_bucket", {"queue": queue, "le": "0.005"}),
+        "claims": ("relay_claim_duration_seconds_count", {}),
+    }
+    before = {name: _sample(*key) for name, key in keys.items()}
+    threads_n, per_thread = 6, 3 * metrics.FLUSH_AT  # several flushes on every thread
+    start = threading.Barrier(threads_n + 1)
+    done = threading.Event()
+    scrapes = 0
+
+    def recorder(index: int) -> None:
+        start.wait(30)
+        for i in range(per_thread):
+            metrics.record(
+                [metrics.Event("acked", queue), metrics.Event("start_delay", queue, (i % 2) * 10.0)]
+            )
+            if i % 3 == 0:
+                metrics.claim_took(0.001)
+
+    def scraper() -> None:
+        nonlocal scrapes
+        start.wait(30)
+        while not done.is_set():
+            for metric in OURS:
+                metric.collect()
+            scrapes += 1
+
+    workers = [threading.Thread(target=recorder, args=(i,)) for i in range(threads_n)]
+    reader = threading.Thread(target=scraper)
+    for thread in [*workers, reader]:
+        thread.start()
+    for thread in workers:
+        thread.join(120)
+    done.set()
+    reader.join(120)
+    assert scrapes > 0
+    after = {name: _sample(*key) - before[name] for name, key in keys.items()}
+    jobs = threads_n * per_thread
+    assert after["acked"] == jobs
+    assert after["delays"] == jobs
+    assert after["slow"] == jobs
+    assert after["fast"] == jobs / 2  # the zero delays
+    assert after["claims"] == threads_n * len(range(0, per_thread, 3))
+    assert len(metrics._pending) < metrics.FLUSH_AT
+
+
+def test_a_scrape_right_after_record_shows_the_event() -> None:
+    queue = metrics.queue_label("t-scrape-after")
+    key = ("relay_jobs_leased_total", {"queue": queue})
+    before = _sample(*key)
+    metrics.record([metrics.Event("leased", queue, 3.0)])
+    assert metrics._pending  # queued, not yet counted
+    assert _sample(*key) == before + 3.0
+    assert not metrics._pending
+
+
+QUEUES = ("hq-a", "hq-b", "hq-a-b")  # one a prefix of another: they sort apart
+EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["acked", "leased", "start_delay", "claim"]),
+        st.sampled_from(QUEUES),
+        st.one_of(
+            st.sampled_from([*BOUNDS, 0.0, -1.0, -0.0, 3600.0, 1e6]),  # finite: sums subtract
+            st.floats(-1, 10, allow_nan=False),
+        ),
+    ),
+    max_size=80,
+)
+
+
+def _ours() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Relay's own samples of ``QUEUES`` (and the unlabelled claim histogram)."""
+    found = {}
+    for metric in OURS:
+        for family in metric.collect():
+            for sample in family.samples:
+                if sample.labels.get("queue", QUEUES[0]) in QUEUES:
+                    found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(events=EVENTS)
+def test_counted_in_bulk_as_the_library_counts_each_event(
+    events: list[tuple[str, str, float]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``flush`` sorts the queued events and counts each metric's at once: the counts and
+    buckets are those of the stock classes observing each event in turn (the sums agree to
+    rounding: they add in another order)."""
+    monkeypatch.setattr(metrics, "_labelled", set())  # QUEUES get series of their own
+    registry = CollectorRegistry()
+    stock: dict[str, Any] = {
+        "acked": prometheus_client.Counter("relay_jobs_acked", "", ["queue"], registry=registry),
+        "leased": prometheus_client.Counter("relay_jobs_leased", "", ["queue"], registry=registry),
+        "start_delay": prometheus_client.Histogram(
+            "relay_job_submit_to_start_seconds",
+            "",
+            ["queue"],
+            registry=registry,
+            buckets=metrics.SUBMIT_TO_START_SECONDS._upper_bounds,
+        ),
+        "claim": prometheus_client.Histogram(
+            "relay_claim_duration_seconds",
+            "",
+            registry=registry,
+            buckets=metrics.CLAIM_SECONDS._upper_bounds,
+        ),
+    }
+    before = _ours()
+    for name, queue, value in events:
+        if name == "claim":
+            stock[name].observe(value)
+            metrics.claim_took(value)
+        elif name == "start_delay":
+            stock[name].labels(queue=queue).observe(max(0.0, value))
+            metrics.record([metrics.Event(name, queue, value)])
+        else:
+            stock[name].labels(queue=queue).inc(abs(value))
+            metrics.record([metrics.Event(name, queue, abs(value))])
+    assert len(metrics._pending) == len(events)  # fewer than FLUSH_AT: none counted yet
+    after = _ours()
+    expected = {}
+    for family in registry.collect():
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            expected[key] = sample.value
+    for key, value in expected.items():
+        moved = after.get(key, 0.0) - before.get(key, 0.0)
+        if key[0].endswith("_sum") or key[0].endswith("_total"):
+            assert moved == pytest.approx(value, rel=1e-9, abs=1e-9), key
+        else:
+            assert moved == value, key
