@@ -278,18 +278,24 @@ def _child(name: str, queue: str) -> Any:
 
 
 # Events recorded and not yet counted. ``record`` only appends (one C call, thread-safe);
-# they are counted in bulk when this many wait, and before any of these metrics is collected
+# they are counted in bulk when FLUSH_AT wait, and before any of these metrics is collected
 # (``Counter.collect``, ``Histogram.collect``), so a scrape shows every event recorded before
 # it. Counting each event as it came took about 300 Python bytecodes of a two-request
 # lease+ack, 6% of them; in bulk, 2-6% fewer bytecodes and 1-2% fewer instructions per job
-# (docs/benchmarking.md, round 15). At most FLUSH_AT events are counted at once (~0.1 ms).
+# (docs/benchmarking.md, round 15). A flush counts what waits: 256 events of one queue take
+# about 0.1 ms; a batch's events on many queues (a ``submit_batch`` over 1,000) about 3 ms.
 _pending: deque[tuple[str, str, float]] = deque()
 FLUSH_AT = 256
+_QUEUE = operator.itemgetter(1)
 _AMOUNT = operator.itemgetter(2)
+# One flush at a time: a flush that took events counts them before another (a scrape's) reads
+# the metrics. Reentrant: counting never flushes, but a collect inside it would not deadlock.
+_flushing = threading.RLock()
 
 
 def record(events: Iterable[Event]) -> None:
-    """Count ``events`` (call after the request's transaction committed); thread-safe.
+    """Count ``events`` (call after the request's transaction committed); thread-safe, and
+    never raises from counting (``flush``).
 
     Args:
         events: ``Event``s (or ``(name, queue, value)`` tuples).
@@ -307,20 +313,40 @@ def claim_took(seconds: float) -> None:
 
 
 def flush() -> None:
-    """Count the events ``record`` and ``claim_took`` queued; thread-safe (each event is
-    taken from the queue once, by whichever thread flushes).
+    """Count the events ``record`` and ``claim_took`` queued; thread-safe: one flush at a
+    time, so one that finds nothing left waits for another still counting what it took.
 
-    The events are sorted (in C), so each metric's come together, its amounts in order: a
-    counter then takes one addition, and a histogram one for its sum and one per bucket its
-    amounts fall in, however many events there were. A negative ``start_delay`` (a clock
-    stepped back) counts as 0 s, as before.
+    Queues get their own series in the order their events came (``queue_label``). Then the
+    events are sorted (in C), so each metric's come together, its amounts in order: a counter
+    takes one addition, and a histogram one for its sum and one per bucket its amounts fall
+    in, however many events there were. A negative ``start_delay`` (a clock stepped back)
+    counts as 0 s, as before. Never raises: a fault while counting is logged
+    (``event=metrics_flush_failed``) and the events it took are not counted, so a committed
+    request is never answered with an error by its metrics.
     """
-    waiting = len(_pending)
-    if not waiting:
-        return
-    events = sorted(itertools.starmap(_pending.popleft, itertools.repeat((), waiting)))
-    start = 0
-    while start < waiting:
+    with _flushing:
+        waiting = len(_pending)
+        if not waiting:
+            return
+        taken = list(itertools.starmap(_pending.popleft, itertools.repeat((), waiting)))
+        try:
+            _count(taken)
+        except Exception:  # logged; the request or scrape goes on
+            log.exception(
+                "event=metrics_flush_failed events=%s",
+                waiting,
+                extra={"event": "metrics_flush_failed", "events": waiting},
+            )
+
+
+def _count(taken: list[tuple[str, str, float]]) -> None:
+    """``flush``'s counting of the events it took, in the order they came."""
+    for queue in dict.fromkeys(map(_QUEUE, taken)):  # first come, first labelled
+        if queue and queue not in _labelled:  # "": the claim time's, no queue
+            queue_label(queue)
+    events = sorted(taken)
+    start, total = 0, len(events)
+    while start < total:
         name, queue, _ = events[start]
         # The first event of another metric or queue: no string sorts between a queue name
         # and that name followed by NUL.
