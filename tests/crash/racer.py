@@ -151,6 +151,7 @@ class Racer:
             self.proc.kill()
             _, err = self.proc.communicate(timeout=30)
             raise AssertionError(f"racer did not start: {line!r}\n{err}")
+        self.first_lines: list[str] = []  # read by first(), returned by results()
 
     def go(self) -> None:
         """Release the barrier."""
@@ -158,11 +159,28 @@ class Racer:
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()
 
+    def first(self) -> dict[str, Any]:
+        """Wait for the child's first record (after ``go()``) and return it; ``results()``
+        returns it too."""
+        assert self.proc.stdout is not None
+        # Byte by byte from the pipe: a buffered readline could take more than the line, and
+        # communicate() in results() reads the pipe itself, past that buffer.
+        fd, raw = self.proc.stdout.fileno(), b""
+        while not raw.endswith(b"\n") and (byte := os.read(fd, 1)):
+            raw += byte
+        line = raw.decode()
+        if not line or line == "done\n":
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=30)
+            raise AssertionError(f"racer ended before its first record: {line!r}\n{err}")
+        self.first_lines.append(line)
+        return dict(orjson.loads(line))
+
     def results(self, timeout: float = 120.0) -> list[dict[str, Any]]:
         """Wait for the child to finish; return its JSON records (fails on a bad exit)."""
         out, err = self.proc.communicate(timeout=timeout)
         assert self.proc.returncode == 0, err
-        lines = out.splitlines()
+        lines = [line.rstrip("\n") for line in self.first_lines] + out.splitlines()
         assert lines and lines[-1] == "done", err
         return [orjson.loads(line) for line in lines[:-1]]
 

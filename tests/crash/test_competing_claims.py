@@ -152,9 +152,14 @@ def test_competing_claims_never_hand_out_a_valid_lease_twice(
         with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
             threads = [pool.submit(direct, n) for n in range(8)]
             threads += [pool.submit(over_tcp, n) for n in range(4)]
-            start.wait(timeout=60)  # everyone starts at once
+            # The processes take their first leases, then the threads join them: on a loaded
+            # machine eight threads in a tight loop could otherwise drain the queue before a
+            # child won SQLite's lock once (CI, three test workers on two cores).
             for racer in racers:
                 racer.go()
+            for racer in racers:
+                assert racer.first()["kind"] == "lease"
+            start.wait(timeout=60)
             audits = pool.submit(sampler)
             children = [pool.submit(racer.results) for racer in racers]
             try:

@@ -48,11 +48,40 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S)
     return value
 
 
+class Accepted:
+    """The peers of the connections a ``silent_server`` accepted, in order, for tests that
+    must know whether a client went back to it (not how long a call took: a loaded machine
+    makes any call slow)."""
+
+    def __init__(self) -> None:
+        self.peers: list[tuple[str, int]] = []
+        self.changed = threading.Condition()
+
+    def add(self, peer: tuple[str, int]) -> None:
+        with self.changed:
+            self.peers.append(peer)
+            self.changed.notify_all()
+
+    def settled(self, address: str, timeout_s: float = 30.0) -> int:
+        """How many connections were accepted before a probe connection made now: the probe
+        is accepted after every connection the kernel had already queued (one listen queue,
+        in order), so none made before it is left uncounted."""
+        host, port = address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as probe:
+            me = probe.getsockname()
+            with self.changed:
+                assert self.changed.wait_for(lambda: me in self.peers, timeout_s)
+                return self.peers.index(me)
+
+
 @contextlib.contextmanager
-def silent_server(first_breaks_after_s: float | None = None) -> Iterator[str]:
+def silent_server(
+    first_breaks_after_s: float | None = None, accepted: Accepted | None = None
+) -> Iterator[str]:
     """A server that accepts connections and answers nothing (a stopped process, a black
     hole); ``first_breaks_after_s``: the first connection is reset that long after its first
-    request instead. Yields its ``HOST:PORT``."""
+    request instead; ``accepted`` counts the connections it accepts. Yields its
+    ``HOST:PORT``."""
     listener = socket.create_server(("127.0.0.1", 0))
     held: list[socket.socket] = []
     stop = threading.Event()
@@ -61,10 +90,12 @@ def silent_server(first_breaks_after_s: float | None = None) -> Iterator[str]:
         listener.settimeout(0.1)
         while not stop.is_set():
             try:
-                conn = listener.accept()[0]
+                conn, peer = listener.accept()
             except TimeoutError:
                 continue
             held.append(conn)
+            if accepted is not None:
+                accepted.add(peer)
             if first_breaks_after_s is not None and len(held) == 1:
                 conn.recv(65536)  # the request
                 stop.wait(first_breaks_after_s)  # a server slow to fail, not a synchronisation
@@ -222,29 +253,31 @@ def test_aget_result_moves_past_a_server_that_accepts_and_never_answers() -> Non
         return error(request, "NOT_FOUND", "no such job")
 
     answering = CannedServer(script)
+    accepted = Accepted()
     try:
-        with silent_server() as silent:
+        with silent_server(accepted=accepted) as silent:
             address = f"{silent},{answering.address}"
             with networked(address, TIMEOUT=1.5, API_KEY="rk_x"):
                 backend = tasks.add.get_backend()
-                began = time.monotonic()
                 with pytest.raises(TaskResultDoesNotExist):  # within the call
                     asyncio.run(backend.aget_result("default/x"))
-                assert time.monotonic() - began < 1.5
+                went = accepted.settled(silent)
+                assert went == 1
                 for _ in range(3):  # and the next calls start at the server that answered
-                    began = time.monotonic()  # (a third review: each paid the hello's 0.5 s)
                     with pytest.raises(TaskResultDoesNotExist):
                         asyncio.run(backend.aget_result("default/x"))
-                    assert time.monotonic() - began < 0.4
+                # (a third review: each went back to the silent server and paid the hello's
+                # 0.5 s there; the probe of settled() counts one more)
+                assert accepted.settled(silent) == went + 1
             with networked(address, TIMEOUT=1):
                 backend = tasks.add.get_backend()
                 with pytest.raises(ConnectionError):
                     asyncio.run(backend.aget_result("default/x"))
+                went = accepted.settled(silent)
                 for _ in range(3):  # the next calls start at the server that answers
-                    began = time.monotonic()
                     with pytest.raises(TaskResultDoesNotExist):
                         asyncio.run(backend.aget_result("default/x"))
-                    assert time.monotonic() - began < 0.5
+                assert accepted.settled(silent) == went + 1
     finally:
         answering.close()
 
