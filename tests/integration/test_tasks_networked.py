@@ -62,7 +62,7 @@ class Accepted:
             self.peers.append(peer)
             self.changed.notify_all()
 
-    def settled(self, address: str, timeout_s: float = 30.0) -> int:
+    def settled(self, address: str, timeout_s: float = WAIT_S) -> int:
         """How many connections were accepted before a probe connection made now: the probe
         is accepted after every connection the kernel had already queued (one listen queue,
         in order), so none made before it is left uncounted."""
