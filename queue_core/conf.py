@@ -114,7 +114,7 @@ class RelaySettings:
         sqlite_checkpoint_wait_ms: how long that checkpoint waits for readers of older
             snapshots to finish, in ms (200); the writer waits with it. A checkpoint that
             could not finish is tried again after 1 s, then after twice as long each time it
-            fails again, up to 8 s.
+            fails again, up to 2 s (``MAX_CHECKPOINT_BACKOFF_S``).
         clock_step_tolerance_ms: wall-clock steps (item 13): the most, in ms, the wall clock
             may advance more or less than the monotonic clock between two readings before it
             counts as a step (1 000; NTP slewing moves it 0.5 ms/s at most). Leases set before
