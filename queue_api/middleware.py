@@ -288,7 +288,11 @@ class AsgiAbsoluteForm:
         raw = (scope.get("raw_path") or b"") if scope["type"] == "http" else b""
         if raw[:8].lower().startswith((b"http://", b"https://")):
             # The target as sent (``path`` is decoded: a %3F or %2F in it would split it).
-            url = urllib.parse.urlsplit(raw.decode("latin-1"))
+            try:
+                url = urllib.parse.urlsplit(raw.decode("latin-1"))
+            except ValueError:  # ``http://[::1/``: gunicorn's plain-text 500 before
+                await _answer(send, scope, errors.BadFrame("the request target is not a URL"))
+                return
             path = url.path or "/"
             headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"host"]
             scope = {

@@ -270,6 +270,11 @@ def test_pause_resume_and_a_cap_behave_alike_on_every_surface(surface: Surface) 
         ),
         ("ack_batch", {"acks": [{**_ACK, "job_id": 5}]}, "acks[0].job_id"),
         ("ack_batch", {"acks": [_ACK, {**_ACK, "worker_id": ["w"]}]}, "acks[1].worker_id"),
+        # Lists and maps past their bounds, refused by their length on every surface (a
+        # hostile review: HTTP validated 150,000 jobs one by one first).
+        ("submit_batch", {"jobs": [{}] * 1001}, "jobs"),
+        ("lease", {"queues": [1] * 17}, "queues"),
+        ("submit", {"queue": "q", "payload": 1, "meta": {f"k{n}": n for n in range(17)}}, "meta"),
         ("lease", {"queues": ["q"], "max_jobs": 0}, "max_jobs"),
         ("lease", {"queues": ["q"], "lease_ms": 10}, "lease_ms"),
         ("ack", {"job_id": UNKNOWN_JOB, "worker_id": "w1"}, "lease_token"),

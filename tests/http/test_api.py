@@ -730,3 +730,90 @@ def test_every_middleware_runs_in_async_mode_under_asgi() -> None:
         if not getattr(import_string(name), "async_capable", False)
     ]
     assert sync_only == []
+
+
+# ---------------------------------------------------------------------- hostile bodies
+
+
+def test_a_batch_over_its_bound_is_refused_by_its_length_before_its_jobs_are_read(
+    api: Api,
+) -> None:
+    # A hostile review: 150,000 empty jobs were validated one by one (2.3 s) and every fault
+    # listed (a 17 MB reply); TCP refuses the list by its length.
+    response = api.post("/api/v1/jobs/batch", {"jobs": [{}] * 150_000})
+    body = problem(response, 422, "INVALID_ARGUMENT")
+    assert body["detail"] == "jobs: must be a list of 1 to 1000 jobs"
+    assert body["details"]["field"] == "jobs"
+    assert len(response.content) < 1000
+    with override_settings(RELAY_MAX_BATCH_SUBMIT=2):
+        body = problem(api.post("/api/v1/jobs/batch", {"jobs": [{}] * 3}), 422, "INVALID_ARGUMENT")
+        assert body["detail"] == "jobs: must be a list of 1 to 2 jobs"
+        jobs = [{"queue": "q", "payload": n} for n in range(2)]
+        assert api.post("/api/v1/jobs/batch", {"jobs": jobs}).status_code == 201
+
+
+def test_lease_queues_and_meta_over_their_bounds_are_refused_by_their_length(api: Api) -> None:
+    body = problem(api.post("/api/v1/leases", {"queues": [1] * 350_000}), 422, "INVALID_ARGUMENT")
+    assert body["detail"] == "queues: must name 1 to 16 queues, got 350000"
+    assert len(body["details"]["errors"]) == 1
+    meta = {f"k{n}": n for n in range(60_000)}
+    response = api.post(JOBS, {"payload": 1, "meta": meta})
+    body = problem(response, 422, "INVALID_ARGUMENT")
+    assert body["detail"] == "meta: must have at most 16 keys, got 60000"
+    assert len(response.content) < 1000
+    job = submit(api)
+    held = lease(api)
+    ack = {
+        "worker_id": "w1",
+        "lease_token": held["lease_token"],
+        "lease_next": {"queues": ["q"] * 17},
+    }
+    body = problem(api.post(f"/api/v1/jobs/{job['id']}/ack", ack), 422, "INVALID_ARGUMENT")
+    assert body["details"]["field"] == "lease_next.queues"
+    assert api.get(f"/api/v1/jobs/{job['id']}").json()["state"] == "leased"
+
+
+def test_a_reply_lists_at_most_twenty_schema_faults_and_counts_the_rest(api: Api) -> None:
+    jobs = [{"queue": n, "payload": 1} for n in range(1000)]  # a bad queue name each
+    body = problem(api.post("/api/v1/jobs/batch", {"jobs": jobs}), 422, "INVALID_ARGUMENT")
+    assert body["details"]["field"] == "jobs[0].queue"
+    assert [e["field"] for e in body["details"]["errors"]] == [
+        f"jobs[{n}].queue" for n in range(20)
+    ]
+    assert body["details"]["errors_omitted"] == 980
+    one = problem(api.post(JOBS, {"payload": 1, "priority": 9}), 422, "INVALID_ARGUMENT")
+    assert "errors_omitted" not in one["details"]
+
+
+def test_too_many_query_parameters_are_an_invalid_argument_not_an_internal_error(
+    api: Api,
+) -> None:
+    # A hostile review: Django's TooManyFieldsSent answered 500 INTERNAL, retryable.
+    response = api.get("/api/v1/stats?" + "&".join(["a"] * 1001))
+    body = problem(response, 422, "INVALID_ARGUMENT")
+    assert body["retryable"] is False
+    assert body["detail"] == "more than 1000 query parameters"
+    assert api.get("/api/v1/stats?" + "&".join(["limit=5"] * 3)).status_code == 200
+
+
+def test_the_openapi_document_is_built_once_per_process(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A hostile review: ninja built it per request (155-200 ms of CPU), for keyless clients.
+    from ninja import NinjaAPI
+
+    from queue_api.api import api as relay_api
+
+    first = api.get("/api/v1/openapi.json").json()
+    built = []
+    original = NinjaAPI.get_openapi_schema
+
+    def counted(self: NinjaAPI, **kwargs: Any) -> Any:
+        built.append(kwargs)
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(NinjaAPI, "get_openapi_schema", counted)
+    relay_api._schemas.clear()
+    for _ in range(3):
+        assert api.get("/api/v1/openapi.json").json() == first
+    assert len(built) == 1

@@ -90,6 +90,11 @@ def test_gunicorn_serves_a_request_whose_target_is_a_whole_url(gunicorn: Gunicor
             assert absolute.startswith(b"HTTP/1.1 422"), absolute[:300]  # the name "capq?x"
         else:
             assert absolute.startswith(b"HTTP/1.1 400"), absolute[:300]  # a host of "...%2F..."
+    # A URL that does not parse (a third review: gunicorn's plain-text 500 and a traceback).
+    broken = b"GET http://[::1/api/v1/health HTTP/1.1\r\nConnection: close\r\n\r\n"
+    reply = raw_exchange(gunicorn.port, broken)
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:300]
+    assert b"application/problem+json" in reply and b'"BAD_FRAME"' in reply, reply[:300]
 
 
 def test_gunicorn_refuses_oversized_bodies_with_413(gunicorn: Gunicorn) -> None:
