@@ -92,7 +92,7 @@ from django.db import (
 )
 from django.tasks import Task, TaskContext, TaskResult, TaskResultStatus, task_backends
 from django.tasks.backends.base import BaseTaskBackend
-from django.tasks.base import TaskError
+from django.tasks.base import TASK_MAX_PRIORITY, TASK_MIN_PRIORITY, TaskError
 from django.tasks.exceptions import InvalidTask, InvalidTaskBackend, TaskResultDoesNotExist
 from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.utils import timezone
@@ -274,14 +274,48 @@ def _instant(at_ms: int | None) -> dt.datetime | None:
     return dt.datetime.fromtimestamp(at_ms / 1000)
 
 
+# The latest ``run_after_ms`` a datetime can hold (9999-12-31T23:59:59.999Z).
+_MAX_INSTANT_MS = 253_402_300_799_999
+
+
 def _is_task_payload(payload: Any) -> bool:
-    return (
-        isinstance(payload, dict)
-        and isinstance(payload.get("task"), str)
-        and isinstance(payload.get("args", []), list)
-        and isinstance(payload.get("kwargs", {}), dict)
-        and isinstance(payload.get("call_json", ""), str)
-    )
+    """Whether ``payload`` has the shape ``enqueue`` gives a task's job (module docstring):
+    a ``task`` path, a call (``args``/``kwargs``, or ``call_json`` text holding them), and
+    when present an integer ``priority`` in Django's range, an epoch-ms ``run_after_ms`` and
+    a ``backend`` alias. Any job can be submitted with any payload: one that only looks like
+    a task (a hostile review: ``call_json`` of ``"[1]"``, ``"run_after_ms": "soon"``) made
+    ``get_result`` raise ``KeyError``, ``TypeError`` or ``ValueError`` and the worker retry
+    it."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("task"), str):
+        return False
+    priority = payload.get("priority", 0)
+    if type(priority) is not int or not TASK_MIN_PRIORITY <= priority <= TASK_MAX_PRIORITY:
+        return False
+    at_ms = payload.get("run_after_ms")
+    if at_ms is not None and (type(at_ms) is not int or not 0 <= at_ms <= _MAX_INSTANT_MS):
+        return False
+    if not isinstance(payload.get("backend", ""), str):
+        return False
+    return _call_of(payload) is not None
+
+
+def _call_of(payload: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
+    """The ``(args, kwargs)`` a task payload carries (see ``_call_payload``), or None when
+    they are not a list and an object of named arguments."""
+    call: Any = payload
+    if "call_json" in payload:
+        try:
+            call = json.loads(payload["call_json"])
+        except (TypeError, ValueError, RecursionError):
+            return None
+        if not isinstance(call, dict) or "args" not in call or "kwargs" not in call:
+            return None
+    args, kwargs = call.get("args", []), call.get("kwargs", {})
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        return None
+    if not all(isinstance(name, str) for name in kwargs):
+        return None
+    return args, kwargs
 
 
 def _json_round_trip(value: Any) -> Any:
@@ -317,14 +351,6 @@ def _call_payload(args: list[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
             field="payload",
         )
     return {"call_json": text}
-
-
-def _call_of(payload: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-    """The ``(args, kwargs)`` a task payload carries (see ``_call_payload``)."""
-    if isinstance(payload.get("call_json"), str):
-        call = json.loads(payload["call_json"])
-        return call["args"], call["kwargs"]
-    return payload.get("args", []), payload.get("kwargs", {})
 
 
 def _task_error(exc: BaseException) -> TaskError:
@@ -749,8 +775,11 @@ class RelayBackend(BaseTaskBackend):
             result_id: a job id (``job_…``), or a networked result id ``"<queue>/<key>"``.
         Raises:
             TaskResultDoesNotExist: no job has this id (never enqueued, rolled back, not yet
-                committed, purged), or the job is not a Django task.
+                committed, purged), or the job is not a Django task (its payload is not
+                shaped as ``enqueue`` shapes one: ``_is_task_payload``).
             ImportError: the task's module path cannot be imported here.
+            InvalidTask: the task cannot run as the job says under this process's settings
+                (its queue is not in the backend's ``QUEUES``, say).
             RelayError, ConnectionError: networked: the server refused or is unreachable.
             InvalidTaskBackend: the backend fails its checks (``_usable``).
         """
@@ -921,7 +950,9 @@ class RelayBackend(BaseTaskBackend):
                 )
             task_errors.append(error)
         finished = status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
-        args, kwargs = _call_of(payload)
+        call = _call_of(payload)
+        assert call is not None, "checked by _is_task_payload"
+        args, kwargs = call
         result = TaskResult(
             task=self._task_of(payload, job),
             id=result_id,

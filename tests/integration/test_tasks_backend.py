@@ -595,6 +595,50 @@ def test_worker_refuses_payloads_that_are_not_tasks(worker_service: QueueService
     assert isinstance(error, NonRetryableError)
 
 
+# Jobs shaped like a task, but not as enqueue makes them (a hostile review: get_result raised
+# KeyError, TypeError, JSONDecodeError, ValueError or InvalidTask, and the worker retried).
+TASK = "tests.tasks_app.tasks.add"
+NOT_QUITE_TASKS = [
+    {"task": TASK, "call_json": "{}"},
+    {"task": TASK, "call_json": "[1]"},
+    {"task": TASK, "call_json": "not json"},
+    {"task": TASK, "call_json": 5},
+    {"task": TASK, "call_json": '{"args": [], "kwargs": []}'},
+    {"task": TASK, "args": [1, 2], "kwargs": {}, "run_after_ms": "soon"},
+    {"task": TASK, "args": [1, 2], "kwargs": {}, "run_after_ms": 10**18},
+    {"task": TASK, "args": [1, 2], "kwargs": {}, "run_after_ms": -1},
+    {"task": TASK, "args": [1, 2], "kwargs": {}, "priority": 1000},
+    {"task": TASK, "args": [1, 2], "kwargs": {}, "priority": True},
+    {"task": TASK, "args": [1, 2], "kwargs": {}, "backend": ["default"]},
+]
+
+
+@pytest.mark.parametrize("payload", NOT_QUITE_TASKS)
+def test_a_job_only_shaped_like_a_task_is_no_task_result_and_is_not_retried(
+    worker_service: QueueService, payload: dict[str, Any]
+) -> None:
+    job = worker_service.submit("default", payload)["job"]
+    with pytest.raises(TaskResultDoesNotExist):
+        default_task_backend.get_result(job["id"])
+    _, error = run_next(worker_service)
+    assert isinstance(error, NonRetryableError), error
+    assert worker_service.get(job["id"], history=False)["state"] == "dead"
+
+
+def test_a_task_as_enqueue_shapes_it_reads_back_with_every_field(
+    worker_service: QueueService,
+) -> None:
+    for made in (
+        {"task": TASK, "args": [1, 2], "kwargs": {}, "priority": 100, "run_after_ms": 0},
+        {"task": TASK, "call_json": '{"args": [1, 2], "kwargs": {}}', "priority": -100},
+    ):
+        job = worker_service.submit("default", made)["job"]
+        result = default_task_backend.get_result(job["id"])
+        assert (result.args, result.kwargs) == ([1, 2], {})
+        run_next(worker_service)
+        assert default_task_backend.get_result(job["id"]).return_value == 3
+
+
 def test_aenqueue_and_aget_result(worker_service: QueueService) -> None:
     async def enqueue() -> str:
         result = await tasks.add.aenqueue(20, 22)
