@@ -274,8 +274,9 @@ def _instant(at_ms: int | None) -> dt.datetime | None:
     return dt.datetime.fromtimestamp(at_ms / 1000)
 
 
-# The latest ``run_after_ms`` a datetime can hold (9999-12-31T23:59:59.999Z).
-_MAX_INSTANT_MS = 253_402_300_799_999
+# The latest ``run_after_ms`` taken (9999-01-01T00:00Z): a year short of what a datetime holds,
+# so that local time east of UTC (``USE_TZ = False``) holds it too (a review: year 10000).
+_MAX_INSTANT_MS = 253_370_764_800_000
 
 
 def _is_task_payload(payload: Any) -> bool:
@@ -287,6 +288,11 @@ def _is_task_payload(payload: Any) -> bool:
     ``get_result`` raise ``KeyError``, ``TypeError`` or ``ValueError`` and the worker retry
     it."""
     if not isinstance(payload, dict) or not isinstance(payload.get("task"), str):
+        return False
+    # A module path and a name: not relative (``".tasks.add"``), and no dunder part, so a
+    # job cannot name a package's ``__main__`` (which may run its command line on import).
+    parts = payload["task"].split(".")
+    if len(parts) < 2 or not all(p.isidentifier() and not p.startswith("__") for p in parts):
         return False
     priority = payload.get("priority", 0)
     if type(priority) is not int or not TASK_MIN_PRIORITY <= priority <= TASK_MAX_PRIORITY:
@@ -897,7 +903,12 @@ class RelayBackend(BaseTaskBackend):
         return self._build_result(result_id, job, found)
 
     def _task_of(self, payload: dict[str, Any], job: dict[str, Any]) -> Task[..., Any]:
-        task = import_string(payload["task"])
+        try:
+            task = import_string(payload["task"])
+        except ImportError:
+            raise
+        except (Exception, SystemExit) as exc:  # its import failed (ImproperlyConfigured, say)
+            raise ImportError(f"cannot import {payload['task']}: {exc!r}") from exc
         if not isinstance(task, Task):
             raise TaskResultDoesNotExist(f"{payload['task']} is not a task")
         alias = self._enqueuing_alias(payload)

@@ -785,6 +785,25 @@ def test_a_reply_lists_at_most_twenty_schema_faults_and_counts_the_rest(api: Api
     assert "errors_omitted" not in one["details"]
 
 
+def test_only_the_first_unknown_field_is_reported_however_many_there_are(api: Api) -> None:
+    # A second review: each of 120,000 unknown fields became a fault object (0.4-0.5 s and
+    # 185 MB a request) before the reply kept 20; TCP stops at the first unknown argument.
+    body = {"payload": 1, **{f"k{n}": 0 for n in range(80_000)}}  # about 1 MB
+    problem_body = problem(api.post(JOBS, body), 422, "INVALID_ARGUMENT")
+    assert problem_body["details"]["errors"] == [
+        {"field": "k0", "message": "Extra inputs are not permitted"}
+    ]
+    both = problem(api.post(JOBS, {"max_retries": "5", "zz": 1, "yy": 2}), 422, "INVALID_ARGUMENT")
+    fields = sorted(e["field"] for e in both["details"]["errors"])
+    assert fields == ["max_retries", "payload", "zz"]
+    jobs = [{"queue": "q", "payload": 1, "a": 1, "b": 2}, {"queue": "q", "payload": 1, "c": 3}]
+    batch = problem(api.post("/api/v1/jobs/batch", {"jobs": jobs}), 422, "INVALID_ARGUMENT")
+    assert [e["field"] for e in batch["details"]["errors"]] == ["jobs[0].a", "jobs[1].c"]
+    lease_body = {"queues": ["q"], **{f"k{n}": n for n in range(1000)}}
+    leased = problem(api.post("/api/v1/leases", lease_body), 422, "INVALID_ARGUMENT")
+    assert [e["field"] for e in leased["details"]["errors"]] == ["k0"]
+
+
 def test_too_many_query_parameters_are_an_invalid_argument_not_an_internal_error(
     api: Api,
 ) -> None:

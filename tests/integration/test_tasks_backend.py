@@ -586,7 +586,7 @@ def test_worker_refuses_payloads_that_are_not_tasks(worker_service: QueueService
     _, error = run_next(worker_service)
     assert isinstance(error, NonRetryableError)
     assert "cannot load the task" in str(error)
-    worker_service.submit("default", {"task": "x", "args": [], "kwargs": {}, "backend": "zz"})
+    worker_service.submit("default", {"task": TASK, "args": [], "kwargs": {}, "backend": "zz"})
     _, error = run_next(worker_service)
     assert isinstance(error, NonRetryableError)
     assert "no task backend 'zz'" in str(error)
@@ -607,6 +607,12 @@ NOT_QUITE_TASKS = [
     {"task": TASK, "args": [1, 2], "kwargs": {}, "run_after_ms": "soon"},
     {"task": TASK, "args": [1, 2], "kwargs": {}, "run_after_ms": 10**18},
     {"task": TASK, "args": [1, 2], "kwargs": {}, "run_after_ms": -1},
+    # Past year 9999 in local time east of UTC, under USE_TZ = False (a second review).
+    {"task": TASK, "args": [1, 2], "kwargs": {}, "run_after_ms": 253_402_300_799_999},
+    {"task": ".tasks.add", "args": [1, 2], "kwargs": {}},  # relative: TypeError
+    {"task": ".x", "args": [], "kwargs": {}},  # ValueError
+    {"task": "add", "args": [1, 2], "kwargs": {}},
+    {"task": "tests.tasks_app.__main__.add", "args": [], "kwargs": {}},
     {"task": TASK, "args": [1, 2], "kwargs": {}, "priority": 1000},
     {"task": TASK, "args": [1, 2], "kwargs": {}, "priority": True},
     {"task": TASK, "args": [1, 2], "kwargs": {}, "backend": ["default"]},
@@ -622,6 +628,20 @@ def test_a_job_only_shaped_like_a_task_is_no_task_result_and_is_not_retried(
         default_task_backend.get_result(job["id"])
     _, error = run_next(worker_service)
     assert isinstance(error, NonRetryableError), error
+    assert worker_service.get(job["id"], history=False)["state"] == "dead"
+
+
+def test_a_task_whose_module_fails_to_import_here_is_an_import_error_and_not_retried(
+    worker_service: QueueService,
+) -> None:
+    # A second review: ImproperlyConfigured (no Oracle driver) reached get_result's caller,
+    # and the worker retried the job.
+    job = worker_service.submit("default", {"task": "django.db.backends.oracle.base.X"})["job"]
+    with pytest.raises(ImportError, match="ImproperlyConfigured"):
+        default_task_backend.get_result(job["id"])
+    _, error = run_next(worker_service)
+    assert isinstance(error, NonRetryableError), error
+    assert "cannot load the task" in str(error)
     assert worker_service.get(job["id"], history=False)["state"] == "dead"
 
 
