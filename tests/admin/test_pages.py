@@ -378,3 +378,53 @@ def test_a_jobs_page_shows_its_latest_history_only(
     assert html.count('<td class="relay-nowrap">attempt ') == HISTORY_ROWS
     assert "Only the latest" in html and f"jobevent/?q={job_id}" in html
     assert "attempts 1 to 5 are not" in html  # 105 attempts, the latest 100 shown
+
+
+def test_the_overview_lists_a_bounded_number_of_lease_holders(
+    alice: Client, service: QueueService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A review: a worker key leasing each job under a new worker id (100,500 groups) made a
+    # 37 MB overview that took Chromium 37 s to load, on every page.
+    from queue_admin import overview
+
+    monkeypatch.setattr(overview, "LEASE_GROUPS", 12)
+    monkeypatch.setattr(overview, "WORKERS_PER_QUEUE", 3)
+    for queue, holders in (("a", 4), ("b", 10), ("c", 2)):
+        service.submit_batch([{"queue": queue, "payload": n} for n in range(holders)])
+        for n in range(holders):
+            assert service.claim([queue], worker_id=f"{queue}-worker-{n:02d}")
+    data = alice.get(OVERVIEW).context["overview"]
+    assert len(data.leases) == 12 and data.leases_cut  # 4 of a, then 8 of b's 10
+    rows = {q.name: q for q in data.queues}
+    assert [lease["leased_by"] for lease in rows["a"].leases] == [
+        f"a-worker-0{n}" for n in range(3)
+    ]
+    assert (rows["a"].more_workers, rows["a"].workers_cut) == (1, False)
+    assert (len(rows["b"].leases), rows["b"].more_workers, rows["b"].workers_cut) == (3, 5, True)
+    assert (rows["c"].leases, rows["c"].workers_cut) == ([], True)  # read none of c's
+    html = alice.get(OVERVIEW).content.decode()
+    assert "a-worker-03" in html  # listed in the table, not in a's line
+    assert "b-worker-08" not in html and "c-worker" not in html
+    assert ">and 1 more</a>" in html and ">and 5+ more</a>" in html
+    assert ">workers not listed</a>" in html and 'id="relay-leases-cut"' in html
+    # Another page's queues: their leases, not the first page's.
+    later = alice.get(OVERVIEW, {"after": "b"}).context["overview"]
+    assert [lease["leased_by"] for lease in later.leases] == ["c-worker-00", "c-worker-01"]
+    assert not later.leases_cut
+
+
+def test_a_payload_that_indents_to_many_times_its_size_is_shown_compact(
+    alice: Client, job_factory: Factory
+) -> None:
+    # A review: a 256 KiB list 63 levels deep indented to a 16.9 MB page (20 s in Chromium).
+    deep: Any = [0] * 60_000
+    for _ in range(62):
+        deep = [deep]
+    job = job_factory(queue="q", payload=deep)
+    page = alice.get(job_url(job["id"]))
+    assert page.status_code == 200
+    assert len(page.content) < 600_000
+    assert "[[[[[[[[" in page.content.decode()  # the stored, compact text
+    small = job_factory(queue="q", payload={"user": {"id": 42, "tags": ["a", "b"]}})
+    html = alice.get(job_url(small["id"])).content.decode()
+    assert "  &quot;user&quot;: {\n    &quot;id&quot;: 42," in html  # indented as before
