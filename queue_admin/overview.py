@@ -8,9 +8,9 @@ Five reads, each bounded by an index rather than by the size of the table:
   ``QueueService.stats()`` (the numbers ``relay stats`` prints), one pass over the
   ``(queue, state, id)`` covering index, one over the READY partial index, and the server
   registry (a handful of rows);
-- leases held now on the page's queues, grouped by queue and worker: the ``relay_job_leased``
-  partial index, which holds only leased jobs; at most ``LEASE_GROUPS`` groups are listed, at
-  most ``WORKERS_PER_QUEUE`` in a queue's line;
+- leases held now on the page's queues, grouped by queue and worker: on SQLite a seek per
+  queue into its leased rows of the ``(queue, state, id)`` index; at most ``LEASE_GROUPS``
+  groups are listed, at most ``WORKERS_PER_QUEUE`` in a queue's line;
 - the latest failed attempts: the ``relay_attempt_failed`` partial index (migration 0003),
   newest first, ``RECENT_FAILURES`` rows;
 - every paused or limited queue's controls (``QueueService.queue_controls``: the few rows of
@@ -115,8 +115,8 @@ def build_overview(
     stats = service.stats(limit=limit, after=after)
     now = int(stats["server_time_ms"])
     page = sorted({*stats["queues"], *stats.get("controls", {})})
-    # state = 'leased' alone would let SQLite walk the (queue, state, id) index; the
-    # expiry range (always true for a leased job) selects the small leased-only index.
+    # The expiry range (always true for a leased job) lets a planner take the leased-only
+    # partial index instead; with the page's queues, SQLite seeks each one's leased rows.
     leases: list[dict[str, Any]] = [
         dict(row)
         for row in Job.objects.using(service.driver.alias)
