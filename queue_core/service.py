@@ -560,9 +560,7 @@ class QueueService:
             IdempotencyConflict, StoreBusy.
         """
         s = self.settings
-        limit = s.max_batch_submit
-        if not isinstance(specs, list) or not 1 <= len(specs) <= limit:
-            raise InvalidArgument(f"jobs: must be a list of 1 to {limit} jobs", field="jobs")
+        v.batch_count(specs, s)
         rows = []
         for index, spec in enumerate(specs):
             if not isinstance(spec, Mapping):

@@ -97,12 +97,47 @@ def queue_name(value: Any, settings: RelaySettings, field: str = "queue") -> str
     return name
 
 
+# The bounds on how many items a list or map argument holds, checked by its length alone,
+# before any item: TCP and HTTP (``queue_api.schemas``) refuse an over-long one in these words.
+
+
+def batch_count(value: Any, settings: RelaySettings) -> None:
+    """Refuse a batch submit's ``jobs`` unless it is a list of 1..``max_batch_submit``.
+
+    Raises:
+        InvalidArgument: it is not (``details["field"]`` is ``jobs``).
+    """
+    limit = settings.max_batch_submit
+    if not isinstance(value, list) or not 1 <= len(value) <= limit:
+        raise _bad("jobs", f"must be a list of 1 to {limit} jobs")
+
+
+def queue_count(value: list[Any], settings: RelaySettings, field: str = "queues") -> None:
+    """Refuse a list of queues unless it holds 1..``max_queues_per_lease`` of them.
+
+    Raises:
+        InvalidArgument: it does not (``details["field"]`` is ``field``).
+    """
+    limit = settings.max_queues_per_lease
+    if not 1 <= len(value) <= limit:
+        raise _bad(field, f"must name 1 to {limit} queues, got {len(value)}")
+
+
+def meta_count(value: dict[Any, Any], settings: RelaySettings) -> None:
+    """Refuse a ``meta`` map of more than ``max_meta_keys`` keys.
+
+    Raises:
+        InvalidArgument: it has more (``details["field"]`` is ``meta``).
+    """
+    if len(value) > settings.max_meta_keys:
+        raise _bad("meta", f"must have at most {settings.max_meta_keys} keys, got {len(value)}")
+
+
 def queue_list(value: Any, settings: RelaySettings) -> list[str]:
     """Return 1..``max_queues_per_lease`` distinct valid queue names, in the given order."""
-    if not isinstance(value, list) or not value:
+    if not isinstance(value, list):
         raise _bad("queues", "must be a non-empty list of queue names")
-    if len(value) > settings.max_queues_per_lease:
-        raise _bad("queues", f"at most {settings.max_queues_per_lease} queues per lease request")
+    queue_count(value, settings)
     return list(dict.fromkeys(queue_name(q, settings) for q in value))
 
 
@@ -466,8 +501,7 @@ def meta(value: Any, settings: RelaySettings) -> str | None:
         raise _bad("meta", f"must be an object of strings, got {type(value).__name__}")
     if not value:
         return None
-    if len(value) > settings.max_meta_keys:
-        raise _bad("meta", f"must have at most {settings.max_meta_keys} keys, got {len(value)}")
+    meta_count(value, settings)
     for name, item in value.items():
         if not isinstance(name, str) or not name:
             raise _bad("meta", "keys must be non-empty strings")

@@ -122,9 +122,7 @@ def _wait_ms(field: str, value: Any) -> int:
 
 def _queues(field: str, value: Any) -> list[str]:
     names = _str_list(field, value)
-    limit = relay_settings().max_queues_per_lease
-    if not 1 <= len(names) <= limit:
-        raise _bad(field, f"must name 1 to {limit} queues, got {len(names)}")
+    validation.queue_count(names, relay_settings(), field)
     return names
 
 

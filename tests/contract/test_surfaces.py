@@ -291,6 +291,28 @@ def test_invalid_arguments_name_the_field(
 
 
 @pytest.mark.parametrize(
+    ("op", "args", "message"),
+    [
+        ("submit_batch", {"jobs": [{}] * 1001}, "jobs: must be a list of 1 to 1000 jobs"),
+        ("submit_batch", {"jobs": []}, "jobs: must be a list of 1 to 1000 jobs"),
+        ("lease", {"queues": ["q"] * 17}, "queues: must name 1 to 16 queues, got 17"),
+        ("lease", {"queues": []}, "queues: must name 1 to 16 queues, got 0"),
+        (
+            "submit",
+            {"queue": "q", "payload": 1, "meta": {f"k{n}": "v" for n in range(17)}},
+            "meta: must have at most 16 keys, got 17",
+        ),
+    ],
+)
+def test_a_list_or_map_past_its_bound_is_refused_in_the_same_words(
+    surface: Surface, op: str, args: dict[str, Any], message: str
+) -> None:
+    # One check per bound (queue_core.validation), which HTTP runs before its schema reads
+    # the items (a hostile review: 150,000 jobs validated one by one first).
+    assert refused(surface, "INVALID_ARGUMENT", op, **args).message == message
+
+
+@pytest.mark.parametrize(
     ("op", "args"),
     [
         ("inspect", {}),
