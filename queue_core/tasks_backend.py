@@ -279,8 +279,9 @@ def _instant(at_ms: int | None) -> dt.datetime | None:
 _MAX_INSTANT_MS = 253_370_764_800_000
 
 
-def _is_task_payload(payload: Any) -> bool:
-    """Whether ``payload`` has the shape ``enqueue`` gives a task's job (module docstring):
+def _task_call(payload: Any) -> tuple[list[Any], dict[str, Any]] | None:
+    """The ``(args, kwargs)`` of a payload that has the shape ``enqueue`` gives a task's job
+    (module docstring), else None. The shape:
     a ``task`` path, a call (``args``/``kwargs``, or ``call_json`` text holding them), and
     when present an integer ``priority`` in Django's range, an epoch-ms ``run_after_ms`` and
     a ``backend`` alias. Any job can be submitted with any payload: one that only looks like
@@ -288,21 +289,21 @@ def _is_task_payload(payload: Any) -> bool:
     ``get_result`` raise ``KeyError``, ``TypeError`` or ``ValueError`` and the worker retry
     it."""
     if not isinstance(payload, dict) or not isinstance(payload.get("task"), str):
-        return False
+        return None
     # A module path and a name: not relative (``".tasks.add"``), and no dunder part, so a
     # job cannot name a package's ``__main__`` (which may run its command line on import).
     parts = payload["task"].split(".")
     if len(parts) < 2 or not all(p.isidentifier() and not p.startswith("__") for p in parts):
-        return False
+        return None
     priority = payload.get("priority", 0)
     if type(priority) is not int or not TASK_MIN_PRIORITY <= priority <= TASK_MAX_PRIORITY:
-        return False
+        return None
     at_ms = payload.get("run_after_ms")
     if at_ms is not None and (type(at_ms) is not int or not 0 <= at_ms <= _MAX_INSTANT_MS):
-        return False
+        return None
     if not isinstance(payload.get("backend", ""), str):
-        return False
-    return _call_of(payload) is not None
+        return None
+    return _call_of(payload)
 
 
 def _call_of(payload: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
@@ -782,7 +783,7 @@ class RelayBackend(BaseTaskBackend):
         Raises:
             TaskResultDoesNotExist: no job has this id (never enqueued, rolled back, not yet
                 committed, purged), or the job is not a Django task (its payload is not
-                shaped as ``enqueue`` shapes one: ``_is_task_payload``).
+                shaped as ``enqueue`` shapes one: ``_task_call``).
             ImportError: the task's module path cannot be imported here.
             InvalidTask: the task cannot run as the job says under this process's settings
                 (its queue is not in the backend's ``QUEUES``, say).
@@ -898,9 +899,10 @@ class RelayBackend(BaseTaskBackend):
 
     def _from_result(self, result_id: str, found: dict[str, Any]) -> TaskResult[..., Any]:
         job = found["job"]
-        if not _is_task_payload(job["payload"]):
+        call = _task_call(job["payload"])
+        if call is None:
             raise TaskResultDoesNotExist(result_id)
-        return self._build_result(result_id, job, found)
+        return self._build_result(result_id, job, found, call)
 
     def _task_of(self, payload: dict[str, Any], job: dict[str, Any]) -> Task[..., Any]:
         try:
@@ -928,7 +930,11 @@ class RelayBackend(BaseTaskBackend):
         return alias if isinstance(alias, str) and alias in configured else self.alias
 
     def _build_result(
-        self, result_id: str, job: dict[str, Any], found: dict[str, Any]
+        self,
+        result_id: str,
+        job: dict[str, Any],
+        found: dict[str, Any],
+        call: tuple[list[Any], dict[str, Any]],
     ) -> TaskResult[..., Any]:
         payload = job["payload"]
         status = STATUS_OF_STATE[job["state"]]
@@ -961,8 +967,6 @@ class RelayBackend(BaseTaskBackend):
                 )
             task_errors.append(error)
         finished = status in (TaskResultStatus.SUCCESSFUL, TaskResultStatus.FAILED)
-        call = _call_of(payload)
-        assert call is not None, "checked by _is_task_payload"
         args, kwargs = call
         result = TaskResult(
             task=self._task_of(payload, job),
@@ -1085,7 +1089,7 @@ def execute_task(payload: Any, ctx: JobContext) -> StoredResult:
         NonRetryableError: the payload is not a Django task, or names no Relay backend.
         Whatever the task raised.
     """
-    if not _is_task_payload(payload):
+    if _task_call(payload) is None:
         raise NonRetryableError("payload is not a Django task ({'task', 'args', 'kwargs'})")
     alias = payload.get("backend", "default")
     try:
