@@ -114,23 +114,6 @@ def build_overview(
     """
     stats = service.stats(limit=limit, after=after)
     now = int(stats["server_time_ms"])
-    page = sorted({*stats["queues"], *stats.get("controls", {})})
-    # The expiry range (always true for a leased job) lets a planner take the leased-only
-    # partial index instead; with the page's queues, SQLite seeks each one's leased rows.
-    leases: list[dict[str, Any]] = [
-        dict(row)
-        for row in Job.objects.using(service.driver.alias)
-        .filter(state=JobState.LEASED, lease_expires_at_ms__gte=0, queue__in=page)
-        .values("queue", "leased_by")
-        .annotate(
-            jobs=Count("id"),
-            next_expiry_ms=Min("lease_expires_at_ms"),
-            oldest_lease_ms=Min("leased_at_ms"),
-        )
-        .order_by("queue", "leased_by")[: LEASE_GROUPS + 1]
-    ]
-    leases_cut = len(leases) > LEASE_GROUPS
-    del leases[LEASE_GROUPS:]
     failures: list[dict[str, Any]] = [
         dict(row)
         for row in JobAttempt.objects.using(service.driver.alias)
@@ -157,14 +140,28 @@ def build_overview(
             )
         rows[name].controls = dict(controls)
     rows = dict(sorted(rows.items()))
+    # The expiry range (always true for a leased job) lets a planner take the leased-only
+    # partial index instead; with the page's queues, SQLite seeks each one's leased rows.
+    leases: list[dict[str, Any]] = [
+        dict(row)
+        for row in Job.objects.using(service.driver.alias)
+        .filter(state=JobState.LEASED, lease_expires_at_ms__gte=0, queue__in=list(rows))
+        .values("queue", "leased_by")
+        .annotate(
+            jobs=Count("id"),
+            next_expiry_ms=Min("lease_expires_at_ms"),
+            oldest_lease_ms=Min("leased_at_ms"),
+        )
+        .order_by("queue", "leased_by")[: LEASE_GROUPS + 1]
+    ]
+    leases_cut = len(leases) > LEASE_GROUPS
+    del leases[LEASE_GROUPS:]
     for lease in leases:
-        row = rows.get(lease["queue"])
-        if row is None:
-            continue
-        if len(row.leases) < WORKERS_PER_QUEUE:
-            row.leases.append(lease)
+        holder = rows[lease["queue"]]  # read for these queues only
+        if len(holder.leases) < WORKERS_PER_QUEUE:
+            holder.leases.append(lease)
         else:
-            row.more_workers += 1
+            holder.more_workers += 1
     if leases_cut:  # the last queue read, and those after it, may have leases not read
         for row in rows.values():
             if row.name >= leases[-1]["queue"] and row.counts.get("leased"):
