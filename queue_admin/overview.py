@@ -163,9 +163,9 @@ def build_overview(
         else:
             holder.more_workers += 1
     if leases_cut:  # the last queue read, and those after it, may have leases not read
-        for row in rows.values():
-            if row.name >= leases[-1]["queue"] and row.counts.get("leased"):
-                row.workers_cut = True
+        for later in rows.values():
+            if later.name >= leases[-1]["queue"] and later.counts.get("leased"):
+                later.workers_cut = True
     for failure in failures:
         row = rows.get(failure["job__queue"])
         if row is not None and row.last_failure_at_ms is None:
