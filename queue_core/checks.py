@@ -42,6 +42,7 @@ def check_relay_settings(app_configs: Any = None, **kwargs: Any) -> list[checks.
         "max_bad_frames",
         "auth_timeout_ms",
         "metrics_max_queues",
+        "max_queues",
         "clock_step_tolerance_ms",
         "http_threads",
         "max_meta_keys",

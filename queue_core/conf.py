@@ -146,6 +146,10 @@ class RelaySettings:
             key may serve a whole fleet of workers).
         metrics_max_queues: queue names with their own metric series (100); the others
             are summed under ``queue="_other"`` (``queue_core.metrics``).
+        max_queues: queues that may hold jobs at once (10 000): a submit that would start
+            another is refused ``TOO_MANY_QUEUES``. Queue names come from producers, and
+            ``stats``, the console's overview and the metrics gauges read every queue's
+            counts, so this bounds what one producer key can make them cost.
 
         Exposure (hardening item 3):
 
@@ -228,6 +232,7 @@ class RelaySettings:
     max_connections_per_address: int = 0
     max_connections_per_key: int = 0
     metrics_max_queues: int = 100
+    max_queues: int = 10_000
     # Wall-clock steps (item 13).
     clock_step_tolerance_ms: int = 1_000
     clock: str = "queue_core.clock.SystemClock"

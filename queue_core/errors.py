@@ -185,6 +185,17 @@ class TooManyConnections(RelayError):
     retryable = True
 
 
+class TooManyQueues(RelayError):
+    """The database holds ``RELAY_MAX_QUEUES`` queues with jobs; a job for another queue is
+    refused until one of them has none left (its finished jobs pruned or purged) or the cap
+    is raised. Jobs for the queues it holds are taken as before (RabbitMQ's per-vhost
+    ``max-queues`` limit, NATS JetStream's ``max_streams``)."""
+
+    code = "TOO_MANY_QUEUES"
+    http_status = 409
+    retryable = False
+
+
 class Timeout(RelayError):
     """The connection sent no complete frame within the idle timeout, or its frame was still
     arriving a second after it began while the server's request buffers were full

@@ -51,6 +51,7 @@ from queue_core.errors import (
     RelayError,
     StaleToken,
     StoreBusy,
+    TooManyQueues,
 )
 from queue_core.jobs import batch_entry, job_view, lease_view, new_job_view
 from queue_core.protocol import ops
@@ -88,6 +89,9 @@ PRUNE_LIMIT_MAX = 10_000  # the most jobs one prune call may delete
 # The oldest age a prune takes, in ms (100 years): beyond it now - age leaves int64 on SQLite.
 PRUNE_MAX_AGE_MS = 100 * 365 * 86_400_000
 PRUNABLE_STATES = ("succeeded", "dead", "cancelled")
+# After a count finds RELAY_MAX_QUEUES queues holding jobs, how long new queue names are refused
+# without counting again, in ms (``_admit_queues``).
+QUEUE_CAP_RECHECK_MS = 1_000
 SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.
 TOKEN_BYTES = 24
@@ -315,6 +319,20 @@ def default_clock(driver: Driver) -> Clock:
     return clock
 
 
+def _value(tx: Tx, name: str, params: Mapping[str, Any]) -> Any:
+    """The one column of the one row statement ``name`` reads (a count, an EXISTS)."""
+    row = tx.one(name, params)
+    assert row is not None, name  # an aggregate or EXISTS always has its row
+    return next(iter(row.values()))
+
+
+def _queues_full(cap: int) -> str:
+    return (
+        f"RELAY_MAX_QUEUES ({cap}) queues hold jobs; a job for another queue is refused until "
+        "one of them holds none"
+    )
+
+
 class QueueService:
     """Submit, lease, renew, ack, fail, release, cancel, replay, purge, prune, expire and recover
     jobs.
@@ -364,6 +382,11 @@ class QueueService:
         # there tells other servers' long-polls (``_slot_freed``).
         self._slotted: set[str] = set()
         self._hints = threading.Lock()
+        # The queue cap (``_admit_queues``): names this service has seen hold jobs, at most
+        # RELAY_MAX_QUEUES of them, and until when (service clock, epoch ms) a new name is
+        # refused without counting again, once a count found the cap reached.
+        self._queues_seen: set[str] = set()
+        self._queues_full_until_ms = 0
 
     @property
     def settings(self) -> RelaySettings:
@@ -536,12 +559,16 @@ class QueueService:
             holding the key decides when the key is freed.
         Raises:
             InvalidArgument, FrameTooLarge, IdempotencyConflict (same key, other payload),
-            StoreBusy.
+            TooManyQueues (``queue`` holds no jobs while ``RELAY_MAX_QUEUES`` others do:
+            ``_admit_queues``), StoreBusy.
         """
         s = self.settings
         row = self._prepare(queue, payload, options, s)
         with self.driver.write() as tx:
-            return self._insert(tx, row, self._read(), s)
+            at = self._read()
+            if row["queue"] not in self._queues_seen:
+                self._admit_queues(tx, (row["queue"],), at.now_ms, s)
+            return self._insert(tx, row, at, s)
 
     def submit_batch(self, specs: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Create several jobs in one transaction: all are created or none.
@@ -557,7 +584,8 @@ class QueueService:
             ``state`` is the job's state now (``ready`` or ``pending`` for a new job).
         Raises:
             InvalidArgument (``details["index"]`` names the bad spec), FrameTooLarge,
-            IdempotencyConflict, StoreBusy.
+            IdempotencyConflict, TooManyQueues (the batch's new queues would pass
+            ``RELAY_MAX_QUEUES``), StoreBusy.
         """
         s = self.settings
         v.batch_count(specs, s)
@@ -576,6 +604,7 @@ class QueueService:
                 raise
         with self.driver.write() as tx:
             at = self._read()  # one instant for the whole batch
+            self._admit_queues(tx, {row["queue"] for row in rows}, at.now_ms, s)
             pending: list[dict[str, Any]] = []
             keyed = [i for i, row in enumerate(rows) if row["idempotency_key"] is not None]
             if len(keyed) < 2:
@@ -607,6 +636,55 @@ class QueueService:
                     out[i] = self._insert(tx, row, at, s, pending, ids[i])
             self._flush(tx, pending)
             return cast(list[dict[str, Any]], out)
+
+    def _admit_queues(self, tx: Tx, names: Iterable[str], now_ms: int, s: RelaySettings) -> None:
+        """Refuse a submit that would make more than ``RELAY_MAX_QUEUES`` queues hold jobs.
+
+        A name this service has seen hold jobs costs nothing; the others cost one statement
+        for them all (``queues_known``: a seek each); a name no queue has costs a count of the
+        queues, stopped at the cap (``queue_count``). Once a count finds the cap reached,
+        new names are refused without counting for ``QUEUE_CAP_RECHECK_MS`` (a producer
+        trying name after name costs one ``queues_known`` a request, not a count).
+
+        The cap is soft by design: names seen stay admitted after their queue empties, until
+        the set of them reaches the cap and is cleared, so the queues can outnumber the cap
+        by the names each server remembers (at most ``RELAY_MAX_QUEUES`` per server). On
+        PostgreSQL, concurrent first submits (other servers, other threads) may each find
+        the last room; SQLite's one writer counts them one after another.
+
+        Args:
+            tx: the submit's write transaction.
+            names: the queue names the submit uses.
+            now_ms: the submit's instant (epoch ms).
+        Raises:
+            TooManyQueues: a name no queue has, while ``RELAY_MAX_QUEUES`` queues hold jobs
+                (``details.limit``; ``details.queue``, one of the refused names).
+        """
+        unseen = [name for name in names if name not in self._queues_seen]
+        if not unseen:
+            return
+        known = {
+            r["queue"] for r in tx.all("queues_known", {"queues": orjson.dumps(unseen).decode()})
+        }
+        new = [name for name in unseen if name not in known]
+        if new:
+            cap = s.max_queues
+            if now_ms < self._queues_full_until_ms:
+                raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
+            held = int(_value(tx, "queue_count", {"limit": cap}))
+            if held + len(new) > cap:
+                if held >= cap:
+                    self._queues_full_until_ms = now_ms + QUEUE_CAP_RECHECK_MS
+                raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
+        self.driver.after_commit(functools.partial(self._seen_queues, unseen, s.max_queues))
+
+    def _seen_queues(self, names: list[str], cap: int) -> None:
+        """Remember ``names`` as holding jobs (after the commit that made them so), keeping
+        at most ``cap`` names."""
+        with self._hints:
+            if len(self._queues_seen) + len(names) > cap:
+                self._queues_seen.clear()
+            self._queues_seen.update(names)
 
     def _prepare(
         self,

@@ -522,7 +522,8 @@ class Ops:
         Returns:
             ``{"job": Job, "deduplicated": bool}``.
         Raises:
-            InvalidArgument, FrameTooLarge, IdempotencyConflict, StoreBusy, Unavailable,
+            InvalidArgument, FrameTooLarge, IdempotencyConflict, TooManyQueues (a queue
+            that holds no jobs while ``RELAY_MAX_QUEUES`` others do), StoreBusy, Unavailable,
             RelayConnectionError (resubmit with an idempotency key to be safe).
         """
         return Call.of("submit", locals())

@@ -81,9 +81,11 @@ class HttpSurface:
         data: dict[str, Any] = orjson.loads(response.content)
         if response.status_code >= 400:
             assert response["Content-Type"] == "application/problem+json"
-            raise errors.error_from_body(
+            err = errors.error_from_body(
                 {"code": data["code"], "message": data["detail"], "details": data.get("details")}
             )
+            assert response.status_code == err.http_status, (data["code"], response.status_code)
+            raise err
         if op in ("inspect", "dead_retry"):  # these routes answer the bare job
             return {"job": data}
         return data

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from django.test.utils import override_settings
 
 from queue_core import errors
 from queue_core.clock import FakeClock
@@ -310,6 +311,19 @@ def test_a_list_or_map_past_its_bound_is_refused_in_the_same_words(
     # One check per bound (queue_core.validation), which HTTP runs before its schema reads
     # the items (a hostile review: 150,000 jobs validated one by one first).
     assert refused(surface, "INVALID_ARGUMENT", op, **args).message == message
+
+
+@override_settings(RELAY_MAX_QUEUES=2)
+def test_a_queue_past_the_cap_is_refused_alike_on_every_surface(surface: Surface) -> None:
+    surface.call("submit", queue="a", payload=1)
+    surface.call("submit_batch", jobs=[{"queue": "b", "payload": 1}])
+    for op, args in (
+        ("submit", {"queue": "c", "payload": 1}),
+        ("submit_batch", {"jobs": [{"queue": "a", "payload": 1}, {"queue": "c", "payload": 1}]}),
+    ):
+        err = refused(surface, "TOO_MANY_QUEUES", op, **args)
+        assert (err.details, err.retryable) == ({"limit": 2, "queue": "c"}, False)
+    assert surface.call("submit", queue="a", payload=2)["job"]["queue"] == "a"
 
 
 @pytest.mark.parametrize(

