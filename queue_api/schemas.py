@@ -160,7 +160,11 @@ class BatchJobIn(SubmitOptions):
 class BatchIn(_In):
     """``POST /jobs/batch``: 1..RELAY_MAX_BATCH_SUBMIT jobs, all created or none."""
 
-    jobs: Annotated[list[BatchJobIn], _JOBS_COUNT]
+    # fail_fast (on every list of a body here): stop at the first bad item, reporting its
+    # faults only, as TCP refuses a request at its first bad entry. pydantic went on through
+    # every job: 1,000 jobs of 16 non-string meta values each made 16,000 faults, 72-307 ms
+    # a request in a review; validating such a body now stops after one job's 16.
+    jobs: Annotated[list[BatchJobIn], Field(fail_fast=True), _JOBS_COUNT]
 
 
 # ---------------------------------------------------------------------- responses
@@ -303,7 +307,7 @@ class QueueLimitsIn(_In):
 class LeaseIn(_In):
     """``POST /leases``: lease up to ``max_jobs`` ready jobs, waiting up to ``wait_ms``."""
 
-    queues: Annotated[list[str], _QUEUES_COUNT] = Field(
+    queues: Annotated[list[str], Field(fail_fast=True), _QUEUES_COUNT] = Field(
         ..., description="1..RELAY_MAX_QUEUES_PER_LEASE queue names."
     )
     worker_id: str | None = Field(
@@ -329,7 +333,7 @@ class LeaseNextIn(_In):
     """``lease_next`` of an ack or fail: also lease up to ``max_jobs`` ready jobs in the same
     commit, without waiting; the reply's ``next`` lists them."""
 
-    queues: Annotated[list[str], _QUEUES_COUNT] = Field(
+    queues: Annotated[list[str], Field(fail_fast=True), _QUEUES_COUNT] = Field(
         ..., description="1..RELAY_MAX_QUEUES_PER_LEASE queue names."
     )
     max_jobs: int | None = Field(None, description="1..100 (default 1).")
@@ -364,7 +368,7 @@ class AckItemIn(LeaseIdsIn):
 class AckBatchIn(_In):
     """``POST /acks``: several acks (1..100) in one commit, each fenced by its own token."""
 
-    acks: list[AckItemIn] = Field(..., min_length=1, max_length=100)
+    acks: list[AckItemIn] = Field(..., min_length=1, max_length=100, fail_fast=True)
     lease_next: LeaseNextIn | None = _LEASE_NEXT
 
 
@@ -396,7 +400,7 @@ class FailIn(LeaseIdsIn):
 class JobIdsIn(_In):
     """Several job ids (1..1000)."""
 
-    job_ids: list[str] = Field(..., min_length=1, max_length=1000)
+    job_ids: list[str] = Field(..., min_length=1, max_length=1000, fail_fast=True)
 
 
 class ItemError(TypedDict):

@@ -774,15 +774,47 @@ def test_lease_queues_and_meta_over_their_bounds_are_refused_by_their_length(api
 
 
 def test_a_reply_lists_at_most_twenty_schema_faults_and_counts_the_rest(api: Api) -> None:
-    jobs = [{"queue": n, "payload": 1} for n in range(1000)]  # a bad queue name each
-    body = problem(api.post("/api/v1/jobs/batch", {"jobs": jobs}), 422, "INVALID_ARGUMENT")
-    assert body["details"]["field"] == "jobs[0].queue"
-    assert [e["field"] for e in body["details"]["errors"]] == [
-        f"jobs[{n}].queue" for n in range(20)
-    ]
-    assert body["details"]["errors_omitted"] == 980
+    bad = {f"k{n:02d}": n for n in range(16)}  # 16 non-string meta values
+    body = problem(
+        api.post(
+            JOBS,
+            {
+                "payload": 1,
+                "meta": bad,
+                "max_retries": "1",
+                "jitter": 1,
+                "delay_ms": "1",
+                "backoff_base_ms": "1",
+                "backoff_cap_ms": "1",
+                "unique": 1,
+            },
+        ),
+        422,
+        "INVALID_ARGUMENT",
+    )
+    assert len(body["details"]["errors"]) == 20
+    assert body["details"]["errors_omitted"] == 22 - 20
     one = problem(api.post(JOBS, {"payload": 1, "priority": 9}), 422, "INVALID_ARGUMENT")
     assert "errors_omitted" not in one["details"]
+
+
+def test_a_batch_is_refused_at_its_first_bad_job(api: Api) -> None:
+    # A review: 1,000 jobs of 16 non-string meta values each made 16,000 faults, 72-307 ms a
+    # request; TCP stops at the first bad spec, and so does HTTP now.
+    jobs = [{"queue": "q", "payload": 1, "meta": {f"k{n:02d}": n for n in range(16)}}] * 999
+    jobs = [{"queue": "q", "payload": 1}, *jobs]
+    body = problem(api.post("/api/v1/jobs/batch", {"jobs": jobs}), 422, "INVALID_ARGUMENT")
+    assert body["details"]["field"] == "jobs[1].meta.k00"
+    assert len(body["details"]["errors"]) == 16 and "errors_omitted" not in body["details"]
+    assert {e["field"] for e in body["details"]["errors"]} == {
+        f"jobs[1].meta.k{n:02d}" for n in range(16)
+    }
+    names = [{"queue": n, "payload": 1} for n in range(1000)]  # a bad queue name each
+    body = problem(api.post("/api/v1/jobs/batch", {"jobs": names}), 422, "INVALID_ARGUMENT")
+    assert [e["field"] for e in body["details"]["errors"]] == ["jobs[0].queue"]
+    assert body["details"]["errors"][0]["message"] == "Input should be a valid string"
+    fine = [{"queue": "q", "payload": n} for n in range(3)]
+    assert api.post("/api/v1/jobs/batch", {"jobs": fine}).status_code == 201
 
 
 def test_only_the_first_unknown_field_is_reported_however_many_there_are(api: Api) -> None:
@@ -798,7 +830,7 @@ def test_only_the_first_unknown_field_is_reported_however_many_there_are(api: Ap
     assert fields == ["max_retries", "payload", "zz"]
     jobs = [{"queue": "q", "payload": 1, "a": 1, "b": 2}, {"queue": "q", "payload": 1, "c": 3}]
     batch = problem(api.post("/api/v1/jobs/batch", {"jobs": jobs}), 422, "INVALID_ARGUMENT")
-    assert [e["field"] for e in batch["details"]["errors"]] == ["jobs[0].a", "jobs[1].c"]
+    assert [e["field"] for e in batch["details"]["errors"]] == ["jobs[0].a"]  # the first job
     lease_body = {"queues": ["q"], **{f"k{n}": n for n in range(1000)}}
     leased = problem(api.post("/api/v1/leases", lease_body), 422, "INVALID_ARGUMENT")
     assert [e["field"] for e in leased["details"]["errors"]] == ["k0"]
