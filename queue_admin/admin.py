@@ -261,11 +261,13 @@ class JobAdmin(ReadOnlyAdmin):
 
     @admin.display(description="last error")
     def short_error(self, obj: Job) -> SafeString:
-        """The last error on one short line; the whole text on hover."""
+        """The last error on one short line; more of it on hover (``display.HOVER_CHARS``)."""
         if not obj.last_error:
             return mark_safe(display.DASH)  # noqa: S308 - a constant
         return format_html(
-            '<span title="{}">{}</span>', obj.last_error, display.shorten(obj.last_error, 70)
+            '<span title="{}">{}</span>',
+            display.shorten(obj.last_error, display.HOVER_CHARS),
+            display.shorten(obj.last_error, 70),
         )
 
     @admin.display(description="lease")

@@ -53,6 +53,12 @@ def relative_ms(at_ms: int | None, now_ms: int) -> str:
     return f"{span_ms(delta)} ago" if delta >= 0 else f"in {span_ms(-delta)}"
 
 
+# The most characters of an error a list's hover title repeats; the job's page shows it all.
+# Whole, 100 errors of 4 KiB full of "<" made a dead-letter page of 2.16 MB (a review); 0.27 MB
+# with this.
+HOVER_CHARS = 300
+
+
 def shorten(text: str | None, limit: int = 80) -> str:
     """One line of at most ``limit`` characters, with an ellipsis when cut."""
     if not text:

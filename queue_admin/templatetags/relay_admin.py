@@ -39,3 +39,9 @@ def ago(ms: int | None, now_ms: int) -> str:
 def shorten(text: str | None, limit: int = 80) -> str:
     """One line of at most ``limit`` characters."""
     return display.shorten(text, limit)
+
+
+@register.filter
+def hover(text: str | None) -> str:
+    """What a hover title repeats of a long text: one line of ``display.HOVER_CHARS``."""
+    return display.shorten(text, display.HOVER_CHARS)

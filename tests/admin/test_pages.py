@@ -59,6 +59,17 @@ def test_job_list_columns(
     assert dead in html
 
 
+def test_a_hover_title_repeats_a_bounded_part_of_a_long_error(
+    alice: Client, dead_jobs: DeadJobs
+) -> None:
+    # A review: 100 errors of 4 KiB full of '<"' made a dead-letter page of 2.17 MB, each
+    # error whole in its row's title.
+    dead_jobs(1, error='<"' * 2048)
+    for page in (JOB_LIST, DEAD_LIST, OVERVIEW):
+        html = alice.get(page).content.decode()
+        assert "&lt;&quot;" * 149 in html and "&lt;&quot;" * 150 not in html, page
+
+
 @pytest.mark.parametrize(
     "lookup",
     ["lease_token", "lease_token__gte", "lease_token__startswith", "attempts__lease_token"],
