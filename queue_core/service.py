@@ -383,10 +383,10 @@ class QueueService:
         self._slotted: set[str] = set()
         self._hints = threading.Lock()
         # The queue cap (``_admit_queues``): names this service has seen hold jobs, at most
-        # RELAY_MAX_QUEUES of them, and until when (service clock, epoch ms) a new name is
-        # refused without counting again, once a count found the cap reached.
+        # RELAY_MAX_QUEUES of them, and when (service clock, epoch ms) a count last found the
+        # cap reached (-1: never).
         self._queues_seen: set[str] = set()
-        self._queues_full_until_ms = 0
+        self._queues_full_at_ms = -1
 
     @property
     def settings(self) -> RelaySettings:
@@ -669,12 +669,15 @@ class QueueService:
         new = [name for name in unseen if name not in known]
         if new:
             cap = s.max_queues
-            if now_ms < self._queues_full_until_ms:
+            # Within the second after a full count: refused uncounted. Before that count (the
+            # wall clock stepped back) it is counted again, so a step cannot stretch the wait.
+            full_at = self._queues_full_at_ms
+            if full_at <= now_ms < full_at + QUEUE_CAP_RECHECK_MS:
                 raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
             held = int(_value(tx, "queue_count", {"limit": cap}))
             if held + len(new) > cap:
                 if held >= cap:
-                    self._queues_full_until_ms = now_ms + QUEUE_CAP_RECHECK_MS
+                    self._queues_full_at_ms = now_ms
                 raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
         self.driver.after_commit(functools.partial(self._seen_queues, unseen, s.max_queues))
 

@@ -91,6 +91,20 @@ def test_once_full_new_names_wait_out_the_recheck_exactly(
 
 
 @override_settings(RELAY_MAX_QUEUES=3)
+def test_a_wall_clock_stepped_back_does_not_stretch_the_recheck(
+    service: QueueService, clock: FakeClock
+) -> None:
+    """Stepped back an hour after a full count, the service counts again at once, rather than
+    refusing new names uncounted for the hour and a second."""
+    for name in ("a", "b", "c"):
+        service.submit(name, 1)
+    refused(lambda: service.submit("d", 1))
+    empty(service, "a")
+    clock.step(-3_600_000)
+    assert service.submit("d", 1)["job"]["queue"] == "d"
+
+
+@override_settings(RELAY_MAX_QUEUES=3)
 def test_a_batch_counts_its_new_queues_together(service: QueueService) -> None:
     """Two new names with room for one: the batch is refused, and since the queues held are
     under the cap, a single new name right after is taken (no recheck wait)."""
