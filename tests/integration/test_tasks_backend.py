@@ -31,7 +31,7 @@ from django.test import override_settings
 from queue_core import tasks_backend
 from queue_core.clock import FakeClock
 from queue_core.conf import relay_settings
-from queue_core.errors import FrameTooLarge, InvalidArgument, LeaseExpired
+from queue_core.errors import FrameTooLarge, InvalidArgument, LeaseExpired, TooManyQueues
 from queue_core.models import Job
 from queue_core.service import QueueService
 from queue_core.tasks_backend import (
@@ -207,6 +207,16 @@ def test_queues_setting_limits_queue_names() -> None:
         with pytest.raises(InvalidTask, match="not valid for backend"):
             tasks.add.using(queue_name="emails")
         assert tasks.add.enqueue(1, 2).status == TaskResultStatus.READY
+
+
+@override_settings(RELAY_MAX_QUEUES=1)
+def test_a_queue_past_relay_max_queues_is_refused_at_enqueue() -> None:
+    assert tasks.add.using(queue_name="held").enqueue(1, 2).status == TaskResultStatus.READY
+    with pytest.raises(TooManyQueues) as caught:
+        tasks.add.using(queue_name="one-too-many").enqueue(1, 2)
+    assert caught.value.details == {"limit": 1, "queue": "one-too-many"}
+    assert tasks.add.using(queue_name="held").enqueue(3, 4).status == TaskResultStatus.READY
+    assert sorted(Job.objects.values_list("queue", flat=True)) == ["held", "held"]
 
 
 def test_naive_run_after_and_bad_arguments_are_refused() -> None:
