@@ -501,19 +501,29 @@ class SharedRead:
 
 class Gauges(NamedTuple):
     """What ``RelayCollector`` reads for a scrape: the folded queues (``_fold``) and the
-    controlled queues' controls, at most ``RELAY_METRICS_MAX_QUEUES`` of each."""
+    controlled queues' controls, at most ``RELAY_METRICS_MAX_QUEUES`` of each; how many queues
+    hold jobs, and ``RELAY_MAX_QUEUES``."""
 
     queues: list[tuple[str, dict[str, Any]]]
     controls: list[tuple[str, dict[str, Any]]]
+    held: int
+    limit: int
 
 
 def _read_gauges() -> Gauges:
     from queue_core.conf import relay_settings
     from queue_core.service import QueueService
 
-    stats = QueueService().stats(finished=False)
-    keep = relay_settings().metrics_max_queues
-    return Gauges(_fold(stats["queues"], keep), sorted(stats.get("controls", {}).items())[:keep])
+    service = QueueService()
+    stats = service.stats(finished=False)
+    s = relay_settings()
+    keep = s.metrics_max_queues
+    return Gauges(
+        _fold(stats["queues"], keep),
+        sorted(stats.get("controls", {}).items())[:keep],
+        service.count_queues(),
+        s.max_queues,
+    )
 
 
 class RelayCollector(Collector):
@@ -527,6 +537,20 @@ class RelayCollector(Collector):
         """Name the families without reading the database (the registry calls this)."""
         yield from self._families()
         yield from self._controls()
+        yield from self._held()
+
+    @staticmethod
+    def _held() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        held = GaugeMetricFamily(
+            "relay_queues",
+            "Queues holding jobs in any state, SUCCEEDED included: what RELAY_MAX_QUEUES caps "
+            "(read at scrape).",
+        )
+        limit = GaugeMetricFamily(
+            "relay_queues_limit",
+            "RELAY_MAX_QUEUES: past it a job for a new queue is refused TOO_MANY_QUEUES.",
+        )
+        return held, limit
 
     @staticmethod
     def _controls() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
@@ -567,7 +591,8 @@ class RelayCollector(Collector):
         """Yield ``relay_queue_jobs``, ``relay_queue_oldest_ready_age_seconds``,
         ``relay_database_up``, and the controls of paused, capped and rate-limited queues
         (``relay_queue_paused``, ``relay_queue_max_leased``, ``relay_queue_rate_per_second``;
-        a series per controlled queue, at most ``RELAY_METRICS_MAX_QUEUES`` of them)."""
+        a series per controlled queue, at most ``RELAY_METRICS_MAX_QUEUES`` of them), and
+        ``relay_queues`` and ``relay_queues_limit`` (the queue cap)."""
         jobs, age, up = self._families()
         try:
             gauges = self.gauges.get()
@@ -596,6 +621,11 @@ class RelayCollector(Collector):
         yield paused
         yield cap
         yield rate
+        held, limit = self._held()
+        held.add_metric([], gauges.held)
+        limit.add_metric([], gauges.limit)
+        yield held
+        yield limit
 
 
 def _fold(queues: dict[str, dict[str, Any]], keep: int) -> list[tuple[str, dict[str, Any]]]:

@@ -64,6 +64,13 @@ def test_ten_thousand_queues(tmp_path: Path) -> None:
         assert len({s.labels["queue"] for s in depth}) == 101
         assert sum(s.value for s in depth if s.labels["state"] == "ready") == QUEUES
         assert series < 2_000 and len(text) < 500_000, (series, len(text))
+        held = {
+            s.name: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name in ("relay_queues", "relay_queues_limit")
+        }
+        assert held == {"relay_queues": QUEUES, "relay_queues_limit": QUEUES}
 
 
 def _new_names(port: int, tag: str, until: float, tally: dict[str, int]) -> None:

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
 def empty(service: QueueService, queue: str) -> None:
     """Cancel and purge every job of ``queue``, so it holds none."""
     for job in Job.objects.filter(queue=queue):
-        service.cancel(job.id)
+        if job.state != "cancelled":
+            service.cancel(job.id)
         service.purge(job.id)
     assert not Job.objects.filter(queue=queue).exists()
 
@@ -143,3 +144,15 @@ def test_a_batch_rolled_back_leaves_its_names_unremembered(service: QueueService
     assert service._queues_seen == {"a"}
     service.submit("b", 1)
     assert service._queues_seen == {"a", "b"}
+
+
+def test_count_queues_counts_queues_holding_jobs_in_any_state(service: QueueService) -> None:
+    assert service.count_queues() == 0
+    service.submit("a", 1)
+    service.submit("a", 2)
+    service.submit("b", 1, delay_ms=60_000)
+    done = service.submit("c", 1)["job"]["id"]
+    service.cancel(done)
+    assert service.count_queues() == 3
+    empty(service, "c")
+    assert service.count_queues() == 2
