@@ -564,8 +564,9 @@ SELECT name AS queue
 -- name: queue_count
 -- How many queues hold jobs, counting no further than `limit`: a loose index scan, one seek
 -- per queue on an index led by relay_job.queue (the recursion stops when the outer LIMIT has
--- its rows), never a scan of the jobs: 55 ms for 10,000 queues. Asked only for a name no
--- queue has yet, and not again for a second once it finds the cap reached. Params: limit.
+-- its rows), never a scan of the jobs: 55 ms for 10,000 queues. The queue cap asks it only
+-- for a name no queue has yet, and not again for a second once it finds the cap reached;
+-- the relay_queues gauge asks it at each scrape. Params: limit.
 WITH RECURSIVE q(queue) AS (
     (SELECT queue FROM relay_job ORDER BY queue LIMIT 1)
     UNION ALL

@@ -624,9 +624,9 @@ SELECT value AS queue
  WHERE EXISTS (SELECT 1 FROM relay_job_count WHERE queue = value AND n > 0);
 
 -- name: queue_count
--- How many queues hold jobs, counting no further than `limit` (the queue cap: a read of
--- relay_job_count, one row per queue and state, asked only for a name no queue has yet).
--- Params: limit.
+-- How many queues hold jobs, counting no further than `limit`: a read of relay_job_count, a
+-- row per queue and state. The queue cap asks it only for a name no queue has yet; the
+-- relay_queues gauge at each scrape. Params: limit.
 SELECT COUNT(*) AS n
   FROM (SELECT DISTINCT queue FROM relay_job_count WHERE n > 0 LIMIT %(limit)s);
 
