@@ -383,10 +383,10 @@ class QueueService:
         self._slotted: set[str] = set()
         self._hints = threading.Lock()
         # The queue cap (``_admit_queues``): names this service has seen hold jobs, at most
-        # RELAY_MAX_QUEUES of them, and when (service clock, epoch ms) a count last found the
-        # cap reached (-1: never).
+        # RELAY_MAX_QUEUES of them, and the last count that refused a submit: when (service
+        # clock, epoch ms) and how many queues it found.
         self._queues_seen: set[str] = set()
-        self._queues_full_at_ms = -1
+        self._queues_refused: tuple[int, int] | None = None
 
     @property
     def settings(self) -> RelaySettings:
@@ -642,15 +642,20 @@ class QueueService:
 
         A name this service has seen hold jobs costs nothing; the others cost one statement
         for them all (``queues_known``: a seek each); a name no queue has costs a count of the
-        queues, stopped at the cap (``queue_count``). Once a count finds the cap reached,
-        new names are refused without counting for ``QUEUE_CAP_RECHECK_MS`` (a producer
-        trying name after name costs one ``queues_known`` a request, not a count).
+        queues, stopped at the cap (``queue_count``). After a count refuses a submit, for
+        ``QUEUE_CAP_RECHECK_MS`` a submit whose new names would not have fitted that count is
+        refused without counting again (a producer trying name after name, or batch after
+        batch, costs one ``queues_known`` a request, not a count); one that might fit counts.
 
-        The cap is soft by design: names seen stay admitted after their queue empties, until
-        the set of them reaches the cap and is cleared, so the queues can outnumber the cap
-        by the names each server remembers (at most ``RELAY_MAX_QUEUES`` per server). On
-        PostgreSQL, concurrent first submits (other servers, other threads) may each find
-        the last room; SQLite's one writer counts them one after another.
+        Where several writers share the database (PostgreSQL), the count runs under a lock
+        (``hold_queue_cap``), so transactions starting queues count one after the other and
+        the cap holds across threads and servers; SQLite's one writer does so by itself.
+
+        The cap is soft in one way, by design: a name seen stays admitted after its queue
+        empties, until the set of them reaches the cap and is cleared, so the queues can
+        outnumber the cap by the names each process with a service remembers (at most
+        ``RELAY_MAX_QUEUES`` each: the TCP server, each HTTP worker, each process enqueueing
+        through ``RelayBackend`` on the database).
 
         Args:
             tx: the submit's write transaction.
@@ -663,23 +668,40 @@ class QueueService:
         unseen = [name for name in names if name not in self._queues_seen]
         if not unseen:
             return
-        known = {
-            r["queue"] for r in tx.all("queues_known", {"queues": orjson.dumps(unseen).decode()})
-        }
+        known = self._known_queues(tx, unseen)
         new = [name for name in unseen if name not in known]
         if new:
-            cap = s.max_queues
-            # Within the second after a full count: refused uncounted. Before that count (the
-            # wall clock stepped back) it is counted again, so a step cannot stretch the wait.
-            full_at = self._queues_full_at_ms
-            if full_at <= now_ms < full_at + QUEUE_CAP_RECHECK_MS:
-                raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
-            held = int(_value(tx, "queue_count", {"limit": cap}))
-            if held + len(new) > cap:
-                if held >= cap:
-                    self._queues_full_at_ms = now_ms
-                raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
+            self._count_queues_for(tx, new, now_ms, s.max_queues)
         self.driver.after_commit(functools.partial(self._seen_queues, unseen, s.max_queues))
+
+    def _count_queues_for(self, tx: Tx, new: list[str], now_ms: int, cap: int) -> None:
+        """Refuse ``new`` (names no queue had when asked) unless the queues holding jobs
+        leave room for all of them (``_admit_queues``)."""
+        refused = self._queues_refused
+        # Within the second after a refusing count, refused uncounted if it would not have
+        # fitted. Before that count (the wall clock stepped back) it is counted again, so a
+        # step cannot stretch the wait.
+        if refused is not None:
+            at, held = refused
+            if at <= now_ms < at + QUEUE_CAP_RECHECK_MS and held + len(new) > cap:
+                raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
+        if not self.capabilities.single_writer:
+            tx.all("hold_queue_cap")
+            # Names another transaction started while this one waited are held now.
+            known = self._known_queues(tx, new)
+            new = [name for name in new if name not in known]
+            if not new:
+                return
+        held = int(_value(tx, "queue_count", {"limit": cap}))
+        if held + len(new) > cap:
+            self._queues_refused = (now_ms, held)
+            raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
+
+    @staticmethod
+    def _known_queues(tx: Tx, names: list[str]) -> set[str]:
+        """Those of ``names`` that are queues holding jobs (``queues_known``)."""
+        rows = tx.all("queues_known", {"queues": orjson.dumps(names).decode()})
+        return {r["queue"] for r in rows}
 
     def _seen_queues(self, names: list[str], cap: int) -> None:
         """Remember ``names`` as holding jobs (after the commit that made them so), keeping
@@ -2657,7 +2679,14 @@ class QueueService:
             if wrong:
                 tx.run("recount_clear")
                 tx.run("recount")
+            tx.run("counts_forget_all")  # the rows at zero an older Relay left
             return wrong
+
+    def _forget_counts(self, tx: Tx, queues: set[str]) -> None:
+        """Where the driver keeps counts (``capabilities.kept_counts``), delete the rows at
+        zero of ``queues``, whose jobs this transaction deleted (``counts_forget``)."""
+        if queues and self.capabilities.kept_counts:
+            tx.run("counts_forget", {"queues": orjson.dumps(sorted(queues)).decode()})
 
     # --------------------------------------------------------- queue controls
 
@@ -3022,6 +3051,7 @@ class QueueService:
                 )
             # Checked once the row says what it was; raising here rolls the delete back.
             check(Transition.PURGE, JobState(row["state"]), None)
+            self._forget_counts(tx, {row["queue"]})
             tx.run("delete_attempts", {"job_id": job_id})
             tx.run("delete_result", {"job_id": job_id})
             if apps.is_installed("relay_tasks"):
@@ -3099,6 +3129,7 @@ class QueueService:
                 else self._cutoffs(older_than_ms, self._now())
             )
             left = limit
+            gone: set[str] = set()
             for state in PRUNABLE_STATES:
                 if state not in cutoffs or left <= 0:
                     continue
@@ -3115,8 +3146,10 @@ class QueueService:
                     tx.many("delete_task_result", ids)
                 for r in rows:
                     self._observe("pruned", r["queue"])
+                    gone.add(r["queue"])
                 deleted[state] = len(rows)
                 left -= len(rows)
+            self._forget_counts(tx, gone)
             if actor is not None and any(deleted.values()):
                 self._operator_event(tx, "pruned", self._now(), actor, _counts(deleted))
         if any(deleted.values()):

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from django.db import connections
 
+from queue_core.clock import FakeClock
 from queue_core.models import Job
 from queue_core.service import QueueService
 from tests.storage.conftest import DATABASES
@@ -66,3 +68,45 @@ def test_counts_that_hold_are_left_alone(service: QueueService, leased_job: Fact
     leased_job()
     service.submit("other", {"n": 1}, delay_ms=60_000)
     assert service.repair_counts() == []
+
+
+MINE = ("held", "done", "old0", "old1", "old2", "gone")
+
+
+def kept_rows(alias: str) -> list[tuple[str, str, int]]:
+    """The count rows of this module's queues (the table outlives the tests' flushes)."""
+    marks = ", ".join(["%s"] * len(MINE))
+    with connections[alias].cursor() as cursor:
+        cursor.execute(
+            f"SELECT queue, state, n FROM relay_job_count WHERE queue IN ({marks})"
+            " ORDER BY queue, state",
+            MINE,
+        )
+        return [tuple(row) for row in cursor.fetchall()]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_the_count_rows_of_purged_and_pruned_jobs_go_with_them(
+    service: QueueService, clock: FakeClock, alias: str
+) -> None:
+    """A review: the triggers only decrement, so a row per (queue, state) ever used stayed at
+    zero, and 1,000,000 of them made each submit to a new queue 48 ms. Purge, prune and the
+    start-up repair now delete the rows at zero of the queues whose jobs they deleted."""
+    held = service.submit("held", 1)["job"]["id"]
+    done = service.submit("done", 1)["job"]["id"]
+    service.cancel(done)
+    service.purge(done)
+    assert kept_rows(alias) == [("held", "ready", 1)]
+    old = [service.submit(f"old{i}", i)["job"]["id"] for i in range(3)]
+    for job_id in old:
+        service.cancel(job_id)
+    clock.advance(ms=31 * 86_400_000)
+    assert service.prune_batch()["cancelled"] == 3
+    assert kept_rows(alias) == [("held", "ready", 1)]
+    service.cancel(held)
+    with connections[alias].cursor() as cursor:  # rows at zero an older Relay left
+        cursor.execute("INSERT INTO relay_job_count VALUES ('gone', 'ready', 0)")
+    assert service.repair_counts() == []
+    assert kept_rows(alias) == [("held", "cancelled", 1)]
+    assert service.submit("done", 2)["job"]["queue"] == "done"  # its row comes back
+    assert ready_counts(service, "done") == 1

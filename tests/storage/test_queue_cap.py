@@ -8,10 +8,12 @@ now refused ``TOO_MANY_QUEUES`` (``QueueService._admit_queues``).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import pytest
-from django.test.utils import override_settings
+from django.db import connections
+from django.test.utils import CaptureQueriesContext, override_settings
 
 from queue_core import errors
 from queue_core.clock import FakeClock
@@ -20,6 +22,12 @@ from queue_core.service import QUEUE_CAP_RECHECK_MS, QueueService
 from tests.storage.conftest import DATABASES
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
+
+
+def counted(ran: CaptureQueriesContext) -> bool:
+    """Whether ``queue_count`` ran: the words only it has, in either driver."""
+    marks = ("SELECT DISTINCT queue FROM relay_job_count", "WITH RECURSIVE q(queue)")
+    return any(mark in q["sql"] for q in ran.captured_queries for mark in marks)
 
 
 def empty(service: QueueService, queue: str) -> None:
@@ -156,3 +164,59 @@ def test_count_queues_counts_queues_holding_jobs_in_any_state(service: QueueServ
     assert service.count_queues() == 3
     empty(service, "c")
     assert service.count_queues() == 2
+
+
+@override_settings(RELAY_MAX_QUEUES=50)
+def test_concurrent_batches_of_new_queues_stop_at_the_cap(
+    service: QueueService, clock: FakeClock
+) -> None:
+    """A review: on PostgreSQL, eight batches of 1,000 new names sent at once through two
+    servers all counted the same room (9,000 queues against a cap of 2,000). Four threads,
+    each its own service (a server of its own), send 20 new names at once into 30 held
+    queues: one batch fits, the others are refused, and 50 queues hold jobs."""
+    service.submit_batch([{"queue": f"held{i:02d}", "payload": i} for i in range(30)])
+    start = threading.Barrier(4)
+    outcomes: list[str] = []
+
+    def send(tag: str) -> None:
+        mine = QueueService(driver=service.driver, clock=clock)
+        start.wait(10)
+        try:
+            mine.submit_batch([{"queue": f"{tag}{i:02d}", "payload": i} for i in range(20)])
+            outcomes.append("ok")
+        except errors.TooManyQueues:
+            outcomes.append("refused")
+        finally:
+            connections.close_all()
+
+    threads = [threading.Thread(target=send, args=(tag,)) for tag in "abcd"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(outcomes) == ["ok", "refused", "refused", "refused"]
+    assert service.count_queues() == 50
+
+
+@override_settings(RELAY_MAX_QUEUES=3)
+def test_after_a_refusing_count_what_would_not_fit_is_refused_uncounted(
+    service: QueueService, clock: FakeClock
+) -> None:
+    """A review: below the cap no refusal was remembered, so a producer sending batches of
+    two new names into the last free queue made the server count every queue each time.
+    For a second after a count refuses, a submit that would not have fitted it is refused
+    without counting again; one that might fit is counted."""
+    service.submit_batch([{"queue": "a", "payload": 1}, {"queue": "b", "payload": 1}])
+
+    def two_new() -> None:
+        service.submit_batch([{"queue": "x", "payload": 1}, {"queue": "y", "payload": 1}])
+
+    refused(two_new)
+    with CaptureQueriesContext(connections[service.driver.alias]) as ran:
+        refused(two_new)
+    assert not counted(ran), ran.captured_queries
+    clock.advance(ms=QUEUE_CAP_RECHECK_MS)
+    with CaptureQueriesContext(connections[service.driver.alias]) as ran:
+        refused(two_new)
+    assert counted(ran), ran.captured_queries
+    assert service.submit("x", 1)["job"]["queue"] == "x"  # one new name fits: counted

@@ -425,12 +425,12 @@ DELETE FROM relay_attempt WHERE job_id = %(job_id)s;
 -- Purge, part one: only a terminal job is ever deleted (its attempts go next, in the same
 -- transaction: the foreign key is checked at COMMIT). Params: job_id.
 DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead', 'cancelled')
-RETURNING state;
+RETURNING state, queue;
 
 -- name: delete_dead_job
 -- Purge of a job that did not succeed: dead or cancelled (the dead_purge op). Params: job_id.
 DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('dead', 'cancelled')
-RETURNING state;
+RETURNING state, queue;
 
 -- name: prune_succeeded
 -- Retention, part one: delete up to `limit` SUCCEEDED jobs that finished before before_ms,
@@ -565,8 +565,8 @@ SELECT name AS queue
 -- How many queues hold jobs, counting no further than `limit`: a loose index scan, one seek
 -- per queue on an index led by relay_job.queue (the recursion stops when the outer LIMIT has
 -- its rows), never a scan of the jobs: 55 ms for 10,000 queues. The queue cap asks it only
--- for a name no queue has yet, and not again for a second once it finds the cap reached;
--- the relay_queues gauge asks it at each scrape. Params: limit.
+-- for a name no queue has yet, under hold_queue_cap, and not again for a second for what
+-- would not fit a count that refused; the relay_queues gauge at each scrape. Params: limit.
 WITH RECURSIVE q(queue) AS (
     (SELECT queue FROM relay_job ORDER BY queue LIMIT 1)
     UNION ALL
@@ -693,6 +693,18 @@ SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
   FROM relay_server
  WHERE seen_at_ms >= %(since_ms)s
  ORDER BY started_at_ms, id;
+
+-- name: hold_queue_cap
+-- The queue cap's lock, a transaction-level advisory lock taken before the queues are counted
+-- for names no queue has yet (QueueService._admit_queues): two transactions starting queues
+-- count one after the other, the second once the first has committed (read committed: each
+-- statement sees what committed before it began). Without it, eight batches of 1,000 new
+-- names sent at once through two servers all found the same room: 9,000 queues against a cap
+-- of 2,000 (a review). SQLite needs none: its one writer counts one transaction at a time.
+-- A group commit's transaction may already hold row locks of its earlier calls when it waits
+-- here; a deadlock so formed is broken by PostgreSQL and answered BUSY (retryable), as any.
+-- Params: none.
+SELECT pg_advisory_xact_lock(hashtextextended('relay.queue_cap', 0));
 
 -- name: hold_queue_names
 -- A transaction-level advisory lock for each queue named, in the order given (the caller

@@ -486,12 +486,12 @@ DELETE FROM relay_attempt WHERE job_id = %(job_id)s;
 -- Purge, part one: only a terminal job is ever deleted (its attempts go next, in the same
 -- transaction: the foreign key is checked at COMMIT). Params: job_id.
 DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('succeeded', 'dead', 'cancelled')
-RETURNING state;
+RETURNING state, queue;
 
 -- name: delete_dead_job
 -- Purge of a job that did not succeed: dead or cancelled (the dead_purge op). Params: job_id.
 DELETE FROM relay_job WHERE id = %(job_id)s AND state IN ('dead', 'cancelled')
-RETURNING state;
+RETURNING state, queue;
 
 -- name: prune_succeeded
 -- Retention, part one: delete up to `limit` SUCCEEDED jobs that finished before before_ms,
@@ -585,6 +585,21 @@ DELETE FROM relay_task_result WHERE job_id = %(job_id)s;
 -- insert of jobs (migration 0008); triggers count updates and deletes. Params: queue, state, n.
 INSERT INTO relay_job_count (queue, state, n) VALUES (%(queue)s, %(state)s, %(n)s)
 ON CONFLICT (queue, state) DO UPDATE SET n = n + excluded.n;
+
+-- name: counts_forget
+-- Delete the count rows at zero of the queues given, once their jobs were purged or pruned:
+-- the triggers only decrement, so a row per (queue, state) ever used stayed, and every stats
+-- call and queue count read them (a review: 1,000,000 such rows made each submit to a new
+-- queue 48 ms and a sentinel's p50 152 ms). No job has a (queue, state) whose row is at zero,
+-- so none of them is decremented again; an insert makes its row anew. Params: queues (a JSON
+-- array of names).
+DELETE FROM relay_job_count
+ WHERE n = 0 AND queue IN (SELECT value FROM json_each(%(queues)s));
+
+-- name: counts_forget_all
+-- Every count row at zero (repair_counts at server start: those an older Relay left).
+-- Params: none.
+DELETE FROM relay_job_count WHERE n = 0;
 
 -- name: counts_kept
 -- Every row relay_job_count keeps, zero and negative ones too (what repair_counts compares
