@@ -10,6 +10,7 @@ generic ``INTERNAL`` (500) with the traceback only in the log. The OpenAPI schem
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any
 
@@ -127,6 +128,8 @@ def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpRespons
     first = problems[0] if problems else {"field": "", "message": "invalid request"}
     message = f"{first['field']}: {first['message']}" if first["field"] else first["message"]
     details: dict[str, Any] = {"field": first["field"], "errors": problems}
+    if batch_entry := _BATCH_ENTRY.match(first["field"]):  # as TCP names the bad spec
+        details["index"] = int(batch_entry.group(1))
     if len(exc.errors) > MAX_LISTED_ERRORS:
         details["errors_omitted"] = len(exc.errors) - MAX_LISTED_ERRORS
     return problem_response(request, errors.InvalidArgument(message, **details))
@@ -153,6 +156,8 @@ def field_path(loc: Any) -> str:
 
 
 _REQUEST_PARTS = frozenset({"body", "query", "path"})
+# A batch submit's job: ``details.index`` names it, as ``QueueService.submit_batch`` does.
+_BATCH_ENTRY = re.compile(r"jobs\[(\d+)\]")
 
 
 @api.exception_handler(AuthenticationError)

@@ -313,6 +313,23 @@ def test_a_list_or_map_past_its_bound_is_refused_in_the_same_words(
     assert refused(surface, "INVALID_ARGUMENT", op, **args).message == message
 
 
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ({"priority": [1]}, "jobs[2].priority"),  # a schema fault over HTTP
+        ({"max_retries": 10_000}, "jobs[2].max_retries"),  # out of range: the service's
+        ({"meta": {"k": 1}}, "jobs[2].meta.k"),
+    ],
+)
+def test_a_bad_job_of_a_batch_is_named_by_its_index(
+    surface: Surface, bad: dict[str, Any], field: str
+) -> None:
+    # A review: HTTP named the field of a schema fault but not its index, which TCP gives.
+    jobs = [{"queue": "q", "payload": 1}] * 2 + [{"queue": "q", "payload": 1, **bad}]
+    err = refused(surface, "INVALID_ARGUMENT", "submit_batch", jobs=jobs)
+    assert (err.details["field"], err.details["index"]) == (field, 2)
+
+
 @override_settings(RELAY_MAX_QUEUES=2)
 def test_a_queue_past_the_cap_is_refused_alike_on_every_surface(surface: Surface) -> None:
     surface.call("submit", queue="a", payload=1)
