@@ -89,8 +89,8 @@ PRUNE_LIMIT_MAX = 10_000  # the most jobs one prune call may delete
 # The oldest age a prune takes, in ms (100 years): beyond it now - age leaves int64 on SQLite.
 PRUNE_MAX_AGE_MS = 100 * 365 * 86_400_000
 PRUNABLE_STATES = ("succeeded", "dead", "cancelled")
-# After a count finds RELAY_MAX_QUEUES queues holding jobs, how long new queue names are refused
-# without counting again, in ms (``_admit_queues``).
+# After a count of the queues refuses a submit, how long new queue names that would not have
+# fitted it are refused without counting again, in ms (``_admit_queues``).
 QUEUE_CAP_RECHECK_MS = 1_000
 SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.
