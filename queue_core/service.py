@@ -90,7 +90,7 @@ PRUNE_LIMIT_MAX = 10_000  # the most jobs one prune call may delete
 PRUNE_MAX_AGE_MS = 100 * 365 * 86_400_000
 PRUNABLE_STATES = ("succeeded", "dead", "cancelled")
 # After a count of the queues refuses a submit, how long new queue names that would not have
-# fitted it are refused without counting again, in ms (``_admit_queues``).
+# fitted it are refused without counting again, in ms (``_new_queues``).
 QUEUE_CAP_RECHECK_MS = 1_000
 SERVER_FORGET_MS = 3_600_000  # a dead server's registry row is deleted after an hour unseen
 # 192 random bits: a stale worker cannot guess the next token.
@@ -382,7 +382,7 @@ class QueueService:
         # there tells other servers' long-polls (``_slot_freed``).
         self._slotted: set[str] = set()
         self._hints = threading.Lock()
-        # The queue cap (``_admit_queues``): names this service has seen hold jobs, at most
+        # The queue cap (``_new_queues``): names this service has seen hold jobs, at most
         # RELAY_MAX_QUEUES of them, and the last count that refused a submit: when (service
         # clock, epoch ms) and how many queues it found.
         self._queues_seen: set[str] = set()
@@ -560,15 +560,19 @@ class QueueService:
         Raises:
             InvalidArgument, FrameTooLarge, IdempotencyConflict (same key, other payload),
             TooManyQueues (``queue`` holds no jobs while ``RELAY_MAX_QUEUES`` others do:
-            ``_admit_queues``), StoreBusy.
+            ``_new_queues``), StoreBusy.
         """
         s = self.settings
         row = self._prepare(queue, payload, options, s)
         with self.driver.write() as tx:
             at = self._read()
-            if row["queue"] not in self._queues_seen:
-                self._admit_queues(tx, (row["queue"],), at.now_ms, s)
-            return self._insert(tx, row, at, s)
+            if row["queue"] in self._queues_seen:
+                return self._insert(tx, row, at, s)
+            new = self._new_queues(tx, (row["queue"],), at.now_ms, s)
+            made = self._insert(tx, row, at, s)
+            if new:
+                self._admit_new_queues(tx, new, at.now_ms, s)
+            return made
 
     def submit_batch(self, specs: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """Create several jobs in one transaction: all are created or none.
@@ -604,98 +608,120 @@ class QueueService:
                 raise
         with self.driver.write() as tx:
             at = self._read()  # one instant for the whole batch
-            self._admit_queues(tx, {row["queue"] for row in rows}, at.now_ms, s)
-            pending: list[dict[str, Any]] = []
-            keyed = [i for i, row in enumerate(rows) if row["idempotency_key"] is not None]
-            if len(keyed) < 2:
-                results = []
-                try:
-                    for row in rows:
-                        results.append(self._insert(tx, row, at, s, pending))
-                except IdempotencyConflict as exc:
-                    _name_entry(exc, len(results))
-                    raise
-                self._flush(tx, pending)
-                return results
-            # Keyed jobs bind their keys in one order, (queue, key), whatever the batch's: two
-            # batches naming the same keys in other orders through two PostgreSQL servers
-            # otherwise each waited on a key the other had bound (deadlocks and lock
-            # timeouts, answered BUSY). Ids are drawn in the batch's order first, so FIFO
-            # follows the batch, not the keys.
-            ids = [f"job_{_ULIDS.new(at.now_ms)}" for _ in rows]
-            out: list[dict[str, Any] | None] = [None] * len(rows)
-            keyed.sort(key=lambda i: (rows[i]["queue"], rows[i]["idempotency_key"], i))
-            for i in keyed:
-                try:
-                    out[i] = self._insert(tx, rows[i], at, s, pending, ids[i])
-                except IdempotencyConflict as exc:
-                    _name_entry(exc, i, ids)
-                    raise
-            for i, row in enumerate(rows):
-                if out[i] is None:
-                    out[i] = self._insert(tx, row, at, s, pending, ids[i])
+            new = self._new_queues(tx, {row["queue"] for row in rows}, at.now_ms, s)
+            made = self._insert_batch(tx, rows, at, s)
+            if new:
+                self._admit_new_queues(tx, new, at.now_ms, s)
+            return made
+
+    def _insert_batch(
+        self, tx: Tx, rows: list[dict[str, Any]], at: Reading, s: RelaySettings
+    ) -> list[dict[str, Any]]:
+        """Insert a batch's prepared jobs at the instant ``at`` (``submit_batch``)."""
+        pending: list[dict[str, Any]] = []
+        keyed = [i for i, row in enumerate(rows) if row["idempotency_key"] is not None]
+        if len(keyed) < 2:
+            results = []
+            try:
+                for row in rows:
+                    results.append(self._insert(tx, row, at, s, pending))
+            except IdempotencyConflict as exc:
+                _name_entry(exc, len(results))
+                raise
             self._flush(tx, pending)
-            return cast(list[dict[str, Any]], out)
+            return results
+        # Keyed jobs bind their keys in one order, (queue, key), whatever the batch's: two
+        # batches naming the same keys in other orders through two PostgreSQL servers
+        # otherwise each waited on a key the other had bound (deadlocks and lock
+        # timeouts, answered BUSY). Ids are drawn in the batch's order first, so FIFO
+        # follows the batch, not the keys.
+        ids = [f"job_{_ULIDS.new(at.now_ms)}" for _ in rows]
+        out: list[dict[str, Any] | None] = [None] * len(rows)
+        keyed.sort(key=lambda i: (rows[i]["queue"], rows[i]["idempotency_key"], i))
+        for i in keyed:
+            try:
+                out[i] = self._insert(tx, rows[i], at, s, pending, ids[i])
+            except IdempotencyConflict as exc:
+                _name_entry(exc, i, ids)
+                raise
+        for i, row in enumerate(rows):
+            if out[i] is None:
+                out[i] = self._insert(tx, row, at, s, pending, ids[i])
+        self._flush(tx, pending)
+        return cast(list[dict[str, Any]], out)
 
-    def _admit_queues(self, tx: Tx, names: Iterable[str], now_ms: int, s: RelaySettings) -> None:
-        """Refuse a submit that would make more than ``RELAY_MAX_QUEUES`` queues hold jobs.
+    def _new_queues(self, tx: Tx, names: Iterable[str], now_ms: int, s: RelaySettings) -> list[str]:
+        """The queue cap, before a submit's inserts: of ``names``, those no queue holding
+        jobs has, which ``_admit_new_queues`` counts once the jobs are in.
 
-        A name this service has seen hold jobs costs nothing; the others cost one statement
-        for them all (``queues_known``: a seek each); a name no queue has costs a count of the
-        queues, stopped at the cap (``queue_count``). After a count refuses a submit, for
-        ``QUEUE_CAP_RECHECK_MS`` a submit whose new names would not have fitted that count is
-        refused without counting again (a producer trying name after name, or batch after
-        batch, costs one ``queues_known`` a request, not a count); one that might fit counts.
+        ``RELAY_MAX_QUEUES`` bounds the queues holding jobs. A name this service has seen
+        hold jobs costs nothing; the others cost one statement for them all
+        (``queues_known``: a seek each). A name no queue has is counted after the inserts, so
+        a submit that fails on its own (an idempotency conflict) costs no count; and for
+        ``QUEUE_CAP_RECHECK_MS`` after a count refused, new names that would not have fitted
+        it are refused here, uncounted (a producer trying name after name, or batch after
+        batch, costs one ``queues_known`` a request).
 
-        Where several writers share the database (PostgreSQL), the count runs under a lock
-        (``hold_queue_cap``), so transactions starting queues count one after the other and
-        the cap holds across threads and servers; SQLite's one writer does so by itself.
-
-        The cap is soft in one way, by design: a name seen stays admitted after its queue
+        The cap is soft in two ways, by design. A name seen stays admitted after its queue
         empties, until the set of them reaches the cap and is cleared, so the queues can
         outnumber the cap by the names each process with a service remembers (at most
         ``RELAY_MAX_QUEUES`` each: the TCP server, each HTTP worker, each process enqueueing
-        through ``RelayBackend`` on the database).
+        through ``RelayBackend`` on the database). And where several writers share the
+        database (PostgreSQL), a queue emptied (purge, prune) while a submit to it is under
+        way is started again uncounted: one queue over the cap per such coincidence.
 
         Args:
             tx: the submit's write transaction.
             names: the queue names the submit uses.
             now_ms: the submit's instant (epoch ms).
         Raises:
-            TooManyQueues: a name no queue has, while ``RELAY_MAX_QUEUES`` queues hold jobs
-                (``details.limit``; ``details.queue``, one of the refused names).
+            TooManyQueues: within a second of a refusing count, new names that would not
+                have fitted it (``details.limit``; ``details.queue``, one of them).
         """
         unseen = [name for name in names if name not in self._queues_seen]
         if not unseen:
-            return
+            return []
         known = self._known_queues(tx, unseen)
         new = [name for name in unseen if name not in known]
-        if new:
-            self._count_queues_for(tx, new, now_ms, s.max_queues)
-        self.driver.after_commit(functools.partial(self._seen_queues, unseen, s.max_queues))
-
-    def _count_queues_for(self, tx: Tx, new: list[str], now_ms: int, cap: int) -> None:
-        """Refuse ``new`` (names no queue had when asked) unless the queues holding jobs
-        leave room for all of them (``_admit_queues``)."""
+        cap = s.max_queues
         refused = self._queues_refused
-        # Within the second after a refusing count, refused uncounted if it would not have
-        # fitted. Before that count (the wall clock stepped back) it is counted again, so a
-        # step cannot stretch the wait.
-        if refused is not None:
+        # Before that count (the wall clock stepped back) it is counted again, so a step
+        # cannot stretch the second.
+        if new and refused is not None:
             at, held = refused
             if at <= now_ms < at + QUEUE_CAP_RECHECK_MS and held + len(new) > cap:
                 raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
+        self.driver.after_commit(functools.partial(self._seen_queues, unseen, cap))
+        return new
+
+    def _admit_new_queues(self, tx: Tx, new: list[str], now_ms: int, s: RelaySettings) -> None:
+        """The queue cap, after a submit's inserts: refuse it (rolling it back) when more
+        than ``RELAY_MAX_QUEUES`` queues now hold jobs, ``new`` (``_new_queues``) among them.
+
+        Where several writers share the database (PostgreSQL) the count runs under a lock
+        (``hold_queue_cap``), taken last, so transactions starting queues count one after the
+        other, each seeing the queues the others started: the cap holds across threads and
+        servers. SQLite's one writer does so by itself. The TCP server runs such a submit in a
+        transaction of its own (``may_start_queues``), so the lock's holder waits for nothing
+        else.
+
+        Raises:
+            TooManyQueues: ``details.limit``; ``details.queue``, one of ``new``.
+        """
+        cap = s.max_queues
         if not self.capabilities.single_writer:
             tx.all("hold_queue_cap")
-            # Names another transaction started while this one waited are held now.
-            known = self._known_queues(tx, new)
-            new = [name for name in new if name not in known]
-            if not new:
-                return
-        held = int(_value(tx, "queue_count", {"limit": cap}))
-        if held + len(new) > cap:
-            self._queues_refused = (now_ms, held)
+        held = int(_value(tx, "queue_count", {"limit": cap + len(new)}))
+        if held > cap:
+            self._queues_refused = (now_ms, held - len(new))
             raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
+
+    def may_start_queues(self, names: Iterable[Any]) -> bool:
+        """Whether a submit to ``names`` may start a queue: one of them is a name this
+        service has not seen hold jobs (a hint for the TCP server's group commit, read
+        without a lock; values that are not names are the handler's to refuse)."""
+        seen = self._queues_seen
+        return any(isinstance(name, str) and name not in seen for name in names)
 
     @staticmethod
     def _known_queues(tx: Tx, names: list[str]) -> set[str]:

@@ -19,6 +19,7 @@ def run_group(
     claims: bool = False,
     durable: Sequence[bool] | None = None,
     queues: Sequence[Sequence[str]] | None = None,
+    alone: Sequence[bool] | None = None,
 ) -> tuple[list[tuple[bool, Any]], GroupCommit]:
     """Run ``fns`` as one group commit (flat first, as the server does); return each call's
     ``(ok, result or exception)`` and the ``GroupCommit`` (its ``commits``, ``flat``).
@@ -27,14 +28,24 @@ def run_group(
         claims: every call is a claim (its batch sweeps first).
         durable: each call's ``durable`` (default: all True).
         queues: each claim's queues (default: none named).
+        alone: each call's ``alone`` (default: all False).
     """
     loop = asyncio.new_event_loop()
     try:
         levels = durable if durable is not None else [True] * len(fns)
         named = queues if queues is not None else [()] * len(fns)
+        apart = alone if alone is not None else [False] * len(fns)
         calls = [
-            Call(fn, loop.create_future(), loop, claims=claims, durable=level, queues=names)
-            for fn, level, names in zip(fns, levels, named, strict=True)
+            Call(
+                fn,
+                loop.create_future(),
+                loop,
+                claims=claims,
+                durable=level,
+                queues=names,
+                alone=own,
+            )
+            for fn, level, names, own in zip(fns, levels, named, apart, strict=True)
         ]
         group = GroupCommit(
             service,

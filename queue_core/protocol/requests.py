@@ -175,6 +175,8 @@ class Requests:
                 claims=leases_next,
                 weight=_weight(args),
                 queues=_locked_queues(verb, args) if locks else (),
+                # The queue cap's lock is taken alone, never among other calls' row locks.
+                alone=self.orders_locks and self.service.may_start_queues(_submitted(verb, args)),
             )
         conn.tasks.add(future)  # until its reply is written (``answer_write``)
         future.add_done_callback(functools.partial(self.answer_write, conn, request))
@@ -815,6 +817,15 @@ def _locked_queues(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
         return v.queue_list(spec.get("queues") if isinstance(spec, dict) else args.get("queues"), s)
     except errors.InvalidArgument:
         return []
+
+
+def _submitted(verb: dispatch.Verb, args: dict[str, Any]) -> list[Any]:
+    """The queue names a submit or batch submit names, unchecked (none for another op)."""
+    if verb.op == "submit":
+        return [args.get("queue")]
+    if verb.op == "submit_batch" and isinstance(jobs := args.get("jobs"), list):
+        return [job.get("queue") for job in jobs if isinstance(job, dict)]
+    return []
 
 
 def _unqueue(conn: Conn, task: asyncio.Future[None]) -> None:

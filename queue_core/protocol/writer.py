@@ -79,6 +79,7 @@ class Call:
     durable: bool = True  # False: lease bookkeeping only, its COMMIT need not wait for the disk
     weight: int = 1  # the jobs it may touch (a batch's length, a lease's max_jobs)
     queues: Sequence[str] = ()  # the queues whose controls rows it locks (a claim's, a control's)
+    alone: bool = False  # run in a transaction of its own (a submit that may start a queue)
 
 
 def _ordered_locks(batch: list[Call]) -> tuple[list[str], list[str]]:
@@ -242,6 +243,8 @@ class GroupCommit:
         Raises:
             WriteLocked: ``wait=False`` and the write lock was taken: nothing ran.
         """
+        if len(batch) > 1 and any(call.alone for call in batch):
+            return self._apart(batch, wait=wait)
         if self.flat:
             try:
                 return self._run(batch, flat=True, wait=wait)
@@ -253,6 +256,24 @@ class GroupCommit:
                         batch, flat=False, wait=wait, settled=(redo.fn, redo.__cause__)
                     )
         return self._run(batch, flat=False, wait=wait)
+
+    def _apart(self, batch: list[Call], *, wait: bool) -> list[tuple[bool, Any]]:
+        """Run ``batch``'s ``alone`` calls each in a transaction of its own and the others
+        together; return the outcomes in ``batch``'s order.
+
+        A submit that may start a queue takes the queue cap's lock (``hold_queue_cap``) on
+        PostgreSQL; in a transaction of its own, its holder waits for nothing else. Taken
+        between other calls' row locks, it made deadlocks (a review: BUSY answers and calls
+        held 1 s under a mixed load).
+        """
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        together = [call for call in batch if not call.alone]
+        if together:
+            outcomes.update(zip(map(id, together), self.run(together, wait=wait), strict=True))
+        for call in batch:
+            if call.alone:
+                outcomes[id(call)] = self.run([call], wait=wait)[0]
+        return [outcomes[id(call)] for call in batch]
 
     def _run(
         self,
@@ -564,6 +585,7 @@ class Database:
         durable: bool = True,
         weight: int = 1,
         queues: Sequence[str] = (),
+        alone: bool = False,
     ) -> None:
         """Queue ``fn`` for the next group commit; ``future`` gets its result after COMMIT
         (event-loop thread: the future's loop is the running one).
@@ -579,8 +601,9 @@ class Database:
                 runs on the writer thread.
             queues: the queues whose controls rows ``fn`` locks (a claim's, a controls
                 op's): a batch of several such calls locks them all first, in name order.
+            alone: run ``fn`` in a transaction of its own (``GroupCommit._apart``).
         """
-        call = Call(fn, future, future.get_loop(), claims, durable, weight, queues)
+        call = Call(fn, future, future.get_loop(), claims, durable, weight, queues, alone)
         if self.inline is None or self._closed:
             self.write_calls.put(call)
             return

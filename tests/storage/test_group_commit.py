@@ -221,3 +221,20 @@ def test_a_refused_call_leaves_no_reference_cycle_holding_its_arguments(
         assert held[0]() is None, "a refusal's arguments outlived it"
     finally:
         gc.enable()
+
+
+def test_a_call_marked_alone_commits_in_a_transaction_of_its_own(service: QueueService) -> None:
+    """A submit that may start a queue takes the queue cap's lock on PostgreSQL; taken among
+    other calls' row locks it made deadlocks (a review), so the server marks it ``alone``:
+    the others commit together and it commits by itself, and each is answered in order."""
+    fns = [
+        lambda: service.submit("held", 1),
+        lambda: service.submit("new", 1),
+        lambda: service.submit("held", 2),
+    ]
+    outcomes, group = run_group(service, fns, alone=[False, True, False])
+    assert [ok for ok, _ in outcomes] == [True, True, True]
+    assert [value["job"]["queue"] for _, value in outcomes] == ["held", "new", "held"]
+    assert group.commits == 2
+    outcomes, group = run_group(service, fns)
+    assert group.commits == 1 and all(ok for ok, _ in outcomes)

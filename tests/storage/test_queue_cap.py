@@ -3,7 +3,7 @@
 A hostile review made 200,000 queue names with one producer key in 5.5 s; after it each
 ``stats`` took 1.5-1.7 s and the first ``/metrics`` scrape 2.1-2.4 s, since both read every
 queue's counts. A submit that would make more than ``RELAY_MAX_QUEUES`` queues hold jobs is
-now refused ``TOO_MANY_QUEUES`` (``QueueService._admit_queues``).
+now refused ``TOO_MANY_QUEUES`` (``QueueService._new_queues``).
 """
 
 from __future__ import annotations
@@ -220,3 +220,35 @@ def test_after_a_refusing_count_what_would_not_fit_is_refused_uncounted(
         refused(two_new)
     assert counted(ran), ran.captured_queries
     assert service.submit("x", 1)["job"]["queue"] == "x"  # one new name fits: counted
+
+
+@override_settings(RELAY_MAX_QUEUES=5)
+def test_a_submit_that_fails_on_its_own_costs_no_count(service: QueueService) -> None:
+    """A review: a batch naming a new queue and binding one idempotency key to two payloads
+    was counted, then rolled back by its conflict, remembered nowhere, and sent again: a
+    count a request (on PostgreSQL under the cap's lock, 4 clients held a sentinel 1.5 s).
+    The queues are counted once the jobs are in, so the conflict comes first."""
+    service.submit("held", 1)
+    for i in range(3):
+        jobs = [
+            {"queue": f"new{i}", "payload": 1, "idempotency_key": "k"},
+            {"queue": f"new{i}", "payload": 2, "idempotency_key": "k"},
+        ]
+        with (
+            CaptureQueriesContext(connections[service.driver.alias]) as ran,
+            pytest.raises(errors.IdempotencyConflict),
+        ):
+            service.submit_batch(jobs)
+        assert not counted(ran), ran.captured_queries
+    with CaptureQueriesContext(connections[service.driver.alias]) as ran:
+        service.submit("new0", 1)
+    assert counted(ran)
+    assert service.count_queues() == 2
+
+
+def test_may_start_queues_says_whether_a_name_is_unseen(service: QueueService) -> None:
+    assert service.may_start_queues(["a"]) and service.may_start_queues([None, "a"])
+    assert not service.may_start_queues([None, 5, {"x": 1}])
+    service.submit("a", 1)
+    assert not service.may_start_queues(["a", "a"])
+    assert service.may_start_queues(["a", "b"])

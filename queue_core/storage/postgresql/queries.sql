@@ -553,7 +553,7 @@ SELECT queue, state, COUNT(*) AS n FROM relay_job
 
 -- name: queues_known
 -- Which of the names given are queues holding jobs, in any state: a seek each on an index
--- led by relay_job.queue (the queue cap, QueueService._admit_queues, asks it of the names
+-- led by relay_job.queue (the queue cap, QueueService._new_queues, asks it of the names
 -- it has not seen, all of a batch's in one statement, not one round trip a name). A LATERAL
 -- LIMIT 1, not EXISTS: EXISTS became a hash join over every job (5 ms among 10,500 jobs) where
 -- this is a nested loop of seeks (0.04 ms). Params: queues (a JSON array of names).
@@ -564,9 +564,10 @@ SELECT name AS queue
 -- name: queue_count
 -- How many queues hold jobs, counting no further than `limit`: a loose index scan, one seek
 -- per queue on an index led by relay_job.queue (the recursion stops when the outer LIMIT has
--- its rows), never a scan of the jobs: 55 ms for 10,000 queues. The queue cap asks it only
--- for a name no queue has yet, under hold_queue_cap, and not again for a second for what
--- would not fit a count that refused; the relay_queues gauge at each scrape. Params: limit.
+-- its rows), never a scan of the jobs: 55 ms for 10,000 queues. The queue cap asks it under
+-- hold_queue_cap once a submit naming a queue that held no jobs has inserted them, not again
+-- for a second for what would not fit a count that refused; the relay_queues gauge asks it
+-- at each scrape. Params: limit.
 WITH RECURSIVE q(queue) AS (
     (SELECT queue FROM relay_job ORDER BY queue LIMIT 1)
     UNION ALL
@@ -695,15 +696,15 @@ SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
  ORDER BY started_at_ms, id;
 
 -- name: hold_queue_cap
--- The queue cap's lock, a transaction-level advisory lock taken before the queues are counted
--- for names no queue has yet (QueueService._admit_queues): two transactions starting queues
--- count one after the other, the second once the first has committed (read committed: each
--- statement sees what committed before it began). Without it, eight batches of 1,000 new
--- names sent at once through two servers all found the same room: 9,000 queues against a cap
--- of 2,000 (a review). SQLite needs none: its one writer counts one transaction at a time.
--- A group commit's transaction may already hold row locks of its earlier calls when it waits
--- here; a deadlock so formed is broken by PostgreSQL and answered BUSY (retryable), as any.
--- Params: none.
+-- The queue cap's lock, a transaction-level advisory lock taken once a submit that starts
+-- queues has inserted its jobs, before it counts the queues (QueueService._admit_new_queues):
+-- two transactions starting queues count one after the other, the second once the first has
+-- committed (read committed: each statement sees what committed before it began). Without it,
+-- eight batches of 1,000 new names sent at once through two servers all found the same room:
+-- 9,000 queues against a cap of 2,000 (a review). Its holder only counts and commits: taken
+-- last, and by a transaction of its own in the TCP server (a second review saw deadlocks
+-- when a group commit took it between other calls' row locks). SQLite needs none: its one
+-- writer counts one transaction at a time. Params: none.
 SELECT pg_advisory_xact_lock(hashtextextended('relay.queue_cap', 0));
 
 -- name: hold_queue_names

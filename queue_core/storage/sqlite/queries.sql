@@ -632,7 +632,7 @@ SELECT queue, state, n FROM relay_job_count WHERE n > 0 AND state <> 'succeeded'
 
 -- name: queues_known
 -- Which of the names given are queues holding jobs, in any state: a seek on relay_job_count's
--- primary key each (the queue cap, QueueService._admit_queues, asks it of the names it has not
+-- primary key each (the queue cap, QueueService._new_queues, asks it of the names it has not
 -- seen, all of a batch's in one statement). Params: queues (a JSON array of names).
 SELECT value AS queue
   FROM json_each(%(queues)s)
