@@ -20,6 +20,7 @@ def run_group(
     durable: Sequence[bool] | None = None,
     queues: Sequence[Sequence[str]] | None = None,
     alone: Sequence[bool] | None = None,
+    jobs: Sequence[Sequence[str]] | None = None,
 ) -> tuple[list[tuple[bool, Any]], GroupCommit]:
     """Run ``fns`` as one group commit (flat first, as the server does); return each call's
     ``(ok, result or exception)`` and the ``GroupCommit`` (its ``commits``, ``flat``).
@@ -29,12 +30,14 @@ def run_group(
         durable: each call's ``durable`` (default: all True).
         queues: each claim's queues (default: none named).
         alone: each call's ``alone`` (default: all False).
+        jobs: each call's ``jobs``, the rows it updates (default: none named).
     """
     loop = asyncio.new_event_loop()
     try:
         levels = durable if durable is not None else [True] * len(fns)
         named = queues if queues is not None else [()] * len(fns)
         apart = alone if alone is not None else [False] * len(fns)
+        rows = jobs if jobs is not None else [()] * len(fns)
         calls = [
             Call(
                 fn,
@@ -44,8 +47,9 @@ def run_group(
                 durable=level,
                 queues=names,
                 alone=own,
+                jobs=ids,
             )
-            for fn, level, names, own in zip(fns, levels, named, apart, strict=True)
+            for fn, level, names, own, ids in zip(fns, levels, named, apart, rows, strict=True)
         ]
         group = GroupCommit(
             service,

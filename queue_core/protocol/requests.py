@@ -177,6 +177,7 @@ class Requests:
                 queues=_locked_queues(verb, args) if locks else (),
                 # The queue cap's lock is taken alone, never among other calls' row locks.
                 alone=self.orders_locks and self.service.may_start_queues(_submitted(verb, args)),
+                jobs=_updated_jobs(verb, args) if self.orders_locks else (),
             )
         conn.tasks.add(future)  # until its reply is written (``answer_write``)
         future.add_done_callback(functools.partial(self.answer_write, conn, request))
@@ -817,6 +818,20 @@ def _locked_queues(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
         return v.queue_list(spec.get("queues") if isinstance(spec, dict) else args.get("queues"), s)
     except errors.InvalidArgument:
         return []
+
+
+def _updated_jobs(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
+    """The jobs whose rows a write updates (``put_write``'s ``jobs``): the ``job_id`` of a
+    renew, ack, fail, release, cancel, replay or purge, the acks' of an ``ack_batch``; values
+    that are not strings are the handler's to refuse."""
+    if verb.op == "ack_batch":
+        acks = args.get("acks")
+        if not isinstance(acks, list):
+            return []
+        ids = (ack.get("job_id") for ack in acks if isinstance(ack, dict))
+        return [job_id for job_id in ids if isinstance(job_id, str)]
+    job_id = args.get("job_id")
+    return [job_id] if isinstance(job_id, str) else []
 
 
 def _submitted(verb: dispatch.Verb, args: dict[str, Any]) -> list[Any]:

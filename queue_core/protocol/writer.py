@@ -80,6 +80,7 @@ class Call:
     weight: int = 1  # the jobs it may touch (a batch's length, a lease's max_jobs)
     queues: Sequence[str] = ()  # the queues whose controls rows it locks (a claim's, a control's)
     alone: bool = False  # run in a transaction of its own (a submit that may start a queue)
+    jobs: Sequence[str] = ()  # the jobs whose rows it updates (renew, ack, cancel, ...)
 
 
 def _ordered_locks(batch: list[Call]) -> tuple[list[str], list[str]]:
@@ -98,6 +99,15 @@ def _ordered_locks(batch: list[Call]) -> tuple[list[str], list[str]]:
     hold = sorted({q for call in locking for q in call.queues})
     inserting = sorted({q for call in locking if not call.claims for q in call.queues})
     return hold, inserting
+
+
+def _ordered_jobs(batch: list[Call]) -> list[str]:
+    """The jobs whose rows a group commit's first call locks for ``batch``, sorted: those its
+    calls update, when two or more calls update any (``QueueService.hold_jobs``)."""
+    updating = [call for call in batch if call.jobs]
+    if len(updating) < 2:
+        return []
+    return sorted({job for call in updating for job in call.jobs})
 
 
 def settle(future: asyncio.Future[Any], ok: bool, value: Any) -> None:
@@ -227,6 +237,7 @@ class GroupCommit:
         self.first = self._hold_and_sweep  # one object: a round names it (``_Redo.fn``)
         self._hold: list[str] = []  # the queues whose controls ``first`` locks
         self._inserting: list[str] = []  # of those, the controls ops' (they may insert)
+        self._jobs: list[str] = []  # the jobs whose rows ``first`` locks, after the controls
         self._sweeps = False  # whether ``first`` sweeps (the batch claims)
 
     def run(self, batch: list[Call], *, wait: bool = True) -> list[tuple[bool, Any]]:
@@ -296,11 +307,12 @@ class GroupCommit:
                 claims = claims or call.claims
             if len(batch) > 1 and not self.service.capabilities.single_writer:
                 self._hold, self._inserting = _ordered_locks(batch)
+                self._jobs = _ordered_jobs(batch)
             else:  # one call locks in one order; SQLite has one writer
-                self._hold, self._inserting = [], []
+                self._hold, self._inserting, self._jobs = [], [], []
             self._sweeps = claims
             with self.service.transaction(savepoints=not flat, durable=durable, wait=wait):
-                if claims or self._hold:
+                if claims or self._hold or self._jobs:
                     value: Any
                     swept, value = (
                         (False, settled[1])
@@ -336,9 +348,12 @@ class GroupCommit:
 
     def _hold_and_sweep(self) -> set[str]:
         """A batch's first call: lock the controls rows its calls will lock
-        (``QueueService.hold_queue_controls``), then, when it claims, ``sweep``."""
+        (``QueueService.hold_queue_controls``), then the rows of the jobs they update
+        (``QueueService.hold_jobs``), then, when it claims, ``sweep``."""
         if self._hold:
             self.service.hold_queue_controls(self._hold, self._inserting)
+        if self._jobs:
+            self.service.hold_jobs(self._jobs)
         return self.sweep() if self._sweeps else set()
 
     def _guarded(
@@ -586,6 +601,7 @@ class Database:
         weight: int = 1,
         queues: Sequence[str] = (),
         alone: bool = False,
+        jobs: Sequence[str] = (),
     ) -> None:
         """Queue ``fn`` for the next group commit; ``future`` gets its result after COMMIT
         (event-loop thread: the future's loop is the running one).
@@ -602,8 +618,10 @@ class Database:
             queues: the queues whose controls rows ``fn`` locks (a claim's, a controls
                 op's): a batch of several such calls locks them all first, in name order.
             alone: run ``fn`` in a transaction of its own (``GroupCommit._apart``).
+            jobs: the jobs whose rows ``fn`` updates: a batch of several such calls locks
+                them all first, in id order.
         """
-        call = Call(fn, future, future.get_loop(), claims, durable, weight, queues, alone)
+        call = Call(fn, future, future.get_loop(), claims, durable, weight, queues, alone, jobs)
         if self.inline is None or self._closed:
             self.write_calls.put(call)
             return

@@ -188,6 +188,64 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
     assert after == before
 
 
+def test_two_group_commits_updating_jobs_in_opposite_orders_never_deadlock() -> None:
+    """Each call locks its own job's row as it runs, but a group commit holds them until it
+    commits: one batch renewing ``a`` then ``b`` and another ``b`` then ``a`` (a review:
+    renews through one server, cancels of the same jobs through another) deadlocked, one call
+    answered ``BUSY`` after a second. Now a batch of such calls locks all their jobs' rows
+    first, in id order: the second batch waits for the first and both commit.
+
+    Deterministic: the first batch's middle call goes on once the second batch has renewed
+    ``b`` (it says so) or waits for a lock (``pg_stat_activity``)."""
+    service = QueueService(driver=driver_for(ALIAS))
+    for n in range(2):
+        service.submit("rows", n)
+    leases = sorted(service.claim(["rows"], worker_id="w", max_jobs=2), key=lambda j: j["job_id"])
+    a, b = (lease["job_id"] for lease in leases)
+    tokens = {lease["job_id"]: lease["lease_token"] for lease in leases}
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    first_locked, second_locked = threading.Event(), threading.Event()
+    second_pid: list[int] = []
+
+    def renew(job_id: str) -> Callable[[], Any]:
+        return lambda: service.renew(job_id, worker_id="w", lease_token=tokens[job_id])
+
+    def until_second_locked_or_waits() -> None:
+        deadline = time.monotonic() + 30
+        while not second_locked.wait(0.01) and not (
+            second_pid
+            and count_sessions(url, "a.pid = %s AND a.wait_event_type = 'Lock'", second_pid)
+        ):
+            assert time.monotonic() < deadline, "the second batch neither locked nor waited"
+
+    results: dict[str, list[tuple[bool, Any]]] = {}
+
+    def first() -> None:
+        fns = [renew(a), first_locked.set, until_second_locked_or_waits, renew(b)]
+        results["first"] = run_group(service, fns, jobs=[[a], [], [], [b]])[0]
+        connections[ALIAS].close()
+
+    def second() -> None:
+        with connections[ALIAS].cursor() as cursor:  # this thread's session
+            cursor.execute("SELECT pg_backend_pid()")
+            second_pid.append(cursor.fetchone()[0])
+        fns = [renew(b), second_locked.set, renew(a)]
+        results["second"] = run_group(service, fns, jobs=[[b], [], [a]])[0]
+        connections[ALIAS].close()
+
+    before = deadlocks(url)
+    one = threading.Thread(target=first)
+    one.start()
+    assert first_locked.wait(30), "the first batch never locked its jobs"
+    two = threading.Thread(target=second)
+    two.start()
+    one.join(60)
+    two.join(60)
+    for name in ("first", "second"):
+        assert all(ok for ok, _ in results[name]), results[name]
+    assert deadlocks(url) == before
+
+
 def test_a_batch_whose_first_lock_waited_out_a_held_row_refuses_only_the_claim_that_meets_it() -> (
     None
 ):

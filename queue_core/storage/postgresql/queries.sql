@@ -707,6 +707,17 @@ SELECT id, address, host, pid, started_at_ms, seen_at_ms, clock_skew_ms
 -- writer counts one transaction at a time. Params: none.
 SELECT pg_advisory_xact_lock(hashtextextended('relay.queue_cap', 0));
 
+-- name: hold_jobs
+-- Lock the rows of the jobs a group commit's calls update, in id order, before any of them
+-- runs (QueueService.hold_jobs): two batches updating the same jobs in other orders through
+-- two servers deadlocked. FOR NO KEY UPDATE, the lock an UPDATE of these rows takes, so
+-- foreign key checks on them (KEY SHARE) go on. Params: job_ids (text[], sorted).
+SELECT id
+  FROM relay_job
+ WHERE id = ANY(%(job_ids)s::text[])
+ ORDER BY id
+   FOR NO KEY UPDATE;
+
 -- name: hold_queue_names
 -- A transaction-level advisory lock for each queue named, in the order given (the caller
 -- sorts them): a group commit of several calls that lock relay_queue rows takes these for its
