@@ -426,10 +426,13 @@ def error_text(value: Any, settings: RelaySettings) -> str:
     return value.replace("\x00", "\ufffd")
 
 
+JOB_ID_MAX = 40  # the longest job id taken, in characters (Relay's own are 30)
+
+
 def job_id(value: Any, field: str = "job_id") -> str:
     """Return a plausible job id string (existence is checked by the query); an error names
     ``field`` (a page's ``after`` cursor is a job id too)."""
-    return text(field, value, max_len=40)
+    return text(field, value, max_len=JOB_ID_MAX)
 
 
 def worker_id(value: Any) -> str:

@@ -823,15 +823,16 @@ def _locked_queues(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
 def _updated_jobs(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
     """The jobs whose rows a write updates (``put_write``'s ``jobs``): the ``job_id`` of a
     renew, ack, fail, release, cancel, replay or purge, the acks' of an ``ack_batch``; values
-    that are not strings are the handler's to refuse."""
+    that cannot be job ids (not strings, or longer than ``validation.job_id`` takes) are the
+    handler's to refuse, and lock nothing."""
     if verb.op == "ack_batch":
         acks = args.get("acks")
         if not isinstance(acks, list):
             return []
-        ids = (ack.get("job_id") for ack in acks if isinstance(ack, dict))
-        return [job_id for job_id in ids if isinstance(job_id, str)]
-    job_id = args.get("job_id")
-    return [job_id] if isinstance(job_id, str) else []
+        ids = [ack.get("job_id") for ack in acks if isinstance(ack, dict)]
+    else:
+        ids = [args.get("job_id")]
+    return [job_id for job_id in ids if isinstance(job_id, str) and len(job_id) <= v.JOB_ID_MAX]
 
 
 def _submitted(verb: dispatch.Verb, args: dict[str, Any]) -> list[Any]:

@@ -290,6 +290,24 @@ def test_the_queues_a_write_locks_are_named_once_checked() -> None:
     assert _locked_queues(ack, {"lease_next": "q"}) == []
 
 
+def test_the_jobs_a_write_updates_and_the_queues_a_submit_names() -> None:
+    """A group commit locks its calls' job rows first, in id order (PostgreSQL), and runs a
+    submit that may start a queue alone: what the server reads from a request for that,
+    before its handler checks it."""
+    from queue_core.protocol.requests import _submitted, _updated_jobs
+
+    renew, ack_batch, submit, batch, lease = (
+        dispatch.VERBS[name] for name in ("renew", "ack_batch", "submit", "submit_batch", "lease")
+    )
+    assert _updated_jobs(renew, {"job_id": "job_1"}) == ["job_1"]
+    assert _updated_jobs(ack_batch, {"acks": [{"job_id": "b"}, {"job_id": 5}, "x", {}]}) == ["b"]
+    assert _updated_jobs(renew, {"job_id": "j" * 41}) == []  # no job id is so long
+    assert _updated_jobs(ack_batch, {"acks": "x"}) == [] == _updated_jobs(lease, {"queues": []})
+    assert _submitted(submit, {"queue": "q"}) == ["q"]
+    assert _submitted(batch, {"jobs": [{"queue": "a"}, 5, {"queue": 7}]}) == ["a", 7]
+    assert _submitted(batch, {"jobs": "x"}) == [] == _submitted(renew, {"job_id": "j"})
+
+
 def test_the_django_doc_names_every_op_as_a_client_method() -> None:
     # A docs audit found seven ops missing from the list of the clients' methods.
     doc = (Path(__file__).resolve().parents[2] / "docs" / "django.md").read_text()
