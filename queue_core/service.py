@@ -703,7 +703,8 @@ class QueueService:
         other, each seeing the queues the others started: the cap holds across threads and
         servers. SQLite's one writer does so by itself. The TCP server runs such a submit in a
         transaction of its own (``may_start_queues``), so the lock's holder waits for nothing
-        else.
+        else; a submit inside a caller's own transaction (``RelayBackend`` on the database,
+        in ``atomic()``) holds it until that transaction ends.
 
         Raises:
             TooManyQueues: ``details.limit``; ``details.queue``, one of ``new``.
