@@ -1535,8 +1535,8 @@ class QueueService:
     def hold_jobs(self, job_ids: list[str]) -> None:
         """Lock the rows of ``job_ids`` until the transaction ends, in id order, where several
         writers run at once (PostgreSQL; nothing on SQLite): a group commit of several calls
-        that update named jobs (renew, ack, fail, release, cancel, ...) calls it first, after
-        ``hold_queue_controls`` (``GroupCommit``).
+        that all update named jobs (renew, ack, fail, release, cancel, ...) calls it first,
+        after ``hold_queue_controls`` (``GroupCommit``, ``writer._ordered_jobs``).
 
         Each call locks its own job's row as it runs, so one batch renewing ``a`` then ``b``
         and another, on another server, cancelling ``b`` then ``a`` deadlocked, one call

@@ -823,16 +823,25 @@ def _locked_queues(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
 def _updated_jobs(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
     """The jobs whose rows a write updates (``put_write``'s ``jobs``): the ``job_id`` of a
     renew, ack, fail, release, cancel, replay or purge, the acks' of an ``ack_batch``; values
-    that cannot be job ids (not strings, or longer than ``validation.job_id`` takes) are the
+    that ``validation.job_id`` refuses (not strings, too long, a NUL: PostgreSQL refused the
+    batch's lock statement for it), and the acks of a batch over ``MAX_BATCH_ACKS``, are the
     handler's to refuse, and lock nothing."""
     if verb.op == "ack_batch":
         acks = args.get("acks")
-        if not isinstance(acks, list):
+        if not isinstance(acks, list) or len(acks) > MAX_BATCH_ACKS:
             return []
         ids = [ack.get("job_id") for ack in acks if isinstance(ack, dict)]
     else:
         ids = [args.get("job_id")]
-    return [job_id for job_id in ids if isinstance(job_id, str) and len(job_id) <= v.JOB_ID_MAX]
+    return [job_id for job_id in map(_plausible_job_id, ids) if job_id is not None]
+
+
+def _plausible_job_id(value: Any) -> str | None:
+    """``value`` when ``validation.job_id`` takes it, else None."""
+    try:
+        return v.job_id(value)
+    except errors.InvalidArgument:
+        return None
 
 
 def _submitted(verb: dispatch.Verb, args: dict[str, Any]) -> list[Any]:

@@ -222,7 +222,9 @@ def test_two_group_commits_updating_jobs_in_opposite_orders_never_deadlock() -> 
 
     def first() -> None:
         fns = [renew(a), first_locked.set, until_second_locked_or_waits, renew(b)]
-        results["first"] = run_group(service, fns, jobs=[[a], [], [], [b]])[0]
+        # The gates stand for calls updating these jobs: a batch locks its jobs first only
+        # when each of its calls updates named jobs (``writer._ordered_jobs``).
+        results["first"] = run_group(service, fns, jobs=[[a], [a], [a], [b]])[0]
         connections[ALIAS].close()
 
     def second() -> None:
@@ -230,7 +232,7 @@ def test_two_group_commits_updating_jobs_in_opposite_orders_never_deadlock() -> 
             cursor.execute("SELECT pg_backend_pid()")
             second_pid.append(cursor.fetchone()[0])
         fns = [renew(b), second_locked.set, renew(a)]
-        results["second"] = run_group(service, fns, jobs=[[b], [], [a]])[0]
+        results["second"] = run_group(service, fns, jobs=[[b], [b], [a]])[0]
         connections[ALIAS].close()
 
     before = deadlocks(url)

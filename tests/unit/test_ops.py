@@ -302,10 +302,25 @@ def test_the_jobs_a_write_updates_and_the_queues_a_submit_names() -> None:
     assert _updated_jobs(renew, {"job_id": "job_1"}) == ["job_1"]
     assert _updated_jobs(ack_batch, {"acks": [{"job_id": "b"}, {"job_id": 5}, "x", {}]}) == ["b"]
     assert _updated_jobs(renew, {"job_id": "j" * 41}) == []  # no job id is so long
+    assert _updated_jobs(renew, {"job_id": "job_\x00x"}) == []  # PostgreSQL refuses a NUL
+    assert _updated_jobs(ack_batch, {"acks": [{"job_id": "a"}] * 101}) == []  # over the bound
     assert _updated_jobs(ack_batch, {"acks": "x"}) == [] == _updated_jobs(lease, {"queues": []})
     assert _submitted(submit, {"queue": "q"}) == ["q"]
     assert _submitted(batch, {"jobs": [{"queue": "a"}, 5, {"queue": 7}]}) == ["a", 7]
     assert _submitted(batch, {"jobs": "x"}) == [] == _submitted(renew, {"job_id": "j"})
+
+
+def test_a_group_commit_locks_job_rows_first_only_when_every_call_updates_named_jobs() -> None:
+    """Rows locked ahead of a submit's idempotency key closed a deadlock with a batch that
+    inserted the key first (a review); a batch of job updates alone locks them in id order."""
+    from queue_core.protocol.writer import Call, _ordered_jobs
+
+    def call(*jobs: str) -> Call:
+        return Call(lambda: None, None, None, jobs=jobs)  # type: ignore[arg-type]
+
+    assert _ordered_jobs([call("b"), call("a", "c")]) == ["a", "b", "c"]
+    assert _ordered_jobs([call("b"), call(), call("a")]) == []  # a submit among them
+    assert _ordered_jobs([call("b", "a")]) == []  # one call locks in its own order
 
 
 def test_the_django_doc_names_every_op_as_a_client_method() -> None:
