@@ -1532,6 +1532,12 @@ class QueueService:
                 tx.all("hold_queue_names", {"queues": inserting})
             tx.all("queue_controls_for_claim", {"queues": orjson.dumps(queues).decode()})
 
+    def controlled(self, queues: Sequence[str]) -> bool:
+        """Whether one of ``queues`` was paused, capped or rate-limited when a claim here last
+        named it: a hint (in-process, maybe stale), which the claim itself follows too."""
+        with self._hints:
+            return not self._controlled.isdisjoint(queues)
+
     def hold_jobs(self, job_ids: list[str]) -> None:
         """Lock the rows of ``job_ids`` until the transaction ends, in id order, where several
         writers run at once (PostgreSQL; nothing on SQLite): a group commit of several calls

@@ -248,6 +248,74 @@ def test_two_group_commits_updating_jobs_in_opposite_orders_never_deadlock() -> 
     assert deadlocks(url) == before
 
 
+def test_a_batch_locking_a_job_then_a_controlled_queue_takes_the_controls_row_first() -> None:
+    """An ack with ``lease_next`` on a capped queue locked its job's row, then the queue's
+    controls row, and a batch on another server claiming from that queue and renewing the
+    job took them the other way round (a review: 16 deadlocks in 15 s). A batch with one call
+    locking controls rows now locks them first when the batch also updates named jobs and
+    the queue was controlled at the last claim naming it: controls rows, then job rows.
+
+    Deterministic: the first batch's middle call goes on once the second batch has claimed
+    (it says so) or waits for a lock (``pg_stat_activity``)."""
+    service = QueueService(driver=driver_for(ALIAS))
+    service.set_queue_limits("capped", max_leased=100_000)  # the cap never binds
+    for n in range(2):
+        service.submit("capped", n)
+    service.submit("rows", 0)
+    (lease,) = service.claim(["rows"], worker_id="w", max_jobs=1)
+    service.claim(["capped"], worker_id="w", max_jobs=1)  # the hint: "capped" is controlled
+    assert service.controlled(["capped"])
+    job = lease["job_id"]
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    first_locked, second_locked = threading.Event(), threading.Event()
+    second_pid: list[int] = []
+
+    def renew() -> Any:
+        return service.renew(job, worker_id="w", lease_token=lease["lease_token"])
+
+    def claim() -> Any:
+        return service.claim(["capped"], worker_id="w2", max_jobs=1)
+
+    def until_second_locked_or_waits() -> None:
+        deadline = time.monotonic() + 30
+        while not second_locked.wait(0.01) and not (
+            second_pid
+            and count_sessions(url, "a.pid = %s AND a.wait_event_type = 'Lock'", second_pid)
+        ):
+            assert time.monotonic() < deadline, "the second batch neither locked nor waited"
+
+    results: dict[str, list[tuple[bool, Any]]] = {}
+
+    def first() -> None:  # as an ack with lease_next: the job's row, then the controls row
+        fns = [renew, first_locked.set, until_second_locked_or_waits, claim]
+        queues: list[list[str]] = [[], [], [], ["capped"]]
+        jobs: list[list[str]] = [[job], [], [], []]
+        results["first"] = run_group(service, fns, queues=queues, jobs=jobs)[0]
+        connections[ALIAS].close()
+
+    def second() -> None:
+        with connections[ALIAS].cursor() as cursor:  # this thread's session
+            cursor.execute("SELECT pg_backend_pid()")
+            second_pid.append(cursor.fetchone()[0])
+        fns = [claim, second_locked.set, renew]
+        queues: list[list[str]] = [["capped"], [], []]
+        jobs: list[list[str]] = [[], [], [job]]
+        results["second"] = run_group(service, fns, queues=queues, jobs=jobs)[0]
+        connections[ALIAS].close()
+
+    before = deadlocks(url)
+    one = threading.Thread(target=first)
+    one.start()
+    assert first_locked.wait(30), "the first batch never locked the job"
+    two = threading.Thread(target=second)
+    two.start()
+    one.join(60)
+    two.join(60)
+    for name in ("first", "second"):
+        assert all(ok for ok, _ in results[name]), results[name]
+    assert deadlocks(url) == before
+
+
 def test_a_batch_whose_first_lock_waited_out_a_held_row_refuses_only_the_claim_that_meets_it() -> (
     None
 ):
