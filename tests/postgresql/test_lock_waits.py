@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import psycopg
 import pytest
@@ -113,6 +113,74 @@ def test_a_connection_lost_in_the_savepoint_round_fails_every_call() -> None:
     assert row == (0,)
 
 
+class Step(NamedTuple):
+    """One call of a group commit, with the rows it says it locks (``Call.queues``, ``jobs``)."""
+
+    fn: Callable[[], Any]
+    queues: Sequence[str] = ()
+    jobs: Sequence[str] = ()
+
+
+def crossed(service: QueueService, first: tuple[Step, Step], second: tuple[Step, Step]) -> None:
+    """Run two group commits that take two locks in opposite orders, each batch
+    ``(head, tail)``, and check that both commit and PostgreSQL saw no deadlock.
+
+    Deterministic: the first batch runs its head, then goes on to its tail only once the
+    second batch has run its head (it says so) or waits for a lock (``pg_stat_activity``).
+    Between head and tail each batch has marker calls that say the rows its head says (so a
+    batch that locks job rows first only when every call updates jobs still does).
+    ``service`` runs both (its hints, such as ``controlled``, are the batches').
+    """
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    first_locked, second_locked = threading.Event(), threading.Event()
+    second_pid: list[int] = []
+
+    def until_second_locked_or_waits() -> None:
+        deadline = time.monotonic() + 30
+        while not second_locked.wait(0.01) and not (
+            second_pid
+            and count_sessions(url, "a.pid = %s AND a.wait_event_type = 'Lock'", second_pid)
+        ):
+            assert time.monotonic() < deadline, "the second batch neither locked nor waited"
+
+    def run_batch(steps: list[Step]) -> list[tuple[bool, Any]]:
+        fns = [step.fn for step in steps]
+        queues = [step.queues for step in steps]
+        jobs = [step.jobs for step in steps]
+        return run_group(service, fns, queues=queues, jobs=jobs)[0]
+
+    results: dict[str, list[tuple[bool, Any]]] = {}
+
+    def one() -> None:
+        (head, tail) = first
+        markers = [
+            Step(first_locked.set, jobs=head.jobs),
+            Step(until_second_locked_or_waits, jobs=head.jobs),
+        ]
+        results["first"] = run_batch([head, *markers, tail])
+        connections[ALIAS].close()
+
+    def two() -> None:
+        with connections[ALIAS].cursor() as cursor:  # this thread's session
+            cursor.execute("SELECT pg_backend_pid()")
+            second_pid.append(cursor.fetchone()[0])
+        (head, tail) = second
+        results["second"] = run_batch([head, Step(second_locked.set, jobs=head.jobs), tail])
+        connections[ALIAS].close()
+
+    before = deadlocks(url)
+    thread_one = threading.Thread(target=one)
+    thread_one.start()
+    assert first_locked.wait(30), "the first batch never ran its head"
+    thread_two = threading.Thread(target=two)
+    thread_two.start()
+    thread_one.join(60)
+    thread_two.join(60)
+    for name in ("first", "second"):
+        assert all(ok for ok, _ in results[name]), results[name]
+    assert deadlocks(url) == before
+
+
 @pytest.mark.parametrize("kind", ["claims", "limits", "pauses"])
 def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadlock(
     kind: str,
@@ -123,69 +191,29 @@ def test_two_group_commits_locking_queue_controls_in_opposite_orders_never_deadl
     (three reviews: each call of both batches answered ``BUSY`` after a second, with claims,
     then beside limit changes, then pauses of queues without a row). Now a batch of such
     calls locks all their queues first, by name then row: the second batch waits for the
-    first and both commit.
-
-    Deterministic: the first batch's middle call goes on once the second batch has locked
-    ``b`` (it says so) or waits for a lock (``pg_stat_activity``)."""
+    first and both commit (``crossed``)."""
     service = QueueService(driver=driver_for(ALIAS))
     if kind != "pauses":  # rows that exist; a pause of a queue with no row inserts it
         for queue in ("a", "b"):
             service.set_queue_limits(queue, max_leased=100_000)  # the cap never binds
             for n in range(2):
                 service.submit(queue, n)
-    url = database_url("postgresql")["RELAY_DATABASE_URL"]
-    first_locked, second_locked = threading.Event(), threading.Event()
-    second_pid: list[int] = []
 
-    def waiting(pid: int) -> bool:
-        return count_sessions(url, "a.pid = %s AND a.wait_event_type = 'Lock'", [pid]) > 0
+    def claim(queue: str) -> Step:
+        return Step(lambda: service.claim([queue], worker_id="w", max_jobs=1), [queue])
 
-    def until_second_locked_or_waits() -> None:
-        deadline = time.monotonic() + 30
-        while not second_locked.wait(0.01) and not (second_pid and waiting(second_pid[0])):
-            assert time.monotonic() < deadline, "the second batch neither locked nor waited"
+    def limits(queue: str) -> Step:
+        return Step(lambda: service.set_queue_limits(queue, max_leased=99_999), [queue])
 
-    def claim(queue: str) -> Callable[[], Any]:
-        return lambda: service.claim([queue], worker_id="w", max_jobs=1)
-
-    def limits(queue: str) -> Callable[[], Any]:
-        return lambda: service.set_queue_limits(queue, max_leased=99_999)
-
-    def pause(queue: str) -> Callable[[], Any]:
-        return lambda: service.pause(queue)
+    def pause(queue: str) -> Step:
+        return Step(lambda: service.pause(queue), [queue])
 
     early, late = {"claims": (claim, claim), "limits": (limits, claim), "pauses": (pause, pause)}[
         kind
     ]
-    results: dict[str, list[tuple[bool, Any]]] = {}
-
-    def first() -> None:
-        fns = [early("a"), first_locked.set, until_second_locked_or_waits, late("b")]
-        results["first"] = run_group(service, fns, queues=[["a"], [], [], ["b"]])[0]
-        connections[ALIAS].close()
-
-    def second() -> None:
-        with connections[ALIAS].cursor() as cursor:  # this thread's session
-            cursor.execute("SELECT pg_backend_pid()")
-            second_pid.append(cursor.fetchone()[0])
-        fns = [late("b"), second_locked.set, early("a")]
-        results["second"] = run_group(service, fns, queues=[["b"], [], ["a"]])[0]
-        connections[ALIAS].close()
-
-    before = deadlocks(url)
-    one = threading.Thread(target=first)
-    one.start()
-    assert first_locked.wait(30), "the first batch never locked a"
-    two = threading.Thread(target=second)
-    two.start()
-    one.join(60)
-    two.join(60)
-    after = deadlocks(url)
-    for name in ("first", "second"):
-        assert all(ok for ok, _ in results[name]), results[name]
+    crossed(service, (early("a"), late("b")), (late("b"), early("a")))
     if kind == "pauses":
         assert service.queue_controls()["queues"].keys() == {"a", "b"}
-    assert after == before
 
 
 def test_two_group_commits_updating_jobs_in_opposite_orders_never_deadlock() -> None:
@@ -193,59 +221,20 @@ def test_two_group_commits_updating_jobs_in_opposite_orders_never_deadlock() -> 
     commits: one batch renewing ``a`` then ``b`` and another ``b`` then ``a`` (a review:
     renews through one server, cancels of the same jobs through another) deadlocked, one call
     answered ``BUSY`` after a second. Now a batch of such calls locks all their jobs' rows
-    first, in id order: the second batch waits for the first and both commit.
-
-    Deterministic: the first batch's middle call goes on once the second batch has renewed
-    ``b`` (it says so) or waits for a lock (``pg_stat_activity``)."""
+    first, in id order: the second batch waits for the first and both commit (``crossed``)."""
     service = QueueService(driver=driver_for(ALIAS))
     for n in range(2):
         service.submit("rows", n)
-    leases = sorted(service.claim(["rows"], worker_id="w", max_jobs=2), key=lambda j: j["job_id"])
-    a, b = (lease["job_id"] for lease in leases)
+    leases = service.claim(["rows"], worker_id="w", max_jobs=2)
+    a, b = sorted(lease["job_id"] for lease in leases)
     tokens = {lease["job_id"]: lease["lease_token"] for lease in leases}
-    url = database_url("postgresql")["RELAY_DATABASE_URL"]
-    first_locked, second_locked = threading.Event(), threading.Event()
-    second_pid: list[int] = []
 
-    def renew(job_id: str) -> Callable[[], Any]:
-        return lambda: service.renew(job_id, worker_id="w", lease_token=tokens[job_id])
+    def renew(job_id: str) -> Step:
+        return Step(
+            lambda: service.renew(job_id, worker_id="w", lease_token=tokens[job_id]), jobs=[job_id]
+        )
 
-    def until_second_locked_or_waits() -> None:
-        deadline = time.monotonic() + 30
-        while not second_locked.wait(0.01) and not (
-            second_pid
-            and count_sessions(url, "a.pid = %s AND a.wait_event_type = 'Lock'", second_pid)
-        ):
-            assert time.monotonic() < deadline, "the second batch neither locked nor waited"
-
-    results: dict[str, list[tuple[bool, Any]]] = {}
-
-    def first() -> None:
-        fns = [renew(a), first_locked.set, until_second_locked_or_waits, renew(b)]
-        # The gates stand for calls updating these jobs: a batch locks its jobs first only
-        # when each of its calls updates named jobs (``writer._ordered_jobs``).
-        results["first"] = run_group(service, fns, jobs=[[a], [a], [a], [b]])[0]
-        connections[ALIAS].close()
-
-    def second() -> None:
-        with connections[ALIAS].cursor() as cursor:  # this thread's session
-            cursor.execute("SELECT pg_backend_pid()")
-            second_pid.append(cursor.fetchone()[0])
-        fns = [renew(b), second_locked.set, renew(a)]
-        results["second"] = run_group(service, fns, jobs=[[b], [b], [a]])[0]
-        connections[ALIAS].close()
-
-    before = deadlocks(url)
-    one = threading.Thread(target=first)
-    one.start()
-    assert first_locked.wait(30), "the first batch never locked its jobs"
-    two = threading.Thread(target=second)
-    two.start()
-    one.join(60)
-    two.join(60)
-    for name in ("first", "second"):
-        assert all(ok for ok, _ in results[name]), results[name]
-    assert deadlocks(url) == before
+    crossed(service, (renew(a), renew(b)), (renew(b), renew(a)))
 
 
 def test_a_batch_locking_a_job_then_a_controlled_queue_takes_the_controls_row_first() -> None:
@@ -253,10 +242,8 @@ def test_a_batch_locking_a_job_then_a_controlled_queue_takes_the_controls_row_fi
     controls row, and a batch on another server claiming from that queue and renewing the
     job took them the other way round (a review: 16 deadlocks in 15 s). A batch with one call
     locking controls rows now locks them first when the batch also updates named jobs and
-    the queue was controlled at the last claim naming it: controls rows, then job rows.
-
-    Deterministic: the first batch's middle call goes on once the second batch has claimed
-    (it says so) or waits for a lock (``pg_stat_activity``)."""
+    the queue was controlled at the last claim naming it: controls rows, then job rows. The
+    first batch stands for such an ack: the job's row, then the controls row (``crossed``)."""
     service = QueueService(driver=driver_for(ALIAS))
     service.set_queue_limits("capped", max_leased=100_000)  # the cap never binds
     for n in range(2):
@@ -266,54 +253,11 @@ def test_a_batch_locking_a_job_then_a_controlled_queue_takes_the_controls_row_fi
     service.claim(["capped"], worker_id="w", max_jobs=1)  # the hint: "capped" is controlled
     assert service.controlled(["capped"])
     job = lease["job_id"]
-    url = database_url("postgresql")["RELAY_DATABASE_URL"]
-    first_locked, second_locked = threading.Event(), threading.Event()
-    second_pid: list[int] = []
-
-    def renew() -> Any:
-        return service.renew(job, worker_id="w", lease_token=lease["lease_token"])
-
-    def claim() -> Any:
-        return service.claim(["capped"], worker_id="w2", max_jobs=1)
-
-    def until_second_locked_or_waits() -> None:
-        deadline = time.monotonic() + 30
-        while not second_locked.wait(0.01) and not (
-            second_pid
-            and count_sessions(url, "a.pid = %s AND a.wait_event_type = 'Lock'", second_pid)
-        ):
-            assert time.monotonic() < deadline, "the second batch neither locked nor waited"
-
-    results: dict[str, list[tuple[bool, Any]]] = {}
-
-    def first() -> None:  # as an ack with lease_next: the job's row, then the controls row
-        fns = [renew, first_locked.set, until_second_locked_or_waits, claim]
-        queues: list[list[str]] = [[], [], [], ["capped"]]
-        jobs: list[list[str]] = [[job], [], [], []]
-        results["first"] = run_group(service, fns, queues=queues, jobs=jobs)[0]
-        connections[ALIAS].close()
-
-    def second() -> None:
-        with connections[ALIAS].cursor() as cursor:  # this thread's session
-            cursor.execute("SELECT pg_backend_pid()")
-            second_pid.append(cursor.fetchone()[0])
-        fns = [claim, second_locked.set, renew]
-        queues: list[list[str]] = [["capped"], [], []]
-        jobs: list[list[str]] = [[], [], [job]]
-        results["second"] = run_group(service, fns, queues=queues, jobs=jobs)[0]
-        connections[ALIAS].close()
-
-    before = deadlocks(url)
-    one = threading.Thread(target=first)
-    one.start()
-    assert first_locked.wait(30), "the first batch never locked the job"
-    two = threading.Thread(target=second)
-    two.start()
-    one.join(60)
-    two.join(60)
-    for name in ("first", "second"):
-        assert all(ok for ok, _ in results[name]), results[name]
-    assert deadlocks(url) == before
+    renew = Step(
+        lambda: service.renew(job, worker_id="w", lease_token=lease["lease_token"]), jobs=[job]
+    )
+    claim = Step(lambda: service.claim(["capped"], worker_id="w2", max_jobs=1), ["capped"])
+    crossed(service, (renew, claim), (claim, renew))
 
 
 def test_a_batch_whose_first_lock_waited_out_a_held_row_refuses_only_the_claim_that_meets_it() -> (
