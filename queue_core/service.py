@@ -319,11 +319,10 @@ def default_clock(driver: Driver) -> Clock:
     return clock
 
 
-def _value(tx: Tx, name: str, params: Mapping[str, Any]) -> Any:
-    """The one column of the one row statement ``name`` reads (a count, an EXISTS)."""
-    row = tx.one(name, params)
-    assert row is not None, name  # an aggregate or EXISTS always has its row
-    return next(iter(row.values()))
+def _queue_count(tx: Tx, limit: int) -> int:
+    """How many queues hold jobs, counted no further than ``limit`` (``queue_count``)."""
+    row = tx.one("queue_count", {"limit": limit})
+    return int(row["n"]) if row else 0
 
 
 def _queues_full(cap: int) -> str:
@@ -712,7 +711,7 @@ class QueueService:
         cap = s.max_queues
         if not self.capabilities.single_writer:
             tx.all("hold_queue_cap")
-        held = int(_value(tx, "queue_count", {"limit": cap + len(new)}))
+        held = _queue_count(tx, cap + len(new))
         if held > cap:
             self._queues_refused = (now_ms, held - len(new))
             raise TooManyQueues(_queues_full(cap), limit=cap, queue=min(new))
@@ -1119,7 +1118,7 @@ class QueueService:
         ``relay_queues`` gauge). On SQLite a read of ``relay_job_count`` (a row per queue and
         state); on PostgreSQL a loose index scan, a seek per queue (55 ms for 10,000)."""
         with self.driver.read() as tx:
-            return int(_value(tx, "queue_count", {"limit": 2**31 - 1}))
+            return _queue_count(tx, 2**31 - 1)
 
     def _stats_page(
         self,
