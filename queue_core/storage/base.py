@@ -389,9 +389,13 @@ class SqlTx:
         if self._django:
             self._cursor.execute(self._queries[name], params)
             return self._cursor
-        self._db.validate_no_broken_transaction()
-        with self._errors:
+        if self._db.needs_rollback:  # what validate_no_broken_transaction() checks, inline
+            self._db.validate_no_broken_transaction()
+        try:
             self._execute_raw(self._raw, self._raw_queries[name], params)
+        except Exception:
+            with self._errors:  # Django's error translation, entered for an error only
+                raise
         return self._raw
 
     def one(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
@@ -421,9 +425,13 @@ class SqlTx:
         if self._django:
             self._cursor.executemany(self._queries[name], rows)
             return
-        self._db.validate_no_broken_transaction()
-        with self._errors:
+        if self._db.needs_rollback:
+            self._db.validate_no_broken_transaction()
+        try:
             self._executemany_raw(self._raw, self._raw_queries[name], rows)
+        except Exception:
+            with self._errors:
+                raise
 
     def run(self, name: str, params: Mapping[str, Any] | None = None) -> int:
         """Run statement ``name``; return the number of rows it changed."""

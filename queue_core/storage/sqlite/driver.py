@@ -387,12 +387,16 @@ class SqliteTx(SqlTx):
         if self._django:
             self._cursor.execute(sql)
             return
-        with self._errors:
+        try:
             self._conn.execute(sql)
+        except Exception:
+            with self._errors:  # Django's error translation, entered for an error only
+                raise
 
     def _live(self) -> None:
         """Refuse a statement once SQLite has rolled the transaction back (a full disk or an
         I/O error in an earlier statement): outside a transaction it would commit on its own.
+        Its callers call it only when the connection is outside a transaction.
 
         Raises:
             StorageFull, StorageIO: the fault that rolled it back (see ``_rolled_back``).
@@ -401,7 +405,8 @@ class SqliteTx(SqlTx):
             raise self._driver._rolled_back()
 
     def _execute(self, name: str, params: Mapping[str, Any]) -> Any:
-        self._live()
+        if not self._conn.in_transaction:
+            self._live()
         return super()._execute(name, params)
 
     def _fetch(self, name: str, params: Mapping[str, Any], first: bool) -> Any:
@@ -409,15 +414,20 @@ class SqliteTx(SqlTx):
         fetch inside one error translation (``SqlTx`` enters it twice): ``(description, row
         or None)`` when ``first`` (the rest drained, so RETURNING statements complete), else
         ``(description, rows)``."""
-        self._live()
-        self._db.validate_no_broken_transaction()
+        if not self._conn.in_transaction:
+            self._live()
+        if self._db.needs_rollback:  # what validate_no_broken_transaction() checks, inline
+            self._db.validate_no_broken_transaction()
         raw = self._raw
-        with self._errors:
+        try:
             self._execute_raw(raw, self._raw_queries[name], params)  # not Django's override
             got = raw.fetchone() if first else raw.fetchall()
             if first and got is not None:
                 raw.fetchall()
-            return raw.description, got
+        except Exception:
+            with self._errors:  # Django's error translation, entered for an error only
+                raise
+        return raw.description, got
 
     def one(self, name: str, params: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         if self._django:
@@ -445,7 +455,8 @@ class SqliteTx(SqlTx):
         return n
 
     def many(self, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        self._live()
+        if not self._conn.in_transaction:
+            self._live()
         super().many(name, rows)
         if name in _JOB_INSERTS:  # no ON CONFLICT: every row went in, or this raised
             self._count_inserted(rows)
