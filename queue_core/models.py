@@ -9,6 +9,9 @@ free of time zones.
 
 from __future__ import annotations
 
+import functools
+import operator
+
 from django.db import models
 from django.db.models import Q
 
@@ -16,6 +19,8 @@ from queue_core.states import JobState, Priority
 
 STATE_CHOICES = [(s.value, s.name) for s in JobState]
 PRIORITY_CHOICES = [(p.value, p.name.lower()) for p in Priority]
+# ``relay_job_state_known``: the state is one of JobState's.
+STATE_KNOWN = functools.reduce(operator.or_, (Q(state=s.value) for s in JobState))
 
 
 class Job(models.Model):
@@ -111,9 +116,11 @@ class Job(models.Model):
                 name="relay_job_idempotency_key",
                 condition=Q(idempotency_key__isnull=False),
             ),
-            models.CheckConstraint(
-                condition=Q(state__in=[s.value for s in JobState]), name="relay_job_state_known"
-            ),
+            # One equality per state, ORed, not ``state IN (...)``: SQLite checks a constant
+            # IN list of more than two values by building a temporary index of it on every
+            # INSERT and UPDATE of a row, about a sixth of a claim's or an ack's instructions
+            # (migration 0017).
+            models.CheckConstraint(condition=STATE_KNOWN, name="relay_job_state_known"),
             models.CheckConstraint(
                 condition=Q(priority__gte=0, priority__lte=3), name="relay_job_priority_range"
             ),
