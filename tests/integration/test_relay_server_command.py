@@ -274,6 +274,16 @@ def test_a_server_started_with_a_migration_of_a_new_file_waits_for_it(
     assert proc.stop(timeout_s=15) == 0
 
 
+def _last_two_migrations() -> tuple[str, str]:
+    """The names of queue_core's last migration and the one before it."""
+    from django.db.migrations.loader import MigrationLoader
+
+    graph = MigrationLoader(None, ignore_no_migrations=True).graph
+    (last,) = [name for app, name in graph.leaf_nodes() if app == "queue_core"]
+    (parent,) = [name for app, name in graph.node_map[("queue_core", last)].parents]
+    return last, parent
+
+
 def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
     procs: Spawner, tmp_path: Path
 ) -> None:
@@ -282,16 +292,18 @@ def test_a_migrate_refused_by_a_starting_server_waits_for_its_migration(
     # (3 of 5 tries). A starting server holds the migration turn until its own migration has
     # ended; a migrate refused by the file's lock waits for that turn and looks again.
     db = str(tmp_path / "relay.db")
-    for target in (("queue_core", "0015_console_indexes_in_state"), ("relay_tasks",)):
+    last, before_last = _last_two_migrations()
+    for target in (("queue_core", before_last), ("relay_tasks",)):
         procs.migrate(*target, RELAY_DB=db)
     with _turn(db) as turn, open(db, "rb") as file:  # as a server starting holds them
         fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         waiting = procs("migrate", RELAY_DB=db)
         waiting.wait_line(re.escape(f"waiting for another migration of {db} to end"))
-        with contextlib.closing(sqlite3.connect(db)) as sql:  # the server migrates: 0016
-            sql.execute(  # changes nothing on SQLite, so recording it is applying it
+        with contextlib.closing(sqlite3.connect(db)) as sql:  # the server migrates the last
+            sql.execute(  # recorded, not applied: what is under test is the turn
                 "INSERT INTO django_migrations (app, name, applied) "
-                "VALUES ('queue_core', '0016_postgresql_like_indexes', datetime('now'))"
+                "VALUES ('queue_core', ?, datetime('now'))",
+                [last],
             )
             sql.commit()
         _unlock(turn)  # its turn ends
