@@ -44,6 +44,10 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from queue_core.errors import StorageFull, StorageIO
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -276,9 +280,26 @@ def _run(argv: list[str]) -> None:
     try:
         execute_from_command_line(argv)
     except DatabaseError as exc:  # a database not there, or not one: one line, as relay server
+        from queue_core.errors import MIGRATION_ROLLED_BACK, storage_exit_code
+
+        fault = _storage_fault(exc)
+        if fault is not None:  # a full disk or failing storage: as relay server exits
+            print(f"{fault.code}: {MIGRATION_ROLLED_BACK}: {fault.message}", file=sys.stderr)
+            raise SystemExit(storage_exit_code(fault)) from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"UNAVAILABLE: cannot reach the database: {first}", file=sys.stderr)
         raise SystemExit(1) from None
+
+
+def _storage_fault(exc: BaseException) -> StorageFull | StorageIO | None:
+    """``StorageFull`` or ``StorageIO`` when ``exc`` is Relay's database's storage failing
+    (``Driver.storage_error``); None for any other error."""
+    from queue_core.conf import relay_settings
+    from queue_core.errors import StorageFull, StorageIO
+    from queue_core.storage import driver_for
+
+    fault = driver_for(relay_settings().database).storage_error(exc)
+    return fault if isinstance(fault, StorageFull | StorageIO) else None
 
 
 if __name__ == "__main__":

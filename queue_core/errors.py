@@ -236,6 +236,23 @@ class StorageIO(RelayError):
     retryable = True
 
 
+# The exit codes of ``relay server`` and ``relay migrate`` when the storage fails.
+EXIT_STORAGE_FULL = 7  # STORAGE_FULL: the disk holding the database is full
+EXIT_STORAGE_IO = 8  # STORAGE_IO: I/O error, or a read-only file, folder or file system
+
+
+# What a storage fault while migrating did: ``relay server`` and ``relay migrate`` say it.
+MIGRATION_ROLLED_BACK = (
+    "the migration was rolled back (one that rebuilds a table needs up to about three times "
+    "the file's size free while it runs)"
+)
+
+
+def storage_exit_code(err: StorageFull | StorageIO) -> int:
+    """The process exit code for a storage fault at start-up or while migrating."""
+    return EXIT_STORAGE_FULL if isinstance(err, StorageFull) else EXIT_STORAGE_IO
+
+
 class StorageLost(RelayError):
     """The database file was removed or replaced while the server had it open; writes are
     refused until the server is restarted."""

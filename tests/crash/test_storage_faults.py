@@ -2,9 +2,10 @@
 
 * A full disk (a small tmpfs filled up) is ``STORAGE_FULL`` for every write, logged once, never
   ``INTERNAL`` with a traceback; once space is freed the same server takes writes again, and
-  nothing acknowledged is lost. At start, a full disk exits 5 with one ``STORAGE_FULL`` line,
-  not 3 ``CORRUPT`` for a healthy file.
-* A read-only file system, database file or folder at start exits 6 with one ``STORAGE_IO``
+  nothing acknowledged is lost. At start, a full disk exits 7 with one ``STORAGE_FULL`` line,
+  not 3 ``CORRUPT`` for a healthy file; a migration that fills the disk is rolled back, and
+  ``relay migrate`` and ``relay server`` exit 7 too.
+* A read-only file system, database file or folder at start exits 8 with one ``STORAGE_IO``
   line, not a traceback.
 * Database files removed or replaced under a running server: every write after it is refused
   with ``STORAGE_LOST`` (before, 50 of 50 submits were acknowledged into the unlinked file).
@@ -25,6 +26,7 @@ import errno
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -169,6 +171,60 @@ def test_start_on_a_full_disk_exits_7_storage_full_not_corrupt(tmpfs: Path) -> N
         server, _ = spawn.server()  # the same file serves once there is room
         server.signal(signal.SIGTERM)
         assert server.wait_exit(30) == 0
+    audit(db)
+
+
+def _jobs_at_0016(db: Path, jobs: int) -> None:
+    """Put ``jobs`` READY jobs of 1 KB payloads into ``db`` (migrated to 0016), counted."""
+    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
+        conn.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
+            "INSERT INTO relay_job (id, queue, state, priority, payload, attempt, failures, "
+            "max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter, created_at_ms, "
+            "ready_since_ms, updated_at_ms) "
+            "SELECT printf('%026d', i), 'q', 'ready', 1, printf('\"%01000d\"', i), 0, 0, 3, "
+            "'exponential', 1000, 60000, 1, 1000, 1000 + i, 1000 FROM n",
+            [jobs - 1],
+        )
+        conn.execute(
+            "INSERT INTO relay_job_count (queue, state, n) VALUES ('q', 'ready', ?)", [jobs]
+        )
+
+
+def test_a_migration_that_fills_the_disk_exits_7_and_changes_nothing(tmpfs: Path) -> None:
+    # An upgrade review: migration 0017 rebuilds relay_job on SQLite, and its write-ahead log
+    # grew to about 1.5 times the file meanwhile. On a disk with room for the result but not
+    # for that, `relay migrate` and `relay server` exited 1 (UNAVAILABLE): exit 7 is what a
+    # full disk at start exits (and what a unit's restart policy can tell apart).
+    db = tmpfs / "relay.db"
+    with spawner(str(db)) as spawn:
+        spawn.migrate("queue_core", "0016_postgresql_like_indexes")
+        _jobs_at_0016(db, 1_500)
+        with open(tmpfs / "filler", "wb") as filler:  # room for the file once more, no more
+            filler.write(b"\0" * (shutil.disk_usage(tmpfs).free - db.stat().st_size))
+        cli = [sys.executable, "-c", "from queue_core.cli import main; main()"]
+        migrate = subprocess.run(
+            [*cli, "--db", str(db), "migrate"], capture_output=True, text=True, timeout=120
+        )
+        assert migrate.returncode == 7, migrate.stderr[-2000:]
+        assert last_line(migrate).startswith(
+            "STORAGE_FULL: the migration was rolled back (one that rebuilds a table needs up "
+            "to about three times the file's size free while it runs): the database's disk is "
+            "full"
+        ), migrate.stderr
+        served = start(db)
+        assert served.returncode == 7, served.stderr[-2000:]
+        assert last_line(served).startswith(
+            f"STORAGE_FULL: database {db}: the migration was rolled back"
+        ), served.stderr
+        assert "Traceback" not in migrate.stderr + served.stderr
+        with contextlib.closing(sqlite3.connect(db)) as conn:
+            applied = {name for (name,) in conn.execute("SELECT name FROM django_migrations")}
+        assert "0016_postgresql_like_indexes" in applied
+        assert "0017_state_check_without_in_list" not in applied
+        audit(db)  # the counts, triggers' work and file as they were
+        (tmpfs / "filler").unlink()
+        spawn.migrate()
     audit(db)
 
 

@@ -22,7 +22,7 @@ from django.db import DatabaseError, connections
 from queue_core import exposure, metrics, schema
 from queue_core.client import parse_address
 from queue_core.conf import relay_settings
-from queue_core.errors import StorageFull, StorageIO
+from queue_core.errors import MIGRATION_ROLLED_BACK, StorageFull, StorageIO, storage_exit_code
 from queue_core.management.relay_command import (
     RelayBaseCommand,
     check_migrations,
@@ -37,8 +37,6 @@ from queue_core.storage import AlreadyServed
 log = logging.getLogger("relay.server")
 
 EXIT_CORRUPT = 3
-EXIT_STORAGE_FULL = 7  # STORAGE_FULL: the disk holding the database is full
-EXIT_STORAGE_IO = 8  # STORAGE_IO: I/O error, or a read-only file, folder or file system
 
 
 class Command(RelayBaseCommand):
@@ -136,7 +134,7 @@ class Command(RelayBaseCommand):
                     )
                 raise CommandError(f"UNAVAILABLE: database {where}: {'; '.join(problems[:5])}")
             if service.capabilities.single_writer:
-                _migrate(where, service.driver.alias)  # the key table must exist before it's read
+                _migrate(where, service)  # the key table must exist before it's read
                 check_migrations(service, where)  # a file a newer Relay migrated
         finally:
             schema.end_server_turn(service.driver.alias)
@@ -219,22 +217,30 @@ class Command(RelayBaseCommand):
         return service.check_storage(full=relay_settings().startup_check != "quick")
 
 
-def _storage_exit(exc: StorageFull | StorageIO, where: str) -> CommandError:
-    """The one-line start-up error for a storage fault: its code, the database, the cause."""
-    code = EXIT_STORAGE_FULL if isinstance(exc, StorageFull) else EXIT_STORAGE_IO
-    return CommandError(f"{exc.code}: database {where}: {exc.message}", returncode=code)
+def _storage_exit(exc: StorageFull | StorageIO, where: str, doing: str = "") -> CommandError:
+    """The one-line start-up error for a storage fault: its code, the database, what the
+    server was doing (``doing``, if said), the cause."""
+    what = f"{doing}: " if doing else ""
+    return CommandError(
+        f"{exc.code}: database {where}: {what}{exc.message}", returncode=storage_exit_code(exc)
+    )
 
 
-def _migrate(where: str, alias: str) -> None:
-    """Bring a SQLite database's tables up to date (``alias``: Relay's, ``RELAY_DATABASE``).
+def _migrate(where: str, service: QueueService) -> None:
+    """Bring a SQLite database's tables up to date (``service``'s database, ``RELAY_DATABASE``).
 
     Raises:
-        CommandError: ``CORRUPT`` (exit code 3) when migrating finds damage, ``UNAVAILABLE``
-            when the database cannot be written.
+        CommandError: ``CORRUPT`` (exit code 3) when migrating finds damage, ``STORAGE_FULL``
+            (7) or ``STORAGE_IO`` (8) when the storage fails (a migration that rebuilds a
+            table needs up to about three times the file's size free: docs/failure-model.md),
+            ``UNAVAILABLE`` when the database cannot be written otherwise.
     """
     try:
-        call_command("migrate", database=alias, interactive=False, verbosity=0)
+        call_command("migrate", database=service.driver.alias, interactive=False, verbosity=0)
     except DatabaseError as exc:
+        fault = service.driver.storage_error(exc)
+        if isinstance(fault, StorageFull | StorageIO):
+            raise _storage_exit(fault, where, MIGRATION_ROLLED_BACK) from exc
         if "malformed" in str(exc) or "corrupt" in str(exc).lower():
             raise CommandError(
                 f"CORRUPT: database {where} is damaged: {exc}", returncode=EXIT_CORRUPT
