@@ -118,8 +118,8 @@ class Job(models.Model):
             ),
             # One equality per state, ORed, not ``state IN (...)``: SQLite checks a constant
             # IN list of more than two values by building a temporary index of it on every
-            # INSERT and UPDATE of a row, about a sixth of a claim's or an ack's instructions
-            # (migration 0017).
+            # INSERT and UPDATE of a row: about a sixth of a claim's statement and a fifth of
+            # an ack's, in instructions (migration 0017).
             models.CheckConstraint(condition=STATE_KNOWN, name="relay_job_state_known"),
             models.CheckConstraint(
                 condition=Q(priority__gte=0, priority__lte=3), name="relay_job_priority_range"

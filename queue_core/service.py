@@ -1464,9 +1464,7 @@ class QueueService:
         slots: dict[str, int] = {}
         # Queues a claim here last found controlled go straight to their controls (the
         # guarded claim would lease nothing and cost two round trips on PostgreSQL).
-        with self._hints:
-            uncontrolled = self._controlled.isdisjoint(queues)
-        found = tx.claim_unless_controlled(request) if uncontrolled else None
+        found = None if self.controlled(queues) else tx.claim_unless_controlled(request)
         if found is not None:
             rows = found
         else:
@@ -1533,7 +1531,8 @@ class QueueService:
 
     def controlled(self, queues: Sequence[str]) -> bool:
         """Whether one of ``queues`` was paused, capped or rate-limited when a claim here last
-        named it: a hint (in-process, maybe stale), which the claim itself follows too."""
+        named it: a hint (in-process, maybe stale) that the claim (``_claim_in``) and a group
+        commit's lock order (``writer._ordered_locks``) follow."""
         with self._hints:
             return not self._controlled.isdisjoint(queues)
 

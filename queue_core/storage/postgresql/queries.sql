@@ -710,8 +710,9 @@ SELECT pg_advisory_xact_lock(hashtextextended('relay.queue_cap', 0));
 -- name: hold_jobs
 -- Lock the rows of the jobs a group commit's calls update, in id order, before any of them
 -- runs, when each of them updates named jobs (QueueService.hold_jobs): two batches updating
--- the same jobs in other orders through two servers deadlocked. FOR NO KEY UPDATE, the lock an UPDATE of these rows takes, so
--- foreign key checks on them (KEY SHARE) go on. Params: job_ids (text[], sorted).
+-- the same jobs in other orders through two servers deadlocked. FOR NO KEY UPDATE, the lock
+-- an UPDATE of these rows takes, so foreign key checks on them (KEY SHARE) go on.
+-- Params: job_ids (text[], sorted).
 SELECT id
   FROM relay_job
  WHERE id = ANY(%(job_ids)s::text[])
