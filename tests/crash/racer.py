@@ -53,8 +53,13 @@ def not_busy[T](call: Callable[[], T]) -> T:
     return call()
 
 
-def claim_loop(args: argparse.Namespace, out: IO[str]) -> None:
-    """Claim until ``--jobs`` jobs of the queue are done; ack some, abandon the rest."""
+def claim_loop(args: argparse.Namespace, out: IO[str], held: IO[str] | None = None) -> None:
+    """Claim until ``--jobs`` jobs of the queue are done; ack some, abandon the rest.
+
+    With ``held`` (stdin), it waits there for a second line once its first claim that leased
+    anything is acked or abandoned: the test then knows every racer won the lock once
+    before any of them can drain the queue (a racer waiting out a busy lock in its first
+    claim saw two others finish all 240 jobs)."""
     from queue_core import errors
     from queue_core.service import QueueService
 
@@ -85,6 +90,9 @@ def claim_loop(args: argparse.Namespace, out: IO[str]) -> None:
                 _emit(out, {"kind": "ack", "job_id": lease["job_id"], "attempt": lease["attempt"]})
             except (errors.LeaseExpired, errors.StaleToken) as exc:
                 _emit(out, {"kind": "ack_rejected", "job_id": lease["job_id"], "code": exc.code})
+        if leases and held is not None:
+            held.readline()  # the second barrier (``Racer.go``)
+            held = None
         if not leases:
             totals = not_busy(functools.partial(service.stats, args.queue))["totals"]
             if totals["succeeded"] + totals["dead"] >= args.jobs:
@@ -114,6 +122,9 @@ def main() -> None:
     claim.add_argument("--abandon", type=float, default=0.3)
     claim.add_argument("--seed", type=int, default=0)
     claim.add_argument("--timeout-s", type=float, default=120.0)
+    claim.add_argument(
+        "--hold-after-first", action="store_true", help="wait for a second go line (claim_loop)"
+    )
     submit = sub.add_parser("submit")
     submit.add_argument("--queue", required=True)
     submit.add_argument("--key", required=True)
@@ -125,7 +136,7 @@ def main() -> None:
     out.flush()
     sys.stdin.readline()  # the barrier
     if args.command == "claim":
-        claim_loop(args, out)
+        claim_loop(args, out, sys.stdin if args.hold_after_first else None)
     else:
         submit_loop(args, out)
     out.write("done\n")
@@ -154,7 +165,7 @@ class Racer:
         self.first_lines: list[str] = []  # read by first(), returned by results()
 
     def go(self) -> None:
-        """Release the barrier."""
+        """Release the barrier (a second call: the one ``--hold-after-first`` waits at)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write("go\n")
         self.proc.stdin.flush()

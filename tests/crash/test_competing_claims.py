@@ -143,6 +143,7 @@ def test_competing_claims_never_hand_out_a_valid_lease_twice(
             db.path,
             *("claim", "--queue", QUEUE, "--worker-id", f"proc-{n}", "--jobs", str(JOBS)),
             *("--lease-ms", str(LEASE_MS), "--abandon", str(ABANDON), "--seed", str(200 + n)),
+            "--hold-after-first",
             **SHORT_LEASES,
             **db.env,
         )
@@ -152,13 +153,16 @@ def test_competing_claims_never_hand_out_a_valid_lease_twice(
         with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
             threads = [pool.submit(direct, n) for n in range(8)]
             threads += [pool.submit(over_tcp, n) for n in range(4)]
-            # The processes take their first leases, then the threads join them: on a loaded
-            # machine eight threads in a tight loop could otherwise drain the queue before a
-            # child won SQLite's lock once (CI, three test workers on two cores).
+            # The processes take their first leases, each then waiting (--hold-after-first),
+            # and only then does the race start: on a loaded machine eight threads in a tight
+            # loop could drain the queue before a child won SQLite's lock once (CI, three test
+            # workers on two cores), and so could two children (1 run in 13, December 7).
             for racer in racers:
                 racer.go()
             for racer in racers:
                 assert racer.first()["kind"] == "lease"
+            for racer in racers:
+                racer.go()
             start.wait(timeout=60)
             audits = pool.submit(sampler)
             children = [pool.submit(racer.results) for racer in racers]
