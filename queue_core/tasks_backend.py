@@ -677,14 +677,18 @@ class RelayBackend(BaseTaskBackend):
         self._usable()
         self.validate_task(task)
         args, kwargs = _json_round_trip(list(args)), _json_round_trip(dict(kwargs))
+        # Django admits any whole number (5.0, True: BaseTaskBackend.validate_task); the
+        # payload holds an int, the only priority the worker reads as a task's (a review:
+        # 5.0 was dead-lettered as "not a Django task" and its result read as missing).
+        priority = int(task.priority)
         payload: dict[str, Any] = {
             "task": task.module_path,
             **_call_payload(args, kwargs),
             "backend": self.alias,
-            "priority": task.priority,
+            "priority": priority,
         }
         options: dict[str, Any] = {
-            "priority": relay_priority(task.priority),
+            "priority": relay_priority(priority),
             "max_retries": self.max_retries,
         }
         if task.run_after is not None:

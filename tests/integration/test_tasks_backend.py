@@ -29,6 +29,7 @@ from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.test import override_settings
 
 from queue_core import tasks_backend
+from queue_core.client import RelayUnreachable
 from queue_core.clock import FakeClock
 from queue_core.conf import relay_settings
 from queue_core.errors import FrameTooLarge, InvalidArgument, LeaseExpired, TooManyQueues
@@ -150,6 +151,24 @@ def test_priority_maps_onto_relay_classes(priority: int, relay_class: str) -> No
     assert Job.objects.get(pk=result.id).get_priority_display() == relay_class
     assert result.task.priority == priority
     assert tasks.add.get_result(result.id).task.priority == priority
+
+
+@pytest.mark.parametrize(("priority", "stored"), [(5.0, 5), (True, 1), (-34.0, -34)])
+def test_a_whole_number_priority_of_another_type_runs_as_its_int(
+    worker_service: QueueService, priority: float, stored: int
+) -> None:
+    """Django admits 5.0 and True as priorities (``validate_task``); the worker took only an int
+    for a task's, so such a task was dead-lettered and its result read as missing."""
+    result = tasks.add.using(priority=priority).enqueue(2, 3)
+    lease, error = run_next(worker_service)
+    assert error is None
+    assert lease["payload"]["priority"] == stored
+    assert type(lease["payload"]["priority"]) is int
+    assert lease["priority"] == relay_priority(stored)
+    fetched = tasks.add.get_result(result.id)
+    assert fetched.status == TaskResultStatus.SUCCESSFUL
+    assert fetched.return_value == 5
+    assert fetched.task.priority == stored
 
 
 def test_enqueue_submits_a_relay_job(signals: list[tuple[str, str]]) -> None:
@@ -838,6 +857,28 @@ def test_networked_enqueue_waits_for_the_commit_and_a_rollback_never_connects() 
         assert sent == []
         backend = tasks.add.get_backend()
         assert isinstance(backend, RelayBackend) and backend._client is None  # never connected
+
+
+def test_a_networked_submit_that_fails_at_commit_raises_and_skips_the_hooks_after_it() -> None:
+    """As docs/django.md says: the commit raises, the hooks registered before the enqueue ran,
+    and those after it did not, robust or not (Django stops at the first non-robust hook that
+    raises)."""
+    ran: list[str] = []
+
+    def transact() -> None:
+        with transaction.atomic():
+            transaction.on_commit(lambda: ran.append("before"))
+            tasks.add.enqueue(1, 2)
+            transaction.on_commit(lambda: ran.append("after, robust"), robust=True)
+            transaction.on_commit(lambda: ran.append("after"))
+
+    # Port 9 (discard) on loopback: nothing listens.
+    with (
+        override_settings(TASKS=relay_tasks(ADDRESS="127.0.0.1:9", TIMEOUT=0.5)),
+        pytest.raises(RelayUnreachable),
+    ):
+        transact()
+    assert ran == ["before"]
 
 
 def test_results_written_before_0013_are_read_from_the_legacy_table(
