@@ -36,6 +36,7 @@ import pytest
 
 from queue_core.client import RelayClient
 from queue_core.errors import OutcomeUnknown, RelayError, StorageFull, StorageLost
+from relay_bench.procs import fill_backlog
 from tests.audit import audit
 from tests.procs import ROOT, Spawner, command_env, spawner
 from tests.relay_db import put_a_copy_in_place
@@ -174,23 +175,6 @@ def test_start_on_a_full_disk_exits_7_storage_full_not_corrupt(tmpfs: Path) -> N
     audit(db)
 
 
-def _jobs_at_0016(db: Path, jobs: int) -> None:
-    """Put ``jobs`` READY jobs of 1 KB payloads into ``db`` (migrated to 0016), counted."""
-    with contextlib.closing(sqlite3.connect(db)) as conn, conn:
-        conn.execute(
-            "WITH RECURSIVE n(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM n WHERE i < ?) "
-            "INSERT INTO relay_job (id, queue, state, priority, payload, attempt, failures, "
-            "max_retries, backoff, backoff_base_ms, backoff_cap_ms, jitter, created_at_ms, "
-            "ready_since_ms, updated_at_ms) "
-            "SELECT printf('%026d', i), 'q', 'ready', 1, printf('\"%01000d\"', i), 0, 0, 3, "
-            "'exponential', 1000, 60000, 1, 1000, 1000 + i, 1000 FROM n",
-            [jobs - 1],
-        )
-        conn.execute(
-            "INSERT INTO relay_job_count (queue, state, n) VALUES ('q', 'ready', ?)", [jobs]
-        )
-
-
 def test_a_migration_that_fills_the_disk_exits_7_and_changes_nothing(tmpfs: Path) -> None:
     # An upgrade review: migration 0017 rebuilds relay_job on SQLite, and its write-ahead log
     # grew to about 1.5 times the file meanwhile. On a disk with room for the result but not
@@ -199,7 +183,7 @@ def test_a_migration_that_fills_the_disk_exits_7_and_changes_nothing(tmpfs: Path
     db = tmpfs / "relay.db"
     with spawner(str(db)) as spawn:
         spawn.migrate("queue_core", "0016_postgresql_like_indexes")
-        _jobs_at_0016(db, 1_500)
+        fill_backlog(db, 6_000, queue="q")  # READY jobs, counted, the log checkpointed
         with open(tmpfs / "filler", "wb") as filler:  # room for the file once more, no more
             filler.write(b"\0" * (shutil.disk_usage(tmpfs).free - db.stat().st_size))
         cli = [sys.executable, "-c", "from queue_core.cli import main; main()"]
