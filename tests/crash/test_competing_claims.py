@@ -156,7 +156,7 @@ def test_competing_claims_never_hand_out_a_valid_lease_twice(
             # The processes take their first leases, each then waiting (--hold-after-first),
             # and only then does the race start: on a loaded machine eight threads in a tight
             # loop could drain the queue before a child won SQLite's lock once (CI, three test
-            # workers on two cores), and so could two children (1 run in 13, December 7).
+            # workers on two cores), and so could two children (once in 14 runs, December 7).
             for racer in racers:
                 racer.go()
             for racer in racers:

@@ -149,7 +149,7 @@ def race(address: str, db: RelayDb, *, http: bool) -> list[Result]:
         surfaces += [lambda: http_submits(3)] * 4
         # A test client loads the middleware at its first request, and django_prometheus makes
         # its metrics once a process, unguarded: four threads doing that at once registered
-        # them twice (DuplicateTimeseries, 1 run in 13). Servers load it once, at start.
+        # them twice (DuplicateTimeseries, once in 14 runs). Servers load it once, at start.
         Client().handler.load_middleware()
     barrier = threading.Barrier(len(surfaces) + 1)
 
