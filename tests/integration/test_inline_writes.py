@@ -80,6 +80,24 @@ def test_a_heavy_batch_commits_on_the_writer_thread_and_a_light_one_on_the_loop(
     client.close()
 
 
+def test_a_prune_weighs_its_limit(start: Callable[..., Running]) -> None:
+    # A prune weighed 1 whatever its limit: one of 10,000 jobs ran on the loop and held every
+    # connection's pings for 1.3 s (a hostile review).
+    running = start()
+    db = running.server._db
+    assert db.inline is not None
+    client = Client(running.port)
+    thread_commits, inline_commits = db.writers[0].commits, db.inline.commits
+    client.ok("prune", older_than_ms=1, limit=writer.INLINE_MAX_WEIGHT + 1)
+    assert db.writers[0].commits > thread_commits  # off the loop
+    wait_for(lambda: db._queued == 0)
+    thread_commits, inline_commits = db.writers[0].commits, db.inline.commits
+    client.ok("prune", older_than_ms=1, limit=writer.INLINE_MAX_WEIGHT)
+    assert db.writers[0].commits == thread_commits
+    assert db.inline.commits > inline_commits
+    client.close()
+
+
 def test_writes_that_come_while_the_writer_thread_holds_a_batch_wait_and_then_run_on_the_loop(
     start: Callable[..., Running],
 ) -> None:
