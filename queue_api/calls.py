@@ -9,6 +9,7 @@ no transition logic lives in queue_api.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 from django.http import HttpRequest
@@ -17,7 +18,7 @@ from queue_api.security import peer_of
 from queue_core import auth, errors, metrics
 from queue_core.protocol import dispatch
 from queue_core.protocol.wakeups import ProcessWakeups
-from queue_core.service import QueueService
+from queue_core.service import BULK_CHUNK, QueueService
 
 
 @functools.cache
@@ -93,3 +94,49 @@ def run(request: HttpRequest, op: str, args: dict[str, Any]) -> dict[str, Any]:
     """
     verb, checked = check(op, args)
     return call(request, verb, checked).result
+
+
+def run_each(
+    request: HttpRequest, op: str, many: Sequence[dict[str, Any]]
+) -> list[dict[str, Any] | errors.RelayError]:
+    """Check and run ``op`` once per arguments of ``many``, ``BULK_CHUNK`` calls to a
+    transaction (``QueueService.transaction``: each call a SAVEPOINT that rolls back alone,
+    the TCP server's group commit), leaving the write lock to other writers after each
+    (``QueueService.bulk_chunk``); return each call's wire result or its error, in order.
+
+    One transaction a call, back to back, kept SQLite's write lock from the TCP server: 1,000
+    replays held its writes up to 3.8 s (a hostile review). A chunk whose transaction fails
+    (``BUSY`` at BEGIN, a storage fault) changed nothing: each of its calls gets that error.
+    Metrics and long-poll wake-ups follow each chunk's COMMIT.
+    """
+    verb = dispatch.lookup(op)
+    svc, ctx = service(), context(request)
+    results: list[dict[str, Any] | errors.RelayError] = []
+    for start in range(0, len(many), BULK_CHUNK):
+        chunk = many[start : start + BULK_CHUNK]
+        done: list[dispatch.Outcome | errors.RelayError] = []
+        try:
+            with svc.bulk_chunk(), svc.transaction():
+                for args in chunk:
+                    try:
+                        checked = dispatch.validate(
+                            verb, {k: v for k, v in args.items() if v is not None}
+                        )
+                        done.append(verb.handler(svc, checked, ctx))
+                    except errors.RelayError as exc:
+                        done.append(exc)
+        except errors.RelayError as exc:
+            done += [exc] * (len(chunk) - len(done))
+            done = [exc if isinstance(o, dispatch.Outcome) else o for o in done]
+        ready: set[str] = set()
+        for outcome in done:
+            if isinstance(outcome, errors.RelayError):
+                metrics.rejected(verb.op, outcome)
+                results.append(outcome)
+            else:
+                metrics.record(outcome.events)
+                ready |= outcome.ready_queues
+                results.append(outcome.result)
+        if ready:
+            wakeups().poke(ready)
+    return results

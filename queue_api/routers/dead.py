@@ -1,7 +1,8 @@
 """Operator endpoints for dead letters: list, replay one or many, purge one or many.
 
-Bulk replay and purge run each job in its own transaction (as the admin actions do) and
-answer per job, so one job that is no longer dead does not undo the others.
+Bulk replay and purge commit ``BULK_CHUNK`` jobs to a transaction, each job in a savepoint of
+its own (as the console's bulk actions do), and answer per job, so one job that is no longer
+dead does not undo the others.
 """
 
 from __future__ import annotations
@@ -109,14 +110,13 @@ def _each(
     job_ids: list[str],
     shape: Callable[[dict[str, Any]], dict[str, Any]],
 ) -> dict[str, Any]:
-    """Run ``op`` for each job id, one transaction each; collect ``ok`` plus ``shape(result)``,
-    or the error, per job."""
+    """Run ``op`` for each job id (``calls.run_each``: chunks of jobs to a transaction, a
+    savepoint each); collect ``ok`` plus ``shape(result)``, or the error, per job."""
     results: list[dict[str, Any]] = []
-    for job_id in job_ids:
-        try:
-            result = calls.run(request, op, {"job_id": job_id})
-        except errors.RelayError as exc:
-            error = {"code": exc.code, "message": exc.message}
+    done = calls.run_each(request, op, [{"job_id": job_id} for job_id in job_ids])
+    for job_id, result in zip(job_ids, done, strict=True):
+        if isinstance(result, errors.RelayError):
+            error = {"code": result.code, "message": result.message}
             results.append({"job_id": job_id, "ok": False, "error": error})
         else:
             results.append({"job_id": job_id, "ok": True, **shape(result)})

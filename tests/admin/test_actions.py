@@ -3,9 +3,11 @@ who-did-it in the history, races between operators, permissions and CSRF."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -452,6 +454,32 @@ def test_runner_rolls_back_a_chunk_the_database_refuses(
     assert outcome.done == ids[:2] and outcome.busy and outcome.remaining == 1
     assert states(ids) == {ids[0]: "ready", ids[1]: "ready", ids[2]: "dead"}
     assert describe(outcome)[-1][0] == "error"
+
+
+def test_runner_leaves_the_write_lock_between_chunks_as_long_as_each_held_it(
+    service: QueueService,
+    clock: FakeClock,
+    dead_jobs: Callable[..., list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SQLite's lock is not fair: chunks back to back kept a waiting server's writes out (a
+    # hostile review of the HTTP API's bulk replay, which shares this pacing).
+    ids = dead_jobs(5)
+    real, spans = service.transaction, []
+
+    @contextlib.contextmanager
+    def transaction(**kwargs: Any) -> Iterator[Any]:
+        began = clock.monotonic()
+        with real(**kwargs) as tx:
+            yield tx
+            clock.advance(ms=10)  # the chunk's work
+        spans.append((began, clock.monotonic()))
+
+    monkeypatch.setattr(service, "transaction", transaction)
+    runner = BulkRunner(service, actor="alice", monotonic=clock.monotonic)
+    assert runner.run(Op.REPLAY, operations.chunked(ids, 2), total=5).done == ids
+    gaps = [later[0] - earlier[1] for earlier, later in itertools.pairwise(spans)]
+    assert len(spans) == 3 and gaps == pytest.approx([0.01, 0.01])
 
 
 def test_runner_reports_unknown_and_malformed_ids(service: QueueService) -> None:

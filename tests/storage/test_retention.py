@@ -7,6 +7,7 @@ counts ``stats`` reports follow; each transaction deletes at most ``limit`` jobs
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -138,6 +139,46 @@ def test_prune_stops_after_max_batches(
     clock.advance(ms=DAY_MS + 1)
     assert service.prune({"succeeded": DAY_MS}, batch=2, max_batches=2)["succeeded"] == 4
     assert Job.objects.count() == 1
+
+
+def test_leave_lock_sleeps_its_multiple_of_the_transaction_on_sqlite_only(
+    service: QueueService, clock: FakeClock, backend: str
+) -> None:
+    # SQLite's write lock is not fair: back to back transactions kept a waiting server out for
+    # seconds (a hostile review). PostgreSQL's row locks leave other jobs' writers alone.
+    began = clock.monotonic()
+    clock.advance(ms=20)
+    service.leave_lock(began, 1.5)
+    assert clock.monotonic() - began == pytest.approx(0.05 if backend == "sqlite" else 0.02)
+    began = clock.monotonic()
+    clock.advance(ms=20)
+    service.leave_lock(began, 0)
+    assert clock.monotonic() - began == pytest.approx(0.02)
+
+
+def test_prune_leaves_the_lock_between_its_batches_for_its_yield_factor(
+    service: QueueService,
+    clock: FakeClock,
+    backend: str,
+    leased_job: Factory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for _ in range(5):
+        succeeded_job(service, leased_job)
+    clock.advance(ms=DAY_MS + 1)
+    real, spans = service.prune_batch, []
+
+    def prune_batch(*args: Any, **kwargs: Any) -> dict[str, int]:
+        began = clock.monotonic()
+        clock.advance(ms=10)  # the batch's work
+        deleted = real(*args, **kwargs)
+        spans.append((began, clock.monotonic()))
+        return deleted
+
+    monkeypatch.setattr(service, "prune_batch", prune_batch)
+    assert service.prune({"succeeded": DAY_MS}, batch=2, yield_factor=2)["succeeded"] == 5
+    gaps = [later[0] - earlier[1] for earlier, later in itertools.pairwise(spans)]
+    assert gaps == pytest.approx([0.02, 0.02] if backend == "sqlite" else [0, 0])
 
 
 def test_batch_limit_is_shared_between_states(
