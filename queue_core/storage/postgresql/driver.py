@@ -46,6 +46,8 @@ from queue_core.errors import (
     InvalidArgument,
     OutcomeUnknown,
     RelayError,
+    StorageFull,
+    StorageIO,
     StoreBusy,
     Unavailable,
 )
@@ -100,9 +102,11 @@ SHORT_LOCK_WAIT = "10ms"
 
 def _translate(exc: DatabaseError) -> Exception | None:
     """Map a database error to Relay's: BUSY for waits a retry cures, UNAVAILABLE for a lost
-    connection or a stale prepared statement; None to re-raise it as it is."""
+    connection or a stale prepared statement, STORAGE_IO for a database that takes no
+    writes, STORAGE_FULL for its full disk; None to re-raise it as it is (``INTERNAL``)."""
     cause = exc.__cause__
     state = getattr(cause, "sqlstate", None)
+    text = str(cause).strip()[:200]
     if state == "0A000" and "cached plan must not change result type" in str(cause):
         # A migration changed a column's type under a prepared statement: the connection
         # cannot run it again, so the next heal() opens a new one; the call may be retried.
@@ -112,11 +116,26 @@ def _translate(exc: DatabaseError) -> Exception | None:
         if state == "55P03":  # lock_not_available: it waited the whole lock_timeout
             _LOCK_WAITS.at = time.monotonic()
         return StoreBusy(f"the database cannot serve this now ({state}: a lock); try again")
-    # No SQLSTATE (the socket is gone), class 08 (connection exception) or 57P (the server
-    # shut the session down: pg_terminate_backend, a restart): the connection is lost.
-    lost = state is None or state.startswith(("08", "57P"))
-    if isinstance(cause, psycopg.OperationalError) and lost:
-        return Unavailable(f"the database is unreachable: {str(cause).strip()[:200]}")
+    if state == "57014":
+        # query_canceled: a statement_timeout (a role's or database's setting) or an
+        # operator's pg_cancel_backend; nothing of the transaction was kept.
+        return StoreBusy(f"the database cancelled a statement ({state}: {text}); try again")
+    if state == "25006":
+        # read_only_sql_transaction: a standby (a connection left on a demoted primary), or
+        # default_transaction_read_only. A new session sees the setting as it is then (the
+        # old one kept the setting it started with: INTERNAL for 34 s after it was lifted).
+        _STALE.reset = True
+        return StorageIO(f"the database takes no writes ({state}: {text}); nothing was written")
+    if state == "53100":  # disk_full
+        return StorageFull(f"the database's disk is full ({state}: {text}); nothing was written")
+    # No SQLSTATE (the socket is gone), class 08 (connection exception), 57P (the server shut
+    # the session down: pg_terminate_backend, a restart) or 25P03 (it ended the session for
+    # idle_in_transaction_session_timeout, an InternalError): the connection is lost.
+    if state == "25P03" or (
+        isinstance(cause, psycopg.OperationalError)
+        and (state is None or state.startswith(("08", "57P")))
+    ):
+        return Unavailable(f"the database is unreachable: {text}")
     if isinstance(cause, psycopg.DataError) and (state == "22021" or "NUL" in str(cause)):
         # A character the database cannot store in text (NUL): the caller's input.
         return InvalidArgument(f"text the database cannot store: {str(cause).strip()[:200]}")
