@@ -70,13 +70,18 @@ def test_a_session_ended_for_idling_in_its_transaction_is_unavailable_and_replac
     service.submit("idle", 0)
     session("SET idle_in_transaction_session_timeout = '50ms'")
     pid = connections[ALIAS].connection.info.backend_pid
-    with pytest.raises(errors.Unavailable), service.transaction():
-        service.submit("idle", 1)
-        wait_until(
-            lambda: count_sessions(url, "a.pid = %s", [pid]) == 0,
-            what="PostgreSQL to end the idle session",
-        )
-        service.submit("idle", 2)
+
+    def idle_then_submit() -> None:
+        with service.transaction():
+            service.submit("idle", 1)
+            wait_until(
+                lambda: count_sessions(url, "a.pid = %s", [pid]) == 0,
+                what="PostgreSQL to end the idle session",
+            )
+            service.submit("idle", 2)
+
+    with pytest.raises(errors.Unavailable):
+        idle_then_submit()
     assert service.submit("idle", 3)["job"]["state"] == "ready"  # on a new session
     assert sorted(
         Job.objects.using(ALIAS).filter(queue="idle").values_list("payload", flat=True)
