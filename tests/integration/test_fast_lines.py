@@ -45,20 +45,22 @@ def test_lines_started_as_they_arrive_keep_a_connection_alive(
         running = start()
         c = Client(running.port, timeout=5)
         try:
-            began = time.monotonic()
+            began = last = time.monotonic()
             n = 0
-            while time.monotonic() - began < 1.2:
+            while last - began < 1.2:
                 reply = c.call("ping")
+                last = time.monotonic()  # the server read this ping before: its deadline is sooner
                 assert reply["ok"], reply
                 n += 1
                 time.sleep(0.05)
-            last = time.monotonic()
             (reader,) = _readers(running)
             assert reader.fast_taken >= n - 1  # every ping after the first took the fast path
             closing = c.recv()
             gap = time.monotonic() - last
             assert closing["id"] is None and closing["error"]["code"] == "TIMEOUT"
-            assert 0.25 <= gap < 2, gap
+            # Measured from the last reply (0.247 s once when measured after the sleep that
+            # followed it, under load): at most a round trip short of the 300 ms.
+            assert 0.2 <= gap < 2, gap
             assert c.at_eof()
         finally:
             c.close()
