@@ -127,3 +127,23 @@ def test_ready_queues_names_the_queues_with_a_ready_job(service: QueueService) -
     taken = service.claim(["c"], worker_id="w")[0]  # c's only job is leased now
     assert taken["queue"] == "c"
     assert service.ready_queues(["a", "b", "c", "nope"]) == ["a"]
+
+
+def test_ready_queues_of_many_names_costs_the_queues_with_ready_jobs_not_the_names(
+    service: QueueService, assert_queries: Any
+) -> None:
+    # 250 connections' long-polls on 256,000 names cost a seek a name for every commit another
+    # process made, and kept the TCP server's core busy (a hostile review).
+    service.submit_batch([{"queue": q, "payload": 1} for q in ("a", "m", "paused", "zz")])
+    service.submit("later", 1, delay_ms=60_000)  # pending: not ready
+    service.pause("paused")
+    names = [f"idle{i:05d}" for i in range(2_000)] + ["zz", "paused", "later", "a"]
+    with assert_queries(sqlite=2, postgresql=2):  # the controls, the READY queues
+        assert service.ready_queues(names) == ["zz", "a"]
+    # Fewer names than queues with READY jobs: then a seek a name (not the paused one), the
+    # same answer.
+    few = ["a", "later", "nope", "paused", "m", "x1", "x2", "x3", "x4"]
+    service.submit_batch([{"queue": f"r{i:03d}", "payload": 1} for i in range(len(few))])
+    with assert_queries(sqlite=2 + len(few) - 1, postgresql=2 + len(few) - 1):
+        assert service.ready_queues(few) == ["a", "m"]
+    assert service.ready_queues(few[:3]) == ["a"]  # under READY_SCAN_MIN: a seek a name

@@ -590,6 +590,23 @@ SELECT MIN(h.oldest) AS oldest
  CROSS JOIN LATERAL (SELECT MIN(ready_since_ms) AS oldest FROM relay_job
                       WHERE state = 'ready' AND queue = %(queue)s AND priority = p.cls) AS h;
 
+-- name: ready_queue_names
+-- The queues holding READY jobs, in name order, at most `limit` of them: a loose index scan
+-- of relay_job_ready, one seek a queue, never a scan of the backlog (QueueService.ready_queues
+-- asks it instead of a seek per name when many names are waited on: 256,000 names waited on,
+-- one seek each for every commit made elsewhere, kept a server's core busy; a hostile
+-- review). Ordered by (queue, priority), which only relay_job_ready supplies: by queue alone
+-- the planner took relay_job_queue_id and filtered every finished job it passed. Params: limit.
+WITH RECURSIVE q(queue) AS (
+    (SELECT queue FROM relay_job WHERE state = 'ready' ORDER BY queue, priority LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.queue FROM relay_job j WHERE j.state = 'ready' AND j.queue > q.queue
+             ORDER BY j.queue, j.priority LIMIT 1)
+      FROM q
+     WHERE q.queue IS NOT NULL
+)
+SELECT queue FROM q WHERE queue IS NOT NULL LIMIT %(limit)s;
+
 -- name: queue_has_ready
 -- Whether a queue has a READY job: one seek on relay_job_ready (the long-poll fallback poll
 -- asks this for each queue somebody waits on). Params: queue.
