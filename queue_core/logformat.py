@@ -18,10 +18,18 @@ class JsonFormatter(OrjsonFormatter):
     surrogate, as an undecodable file name gives, or an integer beyond 64 bits: orjson raises
     ``TypeError``) is encoded by ``json`` with ``JsonFormatter``'s encoder and escaped to
     ASCII, not lost.
+
+    A line logged as ``event=<name> ...`` with no ``event`` field of its own (an exception's
+    line, most failure lines) gets one, ``<name>``, so that every event can be found by its
+    field (a review found ``listen_failed`` only in the message text).
     """
 
     def jsonify_log_record(self, log_data: core.LogData) -> str:
         """``log_data`` as one line of JSON."""
+        if "event" not in log_data:
+            message = log_data.get("message")
+            if isinstance(message, str) and message.startswith("event="):
+                log_data["event"] = message[6:].split(" ", 1)[0]
         try:
             return super().jsonify_log_record(log_data)
         except TypeError:

@@ -29,6 +29,18 @@ def test_a_json_line_orjson_refuses_is_written_escaped_not_lost() -> None:
     assert orjson.loads(formatter.format(plain))["message"] == "ok"  # orjson's own line
 
 
+def test_a_line_logged_as_an_event_with_no_event_field_gets_one() -> None:
+    formatter = logformat.JsonFormatter("%(levelname)s %(name)s %(message)s")
+    record = logging.LogRecord(
+        "relay.store", logging.WARNING, __file__, 1, "event=listen_failed error=%r", ("x",), None
+    )
+    assert orjson.loads(formatter.format(record))["event"] == "listen_failed"
+    record.event = "given"  # type: ignore[attr-defined]
+    assert orjson.loads(formatter.format(record))["event"] == "given"
+    plain = logging.LogRecord("relay.store", logging.INFO, __file__, 1, "events=1", (), None)
+    assert "event" not in orjson.loads(formatter.format(plain))
+
+
 def test_a_refused_request_is_one_short_line_in_the_configured_log() -> None:
     # Django logs each refused request (django.security.<Error>) with its traceback and the
     # request, whose text holds the whole query string: lines of about 10 KB (a review).
