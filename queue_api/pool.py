@@ -10,8 +10,9 @@ requests as gthread's threads did (``CONN_MAX_AGE``, with Django's health checks
 ``close_old_connections`` at each request's start and end, all on that thread).
 
 Only the parsing and the sending stay on the event loop, so a slow client still holds no
-thread. The operator console's requests take at most ``CONSOLE_SHARE`` of the threads at once
-(the rest wait on the event loop), so heavy console pages leave threads to the API. A
+thread. The operator console's requests take at most ``CONSOLE_SHARE`` of the threads at once,
+and the API's bulk replay and purge one (the rest wait on the event loop), so heavy console pages
+and bulk actions leave threads to the API. A
 request to an async view (the lease long-poll) goes through Django's async path:
 its middleware and auth run in a thread made for it, whose connections are closed when it
 ends; its claims run on the pool (``run``), so a waiting long-poll holds no pool thread.
@@ -45,6 +46,10 @@ SHUTDOWN_TIMEOUT_S = 10.0  # how long shutdown() waits for each pool thread
 # that each scanned 200,000 jobs for 2 s held all eight threads, and /api/v1/health waited
 # 17 s behind them (a review).
 CONSOLE_SHARE = 0.5
+# The API's bulk operator routes (replay and purge of many dead letters) run one request at a
+# time per process: their chunks take turns anyway (``QueueService.bulk_chunk``), and eight at
+# once held all eight threads, so the API's other requests waited for all of them (a review).
+BULK_ROUTES = frozenset({"replay_many", "purge_many"})
 
 
 @functools.cache
@@ -135,8 +140,9 @@ class PooledAsgiHandler(ASGIHandler):
             body_file = await self.read_body(receive)
         except RequestAborted:
             return
-        if _console(matched):
-            async with _console_gate():
+        gate = _gate(matched)
+        if gate is not None:
+            async with gate:
                 await self._pooled(scope, send, body_file, matched)
         else:
             await self._pooled(scope, send, body_file, matched)
@@ -175,25 +181,28 @@ class PooledAsgiHandler(ASGIHandler):
 _Matched = tuple[str, ResolverMatch | None]  # (path_info, its URL match; None: no route)
 
 
-def _console(matched: _Matched) -> bool:
-    """Whether the request is the operator console's (a URL of the admin site)."""
-    match = matched[1]
-    return match is not None and "admin" in match.namespaces
-
-
-_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+_GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _console_gate() -> asyncio.Semaphore:
-    """This event loop's gate for console requests: ``CONSOLE_SHARE`` of the pool's threads
-    (at least one)."""
-    loop = asyncio.get_running_loop()
-    gate = _GATES.get(loop)
+def _gate(matched: _Matched) -> asyncio.Semaphore | None:
+    """This event loop's gate for the request, or None: the operator console's requests (a
+    URL of the admin site) share ``CONSOLE_SHARE`` of the pool's threads (at least one), the
+    API's ``BULK_ROUTES`` one thread."""
+    match = matched[1]
+    if match is None:
+        return None
+    if "admin" in match.namespaces:
+        kind, slots = "console", max(1, int(relay_settings().http_threads * CONSOLE_SHARE))
+    elif match.url_name in BULK_ROUTES:
+        kind, slots = "bulk", 1
+    else:
+        return None
+    gates = _GATES.setdefault(asyncio.get_running_loop(), {})
+    gate = gates.get(kind)
     if gate is None:
-        slots = max(1, int(relay_settings().http_threads * CONSOLE_SHARE))
-        gate = _GATES[loop] = asyncio.Semaphore(slots)
+        gate = gates[kind] = asyncio.Semaphore(slots)
     return gate
 
 

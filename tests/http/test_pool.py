@@ -165,3 +165,41 @@ def test_console_requests_leave_threads_to_the_api(monkeypatch: pytest.MonkeyPat
     assert status == 201
     assert not second_in, "the second console request took the API's thread"
     assert [code for code, _ in consoles] == [200, 200]
+
+
+@override_settings(RELAY_HTTP_THREADS=THREADS)
+def test_bulk_replays_run_one_at_a_time_and_leave_threads_to_the_api(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Eight bulk replays at once held all eight threads, the API's other requests waiting for
+    # all of them (a review); their chunks take turns anyway (QueueService.bulk_chunk).
+    from queue_api import calls
+
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    original = calls.run_each
+
+    def slow_run_each(*args: Any, **kwargs: Any) -> Any:
+        entered.release()  # a bulk request holds a pool thread here
+        release.wait(TIMEOUT_S)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(calls, "run_each", slow_run_each)
+
+    async def scenario() -> tuple[int, bool, list[tuple[int, Any]]]:
+        bulks = [
+            asyncio.create_task(call("/api/v1/dead/replay", {"job_ids": ["job_missing"]}))
+            for _ in range(2)
+        ]
+        assert await asyncio.to_thread(entered.acquire, True, TIMEOUT_S)
+        # One bulk request holds a thread, the other waits at the gate: a submit is served on
+        # the thread left.
+        status, _ = await call("/api/v1/queues/gate/jobs", {"payload": 1})
+        second_in = entered.acquire(blocking=False)
+        release.set()
+        return status, second_in, list(await asyncio.gather(*bulks))
+
+    status, second_in, bulks = asyncio.run(scenario())
+    assert status == 201
+    assert not second_in, "the second bulk request took the API's thread"
+    assert [code for code, _ in bulks] == [200, 200]
