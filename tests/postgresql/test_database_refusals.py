@@ -88,6 +88,28 @@ def test_a_session_ended_for_idling_in_its_transaction_is_unavailable_and_replac
     ) == ["0", "3"]
 
 
+def test_a_commit_answered_with_the_idle_session_timeout_never_ran_so_it_is_unavailable() -> None:
+    # PostgreSQL ends a session for idle_in_transaction_session_timeout only while it waits for
+    # the next command: the COMMIT never ran. It was answered OUTCOME_UNKNOWN (a chaos review).
+    service = QueueService(driver=driver_for(ALIAS))
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    session("SET idle_in_transaction_session_timeout = '50ms'")
+    pid = connections[ALIAS].connection.info.backend_pid
+
+    def submit_then_idle() -> None:
+        with service.transaction():
+            service.submit("idle-commit", 1)
+            wait_until(
+                lambda: count_sessions(url, "a.pid = %s", [pid]) == 0,
+                what="PostgreSQL to end the idle session",
+            )
+
+    with pytest.raises(errors.Unavailable) as raised:
+        submit_then_idle()
+    assert not isinstance(raised.value, errors.OutcomeUnknown)
+    assert not Job.objects.using(ALIAS).filter(queue="idle-commit").exists()
+
+
 @pytest.mark.parametrize(
     ("error", "mapped"),
     [

@@ -142,6 +142,18 @@ def _translate(exc: DatabaseError) -> Exception | None:
     return None
 
 
+def _ended_idle(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from PostgreSQL ending the session for idling in its transaction
+    (25P03): it ends a session only while waiting for its next command, so a COMMIT it
+    answers that way never ran (not ``OUTCOME_UNKNOWN``: a chaos review)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if getattr(seen, "sqlstate", None) == "25P03":
+            return True
+        seen = seen.__cause__
+    return False
+
+
 @contextlib.contextmanager
 def _relay_errors() -> Iterator[None]:
     try:
@@ -460,7 +472,7 @@ class PostgresDriver:
                 committing = outermost
         except Unavailable as exc:
             self._local.notified = None
-            if committing:
+            if committing and not _ended_idle(exc):
                 # The COMMIT went out and no answer came back: it may have been applied.
                 raise OutcomeUnknown(
                     "the database connection was lost while it committed: the change may or "
