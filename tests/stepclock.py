@@ -7,15 +7,24 @@ number of ms written in that file (0 while there is none); its monotonic clock i
 Writing the file (``step_to``) therefore steps the server's wall clock exactly as an operator
 or NTP stepping the system clock would, without touching the machine's clock. It lives in
 ``tests/``: only a process configured with both variables uses it.
+
+``timed_transactions`` gives a service's transactions a duration on a fake clock, to measure
+the pauses a caller leaves between them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from queue_core.clock import FakeClock, SystemClock
+
+if TYPE_CHECKING:  # a server loads this module as its clock: it imports no service
+    from queue_core.service import QueueService
 
 STEP_FILE_ENV = "RELAY_TEST_CLOCK_STEP_FILE"
 
@@ -82,3 +91,27 @@ class StallingClock(FakeClock):
         mono = super().monotonic()
         self._held_up("monotonic")
         return mono
+
+
+def timed_transactions(
+    monkeypatch: Any, service: QueueService, clock: FakeClock, *, work_ms: int
+) -> list[float]:
+    """Make each ``service.transaction()`` take ``work_ms`` on ``clock`` (advanced before its
+    COMMIT); return the list that gets, after each one, the time between its start and the
+    end of the one before (the pause a caller left), in s."""
+    real = service.transaction
+    gaps: list[float] = []
+    ended: list[float] = []
+
+    @contextlib.contextmanager
+    def transaction(**kwargs: Any) -> Iterator[Any]:
+        began = clock.monotonic()
+        if ended:
+            gaps.append(began - ended[-1])
+        with real(**kwargs) as tx:
+            yield tx
+            clock.advance(ms=work_ms)
+        ended.append(clock.monotonic())
+
+    monkeypatch.setattr(service, "transaction", transaction)
+    return gaps

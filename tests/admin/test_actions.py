@@ -3,11 +3,9 @@ who-did-it in the history, races between operators, permissions and CSRF."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,6 +19,7 @@ from queue_core.errors import StoreBusy
 from queue_core.models import Job, JobAttempt, JobEvent
 from queue_core.service import QueueService
 from tests.admin.conftest import DEAD_LIST, JOB_LIST, job_url, make_operator, messages_of
+from tests.stepclock import timed_transactions
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -465,21 +464,10 @@ def test_runner_leaves_the_write_lock_between_chunks_as_long_as_each_held_it(
     # SQLite's lock is not fair: chunks back to back kept a waiting server's writes out (a
     # hostile review of the HTTP API's bulk replay, which shares this pacing).
     ids = dead_jobs(5)
-    real, spans = service.transaction, []
-
-    @contextlib.contextmanager
-    def transaction(**kwargs: Any) -> Iterator[Any]:
-        began = clock.monotonic()
-        with real(**kwargs) as tx:
-            yield tx
-            clock.advance(ms=10)  # the chunk's work
-        spans.append((began, clock.monotonic()))
-
-    monkeypatch.setattr(service, "transaction", transaction)
+    gaps = timed_transactions(monkeypatch, service, clock, work_ms=10)
     runner = BulkRunner(service, actor="alice", monotonic=clock.monotonic)
     assert runner.run(Op.REPLAY, operations.chunked(ids, 2), total=5).done == ids
-    gaps = [later[0] - earlier[1] for earlier, later in itertools.pairwise(spans)]
-    assert len(spans) == 3 and gaps == pytest.approx([0.01, 0.01])
+    assert gaps == pytest.approx([0.01, 0.01])  # three chunks, each 10 ms
 
 
 def test_runner_reports_unknown_and_malformed_ids(service: QueueService) -> None:
