@@ -142,23 +142,30 @@ class PooledAsgiHandler(ASGIHandler):
             return
         gate = _gate(matched)
         if gate is not None:
-            async with gate:
-                await self._pooled(scope, send, body_file, matched)
-        else:
-            await self._pooled(scope, send, body_file, matched)
+            await gate.acquire()  # left when the pool thread is done with the request
+        await self._pooled(scope, send, body_file, matched, gate)
 
     async def _pooled(
-        self, scope: dict[str, Any], send: Any, body_file: Any, matched: _Matched
+        self,
+        scope: dict[str, Any],
+        send: Any,
+        body_file: Any,
+        matched: _Matched,
+        gate: asyncio.Semaphore | None,
     ) -> None:
+        """Serve the request on a pool thread, then send its response. The request's body is
+        closed, and its gate left, when the thread is done with it, even if this task is
+        cancelled first (its client gone, its time up): the thread goes on to the end. Closed
+        at the cancel, the body failed a view still to read it (a 500), and a bulk request
+        waiting at the gate ran beside the one still replaying (a hostile review)."""
         set_script_prefix(get_script_prefix(scope))
         serve = sync_to_async(self._serve, thread_sensitive=False, executor=executor())
-        try:
-            response = await serve(scope, body_file, matched)
-            await self.send_response(response, send)
-            if response.streaming:
-                await sync_to_async(response.close, thread_sensitive=False, executor=executor())()
-        finally:
-            body_file.close()
+        served = asyncio.ensure_future(serve(scope, body_file, matched))
+        served.add_done_callback(functools.partial(_served, body_file, gate))
+        response = await asyncio.shield(served)
+        await self.send_response(response, send)
+        if response.streaming:
+            await sync_to_async(response.close, thread_sensitive=False, executor=executor())()
 
     def _serve(self, scope: dict[str, Any], body_file: Any, matched: _Matched) -> HttpResponseBase:
         """On a pool thread: the request's whole sync life, as Django's WSGI handler runs it.
@@ -179,6 +186,16 @@ class PooledAsgiHandler(ASGIHandler):
 
 
 _Matched = tuple[str, ResolverMatch | None]  # (path_info, its URL match; None: no route)
+
+
+def _served(body_file: Any, gate: asyncio.Semaphore | None, served: asyncio.Future[Any]) -> None:
+    """A pool thread is done with a request: close its body, leave its gate, and mark an
+    error no one waits for any more as seen (its task was cancelled)."""
+    body_file.close()
+    if gate is not None:
+        gate.release()
+    if not served.cancelled():
+        served.exception()
 
 
 _GATES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Semaphore]] = (

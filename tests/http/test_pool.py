@@ -203,3 +203,43 @@ def test_bulk_replays_run_one_at_a_time_and_leave_threads_to_the_api(
     assert status == 201
     assert not second_in, "the second bulk request took the API's thread"
     assert [code for code, _ in bulks] == [200, 200]
+
+
+@override_settings(RELAY_HTTP_THREADS=THREADS)
+def test_a_cancelled_bulk_request_keeps_the_gate_until_its_thread_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its client gone (gunicorn cancels the request's task) or its time up, a bulk request
+    # left the gate while its pool thread went on replaying, and the next one ran beside it
+    # on another thread (a hostile review).
+    from queue_api import calls
+
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    original = calls.run_each
+
+    def slow_run_each(*args: Any, **kwargs: Any) -> Any:
+        entered.release()
+        release.wait(TIMEOUT_S)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(calls, "run_each", slow_run_each)
+
+    async def scenario() -> tuple[int, bool, tuple[int, Any]]:
+        first = asyncio.create_task(call("/api/v1/dead/replay", {"job_ids": ["job_missing"]}))
+        assert await asyncio.to_thread(entered.acquire, True, TIMEOUT_S)
+        second = asyncio.create_task(call("/api/v1/dead/replay", {"job_ids": ["job_missing"]}))
+        first.cancel()  # as gunicorn does when the client hangs up
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        # The first request's thread still replays: the second waits at the gate, and a
+        # submit is served on the thread left.
+        status, _ = await call("/api/v1/queues/gate/jobs", {"payload": 1})
+        second_in = entered.acquire(blocking=False)
+        release.set()
+        return status, second_in, await second
+
+    status, second_in, (code, _) = asyncio.run(scenario())
+    assert status == 201
+    assert not second_in, "the second bulk request ran beside the cancelled one"
+    assert code == 200
