@@ -119,10 +119,7 @@ def run_each(
             with svc.bulk_chunk(), svc.transaction():
                 for args in chunk:
                     try:
-                        checked = dispatch.validate(
-                            verb, {k: v for k, v in args.items() if v is not None}
-                        )
-                        done.append(verb.handler(svc, checked, ctx))
+                        done.append(verb.handler(svc, check(op, args)[1], ctx))
                     except errors.RelayError as exc:
                         done.append(exc)
         except errors.RelayError as exc:

@@ -167,24 +167,34 @@ def test_console_requests_leave_threads_to_the_api(monkeypatch: pytest.MonkeyPat
     assert [code for code, _ in consoles] == [200, 200]
 
 
-@override_settings(RELAY_HTTP_THREADS=THREADS)
-def test_bulk_replays_run_one_at_a_time_and_leave_threads_to_the_api(
+@pytest.fixture
+def held_bulk(
     monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Eight bulk replays at once held all eight threads, the API's other requests waiting for
-    # all of them (a review); their chunks take turns anyway (QueueService.bulk_chunk).
+) -> tuple[threading.Semaphore, threading.Event]:
+    """Bulk requests hold their pool thread inside ``calls.run_each`` until ``release`` is
+    set; ``entered`` is released once for each that got there."""
     from queue_api import calls
 
     entered = threading.Semaphore(0)
     release = threading.Event()
     original = calls.run_each
 
-    def slow_run_each(*args: Any, **kwargs: Any) -> Any:
-        entered.release()  # a bulk request holds a pool thread here
+    def held_run_each(*args: Any, **kwargs: Any) -> Any:
+        entered.release()
         release.wait(TIMEOUT_S)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(calls, "run_each", slow_run_each)
+    monkeypatch.setattr(calls, "run_each", held_run_each)
+    return entered, release
+
+
+@override_settings(RELAY_HTTP_THREADS=THREADS)
+def test_bulk_replays_run_one_at_a_time_and_leave_threads_to_the_api(
+    held_bulk: tuple[threading.Semaphore, threading.Event],
+) -> None:
+    # Eight bulk replays at once held all eight threads, the API's other requests waiting for
+    # all of them (a review); their chunks take turns anyway (QueueService.bulk_chunk).
+    entered, release = held_bulk
 
     async def scenario() -> tuple[int, bool, list[tuple[int, Any]]]:
         bulks = [
@@ -207,23 +217,12 @@ def test_bulk_replays_run_one_at_a_time_and_leave_threads_to_the_api(
 
 @override_settings(RELAY_HTTP_THREADS=THREADS)
 def test_a_cancelled_bulk_request_keeps_the_gate_until_its_thread_is_done(
-    monkeypatch: pytest.MonkeyPatch,
+    held_bulk: tuple[threading.Semaphore, threading.Event],
 ) -> None:
     # Its client gone (gunicorn cancels the request's task) or its time up, a bulk request
     # left the gate while its pool thread went on replaying, and the next one ran beside it
     # on another thread (a hostile review).
-    from queue_api import calls
-
-    entered = threading.Semaphore(0)
-    release = threading.Event()
-    original = calls.run_each
-
-    def slow_run_each(*args: Any, **kwargs: Any) -> Any:
-        entered.release()
-        release.wait(TIMEOUT_S)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(calls, "run_each", slow_run_each)
+    entered, release = held_bulk
 
     async def scenario() -> tuple[int, bool, tuple[int, Any]]:
         first = asyncio.create_task(call("/api/v1/dead/replay", {"job_ids": ["job_missing"]}))
