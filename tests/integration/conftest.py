@@ -9,7 +9,17 @@ import pytest
 
 from queue_core.protocol.server import RelayServer
 from queue_core.service import QueueService
-from tests.integration.test_tcp_server import Running
+from tests.integration.test_tcp_server import OPEN, Running
+
+
+@pytest.fixture(autouse=True)
+def close_clients() -> Iterator[None]:
+    """Close the raw clients (``test_tcp_server.Client``) a test left open: one that failed
+    mid-way would leave its sockets to the garbage collector, whose ResourceWarning then
+    fails whichever test runs next on that worker."""
+    yield
+    while OPEN:
+        OPEN.pop().close()
 
 
 @pytest.fixture
