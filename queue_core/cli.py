@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         + "\n\n'relay COMMAND --help' shows a command's options. Exit codes: 0 ok, 1 Relay "
         "error or bad argument value (CODE: message on stderr), 2 server unreachable or bad usage, "
         "3 corrupt database (server), 4 database already served (server), 5 a public address "
-        "without any API key (server, HTTP).",
+        "without any API key (server, HTTP), 6 no private SECRET_KEY (HTTP), 7 disk full and 8 "
+        "storage failing (server, migrate), 9 a newer Relay migrated the database, 130 "
+        "interrupted (Ctrl-C), 141 output closed early (SIGPIPE).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

@@ -329,7 +329,8 @@ class QueueControlsResult(TypedDict):
 
 class StatsResult(TypedDict):
     """``stats``: per-queue counts by state plus ``oldest_ready_age_ms`` (None when empty),
-    the live servers, and every paused, capped or rate-limited queue's controls."""
+    the live servers, and the controls of each paused, capped or rate-limited queue on the
+    page (over TCP and HTTP a page holds up to 1,000 queues in name order: ``next_after``)."""
 
     queues: dict[str, QueueStats]
     totals: Totals

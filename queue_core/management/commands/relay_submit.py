@@ -133,8 +133,8 @@ class Command(RelayClientCommand):
             "--unique",
             choices=["window", "active"],
             help="When the idempotency key is freed: 'window' (default) after "
-            "RELAY_IDEMPOTENCY_WINDOW_MS, 'active' also as soon as the job succeeds or goes "
-            "dead (unique while active).",
+            "RELAY_IDEMPOTENCY_WINDOW_MS, 'active' also as soon as the job succeeds, goes "
+            "dead or is cancelled (unique while active).",
         )
         parser.add_argument(
             "--meta",
