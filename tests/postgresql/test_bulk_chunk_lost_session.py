@@ -1,0 +1,85 @@
+"""A bulk chunk (``queue_api.calls.run_each``, ``queue_admin.operations.BulkRunner``) whose
+session PostgreSQL ended between two of its calls kept nothing: its jobs must all get
+``UNAVAILABLE``, as ``PostgresDriver.write`` promises for "a savepoint that could not roll back".
+
+Found by a chaos run (pg_terminate_backend / SIGSTOP of the gunicorn worker during
+``POST /api/v1/dead/replay``): the calls before the loss came back ``OUTCOME_UNKNOWN`` and
+the ones after it ``UNAVAILABLE``, in one chunk whose jobs were all still DEAD. The next
+call's ``SAVEPOINT`` fails inside Django's ``Atomic.__enter__``, which never marks the
+connection ``needs_rollback``, so the driver's guard does not fire and the COMMIT is tried
+on the dead session (``OutcomeUnknown``).
+"""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+from django.db import connections
+
+from queue_core import errors
+from queue_core.service import QueueService
+from queue_core.storage import driver_for
+from tests.postgresql.conftest import DATABASES, count_sessions
+from tests.storage.conftest import database_url
+from tests.waits import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
+
+ALIAS = "postgresql"
+
+
+def _dead_jobs(service: QueueService, queue: str, n: int) -> list[str]:
+    ids = [service.submit(queue, i, max_retries=0)["job"]["id"] for i in range(n)]
+    for lease in service.claim([queue], worker_id="w", max_jobs=n):
+        service.fail(
+            lease["job_id"],
+            worker_id="w",
+            lease_token=lease["lease_token"],
+            error="boom",
+            retryable=False,
+        )
+    assert {service.get(i)["state"] for i in ids} == {"dead"}
+    return ids
+
+
+def _chunk(service: QueueService, ids: list[str], lose: callable) -> list[object]:  # type: ignore[valid-type]
+    """run_each's loop: each call in the chunk's transaction, its error kept; the session is
+    lost after the first call."""
+    done: list[object] = []
+    try:
+        with service.transaction():
+            for n, job_id in enumerate(ids):
+                if n == 1:
+                    lose()
+                try:
+                    done.append(service.replay(job_id))
+                except errors.RelayError as exc:
+                    done.append(exc)
+    except errors.RelayError as exc:
+        done = [exc if isinstance(o, dict) else o for o in done]
+    return done
+
+
+@pytest.mark.parametrize("how", ["idle_timeout", "terminated"])
+def test_a_chunk_whose_session_ended_between_calls_is_unavailable_for_every_job(how: str) -> None:
+    service = QueueService(driver=driver_for(ALIAS))
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    ids = _dead_jobs(service, f"lost-{how}", 3)
+    with connections[ALIAS].cursor() as cursor:
+        cursor.execute("SET idle_in_transaction_session_timeout = '50ms'" if how == "idle_timeout" else "SELECT 1")
+    pid = connections[ALIAS].connection.info.backend_pid
+
+    def lose() -> None:
+        if how == "terminated":
+            with psycopg.connect(url, autocommit=True) as killer:
+                killer.execute("SELECT pg_terminate_backend(%s)", [pid])
+        wait_until(
+            lambda: count_sessions(url, "a.pid = %s", [pid]) == 0,
+            what="PostgreSQL to end the session",
+        )
+
+    done = _chunk(service, ids, lose)
+    assert {service.get(i)["state"] for i in ids} == {"dead"}  # nothing was kept
+    codes = [o.code if isinstance(o, errors.RelayError) else "ok" for o in done]
+    # Before the fix: ['OUTCOME_UNKNOWN', 'UNAVAILABLE', 'UNAVAILABLE'].
+    assert codes == ["UNAVAILABLE"] * 3
