@@ -17,6 +17,7 @@ import pytest
 from django.db import connections
 
 from queue_core import errors
+from queue_core.models import Job
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
 from tests.postgresql.conftest import DATABASES, count_sessions
@@ -83,3 +84,27 @@ def test_a_chunk_whose_session_ended_between_calls_is_unavailable_for_every_job(
     codes = [o.code if isinstance(o, errors.RelayError) else "ok" for o in done]
     # Before the fix: ['OUTCOME_UNKNOWN', 'UNAVAILABLE', 'UNAVAILABLE'].
     assert codes == ["UNAVAILABLE"] * 3
+
+
+def test_one_locked_row_does_not_undo_or_stop_the_consoles_bulk_purge() -> None:
+    """The console's ``BulkRunner`` says each call "rolls back alone when the service refuses
+    it"; the HTTP API's ``run_each`` answers BUSY for a job whose row stays locked past
+    ``RELAY_LOCK_TIMEOUT_MS`` and goes on. The console let that one job's ``StoreBusy``
+    roll its whole chunk back and stop the run ("The database stayed busy ... 200 left"),
+    purging none of the 199 free jobs (a chaos run: 2 of 2; also after a deadlock between
+    the console and an HTTP bulk replay, 2 of 2 three-way races)."""
+    from queue_admin.operations import BulkRunner, Op, chunked
+
+    service = QueueService(driver=driver_for(ALIAS))
+    url = database_url("postgresql")["RELAY_DATABASE_URL"]
+    ids = _dead_jobs(service, "locked-row", 60)
+    with psycopg.connect(url) as holder:
+        holder.execute("SELECT 1 FROM relay_job WHERE id = %s FOR UPDATE", [ids[3]])
+        outcome = BulkRunner(service, actor="alice").run(
+            Op.PURGE, chunked(ids), dead_only=True, total=len(ids)
+        )
+        holder.rollback()
+    left = [i for i in ids if Job.objects.using(ALIAS).filter(id=i).exists()]
+    # Before: done 0, busy True, remaining 60, all 60 jobs left.
+    assert left == [ids[3]]
+    assert len(outcome.done) == len(ids) - 1
