@@ -12,6 +12,8 @@ on the dead session (``OutcomeUnknown``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import psycopg
 import pytest
 from django.db import connections
@@ -43,7 +45,7 @@ def _dead_jobs(service: QueueService, queue: str, n: int) -> list[str]:
     return ids
 
 
-def _chunk(service: QueueService, ids: list[str], lose: callable) -> list[object]:  # type: ignore[valid-type]
+def _chunk(service: QueueService, ids: list[str], lose: Callable[[], None]) -> list[object]:
     """run_each's loop: each call in the chunk's transaction, its error kept; the session is
     lost after the first call."""
     done: list[object] = []
@@ -67,7 +69,8 @@ def test_a_chunk_whose_session_ended_between_calls_is_unavailable_for_every_job(
     url = database_url("postgresql")["RELAY_DATABASE_URL"]
     ids = _dead_jobs(service, f"lost-{how}", 3)
     with connections[ALIAS].cursor() as cursor:
-        cursor.execute("SET idle_in_transaction_session_timeout = '50ms'" if how == "idle_timeout" else "SELECT 1")
+        idle = "SET idle_in_transaction_session_timeout = '50ms'"
+        cursor.execute(idle if how == "idle_timeout" else "SELECT 1")
     pid = connections[ALIAS].connection.info.backend_pid
 
     def lose() -> None:
