@@ -12,7 +12,9 @@ to back chunks kept a waiting server out), so workers keep claiming while an ope
 
 A run stops after ``time_budget_s`` and reports what is left, so one HTTP request never
 outlives the server's timeout; running the action again continues where it stopped, since
-handled jobs no longer match.
+handled jobs no longer match. It stops the same way at a chunk a database error failed (BUSY
+at BEGIN or COMMIT, a lost connection, a storage fault), naming the error; a call refused
+BUSY alone (its row locked by another transaction) rolls back alone and the run goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from queue_admin.display import iso_ms
-from queue_core.errors import InvalidArgument, InvalidState, JobFinished, JobNotFound, StoreBusy
+from queue_core.errors import (
+    InvalidArgument,
+    InvalidState,
+    JobFinished,
+    JobNotFound,
+    OutcomeUnknown,
+    RelayError,
+    StoreBusy,
+)
 from queue_core.models import JobEvent
 from queue_core.service import BULK_CHUNK, QueueService
 from queue_core.states import JobState
@@ -70,16 +80,33 @@ class Outcome:
     # Not in a state this operation applies to (e.g. replay of a READY job).
     refused: list[Skipped] = field(default_factory=list)
     missing: list[Skipped] = field(default_factory=list)
+    # Its row stayed locked by another transaction past RELAY_LOCK_TIMEOUT_MS, or a deadlock
+    # chose it (PostgreSQL; BUSY): its call rolled back alone, the rest of the chunk went on.
+    locked: list[Skipped] = field(default_factory=list)
     # Cancel of a LEASED job: marked, its worker stops it at its next renew (also in ``done``).
     requested: list[str] = field(default_factory=list)
-    # Stopped by the time budget or a busy database before reaching these.
+    # Stopped by the time budget or a database error before reaching these.
     remaining: int = 0
-    busy: bool = False
+    # What stopped the run at a chunk's BEGIN or COMMIT, or at a call that doomed its chunk
+    # (a lost connection, a storage fault): that chunk was not applied, except that after
+    # OUTCOME_UNKNOWN it may have been.
+    stopped: RelayError | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether the database stayed locked past the retry budget (``BUSY``)."""
+        return isinstance(self.stopped, StoreBusy)
 
     @property
     def attempted(self) -> int:
         """Jobs the run asked the service about."""
-        return len(self.done) + len(self.raced) + len(self.refused) + len(self.missing)
+        return (
+            len(self.done)
+            + len(self.raced)
+            + len(self.refused)
+            + len(self.missing)
+            + len(self.locked)
+        )
 
 
 def chunked(ids: Iterable[str], size: int = CHUNK) -> Iterator[list[str]]:
@@ -128,7 +155,9 @@ class BulkRunner:
             dead_only: for purge, refuse SUCCEEDED jobs too (the dead-letter list).
             total: how many ids the caller expects, to report ``remaining`` when stopped.
         Returns:
-            The Outcome; ``remaining`` > 0 when the budget ran out or the database stayed busy.
+            The Outcome; ``remaining`` > 0 when the budget ran out or a database error stopped
+            the run (``stopped``). It raises no ``RelayError``: the operator is told what the
+            chunks before the error did.
         """
         outcome = Outcome(op)
         deadline = self.monotonic() + self.time_budget_s
@@ -141,10 +170,11 @@ class BulkRunner:
                 with self.service.bulk_chunk(), self.service.transaction():
                     for job_id in chunk:
                         self._one(op, job_id, part, dead_only=dead_only)
-            except StoreBusy:
-                # BEGIN or COMMIT found the database locked past the retry budget: the whole
-                # chunk rolled back, so none of its jobs changed.
-                outcome.busy = True
+            except RelayError as exc:
+                # BEGIN or COMMIT found the database locked past the retry budget (BUSY), or
+                # the connection or the storage failed: the whole chunk rolled back, so none
+                # of its jobs changed; after OUTCOME_UNKNOWN it may have been kept.
+                outcome.stopped = exc
                 outcome.remaining = max(total - outcome.attempted, len(chunk))
                 break
             outcome.done += part.done
@@ -152,6 +182,7 @@ class BulkRunner:
             outcome.raced += part.raced
             outcome.refused += part.refused
             outcome.missing += part.missing
+            outcome.locked += part.locked
         self._explain_races(outcome)
         log.info(
             "event=admin_%s actor=%s done=%d raced=%d refused=%d missing=%d remaining=%d",
@@ -189,6 +220,11 @@ class BulkRunner:
             return
         except InvalidArgument as exc:
             outcome.missing.append(Skipped(job_id, exc.message))
+            return
+        except StoreBusy:
+            # Its row's lock wait ran out (or a deadlock chose it): its SAVEPOINT rolled back
+            # and the chunk goes on, as the HTTP API's bulk routes answer BUSY for that job.
+            outcome.locked.append(Skipped(job_id, "held by another transaction"))
             return
         outcome.done.append(job_id)
 
@@ -291,12 +327,40 @@ def describe(outcome: Outcome, noun: str = "job") -> list[tuple[str, str]]:
     if outcome.missing:
         n = len(outcome.missing)
         messages.append(("warning", f"{plural(n)} not found: {names(outcome.missing)}."))
-    if outcome.busy:
+    if outcome.locked:
+        n = len(outcome.locked)
+        verb = "was" if n == 1 else "were"
+        messages.append(
+            (
+                "warning",
+                f"{plural(n)} {verb} locked by another transaction and left alone: "
+                f"{names(outcome.locked)}. Run the action again.",
+            )
+        )
+    stopped = outcome.stopped
+    if isinstance(stopped, StoreBusy):
         messages.append(
             (
                 "error",
                 "The database stayed busy, so the last batch was not applied "
                 f"({outcome.remaining:,} left). Run the action again.",
+            )
+        )
+    elif isinstance(stopped, OutcomeUnknown):
+        messages.append(
+            (
+                "error",
+                "The database connection was lost while the last batch committed: it may or "
+                f"may not have been applied ({outcome.remaining:,} left, that batch included). "
+                "Run the action again; jobs it changed no longer match.",
+            )
+        )
+    elif stopped is not None:
+        messages.append(
+            (
+                "error",
+                f"The database failed ({stopped.code}: {stopped.message}), so the last batch "
+                f"was not applied ({outcome.remaining:,} left). Run the action again.",
             )
         )
     elif outcome.remaining:

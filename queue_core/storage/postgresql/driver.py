@@ -165,6 +165,12 @@ def _relay_errors() -> Iterator[None]:
         raise mapped from exc
 
 
+def _lost(raw: psycopg.Connection[Any] | None) -> bool:
+    """Whether this connection can no longer carry a statement: closed, or broken by an
+    error that ended its session (psycopg's ``broken``). No round trip."""
+    return raw is None or raw.closed or raw.broken
+
+
 def _hung_up(raw: psycopg.Connection[Any]) -> bool:
     """Whether the server spoke on an idle connection: it ended the session (a FATAL error
     and EOF), or, rarely, sent a notice; either way the connection is best replaced. One
@@ -458,11 +464,15 @@ class PostgresDriver:
                     self._shorten_lock_waits(conn)
                 tx = PostgresTx(cursor, self)
                 yield tx
-                if outermost and conn.needs_rollback:
+                if outermost and (conn.needs_rollback or _lost(conn.connection)):
                     # A savepoint that could not roll back (the connection was lost in a
                     # call the caller set apart) dooms the transaction: Django's atomic
                     # would roll it back without a word, and the calls before it would
-                    # pass for committed.
+                    # pass for committed. A savepoint that could not even begin (the
+                    # session ended between two calls) marks nothing in Django, but leaves
+                    # the connection broken: a COMMIT sent on it would be answered
+                    # OUTCOME_UNKNOWN, though nothing went out (a chaos run: the earlier
+                    # calls of a bulk chunk got it, their jobs all unchanged).
                     raise Unavailable(
                         "the transaction was lost before it could commit (the database "
                         "connection failed): nothing of it was kept"
