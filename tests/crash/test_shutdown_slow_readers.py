@@ -36,6 +36,12 @@ SEND_FOR_S = 60.0  # each client's sending ends at the latest after this
 # it) can have on the way at a reset: sent, they may arrive with their ACK delayed, or have
 # been dropped by the client's full buffer; their jobs stay LEASED (``Conn.transmitted``).
 ON_THE_WAY = 2 * 4096 // 150 + 1
+# The leases outlast any run of the test. The replies the clients can read are the first ones
+# sent, so with the default 30 s lease a run slower than that (under load) has the reaper
+# expire exactly their jobs back to READY before the server exits, and fails as if they had
+# been given back: seen once in a loaded run (55 readable, none LEASED), and the same with 8 s
+# leases and the signal sent after the first expiry (54 readable, all READY, failures 1).
+LEASE_MS = 600_000
 
 
 def received(sock: socket.socket) -> set[str]:
@@ -54,10 +60,19 @@ def received(sock: socket.socket) -> set[str]:
     }
 
 
+def states(relay_db: RelayDb, ids: set[str]) -> list[tuple[object, ...]]:
+    """``(id, state, attempt, failures)`` of up to five of ``ids``, for a failure's message."""
+    some = sorted(ids)[:5]
+    marks = ", ".join(["%s"] * len(some))
+    return relay_db.rows(
+        f"SELECT id, state, attempt, failures FROM relay_job WHERE id IN ({marks})", some
+    )
+
+
 def pipeline_leases(sock: socket.socket, stop: threading.Event, writes: int | None) -> None:
     """Send lease requests, 50 a write, until the connection fails, ``stop`` is set,
     ``SEND_FOR_S`` passes or ``writes`` writes went (None: no such bound); read nothing."""
-    lease = {"op": "lease", "args": {"queues": ["sr"], "worker_id": "slow"}}
+    lease = {"op": "lease", "args": {"queues": ["sr"], "worker_id": "slow", "lease_ms": LEASE_MS}}
     frames = b"".join(orjson.dumps({"id": i, **lease}) + b"\n" for i in range(50))
     ends = time.monotonic() + SEND_FOR_S
     with contextlib.suppress(OSError):
@@ -115,7 +130,8 @@ def test_a_shutdown_leaves_leased_only_the_jobs_whose_replies_the_clients_can_re
         readable |= received(sock)
         sock.close()
     held = {r[0] for r in relay_db.rows("SELECT id FROM relay_job WHERE state = 'leased'")}
-    assert readable <= held, len(readable - held)  # none given back and read
+    # None given back and read (an expired lease would show failures 1, a give-back 0).
+    assert readable <= held, (len(readable - held), states(relay_db, readable - held))
     # Replies sent but not taken (at most a window's worth a client) may stay LEASED.
     assert len(held - readable) <= CLIENTS * ON_THE_WAY, (len(held), len(readable))
     (ready,) = relay_db.rows("SELECT COUNT(*) FROM relay_job WHERE state = 'ready'")
