@@ -84,12 +84,15 @@ def _client(port: int, line: bytes, pace_s: float, until: float, sent: list[int]
 # in the writer's queue ahead of its small requests, first come first served, so they are held
 # to a sixteenth of the request budget (reading.ADMIT_SHARE). With all of it (64 MiB), its
 # slowest cycle took 1.6-1.9 s among the committed batches (0.2-0.45 s since), and its median
-# 0.74-1.1 s among the small objects (7-50 ms since).
+# 0.74-1.1 s among the small objects (7-50 ms since). On a loaded machine (two suites and a
+# busy loop on 2 cores) the committed batches' slowest cycle took 0.98-1.48 s with a sixteenth
+# and 4.9-5.1 s with all of it: no one bound tells the two apart both quiet and loaded, so it
+# is 3 s here (a stall), and the share itself is pinned in tests/integration/test_tcp_server.py.
 @pytest.mark.parametrize(
     ("kind", "line", "pace_s", "seconds", "clients", "rss_limit_kib", "worst_s", "median_s"),
     [
         ("refused", REFUSED, 0.8, 6.0, CLIENTS, RSS_LIMIT_KIB, 1.0, 5.0),
-        ("committed", COMMITTED, 0.0, 4.0, CLIENTS, RSS_LIMIT_KIB, 1.0, 5.0),
+        ("committed", COMMITTED, 0.0, 4.0, CLIENTS, RSS_LIMIT_KIB, 3.0, 5.0),
         # The budget counts about 23 MiB a line here. Each read loop also kept its last
         # line's decoded request while it waited for the next: 865 MiB (2.2 GB before the
         # budget), now about 230 MiB. The point is the memory: a line this heavy runs alone
