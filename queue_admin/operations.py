@@ -185,14 +185,17 @@ class BulkRunner:
             outcome.locked += part.locked
         self._explain_races(outcome)
         log.info(
-            "event=admin_%s actor=%s done=%d raced=%d refused=%d missing=%d remaining=%d",
+            "event=admin_%s actor=%s done=%d raced=%d refused=%d missing=%d locked=%d "
+            "remaining=%d stopped=%s",
             op.value,
             self.actor,
             len(outcome.done),
             len(outcome.raced),
             len(outcome.refused),
             len(outcome.missing),
+            len(outcome.locked),
             outcome.remaining,
+            outcome.stopped.code if outcome.stopped else None,
         )
         return outcome
 
