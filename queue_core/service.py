@@ -515,9 +515,10 @@ class QueueService:
         write lock to other writers as long as the chunk took (``leave_lock``,
         ``BULK_YIELD_FACTOR``). One chunk and its pause at a time in this process: several
         bulk requests at once filled each other's pauses (8 at once kept a TCP server's writes
-        out for 3 s, a hostile review).
+        out for 3 s, a hostile review); and, where writers take turns at one lock (SQLite),
+        one at a time across processes too (``Driver.bulk_turn``).
         """
-        with _BULK_TURN:
+        with _BULK_TURN, self.driver.bulk_turn():
             began = self.clock.monotonic()
             yield  # a chunk that raised (BUSY after waiting its budget) is not paused after
             self.leave_lock(began, BULK_YIELD_FACTOR)

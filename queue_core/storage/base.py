@@ -293,6 +293,16 @@ class Driver(Protocol):
         """
         ...
 
+    def bulk_turn(self) -> contextlib.AbstractContextManager[None]:
+        """Hold, across processes, the turn of one chunk of an operator's bulk action
+        (``QueueService.bulk_chunk``, which also holds its process's turn) for as long as the
+        context lasts: where writers take turns at one lock (SQLite), so that bulk actions in
+        several processes (HTTP workers, the console) do not fill each other's pauses. Where
+        writers lock rows (PostgreSQL), nothing. Never raises for want of a lock: a turn
+        that cannot be taken across processes is this process's alone.
+        """
+        ...
+
     def close(self) -> None:
         """Close this thread's connection (threads that used the driver call this on exit)."""
         ...

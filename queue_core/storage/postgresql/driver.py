@@ -641,6 +641,10 @@ class PostgresDriver:
             return [f"{type(exc).__name__}: {str(exc).strip()}"]
         return []
 
+    def bulk_turn(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to hold (``Driver.bulk_turn``): writers lock rows, not the database."""
+        return contextlib.nullcontext()
+
     def server_lock(self) -> None:
         """Return None (any number of servers may serve one PostgreSQL database), and give
         every connection this process opens to the database from now on the server's limits:

@@ -1316,6 +1316,38 @@ class SqliteDriver:
             os.close(fd)
         return {"path": str(target), "bytes": target.stat().st_size, "pages": pages}
 
+    @contextlib.contextmanager
+    def bulk_turn(self) -> Iterator[None]:
+        """Hold an exclusive ``flock`` on ``<database>-bulk.lock`` (beside the file the path
+        resolves to, made on first use) while the context lasts (``Driver.bulk_turn``).
+
+        Each process's bulk chunks already take turns and pause after each
+        (``QueueService.bulk_chunk``), but SQLite's write lock is not fair: four HTTP workers
+        running bulk replays at once filled each other's pauses and held a TCP sentinel up to
+        391 ms (60 ms with one worker; a chaos review). A lock file, not the database file:
+        the server holds that one's ``flock`` for its life (``server_lock``), and a POSIX lock
+        on it would be dropped with SQLite's own at the first ``close`` of any descriptor of
+        it. A holder that dies frees the turn with its descriptor. A database that is no
+        file (``:memory:``), or a folder where the lock file cannot be made, leaves the turn
+        to this process.
+        """
+        path = self._path()
+        if _file_identity(path) is None:
+            yield
+            return
+        try:
+            fd = os.open(
+                os.path.realpath(path) + "-bulk.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # frees the lock
+
     def server_lock(self) -> IO[bytes]:
         """Hold an exclusive ``flock`` on the database file itself for the life of the process.
 
