@@ -3,7 +3,8 @@ one lock (SQLite), nothing to hold where they lock rows (PostgreSQL).
 
 Four HTTP workers running bulk replays at once each paused after their own chunks but filled
 each other's pauses, and SQLite's lock is not fair: a TCP sentinel waited up to 391 ms (a chaos
-review). The turn is an ``flock`` on ``<database>-bulk.lock``; here another process holds it.
+review; 21-44 ms with the turn, docs/failure-model.md). The turn is an ``flock`` on
+``<database>-bulk.lock``; here another process holds it.
 """
 
 from __future__ import annotations

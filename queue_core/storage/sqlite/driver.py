@@ -1326,7 +1326,9 @@ class SqliteDriver:
         Each process's bulk chunks already take turns and pause after each
         (``QueueService.bulk_chunk``), but SQLite's write lock is not fair: four HTTP workers
         running bulk replays at once filled each other's pauses and held a TCP sentinel up to
-        391 ms (60 ms with one worker; a chaos review). A lock file, not the database file:
+        391 ms (60 ms with one worker; a chaos review); with this turn, eight bulks of 1,000
+        at once held it at most 21-44 ms a run where they had 82-287 ms (docs/failure-model.md,
+        "A fourth attack"). A lock file, not the database file:
         the server holds that one's ``flock`` for its life (``server_lock``), and a POSIX lock
         on it would be dropped with SQLite's own at the first ``close`` of any descriptor of
         it. A holder that dies frees the turn with its descriptor; one that is stopped
