@@ -13,11 +13,14 @@ on the dead session (``OutcomeUnknown``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
 from django.db import connections
+from django.test import RequestFactory
 
+from queue_api import calls
 from queue_core import errors
 from queue_core.models import Job
 from queue_core.service import QueueService
@@ -31,66 +34,57 @@ pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
 ALIAS = "postgresql"
 
 
-def _dead_jobs(service: QueueService, queue: str, n: int) -> list[str]:
-    ids = [service.submit(queue, i, max_retries=0)["job"]["id"] for i in range(n)]
-    while leases := service.claim([queue], worker_id="w", max_jobs=100):
-        for lease in leases:
-            service.fail(
-                lease["job_id"],
-                worker_id="w",
-                lease_token=lease["lease_token"],
-                error="boom",
-                retryable=False,
-            )
-    assert {service.get(i)["state"] for i in ids} == {"dead"}
-    return ids
+@pytest.fixture
+def service(transactional_db: None) -> QueueService:
+    """A QueueService on the PostgreSQL test database (``dead_job`` makes its jobs there)."""
+    return QueueService(driver=driver_for(ALIAS))
 
 
-def _chunk(service: QueueService, ids: list[str], lose: Callable[[], None]) -> list[object]:
-    """run_each's loop: each call in the chunk's transaction, its error kept; the session is
-    lost after the first call."""
-    done: list[object] = []
-    try:
-        with service.transaction():
-            for n, job_id in enumerate(ids):
-                if n == 1:
-                    lose()
-                try:
-                    done.append(service.replay(job_id))
-                except errors.RelayError as exc:
-                    done.append(exc)
-    except errors.RelayError as exc:
-        done = [exc if isinstance(o, dict) else o for o in done]
-    return done
+@pytest.fixture
+def dead_jobs(dead_job: Callable[..., dict[str, Any]]) -> Callable[[str, int], list[str]]:
+    """``dead_jobs(queue, n) -> [job ids]``, each failed non-retryably."""
+    return lambda queue, n: [dead_job(queue=queue)["id"] for _ in range(n)]
 
 
 @pytest.mark.parametrize("how", ["idle_timeout", "terminated"])
-def test_a_chunk_whose_session_ended_between_calls_is_unavailable_for_every_job(how: str) -> None:
-    service = QueueService(driver=driver_for(ALIAS))
+def test_a_chunk_whose_session_ended_between_calls_is_unavailable_for_every_job(
+    how: str,
+    service: QueueService,
+    dead_jobs: Callable[[str, int], list[str]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     url = database_url("postgresql")["RELAY_DATABASE_URL"]
-    ids = _dead_jobs(service, f"lost-{how}", 3)
+    ids = dead_jobs(f"lost-{how}", 3)
     with connections[ALIAS].cursor() as cursor:
         idle = "SET idle_in_transaction_session_timeout = '50ms'"
         cursor.execute(idle if how == "idle_timeout" else "SELECT 1")
     pid = connections[ALIAS].connection.info.backend_pid
+    replay, replays = service.replay, []
 
-    def lose() -> None:
-        if how == "terminated":
-            with psycopg.connect(url, autocommit=True) as killer:
-                killer.execute("SELECT pg_terminate_backend(%s)", [pid])
-        wait_until(
-            lambda: count_sessions(url, "a.pid = %s", [pid]) == 0,
-            what="PostgreSQL to end the session",
-        )
+    def replay_losing_the_session_after_the_first(job_id: str, **kwargs: Any) -> Any:
+        if replays:  # the session ends between the chunk's first call and its second
+            if how == "terminated":
+                with psycopg.connect(url, autocommit=True) as killer:
+                    killer.execute("SELECT pg_terminate_backend(%s)", [pid])
+            wait_until(
+                lambda: count_sessions(url, "a.pid = %s", [pid]) == 0,
+                what="PostgreSQL to end the session",
+            )
+        replays.append(job_id)
+        return replay(job_id, **kwargs)
 
-    done = _chunk(service, ids, lose)
+    monkeypatch.setattr(service, "replay", replay_losing_the_session_after_the_first)
+    monkeypatch.setattr(calls, "service", lambda: service)
+    done = calls.run_each(RequestFactory().post("/"), "dead_retry", [{"job_id": i} for i in ids])
     assert {service.get(i)["state"] for i in ids} == {"dead"}  # nothing was kept
     codes = [o.code if isinstance(o, errors.RelayError) else "ok" for o in done]
     # Before the fix: ['OUTCOME_UNKNOWN', 'UNAVAILABLE', 'UNAVAILABLE'].
     assert codes == ["UNAVAILABLE"] * 3
 
 
-def test_one_locked_row_does_not_undo_or_stop_the_consoles_bulk_purge() -> None:
+def test_one_locked_row_does_not_undo_or_stop_the_consoles_bulk_purge(
+    service: QueueService, dead_jobs: Callable[[str, int], list[str]]
+) -> None:
     """The console's ``BulkRunner`` says each call "rolls back alone when the service refuses
     it"; the HTTP API's ``run_each`` answers BUSY for a job whose row stays locked past
     ``RELAY_LOCK_TIMEOUT_MS`` and goes on. The console let that one job's ``StoreBusy``
@@ -99,9 +93,8 @@ def test_one_locked_row_does_not_undo_or_stop_the_consoles_bulk_purge() -> None:
     the console and an HTTP bulk replay, 2 of 2 three-way races)."""
     from queue_admin.operations import BulkRunner, Op, chunked
 
-    service = QueueService(driver=driver_for(ALIAS))
     url = database_url("postgresql")["RELAY_DATABASE_URL"]
-    ids = _dead_jobs(service, "locked-row", 60)
+    ids = dead_jobs("locked-row", 60)
     with psycopg.connect(url) as holder:
         holder.execute("SELECT 1 FROM relay_job WHERE id = %s FOR UPDATE", [ids[3]])
         outcome = BulkRunner(service, actor="alice").run(
@@ -114,7 +107,9 @@ def test_one_locked_row_does_not_undo_or_stop_the_consoles_bulk_purge() -> None:
     assert len(outcome.done) == len(ids) - 1
 
 
-def test_the_consoles_bulk_replay_reports_a_lost_session_instead_of_raising() -> None:
+def test_the_consoles_bulk_replay_reports_a_lost_session_instead_of_raising(
+    dead_jobs: Callable[[str, int], list[str]],
+) -> None:
     """``BulkRunner.run`` catches only ``StoreBusy`` from a chunk; ``queue_admin.admin._run``
     catches nothing around it. A PostgreSQL session lost mid-run (a restart, a
     ``pg_terminate_backend``, the idle-in-transaction timeout) raised ``Unavailable`` out of
@@ -135,8 +130,9 @@ def test_the_consoles_bulk_replay_reports_a_lost_session_instead_of_raising() ->
                     killer.execute("SELECT pg_terminate_backend(%s)", [pid])
             return super().replay(job_id, actor=actor)
 
-    service = Dropping(driver=driver_for(ALIAS))
-    ids = _dead_jobs(service, "dropped-session", 150)
-    outcome = BulkRunner(service, actor="alice").run(Op.REPLAY, chunked(ids), total=len(ids))
+    ids = dead_jobs("dropped-session", 150)
+    outcome = BulkRunner(Dropping(driver=driver_for(ALIAS)), actor="alice").run(
+        Op.REPLAY, chunked(ids), total=len(ids)
+    )
     assert len(outcome.done) >= 50  # the first chunk committed, and is reported
     assert outcome.remaining > 0 or len(outcome.done) == len(ids)
