@@ -93,11 +93,6 @@ class Outcome:
     stopped: RelayError | None = None
 
     @property
-    def busy(self) -> bool:
-        """Whether the database stayed locked past the retry budget (``BUSY``)."""
-        return isinstance(self.stopped, StoreBusy)
-
-    @property
     def attempted(self) -> int:
         """Jobs the run asked the service about."""
         return (

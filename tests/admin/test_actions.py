@@ -460,7 +460,7 @@ def test_runner_rolls_back_a_chunk_the_database_refuses(
     error: RelayError = StoreBusy()
     monkeypatch.setattr(service, "transaction", transaction)
     outcome = BulkRunner(service, actor="alice").run(Op.REPLAY, operations.chunked(ids, 2), total=3)
-    assert outcome.done == ids[:2] and outcome.busy and outcome.remaining == 1
+    assert outcome.done == ids[:2] and outcome.stopped is error and outcome.remaining == 1
     assert states(ids) == {ids[0]: "ready", ids[1]: "ready", ids[2]: "dead"}
     assert describe(outcome)[-1] == (
         "error",
@@ -474,7 +474,7 @@ def test_runner_rolls_back_a_chunk_the_database_refuses(
     outcome = BulkRunner(service, actor="alice").run(
         Op.REPLAY, operations.chunked(more, 2), total=3
     )
-    assert outcome.done == more[:2] and not outcome.busy and outcome.remaining == 1
+    assert outcome.done == more[:2] and outcome.stopped is error and outcome.remaining == 1
     assert describe(outcome)[-1] == (
         "error",
         "The database failed (UNAVAILABLE: the database connection failed), so the last "

@@ -176,7 +176,7 @@ def _hung_up(raw: psycopg.Connection[Any]) -> bool:
     and EOF), or, rarely, sent a notice; either way the connection is best replaced. One
     ``poll`` of the socket, no round trip (a connection of Relay's driver listens to no
     channel: the change feed has its own)."""
-    if raw.closed or raw.broken:
+    if _lost(raw):
         return True
     if raw.info.transaction_status != TransactionStatus.IDLE:
         return False
