@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import orjson
@@ -150,21 +150,33 @@ def test_console_requests_leave_threads_to_the_api(monkeypatch: pytest.MonkeyPat
         return original(self, request, *args, **kwargs)
 
     monkeypatch.setattr(LoginView, "get", slow_get)
+    status, second_in, consoles = two_gated_and_a_submit(
+        lambda: exchange("GET", "/admin/login/"), entered, release
+    )
+    assert status == 201
+    assert not second_in, "the second console request took the API's thread"
+    assert consoles == [200, 200]
 
-    async def scenario() -> tuple[int, bool, list[tuple[int, bytes]]]:
-        consoles = [asyncio.create_task(exchange("GET", "/admin/login/")) for _ in range(2)]
+
+def two_gated_and_a_submit(
+    send: Callable[[], Awaitable[tuple[int, Any]]],
+    entered: threading.Semaphore,
+    release: threading.Event,
+) -> tuple[int, bool, list[int]]:
+    """Send two requests of a gate one thread wide (each holds its pool thread, ``entered``
+    released as it gets there, until ``release``), and while one holds a thread and the other
+    waits at the gate, a submit, which is served on the thread left. Return the submit's
+    status, whether the second gated request got a thread meanwhile, and their statuses."""
+
+    async def scenario() -> tuple[int, bool, list[int]]:
+        gated = [asyncio.create_task(send()) for _ in range(2)]
         assert await asyncio.to_thread(entered.acquire, True, TIMEOUT_S)
-        # One console request holds a thread, the other waits at the gate: a submit is
-        # served on the thread left.
         status, _ = await call("/api/v1/queues/gate/jobs", {"payload": 1})
         second_in = entered.acquire(blocking=False)
         release.set()
-        return status, second_in, list(await asyncio.gather(*consoles))
+        return status, second_in, [code for code, _ in await asyncio.gather(*gated)]
 
-    status, second_in, consoles = asyncio.run(scenario())
-    assert status == 201
-    assert not second_in, "the second console request took the API's thread"
-    assert [code for code, _ in consoles] == [200, 200]
+    return asyncio.run(scenario())
 
 
 @pytest.fixture
@@ -195,24 +207,12 @@ def test_bulk_replays_run_one_at_a_time_and_leave_threads_to_the_api(
     # Eight bulk replays at once held all eight threads, the API's other requests waiting for
     # all of them (a review); their chunks take turns anyway (QueueService.bulk_chunk).
     entered, release = held_bulk
-
-    async def scenario() -> tuple[int, bool, list[tuple[int, Any]]]:
-        bulks = [
-            asyncio.create_task(call("/api/v1/dead/replay", {"job_ids": ["job_missing"]}))
-            for _ in range(2)
-        ]
-        assert await asyncio.to_thread(entered.acquire, True, TIMEOUT_S)
-        # One bulk request holds a thread, the other waits at the gate: a submit is served on
-        # the thread left.
-        status, _ = await call("/api/v1/queues/gate/jobs", {"payload": 1})
-        second_in = entered.acquire(blocking=False)
-        release.set()
-        return status, second_in, list(await asyncio.gather(*bulks))
-
-    status, second_in, bulks = asyncio.run(scenario())
+    status, second_in, bulks = two_gated_and_a_submit(
+        lambda: call("/api/v1/dead/replay", {"job_ids": ["job_missing"]}), entered, release
+    )
     assert status == 201
     assert not second_in, "the second bulk request took the API's thread"
-    assert [code for code, _ in bulks] == [200, 200]
+    assert bulks == [200, 200]
 
 
 @override_settings(RELAY_HTTP_THREADS=THREADS)
