@@ -460,6 +460,9 @@ class Worker:
         self.acked = 0
         self.failed = 0
         self.released = 0
+        # Jobs a reply brought while stopping (not kept) whose release is under way: the
+        # shutdown waits for them before it closes the clients (``_take``).
+        self._returning = 0
         self.renewed = 0
         self.lost = 0
         self.cancelled = 0
@@ -678,6 +681,8 @@ class Worker:
                         self._displaced += 1
                     self._held[job.job_id] = job
                 kept.append(keep)
+            returning = kept.count(False)
+            self._returning += returning
             self._cond.notify_all()
         if malformed is not None:
             raise malformed
@@ -693,9 +698,15 @@ class Worker:
             )
             if keep:
                 self._jobs.put(job)
-        for job, keep in zip(jobs, kept, strict=True):
-            if not keep:  # leased while stopping (or more than asked for): hand it straight back
-                self._release(job, reason="not_started")
+        try:
+            for job, keep in zip(jobs, kept, strict=True):
+                if not keep:  # leased while stopping (or more than asked): hand it straight back
+                    self._release(job, reason="not_started")
+        finally:
+            if returning:
+                with self._cond:
+                    self._returning -= returning
+                    self._cond.notify_all()
 
     def _drop(self, job: _HeldJob) -> bool:
         """Forget a held job (under ``_cond``), unless its id now holds a newer lease (a failed
@@ -1389,9 +1400,12 @@ class Worker:
         with self._cond:
             for job in stuck:
                 self._held.pop(job.job_id, None)
-            # Acks, fails and releases already under way get a moment to finish.
+            # Acks, fails and releases already under way get a moment to finish, and so do
+            # the releases of jobs a reply brought while stopping, which run on the thread
+            # that sent it (a handler's, not joined): the process exited with them under way
+            # and the jobs stayed leased until their leases expired (a Django review).
             margin_end = self._clock.monotonic() + _MARGIN_S
-            while self._held:
+            while self._held or self._returning:
                 remaining = margin_end - self._clock.monotonic()
                 if remaining <= 0:
                     break
