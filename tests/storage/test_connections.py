@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 from django.db import connections
 
+from queue_core.models import Job
 from queue_core.service import QueueService
 from queue_core.storage import Driver
 from tests.storage.conftest import DATABASES
@@ -47,3 +48,28 @@ def test_the_reads_that_read_the_clock_inside_work_at_conn_max_age_0(driver: Dri
         assert service.servers() == []
         assert service.health()["server_time_ms"] > 0
         assert service.count_prunable({"succeeded": 1000})["succeeded"] == 0
+
+
+@pytest.mark.usefixtures("conn_max_age_0")
+def test_calls_outside_a_transaction_keep_the_projects_connection(
+    alias: str, service: QueueService
+) -> None:
+    # At CONN_MAX_AGE 0 each call outside atomic() closed the project's own connection on
+    # PostgreSQL, as if a request had ended (a Django review): a server-side cursor open across
+    # an enqueue failed "the connection is closed", and the session's state was lost.
+    submitted = sorted(service.submit("q", {"n": n})["job"]["id"] for n in range(5))
+    conn = connections[alias]
+    with conn.cursor() as cursor:
+        cursor.execute("CREATE TEMPORARY TABLE project_scratch (x integer)")
+    raw = conn.connection
+    ids = Job.objects.using(alias).filter(id__in=submitted).order_by("id")
+    rows = ids.values_list("id", flat=True).iterator(chunk_size=2)
+    seen = [next(rows)]
+    service.submit("q", {"n": 5})
+    service.stats()
+    seen += list(rows)
+    assert seen == submitted
+    assert conn.connection is raw
+    with conn.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM project_scratch")  # the session's own table
+        assert cursor.fetchone() == (0,)
