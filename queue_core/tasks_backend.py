@@ -147,6 +147,8 @@ STATUS_OF_STATE: dict[str, TaskResultStatus] = {
 }
 
 _OPTIONS = frozenset({"DATABASE", "MAX_RETRIES", "ADDRESS", "API_KEY", "TIMEOUT"})
+# The keys of a TASKS entry Django reads (django.tasks.backends.base.BaseTaskBackend).
+_PARAMS = frozenset({"BACKEND", "QUEUES", "OPTIONS"})
 
 
 _P = ParamSpec("_P")
@@ -458,6 +460,10 @@ class RelayBackend(BaseTaskBackend):
             kind = type(self.options).__name__
             self._malformed.append(("relay.E103", f"OPTIONS must be a dict, got {kind}"))
             self.options = {}
+        unknown = sorted(str(key) for key in set(params) - _PARAMS)
+        if unknown:  # e.g. "OPTION": its ADDRESS unread, tasks went to the shared mode
+            known = sorted(_PARAMS)
+            self._malformed.append(("relay.E108", f"unknown keys {unknown}; known: {known}"))
         queues = params.get("QUEUES")
         if isinstance(queues, str | bytes):
             problem = f"QUEUES must be a list of queue names, got {queues!r}"
@@ -465,6 +471,14 @@ class RelayBackend(BaseTaskBackend):
         self.database: str = self.options.get("DATABASE", "default")
         self.max_retries: int | None = self.options.get("MAX_RETRIES")
         self.address: str | None = self.options.get("ADDRESS") or None
+        if "ADDRESS" in self.options and self.address is None:
+            # os.environ.get("RELAY_ADDRESS", ""): the shared mode's enqueue wrote the job
+            # into this project's database, which no server served (a Django review).
+            problem = (
+                f"OPTIONS['ADDRESS'] is {self.options['ADDRESS']!r}: give the service's "
+                "host:port, or leave ADDRESS out for the shared-database mode"
+            )
+            self._malformed.append(("relay.E106", problem))
         self.api_key: str | None = self.options.get("API_KEY") or None
         self.timeout_s: Any = self.options.get("TIMEOUT", 10)
         self._service: QueueService | None = None
@@ -516,7 +530,8 @@ class RelayBackend(BaseTaskBackend):
 
     def check(self, **kwargs: Any) -> list[checks.CheckMessage]:
         """System checks ``relay.E101``...: apps installed, database alias and its
-        transaction mode (``relay.W106``), options, queue names."""
+        transaction mode (``relay.W106``), options and the keys around them, queue names, and
+        ``queue_admin`` beside a networked backend (``relay.W109``)."""
         messages: list[checks.CheckMessage] = [
             checks.Error(f"TASKS[{self.alias!r}]: {problem}", id=check_id)
             for check_id, problem in self._malformed
@@ -575,6 +590,17 @@ class RelayBackend(BaseTaskBackend):
             )
         if self.networked:
             messages.extend(self._check_network_options())
+            if apps.is_installed("queue_admin"):
+                messages.append(
+                    checks.Warning(
+                        f"TASKS[{self.alias!r}] sends tasks to the Relay service at "
+                        f"{self.address}, but queue_admin shows the jobs in this project's "
+                        f"database ({relay_settings().database!r}), not the service's",
+                        hint="See the service's jobs in its own console (its /admin/), or use "
+                        "the shared-database mode (docs/django.md).",
+                        id="relay.W109",
+                    )
+                )
         if self.max_retries is not None:
             try:
                 validation.integer(

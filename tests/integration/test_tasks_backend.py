@@ -804,13 +804,40 @@ def test_a_return_value_over_relay_max_result_bytes_fails_at_once(
 
 def test_networked_options_are_checked() -> None:
     good = RelayBackend("net", {"OPTIONS": {"ADDRESS": "127.0.0.1:7400,10.0.0.2:7400"}})
-    assert good.networked and good.check() == []
+    # queue_admin, installed here, shows this database's jobs, not the service's (a Django
+    # review): a warning, which the backend's first use does not refuse.
+    (warning,) = good.check()
+    assert warning.id == "relay.W109" and not warning.is_serious()
+    assert "127.0.0.1:7400,10.0.0.2:7400" in warning.msg
+    apps = [app for app in settings.INSTALLED_APPS if app != "queue_admin"]
+    with override_settings(INSTALLED_APPS=apps):
+        assert good.networked and good.check() == []
     bad = RelayBackend("net", {"OPTIONS": {"ADDRESS": "no-port", "API_KEY": 7, "TIMEOUT": True}})
-    messages = [m.msg for m in bad.check()]
-    assert [m.id for m in bad.check()] == ["relay.E106"] * 3
+    found = [m for m in bad.check() if m.is_serious()]
+    messages = [m.msg for m in found]
+    assert [m.id for m in found] == ["relay.E106"] * 3
     assert "ADDRESS 'no-port'" in messages[0]
     assert "API_KEY must be a string" in messages[1]
     assert "TIMEOUT must be a number of seconds > 0, got True" in messages[2]
+
+
+def test_a_misspelt_options_key_or_an_empty_address_is_an_error_not_the_shared_mode() -> None:
+    # Either left ADDRESS unread: enqueue wrote the job into this project's own relay_job,
+    # which no server served, and `manage.py check` said nothing (a Django review).
+    typo = RelayBackend("net", {"OPTION": {"ADDRESS": "127.0.0.1:7400"}})
+    (error,) = [m for m in typo.check() if m.id == "relay.E108"]
+    assert "unknown keys ['OPTION']" in error.msg and "'OPTIONS'" in error.msg
+    for empty in ("", None):
+        backend = RelayBackend("net", {"OPTIONS": {"ADDRESS": empty}})
+        (error,) = [m for m in backend.check() if m.id == "relay.E106"]
+        assert f"OPTIONS['ADDRESS'] is {empty!r}" in error.msg
+    jobs = Job.objects.count()
+    with (
+        override_settings(TASKS={"default": {"BACKEND": BACKEND, "OPTIONS": {"ADDRESS": ""}}}),
+        pytest.raises(InvalidTaskBackend, match=r"relay\.E106: .*ADDRESS'\] is ''"),
+    ):
+        tasks.add.enqueue(1, 2)
+    assert Job.objects.count() == jobs
 
 
 def test_a_backend_that_fails_its_checks_is_refused_at_first_use() -> None:
