@@ -23,8 +23,10 @@ Threads, and why:
 * **N handler threads** run the handlers. They are plain daemon threads rather than a
   ``ThreadPoolExecutor``, whose threads the interpreter joins at exit: a handler that hangs
   would then keep the process alive past the shutdown timeout;
-* the **renewer** renews every held lease about every third of its length, on the shared
-  connection that also carries ack/fail/release (a long poll never delays an ack);
+* the **renewer** renews every held lease about every third of its length, on a connection
+  of its own (not the pool's that carries ack/fail/release, where calls may wait), each renew
+  cut after half that interval (at least 1 s) so that one silent connection cannot hold the
+  others' renewals past their leases;
 * the thread that called ``run()`` waits for ``stop()`` and then runs the shutdown.
 
 Delivery is at-least-once: when a renew or an ack is rejected (the lease expired or was taken
@@ -85,6 +87,11 @@ MAX_JOBS_PER_LEASE = 100
 _RECONNECT_BACKOFF = RetryPolicy(max_retries=0, base_ms=100, cap_ms=5_000, jitter=True)
 # How soon to retry a renew that failed for a transient reason (connection, BUSY), at most.
 _RENEW_RETRY_S = 1.0
+# How long one renew may take before its connection is cut (and the next reconnects): half the
+# renew interval (a sixth of the lease), at least this. A renew on a connection that went
+# silent waited out the client's 30 s timeout while every other lease of the worker expired,
+# and another worker ran its jobs beside it (a review).
+_RENEW_BUDGET_MIN_S = 1.0
 # How long past its time limit a handler has to stop before the worker renews its lease, so
 # that the server fails the attempt (a task body never sees ctx.stop: with a 30 s lease the
 # attempt of a 3 s limit ended at the renew 10 s in; a Django review).
@@ -414,6 +421,8 @@ class Worker:
         self._rng = rng or random.Random()
         self._tick_s = tick_s
         self._renew_interval_s = lease_ms / 3000
+        self._renew_budget_s = max(_RENEW_BUDGET_MIN_S, self._renew_interval_s / 2)
+        self._renew_client: WorkerClient | None = None  # the renewer's own (``run``)
 
         self._cond = threading.Condition()  # guards _held, the job statuses and the counters
         self._held: dict[str, _HeldJob] = {}
@@ -530,6 +539,7 @@ class Worker:
                 raise RuntimeError("a Worker runs once")
             self._started = True
         self._lease_client = self._client_factory()
+        self._renew_client = self._client_factory()
         self._clients = _ClientPool(self._client_factory, min(self.concurrency, SETTLE_CONNECTIONS))
         for n in range(self.concurrency):
             threading.Thread(
@@ -649,15 +659,19 @@ class Worker:
         slots are theirs now); ``acked``: acks to count with them (an ``ack_batch``'s, counted
         as their jobs are dropped).
 
-        Raises:
-            KeyError, TypeError, ValueError: a lease without its fields (a malformed reply);
-                the promise is ended and ``settled`` dropped all the same.
+        A lease without its fields (a faulty server or proxy) is logged (``bad_leases``) and
+        left to expire on the server; the reply's other leases are taken (one such entry
+        stopped the worker: a review). A lease this worker already holds with the same token
+        (the same lease twice) is logged (``lease_repeated``) and not run again.
         """
-        malformed: Exception | None = None
-        try:
-            jobs = [self._held_job(lease) for lease in leases]
-        except Exception as exc:  # noqa: BLE001 - re-raised once the promise is ended
-            jobs, malformed = [], exc  # the bookkeeping below still runs, for no jobs
+        jobs: list[_HeldJob] = []
+        malformed: list[Exception] = []
+        for lease in leases:
+            try:
+                jobs.append(self._held_job(lease))
+            except Exception as exc:  # noqa: BLE001 - any shape a reply can have
+                malformed.append(exc)
+        repeated: list[_HeldJob] = []
         with self._cond:
             self._reserved -= reserved
             self._covered -= covered
@@ -665,14 +679,15 @@ class Worker:
                 self._drop(done)
                 self._undisplace(done)  # its handler has ended: the slot passes to what came
             self.acked += acked
-            self.leased += len(jobs)
-            if via_ack:
-                self.leased_next += len(jobs)
             kept: list[bool] = []
+            fresh: list[_HeldJob] = []
             for job in jobs:
+                old = self._held.get(job.job_id)
+                if old is not None and old.lease_token == job.lease_token:
+                    repeated.append(job)  # two handlers on one lease ran the job twice at once
+                    continue
                 keep = not self._stop.is_set() and self._taken() < self.concurrency
                 if keep:
-                    old = self._held.get(job.job_id)
                     if old is not None and old.status == "running":
                         # Its handler still runs (it ignored a time limit): its thread stays
                         # taken. Counted as held no more, it let the worker lease jobs no
@@ -680,12 +695,19 @@ class Worker:
                         old.displaced = True
                         self._displaced += 1
                     self._held[job.job_id] = job
+                fresh.append(job)
                 kept.append(keep)
+            jobs = fresh
+            self.leased += len(jobs)
+            if via_ack:
+                self.leased_next += len(jobs)
             returning = kept.count(False)
             self._returning += returning
             self._cond.notify_all()
-        if malformed is not None:
-            raise malformed
+        if malformed:  # they expire on the server
+            _log(logging.ERROR, "bad_leases", leases=len(malformed), error=_describe(malformed[0]))
+        for job in repeated:
+            _log(logging.WARNING, "lease_repeated", job_id=job.job_id, attempt=job.attempt)
         for job, keep in zip(jobs, kept, strict=True):  # logged, then handed over at once
             _log(
                 logging.INFO,
@@ -726,11 +748,20 @@ class Worker:
         return True
 
     def _held_job(self, lease: types.Lease) -> _HeldJob:
+        """The held job of ``lease``.
+
+        Raises:
+            ValueError, TypeError, AttributeError: not a lease (no string ``job_id`` and
+                ``lease_token``, an ``attempt`` that is no integer, not an object).
+        """
         now = self._clock.monotonic()
+        job_id, token = lease.get("job_id"), lease.get("lease_token")
+        if not (isinstance(job_id, str) and job_id and isinstance(token, str) and token):
+            raise ValueError(f"a lease without its job_id and lease_token: {lease!r:.200}")
         limit_ms = lease.get("time_limit_ms")
         return _HeldJob(
-            job_id=str(lease["job_id"]),
-            lease_token=str(lease["lease_token"]),
+            job_id=job_id,
+            lease_token=token,
             queue=str(lease.get("queue", "")),
             attempt=int(lease.get("attempt", 0)),
             payload=lease.get("payload"),
@@ -1170,17 +1201,9 @@ class Worker:
             if entry.get("ok"):  # logged here, not by 16 handler threads woken at once
                 acked += 1
                 _log_settled("acked", pending.job, entry)
-        try:
-            self._take(
-                reply.get("next") or [],
-                asked,
-                covered=covered,
-                settled=done,
-                via_ack=True,
-                acked=acked,
-            )
-        except (KeyError, TypeError, ValueError) as exc:  # leases without their fields
-            _log(logging.ERROR, "bad_leases", error=_describe(exc))  # they expire on the server
+        self._take(
+            reply.get("next") or [], asked, covered=covered, settled=done, via_ack=True, acked=acked
+        )
         for pending, entry in zip(batch, results, strict=True):
             if entry.get("ok"):
                 pending.result = {
@@ -1287,6 +1310,16 @@ class Worker:
     # -- renewing -------------------------------------------------------------------------
 
     def _renew_loop(self) -> None:
+        try:
+            self._renew_until_stopped()
+        except Exception as exc:  # a bug must stop the worker, not let every lease expire
+            logger.exception(
+                "event=worker_crashed error=%r", exc, extra={"event": "worker_crashed"}
+            )
+            self._fatal = errors.Internal(f"renewer crashed: {exc!r}")
+            self.stop()
+
+    def _renew_until_stopped(self) -> None:
         while not self._renew_stop.is_set():
             now = self._clock.monotonic()
             with self._cond:
@@ -1318,15 +1351,30 @@ class Worker:
         _log(logging.INFO, "handler_stop", job_id=job.job_id, attempt=job.attempt, reason=reason)
 
     def _renew(self, job: _HeldJob) -> None:
+        """Renew ``job``'s lease on the renewer's own connection, cut after
+        ``_renew_budget_s`` (real time, as a socket's): not on the pool's, where acks and
+        releases may wait, and never for longer than leaves time for another try."""
         sent = self._clock.monotonic()
+        client = self._renew_client
+        assert client is not None  # set by run(), which starts this thread
+        cut = threading.Event()
+
+        def cut_off() -> None:
+            cut.set()
+            client.close()
+
+        cutoff = threading.Timer(self._renew_budget_s, cut_off)
+        cutoff.daemon = True
+        cutoff.start()
         try:
-            with self._clients.client() as client:
-                result: Mapping[str, Any] = client.renew(
-                    job.job_id,
-                    worker_id=self.worker_id,
-                    lease_token=job.lease_token,
-                    lease_ms=self.lease_ms,
-                )
+            result: Mapping[str, Any] = client.renew(
+                job.job_id,
+                worker_id=self.worker_id,
+                lease_token=job.lease_token,
+                lease_ms=self.lease_ms,
+            )
+            if not isinstance(result, Mapping):
+                raise errors.Internal(f"renew answered {type(result).__name__}, not an object")
         except _LEASE_GONE as exc:
             with self._cond:
                 if self._held.get(job.job_id) is not job or job.status != "running":
@@ -1336,9 +1384,12 @@ class Worker:
             # Keep running the handler: its ack will be rejected too, and the job may run again
             # elsewhere (at-least-once).
             _log(logging.WARNING, "lease_lost", job_id=job.job_id, code=exc.code)
-        except (ConnectionError, errors.RelayError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a connection, a refusal, a malformed reply
             job.renew_at = self._clock.monotonic() + min(self._renew_interval_s, _RENEW_RETRY_S)
-            _log(logging.WARNING, "renew_error", job_id=job.job_id, error=_describe(exc))
+            error = _describe(exc)
+            if cut.is_set():
+                error = f"no reply within {self._renew_budget_s:g} s: connection cut ({error})"
+            _log(logging.WARNING, "renew_error", job_id=job.job_id, error=error)
         else:
             stop = result.get("stop")
             if stop == "timeout":
@@ -1355,6 +1406,8 @@ class Worker:
             _log(logging.DEBUG, "renewed", job_id=job.job_id, lease_ms=self.lease_ms)
             if stop == "cancelled":
                 self._stop_handler(job, "cancelled")
+        finally:
+            cutoff.cancel()
 
     # -- stopping -------------------------------------------------------------------------
 
@@ -1423,6 +1476,8 @@ class Worker:
             self._jobs.put(None)
         self._lease_client.close()
         self._clients.close()
+        if self._renew_client is not None:
+            self._renew_client.close()
         summary: dict[str, Any] = {"abandoned": len(stuck), **self.counters()}
         _log(logging.INFO, "worker_stopped", **summary)
 

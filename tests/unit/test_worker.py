@@ -45,10 +45,13 @@ class FakeRelay:
         self.cond = threading.Condition()
         self.ready: collections.deque[dict[str, Any]] = collections.deque()
         self.held: dict[str, str] = {}  # job_id -> token
+        self.attempts: dict[str, int] = {}  # job_id -> leases so far
         self.max_held = 0
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.lease_errors: list[BaseException] = []
         self.renew_errors: dict[str, BaseException] = {}
+        self.silent_renews: set[str] = set()  # a renew of these waits until its client closes
+        self.lease_extras: list[Any] = []  # put in the next lease reply, after its jobs
         self.lease_gate: threading.Event | None = None
         self.refuse_result: errors.RelayError | None = None  # raised by an ack with a result
         self.old_server = False  # lease_next refused as an unknown argument
@@ -119,9 +122,11 @@ class FakeRelay:
         out = []
         while self.ready and len(out) < max_jobs:
             job = self.ready.popleft()
-            token = f"tok-{job['job_id']}"
+            attempt = self.attempts[job["job_id"]] = self.attempts.get(job["job_id"], 0) + 1
+            # A fresh token for each lease, as the server's: "tok-job_1", then "tok-job_1-2".
+            token = f"tok-{job['job_id']}" + (f"-{attempt}" if attempt > 1 else "")
             self.held[job["job_id"]] = token
-            out.append({**job, "lease_token": token, "attempt": 1})
+            out.append({**job, "lease_token": token, "attempt": attempt})
         self.max_held = max(self.max_held, len(self.held))
         return out
 
@@ -154,6 +159,9 @@ class FakeClient:
                 # The long poll: a short real wait for a job, then an empty answer.
                 relay.cond.wait(0.02)
             out = relay.take(max_jobs)
+            if out and relay.lease_extras:
+                out += relay.lease_extras
+                relay.lease_extras = []
             relay.cond.notify_all()
             return out
 
@@ -167,6 +175,13 @@ class FakeClient:
             )
             if job_id in relay.renew_errors:
                 raise relay.renew_errors[job_id]
+            silent = job_id in relay.silent_renews
+            relay.silent_renews.discard(job_id)
+        if silent:  # a connection gone silent: no answer, until it is closed
+            assert self.closed.wait(WAIT_S), "a silent renew waited until the end"
+            self.closed.clear()
+            raise RelayConnectionError("closed by another thread", address="127.0.0.1:1")
+        with relay.cond:
             return {"job_id": job_id, "lease_expires_at_ms": 0}
 
     def ack(
@@ -264,7 +279,7 @@ class FakeClient:
     def release(self, job_id: str, *, worker_id: str, lease_token: str) -> dict[str, Any]:
         if self.relay.unanswered_releases:  # a server that takes requests and answers none
             assert self.closed.wait(WAIT_S), "a release waited for an answer until the end"
-            raise RelayConnectionError("127.0.0.1:1", "closed by another thread")
+            raise RelayConnectionError("closed by another thread", address="127.0.0.1:1")
         _wait_at(self.relay, self.relay.release_gate)
         return self.relay.settle(
             "release", {"job_id": job_id, "worker_id": worker_id, "lease_token": lease_token}
@@ -365,7 +380,8 @@ def test_holds_at_most_concurrency_jobs(relay: FakeRelay, make_worker: Any) -> N
     assert all(call["max_jobs"] <= 2 for call in relay.calls_of("lease"))
     assert running.worker.counters()["acked"] == 7
     assert running.worker.leased == 7
-    assert relay.clients == 3  # one connection for leasing, min(concurrency, 4) for the rest
+    # One connection for leasing, one for renewing, min(concurrency, 4) for the rest.
+    assert relay.clients == 4
 
 
 @pytest.mark.parametrize("batch_acks", [True, False])
@@ -1089,6 +1105,99 @@ def test_stops_renewing_a_lease_the_server_rejects(
     gate.set()  # the handler finishes; its ack is attempted (and would be rejected for real)
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "both acks")
     running.stop()
+
+
+def test_a_renew_on_a_silent_connection_is_cut_and_the_other_leases_are_renewed(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One renew waited out the client's 30 s timeout on a connection gone silent: every other
+    # lease of the worker expired meanwhile, and another worker ran their jobs beside it (a
+    # review). The renew is now cut after its budget, and renewed again on a new connection.
+    monkeypatch.setattr(runner, "_RENEW_BUDGET_MIN_S", 0.05)
+    gate = threading.Event()
+    relay.add({}, {})
+    relay.silent_renews.add("job_1")
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), lease_ms=3_000)
+    relay.wait_for(lambda: len(relay.held) == 2, "both leases")
+    clock.advance(ms=1_000)
+    relay.wait_for(lambda: len(relay.calls_of("renew")) == 2, "both renews, one cut off")
+    clock.advance(ms=1_000)  # the cut renew is due again (within _RENEW_RETRY_S), on a new one
+    relay.wait_for(
+        lambda: [c["job_id"] for c in relay.calls_of("renew")].count("job_1") == 2,
+        "job_1 renewed again",
+    )
+    assert running.worker.lost == 0 and running.worker.renewed >= 2
+    gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "both acks")
+    running.stop()
+    assert running.error is None
+
+
+def test_a_renew_failing_in_an_unforeseen_way_is_tried_again(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any
+) -> None:
+    # An error reply whose details were no object raised TypeError out of the client: the
+    # renewer thread died, and no lease of the worker was renewed again (a review).
+    gate = threading.Event()
+    relay.add({})
+    relay.renew_errors["job_1"] = TypeError("details is not a mapping")
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), lease_ms=3_000)
+    relay.wait_for(lambda: bool(relay.held), "the lease")
+    clock.advance(ms=1_000)
+    relay.wait_for(lambda: len(relay.calls_of("renew")) == 1, "the first renew")
+    with relay.cond:
+        del relay.renew_errors["job_1"]
+    clock.advance(ms=1_000)
+    relay.wait_for(lambda: running.worker.renewed == 1, "the renew tried again")
+    gate.set()
+    relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
+    running.stop()
+    assert running.error is None
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"queue": "q"}, "job_9", {"job_id": "job_9", "lease_token": None}, {"job_id": 9}],
+    ids=["no-ids", "not-an-object", "null-token", "int-id"],
+)
+def test_a_malformed_lease_in_a_reply_is_logged_and_the_others_run(
+    relay: FakeRelay, make_worker: Any, extra: Any, logged: Callable[[str], Logged]
+) -> None:
+    # One such entry stopped the worker ("INTERNAL: lease loop crashed: KeyError('job_id')"),
+    # its good leases neither run nor released (a review).
+    bad = logged("bad_leases")
+    relay.lease_extras = [extra]
+    relay.add({"n": 1})
+    running = make_worker(concurrency=2)
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 1, "the good lease's ack")
+    assert bad.seen.wait(WAIT_S), "no bad_leases line"
+    relay.add({"n": 2})
+    relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "the worker leasing on")
+    running.stop()
+    assert running.error is None
+    assert running.worker.leased == 2
+
+
+def test_a_lease_repeated_in_a_reply_runs_once(
+    relay: FakeRelay, make_worker: Any, logged: Callable[[str], Logged]
+) -> None:
+    # Listed twice (a faulty server or proxy), one lease started two handlers with one token,
+    # both acked: the job ran twice at once on one worker (a review).
+    repeated = logged("lease_repeated")
+    runs: list[Any] = []
+    gate = threading.Event()
+    relay.lease_extras = [
+        {"job_id": "job_1", "queue": "q", "payload": 1, "lease_token": "tok-job_1"}
+    ]
+    relay.add(1)
+    running = make_worker(lambda payload, ctx: runs.append(payload) or gate.wait(WAIT_S))
+    assert repeated.seen.wait(WAIT_S), "no lease_repeated line"
+    gate.set()
+    relay.wait_for(lambda: len(relay.calls_of("ack")) >= 1, "the ack")
+    running.stop()
+    assert runs == [1]
+    assert [c["job_id"] for c in relay.calls_of("ack")] == ["job_1"]
+    assert running.worker.leased == 1
 
 
 def test_stop_waits_for_running_handlers_then_acks(relay: FakeRelay, make_worker: Any) -> None:
