@@ -570,14 +570,17 @@ class RelayClient(ClientCore, ops.BlockingClient):
                 raise RelayConnectionError(
                     f"malformed reply from the server: {exc.message}", address=self.address
                 ) from exc
-            if reply.get("id") != req_id:
+            reply_id = reply.get("id")
+            if type(reply_id) is not int or reply_id != req_id:  # true == 1 in Python
                 # Only connection-level errors (TIMEOUT, TOO_MANY_CONNECTIONS, FRAME_TOO_LARGE)
-                # come without our id, and the server closes the connection after them.
+                # come without an id, and the server closes the connection after them; an
+                # error with another id answers no request of ours (a faulty server: it was
+                # raised as this call's own, a review).
                 self._transport.close()
-                if not reply["ok"]:
+                if reply_id is None and not reply["ok"]:
                     raise errors.error_from_body(reply["error"])
                 raise RelayConnectionError(
-                    f"reply id {reply.get('id')!r} does not match request id {req_id}",
+                    f"reply id {reply_id!r} does not match request id {req_id}",
                     address=self.address,
                 )
         finally:

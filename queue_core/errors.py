@@ -284,7 +284,15 @@ def error_body(exc: BaseException) -> dict[str, Any]:
 
 
 def error_from_body(body: dict[str, Any]) -> RelayError:
-    """Rebuild the ``RelayError`` subclass for a wire error body (used by clients)."""
+    """Rebuild the ``RelayError`` subclass for a wire error body (used by clients).
+
+    Whatever the body holds (details that are no object, a ``message`` among them, keys that
+    are no strings: a faulty server), the result is a ``RelayError``; details that are no
+    object are dropped. A raw ``TypeError`` killed the worker's renewer thread (a review).
+    """
     cls = ERRORS_BY_CODE.get(str(body.get("code")), RelayError)
-    err = cls(str(body.get("message") or ""), **(body.get("details") or {}))
+    err = cls(str(body.get("message") or ""))
+    details = body.get("details")
+    if isinstance(details, dict):
+        err.details = {str(key): value for key, value in details.items()}
     return err

@@ -128,6 +128,28 @@ def test_an_error_reply_keeps_the_connection(serve: Any) -> None:
     assert server.connections == 1
 
 
+@pytest.mark.parametrize("reply_id", [1001, True, "1"], ids=["another", "true", "string"])
+def test_an_error_for_another_request_is_not_this_calls_own(serve: Any, reply_id: Any) -> None:
+    # A faulty server's error with another id was raised as the call's own (INVALID_ARGUMENT
+    # "answer to request 1001" for request 1), and stopped a worker (a review); true is 1.
+    def script(req: dict[str, Any], conn: int) -> bytes:
+        return error({"id": reply_id}, "INVALID_ARGUMENT", f"answer to request {reply_id}")
+
+    server = serve(script)
+    with (
+        RelayClient(server.address) as client,
+        pytest.raises(RelayConnectionError, match="does not match request id 1"),
+    ):
+        client.ping()
+
+
+def test_an_error_without_an_id_is_the_connections(serve: Any) -> None:
+    # TOO_MANY_CONNECTIONS, TIMEOUT, FRAME_TOO_LARGE: raised as their own codes.
+    server = serve(lambda req, conn: error({}, "TOO_MANY_CONNECTIONS"))
+    with RelayClient(server.address) as client, pytest.raises(errors.TooManyConnections):
+        client.ping()
+
+
 def test_reconnects_after_the_server_closes_an_idle_connection(serve: Any) -> None:
     server = serve(pong)
     with RelayClient(server.address) as client:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from queue_core import errors
 
@@ -42,3 +45,21 @@ def test_error_round_trip_through_body() -> None:
     back = errors.error_from_body(exc.to_dict())
     assert type(back) is errors.StaleToken
     assert (back.message, back.details) == ("nope", {"job_id": "job_1"})
+
+
+@pytest.mark.parametrize(
+    ("details", "kept"),
+    [
+        ("a string", {}),
+        ([1, 2], {}),
+        ({"message": "m", "field": "x"}, {"message": "m", "field": "x"}),
+        ({1: "one"}, {"1": "one"}),
+        (None, {}),
+    ],
+)
+def test_an_error_body_of_any_shape_makes_a_relay_error(details: Any, kept: dict[str, Any]) -> None:
+    # A faulty server's details raised TypeError out of both clients, and killed the worker's
+    # renewer thread (a review).
+    back = errors.error_from_body({"code": "BUSY", "message": "busy", "details": details})
+    assert type(back) is errors.StoreBusy
+    assert (back.message, back.details) == ("busy", kept)
