@@ -768,7 +768,11 @@ class RelayBackend(BaseTaskBackend):
                 lambda deadline: self.client.send(submitting, deadline=deadline),
                 float(self.timeout_s),
             )
-            enqueued = _instant(reply["job"]["created_at_ms"])
+            # Submitted: a reply without the job's time (a faulty server) must not raise, as
+            # a KeyError did, and have the caller enqueue the task twice (a review).
+            job = reply.get("job")
+            created = job.get("created_at_ms") if isinstance(job, dict) else None
+            enqueued = _instant(created) if type(created) is int else timezone.now()
             object.__setattr__(result, "enqueued_at", enqueued)
             task_enqueued.send(type(self), task_result=result)
 
@@ -928,11 +932,27 @@ class RelayBackend(BaseTaskBackend):
         return {"queue": split[0], "idempotency_key": split[1]}
 
     def _from_result(self, result_id: str, found: dict[str, Any]) -> TaskResult[..., Any]:
-        job = found["job"]
-        call = _task_call(job["payload"])
-        if call is None:
-            raise TaskResultDoesNotExist(result_id)
-        return self._build_result(result_id, job, found, call)
+        """The ``TaskResult`` of a ``result`` answer.
+
+        Raises:
+            TaskResultDoesNotExist: the job is not a task.
+            RelayConnectionError: networked, the answer lacks what a result needs (a faulty
+                server: a raw ``KeyError`` came out of ``get_result``, a review).
+        """
+        try:
+            job = found["job"]
+            call = _task_call(job["payload"])
+            if call is None:
+                raise TaskResultDoesNotExist(result_id)
+            return self._build_result(result_id, job, found, call)
+        except (KeyError, TypeError, ValueError) as exc:
+            if not self.networked:
+                raise
+            from queue_core.client import RelayConnectionError
+
+            raise RelayConnectionError(
+                f"malformed result reply from the server: {exc!r}", address=str(self.address)
+            ) from exc
 
     def _task_of(self, payload: dict[str, Any], job: dict[str, Any]) -> Task[..., Any]:
         try:

@@ -29,7 +29,7 @@ from django.tasks.signals import task_enqueued, task_finished, task_started
 from django.test import override_settings
 
 from queue_core import tasks_backend
-from queue_core.client import RelayUnreachable
+from queue_core.client import RelayConnectionError, RelayUnreachable
 from queue_core.clock import FakeClock
 from queue_core.conf import relay_settings
 from queue_core.errors import FrameTooLarge, InvalidArgument, LeaseExpired, TooManyQueues
@@ -47,6 +47,7 @@ from queue_core.worker import JobContext, NonRetryableError
 from queue_core.worker.handlers import reported_error
 from queue_core.worker.runner import error_text, truncate_utf8, truncate_utf8_tail
 from tests.tasks_app import tasks
+from tests.unit.canned_server import CannedServer, ok
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -972,3 +973,25 @@ def test_arguments_nest_as_deep_with_or_without_call_json(leaf: int) -> None:
     with pytest.raises(InvalidArgument, match="nested deeper than 64 levels"):
         tasks.identity.enqueue(_nested(63, leaf))
     assert Job.objects.count() == 1
+
+
+def test_a_faulty_servers_replies_raise_no_key_error() -> None:
+    # A reply without the job's time raised KeyError from enqueue after the job was made (a
+    # caller that retried enqueued the task twice), and one without the job from get_result
+    # (a review).
+    def script(request: dict[str, Any], conn: int) -> bytes:
+        if request["op"] == "submit":
+            return ok(request, {"job": {"id": "job_1"}, "deduplicated": False})
+        return ok(request, {"job": {"id": "job_1"}})  # result: no payload, no state
+
+    server = CannedServer(script)
+    try:
+        with override_settings(TASKS=relay_tasks(ADDRESS=server.address)):
+            result = tasks.add.enqueue(1, 2)
+            assert result.enqueued_at is not None
+            with pytest.raises(RelayConnectionError, match="malformed result reply"):
+                tasks.add.get_result(result.id)
+            with pytest.raises(RelayConnectionError, match="malformed result reply"):
+                asyncio.run(default_task_backend.aget_result(result.id))
+    finally:
+        server.close()
