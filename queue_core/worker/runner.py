@@ -579,12 +579,8 @@ class Worker:
     def _lease_loop(self) -> None:
         try:
             self._lease_until_stopped()
-        except Exception as exc:  # a bug must stop the worker, not leave it idle forever
-            logger.exception(
-                "event=worker_crashed error=%r", exc, extra={"event": "worker_crashed"}
-            )
-            self._fatal = errors.Internal(f"lease loop crashed: {exc!r}")
-            self.stop()
+        except Exception as exc:  # noqa: BLE001 - a bug must stop the worker, not idle it
+            self._crashed("lease loop", exc)
         finally:
             self._lease_done.set()
             with self._cond:
@@ -1312,12 +1308,15 @@ class Worker:
     def _renew_loop(self) -> None:
         try:
             self._renew_until_stopped()
-        except Exception as exc:  # a bug must stop the worker, not let every lease expire
-            logger.exception(
-                "event=worker_crashed error=%r", exc, extra={"event": "worker_crashed"}
-            )
-            self._fatal = errors.Internal(f"renewer crashed: {exc!r}")
-            self.stop()
+        except Exception as exc:  # noqa: BLE001 - a bug must stop the worker: leases expire
+            self._crashed("renewer", exc)
+
+    def _crashed(self, thread: str, exc: Exception) -> None:
+        """Log a crash of ``thread``'s loop (a bug) and stop the worker; ``run()`` raises
+        ``Internal`` after the shutdown."""
+        logger.exception("event=worker_crashed error=%r", exc, extra={"event": "worker_crashed"})
+        self._fatal = errors.Internal(f"{thread} crashed: {exc!r}")
+        self.stop()
 
     def _renew_until_stopped(self) -> None:
         while not self._renew_stop.is_set():
