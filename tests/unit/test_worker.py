@@ -1155,6 +1155,27 @@ def test_a_renew_failing_in_an_unforeseen_way_is_tried_again(
     assert running.error is None
 
 
+def test_a_crash_of_the_renewer_stops_the_worker(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A renewer that died left the worker running with no lease renewed again (a review):
+    # a bug in its loop now stops the worker, as one in the lease loop does.
+    def broken(self: Worker, job: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Worker, "_renew", broken)
+    gate = threading.Event()
+    relay.add({})
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), lease_ms=3_000)
+    relay.wait_for(lambda: bool(relay.held), "the lease")
+    clock.advance(ms=1_000)  # the renew is due
+    assert running.worker.shutdown_event.wait(WAIT_S), "the worker did not stop"
+    gate.set()
+    running.join()
+    assert isinstance(running.error, errors.Internal)
+    assert "renewer crashed: RuntimeError('a bug')" in str(running.error)
+
+
 @pytest.mark.parametrize(
     "extra",
     [{"queue": "q"}, "job_9", {"job_id": "job_9", "lease_token": None}, {"job_id": 9}],
