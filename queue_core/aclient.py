@@ -233,7 +233,7 @@ class AsyncRelayClient(ClientCore, ops.Ops, ops.Asynchronous):
         if conn is not None:
             await conn.aclose()
 
-    async def _connection(self) -> _Connection:
+    async def _connection(self, failures: int | None = None) -> _Connection:
         """The open connection, or a new one: each server in turn, ``connect_retries`` rounds
         with jittered backoff.
 
@@ -242,13 +242,17 @@ class AsyncRelayClient(ClientCore, ops.Ops, ops.Asynchronous):
         unreachable host took 4.5 s, 9.2 s, ... 27.5 s (with the defaults each waiter added
         about 21 s: a review).
 
+        Args:
+            failures: ``_connect_failures`` when the call began (before it waited for a
+                request slot too); default: now.
         Raises:
             RelayUnreachable: no server could be reached (nothing was sent).
             RelayError, RelayConnectionError: the ``hello`` was refused or failed.
         """
         if self._connect_lock is None:
             self._connect_lock = asyncio.Lock()
-        failures = self._connect_failures
+        if failures is None:
+            failures = self._connect_failures
         async with self._connect_lock:
             conn = self._conn
             if conn is not None and not conn.closed:
@@ -352,8 +356,9 @@ class AsyncRelayClient(ClientCore, ops.Ops, ops.Asynchronous):
         frame = request_frame(req_id, op, args, self.max_frame_bytes)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
+        failures = self._connect_failures  # calls waiting for a slot fail with a round too
         async with self._slots:
-            conn = await self._connection()
+            conn = await self._connection(failures)
             future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
             conn.pending[req_id] = future
             timeout_s = self.timeout_s + wait_ms / 1000

@@ -343,8 +343,9 @@ OPS: dict[str, Op] = {}
 class Blocking:
     """A client whose ``send`` returns the result: ``Ops`` methods return results."""
 
-    def send[T](self, call: Call[T]) -> T:
-        """Send ``call`` and return ``call.decode(result)``."""
+    def send[T](self, call: Call[T], *, deadline: float | None = None) -> T:
+        """Send ``call`` and return ``call.decode(result)``, by ``deadline`` (a
+        ``time.monotonic()`` instant, connecting included) when given."""
         raise NotImplementedError
 
 

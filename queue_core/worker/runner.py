@@ -25,8 +25,8 @@ Threads, and why:
   would then keep the process alive past the shutdown timeout;
 * the **renewer** renews every held lease about every third of its length, on a connection
   of its own (not the pool's that carries ack/fail/release, where calls may wait), each renew
-  cut after half that interval (at least 1 s) so that one silent connection cannot hold the
-  others' renewals past their leases;
+  by a deadline of a third of the time its lease has left, connecting included, so that one
+  silent connection cannot hold the others' renewals past their leases;
 * the thread that called ``run()`` waits for ``stop()`` and then runs the shutdown.
 
 Delivery is at-least-once: when a renew or an ack is rejected (the lease expired or was taken
@@ -64,7 +64,7 @@ from typing import Any, Literal
 
 from queue_core import errors, types
 from queue_core.clock import Clock, SystemClock
-from queue_core.protocol.ops import BlockingClient
+from queue_core.protocol.ops import BlockingClient, Ops
 from queue_core.retry import RetryPolicy, jittered_ms
 from queue_core.worker.handlers import (
     Handler,
@@ -87,11 +87,13 @@ MAX_JOBS_PER_LEASE = 100
 _RECONNECT_BACKOFF = RetryPolicy(max_retries=0, base_ms=100, cap_ms=5_000, jitter=True)
 # How soon to retry a renew that failed for a transient reason (connection, BUSY), at most.
 _RENEW_RETRY_S = 1.0
-# How long one renew may take before its connection is cut (and the next reconnects): half the
-# renew interval (a sixth of the lease), at least this. A renew on a connection that went
-# silent waited out the client's 30 s timeout while every other lease of the worker expired,
-# and another worker ran its jobs beside it (a review).
-_RENEW_BUDGET_MIN_S = 1.0
+# How long one renew may take, connecting included (its deadline), as a share of the time its
+# lease has left: a renew on a connection that went silent waited out the client's 30 s
+# timeout while every other lease of the worker expired, and another worker ran its jobs
+# beside it (a review); a third leaves time for a try on a new connection, and for the renews
+# queued behind it. At least this many seconds; a failed renew is tried again after as long.
+_RENEW_SHARE = 1 / 3
+_RENEW_BUDGET_MIN_S = 0.05
 # How long past its time limit a handler has to stop before the worker renews its lease, so
 # that the server fails the attempt (a task body never sees ctx.stop: with a 30 s lease the
 # attempt of a 3 s limit ended at the renew 10 s in; a Django review).
@@ -421,7 +423,6 @@ class Worker:
         self._rng = rng or random.Random()
         self._tick_s = tick_s
         self._renew_interval_s = lease_ms / 3000
-        self._renew_budget_s = max(_RENEW_BUDGET_MIN_S, self._renew_interval_s / 2)
         self._renew_client: WorkerClient | None = None  # the renewer's own (``run``)
 
         self._cond = threading.Condition()  # guards _held, the job statuses and the counters
@@ -1350,27 +1351,24 @@ class Worker:
         _log(logging.INFO, "handler_stop", job_id=job.job_id, attempt=job.attempt, reason=reason)
 
     def _renew(self, job: _HeldJob) -> None:
-        """Renew ``job``'s lease on the renewer's own connection, cut after
-        ``_renew_budget_s`` (real time, as a socket's): not on the pool's, where acks and
-        releases may wait, and never for longer than leaves time for another try."""
+        """Renew ``job``'s lease on the renewer's own connection (not the pool's, where acks
+        and releases may wait), by a deadline: a third of the time the lease has left, at
+        least ``_RENEW_BUDGET_MIN_S`` (real time, as a socket's; connecting and the ``hello``
+        included). A renew that fails is tried again after a third of what is left then, at
+        most ``_RENEW_RETRY_S`` and a renew interval."""
         sent = self._clock.monotonic()
         client = self._renew_client
         assert client is not None  # set by run(), which starts this thread
-        cut = threading.Event()
-
-        def cut_off() -> None:
-            cut.set()
-            client.close()
-
-        cutoff = threading.Timer(self._renew_budget_s, cut_off)
-        cutoff.daemon = True
-        cutoff.start()
+        budget = max(_RENEW_BUDGET_MIN_S, (job.expires_at - sent) * _RENEW_SHARE)
         try:
-            result: Mapping[str, Any] = client.renew(
-                job.job_id,
-                worker_id=self.worker_id,
-                lease_token=job.lease_token,
-                lease_ms=self.lease_ms,
+            result: Mapping[str, Any] = client.send(
+                Ops.renew(
+                    job.job_id,
+                    worker_id=self.worker_id,
+                    lease_token=job.lease_token,
+                    lease_ms=self.lease_ms,
+                ),
+                deadline=time.monotonic() + budget,
             )
             if not isinstance(result, Mapping):
                 raise errors.Internal(f"renew answered {type(result).__name__}, not an object")
@@ -1384,11 +1382,10 @@ class Worker:
             # elsewhere (at-least-once).
             _log(logging.WARNING, "lease_lost", job_id=job.job_id, code=exc.code)
         except Exception as exc:  # noqa: BLE001 - a connection, a refusal, a malformed reply
-            job.renew_at = self._clock.monotonic() + min(self._renew_interval_s, _RENEW_RETRY_S)
-            error = _describe(exc)
-            if cut.is_set():
-                error = f"no reply within {self._renew_budget_s:g} s: connection cut ({error})"
-            _log(logging.WARNING, "renew_error", job_id=job.job_id, error=error)
+            now = self._clock.monotonic()
+            left = max(_RENEW_BUDGET_MIN_S, (job.expires_at - now) * _RENEW_SHARE)
+            job.renew_at = now + min(self._renew_interval_s, _RENEW_RETRY_S, left)
+            _log(logging.WARNING, "renew_error", job_id=job.job_id, error=_describe(exc))
         else:
             stop = result.get("stop")
             if stop == "timeout":
@@ -1405,8 +1402,6 @@ class Worker:
             _log(logging.DEBUG, "renewed", job_id=job.job_id, lease_ms=self.lease_ms)
             if stop == "cancelled":
                 self._stop_handler(job, "cancelled")
-        finally:
-            cutoff.cancel()
 
     # -- stopping -------------------------------------------------------------------------
 

@@ -407,12 +407,18 @@ def test_calls_waiting_while_a_round_of_connects_fails_fail_with_it() -> None:
         rounds.append(seconds)
 
     async def main() -> None:
-        client = AsyncRelayClient(
-            f"127.0.0.1:{free_port()}", connect_retries=2, rng=random.Random(7), sleep=record
-        )
+        address = f"127.0.0.1:{free_port()}"
+        client = AsyncRelayClient(address, connect_retries=2, rng=random.Random(7), sleep=record)
         outcomes = await asyncio.gather(*(client.ping() for _ in range(6)), return_exceptions=True)
         assert all(isinstance(o, RelayUnreachable) for o in outcomes), outcomes
         assert len(rounds) == 2  # one round's pauses, for all six calls
+        rounds.clear()
+        narrow = AsyncRelayClient(  # calls waiting for a request slot fail with the round too
+            address, connect_retries=2, max_in_flight=2, rng=random.Random(7), sleep=record
+        )
+        outcomes = await asyncio.gather(*(narrow.ping() for _ in range(6)), return_exceptions=True)
+        assert all(isinstance(o, RelayUnreachable) for o in outcomes), outcomes
+        assert len(rounds) == 2
         assert len({str(o) for o in outcomes}) == 1
         rounds.clear()
         with pytest.raises(RelayUnreachable):  # a later call tries again, a round of its own

@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -165,8 +166,20 @@ class FakeClient:
             relay.cond.notify_all()
             return out
 
+    def send(self, call: Any, *, deadline: float | None = None) -> Any:
+        """The worker sends its renewals this way, each with a deadline."""
+        assert call.op == "renew", f"{call.op} sent through send()"
+        assert deadline is not None, "a renew without a deadline may wait for good"
+        return self.renew(**call.args, deadline=deadline)
+
     def renew(
-        self, job_id: str, *, worker_id: str, lease_token: str, lease_ms: int | None = None
+        self,
+        job_id: str,
+        *,
+        worker_id: str,
+        lease_token: str,
+        lease_ms: int | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
         relay = self.relay
         with relay.cond:
@@ -177,10 +190,10 @@ class FakeClient:
                 raise relay.renew_errors[job_id]
             silent = job_id in relay.silent_renews
             relay.silent_renews.discard(job_id)
-        if silent:  # a connection gone silent: no answer, until it is closed
-            assert self.closed.wait(WAIT_S), "a silent renew waited until the end"
-            self.closed.clear()
-            raise RelayConnectionError("closed by another thread", address="127.0.0.1:1")
+        if silent:  # a connection gone silent: no answer; the call ends at its deadline
+            assert deadline is not None and deadline - time.monotonic() < WAIT_S
+            self.closed.wait(max(0.0, deadline - time.monotonic()))
+            raise RelayConnectionError("no reply by the call's deadline", address="127.0.0.1:1")
         with relay.cond:
             return {"job_id": job_id, "lease_expires_at_ms": 0}
 
@@ -1108,12 +1121,11 @@ def test_stops_renewing_a_lease_the_server_rejects(
 
 
 def test_a_renew_on_a_silent_connection_is_cut_and_the_other_leases_are_renewed(
-    relay: FakeRelay, clock: FakeClock, make_worker: Any, monkeypatch: pytest.MonkeyPatch
+    relay: FakeRelay, clock: FakeClock, make_worker: Any
 ) -> None:
     # One renew waited out the client's 30 s timeout on a connection gone silent: every other
     # lease of the worker expired meanwhile, and another worker ran their jobs beside it (a
-    # review). The renew is now cut after its budget, and renewed again on a new connection.
-    monkeypatch.setattr(runner, "_RENEW_BUDGET_MIN_S", 0.05)
+    # review). The renew now ends at its deadline, and is tried again on a new connection.
     gate = threading.Event()
     relay.add({}, {})
     relay.silent_renews.add("job_1")
@@ -1131,6 +1143,29 @@ def test_a_renew_on_a_silent_connection_is_cut_and_the_other_leases_are_renewed(
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "both acks")
     running.stop()
     assert running.error is None
+
+
+def test_a_short_lease_whose_renew_is_lost_is_renewed_again_in_time(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any, logged: Callable[[str], Logged]
+) -> None:
+    # With a 1.5 s lease, a renew cut after 1 s and tried again 0.5 s later went out past the
+    # lease's end: LEASE_EXPIRED, and another worker ran the job beside this one (a review).
+    # The renew due at 0.5 s has until a third of the 1 s left; its retry, a third of what is
+    # left then (0.33 s on this clock, which stood still meanwhile), goes out by 0.84 s.
+    failed = logged("renew_error")
+    gate = threading.Event()
+    relay.add({})
+    relay.silent_renews.add("job_1")
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), lease_ms=1_500)
+    relay.wait_for(lambda: bool(relay.held), "the lease")
+    clock.advance(ms=500)
+    assert failed.seen.wait(WAIT_S), "the first renew did not end at its deadline"
+    clock.advance(ms=340)
+    relay.wait_for(lambda: running.worker.renewed == 1, "the retry, before the lease ends")
+    gate.set()
+    relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
+    running.stop()
+    assert running.worker.lost == 0
 
 
 def test_a_renew_failing_in_an_unforeseen_way_is_tried_again(
