@@ -39,6 +39,7 @@ from typing import Any
 import psycopg
 from django.db import DatabaseError, connections, transaction
 from django.db.backends.signals import connection_created
+from psycopg import pq
 from psycopg.pq import TransactionStatus
 
 from queue_core.conf import relay_settings
@@ -171,11 +172,36 @@ def _lost(raw: psycopg.Connection[Any] | None) -> bool:
     return raw is None or raw.closed or raw.broken
 
 
+# Connections whose notices are watched for a FATAL one (``_watch``), and those that had one.
+_WATCHED: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+_ENDED: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+
+
+def _watch(raw: psycopg.Connection[Any]) -> None:
+    """Mark ``raw`` ended (``_ENDED``) when the server sends it a FATAL error while idle
+    (libpq hands such an error to the notice handlers)."""
+    if raw in _WATCHED:
+        return
+    ref = weakref.ref(raw)
+
+    def on_notice(diag: psycopg.errors.Diagnostic) -> None:
+        conn = ref()
+        if conn is not None and diag.severity_nonlocalized in ("FATAL", "PANIC"):
+            _ENDED.add(conn)
+
+    raw.add_notice_handler(on_notice)
+    _WATCHED.add(raw)
+
+
 def _hung_up(raw: psycopg.Connection[Any]) -> bool:
-    """Whether the server spoke on an idle connection: it ended the session (a FATAL error
-    and EOF), or, rarely, sent a notice; either way the connection is best replaced. One
-    ``poll`` of the socket, no round trip (a connection of Relay's driver listens to no
-    channel: the change feed has its own)."""
+    """Whether the server ended the session of an idle connection (a FATAL error and EOF:
+    ``pg_terminate_backend``, a restart). One ``poll`` of the socket, no round trip; when it
+    is readable, libpq reads and parses what came: a FATAL error, or the end of the stream.
+
+    Anything else that came (a notification for a channel the project's own connection
+    listens to, in the shared-database mode; a notice) is left to psycopg: taken for a
+    hang-up, it closed the project's session with its locks, temporary tables and ``LISTEN``
+    (a review)."""
     if _lost(raw):
         return True
     if raw.info.transaction_status != TransactionStatus.IDLE:
@@ -183,9 +209,14 @@ def _hung_up(raw: psycopg.Connection[Any]) -> bool:
     try:
         poller = select.poll()
         poller.register(raw.fileno(), select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError, psycopg.Error):
+        if not poller.poll(0):
+            return False
+        _watch(raw)
+        raw.pgconn.consume_input()
+        raw.pgconn.is_busy()  # parses what came: notices to their handlers, notifications kept
+    except (OSError, ValueError, psycopg.Error):  # "server closed the connection"
         return True
+    return raw in _ENDED or raw.pgconn.status != pq.ConnStatus.OK
 
 
 class PostgresTx(SqlTx):
@@ -563,8 +594,8 @@ class PostgresDriver:
 
     def heal(self) -> None:
         """Outside a transaction or a read, close this thread's connection if it cannot serve:
-        the server ended its session, a prepared statement went stale, an error left it
-        unusable, or autocommit was left off. The next statement opens a new one.
+        the server ended its session, a prepared statement went stale, or an error left it
+        unusable. The next statement opens a new one.
 
         A working connection is never closed for its age here. ``CONN_MAX_AGE`` is Django's
         to apply between requests (``close_old_connections``, as the HTTP pool's threads and
@@ -592,9 +623,10 @@ class PostgresDriver:
             _STALE.reset = False
             conn.close()
             return
-        if conn.autocommit != conn.settings_dict["AUTOCOMMIT"]:
-            conn.close()  # as Django's close_if_unusable_or_obsolete: left in a transaction
-        elif conn.errors_occurred:
+        # Autocommit off is the project's own transaction (Django's manual transactions, in
+        # the shared-database mode): the call joins it. Closed as Django closes it between
+        # requests, it lost the project's uncommitted rows without an error (a review).
+        if conn.errors_occurred:
             if conn.is_usable():
                 conn.errors_occurred = False
             else:
