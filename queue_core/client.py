@@ -48,6 +48,10 @@ RECONNECT_BACKOFF = RetryPolicy(max_retries=0, base_ms=100, cap_ms=2_000, jitter
 _RNG = random.Random()
 
 
+# A call sends its request only when its deadline leaves at least this long for the reply, s.
+MIN_REPLY_S = 0.05
+
+
 class RelayConnectionError(ConnectionError):
     """The connection to the server failed before a complete reply arrived; outcome unknown.
 
@@ -308,7 +312,10 @@ class TcpTransport:
         began = time.monotonic()
         ends = began + timeout_s if deadline is None else min(began + timeout_s, deadline)
         timeout_s = ends - began
-        if timeout_s <= 0:  # nothing sent, and the connection stays good for the next call
+        # Nothing sent, and the connection stays good for the next call: past the deadline,
+        # or too near it for a reply (sent 0.5 ms before it, a request was kept and its call
+        # raised "no reply within 0.0005 s": outcome unknown for nothing; a review).
+        if timeout_s <= 0 or (ends == deadline and timeout_s < MIN_REPLY_S):
             raise RelayUnreachable(
                 "the call's deadline passed before it was sent", address=self.address
             )

@@ -18,6 +18,7 @@ import pytest
 from queue_core import errors
 from queue_core.aclient import AsyncRelayClient
 from queue_core.client import (
+    MIN_REPLY_S,
     RelayClient,
     RelayConnectionError,
     RelayUnreachable,
@@ -462,3 +463,15 @@ def _wait_readable(client: RelayClient) -> None:
     assert sock is not None
     readable, _, _ = select.select([sock], [], [], 5)
     assert readable
+
+
+def test_a_deadline_too_near_for_a_reply_sends_nothing(serve: Any) -> None:
+    # Sent 0.5 ms before its deadline, a submit was kept and its call raised "no reply within
+    # 0.0005 s": outcome unknown for nothing (a review).
+    server = serve(pong)
+    with RelayClient(server.address) as client:
+        assert client.ping()["conn"] == 0
+        with pytest.raises(RelayUnreachable, match="deadline passed before it was sent"):
+            client.call("ping", deadline=time.monotonic() + MIN_REPLY_S / 2)
+        assert client.ping()["conn"] == 0  # the connection stays good
+    assert len(server.raw) == 2
