@@ -25,8 +25,8 @@ Threads, and why:
   would then keep the process alive past the shutdown timeout;
 * the **renewer** renews every held lease about every third of its length, on a connection
   of its own (not the pool's that carries ack/fail/release, where calls may wait), each renew
-  by a deadline of a third of the time its lease has left, connecting included, so that one
-  silent connection cannot hold the others' renewals past their leases;
+  by a deadline of a renew interval at most, connecting included, so that one silent
+  connection cannot hold the others' renewals past their leases;
 * the thread that called ``run()`` waits for ``stop()`` and then runs the shutdown.
 
 Delivery is at-least-once: when a renew or an ack is rejected (the lease expired or was taken
@@ -87,13 +87,8 @@ MAX_JOBS_PER_LEASE = 100
 _RECONNECT_BACKOFF = RetryPolicy(max_retries=0, base_ms=100, cap_ms=5_000, jitter=True)
 # How soon to retry a renew that failed for a transient reason (connection, BUSY), at most.
 _RENEW_RETRY_S = 1.0
-# How long one renew may take, connecting included (its deadline), as a share of the time its
-# lease has left: a renew on a connection that went silent waited out the client's 30 s
-# timeout while every other lease of the worker expired, and another worker ran its jobs
-# beside it (a review); a third leaves time for a try on a new connection, and for the renews
-# queued behind it. At least this many seconds; a failed renew is tried again after as long.
-_RENEW_SHARE = 1 / 3
-_RENEW_BUDGET_MIN_S = 0.05
+# The shortest deadline a renew gets, s (``Worker._renew``).
+_RENEW_BUDGET_MIN_S = 0.1
 # How long past its time limit a handler has to stop before the worker renews its lease, so
 # that the server fails the attempt (a task body never sees ctx.stop: with a 30 s lease the
 # attempt of a 3 s limit ended at the renew 10 s in; a Django review).
@@ -1352,14 +1347,23 @@ class Worker:
 
     def _renew(self, job: _HeldJob) -> None:
         """Renew ``job``'s lease on the renewer's own connection (not the pool's, where acks
-        and releases may wait), by a deadline: a third of the time the lease has left, at
-        least ``_RENEW_BUDGET_MIN_S`` (real time, as a socket's; connecting and the ``hello``
-        included). A renew that fails is tried again after a third of what is left then, at
-        most ``_RENEW_RETRY_S`` and a renew interval."""
+        and releases may wait), by a deadline (real time, as a socket's; connecting and the
+        ``hello`` included): a renew interval (a third of the lease), or the time the lease has
+        left if less, at least ``_RENEW_BUDGET_MIN_S``.
+
+        A renew on a connection gone silent waited out the client's 30 s timeout while every
+        other lease of the worker expired, and another worker ran its jobs beside it (a
+        review). Held up for a renew interval at most, the renews queued behind it still have
+        a third of their leases left; and a renew cut at its deadline is tried again at once,
+        on a new connection, with the rest (a first cut at a sixth of the lease, at least 1 s,
+        then a pause, lost a 1.5 s lease to one lost reply; a budget shrinking with the time
+        left cut renews answered in 1.1 s: a re-review). A renew that failed sooner is tried
+        again a renew interval (at most ``_RENEW_RETRY_S``) after it was sent."""
         sent = self._clock.monotonic()
         client = self._renew_client
         assert client is not None  # set by run(), which starts this thread
-        budget = max(_RENEW_BUDGET_MIN_S, (job.expires_at - sent) * _RENEW_SHARE)
+        left = job.expires_at - sent
+        budget = max(_RENEW_BUDGET_MIN_S, min(self._renew_interval_s, left))
         try:
             result: Mapping[str, Any] = client.send(
                 Ops.renew(
@@ -1382,9 +1386,8 @@ class Worker:
             # elsewhere (at-least-once).
             _log(logging.WARNING, "lease_lost", job_id=job.job_id, code=exc.code)
         except Exception as exc:  # noqa: BLE001 - a connection, a refusal, a malformed reply
-            now = self._clock.monotonic()
-            left = max(_RENEW_BUDGET_MIN_S, (job.expires_at - now) * _RENEW_SHARE)
-            job.renew_at = now + min(self._renew_interval_s, _RENEW_RETRY_S, left)
+            # Cut at its deadline: at once; failed sooner: an interval after it was sent.
+            job.renew_at = sent + min(self._renew_interval_s, _RENEW_RETRY_S)
             _log(logging.WARNING, "renew_error", job_id=job.job_id, error=_describe(exc))
         else:
             stop = result.get("stop")

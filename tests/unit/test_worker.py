@@ -51,7 +51,9 @@ class FakeRelay:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.lease_errors: list[BaseException] = []
         self.renew_errors: dict[str, BaseException] = {}
-        self.silent_renews: set[str] = set()  # a renew of these waits until its client closes
+        self.silent_renews: set[str] = set()  # a renew of these waits until its deadline
+        self.clock: FakeClock | None = None  # advanced by as long as a silent renew waited
+        self.slow_renews: dict[str, float] = {}  # a renew of these answers after so many s
         self.lease_extras: list[Any] = []  # put in the next lease reply, after its jobs
         self.lease_gate: threading.Event | None = None
         self.refuse_result: errors.RelayError | None = None  # raised by an ack with a result
@@ -190,9 +192,17 @@ class FakeClient:
                 raise relay.renew_errors[job_id]
             silent = job_id in relay.silent_renews
             relay.silent_renews.discard(job_id)
+            slow = relay.slow_renews.pop(job_id, 0.0)
+        if slow and deadline is not None:  # the answer takes this long: past the deadline, none
+            self.closed.wait(min(slow, max(0.0, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise RelayConnectionError("no reply by the call's deadline", address="127.0.0.1:1")
         if silent:  # a connection gone silent: no answer; the call ends at its deadline
             assert deadline is not None and deadline - time.monotonic() < WAIT_S
-            self.closed.wait(max(0.0, deadline - time.monotonic()))
+            waited = max(0.0, deadline - time.monotonic())
+            self.closed.wait(waited)
+            if relay.clock is not None:
+                relay.clock.advance(seconds=waited)
             raise RelayConnectionError("no reply by the call's deadline", address="127.0.0.1:1")
         with relay.cond:
             return {"job_id": job_id, "lease_expires_at_ms": 0}
@@ -1150,8 +1160,9 @@ def test_a_short_lease_whose_renew_is_lost_is_renewed_again_in_time(
 ) -> None:
     # With a 1.5 s lease, a renew cut after 1 s and tried again 0.5 s later went out past the
     # lease's end: LEASE_EXPIRED, and another worker ran the job beside this one (a review).
-    # The renew due at 0.5 s has until a third of the 1 s left; its retry, a third of what is
-    # left then (0.33 s on this clock, which stood still meanwhile), goes out by 0.84 s.
+    # The renew due at 0.5 s has until 1.0 s (a renew interval); cut there, it is tried again
+    # at once, with the 0.5 s left. The fake moves this clock on while the renew waits.
+    relay.clock = clock
     failed = logged("renew_error")
     gate = threading.Event()
     relay.add({})
@@ -1160,12 +1171,32 @@ def test_a_short_lease_whose_renew_is_lost_is_renewed_again_in_time(
     relay.wait_for(lambda: bool(relay.held), "the lease")
     clock.advance(ms=500)
     assert failed.seen.wait(WAIT_S), "the first renew did not end at its deadline"
-    clock.advance(ms=340)
-    relay.wait_for(lambda: running.worker.renewed == 1, "the retry, before the lease ends")
+    relay.wait_for(lambda: running.worker.renewed == 1, "the retry, at once")
+    assert clock.monotonic() == pytest.approx(1.0, abs=0.05)  # the lease ends at 1.5
     gate.set()
     relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
     running.stop()
     assert running.worker.lost == 0
+
+
+def test_a_slow_renew_is_not_cut_before_a_renew_interval(
+    relay: FakeRelay, clock: FakeClock, make_worker: Any, logged: Callable[[str], Logged]
+) -> None:
+    # A budget shrinking with the lease's time left cut renews answered in 1.1 s of a 6 s
+    # lease, every one logged as failed while the server renewed them (a re-review). Scaled
+    # down: a 600 ms lease is renewed every 200 ms, and its renew may take that long.
+    failed = logged("renew_error")
+    gate = threading.Event()
+    relay.add({})
+    relay.slow_renews["job_1"] = 0.15  # s of real time before the answer
+    running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), lease_ms=600)
+    relay.wait_for(lambda: bool(relay.held), "the lease")
+    clock.advance(ms=200)
+    relay.wait_for(lambda: running.worker.renewed == 1, "the slow renew, answered")
+    gate.set()
+    relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
+    running.stop()
+    assert not failed.seen.is_set()
 
 
 def test_a_renew_failing_in_an_unforeseen_way_is_tried_again(
