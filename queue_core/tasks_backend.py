@@ -102,7 +102,13 @@ from django.utils.module_loading import import_string
 
 from queue_core import types, validation
 from queue_core.conf import relay_settings
-from queue_core.errors import InvalidArgument, JobNotFound, LeaseExpired, RelayError
+from queue_core.errors import (
+    InvalidArgument,
+    JobNotFound,
+    LeaseExpired,
+    OutcomeUnknown,
+    RelayError,
+)
 from queue_core.protocol.ops import Ops
 from queue_core.service import QueueService
 from queue_core.storage import driver_for
@@ -221,7 +227,7 @@ def _outcome_unknown(exc: BaseException) -> bool:
 
     if isinstance(exc, RelayConnectionError):
         return not isinstance(exc, RelayUnreachable)
-    return isinstance(exc, RelayError) and exc.code == "OUTCOME_UNKNOWN"
+    return isinstance(exc, OutcomeUnknown)
 
 
 def _maybe_kept(last: BaseException, lost: BaseException) -> Exception:
@@ -926,7 +932,7 @@ class RelayBackend(BaseTaskBackend):
     async def aenqueue(self, task: Task[_P, _R], args: Any, kwargs: Any) -> TaskResult[_P, _R]:
         """``enqueue`` from a coroutine. Networked: on a thread of the default executor
         (``sync_to_async(thread_sensitive=False)``), so that calls from many coroutines run
-        at once, each within ``TIMEOUT``; Django's default runs them on one thread outside a
+        at once, as many as its threads, each within ``TIMEOUT``; Django's default runs them on one thread outside a
         request's context, one after another (8 calls to a service that was down ended 0.9,
         1.8 ... 7.3 s in with a TIMEOUT of 1 s: a review). A coroutine is never inside a
         synchronous ``atomic()``, so the submit goes at once, as ``enqueue``'s does outside

@@ -1374,8 +1374,6 @@ class Worker:
                 ),
                 deadline=time.monotonic() + budget,
             )
-            if not isinstance(result, Mapping):
-                raise errors.Internal(f"renew answered {type(result).__name__}, not an object")
         except _LEASE_GONE as exc:
             with self._cond:
                 if self._held.get(job.job_id) is not job or job.status != "running":

@@ -17,6 +17,8 @@ import psycopg
 import pytest
 from django.test.utils import override_settings
 
+from queue_core.service import QueueService
+from queue_core.storage import driver_for
 from tests.procs import Proc, Spawner, spawner
 from tests.storage.conftest import (
     DATABASES,
@@ -74,6 +76,12 @@ class Server:
 
     proc: Proc
     address: str
+
+
+@pytest.fixture
+def pg_service(transactional_db: None) -> QueueService:
+    """A QueueService on the PostgreSQL test database (alias ``postgresql``), system clock."""
+    return QueueService(driver=driver_for("postgresql"))
 
 
 @pytest.fixture

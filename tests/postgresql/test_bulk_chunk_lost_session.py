@@ -35,9 +35,9 @@ ALIAS = "postgresql"
 
 
 @pytest.fixture
-def service(transactional_db: None) -> QueueService:
-    """A QueueService on the PostgreSQL test database (``dead_job`` makes its jobs there)."""
-    return QueueService(driver=driver_for(ALIAS))
+def service(pg_service: QueueService) -> QueueService:
+    """The root ``dead_job`` fixture's service: here, on the PostgreSQL test database."""
+    return pg_service
 
 
 @pytest.fixture

@@ -13,18 +13,12 @@ from django.db import connections, transaction
 
 from queue_core.models import Job
 from queue_core.service import QueueService
-from queue_core.storage import driver_for
 from tests.postgresql.conftest import DATABASES
 from tests.storage.conftest import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True, databases=DATABASES)
 
 ALIAS = "postgresql"
-
-
-@pytest.fixture
-def service(transactional_db: None) -> QueueService:
-    return QueueService(driver=driver_for(ALIAS))
 
 
 @pytest.fixture
@@ -41,14 +35,14 @@ def scratch() -> Iterator[None]:
 @pytest.mark.usefixtures("scratch")
 @pytest.mark.parametrize("end", ["commit", "rollback"])
 def test_a_submit_in_a_transaction_managed_by_hand_joins_it(
-    service: QueueService, end: str
+    pg_service: QueueService, end: str
 ) -> None:
     # Autocommit off (Django's manual transactions): the submit closed the connection, so the
     # project's uncommitted row was lost without an error while the job was committed.
     transaction.set_autocommit(False, using=ALIAS)
     with connections[ALIAS].cursor() as cursor:
         cursor.execute("INSERT INTO project_rows VALUES (1)")
-    job = service.submit("manual", {"n": 1})["job"]
+    job = pg_service.submit("manual", {"n": 1})["job"]
     getattr(transaction, end)(using=ALIAS)
     transaction.set_autocommit(True, using=ALIAS)
     with connections[ALIAS].cursor() as cursor:
@@ -59,7 +53,7 @@ def test_a_submit_in_a_transaction_managed_by_hand_joins_it(
 
 
 def test_a_notification_waiting_on_the_projects_connection_keeps_it(
-    service: QueueService,
+    pg_service: QueueService,
 ) -> None:
     # A LISTENing connection with a notification waiting was taken for one the server had
     # ended, and closed: its session lock, temporary tables and LISTEN went with it.
@@ -71,7 +65,7 @@ def test_a_notification_waiting_on_the_projects_connection_keeps_it(
     url = database_url("postgresql")["RELAY_DATABASE_URL"]
     with psycopg.connect(url, autocommit=True) as other:
         other.execute("NOTIFY project_channel, 'hello'")
-        service.submit("listening", {"n": 1})
+        pg_service.submit("listening", {"n": 1})
         assert conn.connection is raw
         held = other.execute("SELECT pg_try_advisory_lock(4242)").fetchone()
     assert held == (False,)  # still the project's
