@@ -932,11 +932,11 @@ class RelayBackend(BaseTaskBackend):
     async def aenqueue(self, task: Task[_P, _R], args: Any, kwargs: Any) -> TaskResult[_P, _R]:
         """``enqueue`` from a coroutine. Networked: on a thread of the default executor
         (``sync_to_async(thread_sensitive=False)``), so that calls from many coroutines run
-        at once, as many as its threads, each within ``TIMEOUT``; Django's default runs them on one thread outside a
-        request's context, one after another (8 calls to a service that was down ended 0.9,
-        1.8 ... 7.3 s in with a TIMEOUT of 1 s: a review). A coroutine is never inside a
-        synchronous ``atomic()``, so the submit goes at once, as ``enqueue``'s does outside
-        one. Shared-database: Django's default."""
+        at once, as many as its threads, each within ``TIMEOUT``; Django's default runs them
+        on one thread outside a request's context, one after another (8 calls to a service
+        that was down ended 0.9, 1.8 ... 7.3 s in with a TIMEOUT of 1 s: a review). A
+        coroutine is never inside a synchronous ``atomic()``, so the submit goes at once, as
+        ``enqueue``'s does outside one. Shared-database: Django's default."""
         if not self.networked:
             return await super().aenqueue(task, args, kwargs)
         return await sync_to_async(self.enqueue, thread_sensitive=False)(task, args, kwargs)
