@@ -283,6 +283,7 @@ FailOut = out(types.FailResult, "FailOut")
 AckErrorOut = out(types.AckError, "AckErrorOut")
 AckBatchItemOut = out(types.AckBatchEntry, "AckBatchItemOut")
 AckBatchOut = out(types.AckBatchResult, "AckBatchOut")
+RenewBatchOut = out(types.RenewBatchResult, "RenewBatchOut")
 ReleaseOut = out(types.ReleaseResult, "ReleaseOut")
 PurgeOut = out(types.DeadPurgeResult, "PurgeOut")
 PruneOut = out(types.PruneResult, "PruneOut")
@@ -376,6 +377,19 @@ class RenewIn(LeaseIdsIn):
     """``POST /jobs/{id}/renew``."""
 
     lease_ms: int | None = None
+
+
+class RenewItemIn(RenewIn):
+    """One renew of ``POST /renewals`` (``renew``'s arguments)."""
+
+    job_id: str
+
+
+class RenewBatchIn(_In):
+    """``POST /renewals``: several renews (1..100) in one commit, each fenced by its own
+    token."""
+
+    renews: list[RenewItemIn] = Field(..., min_length=1, max_length=100, fail_fast=True)
 
 
 class FailIn(LeaseIdsIn):

@@ -76,6 +76,11 @@ SUBMIT_OPTIONS = frozenset(ops.SUBMIT_OPTIONS)
 # tests/unit/test_ops.py holds these to it and to the HTTP schemas.
 LEASE_NEXT_FIELDS = frozenset({"queues", "max_jobs", "lease_ms", "worker_id"})
 ACK_ENTRY_FIELDS = frozenset({"job_id", "worker_id", "lease_token", "result"})
+# The fields of one entry of a renew_batch (a renew's arguments).
+RENEW_ENTRY_FIELDS = frozenset({"job_id", "worker_id", "lease_token", "lease_ms"})
+# What a refused entry of a batch holds as None: an ack's (or release's) fields, a renew's.
+ACK_BLANKS = ("state", "duplicate")
+RENEW_BLANKS = ("lease_expires_at_ms", "stop")
 # Acks in one ack_batch: the most jobs one lease may hand out (relay.E013 keeps
 # RELAY_MAX_JOBS_PER_LEASE at or under it).
 MAX_BATCH_ACKS = 100
@@ -300,20 +305,45 @@ def _name_entry(exc: IdempotencyConflict, index: int, ids: Sequence[str] = ()) -
     exc.args = (exc.message,)
 
 
-def _refused_entry(item: Mapping[str, Any], exc: RelayError) -> dict[str, Any]:
-    """One refused entry of an ``ack_batch`` or ``release_batch``: its entry, with the
-    error's code and message. Its
-    ``job_id`` as sent when it could be one (a string of at most 40 characters), else None:
-    echoing 99 ids of 10,000 characters made a reply past the frame limit, answered
-    ``FRAME_TOO_LARGE`` after the batch's valid acks had committed (a review)."""
+def _refused_entry(
+    item: Mapping[str, Any], exc: RelayError, blanks: Sequence[str] = ACK_BLANKS
+) -> dict[str, Any]:
+    """One refused entry of an ``ack_batch``, ``release_batch`` or ``renew_batch``: its
+    entry, with the error's code and message, and ``blanks`` (the fields an accepted entry
+    fills) None. Its ``job_id`` as sent when it could be one (a string of at most 40
+    characters), else None: echoing 99 ids of 10,000 characters made a reply past the frame
+    limit, answered ``FRAME_TOO_LARGE`` after the batch's valid acks had committed (a
+    review)."""
     job_id = item.get("job_id")
     return {
         "job_id": job_id if isinstance(job_id, str) and len(job_id) <= 40 else None,
         "ok": False,
-        "state": None,
-        "duplicate": None,
+        **dict.fromkeys(blanks),
         "error": {"code": exc.code, "message": exc.message, "retryable": exc.retryable},
     }
+
+
+def _check_entries(name: str, entries: Sequence[Any], fields: frozenset[str]) -> None:
+    """The shape of a batch's entries (``acks``, ``renews``), as the HTTP schemas check it:
+    each an object with no field outside ``fields`` and a string ``job_id``, ``worker_id``
+    and ``lease_token``.
+
+    Raises:
+        InvalidArgument: naming the first fault (``acks[2].job_id``) and its ``index``.
+    """
+    for index, item in enumerate(entries):
+        if not isinstance(item, Mapping):
+            raise InvalidArgument(f"{name}[{index}]: must be an object", index=index)
+        unknown = sorted(set(item) - fields)
+        if unknown:
+            field = f"{name}[{index}].{unknown[0]}"
+            raise InvalidArgument(f"{field}: unknown argument", field=field, index=index)
+        for key in ("job_id", "worker_id", "lease_token"):
+            value = item.get(key)
+            if not isinstance(value, str):
+                field = f"{name}[{index}].{key}"
+                why = "is required" if value is None else "must be a string"
+                raise InvalidArgument(f"{field}: {why}", field=field, index=index)
 
 
 def default_clock(driver: Driver) -> Clock:
@@ -1799,29 +1829,94 @@ class QueueService:
             InvalidArgument, JobNotFound, StaleToken, LeaseExpired, StoreBusy.
         """
         guard = self._lease_guard(job_id, worker_id, lease_token)
-        job_id = guard["job_id"]
         length = v.lease_ms(lease_ms, self.settings)
         with self.driver.write() as tx:
-            at = self._read()
-            now = at.now_ms
-            params = guard | self._judging(at) | {"expires_ms": now + length}
-            check(Transition.RENEW, JobState.LEASED, JobState.LEASED)
-            row = tx.one("renew", params)
-            if row is None:
-                # The guard missed: a lost lease, or a live one past its time limit.
-                lease = tx.one("live_lease", params)
-                if lease is None or not self._timed_out(lease, now):
-                    raise self._rejection(tx, params, "renew")
-                ended = self._end_lease(tx, params, lease, TIMEOUT_REASON, True, now, "timeout")
-                return {
-                    "job_id": job_id,
-                    "lease_expires_at_ms": None,
-                    "stop": "timeout",
-                    "queue": lease["queue"],
-                    "state": ended["state"],
-                }
+            return self._renew_in(tx, guard, length)
+
+    def _renew_in(self, tx: Tx, guard: Mapping[str, Any], length: int) -> dict[str, Any]:
+        """``renew`` in ``tx``: ``guard`` is a checked ``_lease_guard``, ``length`` the
+        checked lease length in ms. Returns and raises what ``renew`` does."""
+        job_id = guard["job_id"]
+        at = self._read()
+        now = at.now_ms
+        params = dict(guard) | self._judging(at) | {"expires_ms": now + length}
+        check(Transition.RENEW, JobState.LEASED, JobState.LEASED)
+        row = tx.one("renew", params)
+        if row is None:
+            # The guard missed: a lost lease, or a live one past its time limit.
+            lease = tx.one("live_lease", params)
+            if lease is None or not self._timed_out(lease, now):
+                raise self._rejection(tx, params, "renew")
+            ended = self._end_lease(tx, params, lease, TIMEOUT_REASON, True, now, "timeout")
+            return {
+                "job_id": job_id,
+                "lease_expires_at_ms": None,
+                "stop": "timeout",
+                "queue": lease["queue"],
+                "state": ended["state"],
+            }
         stop = "cancelled" if row["cancel_requested_at_ms"] is not None else None
         return {"job_id": job_id, "lease_expires_at_ms": row["lease_expires_at_ms"], "stop": stop}
+
+    def renew_batch(self, renews: list[Mapping[str, Any]]) -> dict[str, Any]:
+        """Renew several leases in one transaction, each fenced by its own job id, worker id
+        and token as ``renew`` fences one (LEASED -> LEASED each).
+
+        For a worker holding many leases: one request and one commit for every renew due,
+        so a slow link bounds how long its renewals take, not how many leases it may hold
+        (renewed one request at a time, 16 leases of 6 s with replies 400 ms late lost 7:
+        docs/failure-model.md). Each entry runs as ``renew`` runs, in job id order (two
+        batches naming the same jobs lock them in one order); one refused before it changed
+        a row (a stale token, an expired lease) is set apart with ``mark``/``forgive`` and the
+        others go on, as ``ack_batch``'s acks (SQS's ``ChangeMessageVisibilityBatch`` answers
+        per entry too). An entry past its time limit fails its attempt, as ``renew`` does,
+        and says ``stop: "timeout"``; a storage fault fails the whole batch: nothing commits.
+        Durable, as ``renew`` is (docs/design-decisions.md, decision 3).
+
+        Args:
+            renews: 1..100 ``{"job_id", "worker_id", "lease_token", "lease_ms"?}``
+                (``renew``'s arguments; ``lease_ms`` in ms, each entry its own).
+        Returns:
+            ``{"results": [{"job_id", "ok", "lease_expires_at_ms", "stop", "error"}, ...]}``
+            in input order: ``ok`` with ``renew``'s ``lease_expires_at_ms`` and ``stop``
+            (and, with ``stop: "timeout"``, the job's ``queue`` and new ``state``, for the
+            surfaces' metrics), or not ``ok`` with ``error`` ``{"code", "message",
+            "retryable"}``.
+        Raises:
+            InvalidArgument: ``renews`` is not a list of 1..100 objects, or an entry has an
+                unknown field or lacks a string ``job_id``, ``worker_id`` or ``lease_token``
+                (the whole request is refused, as ``ack_batch`` refuses one). A value out of
+                range (a malformed job id, a lease length past ``RELAY_MAX_LEASE_MS``)
+                refuses that entry only.
+            StoreBusy: nothing changed.
+        """
+        if not isinstance(renews, list) or not 1 <= len(renews) <= MAX_BATCH_ACKS:
+            raise InvalidArgument(
+                f"renews: must be a list of 1 to {MAX_BATCH_ACKS} renews", field="renews"
+            )
+        _check_entries("renews", renews, RENEW_ENTRY_FIELDS)
+        results: list[dict[str, Any] | None] = [None] * len(renews)
+        plans: dict[int, tuple[dict[str, Any], int]] = {}
+        for index, item in enumerate(renews):
+            try:
+                plans[index] = (
+                    self._lease_guard(
+                        item.get("job_id"), item.get("worker_id"), item.get("lease_token")
+                    ),
+                    v.lease_ms(item.get("lease_ms"), self.settings),
+                )
+            except RelayError as exc:
+                results[index] = _refused_entry(item, exc, RENEW_BLANKS)
+        order = sorted(plans, key=lambda index: plans[index][0]["job_id"])
+        with self.driver.write() as tx:
+            self._each_alone(
+                order,
+                renews,
+                results,
+                lambda index: self._renew_in(tx, *plans[index]),
+                RENEW_BLANKS,
+            )
+        return {"results": results}
 
     @staticmethod
     def _timed_out(lease: Mapping[str, Any], now: int) -> bool:
@@ -2114,19 +2209,7 @@ class QueueService:
             raise InvalidArgument(
                 f"acks: must be a list of 1 to {MAX_BATCH_ACKS} acks", field="acks"
             )
-        for index, item in enumerate(acks):
-            if not isinstance(item, Mapping):
-                raise InvalidArgument(f"acks[{index}]: must be an object", index=index)
-            unknown = sorted(set(item) - ACK_ENTRY_FIELDS)
-            if unknown:
-                field = f"acks[{index}].{unknown[0]}"
-                raise InvalidArgument(f"{field}: unknown argument", field=field, index=index)
-            for name in ("job_id", "worker_id", "lease_token"):  # the shape, as HTTP's schema
-                value = item.get(name)
-                if not isinstance(value, str):
-                    field = f"acks[{index}].{name}"
-                    why = "is required" if value is None else "must be a string"
-                    raise InvalidArgument(f"{field}: {why}", field=field, index=index)
+        _check_entries("acks", acks, ACK_ENTRY_FIELDS)
         spec = self._next_claim(lease_next, acks[0].get("worker_id"))  # type: ignore[arg-type]
         results: list[dict[str, Any] | None] = [None] * len(acks)
         plans: dict[int, tuple[dict[str, Any], str | None]] = {}
@@ -2199,11 +2282,13 @@ class QueueService:
         entries: Sequence[Mapping[str, Any]],
         results: list[dict[str, Any] | None],
         run: Callable[[int], dict[str, Any]],
+        blanks: Sequence[str] = ACK_BLANKS,
     ) -> None:
         """Run the batch entries at ``indexes`` one by one (``run(index)``, in the batch's
         transaction), each result as ``{**out, "ok": True, "error": None}``. An entry
-        refused before it changed a row gets ``_refused_entry`` and the others go on;
-        anything else fails the whole batch (``ack_batch``, ``release_batch``)."""
+        refused before it changed a row gets ``_refused_entry`` (with ``blanks``) and the
+        others go on; anything else fails the whole batch (``ack_batch``, ``release_batch``,
+        ``renew_batch``)."""
         for index in indexes:
             mark = self.mark()
             try:
@@ -2211,7 +2296,7 @@ class QueueService:
             except RelayError as exc:
                 if not self.forgive(mark):
                     raise
-                results[index] = _refused_entry(entries[index], exc)
+                results[index] = _refused_entry(entries[index], exc, blanks)
                 continue
             results[index] = {**out, "ok": True, "error": None}
 

@@ -36,6 +36,8 @@ __all__ = [
     "PruneResult",
     "QueueStats",
     "ReleaseResult",
+    "RenewBatchEntry",
+    "RenewBatchResult",
     "RenewResult",
     "ResultResult",
     "RetryPolicy",
@@ -225,6 +227,24 @@ class AckBatchResult(TypedDict):
 
     results: list[AckBatchEntry]
     next: list[Lease]
+
+
+class RenewBatchEntry(TypedDict):
+    """One renew of a ``renew_batch``: ``ok`` with ``renew``'s ``lease_expires_at_ms`` and
+    ``stop``, or ``error`` (``STALE_TOKEN``, ``LEASE_EXPIRED``...; the other entries stand);
+    ``job_id`` as sent, None for a refused entry whose id could not be one."""
+
+    job_id: str | None
+    ok: bool
+    lease_expires_at_ms: int | None
+    stop: Literal["cancelled", "timeout"] | None
+    error: AckError | None
+
+
+class RenewBatchResult(TypedDict):
+    """``renew_batch``: one entry per renew, in order."""
+
+    results: list[RenewBatchEntry]
 
 
 class FailResult(TypedDict):

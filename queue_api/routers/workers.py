@@ -38,6 +38,8 @@ from queue_api.schemas import (
     LeaseIn,
     LeasesOut,
     ReleaseOut,
+    RenewBatchIn,
+    RenewBatchOut,
     RenewIn,
     RenewOut,
 )
@@ -138,6 +140,20 @@ def _without_nulls(fields: dict[str, Any]) -> dict[str, Any]:
 def renew(request: HttpRequest, job_id: str, body: RenewIn) -> dict[str, Any]:
     """Move a live lease's expiry to now + ``lease_ms`` (leased -> leased)."""
     return _lease_op(request, "renew", job_id, body)
+
+
+@router.post(
+    "/renewals",
+    response={200: RenewBatchOut, **ERRORS},
+    auth=ApiKey("renew_batch"),
+    summary="Renew several leases",
+)
+def renew_batch(request: HttpRequest, body: RenewBatchIn) -> dict[str, Any]:
+    """Renew 1..100 leases in one commit, each fenced by its own token; each renew's outcome
+    is its own (``results``: ``ok`` with ``lease_expires_at_ms`` and ``stop``, or ``error``
+    such as ``STALE_TOKEN``)."""
+    args = {"renews": [_without_nulls(renew) for renew in body.dict()["renews"]]}
+    return calls.run(request, "renew_batch", args)
 
 
 @router.post(

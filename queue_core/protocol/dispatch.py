@@ -179,18 +179,40 @@ def _lease_ids(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def _renew(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
     out = svc.renew(args["job_id"], **_lease_ids(args), lease_ms=args.get("lease_ms"))
-    events: tuple[metrics.Event, ...] = ()
-    if out["stop"] == "timeout":
-        queue = _queue(out)
-        ended = {
-            JobState.RETRYING: ("failed",),
-            JobState.DEAD: ("failed", "dead"),
-            JobState.CANCELLED: ("cancelled",),
-        }[out["state"]]
-        events = tuple(metrics.Event(e, queue) for e in ("timed_out", *ended))
     # A timed-out attempt goes to RETRYING (the reaper's sweep promotes it) or DEAD: nothing
     # to wake.
-    return Outcome({k: out[k] for k in ("job_id", "lease_expires_at_ms", "stop")}, events=events)
+    return Outcome(
+        {k: out[k] for k in ("job_id", "lease_expires_at_ms", "stop")},
+        events=_timed_out(out),
+    )
+
+
+def _renew_batch(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
+    out = svc.renew_batch(args["renews"])
+    events: list[metrics.Event] = []
+    results = []
+    for entry in out["results"]:
+        if entry["ok"]:
+            events.extend(_timed_out(entry))
+        results.append({k: entry[k] for k in _RENEW_ENTRY})
+    return Outcome({"results": results}, events=tuple(events))
+
+
+_RENEW_ENTRY = ("job_id", "ok", "lease_expires_at_ms", "stop", "error")
+
+
+def _timed_out(out: Mapping[str, Any]) -> tuple[metrics.Event, ...]:
+    """The metrics of a renew that failed its attempt for its time limit (``stop:
+    "timeout"``, with the job's ``queue`` and new ``state``), else none."""
+    if out["stop"] != "timeout":
+        return ()
+    queue = _queue(out)
+    ended = {
+        JobState.RETRYING: ("failed",),
+        JobState.DEAD: ("failed", "dead"),
+        JobState.CANCELLED: ("cancelled",),
+    }[out["state"]]
+    return tuple(metrics.Event(e, queue) for e in ("timed_out", *ended))
 
 
 def _ack(svc: QueueService, args: dict[str, Any], ctx: Context) -> Outcome:
@@ -371,6 +393,7 @@ _HANDLERS: dict[str, Handler] = {
     "submit_batch": _submit_batch,
     "lease": _lease,
     "renew": _renew,
+    "renew_batch": _renew_batch,
     "ack": _ack,
     "ack_batch": _ack_batch,
     "fail": _fail,

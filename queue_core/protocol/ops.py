@@ -137,10 +137,11 @@ def _jobs(field: str, value: Any) -> list[dict[str, Any]]:
     return value
 
 
-def _acks(field: str, value: Any) -> list[dict[str, Any]]:
-    # Each ack's fields are checked by QueueService.ack_batch (it names ``acks[2].job_id``).
+def _entries(field: str, value: Any) -> list[dict[str, Any]]:
+    # A batch's entries (``acks``, ``renews``): each one's fields are checked by the service
+    # method (``QueueService.ack_batch`` names ``acks[2].job_id``).
     if not isinstance(value, list):
-        raise _bad(field, f"must be a list of ack objects, got {type(value).__name__}")
+        raise _bad(field, f"must be a list of objects, got {type(value).__name__}")
     for index, item in enumerate(value):
         if not isinstance(item, dict):
             raise _bad(f"{field}[{index}]", "must be an object")
@@ -624,6 +625,32 @@ class Ops:
 
     @op(
         Kind.WRITE,
+        {"renews": Arg(_entries, required=True)},
+        types.RenewBatchResult,
+        scopes=WORKER,
+    )
+    @staticmethod
+    def renew_batch(renews: Sequence[Mapping[str, Any]]) -> Call[types.RenewBatchResult]:
+        """Extend several live leases in one commit, each fenced by its own token (SQS's
+        ``ChangeMessageVisibilityBatch``).
+
+        Args:
+            renews: 1..100 ``{"job_id", "worker_id", "lease_token", "lease_ms"?}``
+                (``renew``'s arguments; ``lease_ms`` in ms).
+        Returns:
+            ``{"results": [{"job_id", "ok", "lease_expires_at_ms", "stop", "error"}, ...]}``:
+            one entry per renew, in order, ``ok`` with ``renew``'s ``lease_expires_at_ms``
+            and ``stop``; a refused renew (``error``: ``{"code", "message", "retryable"}``,
+            such as ``STALE_TOKEN`` or ``LEASE_EXPIRED``: that lease is gone) does not undo
+            the others.
+        Raises:
+            InvalidArgument (not a list of 1..100 renew objects), StoreBusy,
+            RelayConnectionError (repeat it: a renew is safe to repeat).
+        """
+        return Call.of("renew_batch", {"renews": [dict(r) for r in renews]})
+
+    @op(
+        Kind.WRITE,
         {**_LEASE_IDS, "result": Arg(_any), **_LEASE_NEXT},
         types.AckResult,
         scopes=WORKER,
@@ -659,7 +686,7 @@ class Ops:
 
     @op(
         Kind.WRITE,
-        {"acks": Arg(_acks, required=True), **_LEASE_NEXT},
+        {"acks": Arg(_entries, required=True), **_LEASE_NEXT},
         types.AckBatchResult,
         scopes=WORKER,
     )

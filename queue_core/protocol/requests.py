@@ -820,17 +820,21 @@ def _locked_queues(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
         return []
 
 
+# The ops whose entries each update a job: the argument holding the entries.
+_BATCHES = {"ack_batch": "acks", "renew_batch": "renews"}
+
+
 def _updated_jobs(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
     """The jobs whose rows a write updates (``put_write``'s ``jobs``): the ``job_id`` of a
-    renew, ack, fail, release, cancel, replay or purge, the acks' of an ``ack_batch``; values
-    that ``validation.job_id`` refuses (not strings, too long, a NUL: PostgreSQL refused the
-    batch's lock statement for it), and the acks of a batch over ``MAX_BATCH_ACKS``, are the
-    handler's to refuse, and lock nothing."""
-    if verb.op == "ack_batch":
-        acks = args.get("acks")
-        if not isinstance(acks, list) or len(acks) > MAX_BATCH_ACKS:
+    renew, ack, fail, release, cancel, replay or purge, the entries' of an ``ack_batch`` or
+    ``renew_batch``; values that ``validation.job_id`` refuses (not strings, too long, a NUL:
+    PostgreSQL refused the batch's lock statement for it), and the entries of a batch over
+    ``MAX_BATCH_ACKS``, are the handler's to refuse, and lock nothing."""
+    if (name := _BATCHES.get(verb.op)) is not None:
+        entries = args.get(name)
+        if not isinstance(entries, list) or len(entries) > MAX_BATCH_ACKS:
             return []
-        ids = [ack.get("job_id") for ack in acks if isinstance(ack, dict)]
+        ids = [entry.get("job_id") for entry in entries if isinstance(entry, dict)]
     else:
         ids = [args.get("job_id")]
     return [job_id for job_id in map(_plausible_job_id, ids) if job_id is not None]
@@ -873,13 +877,13 @@ def _settle_answered(answered: asyncio.Future[None], _future: asyncio.Future[Any
 
 def _weight(args: dict[str, Any]) -> int:
     """How many jobs a request's write may touch (``writer.Database.put_write``'s ``weight``):
-    a batch's length, plus a lease's or a ``lease_next``'s ``max_jobs``, or a ``prune``'s
-    ``limit`` (an argument the handler will refuse counts as 1). A prune weighed 1 whatever
-    its limit ran inline on the event loop: 10,000 jobs held every ping of every connection
-    for 1.3 s (a hostile review)."""
+    a batch's length (``jobs``, ``acks``, ``renews``), plus a lease's or a ``lease_next``'s
+    ``max_jobs``, or a ``prune``'s ``limit`` (an argument the handler will refuse counts as
+    1). A prune weighed 1 whatever its limit ran inline on the event loop: 10,000 jobs held
+    every ping of every connection for 1.3 s (a hostile review)."""
     weight = 1
-    if "jobs" in args or "acks" in args or "lease_next" in args:  # a lone job's asks none
-        batch = args.get("jobs") or args.get("acks")
+    if "jobs" in args or "acks" in args or "renews" in args or "lease_next" in args:
+        batch = args.get("jobs") or args.get("acks") or args.get("renews")
         if isinstance(batch, list) and batch:
             weight = len(batch)
         spec = args.get("lease_next")

@@ -23,10 +23,12 @@ Threads, and why:
 * **N handler threads** run the handlers. They are plain daemon threads rather than a
   ``ThreadPoolExecutor``, whose threads the interpreter joins at exit: a handler that hangs
   would then keep the process alive past the shutdown timeout;
-* the **renewer** renews every held lease about every third of its length, on a connection
-  of its own (not the pool's that carries ack/fail/release, where calls may wait), each renew
-  by a deadline of a renew interval at most, connecting included, so that one silent
-  connection cannot hold the others' renewals past their leases;
+* the **renewer** renews every held lease about every third of its length, all those due at
+  once in one ``renew_batch`` (SQS's ``ChangeMessageVisibilityBatch``; one ``renew`` each
+  against a server without it), on a connection of its own (not the pool's that carries
+  ack/fail/release, where calls may wait), by a deadline of a renew interval at most,
+  connecting included, so that one silent connection cannot hold the renewals past their
+  leases;
 * the thread that called ``run()`` waits for ``stop()`` and then runs the shutdown.
 
 Delivery is at-least-once: when a renew or an ack is rejected (the lease expired or was taken
@@ -419,6 +421,9 @@ class Worker:
         self._tick_s = tick_s
         self._renew_interval_s = lease_ms / 3000
         self._renew_client: WorkerClient | None = None  # the renewer's own (``run``)
+        # The most leases one renew_batch carries: MAX_ACKS_PER_BATCH, halved after a
+        # FRAME_TOO_LARGE; 0 against a server without renew_batch (one renew each).
+        self._renew_chunk = MAX_ACKS_PER_BATCH
 
         self._cond = threading.Condition()  # guards _held, the job statuses and the counters
         self._held: dict[str, _HeldJob] = {}
@@ -1325,9 +1330,8 @@ class Worker:
                     # Not stopped by then: the renew the server answers by failing it.
                     job.renew_at = min(job.renew_at, job.deadline + _TIME_LIMIT_GRACE_S)
             due = [job for job in live if job.renew_at <= now]
-            for job in due:
-                self._renew(job)
             if due:
+                self._renew_due(due)
                 continue
             times = [job.renew_at for job in live]
             times += [j.deadline for j in live if j.deadline is not None and not j.stop.is_set()]
@@ -1345,11 +1349,28 @@ class Worker:
                 self.timed_out += 1
         _log(logging.INFO, "handler_stop", job_id=job.job_id, attempt=job.attempt, reason=reason)
 
-    def _renew(self, job: _HeldJob) -> None:
-        """Renew ``job``'s lease on the renewer's own connection (not the pool's, where acks
-        and releases may wait), by a deadline (real time, as a socket's; connecting and the
-        ``hello`` included): a renew interval (a third of the lease), or the time the lease has
-        left if less, at least ``_RENEW_BUDGET_MIN_S``.
+    def _renew_due(self, due: Sequence[_HeldJob]) -> None:
+        """Renew the leases of ``due``: as many to a ``renew_batch`` as ``_renew_chunk``
+        allows (one request and one commit for all of them), or one ``renew`` each against
+        a server without it.
+
+        Renewed one request at a time, a worker's leases were bounded by the lease length
+        over one renew's round trip: 16 leases of 6 s with replies 400 ms late lost 7
+        (docs/failure-model.md, "A fifth attack")."""
+        at = 0
+        while at < len(due):
+            if self._renew_chunk == 0:
+                for job in due[at:]:
+                    self._renew(job)
+                return
+            chunk = due[at : at + self._renew_chunk]
+            at += len(chunk)
+            self._renew_batch(chunk)
+
+    def _renew_budget(self, jobs: Sequence[_HeldJob], sent: float) -> float:
+        """The deadline of a renew of ``jobs`` sent at ``sent`` (``clock.monotonic()`` s), as
+        seconds from now: a renew interval (a third of the lease), or the time the soonest
+        lease has left if less, at least ``_RENEW_BUDGET_MIN_S``.
 
         A renew on a connection gone silent waited out the client's 30 s timeout while every
         other lease of the worker expired, and another worker ran its jobs beside it (a
@@ -1357,13 +1378,72 @@ class Worker:
         a third of their leases left; and a renew cut at its deadline is tried again at once,
         on a new connection, with the rest (a first cut at a sixth of the lease, at least 1 s,
         then a pause, lost a 1.5 s lease to one lost reply; a budget shrinking with the time
-        left cut renews answered in 1.1 s: a re-review). A renew that failed sooner is tried
-        again a renew interval (at most ``_RENEW_RETRY_S``) after it was sent."""
+        left cut renews answered in 1.1 s: a re-review)."""
+        left = min(job.expires_at for job in jobs) - sent
+        return max(_RENEW_BUDGET_MIN_S, min(self._renew_interval_s, left))
+
+    def _renew_batch(self, jobs: Sequence[_HeldJob]) -> None:
+        """Renew ``jobs``' leases in one ``renew_batch`` on the renewer's own connection (not
+        the pool's, where acks and releases may wait), by ``_renew_budget``'s deadline (real
+        time, as a socket's; connecting and the ``hello`` included). Each entry of the reply
+        is settled as its own ``renew`` (``_settle_renew``); a request that failed as a whole
+        is tried again for every job (``_renew_failed``)."""
         sent = self._clock.monotonic()
         client = self._renew_client
         assert client is not None  # set by run(), which starts this thread
-        left = job.expires_at - sent
-        budget = max(_RENEW_BUDGET_MIN_S, min(self._renew_interval_s, left))
+        call = Ops.renew_batch(
+            [
+                {
+                    "job_id": job.job_id,
+                    "worker_id": self.worker_id,
+                    "lease_token": job.lease_token,
+                    "lease_ms": self.lease_ms,
+                }
+                for job in jobs
+            ]
+        )
+        try:
+            reply = client.send(call, deadline=time.monotonic() + self._renew_budget(jobs, sent))
+            results = reply.get("results")
+            if not isinstance(results, list) or len(results) != len(jobs):
+                raise errors.Internal("renew_batch reply: not one result per renew")
+        except errors.UnknownOp as exc:  # a server from before renew_batch: one renew each
+            _log(logging.INFO, "renew_batch_unsupported", error=_describe(exc))
+            self._renew_chunk = 0
+            for job in jobs:
+                job.renew_at = sent
+            return
+        except errors.FrameTooLarge as exc:
+            if len(jobs) == 1:
+                self._renew_failed(jobs, sent, exc)
+                return
+            # A server with a small RELAY_MAX_FRAME_BYTES: half as many at once, now.
+            self._renew_chunk = max(1, len(jobs) // 2)
+            _log(logging.INFO, "renew_batch_too_large", renews=len(jobs), now=self._renew_chunk)
+            for job in jobs:
+                job.renew_at = sent
+            return
+        except Exception as exc:  # noqa: BLE001 - a connection, a refusal, a malformed reply
+            self._renew_failed(jobs, sent, exc)
+            return
+        for job, entry in zip(jobs, results, strict=True):
+            if not isinstance(entry, Mapping) or entry.get("job_id") != job.job_id:
+                # A faulty server or proxy: nothing is known of this renew; try it again.
+                bad = errors.Internal("renew_batch: a result not of its renew")
+                self._renew_failed([job], sent, bad)
+            elif entry.get("ok"):
+                self._settle_renew(job, sent, entry)
+            else:
+                error = entry.get("error")
+                failure = errors.error_from_body(dict(error) if isinstance(error, Mapping) else {})
+                self._settle_renew(job, sent, None, failure)
+
+    def _renew(self, job: _HeldJob) -> None:
+        """Renew ``job``'s lease alone (``renew``; a server without ``renew_batch``), on the
+        renewer's connection, by ``_renew_budget``'s deadline."""
+        sent = self._clock.monotonic()
+        client = self._renew_client
+        assert client is not None  # set by run(), which starts this thread
         try:
             result: Mapping[str, Any] = client.send(
                 Ops.renew(
@@ -1372,37 +1452,67 @@ class Worker:
                     lease_token=job.lease_token,
                     lease_ms=self.lease_ms,
                 ),
-                deadline=time.monotonic() + budget,
+                deadline=time.monotonic() + self._renew_budget([job], sent),
             )
-        except _LEASE_GONE as exc:
-            with self._cond:
-                if self._held.get(job.job_id) is not job or job.status != "running":
-                    return  # acked or released meanwhile: nothing was lost
-                job.lost = True
-                self.lost += 1
-            # Keep running the handler: its ack will be rejected too, and the job may run again
-            # elsewhere (at-least-once).
-            _log(logging.WARNING, "lease_lost", job_id=job.job_id, code=exc.code)
         except Exception as exc:  # noqa: BLE001 - a connection, a refusal, a malformed reply
-            # Cut at its deadline: at once; failed sooner: an interval after it was sent.
-            job.renew_at = sent + min(self._renew_interval_s, _RENEW_RETRY_S)
-            _log(logging.WARNING, "renew_error", job_id=job.job_id, error=_describe(exc))
+            self._settle_renew(job, sent, None, exc)
         else:
-            stop = result.get("stop")
-            if stop == "timeout":
-                # The server failed the attempt: nothing left to renew, ack or fail.
+            self._settle_renew(job, sent, result)
+
+    def _renew_failed(self, jobs: Sequence[_HeldJob], sent: float, exc: BaseException) -> None:
+        """A renew of ``jobs`` sent at ``sent`` failed for a passing reason (a connection, a
+        refusal of the whole request, a malformed reply): each is tried again, at once when
+        the call was cut at its deadline, else a renew interval (at most ``_RENEW_RETRY_S``)
+        after it was sent."""
+        for job in jobs:
+            job.renew_at = sent + min(self._renew_interval_s, _RENEW_RETRY_S)
+        _log(
+            logging.WARNING,
+            "renew_error",
+            job_id=",".join(job.job_id for job in jobs),
+            error=_describe(exc),
+        )
+
+    def _settle_renew(
+        self,
+        job: _HeldJob,
+        sent: float,
+        result: Mapping[str, Any] | None,
+        exc: BaseException | None = None,
+    ) -> None:
+        """Act on one renew's answer: ``result`` (``{"lease_expires_at_ms", "stop", ...}``)
+        or ``exc``. A lease the server no longer holds for us (``_LEASE_GONE``) is marked
+        lost; any other failure is tried again (``_renew_failed``); a ``stop`` stops the
+        handler (``"timeout"``: the server failed the attempt, nothing is left to renew)."""
+        if exc is not None:
+            if isinstance(exc, _LEASE_GONE):
                 with self._cond:
-                    job.timed_out = True
+                    if self._held.get(job.job_id) is not job or job.status != "running":
+                        return  # acked or released meanwhile: nothing was lost
                     job.lost = True
-                self._stop_handler(job, "timeout")
-                return
-            job.renew_at = self._clock.monotonic() + self._renew_interval_s
+                    self.lost += 1
+                # Keep running the handler: its ack will be rejected too, and the job may run
+                # again elsewhere (at-least-once).
+                _log(logging.WARNING, "lease_lost", job_id=job.job_id, code=exc.code)
+            else:
+                self._renew_failed([job], sent, exc)
+            return
+        assert result is not None
+        stop = result.get("stop")
+        if stop == "timeout":
+            # The server failed the attempt: nothing left to renew, ack or fail.
             with self._cond:
-                job.expires_at = max(job.expires_at, sent + self.lease_ms / 1000)
-                self.renewed += 1
-            _log(logging.DEBUG, "renewed", job_id=job.job_id, lease_ms=self.lease_ms)
-            if stop == "cancelled":
-                self._stop_handler(job, "cancelled")
+                job.timed_out = True
+                job.lost = True
+            self._stop_handler(job, "timeout")
+            return
+        job.renew_at = self._clock.monotonic() + self._renew_interval_s
+        with self._cond:
+            job.expires_at = max(job.expires_at, sent + self.lease_ms / 1000)
+            self.renewed += 1
+        _log(logging.DEBUG, "renewed", job_id=job.job_id, lease_ms=self.lease_ms)
+        if stop == "cancelled":
+            self._stop_handler(job, "cancelled")
 
     # -- stopping -------------------------------------------------------------------------
 

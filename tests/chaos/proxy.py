@@ -7,11 +7,14 @@ killed and restarted on a new port. A ``policy`` sees each request frame and may
 * ``FORWARD`` it (the default);
 * ``DROP_REPLY``: forward it, then swallow the server's reply and cut the client's connection,
   so the request commits but the client never learns it (a lost ack reply);
-* ``DROP_REQUEST``: cut the client's connection without forwarding, so nothing commits.
+* ``DROP_REQUEST``: cut the client's connection without forwarding, so nothing commits;
+* ``DELAY_REPLY``: forward it, and hold the server's reply ``reply_delay_s`` before passing it
+  on (a slow link: the replies behind it on that connection wait too).
 
 Each connection gets two threads (client -> server, server -> client), both line-oriented. A
 reply is matched to its request by its ``id`` (``RelayClient`` always sends one). Nothing
-here sleeps: every wait is a blocking read, or an accept on a listening socket.
+here sleeps but ``DELAY_REPLY``'s latency, the thing it simulates: every other wait is a
+blocking read, or an accept on a listening socket.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Action(enum.Enum):
     FORWARD = "forward"
     DROP_REPLY = "drop_reply"
     DROP_REQUEST = "drop_request"
+    DELAY_REPLY = "delay_reply"
 
 
 Policy = Callable[[dict[str, Any]], Action]
@@ -49,6 +53,7 @@ class _Pair:
         self.client = client
         self.upstream = upstream
         self.drop_ids: set[Any] = set()
+        self.delay_ids: set[Any] = set()
         self.lock = threading.Lock()
         self.closed = False
 
@@ -79,6 +84,9 @@ class _Pair:
                     if action is Action.DROP_REPLY and frame is not None:
                         with self.lock:
                             self.drop_ids.add(frame.get("id"))
+                    if action is Action.DELAY_REPLY and frame is not None:
+                        with self.lock:
+                            self.delay_ids.add(frame.get("id"))
                     self.upstream.sendall(line)
         except (OSError, ValueError):
             pass
@@ -93,6 +101,10 @@ class _Pair:
                     rid = reply.get("id") if reply is not None else None
                     with self.lock:
                         dropped = rid in self.drop_ids
+                        delayed = rid in self.delay_ids
+                        self.delay_ids.discard(rid)
+                    if delayed:  # the link's latency; ended early by close()
+                        self.proxy._closing.wait(self.proxy.reply_delay_s)
                     if dropped:
                         self.proxy._dropped_reply(reply)
                         return  # the reply vanishes and the client's connection is cut
@@ -117,6 +129,7 @@ class Proxy:
     Args:
         upstream_port: where to forward (None: refuse connections until ``retarget``).
         policy: ``policy(frame) -> Action`` for every request frame (default: forward all).
+        reply_delay_s: how long ``DELAY_REPLY`` holds a reply, in s.
 
     Attributes:
         port: the proxy's own port.
@@ -124,8 +137,12 @@ class Proxy:
         dropped_replies: the replies swallowed by ``DROP_REPLY``.
     """
 
-    def __init__(self, upstream_port: int | None, policy: Policy | None = None) -> None:
+    def __init__(
+        self, upstream_port: int | None, policy: Policy | None = None, reply_delay_s: float = 0.0
+    ) -> None:
         self.policy: Policy = policy or _forward_all
+        self.reply_delay_s = reply_delay_s
+        self._closing = threading.Event()
         self._upstream = upstream_port
         self._lock = threading.Lock()
         self._pairs: set[_Pair] = set()
@@ -149,6 +166,7 @@ class Proxy:
     def close(self) -> None:
         """Stop accepting and cut every connection."""
         self._closed = True
+        self._closing.set()
         with contextlib.suppress(OSError):
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()

@@ -107,6 +107,7 @@ ROUTES = {
     "submit_batch": ("POST", "/jobs/batch"),
     "lease": ("POST", "/leases"),
     "renew": ("POST", "/jobs/{job_id}/renew"),
+    "renew_batch": ("POST", "/renewals"),
     "ack": ("POST", "/jobs/{job_id}/ack"),
     "ack_batch": ("POST", "/acks"),
     "fail": ("POST", "/jobs/{job_id}/fail"),

@@ -270,6 +270,11 @@ def test_pause_resume_and_a_cap_behave_alike_on_every_surface(surface: Surface) 
             "acks[1].lease_token",
         ),
         ("ack_batch", {"acks": [{**_ACK, "job_id": 5}]}, "acks[0].job_id"),
+        ("renew_batch", {"renews": [_ACK, {**_ACK, "lease_token": None}]}, "renews[1].lease_token"),
+        ("renew_batch", {"renews": [{**_ACK, "result": 1}]}, "renews[0].result"),
+        ("renew_batch", {"renews": []}, "renews"),
+        ("renew_batch", {"renews": [_ACK] * 101}, "renews"),
+        ("renew_batch", {"renews": [_ACK, 5]}, "renews[1]"),
         ("ack_batch", {"acks": [_ACK, {**_ACK, "worker_id": ["w"]}]}, "acks[1].worker_id"),
         # Lists and maps past their bounds, refused by their length on every surface (a
         # hostile review: HTTP validated 150,000 jobs one by one first).
@@ -434,3 +439,66 @@ def test_ack_and_fail_lease_the_next_jobs_and_ack_batch_fences_each_ack(
         lease_next={"queues": ["q"], "max_jobs": 0},
     )
     assert bad.details["field"] == "lease_next.max_jobs"
+
+
+def test_renew_batch_fences_and_answers_each_renew(surface: Surface, clock: FakeClock) -> None:
+    """``renew_batch`` (``POST /renewals``): one commit, each renew fenced and answered as
+    ``renew`` answers it; a refused entry changes nothing and leaves the others."""
+    for n in range(3):
+        surface.call("submit", queue="q", payload=n)
+    leases = surface.call("lease", queues=["q"], worker_id="w1", max_jobs=3, lease_ms=10_000)
+    a, b, c = leases["jobs"]
+    surface.call("cancel", job_id=c["job_id"])
+    clock.advance(ms=1_000)
+    before = surface.call("inspect", job_id=b["job_id"])["job"]["lease_expires_at_ms"]
+    out = surface.call(
+        "renew_batch",
+        renews=[
+            {**held(a), "lease_ms": 20_000},
+            {**held(b), "lease_token": "stale"},
+            {**held(c), "lease_ms": 10_000},
+            {**held(a), "job_id": UNKNOWN_JOB},
+            {**held(a), "job_id": "j" * 41},  # no job id is so long: not echoed
+            {**held(b), "lease_ms": 10},
+        ],
+    )
+    assert set(out) == {"results"}
+    now = clock.now_ms()
+    answers = [(r["job_id"], r["ok"], r["lease_expires_at_ms"], r["stop"]) for r in out["results"]]
+    assert answers == [
+        (a["job_id"], True, now + 20_000, None),
+        (b["job_id"], False, None, None),
+        (c["job_id"], True, now + 10_000, "cancelled"),
+        (UNKNOWN_JOB, False, None, None),
+        (None, False, None, None),
+        (b["job_id"], False, None, None),
+    ]
+    codes = [r["error"] and r["error"]["code"] for r in out["results"]]
+    assert codes == [
+        None,
+        "STALE_TOKEN",
+        None,
+        "NOT_FOUND",
+        "INVALID_ARGUMENT",
+        "INVALID_ARGUMENT",
+    ]
+    assert all(
+        set(r) == {"job_id", "ok", "lease_expires_at_ms", "stop", "error"} for r in out["results"]
+    )
+    # The refused entries changed nothing: b's lease is as it was, and still b's.
+    job = surface.call("inspect", job_id=b["job_id"])["job"]
+    assert (job["state"], job["lease_expires_at_ms"]) == ("leased", before)
+    # Past its expiry a lease is not revived; a renew past the time limit fails the attempt.
+    timed = surface.call("submit", queue="t", payload=1, time_limit_ms=2_000, max_retries=0)
+    got = lease(surface, queue="t", lease_ms=10_000)
+    clock.advance(ms=9_000)  # b expires at 11 s; a (renewed to 21 s) and t (10 s) still held
+    renews = [held(b), held(got), {**held(a), "lease_ms": 10_000}]
+    out = surface.call("renew_batch", renews=renews)
+    b_out, t_out, a_out = out["results"]
+    assert (b_out["ok"], b_out["error"]["code"]) == (False, "LEASE_EXPIRED")
+    assert (t_out["ok"], t_out["lease_expires_at_ms"], t_out["stop"]) == (True, None, "timeout")
+    assert (a_out["ok"], a_out["lease_expires_at_ms"]) == (True, clock.now_ms() + 10_000)
+    job = surface.call("inspect", job_id=timed["job"]["id"])["job"]
+    assert (job["state"], job["last_error"]) == ("dead", "timeout")
+    refused(surface, "LEASE_EXPIRED", "ack", **held(got))
+    assert surface.call("ack", **held(a))["state"] == "succeeded"

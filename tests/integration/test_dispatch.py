@@ -22,8 +22,8 @@ def run(service: QueueService, op: str, **args: Any) -> dispatch.Outcome:
 
 def test_every_documented_op_is_in_the_table() -> None:
     assert set(dispatch.VERBS) == {
-        "ping", "hello", "submit", "submit_batch", "lease", "renew", "ack", "ack_batch", "fail",
-        "release",
+        "ping", "hello", "submit", "submit_batch", "lease", "renew", "renew_batch", "ack",
+        "ack_batch", "fail", "release",
         "inspect", "result", "stats", "dead_list", "dead_retry", "dead_purge", "prune",
         "cancel", "pause", "resume", "set_queue_limits", "queue_controls",
     }  # fmt: skip

@@ -28,6 +28,7 @@ SAMPLE = {
     "payload": {"a": 1},
     "jobs": [{"queue": "q", "payload": 1}],
     "acks": [{"job_id": "job_1", "worker_id": "w", "lease_token": "t"}],
+    "renews": [{"job_id": "job_1", "worker_id": "w", "lease_token": "t"}],
     "queues": ["q"],
     "worker_id": "w",
     "job_id": "job_1",
@@ -80,6 +81,7 @@ def test_the_server_table_and_the_auth_and_drain_sets_follow_the_catalogue() -> 
     assert auth.SCOPE_OPS["worker"] == {
         "lease",
         "renew",
+        "renew_batch",
         "ack",
         "ack_batch",
         "fail",
@@ -190,6 +192,8 @@ def test_http_response_schemas_have_the_fields_of_the_wire_types(
         (schemas.LeaseIdsIn, "release", {"job_id"}),
         (schemas.FailIn, "fail", {"job_id"}),
         (schemas.AckBatchIn, "ack_batch", set()),
+        (schemas.RenewBatchIn, "renew_batch", set()),
+        (schemas.RenewItemIn, "renew", set()),
         (schemas.AckItemIn, "ack", {"lease_next"}),
         (schemas.PruneIn, "prune", set()),
         (schemas.QueueLimitsIn, "set_queue_limits", {"queue"}),
@@ -209,6 +213,8 @@ def test_the_nested_arguments_are_the_services_the_catalogues_and_the_http_schem
 
     assert set(ops.OPS["ack"].args) - {"lease_next"} == service.ACK_ENTRY_FIELDS
     assert set(schemas.AckItemIn.model_fields) == service.ACK_ENTRY_FIELDS
+    assert set(ops.OPS["renew"].args) == service.RENEW_ENTRY_FIELDS
+    assert set(schemas.RenewItemIn.model_fields) == service.RENEW_ENTRY_FIELDS
     assert set(schemas.LeaseNextIn.model_fields) == service.LEASE_NEXT_FIELDS
     assert {"lease_next"} <= set(ops.OPS["ack"].args) & set(ops.OPS["fail"].args)
 
@@ -305,9 +311,28 @@ def test_the_jobs_a_write_updates_and_the_queues_a_submit_names() -> None:
     assert _updated_jobs(renew, {"job_id": "job_\x00x"}) == []  # PostgreSQL refuses a NUL
     assert _updated_jobs(ack_batch, {"acks": [{"job_id": "a"}] * 101}) == []  # over the bound
     assert _updated_jobs(ack_batch, {"acks": "x"}) == [] == _updated_jobs(lease, {"queues": []})
+    renew_batch = dispatch.VERBS["renew_batch"]
+    assert _updated_jobs(renew_batch, {"renews": [{"job_id": "c"}, 5, {"job_id": "a"}]}) == [
+        "c",
+        "a",
+    ]
+    assert _updated_jobs(renew_batch, {"renews": [{"job_id": "a"}] * 101}) == []
     assert _submitted(submit, {"queue": "q"}) == ["q"]
     assert _submitted(batch, {"jobs": [{"queue": "a"}, 5, {"queue": 7}]}) == ["a", 7]
     assert _submitted(batch, {"jobs": "x"}) == [] == _submitted(renew, {"job_id": "j"})
+
+
+def test_a_writes_weight_is_the_jobs_it_may_touch() -> None:
+    """A write heavier than the inline bound goes to the writer thread, off the event loop:
+    a batch of 100 renews weighed 1 would run its 100 renews inline."""
+    from queue_core.protocol.requests import _weight
+
+    assert _weight({"job_id": "j"}) == 1
+    assert _weight({"renews": [{}] * 100}) == 100
+    assert _weight({"acks": [{}] * 7, "lease_next": {"max_jobs": 5}}) == 12
+    assert _weight({"jobs": [{}] * 3}) == 3
+    assert _weight({"queues": ["q"], "max_jobs": 40}) == 40
+    assert _weight({"renews": "x"}) == 1
 
 
 def test_a_group_commit_locks_job_rows_first_only_when_every_call_updates_named_jobs() -> None:

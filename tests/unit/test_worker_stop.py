@@ -19,26 +19,14 @@ import pytest
 
 from queue_core.clock import FakeClock
 from queue_core.worker import JobContext, JobInterrupted, Worker
-from tests.unit.test_worker import WAIT_S, FakeClient, FakeRelay, Running
+from tests.unit.test_worker import WAIT_S, FakeRelay, Running
 
 
 @pytest.fixture
-def stops(monkeypatch: pytest.MonkeyPatch, relay: FakeRelay) -> dict[str, str]:
-    """``{job_id: "cancelled" | "timeout"}``: what the fake's renew answers as ``stop``."""
-    answers: dict[str, str] = {}
-    renew = FakeClient.renew
-
-    def renew_with_stop(self: FakeClient, job_id: str, **kwargs: Any) -> dict[str, Any]:
-        out = renew(self, job_id, **kwargs)
-        stop = answers.get(job_id)
-        if stop == "timeout":
-            with relay.cond:
-                relay.held.pop(job_id, None)  # the server failed the attempt: token spent
-            return {**out, "lease_expires_at_ms": None, "stop": stop}
-        return {**out, "stop": stop}
-
-    monkeypatch.setattr(FakeClient, "renew", renew_with_stop)
-    return answers
+def stops(relay: FakeRelay) -> dict[str, str]:
+    """``{job_id: "cancelled" | "timeout"}``: what the fake's renew answers as ``stop``
+    (``"timeout"``: the server failed the attempt, the token is spent)."""
+    return relay.renew_stops
 
 
 @pytest.fixture
