@@ -109,7 +109,8 @@ _RELEASE_BUDGET_S = 5.0
 # At shutdown, how long an idle worker's lease call may take to answer once told the worker
 # sends nothing more (a server answers at once; one that does not is cut off), in s.
 _LEASE_ANSWER_S = 2.0
-# With wait_ms=0 (no long-poll), how long to pause after an empty lease before asking again.
+# How long to pause after an empty lease before asking again: with wait_ms=0 (no long-poll),
+# or when a long-poll was answered empty early (``Worker._empty_pause``), in s.
 _EMPTY_POLL_PAUSE_S = 0.2
 
 # Connections shared by the handler threads and the renewer for ack, fail, renew and release:
@@ -597,6 +598,7 @@ class Worker:
                     return
                 asked = min(self._free(), MAX_JOBS_PER_LEASE)
                 self._reserved += asked
+            asked_at = time.monotonic()
             try:
                 leases = self._lease_client.lease(
                     self.queues,
@@ -634,6 +636,19 @@ class Worker:
             if not leases and self.wait_ms == 0:
                 # Without a long-poll an empty queue would be asked again at once, in a loop.
                 self._wait(self._stop, _EMPTY_POLL_PAUSE_S)
+            elif not leases:
+                # Real time, as the reply's: a property of the link, not of the queue's clock.
+                self._stop.wait(self._early_empty_pause(time.monotonic() - asked_at))
+
+    def _early_empty_pause(self, took_s: float) -> float:
+        """How long to pause (real s) after a long-poll answered empty in ``took_s`` (real s).
+
+        One answered before half its ``wait_ms`` (a draining server, a faulty one) is asked
+        again after ``_EMPTY_POLL_PAUSE_S``, at most the rest of that half: against a server
+        that answered at once, the worker asked 9,166 times in 2 s (a review). One that waited
+        is asked again at once."""
+        half_s = self.wait_ms / 2000
+        return max(0.0, min(_EMPTY_POLL_PAUSE_S, half_s - took_s))
 
     def _free(self) -> int:
         """Slots neither held nor promised to a lease call in flight (under ``_cond``); a held

@@ -57,6 +57,7 @@ class FakeRelay:
         self.renew_stops: dict[str, str] = {}  # a renew of these answers this stop
         self.max_renew_batch: int | None = None  # a larger renew_batch is refused too large
         self.malformed_renews = 0  # the next renew_batch replies hold results of no use
+        self.instant_empty = False  # a long-poll is answered at once (a faulty server)
         self.lease_extras: list[Any] = []  # put in the next lease reply, after its jobs
         self.lease_gate: threading.Event | None = None
         self.refuse_result: errors.RelayError | None = None  # raised by an ack with a result
@@ -162,7 +163,7 @@ class FakeClient:
         if relay.lease_gate is not None:
             assert relay.lease_gate.wait(WAIT_S)
         with relay.cond:
-            if not relay.ready:
+            if not relay.ready and not relay.instant_empty:
                 # The long poll: a short real wait for a job, then an empty answer.
                 relay.cond.wait(0.02)
             out = relay.take(max_jobs)
@@ -1207,6 +1208,23 @@ def test_stops_renewing_a_lease_the_server_rejects(
     assert running.worker.lost == 1
     gate.set()  # the handler finishes; its ack is attempted (and would be rejected for real)
     relay.wait_for(lambda: len(relay.calls_of("ack")) == 2, "both acks")
+    running.stop()
+
+
+def test_a_long_poll_answered_empty_at_once_is_not_asked_again_at_once(
+    relay: FakeRelay, make_worker: Any
+) -> None:
+    # A server answering every long-poll empty at once had the worker ask 9,166 times in 2 s
+    # (a review). Asked again only after a pause (real time: the link's), the lease calls
+    # come at most every 0.2 s; a loaded machine only spaces them more.
+    relay.instant_empty = True
+    started = time.monotonic()
+    running = make_worker(wait_ms=1_000)
+    relay.wait_for(lambda: len(relay.calls_of("lease")) >= 4, "four lease calls")
+    assert time.monotonic() - started >= 3 * 0.2 * 0.95
+    relay.instant_empty = False
+    relay.add({})  # and a job is still leased, run and acked
+    relay.wait_for(lambda: bool(relay.calls_of("ack") or relay.calls_of("ack_batch")), "the ack")
     running.stop()
 
 
