@@ -110,7 +110,7 @@ _RELEASE_BUDGET_S = 5.0
 # sends nothing more (a server answers at once; one that does not is cut off), in s.
 _LEASE_ANSWER_S = 2.0
 # How long to pause after an empty lease before asking again: with wait_ms=0 (no long-poll),
-# or when a long-poll was answered empty early (``Worker._empty_pause``), in s.
+# or when a long-poll was answered empty early (``Worker._early_empty_pause``), in s.
 _EMPTY_POLL_PAUSE_S = 0.2
 
 # Connections shared by the handler threads and the renewer for ack, fail, renew and release:
@@ -1384,8 +1384,9 @@ class Worker:
 
     def _renew_budget(self, jobs: Sequence[_HeldJob], sent: float) -> float:
         """The deadline of a renew of ``jobs`` sent at ``sent`` (``clock.monotonic()`` s), as
-        seconds from now: a renew interval (a third of the lease), or the time the soonest
-        lease has left if less, at least ``_RENEW_BUDGET_MIN_S``.
+        seconds from now: a renew interval (a third of the lease), or the time the latest of
+        their leases has left if less, at least ``_RENEW_BUDGET_MIN_S`` (the soonest's would
+        cut a batch for one lease about to expire, which the server refuses on its own).
 
         A renew on a connection gone silent waited out the client's 30 s timeout while every
         other lease of the worker expired, and another worker ran its jobs beside it (a
@@ -1394,7 +1395,7 @@ class Worker:
         on a new connection, with the rest (a first cut at a sixth of the lease, at least 1 s,
         then a pause, lost a 1.5 s lease to one lost reply; a budget shrinking with the time
         left cut renews answered in 1.1 s: a re-review)."""
-        left = min(job.expires_at for job in jobs) - sent
+        left = max(job.expires_at for job in jobs) - sent
         return max(_RENEW_BUDGET_MIN_S, min(self._renew_interval_s, left))
 
     def _renew_batch(self, jobs: Sequence[_HeldJob]) -> None:

@@ -31,7 +31,13 @@ from queue_core.worker import (
     runner,
 )
 from queue_core.worker.handlers import DemoFailure, is_django_task
-from queue_core.worker.runner import _LEASE_GONE, ACK_SENDERS, MAX_BATCH_BYTES, truncate_utf8
+from queue_core.worker.runner import (
+    _LEASE_GONE,
+    ACK_SENDERS,
+    MAX_BATCH_BYTES,
+    _HeldJob,
+    truncate_utf8,
+)
 
 WAIT_S = 10.0  # upper bound for anything the test waits on; reached only when a test fails
 
@@ -1388,6 +1394,21 @@ def test_a_short_lease_whose_renew_is_lost_is_renewed_again_in_time(
     relay.wait_for(lambda: bool(relay.calls_of("ack")), "the ack")
     running.stop()
     assert running.worker.lost == 0
+
+
+def test_a_batchs_deadline_is_not_cut_for_its_soonest_lease(relay: FakeRelay) -> None:
+    # A lease about to expire in a batch with others: its renew is refused on its own if late,
+    # and the others' renew keeps a renew interval (the soonest lease's 0.1 s cut them all,
+    # and on a slow link they were tried again only a second later: a review of this change).
+    worker = Worker(relay.connect, ["q"], lease_ms=3_000, max_error_bytes=1, max_result_bytes=1)
+
+    def held(expires_at: float) -> _HeldJob:
+        lease: Any = {}
+        return _HeldJob("j", "t", "q", 1, None, lease, renew_at=0.0, expires_at=expires_at)
+
+    assert worker._renew_budget([held(10.05), held(12.5)], sent=10.0) == pytest.approx(1.0)
+    assert worker._renew_budget([held(10.3)], sent=10.0) == pytest.approx(0.3)
+    assert worker._renew_budget([held(9.0)], sent=10.0) == pytest.approx(0.1)  # at least
 
 
 def test_a_slow_renew_is_not_cut_before_a_renew_interval(
