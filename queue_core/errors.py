@@ -24,15 +24,33 @@ class RelayError(Exception):
         super().__init__(self.message)
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the wire body ``{"code", "message", "retryable", "details"?}``."""
+        """Return the wire body ``{"code", "message", "retryable", "details"?}``.
+
+        The message is cut to ``MAX_MESSAGE_CHARS`` and each string in ``details`` to
+        ``MAX_DETAIL_CHARS`` characters (ending ``…``): an unknown argument's name is echoed
+        in both, and a name of 1,000,000 characters made a 2 MB error reply, past the frame
+        limit a client reads (a review)."""
         body: dict[str, Any] = {
             "code": self.code,
-            "message": self.message,
+            "message": _cut(self.message, MAX_MESSAGE_CHARS),
             "retryable": self.retryable,
         }
         if self.details:
-            body["details"] = self.details
+            body["details"] = {
+                key: _cut(value, MAX_DETAIL_CHARS) if isinstance(value, str) else value
+                for key, value in self.details.items()
+            }
         return body
+
+
+# The most characters of an error's message, and of each string in its details, on the wire.
+MAX_MESSAGE_CHARS = 1024
+MAX_DETAIL_CHARS = 256
+
+
+def _cut(text: str, most: int) -> str:
+    """``text``, or its first ``most - 1`` characters and ``…`` when longer."""
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 class InvalidArgument(RelayError):

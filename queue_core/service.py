@@ -311,29 +311,38 @@ def _refused_entry(
     """One refused entry of an ``ack_batch``, ``release_batch`` or ``renew_batch``: its
     entry, with the error's code and message, and ``blanks`` (the fields an accepted entry
     fills) None. Its ``job_id`` as sent when it could be one (a string of at most 40
-    characters), else None: echoing 99 ids of 10,000 characters made a reply past the frame
+    characters, no NUL), else None: echoing 99 ids of 10,000 characters made a reply past the frame
     limit, answered ``FRAME_TOO_LARGE`` after the batch's valid acks had committed (a
     review)."""
     job_id = item.get("job_id")
     return {
-        "job_id": job_id if isinstance(job_id, str) and len(job_id) <= 40 else None,
+        "job_id": job_id if _echoable(job_id) else None,
         "ok": False,
         **dict.fromkeys(blanks),
         "error": {"code": exc.code, "message": exc.message, "retryable": exc.retryable},
     }
 
 
+def _echoable(job_id: Any) -> bool:
+    """Whether a refused entry's ``job_id`` is echoed: a string that could be a job id (at
+    most 40 characters, no NUL)."""
+    return isinstance(job_id, str) and len(job_id) <= 40 and "\x00" not in job_id
+
+
 def _check_entries(name: str, entries: Sequence[Any], fields: frozenset[str]) -> None:
     """The shape of a batch's entries (``acks``, ``renews``), as the HTTP schemas check it:
-    each an object with no field outside ``fields`` and a string ``job_id``, ``worker_id``
-    and ``lease_token``.
+    each an object with no field outside ``fields``, a string ``job_id``, ``worker_id`` and
+    ``lease_token``, and, when given, an integer ``lease_ms`` (its range is the entry's own
+    to refuse). A ``lease_ms`` of another type was refused whole over HTTP but entry by entry
+    over TCP (a review).
 
     Raises:
         InvalidArgument: naming the first fault (``acks[2].job_id``) and its ``index``.
     """
     for index, item in enumerate(entries):
         if not isinstance(item, Mapping):
-            raise InvalidArgument(f"{name}[{index}]: must be an object", index=index)
+            field = f"{name}[{index}]"
+            raise InvalidArgument(f"{field}: must be an object", field=field, index=index)
         unknown = sorted(set(item) - fields)
         if unknown:
             field = f"{name}[{index}].{unknown[0]}"
@@ -344,6 +353,11 @@ def _check_entries(name: str, entries: Sequence[Any], fields: frozenset[str]) ->
                 field = f"{name}[{index}].{key}"
                 why = "is required" if value is None else "must be a string"
                 raise InvalidArgument(f"{field}: {why}", field=field, index=index)
+        lease_ms = item.get("lease_ms")
+        if lease_ms is not None and (isinstance(lease_ms, bool) or not isinstance(lease_ms, int)):
+            field = f"{name}[{index}].lease_ms"
+            why = f"must be an integer, got {type(lease_ms).__name__}"
+            raise InvalidArgument(f"{field}: {why}", field=field, index=index)
 
 
 def default_clock(driver: Driver) -> Clock:

@@ -89,8 +89,12 @@ MAX_JOBS_PER_LEASE = 100
 _RECONNECT_BACKOFF = RetryPolicy(max_retries=0, base_ms=100, cap_ms=5_000, jitter=True)
 # How soon to retry a renew that failed for a transient reason (connection, BUSY), at most.
 _RENEW_RETRY_S = 1.0
-# The shortest deadline a renew gets, s (``Worker._renew``).
+# The shortest deadline a renew gets, s (``Worker._renew_budget``).
 _RENEW_BUDGET_MIN_S = 0.1
+# How long a renew_batch cut short (UNKNOWN_OP: one renew each; FRAME_TOO_LARGE: halved)
+# stays so before whole batches are tried again, s: a worker of several addresses may be on
+# another server by then, or past a rolling upgrade.
+_RENEW_REPROBE_S = 300.0
 # How long past its time limit a handler has to stop before the worker renews its lease, so
 # that the server fails the attempt (a task body never sees ctx.stop: with a 30 s lease the
 # attempt of a 3 s limit ended at the renew 10 s in; a Django review).
@@ -423,8 +427,10 @@ class Worker:
         self._renew_interval_s = lease_ms / 3000
         self._renew_client: WorkerClient | None = None  # the renewer's own (``run``)
         # The most leases one renew_batch carries: MAX_ACKS_PER_BATCH, halved after a
-        # FRAME_TOO_LARGE; 0 against a server without renew_batch (one renew each).
+        # FRAME_TOO_LARGE; 0 against a server without renew_batch (one renew each). Back to
+        # MAX_ACKS_PER_BATCH _RENEW_REPROBE_S after (clock.monotonic() s, None: never cut).
         self._renew_chunk = MAX_ACKS_PER_BATCH
+        self._renew_cut_at: float | None = None
 
         self._cond = threading.Condition()  # guards _held, the job statuses and the counters
         self._held: dict[str, _HeldJob] = {}
@@ -1210,14 +1216,14 @@ class Worker:
         done = [p.job for p, entry in zip(batch, results, strict=True) if _settled(entry)]
         acked = 0
         for pending, entry in zip(batch, results, strict=True):
-            if entry.get("ok"):  # logged here, not by 16 handler threads woken at once
+            if entry.get("ok") is True:  # logged here, not by 16 handler threads woken at once
                 acked += 1
                 _log_settled("acked", pending.job, entry)
         self._take(
             reply.get("next") or [], asked, covered=covered, settled=done, via_ack=True, acked=acked
         )
         for pending, entry in zip(batch, results, strict=True):
-            if entry.get("ok"):
+            if entry.get("ok") is True:
                 pending.result = {
                     "job_id": entry.get("job_id"),
                     "state": entry.get("state"),
@@ -1367,11 +1373,15 @@ class Worker:
     def _renew_due(self, due: Sequence[_HeldJob]) -> None:
         """Renew the leases of ``due``: as many to a ``renew_batch`` as ``_renew_chunk``
         allows (one request and one commit for all of them), or one ``renew`` each against
-        a server without it.
+        a server without it; ``_RENEW_REPROBE_S`` after such a cut, whole batches again.
 
         Renewed one request at a time, a worker's leases were bounded by the lease length
         over one renew's round trip: 16 leases of 6 s with replies 400 ms late lost 7
         (docs/failure-model.md, "A fifth attack")."""
+        cut_at = self._renew_cut_at
+        if cut_at is not None and self._clock.monotonic() - cut_at >= _RENEW_REPROBE_S:
+            # Another server now (several addresses, a rolling upgrade): try it again.
+            self._renew_chunk, self._renew_cut_at = MAX_ACKS_PER_BATCH, None
         at = 0
         while at < len(due):
             if self._renew_chunk == 0:
@@ -1425,7 +1435,7 @@ class Worker:
                 raise errors.Internal("renew_batch reply: not one result per renew")
         except errors.UnknownOp as exc:  # a server from before renew_batch: one renew each
             _log(logging.INFO, "renew_batch_unsupported", error=_describe(exc))
-            self._renew_chunk = 0
+            self._renew_chunk, self._renew_cut_at = 0, sent
             for job in jobs:
                 job.renew_at = sent
             return
@@ -1434,7 +1444,7 @@ class Worker:
                 self._renew_failed(jobs, sent, exc)
                 return
             # A server with a small RELAY_MAX_FRAME_BYTES: half as many at once, now.
-            self._renew_chunk = max(1, len(jobs) // 2)
+            self._renew_chunk, self._renew_cut_at = max(1, len(jobs) // 2), sent
             _log(logging.INFO, "renew_batch_too_large", renews=len(jobs), now=self._renew_chunk)
             for job in jobs:
                 job.renew_at = sent
@@ -1447,7 +1457,7 @@ class Worker:
                 # A faulty server or proxy: nothing is known of this renew; try it again.
                 bad = errors.Internal("renew_batch: a result not of its renew")
                 self._renew_failed([job], sent, bad)
-            elif entry.get("ok"):
+            elif entry.get("ok") is True:
                 self._settle_renew(job, sent, entry)
             else:
                 error = entry.get("error")
@@ -1642,7 +1652,8 @@ def _batch_results(reply: Mapping[str, Any], count: int) -> list[Mapping[str, An
         raise errors.Internal(f"ack_batch answered {type(results).__name__}, not {count} results")
     for entry in results:
         error = entry.get("error") if isinstance(entry, Mapping) else None
-        if not isinstance(entry, Mapping) or not (entry.get("ok") or isinstance(error, Mapping)):
+        ok = isinstance(entry, Mapping) and entry.get("ok") is True
+        if not isinstance(entry, Mapping) or not (ok or isinstance(error, Mapping)):
             raise errors.Internal("ack_batch answered a result that is neither ok nor an error")
     next_jobs = reply.get("next") or []
     if not isinstance(next_jobs, list) or not all(isinstance(x, Mapping) for x in next_jobs):
@@ -1653,7 +1664,7 @@ def _batch_results(reply: Mapping[str, Any], count: int) -> list[Mapping[str, An
 def _settled(entry: Mapping[str, Any]) -> bool:
     """Whether an ``ack_batch`` entry ends its job's hold: acked, or refused because the lease
     is gone (the handler thread then logs it and lets it go)."""
-    if entry.get("ok"):
+    if entry.get("ok") is True:
         return True
     code = (entry.get("error") or {}).get("code")
     return code in _GONE_CODES

@@ -272,6 +272,11 @@ def test_pause_resume_and_a_cap_behave_alike_on_every_surface(surface: Surface) 
         ("ack_batch", {"acks": [{**_ACK, "job_id": 5}]}, "acks[0].job_id"),
         ("renew_batch", {"renews": [_ACK, {**_ACK, "lease_token": None}]}, "renews[1].lease_token"),
         ("renew_batch", {"renews": [{**_ACK, "result": 1}]}, "renews[0].result"),
+        # A lease_ms of another type: refused whole on every surface (HTTP's schema did, TCP
+        # refused the entry alone: a review).
+        ("renew_batch", {"renews": [_ACK, {**_ACK, "lease_ms": "600000"}]}, "renews[1].lease_ms"),
+        ("renew_batch", {"renews": [_ACK, {**_ACK, "lease_ms": 30000.5}]}, "renews[1].lease_ms"),
+        ("renew_batch", {"renews": [_ACK, {**_ACK, "lease_ms": True}]}, "renews[1].lease_ms"),
         ("renew_batch", {"renews": []}, "renews"),
         ("renew_batch", {"renews": [_ACK] * 101}, "renews"),
         ("renew_batch", {"renews": [_ACK, 5]}, "renews[1]"),
@@ -502,3 +507,12 @@ def test_renew_batch_fences_and_answers_each_renew(surface: Surface, clock: Fake
     assert (job["state"], job["last_error"]) == ("dead", "timeout")
     refused(surface, "LEASE_EXPIRED", "ack", **held(got))
     assert surface.call("ack", **held(a))["state"] == "succeeded"
+
+
+def test_an_error_naming_a_huge_argument_stays_small(surface: Surface) -> None:
+    """An unknown argument's name is echoed in the message and the field: one of 200,000
+    characters made an error reply twice the request (a review); both are cut."""
+    name = "x" * 200_000
+    err = refused(surface, "INVALID_ARGUMENT", "renew_batch", renews=[{**_ACK, name: 1}])
+    assert len(err.message) <= 1024 and len(err.details["field"]) <= 256
+    assert err.details["field"].startswith("renews[0].xxx")

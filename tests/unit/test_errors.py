@@ -63,3 +63,20 @@ def test_an_error_body_of_any_shape_makes_a_relay_error(details: Any, kept: dict
     back = errors.error_from_body({"code": "BUSY", "message": "busy", "details": details})
     assert type(back) is errors.StoreBusy
     assert (back.message, back.details) == ("busy", kept)
+
+
+def test_an_error_body_cuts_long_messages_and_detail_strings() -> None:
+    # An unknown argument's name is echoed in the message and in details.field: a name of
+    # 1,000,000 characters made a 2 MB error reply, past the frame a client reads (a review).
+    name = "x" * 1_000_000
+    body = errors.InvalidArgument(f"{name}: unknown argument", field=name, index=3).to_dict()
+    assert len(body["message"]) == errors.MAX_MESSAGE_CHARS and body["message"].endswith("…")
+    assert len(body["details"]["field"]) == errors.MAX_DETAIL_CHARS
+    assert body["details"]["index"] == 3
+    short = errors.InvalidArgument("queue: too long", field="queue").to_dict()
+    assert short == {
+        "code": "INVALID_ARGUMENT",
+        "message": "queue: too long",
+        "retryable": False,
+        "details": {"field": "queue"},
+    }

@@ -64,6 +64,7 @@ class FakeRelay:
         self.max_renew_batch: int | None = None  # a larger renew_batch is refused too large
         self.malformed_renews = 0  # the next renew_batch replies hold results of no use
         self.instant_empty = False  # a long-poll is answered at once (a faulty server)
+        self.renew_ok: dict[str, Any] = {}  # a renew of these answers this "ok" (once)
         self.lease_extras: list[Any] = []  # put in the next lease reply, after its jobs
         self.lease_gate: threading.Event | None = None
         self.refuse_result: errors.RelayError | None = None  # raised by an ack with a result
@@ -265,7 +266,8 @@ class FakeClient:
                 with relay.cond:
                     relay.held.pop(job_id, None)  # the server failed the attempt: token spent
                 expires = None
-            out.append({"job_id": job_id, "ok": True, "lease_expires_at_ms": expires, "stop": stop})
+            ok: Any = relay.renew_ok.pop(job_id, True)
+            out.append({"job_id": job_id, "ok": ok, "lease_expires_at_ms": expires, "stop": stop})
         return out
 
     def ack(
@@ -1315,6 +1317,15 @@ def test_a_malformed_renew_batch_reply_is_tried_again(
     clock.advance(ms=1_000)  # due again (a renew interval after it was sent)
     renewed.wait_count(2)
     assert relay.calls_of("renew_batch") == [{"renews": 2}, {"renews": 2}]
+    # An "ok" that is not true (a string "false") renews nothing: tried again.
+    relay.renew_ok["job_1"] = "false"
+    failures = failed.count
+    clock.advance(ms=1_000)
+    failed.wait_count(failures + 1)
+    renewed.wait_count(3)  # job_2's
+    assert renewed.count == 3
+    clock.advance(ms=1_000)
+    renewed.wait_count(5)
     gate.set()
     running.stop()
     assert running.worker.lost == 0 and running.error is None
@@ -1342,6 +1353,11 @@ def test_against_a_server_without_renew_batch_each_lease_is_renewed_alone(
     renewed.wait_count(4)
     assert relay.calls_of("renew_batch") == [{"refused": "UNKNOWN_OP"}]
     assert len(relay.calls_of("renew")) == 4  # one request each, two rounds
+    # Five minutes on (another server of several addresses, an upgrade): batches again.
+    relay.no_renew_batch = False
+    clock.advance(seconds=300)
+    renewed.wait_count(6)
+    assert relay.calls_of("renew_batch")[1:] == [{"renews": 2}]
     gate.set()
     running.stop()
     assert running.worker.lost == 0
