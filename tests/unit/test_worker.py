@@ -13,7 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -644,6 +644,21 @@ def logged() -> Iterator[Callable[[str], Logged]]:
         logger.removeHandler(handler)
 
 
+class RenewLog(NamedTuple):
+    """The worker's ``renewed``, ``leased`` and ``renew_error`` lines, counted."""
+
+    renewed: Logged
+    leased: Logged
+    failed: Logged
+
+
+@pytest.fixture
+def renew_log(logged: Callable[[str], Logged], caplog: pytest.LogCaptureFixture) -> RenewLog:
+    """``RenewLog`` handlers on the worker's logger, with its DEBUG lines (``renewed``) on."""
+    caplog.set_level(logging.DEBUG, logger="relay.worker")
+    return RenewLog(logged("renewed"), logged("leased"), logged("renew_error"))
+
+
 class Logged(logging.Handler):
     """Sets ``seen`` once the worker logs ``event``: it logs a refused ack after handling the
     reply, so a test that stops the worker as soon as the fake server answered raced the
@@ -1163,11 +1178,9 @@ def test_renews_every_third_of_the_lease(
     relay: FakeRelay,
     clock: FakeClock,
     make_worker: Any,
-    logged: Any,
-    caplog: pytest.LogCaptureFixture,
+    renew_log: RenewLog,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="relay.worker")
-    renewed, leased = logged("renewed"), logged("leased")
+    renewed, leased = renew_log.renewed, renew_log.leased
     gate = threading.Event()
     relay.add({})
     running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), lease_ms=3_000)
@@ -1195,11 +1208,9 @@ def test_stops_renewing_a_lease_the_server_rejects(
     relay: FakeRelay,
     clock: FakeClock,
     make_worker: Any,
-    logged: Any,
-    caplog: pytest.LogCaptureFixture,
+    renew_log: RenewLog,
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="relay.worker")
-    renewed, logged_leases = logged("renewed"), logged("leased")
+    renewed, logged_leases = renew_log.renewed, renew_log.leased
     gate = threading.Event()
     relay.add({}, {})
     relay.renew_errors["job_1"] = errors.LeaseExpired()
@@ -1240,13 +1251,11 @@ def test_the_leases_due_together_are_renewed_in_one_request(
     relay: FakeRelay,
     clock: FakeClock,
     make_worker: Any,
-    logged: Any,
-    caplog: pytest.LogCaptureFixture,
+    renew_log: RenewLog,
 ) -> None:
     # One request per lease bounded a worker's leases on a slow link: 16 leases of 6 s with
     # replies 400 ms late lost 7 (docs/failure-model.md). Due together, they go together.
-    caplog.set_level(logging.DEBUG, logger="relay.worker")
-    renewed, leased = logged("renewed"), logged("leased")
+    renewed, leased = renew_log.renewed, renew_log.leased
     gate = threading.Event()
     relay.add({}, {}, {}, {})
     running = make_worker(lambda payload, ctx: gate.wait(WAIT_S), concurrency=4)
@@ -1267,13 +1276,11 @@ def test_a_renew_batch_too_large_for_the_server_is_sent_in_halves(
     relay: FakeRelay,
     clock: FakeClock,
     make_worker: Any,
-    logged: Any,
-    caplog: pytest.LogCaptureFixture,
+    renew_log: RenewLog,
 ) -> None:
     # A server with a small RELAY_MAX_FRAME_BYTES: the worker halves its batches at once and
     # keeps them halved; no lease waits for a later round.
-    caplog.set_level(logging.DEBUG, logger="relay.worker")
-    renewed, leased = logged("renewed"), logged("leased")
+    renewed, leased = renew_log.renewed, renew_log.leased
     relay.max_renew_batch = 2
     gate = threading.Event()
     relay.add({}, {}, {}, {})
@@ -1299,13 +1306,11 @@ def test_a_malformed_renew_batch_reply_is_tried_again(
     relay: FakeRelay,
     clock: FakeClock,
     make_worker: Any,
-    logged: Any,
-    caplog: pytest.LogCaptureFixture,
+    renew_log: RenewLog,
 ) -> None:
     # A faulty server or proxy: the results shifted (job_1 given job_2's), the last no
     # object. Nothing is taken as renewed or lost; both are tried again, the worker runs on.
-    caplog.set_level(logging.DEBUG, logger="relay.worker")
-    renewed, leased, failed = logged("renewed"), logged("leased"), logged("renew_error")
+    renewed, leased, failed = renew_log
     relay.malformed_renews = 1
     gate = threading.Event()
     relay.add({}, {})
@@ -1335,13 +1340,11 @@ def test_against_a_server_without_renew_batch_each_lease_is_renewed_alone(
     relay: FakeRelay,
     clock: FakeClock,
     make_worker: Any,
-    logged: Any,
-    caplog: pytest.LogCaptureFixture,
+    renew_log: RenewLog,
 ) -> None:
     # A worker upgraded before its server: renew_batch answers UNKNOWN_OP, and the leases
     # are renewed one request each, in the same round, from then on.
-    caplog.set_level(logging.DEBUG, logger="relay.worker")
-    renewed, leased = logged("renewed"), logged("leased")
+    renewed, leased = renew_log.renewed, renew_log.leased
     relay.no_renew_batch = True
     gate = threading.Event()
     relay.add({}, {})
