@@ -310,23 +310,17 @@ def _refused_entry(
 ) -> dict[str, Any]:
     """One refused entry of an ``ack_batch``, ``release_batch`` or ``renew_batch``: its
     entry, with the error's code and message, and ``blanks`` (the fields an accepted entry
-    fills) None. Its ``job_id`` as sent when it could be one (a string of at most 40
-    characters, no NUL), else None: echoing 99 ids of 10,000 characters made a reply past the frame
-    limit, answered ``FRAME_TOO_LARGE`` after the batch's valid acks had committed (a
-    review)."""
+    fills) None. Its ``job_id`` as sent when it could be one (``validation.plausible_job_id``),
+    else None: echoing 99 ids of 10,000 characters made a reply past the frame limit, answered
+    ``FRAME_TOO_LARGE`` after the batch's valid acks had committed, and a NUL or a lone
+    surrogate has no place in a reply (reviews)."""
     job_id = item.get("job_id")
     return {
-        "job_id": job_id if _echoable(job_id) else None,
+        "job_id": v.plausible_job_id(job_id),
         "ok": False,
         **dict.fromkeys(blanks),
         "error": {"code": exc.code, "message": exc.message, "retryable": exc.retryable},
     }
-
-
-def _echoable(job_id: Any) -> bool:
-    """Whether a refused entry's ``job_id`` is echoed: a string that could be a job id (at
-    most 40 characters, no NUL)."""
-    return isinstance(job_id, str) and len(job_id) <= 40 and "\x00" not in job_id
 
 
 def _check_entries(name: str, entries: Sequence[Any], fields: frozenset[str]) -> None:
@@ -353,11 +347,12 @@ def _check_entries(name: str, entries: Sequence[Any], fields: frozenset[str]) ->
                 field = f"{name}[{index}].{key}"
                 why = "is required" if value is None else "must be a string"
                 raise InvalidArgument(f"{field}: {why}", field=field, index=index)
-        lease_ms = item.get("lease_ms")
-        if lease_ms is not None and (isinstance(lease_ms, bool) or not isinstance(lease_ms, int)):
-            field = f"{name}[{index}].lease_ms"
-            why = f"must be an integer, got {type(lease_ms).__name__}"
-            raise InvalidArgument(f"{field}: {why}", field=field, index=index)
+        if item.get("lease_ms") is not None:
+            try:
+                v.integer(f"{name}[{index}].lease_ms", item["lease_ms"])
+            except InvalidArgument as exc:
+                exc.details["index"] = index
+                raise
 
 
 def default_clock(driver: Driver) -> Clock:
@@ -1898,8 +1893,9 @@ class QueueService:
             "retryable"}``.
         Raises:
             InvalidArgument: ``renews`` is not a list of 1..100 objects, or an entry has an
-                unknown field or lacks a string ``job_id``, ``worker_id`` or ``lease_token``
-                (the whole request is refused, as ``ack_batch`` refuses one). A value out of
+                unknown field, lacks a string ``job_id``, ``worker_id`` or ``lease_token``, or
+                has a ``lease_ms`` that is no integer (the whole request is refused, as
+                ``ack_batch`` refuses one). A value out of
                 range (a malformed job id, a lease length past ``RELAY_MAX_LEASE_MS``)
                 refuses that entry only.
             StoreBusy: nothing changed.

@@ -435,6 +435,14 @@ def job_id(value: Any, field: str = "job_id") -> str:
     return text(field, value, max_len=JOB_ID_MAX)
 
 
+def plausible_job_id(value: Any) -> str | None:
+    """``value`` when ``job_id`` takes it, else None (what a server may echo, or lock)."""
+    try:
+        return job_id(value)
+    except InvalidArgument:
+        return None
+
+
 def worker_id(value: Any) -> str:
     """Return a worker id of 1..128 characters."""
     return text("worker_id", value, max_len=128)

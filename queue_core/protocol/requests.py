@@ -837,15 +837,7 @@ def _updated_jobs(verb: dispatch.Verb, args: dict[str, Any]) -> list[str]:
         ids = [entry.get("job_id") for entry in entries if isinstance(entry, dict)]
     else:
         ids = [args.get("job_id")]
-    return [job_id for job_id in map(_plausible_job_id, ids) if job_id is not None]
-
-
-def _plausible_job_id(value: Any) -> str | None:
-    """``value`` when ``validation.job_id`` takes it, else None."""
-    try:
-        return v.job_id(value)
-    except errors.InvalidArgument:
-        return None
+    return [job_id for job_id in map(v.plausible_job_id, ids) if job_id is not None]
 
 
 def _submitted(verb: dispatch.Verb, args: dict[str, Any]) -> list[Any]:

@@ -189,3 +189,19 @@ def test_two_batches_naming_the_same_jobs_in_opposite_orders_both_finish(
     assert not any(t.is_alive() for t in threads)
     assert failures == []
     assert renewed == [40] * 50
+
+
+def test_a_refused_entry_echoes_only_an_id_that_could_be_one(service: QueueService) -> None:
+    """A NUL (no store holds one) or a lone surrogate (no UTF-8 form: no reply can carry it)
+    in a refused entry's ``job_id`` was echoed as sent (a review); it is answered as None."""
+    service.submit("q", 1)
+    (held,) = lease(service, 1, lease_ms=10_000)
+    out = service.renew_batch(
+        [fence(held, job_id="job_\x00x"), fence(held, job_id="job_\ud800"), fence(held)]
+    )["results"]
+    assert [(r["job_id"], r["ok"]) for r in out] == [
+        (None, False),
+        (None, False),
+        (held["job_id"], True),
+    ]
+    assert {r["error"]["code"] for r in out[:2]} == {"INVALID_ARGUMENT"}
